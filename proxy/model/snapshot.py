@@ -1,0 +1,134 @@
+"""The desired state: what every service port should do on this node.
+
+A `DesiredState` is immutable. The resolver builds a new one from the previous one
+plus the dirty service ports, so a data plane can keep the last one it applied and
+compare, and `changed` tells it which keys to re-render on a partial sync.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from proxy.model.types import (
+    IPAddress,
+    Service,
+    ServicePort,
+    ServicePortKey,
+    format_endpoint,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MergedEndpoint:
+    """One endpoint of a service port after merging all slices and de-duplicating."""
+
+    address: IPAddress
+    port: int
+    ready: bool
+    serving: bool
+    terminating: bool
+    node_name: str | None
+    zone: str | None
+    zone_hints: tuple[str, ...]
+    node_hints: tuple[str, ...]
+    sources: tuple[str, ...]  # names of the slices that listed it, sorted
+    conflict: bool = False  # its copies disagreed on conditions, node or zone
+
+    def __str__(self) -> str:
+        return format_endpoint(self.address, self.port)
+
+
+@dataclass(frozen=True, slots=True)
+class Conflict:
+    """Copies of one endpoint that disagree; `chosen` names the slice that won."""
+
+    endpoint: str  # "ip:port"
+    slices: tuple[str, ...]
+    fields: tuple[str, ...]  # which of ready/serving/terminating/node/zone differ
+    chosen: str
+
+
+class EndpointSet(enum.Enum):
+    CLUSTER = "cluster"
+    LOCAL = "local"
+
+
+@dataclass(frozen=True, slots=True)
+class SelectedEndpoint:
+    endpoint: MergedEndpoint
+    selected_for: frozenset[EndpointSet]
+    reason: str
+
+    @property
+    def in_cluster(self) -> bool:
+        return EndpointSet.CLUSTER in self.selected_for
+
+    @property
+    def in_local(self) -> bool:
+        return EndpointSet.LOCAL in self.selected_for
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Which topology narrowing applied to the cluster set, and why.
+
+    `mode` is one of: "cluster" (no narrowing), "hints-node", "hints-zone",
+    "prefer-node", "prefer-zone". `requested` says what the service asked for.
+    """
+
+    mode: str
+    requested: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedServicePort:
+    key: ServicePortKey
+    service: Service
+    port: ServicePort
+    cluster_ips: tuple[IPAddress, ...]  # this family's cluster IPs
+    uses_cluster: bool  # some traffic to this port uses the cluster set
+    uses_local: bool  # some traffic to this port uses the local set (policy Local)
+    endpoints: tuple[SelectedEndpoint, ...]  # every merged endpoint, sorted by address, port
+    topology: Topology
+    conflicts: tuple[Conflict, ...] = ()
+
+    @property
+    def cluster_endpoints(self) -> tuple[MergedEndpoint, ...]:
+        return tuple(s.endpoint for s in self.endpoints if s.in_cluster)
+
+    @property
+    def local_endpoints(self) -> tuple[MergedEndpoint, ...]:
+        return tuple(s.endpoint for s in self.endpoints if s.in_local)
+
+    @property
+    def has_any_endpoints(self) -> bool:
+        """Usable endpoints exist somewhere in the cluster (upstream `hasAnyEndpoints`)."""
+        return any(
+            s.endpoint.ready or (s.endpoint.serving and s.endpoint.terminating)
+            for s in self.endpoints
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DesiredState:
+    """Every service port this node proxies, plus what changed since the previous state."""
+
+    ports: Mapping[ServicePortKey, ResolvedServicePort] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    # Keys added, removed or changed relative to the previous snapshot.
+    changed: frozenset[ServicePortKey] = frozenset()
+    generation: int = 0
+
+    def __iter__(self) -> Iterator[ResolvedServicePort]:
+        return iter(self.ports.values())
+
+    def __len__(self) -> int:
+        return len(self.ports)
+
+    def get(self, key: ServicePortKey) -> ResolvedServicePort | None:
+        return self.ports.get(key)

@@ -1,0 +1,187 @@
+"""Immutable value types for the API objects sliceproxy reads.
+
+Decoders in `proxy.kube.decode` build these from API JSON; everything downstream
+(merging, selection, rendering) only ever sees these. They are frozen and slotted:
+cheap to hold by the hundred thousand, safe to share between snapshots, and
+comparable, so "did this object change?" is a plain `==`.
+
+Metadata that changes on every write (resourceVersion, uid) is excluded from
+equality: re-applying an object whose meaning did not change must mark nothing dirty.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
+from typing import NamedTuple
+
+IPAddress = IPv4Address | IPv6Address
+IPNetwork = IPv4Network | IPv6Network
+
+LABEL_HOSTNAME = "kubernetes.io/hostname"
+LABEL_ZONE = "topology.kubernetes.io/zone"
+LABEL_REGION = "topology.kubernetes.io/region"
+LABEL_SERVICE_NAME = "kubernetes.io/service-name"
+LABEL_SERVICE_PROXY_NAME = "service.kubernetes.io/service-proxy-name"
+LABEL_HEADLESS = "service.kubernetes.io/headless"
+ANNOTATION_TOPOLOGY_MODE = "service.kubernetes.io/topology-mode"
+ANNOTATION_TOPOLOGY_HINTS = "service.kubernetes.io/topology-aware-hints"
+ANNOTATION_TOPOLOGY_PREFERENCE = "sliceproxy.io/topology-preference"
+
+DEFAULT_AFFINITY_TIMEOUT = 10800
+
+
+class Protocol(enum.Enum):
+    TCP = "TCP"
+    UDP = "UDP"
+    SCTP = "SCTP"
+
+
+class Family(enum.IntEnum):
+    V4 = 4
+    V6 = 6
+
+    @property
+    def label(self) -> str:
+        """The API's spelling (`IPv4`/`IPv6`), as in addressType and ipFamilies."""
+        return "IPv4" if self is Family.V4 else "IPv6"
+
+    @staticmethod
+    def of(address: IPAddress | IPNetwork) -> Family:
+        return Family.V4 if address.version == 4 else Family.V6
+
+
+class TrafficPolicy(enum.Enum):
+    CLUSTER = "Cluster"
+    LOCAL = "Local"
+
+
+class ServiceType(enum.Enum):
+    CLUSTER_IP = "ClusterIP"
+    NODE_PORT = "NodePort"
+    LOAD_BALANCER = "LoadBalancer"
+    EXTERNAL_NAME = "ExternalName"
+
+
+@dataclass(frozen=True, slots=True)
+class ServicePort:
+    name: str  # "" when the service has a single unnamed port
+    protocol: Protocol
+    port: int
+    node_port: int = 0  # 0: none allocated
+
+
+@dataclass(frozen=True, slots=True)
+class Service:
+    namespace: str
+    name: str
+    type: ServiceType
+    # Empty for headless services (clusterIP: None) and ExternalName.
+    cluster_ips: tuple[IPAddress, ...]
+    ports: tuple[ServicePort, ...]
+    headless: bool = False
+    external_ips: tuple[IPAddress, ...] = ()
+    load_balancer_ips: tuple[IPAddress, ...] = ()
+    load_balancer_source_ranges: tuple[IPNetwork, ...] = ()
+    # None: no session affinity; otherwise ClientIP affinity with this timeout (seconds).
+    affinity_timeout: int | None = None
+    internal_traffic_policy: TrafficPolicy = TrafficPolicy.CLUSTER
+    external_traffic_policy: TrafficPolicy = TrafficPolicy.CLUSTER
+    health_check_node_port: int = 0
+    traffic_distribution: str | None = None
+    # service.kubernetes.io/topology-mode (or the older topology-aware-hints) as given.
+    topology_mode: str | None = None
+    # sliceproxy.io/topology-preference, split on commas, stripped; None when absent.
+    topology_preference: tuple[str, ...] | None = None
+    # Value of the service-proxy-name label; services for another proxy are not ours.
+    proxy_name: str | None = None
+    uid: str = field(default="", compare=False)
+    resource_version: str = field(default="", compare=False)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace, self.name)
+
+    def families(self) -> tuple[Family, ...]:
+        """Families in clusterIPs order (the primary family first), without repeats."""
+        seen: list[Family] = []
+        for ip in self.cluster_ips:
+            fam = Family.of(ip)
+            if fam not in seen:
+                seen.append(fam)
+        return tuple(seen)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One endpoint of one EndpointSlice (its first address only)."""
+
+    address: IPAddress
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    node_name: str | None = None
+    zone: str | None = None
+    zone_hints: tuple[str, ...] = ()  # hints.forZones, sorted
+    node_hints: tuple[str, ...] = ()  # hints.forNodes, sorted
+
+
+@dataclass(frozen=True, slots=True)
+class SlicePort:
+    name: str
+    protocol: Protocol
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSlice:
+    """An EndpointSlice, or one family of one subset of a legacy Endpoints object."""
+
+    namespace: str
+    name: str
+    service_name: str
+    family: Family
+    ports: tuple[SlicePort, ...]
+    endpoints: tuple[Endpoint, ...]
+    resource_version: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    name: str
+    labels: tuple[tuple[str, str], ...] = ()  # sorted (key, value) pairs
+
+    def label(self, key: str) -> str | None:
+        for k, v in self.labels:
+            if k == key:
+                return v
+        return None
+
+    @property
+    def zone(self) -> str | None:
+        return self.label(LABEL_ZONE) or None
+
+
+class ServicePortKey(NamedTuple):
+    """One service port in one IP family: the unit of resolution and rendering."""
+
+    namespace: str
+    name: str
+    port: str  # the service port's name, "" if unnamed
+    family: Family
+
+    @property
+    def service(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    def __str__(self) -> str:
+        port = f":{self.port}" if self.port else ""
+        return f"{self.namespace}/{self.name}{port} ({self.family.label})"
+
+
+def format_endpoint(address: IPAddress, port: int) -> str:
+    """`ip:port`, IPv6 in brackets: the spelling used in explain and the debug dump."""
+    if address.version == 6:
+        return f"[{address}]:{port}"
+    return f"{address}:{port}"
