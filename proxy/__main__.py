@@ -1,0 +1,8 @@
+import sys
+
+from proxy.cli import main
+
+try:
+    sys.exit(main())
+except BrokenPipeError:  # `python -m proxy explain ... | head` is fine
+    sys.exit(0)

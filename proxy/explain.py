@@ -1,0 +1,118 @@
+"""`python -m proxy explain`: what sliceproxy would do with these objects, and why.
+
+Reads Services, EndpointSlices (or Endpoints), and Nodes from files or stdin, exactly as
+`kubectl get svc,endpointslices,nodes -A -o yaml` prints them, runs them through the same
+decode -> model -> selection path as the agent, and prints JSON: the node, every service
+port in the debug dump's shape, and everything that was skipped with its reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from proxy.kube.ingest import EndpointsSource, apply_object
+from proxy.manifests import ManifestError, load_paths, parse_documents
+from proxy.model.tracker import ClusterModel
+from proxy.model.types import Node
+from proxy.model.view import node_view, service_port_view
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m proxy explain",
+        description="Explain which endpoints each service port gets on a node, and why.",
+    )
+    p.add_argument("files", nargs="*", metavar="FILE",
+                   help="YAML/JSON manifests or directories ('-' or none: stdin)")
+    p.add_argument("-f", "--filename", action="append", default=[], metavar="FILE",
+                   help="same as FILE; may be repeated")
+    p.add_argument("--node", help="this node's name (default: the only Node in the input)")
+    p.add_argument("--node-labels", default="", metavar="K=V,...",
+                   help="labels for the node, e.g. topology.kubernetes.io/zone=a "
+                        "(added to, and overriding, those of a Node object in the input)")
+    p.add_argument("--endpoints-source", choices=[s.value for s in EndpointsSource],
+                   default=EndpointsSource.ENDPOINT_SLICES.value,
+                   help="read EndpointSlices (default) or legacy Endpoints")
+    p.add_argument("--service-proxy-name", default="",
+                   help="treat services labelled with this service-proxy-name as ours")
+    p.add_argument("--service", metavar="NAMESPACE/NAME",
+                   help="only show this service")
+    return p
+
+
+def _labels(raw: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--node-labels: {item!r} is not KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _read(paths: list[str]) -> list[dict[str, Any]]:
+    objects: list[dict[str, Any]] = []
+    files = [p for p in paths if p != "-"]
+    if not paths or "-" in paths:
+        objects.extend(parse_documents(sys.stdin.read(), "<stdin>"))
+    objects.extend(load_paths(files))
+    return objects
+
+
+def explain(
+    objects: list[dict[str, Any]],
+    *,
+    node_name: str,
+    node_labels: dict[str, str],
+    source: EndpointsSource,
+    proxy_name: str = "",
+    service: str | None = None,
+) -> dict[str, Any]:
+    model = ClusterModel(node_name, proxy_name)
+    node_seen = False
+    for obj in objects:
+        apply_object(model, obj, source)
+        if obj.get("kind") == "Node" and (obj.get("metadata") or {}).get("name") == node_name:
+            node_seen = True
+    if node_labels or not node_seen:
+        base = dict(model.node.labels) if model.node is not None else {}
+        base.update(node_labels)
+        model.set_node(Node(node_name, tuple(sorted(base.items()))))
+    state = model.resolve(full=True)
+    ports = sorted(state, key=lambda r: (r.key.service, r.key.port, r.key.family))
+    return {
+        "node": node_view(model.node_view, model.node),
+        "services": [service_port_view(r) for r in ports
+                     if service is None or r.key.service == service],
+        "skipped": [s.as_dict() for s in model.skipped()
+                    if service is None or f"{s.namespace}/{s.name}" == service
+                    or s.kind == "Node"],
+    }
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        labels = _labels(args.node_labels)
+        objects = _read(list(args.files) + list(args.filename))
+    except (ManifestError, ValueError) as exc:
+        print(f"explain: {exc}", file=sys.stderr)
+        return 2
+    node = args.node
+    if not node:
+        names = [str((o.get("metadata") or {}).get("name")) for o in objects
+                 if o.get("kind") == "Node"]
+        if len(names) != 1:
+            found = f"found {len(names)} Node objects" if names else "found no Node object"
+            print(f"explain: --node is required ({found} in the input)", file=sys.stderr)
+            return 2
+        node = names[0]
+    result = explain(objects, node_name=node, node_labels=labels,
+                     source=EndpointsSource(args.endpoints_source),
+                     proxy_name=args.service_proxy_name, service=args.service)
+    json.dump(result, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0

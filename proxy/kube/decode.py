@@ -1,0 +1,505 @@
+"""API JSON (already parsed into dicts) -> model types. Pure; never raises.
+
+Every decoder returns `(value, skips)`: `value` is None when the whole object is
+unusable, and `skips` says what was dropped and why (the whole object, or one endpoint,
+port or address where the rest is still usable). Unexpected shapes are caught at the
+top of each decoder and reported as `malformed`, so a surprise in the API's JSON costs
+one object, never the agent.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from ipaddress import ip_address, ip_network
+from typing import Any, TypeVar
+
+from proxy.model import skips as why
+from proxy.model.skips import Skip
+from proxy.model.types import (
+    ANNOTATION_TOPOLOGY_HINTS,
+    ANNOTATION_TOPOLOGY_MODE,
+    ANNOTATION_TOPOLOGY_PREFERENCE,
+    DEFAULT_AFFINITY_TIMEOUT,
+    LABEL_HEADLESS,
+    LABEL_HOSTNAME,
+    LABEL_SERVICE_NAME,
+    LABEL_SERVICE_PROXY_NAME,
+    LABEL_ZONE,
+    Endpoint,
+    EndpointSlice,
+    Family,
+    IPAddress,
+    IPNetwork,
+    Node,
+    Protocol,
+    Service,
+    ServicePort,
+    ServiceType,
+    SlicePort,
+    TrafficPolicy,
+)
+
+T = TypeVar("T")
+Decoded = tuple[T | None, list[Skip]]
+
+_PROTOCOLS = {p.value: p for p in Protocol}
+_FAMILIES = {"IPv4": Family.V4, "IPv6": Family.V6}
+_SERVICE_TYPES = {t.value: t for t in ServiceType}
+_POLICIES = {p.value: p for p in TrafficPolicy}
+
+
+class _Bad(Exception):
+    """Raised inside a decoder for a problem that costs the whole object."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(slots=True)
+class _Ctx:
+    kind: str
+    namespace: str
+    name: str
+    skips: list[Skip]
+
+    def skip(self, reason: str, detail: str, part: str = "") -> None:
+        self.skips.append(Skip(self.kind, self.namespace, self.name, reason, detail, part))
+
+
+def _meta(obj: Any, kind: str, namespaced: bool) -> _Ctx:
+    if not isinstance(obj, dict):
+        raise _Bad(why.MALFORMED, f"expected an object, got {type(obj).__name__}")
+    meta = obj.get("metadata")
+    if not isinstance(meta, dict):
+        raise _Bad(why.MISSING_FIELD, "metadata is missing")
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        raise _Bad(why.MISSING_FIELD, "metadata.name is missing")
+    namespace = meta.get("namespace") or ("default" if namespaced else "")
+    if not isinstance(namespace, str):
+        raise _Bad(why.MALFORMED, "metadata.namespace is not a string")
+    return _Ctx(kind, namespace, name, [])
+
+
+def _guard(
+    kind: str, namespaced: bool, obj: Any, body: Callable[[_Ctx, dict[str, Any]], T | None]
+) -> Decoded[T]:
+    """Run a decoder body; turn any failure into a whole-object skip."""
+    try:
+        ctx = _meta(obj, kind, namespaced)
+    except _Bad as bad:
+        name = _safe_name(obj)
+        return None, [Skip(kind, name[0], name[1], bad.reason, bad.detail)]
+    try:
+        return body(ctx, obj), ctx.skips
+    except _Bad as bad:
+        ctx.skip(bad.reason, bad.detail)
+    except Exception as exc:  # the decoder's promise is "never raises"
+        ctx.skip(why.MALFORMED, f"{type(exc).__name__}: {exc}")
+    return None, ctx.skips
+
+
+def _safe_name(obj: Any) -> tuple[str, str]:
+    if isinstance(obj, dict) and isinstance(obj.get("metadata"), dict):
+        meta = obj["metadata"]
+        return (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+    return ("", "")
+
+
+def _dict(value: Any, what: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _Bad(why.MALFORMED, f"{what} is not an object")
+    return value
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _Bad(why.MALFORMED, f"{what} is not a list")
+    return value
+
+
+def _loose_dict(value: Any) -> dict[str, Any]:
+    """Optional sub-objects: a wrong shape counts as absent rather than costing the object."""
+    return value if isinstance(value, dict) else {}
+
+
+def _str_map(value: Any, what: str) -> dict[str, str]:
+    return {str(k): str(v) for k, v in _dict(value, what).items()}
+
+
+def parse_ip(value: Any) -> IPAddress | None:
+    """An IP address as the API writes it, or None. Rejects zones and leading zeros."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return ip_address(value)
+    except ValueError:
+        return None
+
+
+def _parse_network(value: Any) -> IPNetwork | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        return ip_network(value.strip(), strict=False)
+    except ValueError:
+        return None
+
+
+def _protocol(value: Any) -> Protocol | None:
+    if value is None:
+        return Protocol.TCP
+    return _PROTOCOLS.get(value) if isinstance(value, str) else None
+
+
+def _port_number(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value if 1 <= value <= 65535 else None
+
+
+def _intern(value: Any) -> str | None:
+    # Node names and zones repeat across every endpoint: share one string each.
+    return sys.intern(value) if isinstance(value, str) and value else None
+
+
+# --- Service -------------------------------------------------------------------------
+
+
+def decode_service(obj: Any) -> Decoded[Service]:
+    return _guard("Service", True, obj, _service_body)
+
+
+def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
+    meta = obj["metadata"]
+    labels = _str_map(meta.get("labels"), "metadata.labels")
+    annotations = _str_map(meta.get("annotations"), "metadata.annotations")
+    spec = _dict(obj.get("spec"), "spec")
+    status = _dict(obj.get("status"), "status")
+
+    raw_type = spec.get("type", "ClusterIP")
+    svc_type = _SERVICE_TYPES.get(raw_type) if isinstance(raw_type, str) else None
+    if svc_type is None:
+        raise _Bad(why.INVALID_VALUE, f"spec.type {raw_type!r} is not a known service type")
+
+    raw_ips = spec.get("clusterIPs") or ([spec["clusterIP"]] if spec.get("clusterIP") else [])
+    raw_ips = _list(raw_ips, "spec.clusterIPs")
+    headless = any(ip == "None" for ip in raw_ips)
+    cluster_ips = () if headless else _ips(ctx, raw_ips, "spec.clusterIPs")
+
+    ports: list[ServicePort] = []
+    for i, raw in enumerate(_list(spec.get("ports"), "spec.ports")):
+        port = _service_port(ctx, raw, f"spec.ports[{i}]")
+        if port is not None:
+            ports.append(port)
+
+    lb_ips: list[IPAddress] = []
+    load_balancer = _dict(status.get("loadBalancer"), "status.loadBalancer")
+    ingress = _list(load_balancer.get("ingress"), "status.loadBalancer.ingress")
+    for i, ing in enumerate(ingress):
+        ing = _dict(ing, f"status.loadBalancer.ingress[{i}]")
+        if "ip" not in ing:
+            continue  # hostname-only ingress: nothing for a node to program
+        if ing.get("ipMode") == "Proxy":
+            continue  # the load balancer proxies; upstream does not capture this IP
+        ip = parse_ip(ing["ip"])
+        if ip is None:
+            ctx.skip(why.INVALID_IP, f"{ing['ip']!r} is not an IP address",
+                     f"status.loadBalancer.ingress[{i}]")
+        else:
+            lb_ips.append(ip)
+
+    ranges: list[IPNetwork] = []
+    for i, raw in enumerate(_list(spec.get("loadBalancerSourceRanges"), "sourceRanges")):
+        net = _parse_network(raw)
+        if net is None:
+            ctx.skip(why.INVALID_CIDR, f"{raw!r} is not a CIDR",
+                     f"spec.loadBalancerSourceRanges[{i}]")
+        else:
+            ranges.append(net)
+
+    affinity: int | None = None
+    if spec.get("sessionAffinity") == "ClientIP":
+        cfg = _dict(_dict(spec.get("sessionAffinityConfig"), "sessionAffinityConfig")
+                    .get("clientIP"), "sessionAffinityConfig.clientIP")
+        timeout = cfg.get("timeoutSeconds", DEFAULT_AFFINITY_TIMEOUT)
+        if isinstance(timeout, bool) or not isinstance(timeout, int) or not 0 < timeout <= 86400:
+            ctx.skip(why.INVALID_VALUE, f"timeoutSeconds {timeout!r} is not in 1..86400; "
+                     f"using {DEFAULT_AFFINITY_TIMEOUT}",
+                     "spec.sessionAffinityConfig.clientIP.timeoutSeconds")
+            timeout = DEFAULT_AFFINITY_TIMEOUT
+        affinity = timeout
+
+    hc_port = spec.get("healthCheckNodePort") or 0
+    if hc_port and _port_number(hc_port) is None:
+        ctx.skip(why.INVALID_PORT, f"{hc_port!r} is not a port", "spec.healthCheckNodePort")
+        hc_port = 0
+
+    preference = annotations.get(ANNOTATION_TOPOLOGY_PREFERENCE)
+    td = spec.get("trafficDistribution")
+    return Service(
+        namespace=ctx.namespace,
+        name=ctx.name,
+        type=svc_type,
+        cluster_ips=cluster_ips,
+        ports=tuple(ports),
+        headless=headless,
+        external_ips=_ips(ctx, _list(spec.get("externalIPs"), "spec.externalIPs"),
+                          "spec.externalIPs"),
+        load_balancer_ips=tuple(lb_ips),
+        load_balancer_source_ranges=tuple(ranges),
+        affinity_timeout=affinity,
+        internal_traffic_policy=_policy(ctx, spec, "internalTrafficPolicy"),
+        external_traffic_policy=_policy(ctx, spec, "externalTrafficPolicy"),
+        health_check_node_port=hc_port,
+        traffic_distribution=td if isinstance(td, str) and td else None,
+        topology_mode=annotations.get(ANNOTATION_TOPOLOGY_MODE)
+        or annotations.get(ANNOTATION_TOPOLOGY_HINTS),
+        topology_preference=(
+            tuple(k.strip() for k in preference.split(",") if k.strip())
+            if preference is not None else None
+        ),
+        proxy_name=labels.get(LABEL_SERVICE_PROXY_NAME),
+        uid=str(meta.get("uid") or ""),
+        resource_version=str(meta.get("resourceVersion") or ""),
+    )
+
+
+def _ips(ctx: _Ctx, raw: list[Any], where: str) -> tuple[IPAddress, ...]:
+    out: list[IPAddress] = []
+    for i, value in enumerate(raw):
+        ip = parse_ip(value)
+        if ip is None:
+            ctx.skip(why.INVALID_IP, f"{value!r} is not an IP address", f"{where}[{i}]")
+        elif ip not in out:
+            out.append(ip)
+    return tuple(out)
+
+
+def _policy(ctx: _Ctx, spec: dict[str, Any], field: str) -> TrafficPolicy:
+    raw = spec.get(field)
+    if raw is None:
+        return TrafficPolicy.CLUSTER
+    policy = _POLICIES.get(raw) if isinstance(raw, str) else None
+    if policy is None:
+        ctx.skip(why.INVALID_VALUE, f"{raw!r} is not Cluster or Local; using Cluster",
+                 f"spec.{field}")
+        return TrafficPolicy.CLUSTER
+    return policy
+
+
+def _service_port(ctx: _Ctx, raw: Any, where: str) -> ServicePort | None:
+    if not isinstance(raw, dict):
+        ctx.skip(why.MALFORMED, "port is not an object", where)
+        return None
+    protocol = _protocol(raw.get("protocol"))
+    if protocol is None:
+        ctx.skip(why.UNKNOWN_PROTOCOL, f"protocol {raw.get('protocol')!r}", where)
+        return None
+    port = _port_number(raw.get("port"))
+    if port is None:
+        ctx.skip(why.INVALID_PORT, f"port {raw.get('port')!r} is not in 1..65535", where)
+        return None
+    node_port = raw.get("nodePort") or 0
+    if node_port and _port_number(node_port) is None:
+        ctx.skip(why.INVALID_PORT, f"nodePort {node_port!r} is not in 1..65535; ignored", where)
+        node_port = 0
+    name = raw.get("name") or ""
+    if not isinstance(name, str):
+        ctx.skip(why.MALFORMED, "port name is not a string", where)
+        return None
+    return ServicePort(name=name, protocol=protocol, port=port, node_port=node_port)
+
+
+# --- EndpointSlice -------------------------------------------------------------------
+
+
+def decode_endpoint_slice(obj: Any) -> Decoded[EndpointSlice]:
+    """discovery.k8s.io/v1, or v1beta1 (topology map instead of nodeName/zone)."""
+    return _guard("EndpointSlice", True, obj, _slice_body)
+
+
+def _slice_body(ctx: _Ctx, obj: dict[str, Any]) -> EndpointSlice | None:
+    meta = obj["metadata"]
+    labels = _str_map(meta.get("labels"), "metadata.labels")
+    service_name = labels.get(LABEL_SERVICE_NAME)
+    if not service_name:
+        raise _Bad(why.MISSING_SERVICE_NAME, f"no {LABEL_SERVICE_NAME} label")
+    if LABEL_HEADLESS in labels:
+        raise _Bad(why.HEADLESS, f"labelled {LABEL_HEADLESS}")
+    address_type = obj.get("addressType")
+    if address_type == "FQDN":
+        raise _Bad(why.UNSUPPORTED_ADDRESS_TYPE, "FQDN slices are not proxied")
+    family = _FAMILIES.get(address_type) if isinstance(address_type, str) else None
+    if family is None:
+        raise _Bad(why.UNKNOWN_ADDRESS_TYPE, f"addressType {address_type!r}")
+    beta = str(obj.get("apiVersion", "")).endswith("/v1beta1")
+
+    ports: list[SlicePort] = []
+    for i, raw in enumerate(_list(obj.get("ports"), "ports")):
+        where = f"ports[{i}]"
+        if not isinstance(raw, dict):
+            ctx.skip(why.MALFORMED, "port is not an object", where)
+            continue
+        protocol = _protocol(raw.get("protocol"))
+        if protocol is None:
+            ctx.skip(why.UNKNOWN_PROTOCOL, f"protocol {raw.get('protocol')!r}", where)
+            continue
+        if raw.get("port") is None:
+            ctx.skip(why.MISSING_FIELD, "port number is missing", where)
+            continue
+        number = _port_number(raw.get("port"))
+        if number is None:
+            ctx.skip(why.INVALID_PORT, f"port {raw.get('port')!r} is not in 1..65535", where)
+            continue
+        name = raw.get("name") or ""
+        ports.append(SlicePort(name=str(name), protocol=protocol, port=number))
+
+    endpoints: list[Endpoint] = []
+    for i, raw in enumerate(_list(obj.get("endpoints"), "endpoints")):
+        ep = _slice_endpoint(ctx, raw, family, beta, f"endpoints[{i}]")
+        if ep is not None:
+            endpoints.append(ep)
+
+    return EndpointSlice(
+        namespace=ctx.namespace,
+        name=ctx.name,
+        service_name=service_name,
+        family=family,
+        ports=tuple(ports),
+        endpoints=tuple(endpoints),
+        resource_version=str(meta.get("resourceVersion") or ""),
+    )
+
+
+def _slice_endpoint(ctx: _Ctx, raw: Any, family: Family, beta: bool, where: str) -> Endpoint | None:
+    if not isinstance(raw, dict):
+        ctx.skip(why.MALFORMED, "endpoint is not an object", where)
+        return None
+    addresses = raw.get("addresses")
+    if not isinstance(addresses, list) or not addresses:
+        ctx.skip(why.MISSING_FIELD, "endpoint has no addresses", where)
+        return None
+    address = parse_ip(addresses[0])  # upstream uses only the first address
+    if address is None or Family.of(address) is not family:
+        ctx.skip(why.INVALID_IP, f"{addresses[0]!r} is not an {family.label} address", where)
+        return None
+    cond = _loose_dict(raw.get("conditions"))
+    # Defaults: ready nil = ready; serving nil = ready's value; terminating nil = false.
+    ready = cond.get("ready") is not False
+    serving_raw = cond.get("serving")
+    serving = ready if serving_raw is None else serving_raw is True
+    terminating = cond.get("terminating") is True
+    if beta:
+        topology = _loose_dict(raw.get("topology"))
+        node_name = _intern(raw.get("nodeName")) or _intern(topology.get(LABEL_HOSTNAME))
+        zone = _intern(topology.get(LABEL_ZONE))
+    else:
+        node_name = _intern(raw.get("nodeName"))
+        zone = _intern(raw.get("zone"))
+    hints = _loose_dict(raw.get("hints"))
+    return Endpoint(
+        address=address,
+        ready=ready,
+        serving=serving,
+        terminating=terminating,
+        node_name=node_name,
+        zone=zone,
+        zone_hints=_hint_names(hints.get("forZones")),
+        node_hints=_hint_names(hints.get("forNodes")),
+    )
+
+
+def _hint_names(raw: Any) -> tuple[str, ...]:
+    if not isinstance(raw, list):
+        return ()
+    names = {sys.intern(h["name"]) for h in raw
+             if isinstance(h, dict) and isinstance(h.get("name"), str) and h["name"]}
+    return tuple(sorted(names))
+
+
+# --- Endpoints (legacy) -------------------------------------------------------------
+
+
+def decode_endpoints(obj: Any) -> Decoded[tuple[EndpointSlice, ...]]:
+    """A core/v1 Endpoints object as pseudo-slices: one per subset and IP family.
+
+    `addresses` are ready; `notReadyAddresses` are neither ready nor serving. Endpoints
+    carry no terminating condition, zone or hints. Pseudo-slice names are
+    `<name>#<subset>/<family>` so explain shows where an endpoint came from.
+    """
+    return _guard("Endpoints", True, obj, _endpoints_body)
+
+
+def _endpoints_body(ctx: _Ctx, obj: dict[str, Any]) -> tuple[EndpointSlice, ...]:
+    rv = str(obj["metadata"].get("resourceVersion") or "")
+    labels = _str_map(obj["metadata"].get("labels"), "metadata.labels")
+    if LABEL_HEADLESS in labels:
+        raise _Bad(why.HEADLESS, f"labelled {LABEL_HEADLESS}")
+    out: list[EndpointSlice] = []
+    for s, subset in enumerate(_list(obj.get("subsets"), "subsets")):
+        where = f"subsets[{s}]"
+        if not isinstance(subset, dict):
+            ctx.skip(why.MALFORMED, "subset is not an object", where)
+            continue
+        ports: list[SlicePort] = []
+        for p, raw in enumerate(_list(subset.get("ports"), f"{where}.ports")):
+            port_where = f"{where}.ports[{p}]"
+            if not isinstance(raw, dict):
+                ctx.skip(why.MALFORMED, "port is not an object", port_where)
+                continue
+            protocol = _protocol(raw.get("protocol"))
+            number = _port_number(raw.get("port"))
+            if protocol is None:
+                ctx.skip(why.UNKNOWN_PROTOCOL, f"protocol {raw.get('protocol')!r}", port_where)
+            elif number is None:
+                ctx.skip(why.INVALID_PORT, f"port {raw.get('port')!r} is not in 1..65535",
+                         port_where)
+            else:
+                ports.append(SlicePort(str(raw.get("name") or ""), protocol, number))
+        by_family: dict[Family, list[Endpoint]] = {Family.V4: [], Family.V6: []}
+        for field, ready in (("addresses", True), ("notReadyAddresses", False)):
+            for a, raw in enumerate(_list(subset.get(field), f"{where}.{field}")):
+                addr_where = f"{where}.{field}[{a}]"
+                raw = raw if isinstance(raw, dict) else {}
+                ip = parse_ip(raw.get("ip"))
+                if ip is None:
+                    ctx.skip(why.INVALID_IP, f"{raw.get('ip')!r} is not an IP address",
+                             addr_where)
+                    continue
+                by_family[Family.of(ip)].append(Endpoint(
+                    address=ip, ready=ready, serving=ready, terminating=False,
+                    node_name=_intern(raw.get("nodeName")),
+                ))
+        for family, endpoints in by_family.items():
+            if endpoints:
+                out.append(EndpointSlice(
+                    namespace=ctx.namespace,
+                    name=f"{ctx.name}#{s}/{family.label}",
+                    service_name=ctx.name,
+                    family=family,
+                    ports=tuple(ports),
+                    endpoints=tuple(endpoints),
+                    resource_version=rv,
+                ))
+    return tuple(out)
+
+
+# --- Node ------------------------------------------------------------------------------
+
+
+def decode_node(obj: Any) -> Decoded[Node]:
+    return _guard("Node", False, obj, _node_body)
+
+
+def _node_body(ctx: _Ctx, obj: dict[str, Any]) -> Node:
+    labels = _str_map(obj["metadata"].get("labels"), "metadata.labels")
+    return Node(name=ctx.name, labels=tuple(sorted(labels.items())))

@@ -1,0 +1,83 @@
+"""Feeding API objects into the model: decode, remember what was skipped, apply.
+
+The watch layer and `explain` both go through here, so an object means the same thing
+whichever way it arrived. An object that no longer decodes is treated as gone (its
+skip record says why): stale rules for an object we can no longer read would be a
+guess, and the record makes the removal visible.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from proxy.kube.decode import (
+    decode_endpoint_slice,
+    decode_endpoints,
+    decode_node,
+    decode_service,
+)
+from proxy.model import skips as why
+from proxy.model.skips import Skip
+from proxy.model.tracker import ClusterModel
+
+
+class EndpointsSource(enum.Enum):
+    ENDPOINT_SLICES = "endpointslices"
+    ENDPOINTS = "endpoints"
+
+
+KINDS = ("Service", "EndpointSlice", "Endpoints", "Node")
+
+
+def _name(obj: dict[str, Any]) -> tuple[str, str]:
+    meta = obj.get("metadata")
+    meta = meta if isinstance(meta, dict) else {}
+    return str(meta.get("namespace") or "default"), str(meta.get("name") or "")
+
+
+def apply_object(
+    model: ClusterModel, obj: Any, source: EndpointsSource = EndpointsSource.ENDPOINT_SLICES
+) -> bool:
+    """Apply an added or modified object. False when its kind is not one we consume."""
+    if not isinstance(obj, dict):
+        model.set_skips("?", "", "", [Skip("?", "", "", why.MALFORMED, "not an object")])
+        return False
+    kind = obj.get("kind")
+    namespace, name = _name(obj)
+    if kind == "Service":
+        svc, skips = decode_service(obj)
+        model.set_skips(kind, namespace, name, skips)
+        if svc is None:
+            model.delete_service(namespace, name)
+        else:
+            model.apply_service(svc)
+    elif kind == "EndpointSlice" and source is EndpointsSource.ENDPOINT_SLICES:
+        sl, skips = decode_endpoint_slice(obj)
+        model.set_skips(kind, namespace, name, skips)
+        if sl is None:
+            model.delete_slice(namespace, name)
+        else:
+            model.apply_slice(sl)
+    elif kind == "Endpoints" and source is EndpointsSource.ENDPOINTS:
+        slices, skips = decode_endpoints(obj)
+        model.set_skips(kind, namespace, name, skips)
+        model.apply_endpoints(namespace, name, slices or ())
+    elif kind == "Node":
+        node, skips = decode_node(obj)
+        model.set_skips(kind, "", _name(obj)[1], skips)
+        if node is not None:
+            model.set_node(node)
+    else:
+        return False
+    return True
+
+
+def delete_object(model: ClusterModel, kind: str, namespace: str, name: str) -> None:
+    model.set_skips(kind, namespace, name, ())
+    if kind == "Service":
+        model.delete_service(namespace, name)
+    elif kind == "EndpointSlice":
+        model.delete_slice(namespace, name)
+    elif kind == "Endpoints":
+        model.delete_endpoints(namespace, name)

@@ -1,0 +1,241 @@
+"""The model's state: cached inputs, which service ports are dirty, and resolution.
+
+Applying an input only records it and marks the service ports whose result may have
+changed ("dirty"); nothing is computed until `resolve()`, which re-resolves just the
+dirty ports and returns a new immutable `DesiredState` whose `changed` names the ports
+whose result actually differs. Re-applying an identical object marks nothing.
+
+An endpoint "source" is one EndpointSlice, or one legacy Endpoints object (which
+decodes into several pseudo-slices): sources are replaced whole, and may move from one
+service to another when a slice's service-name label changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from types import MappingProxyType
+
+from proxy.model import skips as why
+from proxy.model.merge import merge_port
+from proxy.model.skips import Skip
+from proxy.model.snapshot import DesiredState, ResolvedServicePort
+from proxy.model.topology import NodeView, categorize
+from proxy.model.types import (
+    EndpointSlice,
+    Family,
+    Node,
+    Service,
+    ServicePortKey,
+    ServiceType,
+)
+
+ServiceRef = tuple[str, str]  # (namespace, name)
+SourceRef = tuple[str, str]  # (namespace, "EndpointSlice/<name>" or "Endpoints/<name>")
+
+
+def ignored_reason(service: Service, proxy_name: str | None) -> Skip | None:
+    """Why a well-formed service is not ours to proxy, or None if it is."""
+    reason, detail = "", ""
+    if service.type is ServiceType.EXTERNAL_NAME:
+        reason, detail = why.EXTERNAL_NAME, "ExternalName services are DNS-only"
+    elif service.headless:
+        reason, detail = why.HEADLESS, "clusterIP is None"
+    elif service.proxy_name is not None and service.proxy_name != (proxy_name or None):
+        reason = why.OTHER_PROXY
+        detail = f"service-proxy-name is {service.proxy_name!r}, ours is {proxy_name or ''!r}"
+    elif not service.cluster_ips:
+        reason, detail = why.NO_CLUSTER_IP, "no valid cluster IP"
+    if not reason:
+        return None
+    return Skip("Service", service.namespace, service.name, reason, detail)
+
+
+def service_keys(service: Service) -> Iterator[ServicePortKey]:
+    for family in service.families():
+        for port in service.ports:
+            yield ServicePortKey(service.namespace, service.name, port.name, family)
+
+
+class ClusterModel:
+    def __init__(self, node_name: str, proxy_name: str | None = None) -> None:
+        self.node_name = node_name
+        self.proxy_name = proxy_name or None
+        self._node = NodeView(node_name)
+        self._node_obj: Node | None = None
+        self._services: dict[ServiceRef, Service] = {}  # ours only
+        self._ignored: dict[ServiceRef, Skip] = {}
+        self._sources: dict[SourceRef, tuple[str, tuple[EndpointSlice, ...]]] = {}
+        self._by_service: dict[ServiceRef, dict[str, tuple[EndpointSlice, ...]]] = {}
+        self._decode_skips: dict[tuple[str, str, str], tuple[Skip, ...]] = {}
+        self._dirty: set[ServicePortKey] = set()
+        self._state = DesiredState()
+
+    # --- inputs ----------------------------------------------------------------------
+
+    def apply_service(self, service: Service) -> None:
+        ref = service.key
+        skip = ignored_reason(service, self.proxy_name)
+        if skip is not None:
+            self._ignored[ref] = skip
+            self.delete_service(*ref, keep_ignored=True)
+            return
+        self._ignored.pop(ref, None)
+        old = self._services.get(ref)
+        if old == service:
+            return
+        self._services[ref] = service
+        if old is not None:
+            self._dirty.update(service_keys(old))
+        self._dirty.update(service_keys(service))
+
+    def delete_service(self, namespace: str, name: str, keep_ignored: bool = False) -> None:
+        ref = (namespace, name)
+        if not keep_ignored:
+            self._ignored.pop(ref, None)
+        old = self._services.pop(ref, None)
+        if old is not None:
+            self._dirty.update(service_keys(old))
+
+    def apply_slice(self, sl: EndpointSlice) -> None:
+        self.apply_source(sl.namespace, f"EndpointSlice/{sl.name}", sl.service_name, (sl,))
+
+    def delete_slice(self, namespace: str, name: str) -> None:
+        self.delete_source(namespace, f"EndpointSlice/{name}")
+
+    def apply_endpoints(self, namespace: str, name: str, slices: tuple[EndpointSlice, ...]) -> None:
+        """A legacy Endpoints object, decoded into pseudo-slices (possibly none)."""
+        self.apply_source(namespace, f"Endpoints/{name}", name, slices)
+
+    def delete_endpoints(self, namespace: str, name: str) -> None:
+        self.delete_source(namespace, f"Endpoints/{name}")
+
+    def apply_source(
+        self, namespace: str, source: str, service_name: str, slices: tuple[EndpointSlice, ...]
+    ) -> None:
+        ref = (namespace, source)
+        new = (service_name, slices)
+        old = self._sources.get(ref)
+        if old == new:
+            return
+        if old is not None:
+            self._unlink(namespace, source, *old)
+        self._sources[ref] = new
+        self._by_service.setdefault((namespace, service_name), {})[source] = slices
+        self._mark_slices(namespace, service_name, slices)
+
+    def delete_source(self, namespace: str, source: str) -> None:
+        old = self._sources.pop((namespace, source), None)
+        if old is not None:
+            self._unlink(namespace, source, *old)
+
+    def _unlink(
+        self, namespace: str, source: str, service_name: str, slices: tuple[EndpointSlice, ...]
+    ) -> None:
+        group = self._by_service.get((namespace, service_name))
+        if group is not None:
+            group.pop(source, None)
+            if not group:
+                del self._by_service[(namespace, service_name)]
+        self._mark_slices(namespace, service_name, slices)
+
+    def _mark_slices(
+        self, namespace: str, service_name: str, slices: Iterable[EndpointSlice]
+    ) -> None:
+        service = self._services.get((namespace, service_name))
+        if service is None:
+            return  # kept; the service's arrival marks all its ports
+        touched = {(sp.name, sl.family) for sl in slices for sp in sl.ports}
+        for key in service_keys(service):
+            if (key.port, key.family) in touched:
+                self._dirty.add(key)
+
+    def set_node(self, node: Node) -> None:
+        """This node's own Node object; topology labels feed selection."""
+        if node.name != self.node_name:
+            return
+        self._node_obj = node
+        view = NodeView(self.node_name, node.zone)
+        if view != self._node:
+            self._node = view
+            self.mark_all_dirty()
+
+    def set_skips(self, kind: str, namespace: str, name: str, skips: Iterable[Skip]) -> None:
+        """Remember what the decoder dropped from one object (replacing earlier records)."""
+        found = tuple(skips)
+        if found:
+            self._decode_skips[(kind, namespace, name)] = found
+        else:
+            self._decode_skips.pop((kind, namespace, name), None)
+
+    def mark_all_dirty(self) -> None:
+        for service in self._services.values():
+            self._dirty.update(service_keys(service))
+
+    # --- outputs ---------------------------------------------------------------------
+
+    @property
+    def state(self) -> DesiredState:
+        return self._state
+
+    @property
+    def node(self) -> Node | None:
+        return self._node_obj
+
+    @property
+    def node_view(self) -> NodeView:
+        return self._node
+
+    @property
+    def dirty(self) -> frozenset[ServicePortKey]:
+        return frozenset(self._dirty)
+
+    def skipped(self) -> list[Skip]:
+        out = [s for group in self._decode_skips.values() for s in group]
+        out.extend(self._ignored.values())
+        return sorted(out, key=lambda s: (s.kind, s.namespace, s.name, s.part, s.reason))
+
+    def resolve(self, full: bool = False) -> DesiredState:
+        """Resolve the dirty service ports (every port if `full`) into a new snapshot."""
+        if full:
+            self.mark_all_dirty()
+            self._dirty.update(self._state.ports)
+        prev = self._state
+        if not self._dirty:
+            self._state = DesiredState(prev.ports, frozenset(), prev.generation + 1)
+            return self._state
+        ports = dict(prev.ports)
+        changed: set[ServicePortKey] = set()
+        for key in self._dirty:
+            new = self.resolve_key(key)
+            if new is None:
+                if ports.pop(key, None) is not None:
+                    changed.add(key)
+            elif ports.get(key) != new:
+                ports[key] = new
+                changed.add(key)
+        self._dirty.clear()
+        self._state = DesiredState(MappingProxyType(ports), frozenset(changed), prev.generation + 1)
+        return self._state
+
+    def resolve_key(self, key: ServicePortKey) -> ResolvedServicePort | None:
+        service = self._services.get((key.namespace, key.name))
+        if service is None:
+            return None
+        port = next((p for p in service.ports if p.name == key.port), None)
+        if port is None or key.family not in service.families():
+            return None
+        group = self._by_service.get((key.namespace, key.name), {})
+        slices = [sl for sls in group.values() for sl in sls]
+        merged, conflicts = merge_port(slices, port.name, port.protocol, key.family)
+        sel = categorize(merged, service, port, self._node)
+        return ResolvedServicePort(
+            key=key,
+            service=service,
+            port=port,
+            cluster_ips=tuple(ip for ip in service.cluster_ips if Family.of(ip) is key.family),
+            uses_cluster=sel.uses_cluster,
+            uses_local=sel.uses_local,
+            endpoints=sel.endpoints,
+            topology=sel.topology,
+            conflicts=conflicts,
+        )
