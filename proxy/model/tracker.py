@@ -13,7 +13,6 @@ service to another when a slice's service-name label changes.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from types import MappingProxyType
 
 from proxy.model import skips as why
 from proxy.model.merge import merge_port
@@ -199,22 +198,9 @@ class ClusterModel:
         if full:
             self.mark_all_dirty()
             self._dirty.update(self._state.ports)
-        prev = self._state
-        if not self._dirty:
-            self._state = DesiredState(prev.ports, frozenset(), prev.generation + 1)
-            return self._state
-        ports = dict(prev.ports)
-        changed: set[ServicePortKey] = set()
-        for key in self._dirty:
-            new = self.resolve_key(key)
-            if new is None:
-                if ports.pop(key, None) is not None:
-                    changed.add(key)
-            elif ports.get(key) != new:
-                ports[key] = new
-                changed.add(key)
+        updates = {key: self.resolve_key(key) for key in self._dirty}
         self._dirty.clear()
-        self._state = DesiredState(MappingProxyType(ports), frozenset(changed), prev.generation + 1)
+        self._state = self._state.evolve(updates)
         return self._state
 
     def resolve_key(self, key: ServicePortKey) -> ResolvedServicePort | None:

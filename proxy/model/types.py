@@ -42,6 +42,10 @@ class Family(enum.IntEnum):
     V4 = 4
     V6 = 6
 
+    # Enum's own __hash__ is a Python function; keys holding a Family are hashed on every
+    # snapshot update, so use int's C-level hash (equal to hash(4) / hash(6)).
+    __hash__ = int.__hash__
+
     @property
     def label(self) -> str:
         """The API's spelling (`IPv4`/`IPv6`), as in addressType and ipFamilies."""

@@ -67,8 +67,10 @@ def test_ports_match_by_name_and_protocol() -> None:
     svc = service(ports=({"name": "dns", "port": 53, "protocol": "UDP"},))
     rsp = resolve_one(
         node(), svc,
-        eps_slice("s1", [ep("198.18.1.1")], ports=({"name": "dns", "port": 53, "protocol": "TCP"},)),
-        eps_slice("s2", [ep("198.18.1.2")], ports=({"name": "dns", "port": 53, "protocol": "UDP"},)),
+        eps_slice("s1", [ep("198.18.1.1")],
+                  ports=({"name": "dns", "port": 53, "protocol": "TCP"},)),
+        eps_slice("s2", [ep("198.18.1.2")],
+                  ports=({"name": "dns", "port": 53, "protocol": "UDP"},)),
         port="dns",
     )
     assert addrs(rsp.cluster_endpoints) == ["198.18.1.2:53"]

@@ -20,7 +20,8 @@ METRICS = ServicePortKey("ns", "svc", "metrics", Family.V4)
 def test_slice_change_marks_only_the_ports_it_lists() -> None:
     model = model_of(node(), service(ports=TWO_PORTS),
                      eps_slice("s1", [ep("198.18.1.1")]),
-                     eps_slice("m1", [ep("198.18.1.1")], ports=({"name": "metrics", "port": 9090},)))
+                     eps_slice("m1", [ep("198.18.1.1")],
+                               ports=({"name": "metrics", "port": 9090},)))
     model.resolve()
     apply_object(model, eps_slice("s1", [ep("198.18.1.1"), ep("198.18.1.2")]))
     assert model.dirty == {HTTP}
