@@ -1,0 +1,281 @@
+"""The agent's configuration: flags (kube-proxy's names where the meaning is the same),
+an optional YAML `--config` file with the same keys, and validation that names the flag.
+
+Precedence: defaults < config file < command-line flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import re
+import socket
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from proxy.kube.ingest import EndpointsSource
+from proxy.model.types import IPNetwork
+
+
+class ConfigError(Exception):
+    """A bad flag or config value; the message names the flag and the value."""
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
+                 "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """Go's time.ParseDuration, as kube-proxy's flags take it: `1s`, `250ms`, `1h30m`, `0`.
+
+    Returns seconds. Negative durations are refused: no sliceproxy setting means one.
+    """
+    raw = text.strip()
+    if raw == "0":
+        return 0.0
+    if not raw or raw.startswith("-"):
+        raise ValueError(f"invalid duration {text!r}")
+    body = raw[1:] if raw.startswith("+") else raw
+    pos, total = 0, 0.0
+    for match in _DURATION_PART.finditer(body):
+        if match.start() != pos:
+            break
+        total += float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+        pos = match.end()
+    if pos != len(body) or pos == 0:
+        raise ValueError(
+            f"invalid duration {text!r} (use a number with a unit: ns, us, ms, s, m, h; "
+            "e.g. 1s, 250ms, 1h30m)")
+    return total
+
+
+def format_duration(seconds: float) -> str:
+    if seconds == 0:
+        return "0s"
+    if seconds < 1:
+        return f"{seconds * 1000:g}ms"
+    if seconds % 3600 == 0:
+        return f"{seconds / 3600:g}h"
+    if seconds % 60 == 0:
+        return f"{seconds / 60:g}m"
+    return f"{seconds:g}s"
+
+
+def parse_bind_address(text: str, flag: str) -> tuple[str, int]:
+    """`host:port`, `[v6]:port`, or `host` (port 0 disables the server)."""
+    raw = text.strip()
+    host, sep, port = raw.rpartition(":")
+    if raw.startswith("[") and "]" in raw:
+        host, _, rest = raw[1:].partition("]")
+        port = rest.lstrip(":")
+        sep = ":" if rest else ""
+    if not sep:
+        raise ConfigError(f"{flag}: {text!r} is not HOST:PORT (e.g. 0.0.0.0:10256)")
+    try:
+        ipaddress.ip_address(host)
+        number = int(port)
+    except ValueError as exc:
+        raise ConfigError(f"{flag}: {text!r} is not IP:PORT ({exc})") from None
+    if not 0 <= number <= 65535:
+        raise ConfigError(f"{flag}: port {number} is out of range 0-65535")
+    return host, number
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    kubeconfig: str | None = None
+    master: str | None = None
+    hostname_override: str | None = None
+    proxy_mode: str = "iptables"
+    endpoints_source: EndpointsSource = EndpointsSource.ENDPOINT_SLICES
+    min_sync_period: float = 1.0
+    sync_period: float = 3600.0
+    cluster_cidr: tuple[IPNetwork, ...] = ()
+    masquerade_all: bool = False
+    nodeport_addresses: tuple[IPNetwork, ...] = ()
+    healthz_bind_address: tuple[str, int] = ("0.0.0.0", 10256)
+    metrics_bind_address: tuple[str, int] = ("127.0.0.1", 10249)
+    healthz_threshold: float = 0.0  # 0: derived from the sync periods (see agent)
+    service_proxy_name: str = ""
+    ipvs_scheduler: str = "rr"
+    cleanup: bool = False
+    verbosity: int = 0
+    uvloop: bool = True
+
+    @property
+    def node_name(self) -> str:
+        return (self.hostname_override or socket.gethostname()).strip().lower()
+
+    def as_dict(self) -> dict[str, Any]:
+        """The configuration as an operator reads it (the debug dump shows this)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, EndpointsSource):
+                value = value.value
+            elif f.name in ("min_sync_period", "sync_period", "healthz_threshold"):
+                value = format_duration(value)
+            elif f.name.endswith("bind_address"):
+                value = f"{value[0]}:{value[1]}"
+            elif isinstance(value, tuple):
+                value = [str(v) for v in value]
+            out[f.name.replace("_", "-")] = value
+        out["node-name"] = self.node_name
+        return out
+
+
+PROXY_MODES = ("iptables", "ipvs")
+IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq", "mh")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m proxy",
+        description="sliceproxy: a Kubernetes service proxy (iptables or IPVS).",
+        epilog="Other commands: python -m proxy explain --help",
+    )
+    add = p.add_argument
+    add("--config", metavar="FILE", help="YAML file with any of these flags as keys "
+        "(e.g. min-sync-period: 250ms); flags given on the command line win")
+    add("--kubeconfig", help="kubeconfig file (default: in-cluster service account)")
+    add("--master", help="API server address, overriding the kubeconfig's")
+    add("--hostname-override", help="this node's name (default: the host name)")
+    add("--proxy-mode", help="iptables (default) or ipvs")
+    add("--endpoints-source", help="endpointslices (default) or endpoints (legacy)")
+    add("--min-sync-period", metavar="DURATION",
+        help="minimum time between syncs; the first change after a quiet period syncs at "
+             "once, bursts are coalesced (default 1s)")
+    add("--sync-period", metavar="DURATION", help="full resync period (default 1h)")
+    add("--cluster-cidr", metavar="CIDR[,CIDR]",
+        help="pod network; traffic to service IPs from outside it is masqueraded")
+    add("--masquerade-all", action="store_true", default=None,
+        help="masquerade all traffic sent to service IPs")
+    add("--nodeport-addresses", metavar="CIDR[,CIDR]",
+        help="node addresses that accept NodePort traffic (default: all local addresses)")
+    add("--healthz-bind-address", metavar="IP:PORT",
+        help="health check server (default 0.0.0.0:10256; port 0 disables)")
+    add("--metrics-bind-address", metavar="IP:PORT",
+        help="metrics and debug dump server (default 127.0.0.1:10249; port 0 disables)")
+    add("--service-proxy-name", help="also proxy services labelled "
+        "service.kubernetes.io/service-proxy-name with this value")
+    add("--ipvs-scheduler", help="IPVS scheduler (default rr)")
+    add("--cleanup", action="store_true", default=None,
+        help="remove every rule sliceproxy owns and exit")
+    add("-v", "--v", dest="v", metavar="N", help="log verbosity (0-9, as kube-proxy's -v)")
+    add("--no-uvloop", action="store_true", default=None,
+        help="use the standard asyncio event loop instead of uvloop")
+    return p
+
+
+def _cidrs(raw: Any, flag: str) -> tuple[IPNetwork, ...]:
+    items = raw if isinstance(raw, list) else str(raw).split(",")
+    out: list[IPNetwork] = []
+    for item in (str(i).strip() for i in items):
+        if not item:
+            continue
+        try:
+            out.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise ConfigError(f"{flag}: {item!r} is not a CIDR (e.g. 198.18.0.0/16)") from None
+    return tuple(out)
+
+
+def _load_file(path: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"--config: cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config: {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping of flag names to values")
+    known = {a.dest for a in build_parser()._actions} - {"help", "config"}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        dest = {"no_uvloop": "no_uvloop", "verbosity": "v"}.get(dest, dest)
+        if dest not in known:
+            raise ConfigError(f"--config: unknown key {key!r} in {path}")
+        out[dest] = value
+    return out
+
+
+def parse_args(argv: list[str]) -> Config:
+    ns = build_parser().parse_args(argv)
+    given = {k: v for k, v in vars(ns).items() if v is not None and k != "config"}
+    values = _load_file(ns.config) if ns.config else {}
+    values.update(given)
+    return from_values(values)
+
+
+def _flag(dest: str) -> str:
+    return "-v" if dest == "v" else "--" + dest.replace("_", "-")
+
+
+def from_values(values: dict[str, Any]) -> Config:
+    kw: dict[str, Any] = {}
+    for dest, value in values.items():
+        flag = _flag(dest)
+        try:
+            match dest:
+                case "kubeconfig" | "master" | "hostname_override" | "service_proxy_name":
+                    kw[dest] = str(value) if value is not None else None
+                case "proxy_mode":
+                    if value not in PROXY_MODES:
+                        raise ValueError(f"must be one of {', '.join(PROXY_MODES)}")
+                    kw[dest] = value
+                case "endpoints_source":
+                    kw[dest] = EndpointsSource(value)
+                case "min_sync_period" | "sync_period":
+                    kw[dest] = parse_duration(str(value))
+                case "cluster_cidr" | "nodeport_addresses":
+                    kw[dest] = _cidrs(value, flag)
+                case "masquerade_all" | "cleanup":
+                    kw[dest] = _bool(value)
+                case "no_uvloop":
+                    kw["uvloop"] = not _bool(value)
+                case "healthz_bind_address" | "metrics_bind_address":
+                    kw[dest] = parse_bind_address(str(value), flag)
+                case "ipvs_scheduler":
+                    if value not in IPVS_SCHEDULERS:
+                        raise ValueError(f"must be one of {', '.join(IPVS_SCHEDULERS)}")
+                    kw[dest] = value
+                case "v":
+                    level = int(value)
+                    if not 0 <= level <= 9:
+                        raise ValueError("must be 0-9")
+                    kw["verbosity"] = level
+                case _:
+                    raise ValueError("unknown setting")
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            detail = str(exc)
+            if "is not a valid EndpointsSource" in detail:
+                detail = "must be endpointslices or endpoints"
+            raise ConfigError(f"{flag}: invalid value {value!r}: {detail}") from None
+    cfg = Config(**kw)
+    if cfg.sync_period and cfg.min_sync_period > cfg.sync_period:
+        raise ConfigError(
+            f"--min-sync-period ({format_duration(cfg.min_sync_period)}) must not exceed "
+            f"--sync-period ({format_duration(cfg.sync_period)})")
+    if not cfg.node_name:
+        raise ConfigError("--hostname-override: empty node name")
+    return cfg
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise ValueError("must be true or false")

@@ -1,0 +1,350 @@
+"""List, then watch, one resource, and never miss a change.
+
+The loop follows the Kubernetes "API concepts" contract:
+
+* list (paged with `limit`/`continue`, a consistent snapshot) and remember the list's
+  resourceVersion; then watch from it with bookmarks, resuming from the last
+  resourceVersion seen (an event's or a bookmark's) whenever a stream ends or breaks;
+* `410 Gone` (on the request, or as an ERROR event on an open stream) means the history
+  we need is compacted away: list again and emit exactly the differences from what we
+  knew (adds, updates, and deletes of objects that vanished meanwhile);
+* an expired `continue` token restarts the list from the beginning;
+* errors back off exponentially with jitter, honouring `Retry-After`;
+* a stream that delivers neither event nor bookmark for `stall_timeout` is restarted.
+
+The reflector keeps only (namespace, name) -> resourceVersion per object: enough to emit
+exact differences on a relist without holding a second copy of every object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.kube.client import Api, Response
+from proxy.kube.resources import Resource
+
+log = logging.getLogger(__name__)
+
+ObjectKey = tuple[str, str]  # (namespace, name); namespace "" for cluster-scoped
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    type: str  # "ADDED", "MODIFIED" or "DELETED"
+    resource: Resource
+    namespace: str
+    name: str
+    # The object as the server sent it; None for a deletion found by a relist (the
+    # object is already gone from the server and we keep no copy).
+    obj: dict[str, Any] | None
+
+
+@dataclass(slots=True)
+class ReflectorStats:
+    lists: int = 0  # completed lists, the first included
+    relists: int = 0  # lists forced by 410 Gone
+    watches: int = 0  # watch streams opened
+    watch_restarts: int = 0  # streams that ended or broke and were reopened
+    stalls: int = 0
+    errors: int = 0
+    events: int = 0
+    bookmarks: int = 0
+    oversized: int = 0
+    last_error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ReflectorOptions:
+    label_selector: str | None = None
+    field_selector: str | None = None
+    page_size: int = 500
+    # Watch streams last a random time in [min_watch_timeout, 2*min_watch_timeout) so that
+    # many agents do not reconnect in step (as client-go does).
+    min_watch_timeout: float = 300.0
+    request_timeout: float = 60.0
+    stall_timeout: float = 150.0
+    backoff_initial: float = 0.5
+    backoff_max: float = 30.0
+    max_line_bytes: int = 16 * 2**20
+
+
+class _Gone(Exception):
+    pass
+
+
+class _HttpError(Exception):
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.retry_after = retry_after
+
+
+class _Stalled(Exception):
+    pass
+
+
+class Backoff:
+    """Exponential backoff with full jitter, reset after a success."""
+
+    def __init__(self, initial: float, maximum: float, rng: random.Random | None = None) -> None:
+        self.initial, self.maximum = initial, maximum
+        self._attempt = 0
+        self._rng = rng or random.Random()
+
+    def next(self, at_least: float = 0.0) -> float:
+        ceiling = min(self.maximum, self.initial * 2**self._attempt)
+        self._attempt += 1
+        return max(at_least, self._rng.uniform(ceiling / 2, ceiling))
+
+    def reset(self) -> None:
+        self._attempt = 0
+
+
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    value = headers.get("Retry-After")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+def _key(obj: Mapping[str, Any]) -> ObjectKey:
+    meta = obj.get("metadata") or {}
+    return (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+
+
+def _rv(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion") or "")
+
+
+class Reflector:
+    def __init__(
+        self,
+        api: Api,
+        resource: Resource,
+        handler: Callable[[WatchEvent], None],
+        options: ReflectorOptions | None = None,
+    ) -> None:
+        self.api = api
+        self.resource = resource
+        self.handler = handler
+        self.options = options or ReflectorOptions()
+        self.synced = asyncio.Event()
+        self.stats = ReflectorStats()
+        self.resource_version: str | None = None
+        self._known: dict[ObjectKey, str] = {}
+        self._backoff = Backoff(self.options.backoff_initial, self.options.backoff_max)
+
+    @property
+    def known(self) -> Mapping[ObjectKey, str]:
+        """(namespace, name) -> resourceVersion of every object currently known."""
+        return self._known
+
+    def _selectors(self) -> dict[str, str]:
+        query: dict[str, str] = {}
+        if self.options.label_selector:
+            query["labelSelector"] = self.options.label_selector
+        if self.options.field_selector:
+            query["fieldSelector"] = self.options.field_selector
+        return query
+
+    async def run(self) -> None:
+        """Run until cancelled. Never raises for API trouble: it logs, counts and retries."""
+        while True:
+            try:
+                if self.resource_version is None:
+                    await self._list()
+                await self._watch()
+            except asyncio.CancelledError:
+                raise
+            except _Gone:
+                self.stats.relists += 1
+                log.info("watch history expired (410 Gone); relisting",
+                         extra={"resource": str(self.resource),
+                                "resource_version": self.resource_version})
+                self.resource_version = None
+            except _Stalled:
+                self.stats.stalls += 1
+                log.warning("no event or bookmark for %.0fs; restarting the watch",
+                            self.options.stall_timeout, extra={"resource": str(self.resource)})
+            except Exception as exc:  # network, HTTP and parse errors alike: back off, retry
+                self.stats.errors += 1
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                at_least = (exc.retry_after or 0.0) if isinstance(exc, _HttpError) else 0.0
+                delay = self._backoff.next(at_least)
+                log.warning("%s %s failed: %s; retrying in %.1fs",
+                            "list" if self.resource_version is None else "watch",
+                            self.resource, self.stats.last_error, delay,
+                            extra={"resource": str(self.resource)})
+                await asyncio.sleep(delay)
+
+    # --- list ------------------------------------------------------------------------
+
+    async def _list(self) -> None:
+        seen: set[ObjectKey] = set()
+        token: str | None = None
+        while True:
+            query = {"limit": str(self.options.page_size), **self._selectors()}
+            if token:
+                query["continue"] = token
+            body = await self._get_json(query, self.options.request_timeout)
+            for item in body.get("items") or []:
+                # List items carry no kind/apiVersion; the decoder needs both.
+                item.setdefault("kind", self.resource.kind)
+                item.setdefault("apiVersion", self.resource.api_version)
+                key = _key(item)
+                seen.add(key)
+                rv = _rv(item)
+                old = self._known.get(key)
+                self._known[key] = rv
+                if old != rv:
+                    self._emit("ADDED" if old is None else "MODIFIED", key, item)
+            meta = body.get("metadata") or {}
+            token = meta.get("continue") or None
+            if token is None:
+                list_rv = str(meta.get("resourceVersion") or "")
+                break
+        for key in [k for k in self._known if k not in seen]:
+            del self._known[key]
+            self._emit("DELETED", key, None)
+        self.resource_version = list_rv
+        self.stats.lists += 1
+        self._backoff.reset()
+        if not self.synced.is_set():
+            log.info("initial list done", extra={"resource": str(self.resource),
+                                                 "objects": len(self._known),
+                                                 "resource_version": list_rv})
+        self.synced.set()
+
+    async def _get_json(self, query: dict[str, str], timeout: float) -> dict[str, Any]:
+        resp = await self.api.get(self.resource.path, query, timeout)
+        try:
+            data = await resp.read()
+            if resp.status == 410:
+                # An expired continue token: the snapshot is gone; start the list again.
+                raise _Gone()
+            if resp.status != 200:
+                raise _HttpError(resp.status, _status_message(data), _retry_after(resp.headers))
+            body = orjson.loads(data)
+            if not isinstance(body, dict):
+                raise _HttpError(resp.status, "list response is not an object")
+            return body
+        finally:
+            resp.close()
+
+    # --- watch -----------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        timeout = self.options.min_watch_timeout * (1 + random.random())
+        query = {
+            "watch": "1",
+            "resourceVersion": self.resource_version or "",
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(int(timeout)),
+            **self._selectors(),
+        }
+        resp = await self.api.get(self.resource.path, query, timeout + 30)
+        try:
+            if resp.status == 410:
+                raise _Gone()
+            if resp.status != 200:
+                data = await resp.read()
+                raise _HttpError(resp.status, _status_message(data), _retry_after(resp.headers))
+            self.stats.watches += 1
+            async for line in self._lines(resp):
+                self._handle_line(line)
+            self.stats.watch_restarts += 1  # the server ended the stream (timeoutSeconds)
+        finally:
+            resp.close()
+
+    def _handle_line(self, line: bytes) -> None:
+        event = orjson.loads(line)
+        kind = event.get("type")
+        obj = event.get("object")
+        if not isinstance(obj, dict):
+            raise ValueError(f"watch event without an object: {line[:200]!r}")
+        if kind == "BOOKMARK":
+            self.stats.bookmarks += 1
+            self.resource_version = _rv(obj) or self.resource_version
+            self._backoff.reset()
+            return
+        if kind == "ERROR":
+            code = obj.get("code")
+            if code == 410:
+                raise _Gone()
+            raise _HttpError(int(code or 0), str(obj.get("message") or obj))
+        if kind not in ("ADDED", "MODIFIED", "DELETED"):
+            raise ValueError(f"unknown watch event type {kind!r}")
+        key = _key(obj)
+        rv = _rv(obj)
+        if kind == "DELETED":
+            self._known.pop(key, None)
+        else:
+            self._known[key] = rv
+        if rv:
+            self.resource_version = rv
+        self._backoff.reset()
+        self._emit(kind, key, obj)
+
+    async def _lines(self, resp: Response) -> AsyncIterator[bytes]:
+        """JSON lines of a watch stream; restarts (raises _Stalled) when it goes quiet."""
+        buf = bytearray()
+        discarding = False
+        limit = self.options.max_line_bytes
+        while True:
+            try:
+                chunk = await asyncio.wait_for(resp.readany(), self.options.stall_timeout)
+            except TimeoutError:
+                raise _Stalled() from None
+            if not chunk:
+                return
+            start = 0
+            while True:
+                nl = chunk.find(b"\n", start)
+                if nl < 0:
+                    if not discarding:
+                        buf += chunk[start:]
+                        if len(buf) > limit:
+                            discarding = True
+                            buf.clear()
+                    break
+                if discarding:
+                    # A single event larger than any sane object: count it, skip it.
+                    self.stats.oversized += 1
+                    log.error("watch event over %d bytes skipped", limit,
+                              extra={"resource": str(self.resource)})
+                    discarding = False
+                else:
+                    buf += chunk[start:nl]
+                    if buf.strip():
+                        yield bytes(buf)
+                buf.clear()
+                start = nl + 1
+
+    def _emit(self, kind: str, key: ObjectKey, obj: dict[str, Any] | None) -> None:
+        self.stats.events += 1
+        try:
+            self.handler(WatchEvent(kind, self.resource, key[0], key[1], obj))
+        except Exception:  # a bug downstream must not stop the watch
+            log.exception("event handler failed", extra={"resource": str(self.resource),
+                                                          "object": f"{key[0]}/{key[1]}"})
+
+
+def _status_message(data: bytes) -> str:
+    try:
+        status = orjson.loads(data)
+        if isinstance(status, dict) and status.get("message"):
+            return str(status["message"])
+    except orjson.JSONDecodeError:
+        pass
+    return data[:200].decode("utf-8", "replace")
+

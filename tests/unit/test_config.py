@@ -1,0 +1,95 @@
+"""Flags and config file: kube-proxy's names and durations, clear errors naming the flag."""
+
+from __future__ import annotations
+
+from ipaddress import ip_network
+from pathlib import Path
+
+import pytest
+
+from proxy.config import ConfigError, format_duration, parse_args, parse_duration
+from proxy.kube.ingest import EndpointsSource
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("1s", 1.0), ("250ms", 0.25), ("0", 0.0), ("0s", 0.0), ("1h", 3600.0),
+     ("1h30m", 5400.0), ("1.5s", 1.5), ("100us", 1e-4), ("2m3s", 123.0), (".5s", 0.5)],
+)
+def test_durations_as_go_parses_them(text: str, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "1", "s", "1x", "-1s", "1s2", "1 s", "ms"])
+def test_bad_durations(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+def test_defaults_match_kube_proxy() -> None:
+    cfg = parse_args(["--hostname-override", "Node-A"])
+    assert cfg.node_name == "node-a"
+    assert cfg.proxy_mode == "iptables"
+    assert cfg.endpoints_source is EndpointsSource.ENDPOINT_SLICES
+    assert (cfg.min_sync_period, cfg.sync_period) == (1.0, 3600.0)
+    assert cfg.healthz_bind_address == ("0.0.0.0", 10256)
+    assert cfg.metrics_bind_address == ("127.0.0.1", 10249)
+    assert cfg.uvloop
+
+
+def test_flags() -> None:
+    cfg = parse_args([
+        "--hostname-override", "n1", "--proxy-mode", "ipvs", "--endpoints-source", "endpoints",
+        "--min-sync-period", "250ms", "--sync-period", "30s", "--cluster-cidr",
+        "198.18.0.0/16,fd00::/64", "--masquerade-all", "--nodeport-addresses", "198.19.0.0/24",
+        "--metrics-bind-address", "[::1]:9000", "--ipvs-scheduler", "lc", "-v", "4",
+        "--no-uvloop",
+    ])
+    assert cfg.proxy_mode == "ipvs" and cfg.endpoints_source is EndpointsSource.ENDPOINTS
+    assert (cfg.min_sync_period, cfg.sync_period) == (0.25, 30.0)
+    assert cfg.cluster_cidr == (ip_network("198.18.0.0/16"), ip_network("fd00::/64"))
+    assert cfg.masquerade_all and not cfg.uvloop and cfg.verbosity == 4
+    assert cfg.metrics_bind_address == ("::1", 9000)
+    assert cfg.as_dict()["min-sync-period"] == "250ms"
+
+
+def test_config_file_with_flags_winning(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("hostname-override: from-file\nmin-sync-period: 2s\nmasquerade-all: true\n"
+                    "cluster-cidr: [198.18.0.0/16]\n")
+    cfg = parse_args(["--config", str(path), "--min-sync-period", "500ms"])
+    assert cfg.node_name == "from-file" and cfg.min_sync_period == 0.5 and cfg.masquerade_all
+    assert cfg.cluster_cidr == (ip_network("198.18.0.0/16"),)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--min-sync-period", "fast"], "--min-sync-period: invalid value 'fast'"),
+        (["--proxy-mode", "nft"], "--proxy-mode: invalid value 'nft': must be one of"),
+        (["--endpoints-source", "slices"], "must be endpointslices or endpoints"),
+        (["--cluster-cidr", "198.18.0.0/40"], "--cluster-cidr: '198.18.0.0/40' is not a CIDR"),
+        (["--healthz-bind-address", "10256"], "--healthz-bind-address: '10256' is not"),
+        (["--metrics-bind-address", "127.0.0.1:99999"], "port 99999 is out of range"),
+        (["-v", "12"], "-v: invalid value '12'"),
+        (["--min-sync-period", "2h"], "must not exceed --sync-period"),
+    ],
+)
+def test_errors_name_the_flag(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--hostname-override", "n", *argv])
+    assert message in str(info.value)
+
+
+def test_config_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        parse_args(["--config", str(tmp_path / "missing.yaml")])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("speed: 11\n")
+    with pytest.raises(ConfigError, match="unknown key 'speed'"):
+        parse_args(["--config", str(bad)])
+
+
+def test_format_duration_round_trips() -> None:
+    for text in ("250ms", "1s", "90s", "5m", "1h"):
+        assert format_duration(parse_duration(text)) == text
