@@ -1,0 +1,140 @@
+"""Helpers for the simulator tests: object builders and a tiny stdlib HTTP client that
+can also read watch streams line by line."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlencode, urlsplit
+
+Obj = dict[str, Any]
+
+
+def service(name: str, namespace: str = "default", labels: dict[str, str] | None = None,
+            **spec: Any) -> Obj:
+    spec.setdefault("ports", [{"name": "http", "port": 80}])
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": namespace, "labels": labels or {}},
+            "spec": spec}
+
+
+def endpoint_slice(name: str, service_name: str, addresses: list[str],
+                   namespace: str = "default") -> Obj:
+    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": name, "namespace": namespace,
+                         "labels": {"kubernetes.io/service-name": service_name}},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [a], "conditions": {"ready": True}} for a in addresses],
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}]}
+
+
+class Api:
+    """Minimal client: JSON in, (status, JSON, headers) out."""
+
+    def __init__(self, base: str) -> None:
+        parts = urlsplit(base)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+
+    def request(self, method: str, path: str, body: Any = None,
+                content_type: str = "application/json",
+                params: dict[str, Any] | None = None) -> tuple[int, Any, dict[str, str]]:
+        if params:
+            path = f"{path}?{urlencode(params)}"
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=10)
+        try:
+            data = None if body is None else json.dumps(body).encode()
+            headers = {"Content-Type": content_type} if data is not None else {}
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+            return resp.status, json.loads(raw) if raw else None, dict(resp.getheaders())
+        finally:
+            conn.close()
+
+    def get(self, path: str, **params: Any) -> tuple[int, Any]:
+        status, body, _ = self.request("GET", path, params=params or None)
+        return status, body
+
+    def post(self, path: str, body: Any) -> tuple[int, Any]:
+        status, data, _ = self.request("POST", path, body)
+        return status, data
+
+    def put(self, path: str, body: Any) -> tuple[int, Any]:
+        status, data, _ = self.request("PUT", path, body)
+        return status, data
+
+    def patch(self, path: str, body: Any, kind: str = "merge") -> tuple[int, Any]:
+        status, data, _ = self.request("PATCH", path, body, f"application/{kind}-patch+json")
+        return status, data
+
+    def delete(self, path: str, body: Any = None) -> tuple[int, Any]:
+        status, data, _ = self.request("DELETE", path, body)
+        return status, data
+
+    @contextmanager
+    def watch(self, path: str, read_timeout: float = 5.0,
+              **params: Any) -> Iterator[WatchStream]:
+        params = {"watch": "1", **params}
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=read_timeout)
+        try:
+            conn.request("GET", f"{path}?{urlencode(params)}")
+            resp = conn.getresponse()
+            yield WatchStream(resp)
+        finally:
+            conn.close()
+
+
+class WatchStream:
+    def __init__(self, resp: http.client.HTTPResponse) -> None:
+        self.resp = resp
+        self.status = resp.status
+
+    def next(self) -> Obj | None:
+        """The next event, or None at the end of the stream (read timeout raises)."""
+        line = self.resp.readline()
+        if not line:
+            return None
+        event: Obj = json.loads(line)
+        return event
+
+    def take(self, count: int) -> list[Obj]:
+        out = []
+        for _ in range(count):
+            ev = self.next()
+            assert ev is not None, f"stream ended after {out}"
+            out.append(ev)
+        return out
+
+    def until(self, pred: Callable[[Obj], bool], limit: int = 1000) -> list[Obj]:
+        """Events up to and including the first that satisfies pred."""
+        out = []
+        for _ in range(limit):
+            ev = self.next()
+            assert ev is not None, f"stream ended before the awaited event; saw {out}"
+            out.append(ev)
+            if pred(ev):
+                return out
+        raise AssertionError("awaited event never came")
+
+    def rest(self) -> list[Obj]:
+        out = []
+        while (ev := self.next()) is not None:
+            out.append(ev)
+        return out
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    """Poll with a deadline (never a bare sleep as synchronisation)."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+SVC = "/api/v1/namespaces/default/services"
+EPS = "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices"
