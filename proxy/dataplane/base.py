@@ -1,0 +1,103 @@
+"""The contract between the agent and a data plane (iptables or IPVS).
+
+The agent owns one data plane and calls it from one dedicated worker thread (never
+from the event loop): data planes are plain blocking code, and pyroute2's netlink
+sockets, which must stay on one thread, live there too (FINDINGS: its async classes do
+not run on uvloop and its sync calls fail inside a running loop).
+
+A data plane keeps the last `DesiredState` it applied successfully and works out for
+itself what differs (entries of two snapshots are shared objects, so an unchanged
+service port is the same object in both): a resolve whose apply failed is never lost,
+because the next sync still compares against what is really in the kernel's rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from proxy.model.snapshot import DesiredState
+from proxy.model.types import Family, IPNetwork, ServicePortKey
+
+
+@dataclass(frozen=True, slots=True)
+class DataplaneOptions:
+    """What the data planes need from the configuration (kube-proxy's flags)."""
+
+    node_name: str
+    # --cluster-cidr: traffic to a service from outside these is masqueraded.
+    cluster_cidrs: tuple[IPNetwork, ...] = ()
+    # --masquerade-all: masquerade every packet sent to a service IP.
+    masquerade_all: bool = False
+    # --nodeport-addresses: node addresses that accept NodePort traffic; empty = all.
+    nodeport_addresses: tuple[IPNetwork, ...] = ()
+    # Families to program; a family whose tools or kernel support are missing is
+    # dropped at start-up with a log line, not at every sync.
+    families: tuple[Family, ...] = (Family.V4, Family.V6)
+    # IPVS only.
+    ipvs_scheduler: str = "rr"
+    # IPVS only: how long a real server that left keeps weight 0 for its open
+    # connections before it is deleted anyway.
+    ipvs_drain_timeout: float = 900.0
+
+
+@dataclass(frozen=True, slots=True)
+class SyncReport:
+    """What one successful sync did, for logs, metrics and the debug dump."""
+
+    full: bool
+    # Service ports whose rules were (re)written, and those whose rules were removed.
+    written: tuple[ServicePortKey, ...] = ()
+    removed: tuple[ServicePortKey, ...] = ()
+    # Size of what was sent to the kernel: iptables-restore lines, or netlink calls.
+    operations: int = 0
+    # Seconds spent in the kernel-facing step alone (restore binary, netlink calls).
+    apply_seconds: float = 0.0
+    # Stale conntrack entries cleared after the apply.
+    conntrack_cleared: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class ApplyError(Exception):
+    """An apply failed; the kernel still holds the previously applied rules.
+
+    `offending` is the line or operation the kernel refused, when known. The data
+    plane has already arranged for its next sync to be a full one.
+    """
+
+    def __init__(self, message: str, offending: str | None = None) -> None:
+        super().__init__(message)
+        self.offending = offending
+
+
+class DataPlane(Protocol):
+    @property
+    def mode(self) -> str:
+        """"iptables" or "ipvs"."""
+        ...
+
+    def sync(self, state: DesiredState, full: bool = False) -> SyncReport:
+        """Make the kernel match `state`. Blocking; raises ApplyError on failure.
+
+        `full` rewrites everything we own (start-up, periodic resync, after a failure);
+        otherwise only what differs from the last successfully applied state.
+        """
+        ...
+
+    def applied_rules(self, key: ServicePortKey) -> Sequence[str]:
+        """Human-readable lines of what is programmed for one service port, as of the
+        last successful sync (iptables rules, or IPVS virtual/real servers)."""
+        ...
+
+    def housekeeping(self) -> None:
+        """Periodic work between syncs (IPVS: delete drained real servers). Cheap."""
+        ...
+
+    def cleanup(self) -> None:
+        """Remove everything sliceproxy owns in this network namespace (--cleanup)."""
+        ...
+
+    def close(self) -> None:
+        """Release sockets and handles; leaves the rules in place."""
+        ...
