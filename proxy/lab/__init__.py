@@ -1,0 +1,8 @@
+"""A test bed of network namespaces: a node (where the agent and its rules live), a
+client outside it, and backend pods answering with their names. Used by the e2e tests,
+the kernel (user-mode Linux) tests and the demo; never touches the host's namespace.
+"""
+
+from proxy.lab.topology import Backend, BackendSpec, Lab, LabError, sweep_stale
+
+__all__ = ["Backend", "BackendSpec", "Lab", "LabError", "sweep_stale"]

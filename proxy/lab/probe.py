@@ -1,0 +1,97 @@
+"""Clients for the lab: who answers a service address, connection by connection.
+
+Every connection (or datagram) uses a fresh socket, so a fresh source port and a fresh
+conntrack entry: each one is a new load-balancing decision, as for real clients.
+Failures are counted by kind instead of raised, so a test can assert "all refused"
+or "never timed out" as plainly as "only web-1 and web-2 answered".
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import time
+from collections import Counter
+from ipaddress import ip_address
+
+from proxy.lab.netns import entered
+
+REFUSED, TIMEOUT, UNREACHABLE, RESET = "refused", "timeout", "unreachable", "reset"
+
+
+def _family(ip: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ip_address(ip).version == 6 else socket.AF_INET
+
+
+def _kind(exc: OSError) -> str:
+    if isinstance(exc, TimeoutError):
+        return TIMEOUT
+    if isinstance(exc, ConnectionRefusedError):
+        return REFUSED
+    if isinstance(exc, ConnectionResetError | BrokenPipeError):
+        return RESET
+    if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        return UNREACHABLE
+    return f"error:{errno.errorcode.get(exc.errno or 0, exc.errno)}"
+
+
+def _readline(sock: socket.socket, deadline: float) -> str:
+    data = b""
+    while b"\n" not in data:
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        chunk = sock.recv(512)
+        if not chunk:
+            raise ConnectionResetError(errno.ECONNRESET, "closed before answering")
+        data += chunk
+    return data.split(b"\n", 1)[0].decode(errors="replace")
+
+
+def ask_once(ns: str, ip: str, port: int, proto: str = "tcp", timeout: float = 1.0,
+             source: str | None = None) -> str:
+    """One fresh connection (or datagram) from namespace `ns`: a backend name or a failure."""
+    kind = socket.SOCK_DGRAM if proto == "udp" else socket.SOCK_STREAM
+    with entered(ns):
+        sock = socket.socket(_family(ip), kind)
+    deadline = time.monotonic() + timeout
+    try:
+        if source is not None:
+            sock.bind((source, 0))
+        sock.settimeout(timeout)
+        sock.connect((ip, port))
+        sock.sendall(b"who\n")
+        return _readline(sock, deadline)
+    except OSError as exc:
+        return _kind(exc)
+    finally:
+        sock.close()
+
+
+def ask(ns: str, ip: str, port: int, proto: str = "tcp", count: int = 20,
+        timeout: float = 1.0, source: str | None = None) -> Counter[str]:
+    """`count` fresh connections; how many each backend (or failure kind) answered."""
+    return Counter(ask_once(ns, ip, port, proto, timeout, source) for _ in range(count))
+
+
+class Flow:
+    """One long-lived TCP connection: `ask()` checks it still reaches the same backend."""
+
+    def __init__(self, ns: str, ip: str, port: int, timeout: float = 2.0) -> None:
+        with entered(ns):
+            self.sock = socket.socket(_family(ip), socket.SOCK_STREAM)
+        self.timeout = timeout
+        self.sock.settimeout(timeout)
+        self.sock.connect((ip, port))
+
+    def ask(self) -> str:
+        """The backend's name; raises OSError if the flow broke."""
+        self.sock.sendall(b"who\n")
+        return _readline(self.sock, time.monotonic() + self.timeout)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> Flow:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
