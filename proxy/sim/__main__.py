@@ -14,6 +14,7 @@ import threading
 from proxy.manifests import ManifestError, load_paths
 from proxy.sim.errors import ApiError
 from proxy.sim.harness import SimServer
+from proxy.sim.resources import API_LEVELS, LATEST
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="how often watches with allowWatchBookmarks get a BOOKMARK")
     ap.add_argument("--history", type=int, default=100_000, metavar="EVENTS",
                     help="watch history kept before older revisions answer 410 Gone")
+    ap.add_argument("--api-level", choices=sorted(API_LEVELS), default=LATEST.level,
+                    help="Kubernetes release to imitate: 1.20 serves EndpointSlices only as "
+                         "discovery.k8s.io/v1beta1 (v1 manifests given with -f are converted)")
     ap.add_argument("--service-cidr", default="198.18.128.0/17")
     ap.add_argument("--service-cidr-v6", default="fd00:198:18::/112")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every request")
@@ -48,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         objects = load_paths(args.filename)
         sim = SimServer(host=host, port=port, objects=objects, validate=not args.no_validate,
                         bookmark_interval=args.bookmark_interval, history_limit=args.history,
-                        service_cidr=args.service_cidr, service_cidr_v6=args.service_cidr_v6)
+                        service_cidr=args.service_cidr, service_cidr_v6=args.service_cidr_v6,
+                        api_level=args.api_level)
     except (ManifestError, ApiError, ValueError) as exc:
         print(f"sim: cannot load manifests: {exc}", file=sys.stderr)
         return 1

@@ -7,17 +7,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.sim.resources import ALL, ResourceType
-
-GIT_VERSION = "v1.32.0-sliceproxy-sim"
-GROUPS = sorted({rt.group for rt in ALL if rt.group})
+from proxy.sim.resources import LATEST, ApiSurface, ResourceType
 
 
-def version() -> dict[str, str]:
+def git_version(surface: ApiSurface = LATEST) -> str:
+    return f"v{surface.level}.0-sliceproxy-sim"
+
+
+def version(surface: ApiSurface = LATEST) -> dict[str, str]:
     return {
         "major": "1",
-        "minor": "32",
-        "gitVersion": GIT_VERSION,
+        "minor": surface.minor,
+        "gitVersion": git_version(surface),
         "gitCommit": "0000000000000000000000000000000000000000",
         "gitTreeState": "clean",
         "buildDate": "2026-01-01T00:00:00Z",
@@ -37,20 +38,21 @@ def core_versions(server_address: str) -> dict[str, Any]:
     }
 
 
-def _group(name: str) -> dict[str, Any]:
-    versions = sorted({rt.version for rt in ALL if rt.group == name})
+def _group(surface: ApiSurface, name: str) -> dict[str, Any]:
+    versions = sorted({rt.version for rt in surface.types if rt.group == name})
     entries = [{"groupVersion": f"{name}/{v}", "version": v} for v in versions]
     return {"name": name, "versions": entries, "preferredVersion": entries[0]}
 
 
-def group_list() -> dict[str, Any]:
-    return {"kind": "APIGroupList", "apiVersion": "v1", "groups": [_group(g) for g in GROUPS]}
+def group_list(surface: ApiSurface = LATEST) -> dict[str, Any]:
+    return {"kind": "APIGroupList", "apiVersion": "v1",
+            "groups": [_group(surface, g) for g in surface.groups]}
 
 
-def group(name: str) -> dict[str, Any] | None:
-    if name not in GROUPS:
+def group(name: str, surface: ApiSurface = LATEST) -> dict[str, Any] | None:
+    if name not in surface.groups:
         return None
-    return {"kind": "APIGroup", "apiVersion": "v1", **_group(name)}
+    return {"kind": "APIGroup", "apiVersion": "v1", **_group(surface, name)}
 
 
 def _entry(rt: ResourceType) -> dict[str, Any]:
@@ -66,8 +68,10 @@ def _entry(rt: ResourceType) -> dict[str, Any]:
     return out
 
 
-def resource_list(group_name: str, version_name: str) -> dict[str, Any] | None:
-    types = [rt for rt in ALL if rt.group == group_name and rt.version == version_name]
+def resource_list(group_name: str, version_name: str,
+                  surface: ApiSurface = LATEST) -> dict[str, Any] | None:
+    types = [rt for rt in surface.types
+             if rt.group == group_name and rt.version == version_name]
     if not types:
         return None
     resources: list[dict[str, Any]] = []

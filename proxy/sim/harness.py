@@ -17,7 +17,7 @@ import yaml
 from aiohttp import web
 
 from proxy.sim.faults import Faults
-from proxy.sim.resources import BY_KIND, ResourceType
+from proxy.sim.resources import ResourceType, api_surface
 from proxy.sim.server import SimApp
 from proxy.sim.store import Obj, Store, copy, type_of
 
@@ -41,11 +41,16 @@ class SimServer:
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, objects: Iterable[Any] = (),
                  validate: bool = True, bookmark_interval: float = 5.0,
                  history_limit: int = 100_000, service_cidr: str = "198.18.128.0/17",
-                 service_cidr_v6: str = "fd00:198:18::/112") -> None:
+                 service_cidr_v6: str = "fd00:198:18::/112", api_level: str | None = None,
+                 ) -> None:
+        """`api_level` "1.20" serves EndpointSlices as discovery.k8s.io/v1beta1 only, like
+        a v1.20 API server; the default is the latest level (v1)."""
         self.host, self.port = host, port
+        self.surface = api_surface(api_level)
         self._store_options: dict[str, Any] = {
             "validate": validate, "history_limit": history_limit,
-            "service_cidr": service_cidr, "service_cidr_v6": service_cidr_v6}
+            "service_cidr": service_cidr, "service_cidr_v6": service_cidr_v6,
+            "surface": self.surface}
         self.store = Store(**self._store_options)
         self.store.load(objects)
         self.faults = Faults()
@@ -54,6 +59,7 @@ class SimServer:
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
         self._app: SimApp | None = None
+        self.starts = 0  # how many times the server started (restarts are observable)
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -77,11 +83,14 @@ class SimServer:
         except BaseException:
             self._shutdown_loop()
             raise
+        self.starts += 1
         log.info("sim listening url=%s rv=%d", self.url, self.store.rv)
         return self.url
 
     async def _start(self) -> None:
-        self._app = SimApp(self.store, self.faults, bookmark_interval=self.bookmark_interval)
+        self._app = SimApp(self.store, self.faults, bookmark_interval=self.bookmark_interval,
+                           surface=self.surface)
+        self._app.restart_hook = self._restart_from_admin
         runner = web.AppRunner(self._app.build(), access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
@@ -123,6 +132,12 @@ class SimServer:
             self.store = Store(**self._store_options)
         return self.start()
 
+    def _restart_from_admin(self, keep_state: bool) -> None:
+        try:
+            self.restart(keep_state)
+        except Exception:  # on a daemon thread: nobody else would see it
+            log.exception("restart requested through /_sim/restart failed")
+
     def __enter__(self) -> SimServer:
         self.start()
         return self
@@ -155,9 +170,8 @@ class SimServer:
 
     # ---- objects without HTTP ------------------------------------------------------
 
-    @staticmethod
-    def _where(obj: Obj) -> tuple[ResourceType, str | None, str]:
-        rt = type_of(obj)
+    def _where(self, obj: Obj) -> tuple[ResourceType, str | None, str]:
+        rt = type_of(obj, self.surface)
         meta = obj.get("metadata") or {}
         ns = str(meta.get("namespace") or "default") if rt.namespaced else None
         return rt, ns, str(meta.get("name") or "")
@@ -189,15 +203,21 @@ class SimServer:
 
         return copy(self.call(run))
 
+    def _type(self, api_version: str, kind: str) -> ResourceType:
+        rt = self.surface.by_kind(api_version, kind)
+        if rt is None:
+            raise KeyError(f"API level {self.surface.level} does not serve {api_version} {kind}")
+        return rt
+
     def delete(self, api_version: str, kind: str, name: str,
                namespace: str | None = "default") -> Obj:
-        rt = BY_KIND[(api_version, kind)]
+        rt = self._type(api_version, kind)
         ns = namespace if rt.namespaced else None
         return copy(self.call(self.store.delete, rt, ns, name))
 
     def get(self, api_version: str, kind: str, name: str,
             namespace: str | None = "default") -> Obj:
-        rt = BY_KIND[(api_version, kind)]
+        rt = self._type(api_version, kind)
         ns = namespace if rt.namespaced else None
         return copy(self.call(self.store.get, rt, ns, name))
 
@@ -217,6 +237,11 @@ class SimServer:
     def cut_watches(self, abrupt: bool = False) -> int:
         app = self._app
         return self.call(app.cut_watches, abrupt) if app is not None else 0
+
+    def expire_watches(self) -> int:
+        """End every open watch with an ERROR 410 Expired event."""
+        app = self._app
+        return self.call(app.expire_watches) if app is not None else 0
 
     def open_watches(self) -> int:
         app = self._app

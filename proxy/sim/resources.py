@@ -63,9 +63,61 @@ ENDPOINT_SLICES = ResourceType(
     FULL_VERBS, create_on_update=True,
 )
 
-ALL: tuple[ResourceType, ...] = (NAMESPACES, NODES, SERVICES, ENDPOINTS, ENDPOINT_SLICES)
+# discovery.k8s.io/v1beta1 as a v1.20 API server serves it: `topology` map instead of
+# nodeName/zone, no hints (the only EndpointSlice version of clusters 1.17-1.20).
+ENDPOINT_SLICES_V1BETA1 = ResourceType(
+    "endpointslices", "endpointslice", "EndpointSlice", "discovery.k8s.io", "v1beta1", True,
+    FULL_VERBS, create_on_update=True,
+)
 
-# (group, plural) -> type: how URLs are routed.
+
+@dataclass(frozen=True, slots=True)
+class ApiSurface:
+    """What one Kubernetes release serves of the resources the simulator knows."""
+
+    level: str  # "1.32", "1.20"
+    types: tuple[ResourceType, ...]
+
+    @property
+    def minor(self) -> str:
+        return self.level.split(".")[1]
+
+    @property
+    def groups(self) -> list[str]:
+        return sorted({rt.group for rt in self.types if rt.group})
+
+    def by_path(self, group: str, plural: str) -> ResourceType | None:
+        """(group, plural) -> type: how URLs are routed."""
+        return next((rt for rt in self.types if (rt.group, rt.plural) == (group, plural)), None)
+
+    def by_kind(self, api_version: str, kind: str) -> ResourceType | None:
+        """(apiVersion, kind) -> type: how manifests and the Python API find a type."""
+        return next((rt for rt in self.types
+                     if (rt.api_version, rt.kind) == (api_version, kind)), None)
+
+
+LATEST = ApiSurface("1.32", (NAMESPACES, NODES, SERVICES, ENDPOINTS, ENDPOINT_SLICES))
+V1_20 = ApiSurface("1.20", (NAMESPACES, NODES, SERVICES, ENDPOINTS, ENDPOINT_SLICES_V1BETA1))
+API_LEVELS = {s.level: s for s in (LATEST, V1_20)}
+
+
+def api_surface(level: str | None) -> ApiSurface:
+    if not level:
+        return LATEST
+    try:
+        return API_LEVELS[level]
+    except KeyError:
+        raise ValueError(f"unsupported API level {level!r}: use one of "
+                         f"{', '.join(sorted(API_LEVELS))}") from None
+
+
+def is_endpoint_slice(rt: ResourceType) -> bool:
+    return rt.group == "discovery.k8s.io" and rt.kind == "EndpointSlice"
+
+
+ALL: tuple[ResourceType, ...] = LATEST.types
+
+# (group, plural) -> type at the latest level.
 BY_PATH: dict[tuple[str, str], ResourceType] = {(r.group, r.plural): r for r in ALL}
-# (apiVersion, kind) -> type: how manifests and the Python API find an object's type.
+# (apiVersion, kind) -> type at the latest level.
 BY_KIND: dict[tuple[str, str], ResourceType] = {(r.api_version, r.kind): r for r in ALL}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from proxy.sim import discovery, errors
 from proxy.sim.errors import ApiError
 from proxy.sim.faults import Faults
 from proxy.sim.patch import apply_patch
-from proxy.sim.resources import BY_PATH, NAMESPACES, ResourceType
+from proxy.sim.resources import LATEST, NAMESPACES, ApiSurface, ResourceType
 from proxy.sim.selectors import matcher, parse_field_selector, parse_label_selector
 from proxy.sim.store import Obj, Store, copy
 from proxy.sim.watch import Watch, WatchParams
@@ -53,7 +54,7 @@ class Target:
     subresource: str | None
 
 
-def parse_path(path: str) -> Target | None:
+def parse_path(path: str, surface: ApiSurface = LATEST) -> Target | None:
     parts = [p for p in path.split("/") if p]
     if parts[:2] == ["api", "v1"]:
         group, version, rest = "", "v1", parts[2:]
@@ -63,12 +64,12 @@ def parse_path(path: str) -> Target | None:
         return None
     namespace = None
     if len(rest) >= 3 and rest[0] == "namespaces":
-        inner = BY_PATH.get((group, rest[2]))
+        inner = surface.by_path(group, rest[2])
         if inner is not None and inner.namespaced:
             namespace, rest = rest[1], rest[2:]
     if not rest or len(rest) > 3:
         return None
-    rt = BY_PATH.get((group, rest[0]))
+    rt = surface.by_path(group, rest[0])
     if rt is None or rt.version != version:
         return None
     name = rest[1] if len(rest) > 1 else None
@@ -99,13 +100,17 @@ def _list_body(rt: ResourceType, items: list[Obj], rv: int, token: str | None,
 
 class SimApp:
     def __init__(self, store: Store, faults: Faults, *, bookmark_interval: float = 5.0,
-                 watch_timeout: float = DEFAULT_WATCH_TIMEOUT) -> None:
+                 watch_timeout: float = DEFAULT_WATCH_TIMEOUT,
+                 surface: ApiSurface = LATEST) -> None:
         self.store = store
+        self.surface = surface
         self.faults = faults
         self.bookmark_interval = bookmark_interval
         self.watch_timeout = watch_timeout
         self.watches: dict[Watch, asyncio.BaseTransport | None] = {}
         self.server_address = "127.0.0.1:0"
+        # Set by the harness: restart the whole server (keep_state), from another thread.
+        self.restart_hook: Callable[[bool], None] | None = None
 
     def build(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=64 * 1024**2)
@@ -122,6 +127,17 @@ class SimApp:
                 transport.close()
             watch.cut()
         log.info("cut watches count=%d abrupt=%s", count, abrupt)
+        return count
+
+    def expire_watches(self) -> int:
+        """End every open watch with an ERROR 410 Expired event: what a client sees when
+        etcd compacts the revisions a watch still had to deliver."""
+        count = len(self.watches)
+        for watch in list(self.watches):
+            watch.expire(errors.expired(
+                f"too old resource version: {watch.params.resource_version or 0} "
+                f"({self.store.compacted_rv})"))
+        log.info("expired watches count=%d", count)
         return count
 
     # ---- plumbing ------------------------------------------------------------------
@@ -173,27 +189,27 @@ class SimApp:
             doc = self._discovery(path)
             if doc is not None:
                 return _json(doc)
-        target = parse_path(path)
+        target = parse_path(path, self.surface)
         if target is None:
             raise NOT_FOUND
         return await self._resource(request, target)
 
     def _discovery(self, path: str) -> Any:
         if path == "/version":
-            return discovery.version()
+            return discovery.version(self.surface)
         if path in ("/healthz", "/livez", "/readyz"):
             return "ok"
         if path == "/api":
             return discovery.core_versions(self.server_address)
         if path == "/apis":
-            return discovery.group_list()
+            return discovery.group_list(self.surface)
         if path == "/api/v1":
-            return discovery.resource_list("", "v1")
+            return discovery.resource_list("", "v1", self.surface)
         parts = path.strip("/").split("/")
         if parts[0] == "apis" and len(parts) == 2:
-            return discovery.group(parts[1])
+            return discovery.group(parts[1], self.surface)
         if parts[0] == "apis" and len(parts) == 3:
-            return discovery.resource_list(parts[1], parts[2])
+            return discovery.resource_list(parts[1], parts[2], self.surface)
         return None
 
     # ---- resources -----------------------------------------------------------------
@@ -318,9 +334,15 @@ class SimApp:
             raise errors.method_not_allowed()
         if path == "/_sim/watches/cut":
             return _json({"cut": self.cut_watches(abrupt=_flag(q.get("abrupt")))})
+        if path == "/_sim/watches/expire":
+            return _json({"expired": self.expire_watches()})
+        if path == "/_sim/restart":
+            return await self._restart(request, keep_state=_flag(q.get("keepState", "true")))
         if path == "/_sim/compact":
             rv = int(q["rv"]) if q.get("rv") else None
-            return _json({"compactedResourceVersion": str(self.store.compact(rv))})
+            compacted = self.store.compact(rv)
+            expired = self.expire_watches() if _flag(q.get("expireWatches")) else 0
+            return _json({"compactedResourceVersion": str(compacted), "expired": expired})
         if path == "/_sim/fail":
             retry = int(q["retryAfter"]) if q.get("retryAfter") else None
             try:
@@ -335,3 +357,16 @@ class SimApp:
             self.store.validate = _flag(q.get("enabled", "true"))
             return _json({"validate": self.store.validate})
         raise NOT_FOUND
+
+    async def _restart(self, request: web.Request, keep_state: bool) -> web.Response:
+        hook = self.restart_hook
+        if hook is None:
+            raise ApiError(501, "NotImplemented", "this server cannot restart itself", {})
+        # Answer first: the restart stops this very loop. The hook runs on a thread of its
+        # own, which waits for this loop to shut down and starts a new one.
+        resp = _json({"restarting": True, "keepState": keep_state})
+        await resp.prepare(request)
+        await resp.write_eof()
+        threading.Thread(target=hook, args=(keep_state,), name="sim-restart",
+                         daemon=True).start()
+        return resp

@@ -26,10 +26,10 @@ from typing import Any, TypeVar, cast
 
 import orjson
 
-from proxy.sim import errors, strategy
+from proxy.sim import errors, strategy, v1beta1
 from proxy.sim.allocators import DEFAULT_V4_RANGE, DEFAULT_V6_RANGE, Allocators
 from proxy.sim.errors import ApiError
-from proxy.sim.resources import ALL, BY_KIND, NAMESPACES, SERVICES, ResourceType
+from proxy.sim.resources import LATEST, NAMESPACES, SERVICES, ApiSurface, ResourceType
 from proxy.sim.selectors import FieldSelector, LabelSelector, matcher
 from proxy.sim.validation import validate
 
@@ -131,12 +131,14 @@ Subscriber = Callable[[Event], None]
 class Store:
     def __init__(self, *, validate: bool = True, history_limit: int = 100_000,
                  service_cidr: str = DEFAULT_V4_RANGE, service_cidr_v6: str = DEFAULT_V6_RANGE,
-                 node_port_range: tuple[int, int] = (30000, 32767)) -> None:
+                 node_port_range: tuple[int, int] = (30000, 32767),
+                 surface: ApiSurface = LATEST) -> None:
         self.validate = validate
+        self.surface = surface
         self.history_limit = history_limit
         self.rv = 0
         self.compacted_rv = 0  # history at or below this revision is gone
-        self._objects: dict[str, dict[str, Obj]] = {rt.plural: {} for rt in ALL}
+        self._objects: dict[str, dict[str, Obj]] = {rt.plural: {} for rt in surface.types}
         self._history: deque[Event] = deque()
         self._subscribers: list[Subscriber] = []
         self.alloc = Allocators(service_cidr, service_cidr_v6, node_port_range)
@@ -404,7 +406,7 @@ class Store:
         terminating["metadata"]["deletionTimestamp"] = now()
         terminating["status"] = {"phase": "Terminating"}
         answer = self._commit(NAMESPACES, name, MODIFIED, terminating, old)
-        for rt in ALL:
+        for rt in self.surface.types:
             if not rt.namespaced:
                 continue
             for key in sorted(k for k in self._objects[rt.plural] if k.startswith(name + "/")):
@@ -434,13 +436,18 @@ class Store:
         return {rt.plural: copy(sorted(self._objects[rt.plural].values(),
                                        key=lambda o: key_of(rt, o["metadata"].get("namespace"),
                                                             o["metadata"]["name"])))
-                for rt in ALL}
+                for rt in self.surface.types}
 
     def load(self, objects: Iterable[Any], *, create_namespaces: bool = True) -> list[Obj]:
-        """Create objects from manifests; missing namespaces are created for convenience."""
+        """Create objects from manifests; missing namespaces are created for convenience.
+        At API level 1.20, discovery.k8s.io/v1 slices are converted to v1beta1 first."""
         out = []
         for obj in objects:
-            rt = type_of(obj)
+            if (self.surface.by_kind("discovery.k8s.io/v1", "EndpointSlice") is None
+                    and isinstance(obj, dict) and obj.get("kind") == "EndpointSlice"
+                    and obj.get("apiVersion") == "discovery.k8s.io/v1"):
+                obj = v1beta1.from_v1(obj)
+            rt = type_of(obj, self.surface)
             ns = None
             if rt.namespaced:
                 ns = str((obj.get("metadata") or {}).get("namespace") or "default")
@@ -450,10 +457,10 @@ class Store:
         return out
 
 
-def type_of(obj: Any) -> ResourceType:
+def type_of(obj: Any, surface: ApiSurface = LATEST) -> ResourceType:
     if not isinstance(obj, dict):
         raise errors.bad_request("not an object")
-    rt = BY_KIND.get((str(obj.get("apiVersion")), str(obj.get("kind"))))
+    rt = surface.by_kind(str(obj.get("apiVersion")), str(obj.get("kind")))
     if rt is None:
         raise errors.bad_request(f"the simulator does not serve {obj.get('apiVersion')}/"
                                  f"{obj.get('kind')}")

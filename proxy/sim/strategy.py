@@ -9,9 +9,17 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
+from proxy.sim import v1beta1
 from proxy.sim.allocators import Allocators
 from proxy.sim.errors import Cause
-from proxy.sim.resources import ENDPOINT_SLICES, NAMESPACES, NODES, SERVICES, ResourceType
+from proxy.sim.resources import (
+    ENDPOINT_SLICES_V1BETA1,
+    NAMESPACES,
+    NODES,
+    SERVICES,
+    ResourceType,
+    is_endpoint_slice,
+)
 from proxy.sim.validation import invalid
 
 # Namespaces upstream refuses to delete.
@@ -25,8 +33,10 @@ def prepare_create(rt: ResourceType, obj: dict[str, Any]) -> None:
     if rt is SERVICES:
         obj["status"] = {"loadBalancer": {}}
         _service_defaults(obj)
-    elif rt is ENDPOINT_SLICES:
+    elif is_endpoint_slice(rt):
         meta["generation"] = 1
+        if rt is ENDPOINT_SLICES_V1BETA1:
+            v1beta1.prepare(obj)
     elif rt is NAMESPACES:
         obj["spec"] = {"finalizers": ["kubernetes"]}
         obj["status"] = {"phase": "Active"}
@@ -52,7 +62,9 @@ def prepare_update(rt: ResourceType, new: dict[str, Any], old: dict[str, Any]) -
     elif rt is NAMESPACES:
         new["spec"] = old.get("spec", {})
         meta.setdefault("labels", {})["kubernetes.io/metadata.name"] = meta["name"]
-    elif rt is ENDPOINT_SLICES:
+    elif is_endpoint_slice(rt):
+        if rt is ENDPOINT_SLICES_V1BETA1:
+            v1beta1.prepare(new)
         strip = ("metadata",)
         changed = {k: v for k, v in new.items() if k not in strip} != {
             k: v for k, v in old.items() if k not in strip}

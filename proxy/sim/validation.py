@@ -12,7 +12,13 @@ import re
 from typing import Any
 
 from proxy.sim.errors import Cause
-from proxy.sim.resources import ENDPOINT_SLICES, ENDPOINTS, NAMESPACES, SERVICES, ResourceType
+from proxy.sim.resources import (
+    ENDPOINTS,
+    NAMESPACES,
+    SERVICES,
+    ResourceType,
+    is_endpoint_slice,
+)
 
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -104,20 +110,20 @@ def _name_causes(rt: ResourceType, name: Any) -> list[Cause]:
     return out
 
 
-def _label_causes(labels: Any) -> list[Cause]:
+def _label_causes(labels: Any, path: str = "metadata.labels") -> list[Cause]:
     if labels is None:
         return []
     if not isinstance(labels, dict):
-        return [invalid("metadata.labels", labels, "must be a map of strings")]
+        return [invalid(path, labels, "must be a map of strings")]
     out: list[Cause] = []
     for key, value in labels.items():
         name = str(key).rsplit("/", 1)[-1]
         if not _QUALIFIED_NAME.match(name) or len(name) > 63:
-            out.append(invalid("metadata.labels", key, "name part must consist of alphanumeric "
+            out.append(invalid(path, key, "name part must consist of alphanumeric "
                                "characters, '-', '_' or '.', and must start and end with an "
                                "alphanumeric character"))
         if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE.match(value):
-            out.append(invalid("metadata.labels", value, "a valid label must be an empty "
+            out.append(invalid(path, value, "a valid label must be an empty "
                                "string or consist of alphanumeric characters, '-', '_' or "
                                "'.', and must start and end with an alphanumeric character"))
     return out
@@ -128,7 +134,7 @@ def validate(rt: ResourceType, obj: dict[str, Any]) -> list[Cause]:
     causes = _name_causes(rt, meta.get("name")) + _label_causes(meta.get("labels"))
     if rt is SERVICES:
         causes += _service(obj.get("spec") or {})
-    elif rt is ENDPOINT_SLICES:
+    elif is_endpoint_slice(rt):
         causes += _endpoint_slice(obj)
     elif rt is ENDPOINTS:
         causes += _endpoints(obj)
@@ -261,6 +267,8 @@ def _endpoint_slice(obj: dict[str, Any]) -> list[Cause]:
             value = conditions.get(cond) if isinstance(conditions, dict) else None
             if value is not None and not isinstance(value, bool):
                 out.append(invalid(f"{path}.conditions.{cond}", value, "must be a boolean"))
+        # v1beta1 (1.20): where an endpoint runs is a label-like map, validated as labels.
+        out += _label_causes(ep.get("topology"), f"{path}.topology")
         node = ep.get("nodeName")
         if node is not None and (not isinstance(node, str) or not _DNS1123_SUBDOMAIN.match(node)):
             out.append(invalid(f"{path}.nodeName", node, DNS1123_SUBDOMAIN_MSG))

@@ -4,12 +4,17 @@ Semantics follow the API server's watch cache (`cacheWatcher`):
 - start: no resourceVersion or "0" -> synthetic ADDED events for the current state, then
   changes; rv=N -> every retained change after N; N older than the retained history ->
   HTTP 200 with one ERROR event carrying a 410 Expired Status, then the end of the stream.
+  N newer than the store (a client of a cluster that lost its storage and counts from 1
+  again) -> no error: the stream stays silent until revisions pass N, as the watch cache
+  does (`cacheWatcher` only sends events, and bookmarks, newer than its start).
 - selectors are applied to both the old and the new object, so an object that stops
   matching is sent as DELETED (its previous content, stamped with the event's rv) and one
   that starts matching as ADDED.
 - BOOKMARK events carry only kind, apiVersion and metadata.resourceVersion; they are sent
   only when nothing is queued, so a bookmark never claims a revision whose event has not
   yet been written to this stream.
+- `expire` (fault injection) ends an open stream with an ERROR 410 event, as the server
+  does when etcd compacts under a watch that has fallen behind.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class WatchParams:
 
 
 CUT = None  # queued to end a stream (fault injection, shutdown)
+Queued = Event | ApiError | None  # an event, an error to end with, or CUT
 
 
 class Watch:
@@ -81,12 +87,14 @@ class Watch:
     def __init__(self, store: Store, params: WatchParams, bookmark_interval: float) -> None:
         self.params = params
         self.bookmark_interval = bookmark_interval
-        self.queue: asyncio.Queue[Event | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[Queued] = asyncio.Queue()
         self.initial: list[Line] = []
         self.error: ApiError | None = None
         self.sent = 0
         self._store = store
         self._unsubscribe: Callable[[], None] | None = None
+        # Events (and bookmarks) at or below this revision are not sent.
+        self.floor = 0
         p = params
         rv = p.resource_version
         try:
@@ -97,7 +105,8 @@ class Watch:
                 if p.send_initial_events:
                     self.initial.append(bookmark(p.rt, store.rv, initial_events_end=True))
             else:
-                for ev in store.events_since(p.rt, parse_rv(rv)):
+                self.floor = parse_rv(rv)
+                for ev in store.events_since(p.rt, self.floor):
                     self._offer(ev, self.initial)
         except ApiError as exc:
             if exc.code == 400:
@@ -111,7 +120,7 @@ class Watch:
             not self.params.namespace or ev.namespace == self.params.namespace)
 
     def _offer(self, ev: Event, out: list[Line]) -> None:
-        if not self._relevant(ev):
+        if not self._relevant(ev) or ev.rv <= self.floor:
             return
         seen = transition(ev, self.params.match)
         if seen is not None:
@@ -123,6 +132,9 @@ class Watch:
 
     def cut(self) -> None:
         self.queue.put_nowait(CUT)
+
+    def expire(self, error: ApiError) -> None:
+        self.queue.put_nowait(error)
 
     def close(self) -> None:
         if self._unsubscribe is not None:
@@ -143,7 +155,8 @@ class Watch:
             if now >= deadline:
                 return
             if self.params.bookmarks and now >= next_bookmark and self.queue.empty():
-                yield bookmark(self.params.rt, self._store.rv)
+                if self._store.rv > self.floor:
+                    yield bookmark(self.params.rt, self._store.rv)
                 next_bookmark = now + self.bookmark_interval
                 continue
             wait = deadline - now
@@ -154,6 +167,9 @@ class Watch:
             except TimeoutError:
                 continue
             if ev is CUT:
+                return
+            if isinstance(ev, ApiError):
+                yield encode("ERROR", ev.status())
                 return
             out: list[Line] = []
             self._offer(ev, out)

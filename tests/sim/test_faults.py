@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import time
+from collections.abc import Callable
 
 from proxy.sim import SimServer
 from tests.sim.client import SVC, Api, service, wait_for
@@ -97,3 +98,41 @@ def test_admin_endpoints(sim: SimServer, api: Api) -> None:
     assert body == {"latency": 0.0}
     status, body, _ = api.request("POST", "/_sim/validate", params={"enabled": "false"})
     assert api.post(SVC, service("bad", ports=[{"port": 0}]))[0] == 201
+
+
+def test_admin_expire_and_compact_with_expiry(sim: SimServer, api: Api) -> None:
+    with api.watch(SVC) as w:
+        wait_for(lambda: sim.open_watches() == 1, what="watch registered")
+        status, body, _ = api.request("POST", "/_sim/watches/expire")
+        assert status == 200 and body == {"expired": 1}
+        assert [e["object"]["code"] for e in w.rest()] == [410]
+    api.post(SVC, service("c"))
+    with api.watch(SVC) as w:
+        w.take(1)
+        status, body, _ = api.request("POST", "/_sim/compact",
+                                      params={"expireWatches": "true"})
+        assert body == {"compactedResourceVersion": str(sim.resource_version), "expired": 1}
+        assert [e["type"] for e in w.rest()] == ["ERROR"]
+
+
+def wait_until_serving(api: Api, pred: Callable[[], bool]) -> None:
+    def ready() -> bool:
+        try:
+            return pred()
+        except OSError:  # refused while the server is down
+            return False
+
+    wait_for(ready, timeout=20, what="server back")
+
+
+def test_admin_restart_keeping_and_losing_state(sim: SimServer, api: Api) -> None:
+    api.post(SVC, service("kept"))
+    url, before, starts = sim.url, sim.resource_version, sim.starts
+    status, body, _ = api.request("POST", "/_sim/restart")
+    assert status == 200 and body == {"restarting": True, "keepState": True}
+    wait_until_serving(api, lambda: sim.starts == starts + 1 and api.get(f"{SVC}/kept")[0] == 200)
+    assert sim.url == url and sim.resource_version == before
+    status, body, _ = api.request("POST", "/_sim/restart", params={"keepState": "false"})
+    assert body == {"restarting": True, "keepState": False}
+    wait_until_serving(api, lambda: sim.starts == starts + 2 and api.get(f"{SVC}/kept")[0] == 404)
+    assert sim.url == url and sim.resource_version < before

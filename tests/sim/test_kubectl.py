@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from proxy.manifests import load_paths
 from proxy.sim import SimServer
+from tests.sim.test_cli import run_sim
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBECTL_120 = ROOT / ".cache" / "kubectl-1.20" / "usr" / "bin" / "kubectl"
@@ -165,3 +167,21 @@ def test_kubectl_namespaces_and_cluster_scoped_objects(k: Kubectl, sim: SimServe
     k("delete", "namespace", "team")
     assert "team" not in k("get", "ns", "-o", "name").stdout
     assert sim.state()["services"] == []
+
+
+@pytest.mark.parametrize("level", ["1.32", "1.20"])
+def test_kubectl_against_python_m_proxy_sim_with_the_examples(kubectl: Path, tmp_path: Path,
+                                                              level: str) -> None:
+    """What the README tells a user to do: serve examples/, point kubectl at it."""
+    expected = sorted((o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"])
+                      for o in load_paths([str(ROOT / "examples")]))
+    kubeconfig = tmp_path / "kubeconfig"
+    with run_sim("-f", str(ROOT / "examples"), "--kubeconfig-out", str(kubeconfig),
+                 "--api-level", level):
+        k = Kubectl(kubectl, kubeconfig, tmp_path / "cache")
+        got = json.loads(k("get", "services,endpointslices,nodes", "-A", "-o", "json").stdout)
+        slices = json.loads(k("get", "endpointslices", "-A", "-o", "json").stdout)
+    assert sorted((o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"])
+                  for o in got["items"]) == expected
+    version = "discovery.k8s.io/v1" if level == "1.32" else "discovery.k8s.io/v1beta1"
+    assert {o["apiVersion"] for o in slices["items"]} == {version}

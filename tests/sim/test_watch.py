@@ -164,3 +164,31 @@ def test_send_initial_events_ends_with_an_annotated_bookmark(api: Api) -> None:
     assert first["type"] == "ADDED"
     assert mark["type"] == "BOOKMARK"
     assert mark["object"]["metadata"]["annotations"] == {"k8s.io/initial-events-end": "true"}
+
+
+def test_watch_from_a_future_rv_is_silent_until_revisions_pass_it(sim: SimServer,
+                                                                 api: Api) -> None:
+    # A client that watched a cluster which then lost its storage comes back with an RV
+    # the new store has not reached. The watch cache neither errors nor replays: it sends
+    # nothing, not even bookmarks, until revisions pass that RV.
+    future = sim.resource_version + 3
+    with api.watch(SVC, resourceVersion=str(future), allowWatchBookmarks="true",
+                   timeoutSeconds=2) as w:
+        wait_for(lambda: sim.open_watches() == 1, what="watch registered")
+        for i in range(5):  # revisions future-2 .. future+2
+            api.post(SVC, service(f"fut{i}"))
+        events = w.until(lambda e: e["type"] == "BOOKMARK")
+    assert names(events[:-1]) == [("ADDED", "fut3"), ("ADDED", "fut4")]
+    assert int(events[-1]["object"]["metadata"]["resourceVersion"]) == future + 2
+
+
+def test_expire_ends_open_watches_with_an_error_410(sim: SimServer, api: Api) -> None:
+    _, listed = api.get(SVC)
+    with api.watch(SVC, resourceVersion=listed["metadata"]["resourceVersion"]) as w:
+        api.post(SVC, service("x1"))
+        assert names(w.take(1)) == [("ADDED", "x1")]
+        assert sim.expire_watches() == 1
+        (error,) = w.rest()
+    assert error["type"] == "ERROR"
+    assert error["object"]["code"] == 410 and error["object"]["reason"] == "Expired"
+    wait_for(lambda: sim.open_watches() == 0, what="watch cleaned up")
