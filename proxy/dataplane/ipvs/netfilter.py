@@ -1,0 +1,220 @@
+"""The iptables rules and ipset commands of the IPVS data plane (pure text).
+
+IPVS load-balances; iptables does the few things IPVS cannot, with a FIXED set of rules
+per family that depends only on the options (cluster CIDRs, --masquerade-all). Per-service
+data lives in ipsets (`render.SetRole`), so a service change never touches iptables.
+The layout follows upstream's IPVS proxier (KUBE-SERVICES, KUBE-MARK-MASQ,
+KUBE-POSTROUTING, KUBE-LOAD-BALANCER-FW, KUBE-IPVS-FILTER, KUBE-FORWARD) under our own
+prefix, so it never collides with kube-proxy or a CNI:
+
+    nat PREROUTING, OUTPUT -> SPX-IPVS-SERVICES     mark what must be masqueraded
+    nat POSTROUTING        -> SPX-IPVS-POSTROUTING  masquerade marked and hairpin traffic
+    filter INPUT           -> SPX-IPVS-INPUT        Local-policy drops, source ranges,
+                                                    no stray ports on service addresses
+    filter FORWARD         -> SPX-IPVS-FORWARD      accept marked and established traffic
+
+IPVS picks packets up on the local-in hook after filter INPUT, so drops there happen
+before IPVS schedules a connection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from proxy.dataplane.base import DataplaneOptions
+from proxy.dataplane.ipvs.render import SET_TYPES, SetEntry, SetRole, set_name
+from proxy.model.types import Family
+
+CHAIN_PREFIX = "SPX-IPVS-"
+SERVICES_CHAIN = "SPX-IPVS-SERVICES"
+CLUSTER_IP_CHAIN = "SPX-IPVS-CLUSTER-IP"
+MARK_MASQ_CHAIN = "SPX-IPVS-MARK-MASQ"
+POSTROUTING_CHAIN = "SPX-IPVS-POSTROUTING"
+INPUT_CHAIN = "SPX-IPVS-INPUT"
+SOURCE_RANGES_CHAIN = "SPX-IPVS-SOURCE-RANGES"
+FORWARD_CHAIN = "SPX-IPVS-FORWARD"
+
+# kube-proxy's default masquerade bit (--iptables-masquerade-bit 14): a packet either
+# proxy marked is masqueraded by whichever POSTROUTING chain sees it first.
+MASQ_MARK = "0x4000"
+
+# Sets are created with room to grow; `create -exist` must repeat the same parameters.
+SET_MAXELEM = 262144
+
+
+@dataclass(frozen=True, slots=True)
+class Jump:
+    """A rule in a built-in chain sending traffic into one of ours."""
+
+    table: str
+    chain: str  # built-in
+    target: str  # ours
+    comment: str
+
+    def spec(self) -> str:
+        return f'-m comment --comment "{self.comment}" -j {self.target}'
+
+
+JUMPS = (
+    Jump("nat", "PREROUTING", SERVICES_CHAIN, "sliceproxy ipvs services"),
+    Jump("nat", "OUTPUT", SERVICES_CHAIN, "sliceproxy ipvs services"),
+    Jump("nat", "POSTROUTING", POSTROUTING_CHAIN, "sliceproxy ipvs postrouting"),
+    Jump("filter", "INPUT", INPUT_CHAIN, "sliceproxy ipvs input"),
+    Jump("filter", "FORWARD", FORWARD_CHAIN, "sliceproxy ipvs forward"),
+)
+
+CHAINS = {
+    "nat": (SERVICES_CHAIN, CLUSTER_IP_CHAIN, MARK_MASQ_CHAIN, POSTROUTING_CHAIN),
+    "filter": (INPUT_CHAIN, SOURCE_RANGES_CHAIN, FORWARD_CHAIN),
+}
+
+
+def _loopback(family: Family) -> str:
+    return "127.0.0.0/8" if family is Family.V4 else "::1/128"
+
+
+def iptables_rules(family: Family, options: DataplaneOptions) -> dict[str, list[str]]:
+    """The rules of our chains, per table, in iptables-restore syntax (no jumps)."""
+
+    def match(role: SetRole, flags: str, negate: bool = False) -> str:
+        bang = "! " if negate else ""
+        return f"-m set {bang}--match-set {set_name(role, family)} {flags}"
+
+    cidrs = [c for c in options.cluster_cidrs if Family.of(c) is family]
+    nat = [f"-A {SERVICES_CHAIN} -s {_loopback(family)} -j RETURN"]
+    cluster = match(SetRole.CLUSTER_IP, "dst,dst")
+    if options.masquerade_all:
+        nat.append(f"-A {SERVICES_CHAIN} {cluster} -j {MARK_MASQ_CHAIN}")
+    elif cidrs:
+        # Off-cluster sources may be answered through another node: masquerade them.
+        nat.append(f"-A {SERVICES_CHAIN} {cluster} -j {CLUSTER_IP_CHAIN}")
+        nat.extend(f"-A {CLUSTER_IP_CHAIN} -s {c} -j RETURN" for c in cidrs)
+        nat.append(f"-A {CLUSTER_IP_CHAIN} -j {MARK_MASQ_CHAIN}")
+    else:
+        # Without a cluster CIDR we cannot tell pods from the outside; as upstream, at least
+        # masquerade the node's own connections, which leave with a service address as
+        # their source (the address sits on our dummy interface).
+        nat.append(f"-A {SERVICES_CHAIN} {match(SetRole.CLUSTER_IP, 'src,dst')} "
+                   f"-j {MARK_MASQ_CHAIN}")
+    nat += [
+        f"-A {SERVICES_CHAIN} {match(SetRole.EXTERNAL_MASQ, 'dst,dst')} -j {MARK_MASQ_CHAIN}",
+        f"-A {MARK_MASQ_CHAIN} -j MARK --or-mark {MASQ_MARK}",
+        f"-A {POSTROUTING_CHAIN} {match(SetRole.LOOPBACK, 'dst,dst,src')} -j MASQUERADE",
+        f"-A {POSTROUTING_CHAIN} -m mark ! --mark {MASQ_MARK}/{MASQ_MARK} -j RETURN",
+        # Clear the mark so a packet that re-enters the stack is not masqueraded twice.
+        f"-A {POSTROUTING_CHAIN} -j MARK --xor-mark {MASQ_MARK}",
+        f"-A {POSTROUTING_CHAIN} -j MASQUERADE --random-fully",
+    ]
+    filt = [
+        f"-A {INPUT_CHAIN} {match(SetRole.DROP, 'dst,dst')} -j DROP",
+        f"-A {INPUT_CHAIN} {match(SetRole.FIREWALL, 'dst,dst')} -j {SOURCE_RANGES_CHAIN}",
+        # A service address answers only on its service ports (upstream KUBE-IPVS-FILTER):
+        # the host's own listeners must not be reachable through it.
+        f"-A {INPUT_CHAIN} -m conntrack --ctstate NEW {match(SetRole.VIPS, 'dst')} "
+        f"{match(SetRole.SERVICES, 'dst,dst', negate=True)} -j REJECT",
+        f"-A {SOURCE_RANGES_CHAIN} {match(SetRole.FIREWALL_ALLOW, 'dst,dst,src')} -j RETURN",
+        f"-A {SOURCE_RANGES_CHAIN} -j DROP",
+        # For hosts whose FORWARD policy is DROP (upstream KUBE-FORWARD): IPVS replies
+        # are forwarded back to clients.
+        f"-A {FORWARD_CHAIN} -m mark --mark {MASQ_MARK}/{MASQ_MARK} -j ACCEPT",
+        f"-A {FORWARD_CHAIN} -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+    ]
+    return {"nat": nat, "filter": filt}
+
+
+def restore_text(family: Family, options: DataplaneOptions,
+                 saved: dict[str, str]) -> str:
+    """iptables-restore --noflush input: (re)write our chains, add missing jumps.
+
+    `saved` maps a table name to its current `iptables-save` text, to tell which jumps
+    already exist (a jump in a built-in chain cannot be flushed, only added once).
+    Declaring our chains flushes them in --noflush mode; built-in chains are untouched.
+    """
+    rules = iptables_rules(family, options)
+    out = []
+    for table in ("nat", "filter"):
+        out.append(f"*{table}")
+        out.extend(f":{chain} - [0:0]" for chain in CHAINS[table])
+        for jump in JUMPS:
+            if jump.table == table and not has_jump(saved.get(table, ""), jump):
+                out.append(f"-I {jump.chain} {jump.spec()}")
+        out.extend(rules[table])
+        out.append("COMMIT")
+    return "\n".join(out) + "\n"
+
+
+def has_jump(saved: str, jump: Jump) -> bool:
+    prefix = f"-A {jump.chain} "
+    return any(line.startswith(prefix) and line.split()[-2:] == ["-j", jump.target]
+               for line in saved.splitlines())
+
+
+def cleanup_text(saved: dict[str, str]) -> str:
+    """iptables-restore --noflush input removing our jumps and chains; empty if none."""
+    out = []
+    for table in ("nat", "filter"):
+        text = saved.get(table, "")
+        present = {line.split()[0][1:] for line in text.splitlines() if line.startswith(":")}
+        lines = []
+        for line in text.splitlines():
+            parts = line.split()
+            if (line.startswith("-A ") and not parts[1].startswith(CHAIN_PREFIX)
+                    and parts[-2:-1] == ["-j"] and parts[-1].startswith(CHAIN_PREFIX)):
+                lines.append("-D" + line[2:])
+        ours = [c for c in sorted(present) if c.startswith(CHAIN_PREFIX)]
+        lines += [f":{c} - [0:0]" for c in ours]  # flush first: chains may reference each other
+        lines += [f"-X {c}" for c in ours]
+        if lines:
+            out += [f"*{table}", *lines, "COMMIT"]
+    return "\n".join(out) + "\n" if out else ""
+
+
+# --- ipsets ----------------------------------------------------------------------------
+
+
+def _create(name: str, role: SetRole, family: Family) -> str:
+    inet = "inet" if family is Family.V4 else "inet6"
+    return f"create {name} {SET_TYPES[role]} family {inet} maxelem {SET_MAXELEM} -exist"
+
+
+def ipset_replace(families: Iterable[Family], entries: Iterable[SetEntry]) -> str:
+    """`ipset restore` input that makes every set of ours hold exactly `entries`: each set
+    is filled under a temporary name and swapped in, so it changes atomically."""
+    by_set: dict[tuple[SetRole, Family], list[str]] = {}
+    for e in entries:
+        by_set.setdefault((e.role, e.family), []).append(e.entry)
+    out = []
+    for family in families:
+        for role in SetRole:
+            name = set_name(role, family)
+            tmp = f"{name}-T"
+            out += [_create(name, role, family), _create(tmp, role, family), f"flush {tmp}"]
+            out += [f"add {tmp} {entry}" for entry in sorted(by_set.get((role, family), ()))]
+            out += [f"swap {tmp} {name}", f"destroy {tmp}"]
+    return "\n".join(out) + "\n"
+
+
+def ipset_update(added: Iterable[SetEntry], removed: Iterable[SetEntry]) -> str:
+    """`ipset restore` input adding and removing single entries (a partial sync)."""
+    out = [f"add {set_name(e.role, e.family)} {e.entry} -exist"
+           for e in sorted(added, key=_entry_order)]
+    out += [f"del {set_name(e.role, e.family)} {e.entry} -exist"
+            for e in sorted(removed, key=_entry_order)]
+    return "\n".join(out) + "\n" if out else ""
+
+
+def _entry_order(e: SetEntry) -> tuple[str, int, str]:
+    return (e.role.value, e.family.value, e.entry)
+
+
+def parse_ipset_save(text: str) -> dict[str, list[str]]:
+    """`ipset save` output -> set name -> entries as ipset spells them."""
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == "create":
+            out.setdefault(parts[1], [])
+        elif len(parts) >= 3 and parts[0] == "add":
+            out.setdefault(parts[1], []).append(parts[2])
+    return out

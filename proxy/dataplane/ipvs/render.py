@@ -1,0 +1,375 @@
+"""IPVS rendering (pure): a service port -> virtual servers, dummy-interface addresses
+and ipset entries.
+
+One `ResolvedServicePort` becomes one `PortRules`: a virtual server per address the
+port is reachable on (its cluster IPs, externalIPs, load-balancer IPs, and the node's
+addresses at its NodePort), each with a real server per selected endpoint; the
+addresses to put on our dummy interface; and the ipset entries that drive the small,
+fixed set of iptables rules (`proxy.dataplane.ipvs.netfilter`) for what IPVS cannot
+express: masquerading, Local-policy drops, source ranges, hairpin traffic.
+
+Following upstream's IPVS proxier (pkg/proxy/ipvs/proxier.go), with these differences
+on purpose:
+- A Local traffic policy with no local endpoint drops the traffic (as our DESIGN and
+  upstream's iptables mode say); upstream's IPVS mode falls back to the cluster set.
+- A service port with no usable endpoint anywhere keeps its virtual server with no
+  real server: IPVS answers ICMP port unreachable, i.e. the client is refused, as
+  upstream's iptables mode rejects.
+- NodePort bookkeeping uses exact node-address:port entries (hash:ip,port) instead of
+  upstream's bitmap:port sets, so one set covers every protocol and a node address
+  outside --nodeport-addresses is not matched.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv6Address
+from typing import NamedTuple
+
+from proxy.dataplane.base import DataplaneOptions
+from proxy.model.snapshot import DesiredState, MergedEndpoint, ResolvedServicePort
+from proxy.model.types import (
+    Family,
+    IPAddress,
+    IPNetwork,
+    Protocol,
+    ServicePortKey,
+    TrafficPolicy,
+    format_endpoint,
+)
+
+# The dummy interface holding every service address we program (upstream: kube-ipvs0).
+DUMMY_INTERFACE = "spx-ipvs0"
+
+# Virtual-server flags (include/uapi/linux/ip_vs.h).
+FLAG_PERSISTENT = 0x0001
+FLAG_HASHED = 0x0002  # set by the kernel on every service; never ours to compare
+FLAG_SCHED2 = 0x0010  # "mh-port": the mh scheduler also hashes the source port (upstream)
+OUR_FLAGS = FLAG_PERSISTENT | FLAG_SCHED2
+
+# Every real server gets weight 1 (upstream); 0 means "draining".
+WEIGHT = 1
+
+IPPROTO = {Protocol.TCP: socket.IPPROTO_TCP, Protocol.UDP: socket.IPPROTO_UDP,
+           Protocol.SCTP: 132}
+PROTOCOL_OF = {v: k for k, v in IPPROTO.items()}
+
+
+class VsKey(NamedTuple):
+    """What identifies an IPVS virtual server: protocol, address, port."""
+
+    protocol: Protocol
+    address: IPAddress
+    port: int
+
+    @property
+    def family(self) -> Family:
+        return Family.of(self.address)
+
+    def __str__(self) -> str:
+        return f"{self.protocol.value} {format_endpoint(self.address, self.port)}"
+
+
+class RsKey(NamedTuple):
+    """A real server of a virtual server: an endpoint's address and port."""
+
+    address: IPAddress
+    port: int
+
+    def __str__(self) -> str:
+        return format_endpoint(self.address, self.port)
+
+
+class VsKind(enum.Enum):
+    CLUSTER_IP = "cluster-ip"
+    EXTERNAL_IP = "external-ip"
+    LOAD_BALANCER = "load-balancer"
+    NODE_PORT = "node-port"
+
+
+@dataclass(frozen=True, slots=True)
+class VirtualServer:
+    key: VsKey
+    kind: VsKind
+    scheduler: str
+    flags: int  # FLAG_PERSISTENT and scheduler flags; never FLAG_HASHED
+    timeout: int  # persistence (ClientIP affinity) seconds; 0 without affinity
+    real_servers: tuple[RsKey, ...]  # sorted; each with weight WEIGHT
+    endpoint_set: str  # "cluster" or "local": which set the real servers come from
+    drop: bool = False  # Local policy, no local endpoint: the filter drops its traffic
+
+    @property
+    def persistent(self) -> bool:
+        return bool(self.flags & FLAG_PERSISTENT)
+
+
+class SetRole(enum.Enum):
+    """The ipsets the fixed iptables rules match on (one kernel set per role and family)."""
+
+    SERVICES = "SERVICES"  # every virtual server we program: ownership and the VIP filter
+    CLUSTER_IP = "CLUSTER-IP"  # cluster IP:port, masqueraded from off-cluster sources
+    EXTERNAL_MASQ = "EXT-MASQ"  # externally reachable, Cluster policy: always masqueraded
+    DROP = "DROP"  # Local policy with no local endpoint: dropped
+    FIREWALL = "FW"  # load-balancer IP:port with source ranges
+    FIREWALL_ALLOW = "FW-ALLOW"  # (lb IP:port, allowed source range)
+    LOOPBACK = "LOOPBACK"  # (endpoint:port, endpoint): a pod reaching itself, masqueraded
+    VIPS = "VIPS"  # addresses on the dummy interface
+
+
+SET_TYPES = {
+    SetRole.SERVICES: "hash:ip,port",
+    SetRole.CLUSTER_IP: "hash:ip,port",
+    SetRole.EXTERNAL_MASQ: "hash:ip,port",
+    SetRole.DROP: "hash:ip,port",
+    SetRole.FIREWALL: "hash:ip,port",
+    SetRole.FIREWALL_ALLOW: "hash:ip,port,net",
+    SetRole.LOOPBACK: "hash:ip,port,ip",
+    SetRole.VIPS: "hash:ip",
+}
+
+SET_PREFIX = "SPX-IPVS"
+
+
+def set_name(role: SetRole, family: Family) -> str:
+    """Kernel name of a set; ipset names are global across families, so the family is
+    part of the name (at most 31 characters)."""
+    return f"{SET_PREFIX}{family.value}-{role.value}"
+
+
+class SetEntry(NamedTuple):
+    role: SetRole
+    family: Family
+    entry: str  # ipset's own spelling, e.g. "198.18.128.10,tcp:80"
+
+
+@dataclass(frozen=True, slots=True)
+class PortRules:
+    """Everything one service port (in one family) needs in the kernel."""
+
+    key: ServicePortKey
+    virtual_servers: tuple[VirtualServer, ...]
+    addresses: tuple[IPAddress, ...]  # for the dummy interface, sorted
+    entries: frozenset[SetEntry]
+
+
+@dataclass(frozen=True, slots=True)
+class RenderContext:
+    """What rendering needs besides the service port: options and the node's addresses.
+
+    `node_addresses` are the node's own addresses (every interface but our dummy one,
+    no loopback, no IPv6 link-local): an externalIP or load-balancer IP that is one of
+    them is not put on the dummy interface. `nodeport_addresses` are those that accept
+    NodePort traffic (--nodeport-addresses; all node addresses when it is empty).
+    """
+
+    node_name: str
+    scheduler: str
+    node_addresses: frozenset[IPAddress]
+    nodeport_addresses: tuple[IPAddress, ...]
+
+    @staticmethod
+    def build(options: DataplaneOptions, node_addresses: Iterable[IPAddress]) -> RenderContext:
+        usable = frozenset(a for a in node_addresses if usable_node_address(a))
+        return RenderContext(
+            node_name=options.node_name,
+            scheduler=options.ipvs_scheduler or "rr",
+            node_addresses=usable,
+            nodeport_addresses=select_nodeport_addresses(usable, options.nodeport_addresses),
+        )
+
+
+def usable_node_address(address: IPAddress) -> bool:
+    """Upstream's rule for node addresses in IPVS mode: no loopback, no IPv6 link-local."""
+    if address.is_loopback:
+        return False
+    return not (isinstance(address, IPv6Address) and address.is_link_local)
+
+
+def select_nodeport_addresses(
+    addresses: Iterable[IPAddress], cidrs: Sequence[IPNetwork]
+) -> tuple[IPAddress, ...]:
+    """The node addresses that accept NodePort traffic: all, or those inside `cidrs`."""
+    chosen = (a for a in addresses if not cidrs or any(
+        a.version == c.version and a in c for c in cidrs))
+    return tuple(sorted(chosen, key=_address_order))
+
+
+def _address_order(address: IPAddress) -> tuple[int, int]:
+    return (address.version, int(address))
+
+
+def _proto(protocol: Protocol) -> str:
+    return protocol.value.lower()
+
+
+def ip_port(address: IPAddress, protocol: Protocol, port: int) -> str:
+    return f"{address},{_proto(protocol)}:{port}"
+
+
+def _endpoints(rsp: ResolvedServicePort, local: bool) -> tuple[MergedEndpoint, ...]:
+    return rsp.local_endpoints if local else rsp.cluster_endpoints
+
+
+def _real_servers(endpoints: Iterable[MergedEndpoint]) -> tuple[RsKey, ...]:
+    return tuple(sorted({RsKey(e.address, e.port) for e in endpoints},
+                        key=lambda r: (_address_order(r.address), r.port)))
+
+
+def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortRules:
+    """The kernel objects for one service port in one family. Pure."""
+    service, port, family = rsp.service, rsp.port, rsp.key.family
+    protocol = port.protocol
+    flags, timeout = 0, 0
+    if service.affinity_timeout is not None:
+        flags, timeout = FLAG_PERSISTENT, service.affinity_timeout
+    if ctx.scheduler == "mh":
+        flags |= FLAG_SCHED2
+
+    internal_local = service.internal_traffic_policy is TrafficPolicy.LOCAL
+    external_local = service.external_traffic_policy is TrafficPolicy.LOCAL
+    # A Local policy without a local endpoint drops traffic only when endpoints exist
+    # elsewhere; with none at all the (empty) virtual server refuses it.
+    any_endpoints = rsp.has_any_endpoints
+    servers: list[VirtualServer] = []
+    entries: set[SetEntry] = set()
+    addresses: set[IPAddress] = set()
+
+    def add(kind: VsKind, address: IPAddress, vport: int, local: bool) -> VirtualServer:
+        reals = _real_servers(_endpoints(rsp, local))
+        vs = VirtualServer(
+            key=VsKey(protocol, address, vport), kind=kind, scheduler=ctx.scheduler,
+            flags=flags, timeout=timeout, real_servers=reals,
+            endpoint_set="local" if local else "cluster",
+            drop=local and not reals and any_endpoints,
+        )
+        servers.append(vs)
+        entry = ip_port(address, protocol, vport)
+        entries.add(SetEntry(SetRole.SERVICES, family, entry))
+        if vs.drop:
+            entries.add(SetEntry(SetRole.DROP, family, entry))
+        if kind is not VsKind.CLUSTER_IP and not local:
+            # Traffic from outside may come back through another node: masquerade, as
+            # upstream does for every Cluster-policy external address.
+            entries.add(SetEntry(SetRole.EXTERNAL_MASQ, family, entry))
+        return vs
+
+    for ip in rsp.cluster_ips:
+        add(VsKind.CLUSTER_IP, ip, port.port, internal_local)
+        addresses.add(ip)
+        entries.add(SetEntry(SetRole.CLUSTER_IP, family, ip_port(ip, protocol, port.port)))
+    for ip in _of_family(service.external_ips, family):
+        add(VsKind.EXTERNAL_IP, ip, port.port, external_local)
+        if ip not in ctx.node_addresses:
+            addresses.add(ip)
+    for ip in _of_family(service.load_balancer_ips, family):
+        add(VsKind.LOAD_BALANCER, ip, port.port, external_local)
+        if ip not in ctx.node_addresses:
+            addresses.add(ip)
+        ranges = [c for c in service.load_balancer_source_ranges if Family.of(c) is family]
+        if ranges:
+            entries.add(SetEntry(SetRole.FIREWALL, family, ip_port(ip, protocol, port.port)))
+            for cidr in ranges:
+                for net in ipset_nets(cidr):
+                    entries.add(SetEntry(SetRole.FIREWALL_ALLOW, family,
+                                         f"{ip_port(ip, protocol, port.port)},{net}"))
+    if port.node_port:
+        for ip in _of_family(ctx.nodeport_addresses, family):
+            add(VsKind.NODE_PORT, ip, port.node_port, external_local)
+
+    # Hairpin: a local endpoint reaching itself through a service must be masqueraded,
+    # or it would answer itself directly (upstream's KUBE-LOOP-BACK).
+    for s in rsp.endpoints:
+        e = s.endpoint
+        if (s.in_cluster or s.in_local) and e.node_name == ctx.node_name:
+            entries.add(SetEntry(SetRole.LOOPBACK, family,
+                                 f"{e.address},{_proto(protocol)}:{e.port},{e.address}"))
+    for ip in addresses:
+        entries.add(SetEntry(SetRole.VIPS, family, str(ip)))
+    return PortRules(
+        key=rsp.key,
+        virtual_servers=tuple(servers),
+        addresses=tuple(sorted(addresses, key=_address_order)),
+        entries=frozenset(entries),
+    )
+
+
+def ipset_nets(cidr: IPNetwork) -> tuple[IPNetwork, ...]:
+    """ipset's hash:*net types refuse a /0; "everywhere" is the two halves of the space."""
+    if cidr.prefixlen:
+        return (cidr,)
+    return tuple(cidr.subnets(prefixlen_diff=1))
+
+
+def _of_family(addresses: Iterable[IPAddress], family: Family) -> list[IPAddress]:
+    return [a for a in addresses if Family.of(a) is family]
+
+
+def render_all(state: DesiredState, ctx: RenderContext,
+               families: Iterable[Family] = (Family.V4, Family.V6)) -> dict[ServicePortKey,
+                                                                          PortRules]:
+    wanted = set(families)
+    return {key: render_port(rsp, ctx) for key, rsp in state.ports.items()
+            if key.family in wanted}
+
+
+def needs_node_addresses(rsp: ResolvedServicePort) -> bool:
+    """Whether a port's rendering depends on the node's addresses (re-render when they
+    change)."""
+    svc = rsp.service
+    return bool(rsp.port.node_port or svc.external_ips or svc.load_balancer_ips)
+
+
+# --- readable lines (applied_rules, the debug dump) ------------------------------------
+
+
+def describe_vs(vs: VirtualServer, weights: Mapping[RsKey, int] | None = None) -> list[str]:
+    """`TCP 198.18.128.10:80 rr persistent 10800 -> 198.18.1.10:8080 weight 1`, one line
+    per real server (and those still draining at weight 0, when `weights` names them)."""
+    head = f"{vs.key} {vs.scheduler}"
+    if vs.persistent:
+        head += f" persistent {vs.timeout}"
+    if vs.flags & FLAG_SCHED2:
+        head += " mh-port"
+    reals = dict.fromkeys(vs.real_servers, WEIGHT)
+    for rs, weight in (weights or {}).items():
+        reals.setdefault(rs, weight)
+    if not reals:
+        why = ("dropped: policy Local and no local endpoint" if vs.drop
+               else "no endpoints: connections refused")
+        return [f"{head} -> ({why})"]
+    lines = []
+    for rs in sorted(reals, key=lambda r: (_address_order(r.address), r.port)):
+        weight = weights.get(rs, reals[rs]) if weights else reals[rs]
+        suffix = " (draining)" if rs not in vs.real_servers else ""
+        lines.append(f"{head} -> {rs} weight {weight}{suffix}")
+    return lines
+
+
+def describe_entries(rules: PortRules) -> list[str]:
+    """The iptables-side decisions for a port, in words, from its ipset entries."""
+    lines = []
+    for e in sorted(rules.entries, key=lambda e: (e.role.value, e.entry)):
+        if e.role is SetRole.CLUSTER_IP:
+            lines.append(f"masquerade {e.entry} from outside the cluster CIDRs "
+                         "(or all, with --masquerade-all)")
+        elif e.role is SetRole.EXTERNAL_MASQ:
+            lines.append(f"masquerade {e.entry} (external traffic policy Cluster)")
+        elif e.role is SetRole.DROP:
+            lines.append(f"drop {e.entry} (traffic policy Local, no local endpoint)")
+        elif e.role is SetRole.FIREWALL_ALLOW:
+            lines.append(f"allow source range {e.entry} (others dropped)")
+        elif e.role is SetRole.LOOPBACK:
+            lines.append(f"masquerade hairpin {e.entry}")
+    return lines
+
+
+def v6_netmask() -> str:
+    """IPVS reads an IPv6 service's netmask as a prefix length in a host-order u32 (the
+    kernel refuses 0 or more than 128); pyroute2 encodes the attribute as an IPv4 address,
+    so /128 is the dotted quad of 128 in this machine's byte order."""
+    import struct
+
+    return str(IPv4Address(struct.unpack("!I", struct.pack("=I", 128))[0]))
