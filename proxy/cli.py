@@ -1,18 +1,17 @@
 """`python -m proxy`: the command line.
 
-Subcommands: `explain` (offline: what would happen to these objects, and why).
-The agent itself (`python -m proxy [flags]`) arrives with the sync loop.
+    python -m proxy [flags]            run the agent (kube-proxy's flags; --help lists them)
+    python -m proxy --cleanup [flags]  remove sliceproxy's rules from this node and exit
+    python -m proxy explain ...        offline: what would happen to these objects, and why
 """
 
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: python -m proxy explain [-f FILE]... --node NAME [options]
+from proxy.config import ConfigError, parse_args
 
-  explain   show which endpoints each service port gets on a node, and why
-            (python -m proxy explain --help for its options)
-"""
+EXIT_USAGE = 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,8 +20,14 @@ def main(argv: list[str] | None = None) -> int:
         from proxy.explain import main as explain_main
 
         return explain_main(args[1:])
-    if not args or args[0] in ("-h", "--help"):
-        print(USAGE, end="")
-        return 0 if args else 2
-    print(f"python -m proxy: unknown command {args[0]!r}\n\n{USAGE}", end="", file=sys.stderr)
-    return 2
+    try:
+        config = parse_args(args)
+    except ConfigError as exc:
+        print(f"python -m proxy: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    # Imported here so `explain` and `--help` stay quick and need no agent dependencies.
+    from proxy.agent import cleanup, run
+
+    if config.cleanup:
+        return cleanup(config)
+    return run(config)

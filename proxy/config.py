@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="metrics and debug dump server (default 127.0.0.1:10249; port 0 disables)")
     add("--service-proxy-name", help="also proxy services labelled "
         "service.kubernetes.io/service-proxy-name with this value")
+    add("--healthz-threshold", metavar="DURATION",
+        help="sliceproxy only: /healthz fails once a change has waited this long to be "
+             "applied (default 60s, or 3x --min-sync-period if longer; kube-proxy uses "
+             "2x its --sync-period)")
     add("--ipvs-scheduler", help="IPVS scheduler (default rr)")
     add("--cleanup", action="store_true", default=None,
         help="remove every rule sliceproxy owns and exit")
@@ -232,7 +236,7 @@ def from_values(values: dict[str, Any]) -> Config:
                     kw[dest] = value
                 case "endpoints_source":
                     kw[dest] = EndpointsSource(value)
-                case "min_sync_period" | "sync_period":
+                case "min_sync_period" | "sync_period" | "healthz_threshold":
                     kw[dest] = parse_duration(str(value))
                 case "cluster_cidr" | "nodeport_addresses":
                     kw[dest] = _cidrs(value, flag)
@@ -261,7 +265,10 @@ def from_values(values: dict[str, Any]) -> Config:
                 detail = "must be endpointslices or endpoints"
             raise ConfigError(f"{flag}: invalid value {value!r}: {detail}") from None
     cfg = Config(**kw)
-    if cfg.sync_period and cfg.min_sync_period > cfg.sync_period:
+    if cfg.sync_period <= 0:
+        raise ConfigError(f"--sync-period: must be greater than 0 (e.g. 1h), "
+                          f"got {format_duration(cfg.sync_period)}")
+    if cfg.min_sync_period > cfg.sync_period:
         raise ConfigError(
             f"--min-sync-period ({format_duration(cfg.min_sync_period)}) must not exceed "
             f"--sync-period ({format_duration(cfg.sync_period)})")

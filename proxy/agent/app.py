@@ -1,0 +1,378 @@
+"""The agent: watch -> model -> sync runner -> data plane, plus its HTTP faces.
+
+Start-up order matters:
+1. the health and metrics servers start first, so probes get an answer (/livez 200,
+   /healthz 503 until the first sync) while the rest comes up;
+2. the data plane is built on its worker thread; it must not touch existing rules:
+   a restarted agent leaves the previous run's rules serving traffic;
+3. the API client connects and discovers which EndpointSlice version the server has;
+4. the watches list everything; only when every resource has listed does the first
+   (full) sync replace the old rules in one step, so no sync ever programs a partial
+   view of the cluster;
+5. from then on each change requests a sync at the pace of --min-sync-period.
+On SIGTERM/SIGINT everything stops within seconds and the rules stay in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from aiohttp import web
+
+from proxy.agent.changes import ChangeLog
+from proxy.agent.health import ProxyHealth, node_eligible
+from proxy.agent.logs import V
+from proxy.agent.runner import SyncRunner
+from proxy.agent.worker import Worker
+from proxy.config import Config, format_duration
+from proxy.dataplane.base import DataPlane, DataplaneOptions
+from proxy.dataplane.factory import make_dataplane
+from proxy.kube.client import Api, ClientOptions, KubeApi
+from proxy.kube.ingest import EndpointsSource, apply_object, delete_object
+from proxy.kube.reflector import Backoff, ReflectorOptions, WatchEvent
+from proxy.kube.resources import ENDPOINTS, Resource
+from proxy.kube.watch import ClusterWatch, endpoint_slice_resource
+from proxy.metrics import AgentMetrics
+from proxy.model.snapshot import DesiredState
+from proxy.model.tracker import ClusterModel
+from proxy.model.types import LABEL_SERVICE_NAME, ServicePortKey
+from proxy.server.dump import build_dump, selected_keys
+from proxy.server.http import health_app, metrics_app, serve
+from proxy.server.nodeports import HealthCheckPorts, LocalEndpointTracker
+
+log = logging.getLogger(__name__)
+
+DUMP_RULES_TIMEOUT = 2.0  # a dump never waits longer than this for a busy data plane
+CLOSE_TIMEOUT = 3.0
+
+
+class StartupError(Exception):
+    """The agent cannot start (bad kubeconfig, port in use, data plane unavailable)."""
+
+
+def process_age() -> float:
+    """Seconds since this process started (so start-up time includes interpreter and
+    imports), from /proc; 0 where that is not available."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])  # field 22 (starttime), counted after "pid (comm)"
+        boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+        return max(0.0, boot - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def health_threshold(config: Config) -> float:
+    """How long a change may wait before /healthz fails. Upstream uses 2x its 30s
+    --sync-period (60s); our --sync-period is the hourly full resync, so the default is
+    60s, stretched when --min-sync-period alone would make changes wait longer."""
+    if config.healthz_threshold:
+        return config.healthz_threshold
+    return max(60.0, 3 * config.min_sync_period)
+
+
+def dataplane_options(config: Config) -> DataplaneOptions:
+    return DataplaneOptions(
+        node_name=config.node_name,
+        cluster_cidrs=config.cluster_cidr,
+        masquerade_all=config.masquerade_all,
+        nodeport_addresses=config.nodeport_addresses,
+        ipvs_scheduler=config.ipvs_scheduler,
+    )
+
+
+class Agent:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dataplane_factory: Callable[[], DataPlane] | None = None,
+        api_factory: Callable[[], Any] | None = None,
+        reflector_options: ReflectorOptions | None = None,
+        started_at: float | None = None,
+    ) -> None:
+        self.config = config
+        self._dataplane_factory = dataplane_factory or (
+            lambda: make_dataplane(config.proxy_mode, dataplane_options(config)))
+        self._api_factory = api_factory
+        self._reflector_options = reflector_options
+        self.clock = time.monotonic
+        self.started_at = self.clock() - process_age() if started_at is None else started_at
+        self.metrics = AgentMetrics()
+        self.health = ProxyHealth(health_threshold(config))
+        self.model = ClusterModel(config.node_name, config.service_proxy_name)
+        self.changes = ChangeLog(self.clock)
+        self.worker = Worker()
+        self.dataplane: DataPlane | None = None
+        self.api: Api | None = None
+        self.watch: ClusterWatch | None = None
+        self.runner: SyncRunner | None = None
+        self.endpoints_resource: Resource | None = None
+        self.hc_ports = HealthCheckPorts(lambda: self.health.status().healthy,
+                                         config.nodeport_addresses)
+        self._local = LocalEndpointTracker(config.node_name)
+        self._http: list[web.AppRunner] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.metrics.watch_model(lambda: self.model)
+        self.metrics.watch_reflectors(
+            lambda: self.watch.reflectors if self.watch is not None else ())
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run until `stop` is set. Raises StartupError if it cannot start."""
+        try:
+            await self._start_http()
+            await self._start_dataplane()
+            await self._connect()
+            if stop.is_set():
+                return
+            await self._discover(stop)
+            if stop.is_set():
+                return
+            self._start_watch()
+            await self._first_sync(stop)
+            await stop.wait()
+        finally:
+            await self.shutdown()
+
+    async def _start_http(self) -> None:
+        cfg = self.config
+        for (host, port), app, what in (
+            (cfg.healthz_bind_address, health_app(self.health, self.metrics), "healthz"),
+            (cfg.metrics_bind_address, metrics_app(self.metrics, self), "metrics"),
+        ):
+            if port == 0:
+                log.info("%s server disabled (port 0)", what)
+                continue
+            try:
+                self._http.append(await serve(app, host, port))
+            except OSError as exc:
+                raise StartupError(f"--{what}-bind-address {host}:{port}: cannot listen: "
+                                   f"{exc.strerror or exc}") from exc
+            log.info("serving %s", what, extra={"address": f"{host}:{port}"})
+
+    async def _start_dataplane(self) -> None:
+        try:
+            self.dataplane = await self.worker.call(self._dataplane_factory)
+        except Exception as exc:
+            raise StartupError(f"cannot start the {self.config.proxy_mode} data plane: "
+                               f"{exc}") from exc
+        log.info("data plane ready; existing rules are kept until the first full sync",
+                 extra={"mode": self.dataplane.mode})
+
+    async def _connect(self) -> None:
+        if self._api_factory is not None:
+            self.api = self._api_factory()
+            return
+        from proxy.kube.client import ConfigError
+
+        try:
+            self.api = await KubeApi.connect(
+                ClientOptions(kubeconfig=self.config.kubeconfig, master=self.config.master))
+        except ConfigError as exc:
+            raise StartupError(str(exc)) from exc
+
+    async def _discover(self, stop: asyncio.Event) -> None:
+        """Which endpoints resource to watch; retried while the API server is away."""
+        assert self.api is not None
+        if self.config.endpoints_source is EndpointsSource.ENDPOINTS:
+            self.endpoints_resource = ENDPOINTS
+            log.info("using legacy Endpoints (core/v1), as --endpoints-source=endpoints asks")
+            return
+        backoff = Backoff(0.5, 30.0)
+        while not stop.is_set():
+            try:
+                self.endpoints_resource = await endpoint_slice_resource(self.api)
+                break
+            except Exception as exc:
+                delay = backoff.next()
+                log.warning("EndpointSlice API discovery failed: %s; retrying in %.1fs",
+                            exc, delay, extra={"api_server": self.api.host})
+                await _wait(stop, delay)
+        if self.endpoints_resource is not None:
+            log.info("using EndpointSlice API %s", self.endpoints_resource.group_version,
+                     extra={"resource": str(self.endpoints_resource)})
+
+    def _start_watch(self) -> None:
+        assert self.api is not None and self.endpoints_resource is not None
+        assert self.dataplane is not None
+        self.runner = SyncRunner(
+            self.model, self.dataplane, self.worker,
+            min_sync_period=self.config.min_sync_period,
+            sync_period=self.config.sync_period,
+            metrics=self.metrics, health=self.health, changes=self.changes,
+            clock=self.clock, started_at=self.started_at, on_synced=self._synced)
+        kwargs: dict[str, Any] = {"slice_resource": self.endpoints_resource}
+        if self._reflector_options is not None:
+            kwargs["options"] = self._reflector_options
+        self.watch = ClusterWatch(self.api, self.config.node_name,
+                                  self.config.endpoints_source, self._on_event, **kwargs)
+        self.watch.start()
+        self._spawn(self.runner.run(), "sync runner")
+        log.info("agent started", extra={
+            "node": self.config.node_name, "mode": self.config.proxy_mode,
+            "endpoints_source": self.config.endpoints_source.value,
+            "min_sync_period": format_duration(self.config.min_sync_period),
+            "sync_period": format_duration(self.config.sync_period),
+            "healthz_threshold": format_duration(self.health.threshold)})
+
+    async def _first_sync(self, stop: asyncio.Event) -> None:
+        assert self.watch is not None and self.runner is not None
+        synced = asyncio.ensure_future(self.watch.wait_synced())
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({synced, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for fut in (synced, stopped):
+                fut.cancel()
+        if stop.is_set():
+            return
+        log.info("every watched resource has listed; running the first full sync",
+                 extra={"service_ports_dirty": len(self.model.dirty),
+                        "since_start": f"{self.clock() - self.started_at:.3f}s"})
+        self.runner.start()
+
+    async def shutdown(self) -> None:
+        log.info("stopping; the rules stay in place")
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.watch is not None:
+            await self.watch.stop()
+        await self.hc_ports.close()
+        for runner in self._http:
+            await runner.cleanup()
+        self._http.clear()
+        if self.api is not None:
+            await self.api.close()
+            self.api = None
+        if self.dataplane is not None:
+            try:
+                await asyncio.wait_for(self.worker.call(self.dataplane.close), CLOSE_TIMEOUT)
+            except TimeoutError:
+                log.warning("the data plane is still busy (a sync in progress); leaving it")
+            except Exception:
+                log.exception("closing the data plane failed")
+            self.dataplane = None
+        self.worker.stop(timeout=0)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception(),
+                      extra={"task": task.get_name()})
+
+    # --- events ----------------------------------------------------------------------
+
+    def _on_event(self, ev: WatchEvent) -> None:
+        kind = ev.resource.kind
+        model = self.model
+        if kind == "Node":
+            eligible = ev.type != "DELETED" and node_eligible(ev.obj)
+            if eligible != self.health.node_eligible:
+                log.warning("node is %s", "eligible again" if eligible else
+                            "being deleted: /healthz reports unhealthy",
+                            extra={"node": self.config.node_name})
+            self.health.node_eligible = eligible
+            if ev.obj is not None and ev.type != "DELETED":
+                apply_object(model, ev.obj, self.config.endpoints_source)
+        else:
+            if ev.type == "DELETED":
+                delete_object(model, kind, ev.namespace, ev.name)
+            elif ev.obj is not None:
+                apply_object(model, ev.obj, self.config.endpoints_source)
+            if kind == "Service":
+                self.changes.service(ev.namespace, ev.name)
+                self.metrics.service_changes.inc()
+            else:
+                self.changes.endpoints(ev.namespace, _service_of(ev), ev.name)
+                self.metrics.endpoint_changes.inc()
+            log.log(V(4), "event", extra={"type": ev.type, "kind": kind,
+                                          "object": f"{ev.namespace}/{ev.name}"})
+        if self.runner is not None and (not self.runner.initialized or model.dirty):
+            self.runner.request()
+
+    def _synced(self, state: DesiredState, keys: frozenset[ServicePortKey]) -> None:
+        if self._local.update(state, keys):
+            self._spawn(self.hc_ports.update(self._local.wanted(), self._local.counts()),
+                        "health check node ports")
+
+    # --- /debug/dump -----------------------------------------------------------------
+
+    async def _applied_rules(
+        self, keys: Sequence[ServicePortKey]
+    ) -> tuple[Mapping[ServicePortKey, Sequence[str]] | None, str | None]:
+        dp = self.dataplane
+        if dp is None:
+            return None, "the data plane is not running"
+        try:
+            rules = await asyncio.wait_for(
+                self.worker.call(lambda: {k: list(dp.applied_rules(k)) for k in keys}),
+                DUMP_RULES_TIMEOUT)
+        except TimeoutError:
+            return None, (f"the data plane was busy for {DUMP_RULES_TIMEOUT:g}s (a sync in "
+                          "progress, or blocked); applied_rules left out")
+        except Exception as exc:
+            return None, f"reading applied rules failed: {exc}"
+        return rules, None
+
+    async def debug_dump(self, service: str | None) -> dict[str, Any]:
+        applied, note = await self._applied_rules(selected_keys(self.model, service))
+        st = self.health.status()
+        health = {
+            "healthy": st.healthy, "ready": st.ready, "node_eligible": st.node_eligible,
+            "first_sync_done": st.first_sync_done,
+            "oldest_change_waiting_seconds": (
+                round(st.oldest_queued_age, 3) if st.oldest_queued_age is not None else None),
+            "threshold_seconds": self.health.threshold,
+            "health_check_node_ports": {f"{ns}/{name}": port for (ns, name), port
+                                        in sorted(self.hc_ports.open_ports.items())},
+        }
+        watch: dict[str, Any] = {
+            "endpoints_source": self.config.endpoints_source.value,
+            "endpoints_resource": str(self.endpoints_resource) if self.endpoints_resource
+            else None,
+            "synced": self.watch.synced if self.watch is not None else False,
+            "resources": {} if self.watch is None else {
+                str(r.resource): {**_stats(r.stats), "resource_version": r.resource_version,
+                                  "objects": len(r.known)}
+                for r in self.watch.reflectors},
+        }
+        history = self.runner.history if self.runner is not None else ()
+        return build_dump(
+            config={**self.config.as_dict(), "healthz-threshold": format_duration(
+                self.health.threshold)},
+            model=self.model, applied=applied, applied_note=note,
+            syncs=[r.as_dict() for r in reversed(history)],
+            health=health, watch=watch, service=service)
+
+
+def _service_of(ev: WatchEvent) -> str | None:
+    if ev.resource.kind == "Endpoints":
+        return ev.name
+    labels = ((ev.obj or {}).get("metadata") or {}).get("labels") or {}
+    name = labels.get(LABEL_SERVICE_NAME) if isinstance(labels, dict) else None
+    return str(name) if name else None
+
+
+def _stats(stats: object) -> dict[str, Any]:
+    return {name: getattr(stats, name) for name in stats.__slots__}  # type: ignore[attr-defined]
+
+
+async def _wait(stop: asyncio.Event, delay: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), delay)

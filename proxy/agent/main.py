@@ -1,0 +1,94 @@
+"""Running the agent as a process: event loop choice, signals, exit codes, --cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from proxy.agent import logs
+from proxy.agent.app import Agent, StartupError, dataplane_options
+from proxy.config import Config
+from proxy.dataplane.factory import PLANES, DataplaneUnavailable, make_dataplane
+
+log = logging.getLogger("proxy.agent")
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+def _loop_factory(use_uvloop: bool) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    if not use_uvloop:
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        log.warning("uvloop is not installed; using the standard asyncio loop")
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+async def _serve(config: Config, agent_kwargs: dict[str, Any]) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = {"count": 0}
+
+    def on_signal(sig: signal.Signals) -> None:
+        signals["count"] += 1
+        if signals["count"] > 1:
+            # A second signal: the operator wants out now (rules still stay in place).
+            log.warning("second %s: exiting immediately", sig.name)
+            os._exit(EXIT_FAILED)
+        log.info("received %s", sig.name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    agent = Agent(config, **agent_kwargs)
+    try:
+        await agent.run(stop)
+    except StartupError as exc:
+        log.error("cannot start: %s", exc)
+        return EXIT_FAILED
+    log.info("stopped")
+    return EXIT_OK
+
+
+def run(config: Config, **agent_kwargs: Any) -> int:
+    """`python -m proxy [flags]`: run until SIGTERM/SIGINT."""
+    logs.setup(config.verbosity)
+    factory = _loop_factory(config.uvloop)
+    log.info("sliceproxy starting", extra={
+        "node": config.node_name, "mode": config.proxy_mode,
+        "event_loop": "uvloop" if factory is not None else "asyncio", "pid": os.getpid()})
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(_serve(config, agent_kwargs))
+
+
+def cleanup(config: Config) -> int:
+    """`--cleanup`: remove every rule sliceproxy owns in this network namespace, for the
+    chosen mode and (best effort) the other one, and exit. Needs no API server."""
+    logs.setup(config.verbosity)
+    options = dataplane_options(config)
+    status = EXIT_OK
+    for mode in [config.proxy_mode, *(m for m in PLANES if m != config.proxy_mode)]:
+        chosen = mode == config.proxy_mode
+        try:
+            dp = make_dataplane(mode, options)
+            try:
+                dp.cleanup()
+            finally:
+                dp.close()
+        except (DataplaneUnavailable, Exception) as exc:
+            if chosen:
+                log.error("cleanup failed: %s", exc, extra={"mode": mode})
+                status = EXIT_FAILED
+            else:
+                log.log(logs.V(2), "no cleanup for the other mode: %s", exc,
+                        extra={"mode": mode})
+            continue
+        log.info("removed sliceproxy's rules", extra={"mode": mode})
+    return status

@@ -1,0 +1,282 @@
+"""The sync loop: dirty service ports -> resolve -> data plane -> kernel, at the pace
+`SyncSchedule` allows, with health, metrics and a history of what each sync did.
+
+Resolving runs on the event loop (the model is only ever touched there); the data plane
+runs on its worker thread. A failed apply is retried with backoff as a full sync, and
+the changes it carried stay pending (for /healthz, the pending gauges and the latency
+histogram) until a sync applies them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.agent.changes import ChangeBatch, ChangeLog
+from proxy.agent.health import ProxyHealth
+from proxy.agent.logs import V
+from proxy.agent.schedule import SyncSchedule, Trigger
+from proxy.agent.worker import Worker
+from proxy.dataplane.base import ApplyError, DataPlane, SyncReport
+from proxy.metrics import AgentMetrics
+from proxy.model.snapshot import DesiredState
+from proxy.model.tracker import ClusterModel
+from proxy.model.types import ServicePortKey
+
+log = logging.getLogger(__name__)
+
+HISTORY = 32  # syncs kept for /debug/dump
+CHANGED_SHOWN = 25  # service ports listed per sync record; the rest are counted
+RETRY_MAX = 30.0
+HOUSEKEEPING_INTERVAL = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class SyncRecord:
+    """One sync, as /debug/dump shows it."""
+
+    started: float  # wall clock
+    duration: float
+    trigger: str
+    full: bool
+    changed: tuple[str, ...]  # service ports whose desired state changed (first few)
+    changed_count: int
+    written: int = 0
+    removed: int = 0
+    operations: int = 0
+    apply_seconds: float = 0.0
+    conntrack_cleared: int = 0
+    error: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(self.started))
+                       + f".{int(self.started % 1 * 1000):03d}Z",
+            "duration_seconds": round(self.duration, 6),
+            "trigger": self.trigger,
+            "full": self.full,
+            "changed": list(self.changed),
+            "changed_count": self.changed_count,
+            "written": self.written,
+            "removed": self.removed,
+            "operations": self.operations,
+            "apply_seconds": round(self.apply_seconds, 6),
+            "conntrack_cleared": self.conntrack_cleared,
+            "error": self.error,
+            "details": self.details,
+        }
+
+
+def _refs(keys: Iterable[ServicePortKey]) -> set[tuple[str, str]]:
+    return {(k.namespace, k.name) for k in keys}
+
+
+class SyncRunner:
+    def __init__(
+        self,
+        model: ClusterModel,
+        dataplane: DataPlane,
+        worker: Worker,
+        *,
+        min_sync_period: float,
+        sync_period: float,
+        metrics: AgentMetrics,
+        health: ProxyHealth,
+        changes: ChangeLog,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        started_at: float | None = None,
+        burst: int = 2,
+        on_synced: Callable[[DesiredState, frozenset[ServicePortKey]], None] | None = None,
+        housekeeping_interval: float = HOUSEKEEPING_INTERVAL,
+    ) -> None:
+        self.model, self.dataplane, self.worker = model, dataplane, worker
+        self.metrics, self.health, self.changes = metrics, health, changes
+        self._clock, self._wall = clock, wall
+        self.sync_period = sync_period
+        self.schedule = SyncSchedule(min_sync_period, sync_period, burst, now=clock())
+        self.history: deque[SyncRecord] = deque(maxlen=HISTORY)
+        self.on_synced = on_synced
+        self.housekeeping_interval = housekeeping_interval
+        self._started_at = clock() if started_at is None else started_at
+        self._wake = asyncio.Event()
+        self._need_full = True
+        self._last_full: float | None = None
+        self._unapplied: set[ServicePortKey] = set()  # desired changes not yet applied
+        self._failures = 0
+        self.initialized = False
+        self.syncs = 0
+
+    # --- inputs ----------------------------------------------------------------------
+
+    def request(self) -> None:
+        """A change arrived: sync as soon as the rate limit allows. Before the first sync
+        changes only accumulate (as upstream, health counts them from then on)."""
+        self.metrics.service_changes_pending.set(self.changes.pending_services)
+        self.metrics.endpoint_changes_pending.set(self.changes.pending_endpoints)
+        if self.initialized:
+            self.health.queued()
+            self.metrics.last_queued.set(self._wall())
+            self.schedule.request()
+            self._wake.set()
+
+    def start(self) -> None:
+        """Every watched resource has listed: the first (full) sync may run."""
+        self.initialized = True
+        self.health.queued()
+        self.metrics.last_queued.set(self._wall())
+        self.schedule.request(Trigger.INITIAL)
+        self._wake.set()
+
+    # --- the loop --------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Sync whenever due, until cancelled."""
+        next_housekeeping = self._clock() + self.housekeeping_interval
+        while True:
+            self._wake.clear()
+            now = self._clock()
+            trigger = self.schedule.start(now) if self.initialized else None
+            if trigger is not None:
+                await self._sync(trigger)
+                continue
+            if self.initialized and now >= next_housekeeping:
+                await self._housekeeping()
+                next_housekeeping = self._clock() + self.housekeeping_interval
+                continue
+            due = self.schedule.next_due(now) if self.initialized else None
+            timeout = next_housekeeping - now
+            if due is not None:
+                timeout = min(timeout, due - now)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max(0.0, timeout))
+
+    async def _housekeeping(self) -> None:
+        try:
+            await self.worker.call(self.dataplane.housekeeping)
+        except Exception:
+            log.exception("data plane housekeeping failed", extra={"mode": self.dataplane.mode})
+
+    async def _sync(self, trigger: Trigger) -> None:
+        start = self._clock()
+        started_wall = self._wall()
+        full = (self._need_full or trigger is not Trigger.CHANGE
+                or self._last_full is None or start - self._last_full >= self.sync_period)
+        batch = self.changes.checkout()
+        self.metrics.service_changes_pending.set(0)
+        self.metrics.endpoint_changes_pending.set(0)
+        self.health.sync_started()
+        state = self.model.resolve()
+        self._unapplied |= state.changed
+        try:
+            report = await self.worker.call(lambda: self.dataplane.sync(state, full))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # ApplyError, or a data-plane bug: never stop syncing
+            self._failed(trigger, full, start, started_wall, batch, exc)
+            return
+        finally:
+            self.schedule.finish(self._clock())
+        self._succeeded(trigger, full, start, started_wall, batch, state, report)
+
+    def _changed_fields(self) -> tuple[tuple[str, ...], int]:
+        keys = sorted(self._unapplied, key=lambda k: (k.namespace, k.name, k.port, k.family))
+        return tuple(str(k) for k in keys[:CHANGED_SHOWN]), len(keys)
+
+    def _succeeded(self, trigger: Trigger, full: bool, start: float, started_wall: float,
+                   batch: ChangeBatch, state: DesiredState, report: SyncReport) -> None:
+        end = self._clock()
+        duration = end - start
+        kind = "full" if full else "partial"
+        m = self.metrics
+        m.sync_duration.observe(duration)
+        (m.sync_full_duration if full else m.sync_partial_duration).observe(duration)
+        m.syncs.labels(kind, "ok").inc()
+        m.last_sync.set(self._wall())
+        if report.conntrack_cleared:
+            m.conntrack_cleared.inc(report.conntrack_cleared)
+        if trigger is not Trigger.INITIAL:
+            # Start-up is not programming latency: its changes are the initial list.
+            touched = _refs(self._unapplied)
+            for ref, arrived in batch.arrivals.items():
+                if ref in touched:
+                    m.network_programming.observe(max(0.0, end - arrived))
+        changed, changed_count = self._changed_fields()
+        applied = frozenset(self._unapplied)
+        self._unapplied.clear()
+        self._need_full = False
+        self._failures = 0
+        if full:
+            self._last_full = start
+        self.syncs += 1
+        self.health.updated()
+        record = SyncRecord(
+            started=started_wall, duration=duration, trigger=trigger.value, full=full,
+            changed=changed, changed_count=changed_count, written=len(report.written),
+            removed=len(report.removed), operations=report.operations,
+            apply_seconds=report.apply_seconds, conntrack_cleared=report.conntrack_cleared,
+            details=dict(report.details))
+        self.history.append(record)
+        extra = {"trigger": trigger.value, "full": full, "duration": f"{duration:.4f}s",
+                 "service_ports": len(state), "changed": changed_count,
+                 "written": record.written, "removed": record.removed,
+                 "operations": report.operations}
+        if trigger is Trigger.INITIAL:
+            startup = end - self._started_at
+            m.first_sync.set(startup)
+            log.info("first sync done: rules programmed for the whole cluster",
+                     extra={**extra, "since_start": f"{startup:.3f}s"})
+        elif full:
+            log.info("full sync done", extra=extra)
+        else:
+            log.log(V(2), "sync done", extra=extra)
+        if self.on_synced is not None:
+            try:
+                self.on_synced(state, applied)
+            except Exception:
+                log.exception("post-sync hook failed")
+
+    def _failed(self, trigger: Trigger, full: bool, start: float, started_wall: float,
+                batch: ChangeBatch, exc: Exception) -> None:
+        duration = self._clock() - start
+        kind = "full" if full else "partial"
+        m = self.metrics
+        m.syncs.labels(kind, "error").inc()
+        self.changes.restore(batch)
+        m.service_changes_pending.set(self.changes.pending_services)
+        m.endpoint_changes_pending.set(self.changes.pending_endpoints)
+        self.health.sync_failed()
+        self._need_full = True
+        self._failures += 1
+        # Upstream retries after --sync-period (30s there); ours is an hour, so back off
+        # from --min-sync-period (at least 1s) up to 30s instead.
+        delay = min(RETRY_MAX, max(1.0, self.schedule.min_interval) * 2 ** (self._failures - 1))
+        self.schedule.retry_after(self._clock(), delay)
+        mode = self.dataplane.mode
+        extra: dict[str, Any] = {"trigger": trigger.value, "full": full, "mode": mode,
+                                 "retry_in": f"{delay:g}s", "failures": self._failures}
+        if isinstance(exc, ApplyError):
+            m.apply_failures.labels(mode).inc()
+            if mode == "iptables":
+                m.iptables_restore_failures.inc()
+                if not full:
+                    m.iptables_partial_restore_failures.inc()
+            if exc.offending:
+                extra["offending"] = exc.offending
+            log.error("sync failed, the previous rules stay in place: %s", exc, extra=extra)
+            message = str(exc)
+        else:
+            log.error("sync failed with an unexpected error; the previous rules stay in "
+                      "place", exc_info=exc, extra=extra)
+            message = f"{type(exc).__name__}: {exc}"
+        changed, changed_count = self._changed_fields()
+        self.history.append(SyncRecord(
+            started=started_wall, duration=duration, trigger=trigger.value, full=full,
+            changed=changed, changed_count=changed_count, error=message))

@@ -1,0 +1,174 @@
+"""The agent's Prometheus metrics, on a private registry.
+
+Names follow kube-proxy's (`pkg/proxy/metrics/metrics.go`) where one exists, so
+dashboards and alerts written for kube-proxy keep working; what only sliceproxy knows
+(skipped objects, endpoint conflicts, the watch layer) is under `sliceproxy_*`.
+Values that already live elsewhere (the model's skip records, the reflectors' counters)
+are read at scrape time by collectors instead of being counted twice.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import fields
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from proxy.kube.reflector import Reflector, ReflectorStats
+from proxy.model.tracker import ClusterModel
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Upstream: ExponentialBuckets(0.001, 2, 15), 1 ms to 16 s.
+SYNC_BUCKETS = tuple(0.001 * 2**i for i in range(15))
+# Upstream's programming-latency buckets start at 250 ms; ours add finer ones below,
+# since a node applies a change in milliseconds when nothing holds it back.
+PROGRAMMING_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1,
+    *(0.25 * i for i in range(1, 4)),
+    *(float(i) for i in range(1, 60)),
+    *(60.0 + 5 * i for i in range(12)),
+    *(120.0 + 30 * i for i in range(7)),
+)
+
+
+class AgentMetrics:
+    def __init__(self) -> None:
+        # kube-proxy exports no *_created series; they would only double the output.
+        disable_created_metrics()  # type: ignore[no-untyped-call]
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.sync_duration = Histogram(
+            "kubeproxy_sync_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds (resolve + render + apply)",
+            buckets=SYNC_BUCKETS, registry=r)
+        self.sync_full_duration = Histogram(
+            "kubeproxy_sync_full_proxy_rules_duration_seconds",
+            "Latency of full syncs in seconds", buckets=SYNC_BUCKETS, registry=r)
+        self.sync_partial_duration = Histogram(
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+            "Latency of partial syncs in seconds", buckets=SYNC_BUCKETS, registry=r)
+        self.network_programming = Histogram(
+            "kubeproxy_network_programming_duration_seconds",
+            "Time from a change's arrival at the agent to its rules being applied",
+            buckets=PROGRAMMING_BUCKETS, registry=r)
+        self.last_sync = Gauge(
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "The last time proxy rules were successfully synced", registry=r)
+        self.last_queued = Gauge(
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+            "The last time a sync of proxy rules was queued", registry=r)
+        self.endpoint_changes_pending = Gauge(
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "Services with endpoint changes not yet synced", registry=r)
+        self.service_changes_pending = Gauge(
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "Services with changes not yet synced", registry=r)
+        self.endpoint_changes = Counter(
+            "kubeproxy_sync_proxy_rules_endpoint_changes",
+            "Endpoint (EndpointSlice or Endpoints) events received", registry=r)
+        self.service_changes = Counter(
+            "kubeproxy_sync_proxy_rules_service_changes",
+            "Service events received", registry=r)
+        self.iptables_restore_failures = Counter(
+            "kubeproxy_sync_proxy_rules_iptables_restore_failures",
+            "iptables-restore failures (iptables mode)", registry=r)
+        self.iptables_partial_restore_failures = Counter(
+            "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures",
+            "iptables-restore failures of partial syncs (iptables mode)", registry=r)
+        self.healthz = Counter(
+            "kubeproxy_proxy_healthz", "/healthz answers by HTTP code", ["code"], registry=r)
+        self.livez = Counter(
+            "kubeproxy_proxy_livez", "/livez answers by HTTP code", ["code"], registry=r)
+        self.syncs = Counter(
+            "sliceproxy_syncs", "Syncs by kind (full, partial) and result (ok, error)",
+            ["kind", "result"], registry=r)
+        self.apply_failures = Counter(
+            "sliceproxy_sync_apply_failures",
+            "Syncs whose apply the kernel refused, by proxy mode", ["mode"], registry=r)
+        self.conntrack_cleared = Counter(
+            "sliceproxy_conntrack_entries_cleared",
+            "Stale UDP/SCTP conntrack entries cleared after syncs", registry=r)
+        self.first_sync = Gauge(
+            "sliceproxy_first_sync_seconds",
+            "Seconds from process start to the first successful sync", registry=r)
+
+    def watch_model(self, model: Callable[[], ClusterModel | None]) -> None:
+        self.registry.register(ModelCollector(model))
+
+    def watch_reflectors(self, reflectors: Callable[[], Iterable[Reflector]]) -> None:
+        self.registry.register(WatchCollector(reflectors))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ModelCollector(Collector):
+    """Skipped objects by kind and reason, endpoint conflicts, service ports: read from
+    the model at scrape time (the model lives on the event loop, as do scrapes)."""
+
+    def __init__(self, model: Callable[[], ClusterModel | None]) -> None:
+        self._model = model
+
+    def collect(self) -> Iterator[Metric]:
+        skipped = GaugeMetricFamily(
+            "sliceproxy_skipped_objects",
+            "Objects (or parts of objects) skipped as invalid or not ours, by reason",
+            labels=["kind", "reason"])
+        conflicts = GaugeMetricFamily(
+            "sliceproxy_endpoint_conflicts",
+            "Endpoints listed by several slices whose copies disagree")
+        ports = GaugeMetricFamily(
+            "sliceproxy_service_ports", "Service ports (per IP family) this node proxies")
+        model = self._model()
+        if model is not None:
+            tally = Tally((s.kind, s.reason) for s in model.skipped())
+            for (kind, reason), count in sorted(tally.items()):
+                skipped.add_metric([kind, reason], count)
+            state = model.state
+            conflicts.add_metric([], sum(len(rsp.conflicts) for rsp in state))
+            ports.add_metric([], len(state))
+        yield from (skipped, conflicts, ports)
+
+
+_WATCH_HELP = {
+    "lists": "Completed lists (the first included)",
+    "relists": "Lists forced by 410 Gone (watch history expired)",
+    "watches": "Watch streams opened",
+    "watch_restarts": "Watch streams that ended or broke and were reopened",
+    "stalls": "Watch streams restarted after going silent",
+    "errors": "Failed list or watch requests (retried with backoff)",
+    "events": "Watch and list events delivered",
+    "bookmarks": "Bookmarks received",
+    "oversized": "Watch events skipped for exceeding the size limit",
+}
+# Every integer counter of ReflectorStats is exported, including ones added later.
+_WATCH_COUNTERS = [f.name for f in fields(ReflectorStats) if f.type in (int, "int")]
+
+
+class WatchCollector(Collector):
+    def __init__(self, reflectors: Callable[[], Iterable[Reflector]]) -> None:
+        self._reflectors = reflectors
+
+    def collect(self) -> Iterator[Metric]:
+        families = {
+            name: CounterMetricFamily(
+                f"sliceproxy_watch_{name}",
+                _WATCH_HELP.get(name, f"Watch layer counter {name!r} (ReflectorStats)"),
+                labels=["resource"])
+            for name in _WATCH_COUNTERS
+        }
+        for reflector in self._reflectors():
+            for name in _WATCH_COUNTERS:
+                families[name].add_metric([str(reflector.resource)],
+                                          getattr(reflector.stats, name))
+        yield from families.values()
