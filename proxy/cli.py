@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m proxy: {exc}", file=sys.stderr)
         return EXIT_USAGE
     # Imported here so `explain` and `--help` stay quick and need no agent dependencies.
-    from proxy.agent import cleanup, run
+    from proxy.agent.main import cleanup, run
 
     if config.cleanup:
         return cleanup(config)

@@ -26,7 +26,6 @@ from typing import Any
 from aiohttp import web
 
 from proxy.agent.changes import ChangeLog
-from proxy.agent.health import ProxyHealth, node_eligible
 from proxy.agent.logs import V
 from proxy.agent.runner import SyncRunner
 from proxy.agent.worker import Worker
@@ -43,6 +42,7 @@ from proxy.model.snapshot import DesiredState
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import LABEL_SERVICE_NAME, ServicePortKey
 from proxy.server.dump import build_dump, selected_keys
+from proxy.server.health import ProxyHealth, node_eligible
 from proxy.server.http import health_app, metrics_app, serve
 from proxy.server.nodeports import HealthCheckPorts, LocalEndpointTracker
 

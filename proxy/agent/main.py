@@ -53,6 +53,9 @@ async def _serve(config: Config, agent_kwargs: dict[str, Any]) -> int:
     except StartupError as exc:
         log.error("cannot start: %s", exc)
         return EXIT_FAILED
+    except Exception:
+        log.exception("the agent failed")
+        return EXIT_FAILED
     log.info("stopped")
     return EXIT_OK
 

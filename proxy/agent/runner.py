@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.agent.changes import ChangeBatch, ChangeLog
-from proxy.agent.health import ProxyHealth
 from proxy.agent.logs import V
 from proxy.agent.schedule import SyncSchedule, Trigger
 from proxy.agent.worker import Worker
@@ -28,6 +27,7 @@ from proxy.metrics import AgentMetrics
 from proxy.model.snapshot import DesiredState
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import ServicePortKey
+from proxy.server.health import ProxyHealth
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ Semantics (upstream `pkg/util/async/bounded_frequency_runner.go`, with kube-prox
 - a change requests a sync; it runs at once if the rate limiter has a token (a token
   bucket of `burst` tokens refilled at one per `min_interval`), so the first change after
   a quiet period is applied immediately;
-- otherwise it runs once a token is back and `min_interval` has passed since the last
-  sync finished; every request made meanwhile is coalesced into that one sync;
+- otherwise it runs as soon as a token is back; every request made meanwhile is
+  coalesced into that one sync;
 - with no change at all a sync still runs every `max_interval` (our full resync);
 - after a failed sync, a retry is due after a delay (the runner's backoff).
 
@@ -17,7 +17,6 @@ without sleeping. The async loop around it lives in `runner.py`.
 from __future__ import annotations
 
 import enum
-import math
 
 
 class Trigger(enum.Enum):
@@ -39,7 +38,6 @@ class SyncSchedule:
         self.burst = max(1, burst)
         self._tokens = float(self.burst)
         self._refilled_at = now
-        self._last_end = -math.inf
         self._pending: Trigger | None = None
         self._periodic_at = now + max_interval
         self._retry_at: float | None = None
@@ -66,11 +64,13 @@ class SyncSchedule:
                    self._tokens + (now - self._refilled_at) / self.min_interval)
 
     def _earliest_allowed(self, now: float) -> float:
-        """When the rate limiter next allows a run (now, if it does already)."""
+        """When the rate limiter next allows a run (now, if it does already). The token
+        bucket alone decides, as upstream's `TryAccept`; upstream also re-arms its timer
+        for `min_interval` after the last run *ended*, a hint that only delays the check
+        when no other request comes, which we do not copy."""
         if self._tokens_at(now) >= 1.0:
             return now
-        token_time = self._refilled_at + (1.0 - self._tokens) * self.min_interval
-        return max(token_time, self._last_end + self.min_interval)
+        return self._refilled_at + (1.0 - self._tokens) * self.min_interval
 
     def next_due(self, now: float) -> float | None:
         """Absolute time of the next sync (<= now: due), None while one is running."""
@@ -104,7 +104,6 @@ class SyncSchedule:
     def finish(self, now: float) -> None:
         """The sync that `start` began is over (successfully or not)."""
         self.running = False
-        self._last_end = now
         self._periodic_at = now + self.max_interval
 
     @property

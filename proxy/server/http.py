@@ -14,12 +14,13 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from proxy.agent.health import ProxyHealth, go_time
 from proxy.metrics import CONTENT_TYPE, AgentMetrics
+from proxy.server.health import ProxyHealth, go_time
 
 log = logging.getLogger(__name__)
 
-NOSNIFF = {"X-Content-Type-Options": "nosniff"}
+# Exactly upstream's headers (no charset parameter).
+JSON_HEADERS = {"Content-Type": "application/json", "X-Content-Type-Options": "nosniff"}
 
 
 class DumpSource(Protocol):
@@ -37,8 +38,7 @@ def health_app(health: ProxyHealth, metrics: AgentMetrics) -> web.Application:
         text = (f'{{"lastUpdated": {json.dumps(go_time(last))},'
                 f'"currentTime": {json.dumps(go_time(st.current_time))}, '
                 f'"nodeEligible": {"true" if st.node_eligible else "false"}}}')
-        return web.Response(text=text, status=code, content_type="application/json",
-                            headers=NOSNIFF)
+        return web.Response(body=text.encode(), status=code, headers=JSON_HEADERS)
 
     async def livez(_: web.Request) -> web.Response:
         st = health.status()
@@ -47,8 +47,7 @@ def health_app(health: ProxyHealth, metrics: AgentMetrics) -> web.Application:
         last = st.current_time if st.healthy else st.last_updated
         text = (f'{{"lastUpdated": {json.dumps(go_time(last))},'
                 f'"currentTime": {json.dumps(go_time(st.current_time))}}}')
-        return web.Response(text=text, status=code, content_type="application/json",
-                            headers=NOSNIFF)
+        return web.Response(body=text.encode(), status=code, headers=JSON_HEADERS)
 
     app = web.Application()
     app.router.add_get("/healthz", healthz)

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from proxy.agent.logs import V
 from proxy.model.snapshot import DesiredState
 from proxy.model.types import IPNetwork, ServicePortKey, TrafficPolicy
+from proxy.server.http import JSON_HEADERS
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +82,8 @@ class HealthCheckPorts:
             count = inst.endpoints if inst is not None else 0
             healthy = self._proxy_healthy()
             status = 200 if count and healthy else 503
-            return web.Response(text=body(ref, count, healthy), status=status,
-                                content_type="application/json",
-                                headers={"X-Content-Type-Options": "nosniff"})
+            return web.Response(body=body(ref, count, healthy).encode(), status=status,
+                                headers=JSON_HEADERS)
         return handle
 
     async def _open(self, ref: ServiceRef, port: int) -> _Instance:
@@ -117,7 +116,7 @@ class HealthCheckPorts:
         async with self._lock:
             for ref, inst in list(self._services.items()):
                 if wanted.get(ref) != inst.port:
-                    log.log(V(2), "closing health check node port",
+                    log.info("closing health check node port",
                             extra={"service": f"{ref[0]}/{ref[1]}", "port": inst.port})
                     del self._services[ref]
                     await self._close(inst)

@@ -35,6 +35,7 @@ class FakeDataPlane:
     threads: set[int] = field(default_factory=set)
     gate: threading.Event = field(default_factory=threading.Event)
     fail_next: int = 0
+    housekept: int = 0
     closed: bool = False
     cleaned: bool = False
     _applied: DesiredState | None = None
@@ -77,6 +78,7 @@ class FakeDataPlane:
 
     def housekeeping(self) -> None:
         self.threads.add(threading.get_ident())
+        self.housekept += 1
 
     def cleanup(self) -> None:
         self.cleaned = True

@@ -1,0 +1,107 @@
+"""/debug/dump: exactly explain's per-service-port shape, plus applied rules and syncs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from proxy.explain import explain
+from proxy.kube.ingest import EndpointsSource, apply_object
+from proxy.manifests import load_paths
+from proxy.metrics import AgentMetrics
+from proxy.model.tracker import ClusterModel
+from proxy.model.types import ServicePortKey
+from proxy.model.view import service_port_view
+from proxy.server.dump import build_dump
+from proxy.server.http import metrics_app
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def example_model() -> tuple[ClusterModel, list[dict[str, Any]]]:
+    objects = load_paths([EXAMPLES])
+    model = ClusterModel("node-a")
+    for obj in objects:
+        apply_object(model, obj)
+    model.resolve()
+    return model, objects
+
+
+def dump(model: ClusterModel, service: str | None = None, applied: Any = None,
+         note: str | None = None) -> dict[str, Any]:
+    return build_dump(config={"proxy-mode": "iptables"}, model=model, applied=applied,
+                      applied_note=note, syncs=[{"trigger": "initial"}],
+                      health={"ready": True}, watch={"synced": True}, service=service)
+
+
+def test_services_are_explains_shape_plus_applied_rules() -> None:
+    model, objects = example_model()
+    rules = {key: [f"rule for {key}"] for key in model.state.ports}
+    doc = dump(model, applied=rules)
+    assert set(doc) == {"config", "node", "health", "watch", "services", "skipped", "syncs"}
+    offline = explain(objects, node_name="node-a", node_labels={},
+                      source=EndpointsSource.ENDPOINT_SLICES)
+    assert doc["node"] == offline["node"]
+    stripped = [{k: v for k, v in s.items() if k != "applied_rules"} for s in doc["services"]]
+    assert stripped == offline["services"]
+    assert doc["skipped"] == offline["skipped"]
+    for entry in doc["services"]:
+        key = next(k for k in model.state.ports
+                   if k.service == entry["service"] and k.port == entry["port"])
+        assert entry["applied_rules"] == [f"rule for {key}"]
+        assert {k: v for k, v in entry.items() if k != "applied_rules"} == service_port_view(
+            model.state.ports[key])
+
+
+def test_service_filter_and_busy_note() -> None:
+    model, _ = example_model()
+    doc = dump(model, service="demo/web", note="busy")
+    assert {s["service"] for s in doc["services"]} == {"demo/web"}
+    assert len(doc["services"]) == 2  # http and dns
+    assert all(s["applied_rules"] is None for s in doc["services"])
+    assert doc["applied_rules_note"] == "busy" and doc["filter"] == {"service": "demo/web"}
+    assert dump(model, service="demo/nope")["services"] == []
+
+
+class Source:
+    def __init__(self, model: ClusterModel) -> None:
+        self.model = model
+        self.asked: list[str | None] = []
+
+    async def debug_dump(self, service: str | None) -> dict[str, Any]:
+        self.asked.append(service)
+        applied = {k: ["x"] for k in self.model.state.ports}
+        return dump(self.model, service, applied)
+
+
+def test_http_endpoints() -> None:
+    model, _ = example_model()
+    source = Source(model)
+
+    async def go() -> None:
+        async with TestClient(TestServer(metrics_app(AgentMetrics(), source))) as client:
+            resp = await client.get("/debug/dump?service=demo/nearby")
+            assert resp.status == 200
+            doc = json.loads(await resp.text())
+            assert [s["service"] for s in doc["services"]] == ["demo/nearby"]
+            resp = await client.get("/debug/dump?service=nearby")
+            assert resp.status == 400 and "NAMESPACE/NAME" in await resp.text()
+            resp = await client.get("/metrics")
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            assert "kubeproxy_sync_proxy_rules_duration_seconds" in await resp.text()
+
+    asyncio.run(go())
+    assert source.asked == ["demo/nearby"]
+
+
+def test_keys_sort_by_service_then_port_then_family() -> None:
+    model, _ = example_model()
+    doc = dump(model)
+    order = [(s["service"], s["port"]) for s in doc["services"]]
+    assert order == sorted(order)
+    assert ServicePortKey("demo", "web", "http", 4) in model.state.ports  # type: ignore[arg-type]

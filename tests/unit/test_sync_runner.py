@@ -1,0 +1,236 @@
+"""The sync runner: resolve -> data plane on its own thread, pacing, failures, metrics,
+history. A fake clock drives the pacing (the runner is woken after each clock step, never
+slept on); the data plane is a recording double of our own DataPlane interface."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from proxy.agent.changes import ChangeLog
+from proxy.agent.runner import SyncRunner
+from proxy.agent.worker import Worker
+from proxy.kube.ingest import apply_object
+from proxy.metrics import AgentMetrics
+from proxy.model.tracker import ClusterModel
+from proxy.server.health import ProxyHealth
+from tests.integration.agent_harness import FakeDataPlane
+from tests.unit.builders import ep, eps_slice, service
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Bench:
+    def __init__(self, min_sync: float = 1.0, sync_period: float = 3600.0) -> None:
+        self.clock = Clock()
+        self.model = ClusterModel("node-a")
+        self.dp = FakeDataPlane()
+        self.worker = Worker()
+        self.metrics = AgentMetrics()
+        self.health = ProxyHealth(60.0, clock=self.clock)
+        self.changes = ChangeLog(self.clock)
+        self.synced: list[Any] = []
+        self.runner = SyncRunner(
+            self.model, self.dp, self.worker, min_sync_period=min_sync,
+            sync_period=sync_period, metrics=self.metrics, health=self.health,
+            changes=self.changes, clock=self.clock, wall=lambda: 1.7e9 + self.clock.now,
+            started_at=self.clock.now - 1.0,
+            on_synced=lambda state, keys: self.synced.append(keys))
+
+    def event(self, obj: dict[str, Any]) -> None:
+        """What the agent's watch handler does for one event."""
+        apply_object(self.model, obj)
+        meta = obj["metadata"]
+        if obj["kind"] == "Service":
+            self.changes.service(meta["namespace"], meta["name"])
+        else:
+            self.changes.endpoints(meta["namespace"],
+                                   meta["labels"]["kubernetes.io/service-name"], meta["name"])
+        self.runner.request()
+
+    def metric(self, name: str) -> float:
+        value = self.metrics.registry.get_sample_value(name)
+        return 0.0 if value is None else value
+
+
+async def settle(bench: Bench, cond: Callable[[], bool], what: str) -> None:
+    """Let the runner work (real loop, fake clock) until `cond` holds."""
+    for _ in range(2000):
+        if cond():
+            return
+        bench.runner._wake.set()
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"runner never got to: {what}")
+
+
+def run(test: Callable[[Bench], Awaitable[None]], **kw: Any) -> None:
+    async def main() -> None:
+        bench = Bench(**kw)
+        task = asyncio.create_task(bench.runner.run())
+        try:
+            await test(bench)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            bench.dp.gate.set()
+            bench.worker.stop(5)
+
+    asyncio.run(main())
+
+
+WEB = service("web", ips=("198.18.128.10",))
+
+
+def web_slice(*ips: str) -> dict[str, Any]:
+    return eps_slice("web-1", [ep(ip, node="node-a") for ip in ips], service_name="web")
+
+
+def test_nothing_syncs_before_start_then_one_full_sync_of_everything() -> None:
+    async def go(b: Bench) -> None:
+        b.event(WEB)
+        b.event(web_slice("198.18.1.10"))
+        for _ in range(20):
+            b.runner._wake.set()
+            await asyncio.sleep(0.001)
+        assert b.dp.syncs == []
+        assert b.metric("kubeproxy_sync_proxy_rules_endpoint_changes_pending") == 1
+        b.runner.start()
+        await settle(b, lambda: len(b.dp.syncs) == 1, "first sync")
+        full, state = b.dp.syncs[0]
+        assert full and len(state) == 1
+        assert b.dp.endpoints("ns/web", "http") == {"198.18.1.10:8080"}
+        assert b.dp.threads and threading.get_ident() not in b.dp.threads
+        assert b.health.status().ready
+        assert b.metric("sliceproxy_first_sync_seconds") == pytest.approx(1.0)
+        # Start-up is not programming latency.
+        assert b.metric("kubeproxy_network_programming_duration_seconds_count") == 0
+        assert b.runner.history[-1].trigger == "initial"
+
+    run(go)
+
+
+def test_changes_sync_partially_and_are_paced_by_min_sync_period() -> None:
+    async def go(b: Bench) -> None:
+        b.event(WEB)
+        b.runner.start()
+        await settle(b, lambda: len(b.dp.syncs) == 1, "first sync")
+        b.clock.now += 10  # a quiet period: both burst tokens are back
+        b.event(web_slice("198.18.1.10"))
+        await settle(b, lambda: len(b.dp.syncs) == 2, "immediate sync")
+        b.clock.now += 0.2
+        b.event(web_slice("198.18.1.11"))
+        await settle(b, lambda: len(b.dp.syncs) == 3, "second burst sync")
+        # The burst is spent: these three coalesce into one sync, not before a token.
+        for ip in ("198.18.1.12", "198.18.1.13", "198.18.1.14"):
+            b.clock.now += 0.1
+            b.event(web_slice(ip))
+        for _ in range(30):
+            b.runner._wake.set()
+            await asyncio.sleep(0.001)
+        assert len(b.dp.syncs) == 3
+        b.clock.now += 1.0
+        await settle(b, lambda: len(b.dp.syncs) == 4, "coalesced sync")
+        assert [full for full, _ in b.dp.syncs] == [True, False, False, False]
+        assert b.dp.endpoints("ns/web", "http") == {"198.18.1.14:8080"}
+        # Latency from the first change of each batch to its apply, on the fake clock.
+        assert b.metric("kubeproxy_network_programming_duration_seconds_count") == 3
+        assert b.metric("kubeproxy_network_programming_duration_seconds_sum") == pytest.approx(
+            0.0 + 0.0 + (b.clock.now - (b.clock.now - 1.0 - 0.2)))
+        assert b.metrics.registry.get_sample_value(
+            "sliceproxy_syncs_total", {"kind": "partial", "result": "ok"}) == 3
+        record = b.runner.history[-1]
+        assert record.trigger == "change" and not record.full
+        assert record.changed == ("ns/web:http (IPv4)",)
+
+    run(go)
+
+
+def test_a_failed_apply_is_retried_as_full_and_keeps_its_changes_pending() -> None:
+    async def go(b: Bench) -> None:
+        b.event(WEB)
+        b.runner.start()
+        await settle(b, lambda: len(b.dp.syncs) == 1, "first sync")
+        b.clock.now += 10
+        b.dp.fail_next = 1
+        b.event(web_slice("198.18.1.10"))
+        await settle(b, lambda: len(b.runner.history) == 2, "failed sync")
+        failed = b.runner.history[-1]
+        assert failed.error == "injected failure" and not failed.full
+        assert b.metric("kubeproxy_sync_proxy_rules_endpoint_changes_pending") == 1
+        assert b.health.status().oldest_queued_age is not None
+        assert b.metrics.registry.get_sample_value(
+            "sliceproxy_sync_apply_failures_total", {"mode": "fake"}) == 1
+        # The retry waits for its backoff (1s here), then runs as a full sync.
+        b.clock.now += 0.5
+        for _ in range(30):
+            b.runner._wake.set()
+            await asyncio.sleep(0.001)
+        assert len(b.runner.history) == 2
+        b.clock.now += 0.6
+        await settle(b, lambda: len(b.dp.syncs) == 2, "retry")
+        full, _ = b.dp.syncs[-1]
+        assert full and b.runner.history[-1].trigger == "retry"
+        assert b.dp.endpoints("ns/web", "http") == {"198.18.1.10:8080"}
+        assert b.metric("kubeproxy_sync_proxy_rules_endpoint_changes_pending") == 0
+        assert b.health.status().oldest_queued_age is None
+        # The retry's latency counts from the change's first arrival.
+        assert b.metric("kubeproxy_network_programming_duration_seconds_sum") == pytest.approx(
+            1.1)
+
+    run(go)
+
+
+def test_periodic_full_resync_and_full_after_sync_period_of_churn() -> None:
+    async def go(b: Bench) -> None:
+        b.event(WEB)
+        b.runner.start()
+        await settle(b, lambda: len(b.dp.syncs) == 1, "first sync")
+        b.clock.now += 30
+        await settle(b, lambda: len(b.dp.syncs) == 2, "periodic sync")
+        assert b.dp.syncs[-1][0] and b.runner.history[-1].trigger == "periodic"
+        # Constant churn never lets the periodic timer fire; the resync still happens.
+        for i in range(40):
+            b.clock.now += 1
+            b.event(web_slice(f"198.18.1.{10 + i % 5}"))
+            await settle(b, lambda n=i: len(b.dp.syncs) == 3 + n, "churn sync")
+        kinds = [full for full, _ in b.dp.syncs[2:]]
+        assert kinds.count(True) == 1 and kinds.index(True) == 29
+
+    run(go, sync_period=30.0)
+
+
+def test_housekeeping_runs_on_the_worker_between_syncs() -> None:
+    async def go(b: Bench) -> None:
+        b.runner.housekeeping_interval = 5.0
+        b.runner.start()
+        await settle(b, lambda: len(b.dp.syncs) == 1, "first sync")
+        assert b.dp.housekept == 0
+        b.clock.now += 6
+        await settle(b, lambda: b.dp.housekept == 1, "housekeeping")
+        assert threading.get_ident() not in b.dp.threads and len(b.dp.threads) == 1
+
+    run(go)
+
+
+def test_post_sync_hook_gets_the_applied_keys() -> None:
+    async def go(b: Bench) -> None:
+        b.event(WEB)
+        b.runner.start()
+        await settle(b, lambda: len(b.synced) == 1, "hook")
+        assert {k.name for k in b.synced[0]} == {"web"}
+        b.clock.now += 10
+        b.event(service("other", ips=("198.18.128.11",)))
+        await settle(b, lambda: len(b.synced) == 2, "hook 2")
+        assert {k.name for k in b.synced[1]} == {"other"}
+
+    run(go)
