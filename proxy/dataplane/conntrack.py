@@ -1,0 +1,148 @@
+"""Clearing stale UDP and SCTP conntrack entries after the rules changed.
+
+TCP needs nothing: a connection to a gone endpoint fails and the client reconnects. A
+UDP (or SCTP) "flow" is only a conntrack entry, refreshed by every datagram: a client
+that keeps sending keeps being DNATed to the endpoint chosen when the entry was made,
+even after that endpoint left. As upstream (pkg/proxy/conntrack), we delete:
+
+- entries DNATed to an endpoint that no longer receives traffic for the service port,
+  for each address the port was reachable on (cluster, external and LB IPs, and its
+  NodePort on any address);
+- for a UDP service port that gains its first endpoint, every entry to its addresses:
+  datagrams sent while it had none (REJECTed, or routed elsewhere) left entries that
+  would otherwise keep its new endpoints out of reach.
+
+`stale_flows` works that out (pure); `clear` finds and deletes the entries with pyroute2
+in the calling thread's network namespace. The kernel's own reply-tuple filter matched
+nothing on 6.1 (FINDINGS), so we dump by protocol and match in Python.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from ipaddress import ip_address
+
+from proxy.model.snapshot import ResolvedServicePort
+from proxy.model.types import Family, IPAddress, Protocol, ServicePortKey
+
+log = logging.getLogger(__name__)
+
+IPPROTO = {Protocol.UDP: socket.IPPROTO_UDP, Protocol.SCTP: 132}
+
+
+@dataclass(frozen=True, slots=True)
+class StaleFlows:
+    """Conntrack entries to delete: original destination `dst`:`dport` (`dst` None: any
+    address, for NodePorts), and, when `endpoint` is set, only those DNATed to it."""
+
+    service: str  # ns/name:port, for logs
+    family: Family
+    protocol: Protocol
+    dst: IPAddress | None
+    dport: int
+    endpoint: IPAddress | None = None
+    endpoint_port: int | None = None
+    reason: str = ""
+
+
+def _used(rsp: ResolvedServicePort | None) -> set[tuple[IPAddress, int]]:
+    """Endpoints that receive some traffic of this service port."""
+    if rsp is None:
+        return set()
+    return {(s.endpoint.address, s.endpoint.port) for s in rsp.endpoints
+            if (s.in_cluster and rsp.uses_cluster) or (s.in_local and rsp.uses_local)}
+
+
+def _frontends(rsp: ResolvedServicePort) -> list[tuple[IPAddress | None, int]]:
+    family, svc, port = rsp.key.family, rsp.service, rsp.port.port
+    out: list[tuple[IPAddress | None, int]] = [(ip, port) for ip in rsp.cluster_ips]
+    out += [(ip, port) for ip in (*svc.external_ips, *svc.load_balancer_ips)
+            if Family.of(ip) is family]
+    if rsp.port.node_port:
+        out.append((None, rsp.port.node_port))
+    return out
+
+
+def _name(key: ServicePortKey) -> str:
+    return f"{key.namespace}/{key.name}:{key.port}" if key.port else f"{key.namespace}/{key.name}"
+
+
+def stale_flows(old: ResolvedServicePort | None,
+                new: ResolvedServicePort | None) -> list[StaleFlows]:
+    """What to clear when one service port goes from `old` to `new` (None: absent)."""
+    out: list[StaleFlows] = []
+    if old is not None and old.port.protocol in IPPROTO:
+        same_protocol = new is not None and new.port.protocol is old.port.protocol
+        gone = _used(old) - (_used(new) if same_protocol else set())
+        for address, port in sorted(gone, key=lambda e: (e[0].packed, e[1])):
+            out += [StaleFlows(_name(old.key), old.key.family, old.port.protocol, dst, dport,
+                               address, port, "endpoint gone")
+                    for dst, dport in _frontends(old)]
+    if new is not None and new.port.protocol is Protocol.UDP and _used(new):
+        had = old is not None and old.port.protocol is Protocol.UDP and bool(_used(old))
+        if not had:
+            out += [StaleFlows(_name(new.key), new.key.family, Protocol.UDP, dst, dport,
+                               reason="first endpoint")
+                    for dst, dport in _frontends(new)]
+    return out
+
+
+def stale_flows_between(old: Mapping[ServicePortKey, ResolvedServicePort],
+                        new: Mapping[ServicePortKey, ResolvedServicePort],
+                        keys: Iterable[ServicePortKey]) -> list[StaleFlows]:
+    out: list[StaleFlows] = []
+    for key in keys:
+        before, after = old.get(key), new.get(key)
+        if before is not after:
+            out += stale_flows(before, after)
+    return out
+
+
+# --- kernel -----------------------------------------------------------------------------------
+
+
+def _matches(flow: StaleFlows, daddr: IPAddress, dport: int, raddr: IPAddress,
+             rport: int) -> bool:
+    return (flow.dport == dport and (flow.dst is None or flow.dst == daddr)
+            and (flow.endpoint is None
+                 or (flow.endpoint == raddr and flow.endpoint_port in (None, rport))))
+
+
+def clear(flows: Iterable[StaleFlows]) -> int:
+    """Delete the conntrack entries `flows` describe; returns how many went."""
+    wanted: dict[tuple[Family, Protocol], dict[int, list[StaleFlows]]] = {}
+    for flow in flows:
+        wanted.setdefault((flow.family, flow.protocol), {}).setdefault(flow.dport, []).append(flow)
+    if not wanted:
+        return 0
+    from pyroute2 import Conntrack  # netlink only when there is work
+    from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
+
+    cleared = 0
+    with Conntrack() as ct:
+        for (family, protocol), by_port in wanted.items():
+            af = socket.AF_INET if family is Family.V4 else socket.AF_INET6
+            for entry in ct.dump_entries(tuple_orig=NFCTAttrTuple(family=af,
+                                                                  proto=IPPROTO[protocol])):
+                orig, reply = entry.tuple_orig, entry.tuple_reply
+                candidates = by_port.get(orig.dport)
+                if not candidates or orig.daddr is None or reply.saddr is None:
+                    continue
+                daddr, raddr = ip_address(orig.daddr), ip_address(reply.saddr)
+                hit = next((f for f in candidates
+                            if _matches(f, daddr, orig.dport, raddr, reply.sport)), None)
+                if hit is None:
+                    continue
+                try:
+                    ct.delete(entry)
+                except OSError as exc:  # gone meanwhile (expired): nothing to do
+                    log.debug("conntrack delete failed", extra={"error": str(exc)})
+                    continue
+                cleared += 1
+                log.info("cleared stale conntrack entry", extra={
+                    "service": hit.service, "reason": hit.reason, "protocol": protocol.value,
+                    "destination": f"{daddr}:{orig.dport}", "endpoint": f"{raddr}:{reply.sport}"})
+    return cleared

@@ -1,0 +1,250 @@
+"""The iptables data plane: desired state in, iptables-restore out (the kernel side).
+
+One `IptablesDataPlane` per agent, called from one worker thread, working in that
+thread's network namespace. Per family it keeps the `Ruleset` it last applied and the
+service ports it was rendered from:
+
+- a full sync (the first one, `full=True`, after any failure, or when this node's
+  addresses changed) reads our chains back with iptables-save and rewrites all of them
+  in one restore per family, deleting chains of ours nobody wants any more;
+- a partial sync renders only the service ports whose snapshot entry is not the very
+  object applied last time, and writes only what differs (see `ruleset`).
+
+iptables-restore commits each table at its COMMIT: if it refuses a line, that table
+keeps its previous rules. nat is written before filter, so the one window where tables
+disagree (nat committed, filter refused) leaves old REJECT rules that no longer match
+anything nat rewrote, instead of new jumps missing. Either way the record is dropped and
+the next sync is full.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from proxy.dataplane import conntrack
+from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
+from proxy.dataplane.iptables.render import (
+    RenderContext,
+    context_for,
+    render_base,
+    render_port,
+)
+from proxy.dataplane.iptables.ruleset import Ruleset, cleanup_restore, parse_save
+from proxy.dataplane.iptables.runner import (
+    Backend,
+    IptablesRunner,
+    RestoreError,
+    RunnerError,
+)
+from proxy.model.snapshot import DesiredState, ResolvedServicePort
+from proxy.model.types import Family, IPAddress, ServicePortKey
+
+log = logging.getLogger(__name__)
+
+APPLIERS = ("restore",)
+
+
+class _FamilyState:
+    """What one family's tables hold, as far as we know."""
+
+    def __init__(self, runner: IptablesRunner) -> None:
+        self.runner = runner
+        self.ruleset: Ruleset | None = None  # None: unknown, the next sync is full
+        self.context: RenderContext | None = None
+        # The snapshot entries the ruleset was rendered from (kept after a failure: what
+        # conntrack cleanup compares against is what traffic last saw).
+        self.ports: dict[ServicePortKey, ResolvedServicePort] = {}
+
+
+def node_addresses() -> list[IPAddress]:
+    """Every address on this network namespace's interfaces."""
+    from ipaddress import ip_address
+
+    from pyroute2 import IPRoute
+
+    out: list[IPAddress] = []
+    with IPRoute() as ipr:
+        for msg in ipr.get_addr():
+            text = msg.get_attr("IFA_LOCAL") or msg.get_attr("IFA_ADDRESS")
+            if text:
+                out.append(ip_address(text.split("%", 1)[0]))
+    return sorted(set(out), key=lambda ip: (ip.version, ip.packed))
+
+
+class IptablesDataPlane:
+    def __init__(self, options: DataplaneOptions, *, applier: str = "restore",
+                 backend: Backend | None = None, lock_wait: float = 5.0,
+                 clear_conntrack: bool = True) -> None:
+        if applier not in APPLIERS:
+            # python-iptables was measured and not kept: see the README's iptables table.
+            raise ValueError(f"unknown iptables applier {applier!r}; supported: "
+                             f"{', '.join(APPLIERS)}")
+        self.options = options
+        self.applier = applier
+        self.clear_conntrack = clear_conntrack
+        self._families: dict[Family, _FamilyState] = {}
+        for family in options.families:
+            runner = IptablesRunner(family, backend, lock_wait)
+            backend = runner.backend  # detect once, use for both families
+            if runner.available():
+                self._families[family] = _FamilyState(runner)
+            else:
+                log.warning("iptables family unavailable; not programming it", extra={
+                    "family": family.label, "binary": runner.restore_cmd})
+        self.backend = backend
+        self.failures = 0  # applies refused since start (a metric's source)
+
+    @property
+    def mode(self) -> str:
+        return "iptables"
+
+    @property
+    def families(self) -> tuple[Family, ...]:
+        return tuple(self._families)
+
+    # --- sync -------------------------------------------------------------------------------
+
+    def sync(self, state: DesiredState, full: bool = False) -> SyncReport:
+        node_ips = node_addresses()
+        written: list[ServicePortKey] = []
+        removed: list[ServicePortKey] = []
+        flows: list[conntrack.StaleFlows] = []
+        operations, apply_seconds, any_full = 0, 0.0, False
+        failure: ApplyError | None = None
+        details: dict[str, Any] = {"backend": self.backend.value if self.backend else None}
+        for family, fam in self._families.items():
+            ports = {k: v for k, v in state.ports.items() if k.family is family}
+            ctx = context_for(family, self.options, node_ips)
+            is_full = full or fam.ruleset is None or ctx != fam.context
+            started = time.perf_counter()
+            try:
+                if is_full:
+                    text, ruleset, changed = self._full(fam, ports, ctx)
+                else:
+                    assert fam.ruleset is not None
+                    text, ruleset, changed = self._partial(fam.ruleset, fam.ports, ports, ctx)
+                render_seconds = time.perf_counter() - started
+                started = time.perf_counter()
+                if text:
+                    self._apply(fam, text, is_full)
+            except ApplyError as exc:
+                # The other family may still be fine: finish it, then report this one.
+                failure = failure or exc
+                continue
+            elapsed = time.perf_counter() - started
+            lines = text.count("\n")
+            any_full |= is_full
+            apply_seconds += elapsed
+            operations += lines
+            flows += conntrack.stale_flows_between(fam.ports, ports, changed)
+            written += [k for k in changed if k in ports]
+            removed += [k for k in changed if k not in ports]
+            fam.ruleset, fam.context, fam.ports = ruleset, ctx, ports
+            details[family.label] = {"full": is_full, "lines": lines,
+                                     "render_seconds": round(render_seconds, 6),
+                                     "apply_seconds": round(elapsed, 6)}
+        cleared = self._clear(flows)
+        if failure is not None:
+            raise failure
+        report = SyncReport(full=any_full, written=tuple(sorted(written)),
+                            removed=tuple(sorted(removed)), operations=operations,
+                            apply_seconds=apply_seconds, conntrack_cleared=cleared,
+                            details=details)
+        log.info("iptables sync applied", extra={
+            "full": any_full, "written": len(written), "removed": len(removed),
+            "lines": operations, "apply_seconds": round(apply_seconds, 4),
+            "conntrack_cleared": cleared})
+        return report
+
+    def _full(self, fam: _FamilyState, ports: Mapping[ServicePortKey, ResolvedServicePort],
+              ctx: RenderContext) -> tuple[str, Ruleset, set[ServicePortKey]]:
+        ruleset = Ruleset(render_base(ctx), {k: render_port(v, ctx) for k, v in ports.items()})
+        kernel = parse_save(self._save(fam))
+        changed = {k for k in ports.keys() | fam.ports.keys()
+                   if ports.get(k) is not fam.ports.get(k)}
+        return ruleset.full_restore(kernel).render(), ruleset, changed
+
+    @staticmethod
+    def _partial(applied: Ruleset, before: Mapping[ServicePortKey, ResolvedServicePort],
+                 ports: Mapping[ServicePortKey, ResolvedServicePort], ctx: RenderContext,
+                 ) -> tuple[str, Ruleset, set[ServicePortKey]]:
+        # Unchanged entries are the same objects in both snapshots (base.py's contract).
+        changed = {k for k, v in ports.items() if before.get(k) is not v}
+        changed.update(k for k in before if k not in ports)
+        updates = {k: (render_port(ports[k], ctx) if k in ports else None) for k in changed}
+        text, ruleset = applied.partial_restore(updates)
+        return text.render(), ruleset, changed
+
+    def _save(self, fam: _FamilyState) -> str:
+        try:
+            return fam.runner.save()
+        except RunnerError as exc:
+            self._failed(fam, str(exc), None)
+            raise ApplyError(f"{fam.runner.save_cmd} failed: {exc}") from exc
+
+    def _apply(self, fam: _FamilyState, text: str, full: bool) -> None:
+        try:
+            fam.runner.restore(text)
+        except RestoreError as exc:
+            self._failed(fam, str(exc), exc.offending, exc.line, full)
+            raise ApplyError(f"{fam.runner.restore_cmd} refused line {exc.line}: "
+                             f"{exc.offending!r}", offending=exc.offending) from exc
+
+    def _failed(self, fam: _FamilyState, error: str, offending: str | None,
+                line: int | None = None, full: bool = True) -> None:
+        self.failures += 1
+        fam.ruleset = None  # what the kernel holds is no longer certain: next sync is full
+        log.error("iptables apply failed; previous rules stay, next sync is full", extra={
+            "family": fam.runner.family.label, "binary": fam.runner.restore_cmd,
+            "full": full, "line": line, "offending": offending, "error": error[-2000:]})
+
+    def _clear(self, flows: list[conntrack.StaleFlows]) -> int:
+        if not flows or not self.clear_conntrack:
+            return 0
+        try:
+            return conntrack.clear(flows)
+        except OSError as exc:  # never fail a sync whose rules are in: log and go on
+            log.warning("conntrack cleanup failed", extra={"error": str(exc),
+                                                           "flows": len(flows)})
+            return 0
+
+    # --- the rest of the contract -------------------------------------------------------------
+
+    def applied_rules(self, key: ServicePortKey) -> Sequence[str]:
+        fam = self._families.get(key.family)
+        if fam is None or fam.ruleset is None:
+            return ()
+        rules = fam.ruleset.ports.get(key)
+        return rules.lines() if rules is not None else ()
+
+    def housekeeping(self) -> None:
+        """Nothing to do between syncs for iptables."""
+
+    def cleanup(self) -> None:
+        """Remove every chain of ours, and every rule jumping to one, in both back ends
+        (a host may have switched since we last ran); nothing else."""
+        for family in self.options.families:
+            for backend in Backend:
+                runner = IptablesRunner(family, backend)
+                # Plain save only: asking legacy for a table (as `available` does) would
+                # create it, and iptables-save would then differ from before.
+                if not shutil.which(runner.save_cmd):
+                    continue
+                try:
+                    saved = runner.save()
+                except RunnerError:
+                    continue  # this back end is unusable here: nothing of ours in it
+                text = cleanup_restore(parse_save(saved)).render()
+                if text:
+                    runner.restore(text)
+                    log.info("removed sliceproxy's iptables rules", extra={
+                        "family": family.label, "backend": backend.value})
+        for fam in self._families.values():
+            fam.ruleset, fam.context, fam.ports = None, None, {}
+
+    def close(self) -> None:
+        """Nothing held open: runners are processes, netlink sockets are per call."""

@@ -1,0 +1,452 @@
+"""iptables rendering (pure): a resolved service port -> its chains and dispatch entries.
+
+The shape is upstream kube-proxy's (pkg/proxy/iptables/proxier.go), renamed to our own
+prefix so sliceproxy never touches kube-proxy's or a CNI's chains:
+
+    nat   PREROUTING/OUTPUT -> SPX-SERVICES   one entry per cluster/external/LB IP:port
+          SPX-SERVICES (last rule)          -> SPX-NODEPORTS   one entry per NodePort
+          SPX-SVC-<hash>  the Cluster-policy endpoints, `statistic` 1/n, 1/(n-1), ...
+          SPX-SVL-<hash>  the Local-policy endpoints (same shape, local ones only)
+          SPX-EXT-<hash>  external traffic (NodePort, externalIP, LB IP) -> policy chain
+          SPX-FW-<hash>   loadBalancerSourceRanges in front of SPX-EXT
+          SPX-SEP-<hash>  one per endpoint: hairpin masquerade mark, DNAT
+          SPX-MARK-MASQ / SPX-POSTROUTING   mark, then MASQUERADE marked packets
+    filter SPX-SERVICES / SPX-EXTERNAL-SERVICES   REJECT (no endpoints) or DROP (Local
+          policy, no local endpoint) for traffic no nat rule captured; SPX-FIREWALL drops
+          LB traffic the source ranges refused; SPX-FORWARD accepts marked and established
+          traffic; SPX-NODEPORTS accepts health-check node ports.
+
+Every rule is written exactly as `iptables-save` prints it back (both back ends print
+the same), so what we think we applied can be compared with the kernel line by line.
+
+Differences from upstream, on purpose:
+- When the cluster set is unused (internal and external policy both Local: our model
+  selects no cluster endpoints then), pod and host traffic to external addresses is not
+  short-circuited to the Cluster chain (there is none); it follows the Local policy.
+- `--cluster-cidr` may list several CIDRs; per family the first one is the "local"
+  detector (upstream takes exactly one per family).
+- NodePorts on loopback addresses are never served (upstream's --iptables-localhost-
+  nodeports=false).
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from ipaddress import IPv4Network, IPv6Network
+
+from proxy.dataplane.base import DataplaneOptions
+from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
+from proxy.model.types import (
+    DEFAULT_AFFINITY_TIMEOUT,
+    Family,
+    IPAddress,
+    IPNetwork,
+    ServicePortKey,
+    TrafficPolicy,
+    format_endpoint,
+)
+
+PREFIX = "SPX-"
+SERVICES = "SPX-SERVICES"
+NODEPORTS = "SPX-NODEPORTS"
+EXTERNAL_SERVICES = "SPX-EXTERNAL-SERVICES"
+FIREWALL = "SPX-FIREWALL"
+FORWARD = "SPX-FORWARD"
+POSTROUTING = "SPX-POSTROUTING"
+MARK_MASQ = "SPX-MARK-MASQ"
+# Upstream's masquerade bit (--iptables-masquerade-bit 14): a CNI that knows what
+# kube-proxy's mark means reads ours the same way.
+MASQ_MARK = "0x4000"
+
+
+class Table(enum.Enum):
+    NAT = "nat"
+    FILTER = "filter"
+
+
+# (table, chain, rule spec): one rule in a chain shared by all service ports.
+Entry = tuple[Table, str, str]
+
+# Chains whose rules come from many service ports, and their table.
+DISPATCH_CHAINS: tuple[tuple[Table, str], ...] = (
+    (Table.NAT, SERVICES),
+    (Table.NAT, NODEPORTS),
+    (Table.FILTER, SERVICES),
+    (Table.FILTER, EXTERNAL_SERVICES),
+    (Table.FILTER, FIREWALL),
+    (Table.FILTER, NODEPORTS),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PortRules:
+    """Everything one service port (in one family) contributes."""
+
+    key: ServicePortKey
+    # nat chains owned by this port alone, in write order: (name, rule specs).
+    chains: tuple[tuple[str, tuple[str, ...]], ...]
+    # Its rules in the shared dispatch chains, in order.
+    entries: tuple[Entry, ...]
+
+    def lines(self) -> list[str]:
+        """Readable, copy-pasteable lines (`-t nat -A CHAIN spec`) for the debug dump."""
+        out = [f"-t {table.value} -A {chain} {spec}" for table, chain, spec in self.entries]
+        for name, rules in self.chains:
+            out.append(f"-t nat -N {name}")
+            out.extend(f"-t nat -A {name} {spec}" for spec in rules)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class BaseRules:
+    """What does not depend on any service: fixed chains, jumps from built-in chains,
+    and the entries that must end a dispatch chain (the NodePort catch-all)."""
+
+    family: Family
+    # Fixed-content chains: (table, name, rules). Dispatch chains are declared here too
+    # (with no rules of their own) so a full sync creates them even when empty.
+    chains: tuple[tuple[Table, str, tuple[str, ...]], ...]
+    # Rules in built-in chains jumping to ours: (table, built-in chain, spec), in order.
+    jumps: tuple[Entry, ...]
+    # Entries that follow every service entry of their dispatch chain.
+    tail: tuple[Entry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RenderContext:
+    """The options as they apply to one family, plus this node's addresses."""
+
+    family: Family
+    masquerade_all: bool = False
+    local_cidr: IPNetwork | None = None  # --cluster-cidr of this family
+    # Node addresses that accept NodePorts; None: every local address (addrtype LOCAL).
+    nodeport_ips: tuple[IPAddress, ...] | None = None
+    # Every address of this node in this family (LB source ranges that contain one
+    # also admit traffic the node sends to its own LB IPs, as upstream).
+    node_ips: tuple[IPAddress, ...] = ()
+
+    @property
+    def host_mask(self) -> str:
+        return "/32" if self.family is Family.V4 else "/128"
+
+
+def context_for(family: Family, options: DataplaneOptions,
+                node_ips: Sequence[IPAddress] = ()) -> RenderContext:
+    """The per-family view of the options; `node_ips` are this node's addresses."""
+    mine = tuple(ip for ip in node_ips if Family.of(ip) is family)
+    cidrs = [c for c in options.cluster_cidrs if Family.of(c) is family]
+    npa = [c for c in options.nodeport_addresses if Family.of(c) is family]
+    # As upstream: no CIDR of this family, or a match-everything one, means "all".
+    match_all = not npa or any(c.prefixlen == 0 for c in npa)
+    nodeport_ips = None if match_all else tuple(
+        ip for ip in mine if not ip.is_loopback and any(ip in c for c in npa))
+    return RenderContext(family, options.masquerade_all, cidrs[0] if cidrs else None,
+                         nodeport_ips, mine)
+
+
+# --- names and small helpers ---------------------------------------------------------------
+
+
+def _hash(*parts: str) -> str:
+    digest = hashlib.sha256("\0".join(parts).encode()).digest()
+    return base64.b32encode(digest).decode()[:16]
+
+
+def port_name(key: ServicePortKey) -> str:
+    """`ns/name:port` (`ns/name` for an unnamed port), upstream's comment spelling."""
+    return f"{key.namespace}/{key.name}:{key.port}" if key.port else f"{key.namespace}/{key.name}"
+
+
+def port_chain(kind: str, key: ServicePortKey, protocol: str) -> str:
+    """Stable across restarts: a hash of what the chain is for, never of its content."""
+    return f"{PREFIX}{kind}-{_hash(port_name(key), protocol)}"
+
+
+def endpoint_chain(key: ServicePortKey, protocol: str, endpoint: str) -> str:
+    return f"{PREFIX}SEP-{_hash(port_name(key), protocol, endpoint)}"
+
+
+_NO_QUOTE = frozenset("_-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def quote(text: str) -> str:
+    """A string as iptables-save writes it (xtables_save_string)."""
+    if text and set(text) <= _NO_QUOTE:
+        return text
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("'", "\\'")
+    return f'"{escaped}"'
+
+
+def comment(text: str) -> str:
+    return f"-m comment --comment {quote(text)}"
+
+
+def probability(n: int) -> str:
+    """1/n as upstream writes it ("%0.10f"), then as the kernel stores and prints it
+    (a 31-bit fraction, "%.11f")."""
+    stored = round(float(f"{1.0 / n:.10f}") * 0x80000000)
+    return f"{stored / 0x80000000:.11f}"
+
+
+def _cidr(ip: IPAddress, ctx: RenderContext) -> str:
+    return f"{ip}{ctx.host_mask}"
+
+
+def _dedupe(items: Iterable[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(items))
+
+
+# --- the fixed part --------------------------------------------------------------------------
+
+
+def render_base(ctx: RenderContext) -> BaseRules:
+    nat_postrouting = (
+        f"-m mark ! --mark {MASQ_MARK}/{MASQ_MARK} -j RETURN",
+        # Clear the bit so a packet re-entering netfilter (e.g. over a tunnel) is not
+        # masqueraded twice.
+        f"-j MARK --set-xmark {MASQ_MARK}/0x0",
+        f"{comment('sliceproxy service traffic requiring SNAT')} -j MASQUERADE --random-fully",
+    )
+    forward = (
+        f"{comment('sliceproxy forwarding rules')} -m mark --mark {MASQ_MARK}/{MASQ_MARK} "
+        "-j ACCEPT",
+        f"{comment('sliceproxy forwarding conntrack rule')} "
+        "-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+    )
+    chains: list[tuple[Table, str, tuple[str, ...]]] = [
+        (Table.NAT, SERVICES, ()),
+        (Table.NAT, NODEPORTS, ()),
+        (Table.NAT, MARK_MASQ, (f"-j MARK --set-xmark {MASQ_MARK}/{MASQ_MARK}",)),
+        (Table.NAT, POSTROUTING, nat_postrouting),
+        (Table.FILTER, SERVICES, ()),
+        (Table.FILTER, EXTERNAL_SERVICES, ()),
+        (Table.FILTER, FIREWALL, ()),
+        (Table.FILTER, NODEPORTS, ()),
+        (Table.FILTER, FORWARD, forward),
+    ]
+    new = "-m conntrack --ctstate NEW"
+    portals = comment("sliceproxy service portals")
+    external = comment("sliceproxy externally-visible service portals")
+    firewall = comment("sliceproxy load balancer firewall")
+    jumps: tuple[Entry, ...] = (
+        (Table.NAT, "PREROUTING", f"{portals} -j {SERVICES}"),
+        (Table.NAT, "OUTPUT", f"{portals} -j {SERVICES}"),
+        (Table.NAT, "POSTROUTING", f"{comment('sliceproxy postrouting rules')} -j {POSTROUTING}"),
+        (Table.FILTER, "INPUT", f"{new} {firewall} -j {FIREWALL}"),
+        (Table.FILTER, "INPUT", f"{comment('sliceproxy health check service ports')} "
+                                f"-j {NODEPORTS}"),
+        (Table.FILTER, "INPUT", f"{new} {external} -j {EXTERNAL_SERVICES}"),
+        (Table.FILTER, "FORWARD", f"{new} {firewall} -j {FIREWALL}"),
+        (Table.FILTER, "FORWARD", f"{comment('sliceproxy forwarding rules')} -j {FORWARD}"),
+        (Table.FILTER, "FORWARD", f"{new} {portals} -j {SERVICES}"),
+        (Table.FILTER, "FORWARD", f"{new} {external} -j {EXTERNAL_SERVICES}"),
+        (Table.FILTER, "OUTPUT", f"{new} {firewall} -j {FIREWALL}"),
+        (Table.FILTER, "OUTPUT", f"{new} {portals} -j {SERVICES}"),
+    )
+    last = comment("sliceproxy service nodeports; NOTE: this must be the last rule in this chain")
+    if ctx.nodeport_ips is None:
+        loopback = "127.0.0.0/8" if ctx.family is Family.V4 else "::1/128"
+        tail: tuple[Entry, ...] = (
+            (Table.NAT, SERVICES, f"! -d {loopback} {last} -m addrtype --dst-type LOCAL "
+                                  f"-j {NODEPORTS}"),)
+    else:
+        tail = tuple((Table.NAT, SERVICES, f"-d {_cidr(ip, ctx)} {last} -j {NODEPORTS}")
+                     for ip in sorted(set(ctx.nodeport_ips)))
+    return BaseRules(ctx.family, tuple(chains), jumps, tail)
+
+
+# --- one service port ------------------------------------------------------------------------
+
+
+def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortRules:
+    """The chains and dispatch entries of one service port (upstream's per-service loop)."""
+    key, svc, sp = rsp.key, rsp.service, rsp.port
+    name = port_name(key)
+    proto = sp.protocol.value.lower()
+    pmatch = f"-p {proto}"
+    dport = f"-m {proto} --dport {sp.port}"
+    family = key.family
+    external_ips = [ip for ip in svc.external_ips if Family.of(ip) is family]
+    lb_ips = [ip for ip in svc.load_balancer_ips if Family.of(ip) is family]
+    ranges = [r for r in svc.load_balancer_source_ranges if Family.of(r) is family]
+
+    cluster_eps = rsp.cluster_endpoints if rsp.uses_cluster else ()
+    local_eps = rsp.local_endpoints if rsp.uses_local else ()
+    has_endpoints = rsp.has_any_endpoints
+    svc_chain = port_chain("SVC", key, proto) if cluster_eps else None
+    svl_chain = port_chain("SVL", key, proto) if local_eps else None
+    internal_chain = svl_chain if svc.internal_traffic_policy is TrafficPolicy.LOCAL else svc_chain
+    externally_accessible = bool(sp.node_port or external_ips or lb_ips)
+    external_local = svc.external_traffic_policy is TrafficPolicy.LOCAL
+    external_policy_chain = svl_chain if external_local else svc_chain
+    ext_chain = port_chain("EXT", key, proto) if has_endpoints and externally_accessible else None
+    fw_chain = port_chain("FW", key, proto) if has_endpoints and lb_ips and ranges else None
+
+    if not has_endpoints:
+        internal_target = external_target = "REJECT --reject-with " + (
+            "icmp-port-unreachable" if family is Family.V4 else "icmp6-port-unreachable")
+        internal_why = external_why = f"{name} has no endpoints"
+    else:
+        internal_target = external_target = "DROP"
+        internal_why = external_why = f"{name} has no local endpoints"
+
+    entries: list[Entry] = []
+    chains: list[tuple[str, tuple[str, ...]]] = []
+
+    # Cluster IPs.
+    for ip in rsp.cluster_ips:
+        dest = f"-d {_cidr(ip, ctx)} {pmatch}"
+        if internal_chain:
+            entries.append((Table.NAT, SERVICES,
+                            f"{dest} {comment(f'{name} cluster IP')} {dport} -j {internal_chain}"))
+        else:
+            entries.append((Table.FILTER, SERVICES,
+                            f"{dest} {comment(internal_why)} {dport} -j {internal_target}"))
+
+    # externalIPs and load-balancer IPs.
+    lb_target = fw_chain or ext_chain
+    for ips, label, target in ((external_ips, "external IP", ext_chain),
+                               (lb_ips, "loadbalancer IP", lb_target)):
+        for ip in ips:
+            dest = f"-d {_cidr(ip, ctx)} {pmatch}"
+            if target:
+                entries.append((Table.NAT, SERVICES,
+                                f"{dest} {comment(f'{name} {label}')} {dport} -j {target}"))
+            if not external_policy_chain or not has_endpoints:
+                entries.append((Table.FILTER, EXTERNAL_SERVICES,
+                                f"{dest} {comment(external_why)} {dport} -j {external_target}"))
+    if fw_chain:
+        why = f"{name} traffic not accepted by {fw_chain}"
+        entries.extend((Table.FILTER, FIREWALL,
+                        f"-d {_cidr(ip, ctx)} {pmatch} {comment(why)} {dport} -j DROP")
+                       for ip in lb_ips)
+
+    # NodePort and the health-check node port.
+    if sp.node_port:
+        nport = f"-m {proto} --dport {sp.node_port}"
+        if ext_chain:
+            entries.append((Table.NAT, NODEPORTS,
+                            f"{pmatch} {comment(name)} {nport} -j {ext_chain}"))
+        if not external_policy_chain or not has_endpoints:
+            entries.append((Table.FILTER, EXTERNAL_SERVICES,
+                            f"{pmatch} {comment(external_why)} -m addrtype --dst-type LOCAL "
+                            f"{nport} -j {external_target}"))
+    if svc.health_check_node_port:
+        entries.append((Table.FILTER, NODEPORTS,
+                        f"-p tcp {comment(f'{name} health check node port')} "
+                        f"-m tcp --dport {svc.health_check_node_port} -j ACCEPT"))
+
+    # The policy chains. The cluster-IP masquerade rule goes first in the internal chain.
+    masq_rules: dict[str, list[str]] = {}
+    if internal_chain and (ctx.masquerade_all or ctx.local_cidr is not None):
+        # Off-cluster clients of a cluster IP (a static route to the service range via
+        # any node) may be answered from another node: masquerade them.
+        source = "" if ctx.masquerade_all or ctx.local_cidr is None else (
+            f"! -s {ctx.local_cidr} ")
+        masq_rules[internal_chain] = [
+            f"{source}-d {_cidr(ip, ctx)} {pmatch} {comment(f'{name} cluster IP')} {dport} "
+            f"-j {MARK_MASQ}" for ip in rsp.cluster_ips]
+
+    if ext_chain:
+        chains.append((ext_chain, _external_rules(
+            name, ctx, external_local, svc_chain, external_policy_chain)))
+    if fw_chain and ext_chain:
+        chains.append((fw_chain, _firewall_rules(name, ctx, ranges, lb_ips, ext_chain)))
+    affinity = svc.affinity_timeout
+    for chain, eps in ((svc_chain, cluster_eps), (svl_chain, local_eps)):
+        if chain:
+            chains.append((chain, tuple(masq_rules.get(chain, ())) + _balance(
+                name, key, proto, eps, affinity, ctx)))
+    reachable = {str(ep): ep for ep in (*cluster_eps, *local_eps)}
+    for text in sorted(reachable):
+        ep = reachable[text]
+        chains.append((endpoint_chain(key, proto, text),
+                       _endpoint_rules(name, key, proto, ep, affinity is not None, ctx)))
+
+    return PortRules(key, tuple(chains), tuple(dict.fromkeys(entries)))
+
+
+def _external_rules(name: str, ctx: RenderContext, external_local: bool, svc_chain: str | None,
+                    policy_chain: str | None) -> tuple[str, ...]:
+    rules: list[str] = []
+    if not external_local:
+        # Endpoints may be on other nodes: masquerade so replies come back through us.
+        rules.append(f"{comment(f'masquerade traffic for {name} external destinations')} "
+                     f"-j {MARK_MASQ}")
+    else:
+        # Pods going to an external address act as if they went out and came back in:
+        # neither traffic policy applies (upstream's short-circuit), given a Cluster chain.
+        if ctx.local_cidr is not None and svc_chain:
+            rules.append(f"-s {ctx.local_cidr} "
+                         f"{comment(f'pod traffic for {name} external destinations')} "
+                         f"-j {svc_chain}")
+        # The node itself is the source: its address is local, so masquerade.
+        rules.append(f"{comment(f'masquerade LOCAL traffic for {name} external destinations')} "
+                     f"-m addrtype --src-type LOCAL -j {MARK_MASQ}")
+        if svc_chain:
+            rules.append(f"{comment(f'route LOCAL traffic for {name} external destinations')} "
+                         f"-m addrtype --src-type LOCAL -j {svc_chain}")
+    if policy_chain:
+        rules.append(f"-j {policy_chain}")
+    return tuple(rules)
+
+
+def _firewall_rules(name: str, ctx: RenderContext, ranges: Sequence[IPNetwork],
+                    lb_ips: Sequence[IPAddress], ext_chain: str) -> tuple[str, ...]:
+    label = comment(f"{name} loadbalancer IP")
+    rules = [f"-s {r} {label} -j {ext_chain}" for r in _sorted_nets(ranges)]
+    # A node sending to its own LB IP (often a local address) comes from that IP.
+    if any(ip in r for r in ranges for ip in ctx.node_ips):
+        rules.extend(f"-s {_cidr(ip, ctx)} {label} -j {ext_chain}" for ip in lb_ips)
+    rules.append(comment(f"other traffic to {name} will be dropped by {FIREWALL}"))
+    return _dedupe(rules)
+
+
+def _sorted_nets(nets: Sequence[IPNetwork]) -> list[IPNetwork]:
+    v4 = sorted(n for n in nets if isinstance(n, IPv4Network))
+    v6 = sorted(n for n in nets if isinstance(n, IPv6Network))
+    return [*v4, *v6]
+
+
+def _balance(name: str, key: ServicePortKey, proto: str, eps: Sequence[MergedEndpoint],
+             affinity: int | None, ctx: RenderContext) -> tuple[str, ...]:
+    """Affinity checks first, then one `statistic` jump per endpoint: endpoint i (of n)
+    is taken with probability 1/(n-i) among what is left, the last one always."""
+    ordered = sorted(eps, key=lambda ep: (ep.address.packed, ep.port))
+    targets = [(str(ep), endpoint_chain(key, proto, str(ep))) for ep in ordered]
+    rules: list[str] = []
+    if affinity is not None:
+        seconds = affinity or DEFAULT_AFFINITY_TIMEOUT
+        rules.extend(
+            f"{comment(f'{name} -> {text}')} -m recent --rcheck --seconds {seconds} --reap "
+            f"--name {chain} {_recent_mask(ctx)} -j {chain}" for text, chain in targets)
+    n = len(targets)
+    for i, (text, chain) in enumerate(targets):
+        pick = ""
+        if i < n - 1:
+            pick = f" -m statistic --mode random --probability {probability(n - i)}"
+        rules.append(f"{comment(f'{name} -> {text}')}{pick} -j {chain}")
+    return tuple(rules)
+
+
+def _recent_mask(ctx: RenderContext) -> str:
+    mask = "255.255.255.255" if ctx.family is Family.V4 else ":".join(["ffff"] * 8)
+    return f"--mask {mask} --rsource"
+
+
+def _endpoint_rules(name: str, key: ServicePortKey, proto: str, ep: MergedEndpoint,
+                    affinity: bool, ctx: RenderContext) -> tuple[str, ...]:
+    text = format_endpoint(ep.address, ep.port)
+    chain = endpoint_chain(key, proto, text)
+    label = comment(name)
+    recent = f" -m recent --set --name {chain} {_recent_mask(ctx)}" if affinity else ""
+    return (
+        # A pod reaching itself through the service: masquerade so the reply comes back
+        # through the node instead of straight to itself.
+        f"-s {_cidr(ep.address, ctx)} {label} -j {MARK_MASQ}",
+        f"-p {proto} {label}{recent} -m {proto} -j DNAT --to-destination {text}",
+    )

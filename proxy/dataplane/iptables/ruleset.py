@@ -1,0 +1,271 @@
+"""What we have in the kernel for one family, and the iptables-restore text to change it
+(pure: no kernel access).
+
+A `Ruleset` is the record of our rules as last applied: the fixed part (`BaseRules`) and
+each service port's `PortRules`. From it:
+
+- `full_restore` writes every chain we own from scratch (each declared chain is flushed
+  and refilled in the same transaction), deletes our chains the kernel still holds but we
+  no longer want, and repairs the jumps from the built-in chains;
+- `partial_restore` rewrites only the chains of changed service ports whose content
+  changed, deletes the chains they no longer need, and edits the shared dispatch chains
+  entry by entry (`-D` by rule spec, `-I` at a computed position), so the result is rule
+  for rule what a full sync would have written.
+
+Dispatch-chain order. In every shared chain, entries are grouped by service port in key
+order, each port's entries in render order, and the "tail" entries (the NodePort
+catch-all) last. `_order` keeps, per chain, one owner key per entry in kernel order, so
+the position of a port's block is a binary search.
+"""
+
+from __future__ import annotations
+
+import re
+from bisect import bisect_left
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from proxy.dataplane.iptables.render import (
+    DISPATCH_CHAINS,
+    PREFIX,
+    BaseRules,
+    Entry,
+    PortRules,
+    Table,
+)
+from proxy.model.types import ServicePortKey
+
+BUILTIN_CHAINS = frozenset({"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"})
+TABLE_ORDER = (Table.NAT, Table.FILTER)  # nat first: see `IptablesDataPlane._apply`
+
+# Owner of a dispatch entry, sorted: service ports by key, then the tail.
+Owner = tuple[int, str, str, str]
+TAIL: Owner = (1, "", "", "")
+
+# Parsed iptables-save output: table -> chain -> rule specs (without "-A CHAIN ").
+Saved = dict[Table, dict[str, list[str]]]
+
+_TARGET = re.compile(r"(?:^| )-[jg] (\S+)")
+
+
+def owner(key: ServicePortKey) -> Owner:
+    return (0, key.namespace, key.name, key.port)
+
+
+def target_of(spec: str) -> str | None:
+    found = _TARGET.findall(spec)
+    return found[-1] if found else None
+
+
+def ours(chain: str) -> bool:
+    return chain.startswith(PREFIX)
+
+
+def parse_save(text: str) -> Saved:
+    """The tables, chains (built-in ones included) and rules of iptables-save output."""
+    saved: Saved = {}
+    chains: dict[str, list[str]] | None = None
+    for line in text.splitlines():
+        if line.startswith("*"):
+            try:
+                table = Table(line[1:].strip())
+            except ValueError:
+                chains = None  # mangle, raw, security: never ours
+                continue
+            chains = saved.setdefault(table, {})
+        elif chains is None or not line or line[0] == "#" or line == "COMMIT":
+            continue
+        elif line.startswith(":"):
+            chains.setdefault(line[1:].split(" ", 1)[0], [])
+        elif line.startswith("-A "):
+            _, chain, *rest = line.split(" ", 2)
+            chains.setdefault(chain, []).append(rest[0] if rest else "")
+    return saved
+
+
+@dataclass
+class RestoreText:
+    """iptables-restore input being built, one section per table."""
+
+    declare: dict[Table, list[str]] = field(default_factory=lambda: {t: [] for t in TABLE_ORDER})
+    edits: dict[Table, list[str]] = field(default_factory=lambda: {t: [] for t in TABLE_ORDER})
+    rules: dict[Table, list[str]] = field(default_factory=lambda: {t: [] for t in TABLE_ORDER})
+    delete: dict[Table, list[str]] = field(default_factory=lambda: {t: [] for t in TABLE_ORDER})
+
+    def write_chain(self, table: Table, chain: str, specs: Iterable[str]) -> None:
+        """Declaring a chain creates it, or flushes it if it exists."""
+        self.declare[table].append(f":{chain} - [0:0]")
+        self.rules[table].extend(f"-A {chain} {spec}" for spec in specs)
+
+    def remove_chain(self, table: Table, chain: str) -> None:
+        # Flushed first (declared), deleted last: by then nothing refers to it.
+        self.declare[table].append(f":{chain} - [0:0]")
+        self.delete[table].append(f"-X {chain}")
+
+    def operations(self) -> int:
+        parts = (self.declare, self.edits, self.rules, self.delete)
+        return sum(len(part[t]) for part in parts for t in TABLE_ORDER)
+
+    def render(self) -> str:
+        """The text; "" when there is nothing to do."""
+        out: list[str] = []
+        for table in TABLE_ORDER:
+            body = (self.declare[table] + self.edits[table] + self.rules[table]
+                    + self.delete[table])
+            if body:
+                out.append(f"*{table.value}")
+                out.extend(body)
+                out.append("COMMIT")
+        return "\n".join(out) + "\n" if out else ""
+
+
+class Ruleset:
+    """Our rules for one family, as last applied (or as wanted, before applying)."""
+
+    __slots__ = ("_order", "base", "ports")
+
+    def __init__(self, base: BaseRules, ports: Mapping[ServicePortKey, PortRules]) -> None:
+        self.base = base
+        self.ports: dict[ServicePortKey, PortRules] = dict(ports)
+        self._order = self._build_order()
+
+    def _build_order(self) -> dict[tuple[Table, str], list[Owner]]:
+        order: dict[tuple[Table, str], list[Owner]] = {tc: [] for tc in DISPATCH_CHAINS}
+        for key in sorted(self.ports):
+            mine = owner(key)
+            for table, chain, _ in self.ports[key].entries:
+                order[(table, chain)].append(mine)
+        for table, chain, _ in self.base.tail:
+            order[(table, chain)].append(TAIL)
+        return order
+
+    # --- what the kernel should hold --------------------------------------------------------
+
+    def chains(self) -> dict[tuple[Table, str], list[str]]:
+        """Every chain we own and its rules, in kernel order."""
+        out: dict[tuple[Table, str], list[str]] = {
+            (table, name): list(rules) for table, name, rules in self.base.chains}
+        for key in sorted(self.ports):
+            rules = self.ports[key]
+            for table, chain, spec in rules.entries:
+                out[(table, chain)].append(spec)
+            for name, specs in rules.chains:
+                out[(Table.NAT, name)] = list(specs)
+        for table, chain, spec in self.base.tail:
+            out[(table, chain)].append(spec)
+        return out
+
+    def rule_count(self) -> int:
+        return sum(len(rules) for rules in self.chains().values()) + len(self.base.jumps)
+
+    # --- full sync --------------------------------------------------------------------------
+
+    def full_restore(self, kernel: Saved) -> RestoreText:
+        """Make the kernel hold exactly this ruleset, whatever of ours it holds now."""
+        text = RestoreText()
+        wanted = self.chains()
+        for (table, chain), specs in wanted.items():
+            text.write_chain(table, chain, specs)
+        for table in TABLE_ORDER:
+            for chain in kernel.get(table, {}):
+                if ours(chain) and (table, chain) not in wanted:
+                    text.remove_chain(table, chain)
+        self._repair_jumps(kernel, text)
+        return text
+
+    def _repair_jumps(self, kernel: Saved, text: RestoreText) -> None:
+        """Our jumps from each built-in chain, each once and in order, or redo them."""
+        wanted: dict[tuple[Table, str], list[str]] = {}
+        for table, chain, spec in self.base.jumps:
+            wanted.setdefault((table, chain), []).append(spec)
+        for table in TABLE_ORDER:
+            for chain in kernel.get(table, {}):
+                if chain in BUILTIN_CHAINS:
+                    wanted.setdefault((table, chain), [])
+        for (table, chain), specs in wanted.items():
+            present = [s for s in kernel.get(table, {}).get(chain, [])
+                       if ours(target_of(s) or "")]
+            if present == specs:
+                continue
+            text.edits[table].extend(f"-D {chain} {s}" for s in present)
+            # Prepended, as upstream, so a later default-deny rule cannot shadow them.
+            text.edits[table].extend(f"-I {chain} 1 {s}" for s in reversed(specs))
+
+    # --- partial sync -----------------------------------------------------------------------
+
+    def partial_restore(
+        self, updates: Mapping[ServicePortKey, PortRules | None]
+    ) -> tuple[RestoreText, Ruleset]:
+        """The edits that turn this ruleset into this ruleset plus `updates` (None =
+        removed), and the resulting ruleset. `self` is left as it was."""
+        text = RestoreText()
+        ports = dict(self.ports)
+        order = {tc: list(owners) for tc, owners in self._order.items()}
+        for key in sorted(updates):
+            old, new = self.ports.get(key), updates[key]
+            if old == new:
+                continue
+            self._edit_chains(old, new, text)
+            self._edit_entries(key, old, new, order, text)
+            if new is None:
+                ports.pop(key, None)
+            else:
+                ports[key] = new
+        result = Ruleset.__new__(Ruleset)
+        result.base, result.ports, result._order = self.base, ports, order
+        return text, result
+
+    @staticmethod
+    def _edit_chains(old: PortRules | None, new: PortRules | None, text: RestoreText) -> None:
+        before = dict(old.chains) if old else {}
+        after = dict(new.chains) if new else {}
+        for name, specs in after.items():
+            if before.get(name) != specs:
+                text.write_chain(Table.NAT, name, specs)
+        for name in before:
+            if name not in after:
+                text.remove_chain(Table.NAT, name)
+
+    @staticmethod
+    def _edit_entries(key: ServicePortKey, old: PortRules | None, new: PortRules | None,
+                      order: dict[tuple[Table, str], list[Owner]], text: RestoreText) -> None:
+        mine = owner(key)
+        for table, chain in DISPATCH_CHAINS:
+            before = _specs(old, table, chain)
+            after = _specs(new, table, chain)
+            if before == after:
+                continue
+            owners = order[(table, chain)]
+            start = bisect_left(owners, mine)
+            keep = set(before) & set(after)
+            if [s for s in before if s in keep] != [s for s in after if s in keep]:
+                keep = set()  # kept entries changed order: replace the whole block
+            edits = text.edits[table]
+            edits.extend(f"-D {chain} {s}" for s in before if s not in keep)
+            # Inserting in block order: everything ahead of entry j is in place by then.
+            edits.extend(f"-I {chain} {start + j + 1} {s}"
+                         for j, s in enumerate(after) if s not in keep)
+            owners[start:start + len(before)] = [mine] * len(after)
+
+
+def _specs(rules: PortRules | None, table: Table, chain: str) -> list[str]:
+    if rules is None:
+        return []
+    return [spec for t, c, spec in rules.entries if t is table and c == chain]
+
+
+def cleanup_restore(kernel: Saved) -> RestoreText:
+    """Remove every chain we own and every rule elsewhere that jumps to one; nothing else."""
+    text = RestoreText()
+    for table in TABLE_ORDER:
+        for chain, specs in kernel.get(table, {}).items():
+            if ours(chain):
+                text.remove_chain(table, chain)
+            else:
+                text.edits[table].extend(
+                    f"-D {chain} {s}" for s in specs if ours(target_of(s) or ""))
+    return text
+
+
+def entries_of(ports: Iterable[PortRules]) -> list[Entry]:
+    return [e for rules in ports for e in rules.entries]
