@@ -54,6 +54,7 @@ from proxy.dataplane.ipvs.render import (
     SetRole,
     VirtualServer,
     VsKey,
+    address_order,
     describe_entries,
     describe_vs,
     needs_node_addresses,
@@ -98,7 +99,7 @@ class _Run:
 
     def fail(self, what: str, exc: BaseException, **extra: Any) -> None:
         self.failures.append((what, str(exc)))
-        log.error("IPVS data plane operation failed",
+        log.error("IPVS data plane operation failed: %s: %s", what, exc,
                   extra={"operation": what, "error": str(exc), **extra})
 
 
@@ -179,6 +180,7 @@ class IpvsDataPlane:
         full = full or self._need_full or self._last is None
         started = time.perf_counter()
         calls_before = h.ipvs.calls + h.links.calls
+        writes_before = h.ipvs.writes
         run = _Run()
         try:
             if full or self._dummy_index is None:
@@ -202,6 +204,7 @@ class IpvsDataPlane:
             "draining": len(self._draining),
             "addresses": len(self._index.addresses()),
             "netlink_calls": h.ipvs.calls + h.links.calls - calls_before,
+            "ipvs_changes": h.ipvs.writes - writes_before,
             "ipset_lines": run.ipset_lines,
             "iptables_lines": run.iptables_lines,
             "failed_operations": len(run.failures),
@@ -271,7 +274,7 @@ class IpvsDataPlane:
         except Exception as exc:
             run.fail("dump IPVS services", exc)
             kernel = {}
-        for vs_key in sorted(kernel):
+        for vs_key in sorted(kernel, key=VsKey.order):
             if vs_key.address in dummy_addresses or vs_key in owned or vs_key in self._believed:
                 self._do(h, Op(OpKind.DEL_SERVICE, vs_key), run)
         try:
@@ -336,7 +339,7 @@ class IpvsDataPlane:
         ours = set(desired) | {k for k in kernel if k.family in self._families and (
             k.address in present or k in owned or k in self._believed)}
         self._believed = {}
-        for vs_key in sorted(ours):
+        for vs_key in sorted(ours, key=VsKey.order):
             entry = desired.get(vs_key)
             self._sync_vs(vs_key, entry[1] if entry else None, kernel.get(vs_key),
                           entry[0] if entry else None, h, run)
@@ -363,7 +366,7 @@ class IpvsDataPlane:
         self._log_conflicts(delta.virtual_servers)
         self._ipset_restore(h, ipset_update(delta.entries_added, ()), run)
         new_drains: set[VsKey] = set()
-        for vs_key in sorted(delta.virtual_servers):
+        for vs_key in sorted(delta.virtual_servers, key=VsKey.order):
             entry = self._index.virtual_server(vs_key)
             if self._sync_vs(vs_key, entry[1] if entry else None, self._believed.get(vs_key),
                              entry[0] if entry else None, h, run):
@@ -433,7 +436,7 @@ class IpvsDataPlane:
         """Delete the draining real servers of `vs_keys` that may go now."""
         now = self._clock()
         timeout = self.options.ipvs_drain_timeout
-        for vs_key in sorted(vs_keys):
+        for vs_key in sorted(vs_keys, key=VsKey.order):
             pending = [(rs, d) for (v, rs), d in self._draining.items() if v == vs_key]
             if not pending:
                 continue
@@ -473,13 +476,13 @@ class IpvsDataPlane:
                    run: _Run) -> None:
         index = self._dummy_index
         assert index is not None
-        for address in sorted(add, key=lambda a: (a.version, int(a))):
+        for address in sorted(add, key=address_order):
             try:
                 h.links.add_address(index, address)
             except Exception as exc:
                 if _error_code(exc) != errno.EEXIST:
                     run.fail(f"add address {address} to {self._dummy_name}", exc)
-        for address in sorted(remove, key=lambda a: (a.version, int(a))):
+        for address in sorted(remove, key=address_order):
             try:
                 h.links.del_address(index, address)
             except Exception as exc:

@@ -109,7 +109,7 @@ def diff_service(desired: VirtualServer | None, current: KernelService | None) -
             ops.append(Op(OpKind.ADD_DEST, key, rs=rs, weight=WEIGHT))
         elif dest.weight != WEIGHT or dest.fwd_method != FWD_MASQ:
             ops.append(Op(OpKind.SET_DEST, key, rs=rs, weight=WEIGHT))
-    for rs, dest in sorted(dests.items()):
+    for rs, dest in sorted(dests.items(), key=lambda item: item[0].order()):
         if rs in wanted:
             continue
         if not graceful(key.protocol):
@@ -124,7 +124,7 @@ def leaving(desired: VirtualServer | None, current: KernelService | None) -> lis
     if current is None or desired is None or not graceful(desired.key.protocol):
         return []
     wanted = set(desired.real_servers)
-    return sorted(rs for rs in current.dests if rs not in wanted)
+    return sorted((rs for rs in current.dests if rs not in wanted), key=RsKey.order)
 
 
 def believed_after(desired: VirtualServer | None, current: KernelService | None

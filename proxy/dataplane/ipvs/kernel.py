@@ -111,6 +111,7 @@ class IpvsTable:
     def __init__(self) -> None:
         self._ipvs = IPVS()
         self.calls = 0  # netlink requests made, for SyncReport.operations
+        self.writes = 0  # of which changed the table successfully
 
     def close(self) -> None:
         self._ipvs.close()
@@ -182,6 +183,7 @@ class IpvsTable:
                 self._ipvs.dest("set", service=_service(op.vs), dest=_dest(op.rs, op.weight))
             else:
                 self._ipvs.dest("del", service=_service(op.vs), dest=_dest(op.rs))
+        self.writes += 1
 
 
 def _msg_address(msg: Any) -> IPAddress | None:

@@ -69,6 +69,10 @@ class VsKey(NamedTuple):
     def family(self) -> Family:
         return Family.of(self.address)
 
+    def order(self) -> tuple[str, int, int, int]:
+        """Sort key (IPv4 and IPv6 addresses do not compare with each other)."""
+        return (self.protocol.value, self.address.version, int(self.address), self.port)
+
     def __str__(self) -> str:
         return f"{self.protocol.value} {format_endpoint(self.address, self.port)}"
 
@@ -78,6 +82,9 @@ class RsKey(NamedTuple):
 
     address: IPAddress
     port: int
+
+    def order(self) -> tuple[int, int, int]:
+        return (self.address.version, int(self.address), self.port)
 
     def __str__(self) -> str:
         return format_endpoint(self.address, self.port)
@@ -194,10 +201,10 @@ def select_nodeport_addresses(
     """The node addresses that accept NodePort traffic: all, or those inside `cidrs`."""
     chosen = (a for a in addresses if not cidrs or any(
         a.version == c.version and a in c for c in cidrs))
-    return tuple(sorted(chosen, key=_address_order))
+    return tuple(sorted(chosen, key=address_order))
 
 
-def _address_order(address: IPAddress) -> tuple[int, int]:
+def address_order(address: IPAddress) -> tuple[int, int]:
     return (address.version, int(address))
 
 
@@ -214,8 +221,7 @@ def _endpoints(rsp: ResolvedServicePort, local: bool) -> tuple[MergedEndpoint, .
 
 
 def _real_servers(endpoints: Iterable[MergedEndpoint]) -> tuple[RsKey, ...]:
-    return tuple(sorted({RsKey(e.address, e.port) for e in endpoints},
-                        key=lambda r: (_address_order(r.address), r.port)))
+    return tuple(sorted({RsKey(e.address, e.port) for e in endpoints}, key=RsKey.order))
 
 
 def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortRules:
@@ -291,7 +297,7 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortRules:
     return PortRules(
         key=rsp.key,
         virtual_servers=tuple(servers),
-        addresses=tuple(sorted(addresses, key=_address_order)),
+        addresses=tuple(sorted(addresses, key=address_order)),
         entries=frozenset(entries),
     )
 
@@ -341,7 +347,7 @@ def describe_vs(vs: VirtualServer, weights: Mapping[RsKey, int] | None = None) -
                else "no endpoints: connections refused")
         return [f"{head} -> ({why})"]
     lines = []
-    for rs in sorted(reals, key=lambda r: (_address_order(r.address), r.port)):
+    for rs in sorted(reals, key=RsKey.order):
         weight = weights.get(rs, reals[rs]) if weights else reals[rs]
         suffix = " (draining)" if rs not in vs.real_servers else ""
         lines.append(f"{head} -> {rs} weight {weight}{suffix}")

@@ -1,0 +1,223 @@
+"""Helpers for IPVS scenarios that run INSIDE the user-mode Linux kernel (see
+tests/kernel/scenarios/). Importable on the host too, but only useful in the guest.
+
+- `Cluster`: API objects in (the tests/unit/builders.py dicts), `DesiredState` out,
+  through the same model the agent uses.
+- `NodeThread`: one thread that lives in the lab's node namespace, the way the agent's
+  data-plane worker lives in the node's: every data-plane call and every kernel read-back
+  runs there.
+- `read_kernel`: the IPVS table, dummy addresses and our ipsets as the kernel has them,
+  in the renderer's vocabulary, for comparing with what was rendered.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from ipaddress import IPv4Network, IPv6Network, ip_address
+from typing import Any, TypeVar
+
+from proxy.dataplane.base import DataplaneOptions
+from proxy.dataplane.iptables.runner import Backend
+from proxy.dataplane.ipvs.apply import IpvsDataPlane
+from proxy.dataplane.ipvs.kernel import Ipsets, IpvsTable, Links
+from proxy.dataplane.ipvs.netfilter import parse_ipset_save
+from proxy.dataplane.ipvs.render import (
+    DUMMY_INTERFACE,
+    RenderContext,
+    SetEntry,
+    SetRole,
+    VsKey,
+    render_all,
+    set_name,
+    usable_node_address,
+)
+from proxy.kube.ingest import apply_object, delete_object
+from proxy.lab.netns import CLONE_NEWNET
+from proxy.lab.netns import path as netns_path
+from proxy.model.snapshot import DesiredState
+from proxy.model.tracker import ClusterModel
+from proxy.model.types import Family, IPAddress
+from tests.unit import builders
+
+T = TypeVar("T")
+_libc = ctypes.CDLL(None, use_errno=True)
+NODE = "node-a"
+CLUSTER_CIDRS = (IPv4Network("198.18.1.0/24"), IPv6Network("fd00:18:1::/64"))
+
+
+def options(**overrides: Any) -> DataplaneOptions:
+    base: dict[str, Any] = {"node_name": NODE, "cluster_cidrs": CLUSTER_CIDRS}
+    base.update(overrides)
+    return DataplaneOptions(**base)
+
+
+class Cluster:
+    """A cluster's objects, resolved for node-a by the agent's own model."""
+
+    def __init__(self, node_name: str = NODE) -> None:
+        self.model = ClusterModel(node_name)
+        apply_object(self.model, builders.node(node_name))
+
+    def apply(self, *objects: dict[str, Any]) -> DesiredState:
+        for obj in objects:
+            apply_object(self.model, obj)
+        return self.model.resolve()
+
+    def delete(self, kind: str, name: str, namespace: str = "ns") -> DesiredState:
+        delete_object(self.model, kind, namespace, name)
+        return self.model.resolve()
+
+    @property
+    def state(self) -> DesiredState:
+        return self.model.state
+
+
+class NodeThread:
+    """A single worker thread inside network namespace `ns`, holding the data plane."""
+
+    def __init__(self, ns: str) -> None:
+        self.ns = ns
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="node",
+                                        initializer=self._enter)
+        self.plane: IpvsDataPlane | None = None
+
+    def _enter(self) -> None:
+        # For the thread's whole life: it exists only to work in `ns`. (Not through a
+        # context manager left open: its finaliser would setns() back whichever thread
+        # happened to run the garbage collector.)
+        fd = os.open(netns_path(self.ns), os.O_RDONLY)
+        try:
+            if _libc.setns(fd, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns {self.ns}: {os.strerror(err)}")
+        finally:
+            os.close(fd)
+
+    def run(self, fn: Callable[[], T], timeout: float = 60.0) -> T:
+        return self._pool.submit(fn).result(timeout=timeout)
+
+    def start_plane(self, opts: DataplaneOptions | None = None,
+                    backend: Backend = Backend.LEGACY) -> IpvsDataPlane:
+        """A fresh IpvsDataPlane (an agent restart: nothing carried over but the kernel).
+
+        Legacy iptables: Debian's user-mode Linux has nf_tables but no nft_chain_nat, so
+        an nf_tables nat table cannot be created in it."""
+        if self.plane is not None:
+            self.run(self.plane.close)
+        plane = IpvsDataPlane(opts or options(), iptables_backend=backend)
+        self.plane = plane
+        return plane
+
+    def sync(self, state: DesiredState, full: bool = False) -> Any:
+        plane = self.plane
+        assert plane is not None
+        return self.run(lambda: plane.sync(state, full))
+
+    def housekeeping(self) -> None:
+        plane = self.plane
+        assert plane is not None
+        self.run(plane.housekeeping)
+
+    def exec(self, *cmd: str) -> subprocess.CompletedProcess[str]:
+        """A command in the node namespace (children inherit this thread's namespace)."""
+        return self.run(lambda: subprocess.run(cmd, capture_output=True, text=True,
+                                               timeout=30, check=False))
+
+    def close(self) -> None:
+        if self.plane is not None:
+            plane, self.plane = self.plane, None
+            self.run(plane.close)
+        self._pool.shutdown(wait=True)
+
+
+@dataclass(frozen=True)
+class KernelView:
+    """What the kernel holds, in comparable form."""
+
+    services: dict[str, dict[str, Any]]  # "TCP ip:port" -> {scheduler, flags, timeout, dests}
+    addresses: set[IPAddress]  # on the dummy interface
+    entries: set[SetEntry]  # in our ipsets
+
+
+def read_kernel(thread: NodeThread) -> KernelView:
+    def read() -> KernelView:
+        table = IpvsTable()
+        links = Links(DUMMY_INTERFACE)
+        try:
+            services = {
+                str(k): {"scheduler": s.scheduler, "flags": s.flags, "timeout": s.timeout,
+                         "dests": {str(r): d.weight for r, d in s.dests.items()}}
+                for k, s in table.services().items()
+            }
+            index = links.index()
+            addresses = ({a for a in links.addresses(index) if usable_node_address(a)}
+                         if index is not None else set())
+        finally:
+            table.close()
+            links.close()
+        entries = set()
+        ipsets = Ipsets()
+        for family in Family:
+            for role in SetRole:
+                name = set_name(role, family)
+                for entry in parse_ipset_save(ipsets.save(name)).get(name, []):
+                    entries.add(SetEntry(role, family, entry))
+        return KernelView(services, addresses, entries)
+
+    return thread.run(read)
+
+
+def rendered_view(state: DesiredState, opts: DataplaneOptions, thread: NodeThread,
+                  families: tuple[Family, ...] = (Family.V4, Family.V6)) -> KernelView:
+    """What the renderer says the kernel should hold for `state` (node addresses read
+    from the node namespace, as the data plane reads them)."""
+
+    def node_addresses() -> set[IPAddress]:
+        links = Links(DUMMY_INTERFACE)
+        try:
+            return links.node_addresses(exclude=links.index())
+        finally:
+            links.close()
+
+    ctx = RenderContext.build(opts, thread.run(node_addresses))
+    from proxy.dataplane.ipvs.index import RenderIndex
+
+    index = RenderIndex(render_all(state, ctx, families))
+    services = {
+        str(k): {"scheduler": vs.scheduler, "flags": vs.flags, "timeout": vs.timeout,
+                 "dests": {str(r): 1 for r in vs.real_servers}}
+        for k, (_owner, vs) in index.virtual_servers().items()
+    }
+    return KernelView(services, index.addresses(), index.entries())
+
+
+def normalise_entry(e: SetEntry) -> SetEntry:
+    """ipset prints entries its own way (IPv6 compressed, /32 nets bare): compare parsed."""
+    parts = e.entry.split(",")
+    out = []
+    for part in parts:
+        proto, sep, port = part.partition(":")
+        if sep and proto in ("tcp", "udp", "sctp") and port.isdigit():
+            out.append(part)
+            continue
+        addr, slash, bits = part.partition("/")
+        try:
+            parsed = ip_address(addr)
+        except ValueError:
+            out.append(part)
+            continue
+        full = parsed.max_prefixlen
+        if slash and int(bits) != full:
+            out.append(f"{parsed}/{bits}")
+        else:
+            out.append(str(parsed))
+    return SetEntry(e.role, e.family, ",".join(out))
+
+
+__all__ = ["Cluster", "KernelView", "NodeThread", "VsKey", "normalise_entry", "options",
+           "read_kernel", "rendered_view"]
