@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 from proxy.dataplane import conntrack
 from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
@@ -39,6 +39,7 @@ from proxy.dataplane.iptables.runner import (
     IptablesRunner,
     RestoreError,
     RunnerError,
+    binary,
 )
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
 from proxy.model.types import Family, IPAddress, ServicePortKey
@@ -48,10 +49,25 @@ log = logging.getLogger(__name__)
 APPLIERS = ("restore",)
 
 
+class Runner(Protocol):
+    """What the data plane needs of `IptablesRunner` (a simulated one fits too)."""
+
+    family: Family
+    backend: Backend
+    restore_cmd: str
+    save_cmd: str
+
+    def restore(self, text: str, *, noflush: bool = True, counters: bool = False) -> None: ...
+
+    def save(self, table: str | None = None) -> str: ...
+
+    def available(self) -> bool: ...
+
+
 class _FamilyState:
     """What one family's tables hold, as far as we know."""
 
-    def __init__(self, runner: IptablesRunner) -> None:
+    def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self.ruleset: Ruleset | None = None  # None: unknown, the next sync is full
         self.context: RenderContext | None = None
@@ -76,9 +92,15 @@ def node_addresses() -> list[IPAddress]:
 
 
 class IptablesDataPlane:
+    """`runners` and `addresses` replace the real binaries and the netlink address dump
+    (a `simulate.SimulatedRunner` for pure tests); `clear_conntrack=False` skips
+    conntrack cleanup (with simulated runners there is no kernel to clean)."""
+
     def __init__(self, options: DataplaneOptions, *, applier: str = "restore",
                  backend: Backend | None = None, lock_wait: float = 5.0,
-                 clear_conntrack: bool = True) -> None:
+                 clear_conntrack: bool = True,
+                 runners: Mapping[Family, Runner] | None = None,
+                 addresses: Callable[[], Sequence[IPAddress]] | None = None) -> None:
         if applier not in APPLIERS:
             # python-iptables was measured and not kept: see the README's iptables table.
             raise ValueError(f"unknown iptables applier {applier!r}; supported: "
@@ -86,9 +108,17 @@ class IptablesDataPlane:
         self.options = options
         self.applier = applier
         self.clear_conntrack = clear_conntrack
+        self._addresses = addresses or node_addresses
+        self._injected = runners is not None
         self._families: dict[Family, _FamilyState] = {}
         for family in options.families:
-            runner = IptablesRunner(family, backend, lock_wait)
+            runner: Runner
+            if runners is not None:
+                if family not in runners:
+                    continue
+                runner = runners[family]
+            else:
+                runner = IptablesRunner(family, backend, lock_wait)
             backend = runner.backend  # detect once, use for both families
             if runner.available():
                 self._families[family] = _FamilyState(runner)
@@ -109,7 +139,7 @@ class IptablesDataPlane:
     # --- sync -------------------------------------------------------------------------------
 
     def sync(self, state: DesiredState, full: bool = False) -> SyncReport:
-        node_ips = node_addresses()
+        node_ips = self._addresses()
         written: list[ServicePortKey] = []
         removed: list[ServicePortKey] = []
         flows: list[conntrack.StaleFlows] = []
@@ -227,24 +257,28 @@ class IptablesDataPlane:
     def cleanup(self) -> None:
         """Remove every chain of ours, and every rule jumping to one, in both back ends
         (a host may have switched since we last ran); nothing else."""
-        for family in self.options.families:
-            for backend in Backend:
-                runner = IptablesRunner(family, backend)
-                # Plain save only: asking legacy for a table (as `available` does) would
-                # create it, and iptables-save would then differ from before.
-                if not shutil.which(runner.save_cmd):
-                    continue
-                try:
-                    saved = runner.save()
-                except RunnerError:
-                    continue  # this back end is unusable here: nothing of ours in it
-                text = cleanup_restore(parse_save(saved)).render()
-                if text:
-                    runner.restore(text)
-                    log.info("removed sliceproxy's iptables rules", extra={
-                        "family": family.label, "backend": backend.value})
+        for runner in self._cleanup_runners():
+            # Plain save only: asking legacy for a table (as `available` does) would
+            # create it, and iptables-save would then differ from before.
+            try:
+                saved = runner.save()
+            except RunnerError:
+                continue  # this back end is unusable here: nothing of ours in it
+            text = cleanup_restore(parse_save(saved)).render()
+            if text:
+                runner.restore(text)
+                log.info("removed sliceproxy's iptables rules", extra={
+                    "family": runner.family.label, "backend": runner.backend.value})
         for fam in self._families.values():
             fam.ruleset, fam.context, fam.ports = None, None, {}
+
+    def _cleanup_runners(self) -> list[Runner]:
+        if self._injected:
+            return [fam.runner for fam in self._families.values()]
+        return [IptablesRunner(family, backend) for family in self.options.families
+                for backend in Backend
+                if shutil.which(binary(family, backend, "save"))
+                and shutil.which(binary(family, backend, "restore"))]
 
     def close(self) -> None:
         """Nothing held open: runners are processes, netlink sockets are per call."""

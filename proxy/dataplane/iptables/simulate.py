@@ -13,6 +13,8 @@ import shlex
 
 from proxy.dataplane.iptables.render import Table
 from proxy.dataplane.iptables.ruleset import BUILTIN_CHAINS, Saved, target_of
+from proxy.dataplane.iptables.runner import Backend, RestoreError
+from proxy.model.types import Family
 
 STANDARD_TARGETS = frozenset({
     "ACCEPT", "DROP", "RETURN", "REJECT", "DNAT", "SNAT", "MASQUERADE", "MARK", "LOG",
@@ -95,3 +97,51 @@ def _command(chains: dict[str, list[str]], number: int, line: str) -> None:
             raise fail("no such rule") from None
     else:
         raise fail(f"unsupported command {op}")
+
+
+def save_text(kernel: Saved) -> str:
+    """`kernel` printed the way iptables-save prints it (chains sorted, as legacy does)."""
+    out: list[str] = []
+    for table in sorted(kernel, key=lambda t: t.value):
+        out.append(f"*{table.value}")
+        chains = kernel[table]
+        builtin = sorted(c for c in chains if c in BUILTIN_CHAINS)
+        out.extend(f":{c} ACCEPT [0:0]" for c in builtin)
+        out.extend(f":{c} - [0:0]" for c in sorted(c for c in chains if c not in BUILTIN_CHAINS))
+        out.extend(f"-A {c} {spec}" for c in [*builtin, *sorted(set(chains) - set(builtin))]
+                   for spec in chains[c])
+        out.append("COMMIT")
+    return "\n".join(out) + "\n"
+
+
+class SimulatedRunner:
+    """An `IptablesRunner` stand-in over a simulated kernel: for property tests and dry
+    runs. `fail_on` makes any restore containing that text fail, as a refused line would."""
+
+    def __init__(self, family: Family, kernel: Saved | None = None,
+                 backend: Backend = Backend.LEGACY) -> None:
+        self.family = family
+        self.backend = backend
+        self.kernel: Saved = kernel if kernel is not None else {}
+        self.restore_cmd = f"simulated-{family.label}-restore"
+        self.save_cmd = f"simulated-{family.label}-save"
+        self.fail_on: str | None = None
+        self.restores: list[str] = []
+
+    def restore(self, text: str, *, noflush: bool = True, counters: bool = False) -> None:
+        self.restores.append(text)
+        if self.fail_on is not None and self.fail_on in text:
+            line = next(i for i, t in enumerate(text.splitlines(), 1) if self.fail_on in t)
+            raise RestoreError("simulated refusal", line, text.splitlines()[line - 1])
+        try:
+            restore(self.kernel, text)
+        except SimulationError as exc:
+            raise RestoreError(str(exc), exc.line, exc.text) from exc
+
+    def save(self, table: str | None = None) -> str:
+        if table is None:
+            return save_text(self.kernel)
+        return save_text({t: c for t, c in self.kernel.items() if t.value == table})
+
+    def available(self) -> bool:
+        return True
