@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from ipaddress import ip_address
 from typing import Any
 
+from proxy.dataplane import conntrack
 from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
 from proxy.dataplane.iptables.runner import Backend, IptablesRunner, RunnerError
 from proxy.dataplane.ipvs.diff import (
@@ -34,7 +35,6 @@ from proxy.dataplane.ipvs.diff import (
     believed_after,
     diff_service,
     drained,
-    graceful,
 )
 from proxy.dataplane.ipvs.index import Delta, RenderIndex
 from proxy.dataplane.ipvs.kernel import IpsetError, Ipsets, IpvsTable, Links, ensure_sysctls
@@ -95,7 +95,6 @@ class _Run:
     failures: list[tuple[str, str]] = field(default_factory=list)  # (operation, error)
     ipset_lines: int = 0
     iptables_lines: int = 0
-    deleted_udp: list[tuple[VsKey, RsKey]] = field(default_factory=list)
 
     def fail(self, what: str, exc: BaseException, **extra: Any) -> None:
         self.failures.append((what, str(exc)))
@@ -194,7 +193,9 @@ class IpvsDataPlane:
         ctx = RenderContext.build(self.options, node_addresses)
         delta = self._full(state, ctx, h, run) if full else self._partial(state, ctx, h, run)
         self._ctx = ctx
-        cleared = self._clear_conntrack(run)
+        cleared = 0
+        if not run.failures and self._last is not None:
+            cleared = self._clear_conntrack(self._last, state, delta.written | delta.removed)
         seconds = time.perf_counter() - started
         operations = h.ipvs.calls + h.links.calls - calls_before + run.ipset_lines \
             + run.iptables_lines
@@ -258,7 +259,6 @@ class IpvsDataPlane:
             return
         run = _Run()
         self._reap({vs for vs, _ in self._draining}, self._handles(), run)
-        self._clear_conntrack(run)
         if run.failures:
             self._need_full = True
             self.failed_operations += len(run.failures)
@@ -411,10 +411,6 @@ class IpvsDataPlane:
                 log.info("real server draining", extra={
                     "service": str(owner) if owner else None, "virtual_server": str(vs_key),
                     "real_server": str(rs), "timeout": self.options.ipvs_drain_timeout})
-        for op in ops:
-            if op.kind is OpKind.DEL_DEST and op.rs is not None and not graceful(
-                    vs_key.protocol):
-                run.deleted_udp.append((vs_key, op.rs))
         return started
 
     def _do(self, h: _Handles, op: Op, run: _Run, owner: ServicePortKey | None = None) -> bool:
@@ -533,7 +529,17 @@ class IpvsDataPlane:
 
     # --- conntrack -----------------------------------------------------------------------
 
-    def _clear_conntrack(self, run: _Run) -> int:
-        """Stale UDP flows to deleted real servers (see proxy.dataplane.conntrack)."""
-        return 0
-
+    def _clear_conntrack(self, old: DesiredState, new: DesiredState,
+                         keys: Iterable[ServicePortKey]) -> int:
+        """Delete conntrack entries of UDP/SCTP flows to endpoints that left (shared with
+        the iptables plane: with net.ipv4.vs.conntrack=1 IPVS keeps the same tuples).
+        A failure is logged, not raised: the rules themselves are in place."""
+        flows = conntrack.stale_flows_between(old.ports, new.ports, keys)
+        if not flows:
+            return 0
+        try:
+            return conntrack.clear(flows)
+        except Exception as exc:
+            log.warning("conntrack cleanup failed", extra={"error": str(exc),
+                                                           "flows": len(flows)})
+            return 0

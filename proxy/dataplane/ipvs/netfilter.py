@@ -138,7 +138,7 @@ def restore_text(family: Family, options: DataplaneOptions,
         out.extend(f":{chain} - [0:0]" for chain in CHAINS[table])
         for jump in JUMPS:
             if jump.table == table and not has_jump(saved.get(table, ""), jump):
-                out.append(f"-I {jump.chain} {jump.spec()}")
+                out.append(f"-I {jump.chain} 1 {jump.spec()}")
         out.extend(rules[table])
         out.append("COMMIT")
     return "\n".join(out) + "\n"
