@@ -32,6 +32,15 @@ HEALTHZ_PORT, METRICS_PORT = 10256, 10249
 POD_CIDR = "198.18.1.0/24,fd00:18:1::/64"
 
 
+def quiet_icmp_limits(lab: Lab) -> None:
+    """Let the node answer every REJECT with its ICMP error. The kernel limits ICMP
+    errors per destination host (1/s); this kernel starts a new peer with no tokens, so
+    a test's first few connections to a service without endpoints would time out
+    instead of being refused. Real clients retry; tests count each connection."""
+    lab.sysctl(lab.node_ns, "net.ipv4.icmp_ratelimit", "0")
+    lab.sysctl(lab.node_ns, "net.ipv6.icmp.ratelimit", "0")
+
+
 def start_sim(lab: Lab, objects: Iterable[Any] = (), **kw: Any) -> SimServer:
     sim = SimServer(objects=objects, bookmark_interval=1.0, **kw)
     with entered(lab.node_ns):
@@ -249,6 +258,10 @@ def endpoints_object(name: str, addresses: Sequence[object], ports: Sequence[Por
         subset["notReadyAddresses"] = [{"ip": str(a), "nodeName": node} for a in not_ready]
     return {"apiVersion": "v1", "kind": "Endpoints",
             "metadata": {"name": name, "namespace": namespace}, "subsets": [subset]}
+
+
+def namespace_object(name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
 
 
 def node_object(name: str = "node-a", zone: str = "zone-a") -> dict[str, Any]:
