@@ -125,8 +125,11 @@ def clear(flows: Iterable[StaleFlows]) -> int:
     with Conntrack() as ct:
         for (family, protocol), by_port in wanted.items():
             af = socket.AF_INET if family is Family.V4 else socket.AF_INET6
-            for entry in ct.dump_entries(tuple_orig=NFCTAttrTuple(family=af,
-                                                                  proto=IPPROTO[protocol])):
+            # Read the whole dump before deleting: pyroute2's sync wrapper tears its
+            # event loop down after each call, which breaks a dump still being read.
+            entries = list(ct.dump_entries(tuple_orig=NFCTAttrTuple(
+                family=af, proto=IPPROTO[protocol])))
+            for entry in entries:
                 orig, reply = entry.tuple_orig, entry.tuple_reply
                 candidates = by_port.get(orig.dport)
                 if not candidates or orig.daddr is None or reply.saddr is None:

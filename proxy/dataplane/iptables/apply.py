@@ -221,8 +221,11 @@ class IptablesDataPlane:
             fam.runner.restore(text)
         except RestoreError as exc:
             self._failed(fam, str(exc), exc.offending, exc.line, full)
-            raise ApplyError(f"{fam.runner.restore_cmd} refused line {exc.line}: "
-                             f"{exc.offending!r}", offending=exc.offending) from exc
+            # nf_tables reports some errors (a jump to a missing chain) only at COMMIT,
+            # so the binary's own words go in the message too.
+            said = str(exc).split(": ", 1)[-1].splitlines()[0] if str(exc) else ""
+            raise ApplyError(f"{fam.runner.restore_cmd} refused line {exc.line} "
+                             f"({exc.offending!r}): {said}", offending=exc.offending) from exc
 
     def _failed(self, fam: _FamilyState, error: str, offending: str | None,
                 line: int | None = None, full: bool = True) -> None:

@@ -1,0 +1,193 @@
+"""The iptables data plane against the real kernel, both back ends, inside throw-away
+namespaces: what iptables-save reads back, partial-equals-full, cleanup, refusals and
+back-end detection."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Iterator
+from ipaddress import ip_address
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from proxy.dataplane.iptables.ruleset import ours, parse_save
+from proxy.dataplane.iptables.runner import (
+    Backend,
+    IptablesRunner,
+    RestoreError,
+    detect_backend,
+)
+from proxy.lab import Lab
+from proxy.lab.netns import entered
+from proxy.model.types import Family
+from tests.e2e.conftest import Cluster, NodePlane
+from tests.unit.builders import ep, eps_slice, service
+from tests.unit.test_iptables_sync import clusters
+
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
+
+# Same addresses for every plane, so both namespaces render the same rules.
+ADDRESSES = [ip_address("198.18.0.1"), ip_address("fd00:18::1")]
+
+FOREIGN = {
+    Family.V4: """*nat
+:CNI-HOSTPORT - [0:0]
+-A PREROUTING -m addrtype --dst-type LOCAL -j CNI-HOSTPORT
+-A POSTROUTING -s 198.18.1.0/24 ! -o spx-br0 -j MASQUERADE
+-A CNI-HOSTPORT -p tcp -m tcp --dport 9999 -j DNAT --to-destination 198.18.1.10:8080
+COMMIT
+*filter
+:CNI-FORWARD - [0:0]
+-A FORWARD -j CNI-FORWARD
+-A CNI-FORWARD -s 198.18.1.0/24 -j ACCEPT
+-A INPUT -p tcp -m tcp --dport 22 -j ACCEPT
+COMMIT
+""",
+    Family.V6: """*nat
+-A POSTROUTING -s fd00:18:1::/64 ! -o spx-br0 -j MASQUERADE
+COMMIT
+*filter
+:CNI-FORWARD - [0:0]
+-A FORWARD -j CNI-FORWARD
+-A CNI-FORWARD -s fd00:18:1::/64 -j ACCEPT
+COMMIT
+""",
+}
+
+
+def saved(ns: str, backend: Backend) -> dict[Family, str]:
+    """iptables-save of both families, without comments and counters."""
+    out = {}
+    with entered(ns):
+        for family in Family:
+            text = IptablesRunner(family, backend).save()
+            lines = [re.sub(r"\[\d+:\d+\]", "[0:0]", line) for line in text.splitlines()
+                     if not line.startswith("#")]
+            out[family] = "\n".join(lines)
+    return out
+
+
+@pytest.fixture(scope="module")
+def namespaces() -> Iterator[Lab]:
+    with Lab([]) as lab:  # two bare namespaces: node_ns and client_ns
+        yield lab
+
+
+def wipe(ns: str) -> None:
+    """Leave a namespace with no rules of either back end (between examples): a
+    restore without --noflush empties every table it names."""
+    with entered(ns):
+        for family in Family:
+            for backend in Backend:
+                runner = IptablesRunner(family, backend)
+                tables = [line for line in runner.save().splitlines() if line.startswith("*")]
+                if tables:
+                    runner.restore("".join(f"{t}\nCOMMIT\n" for t in tables), noflush=False)
+
+
+def add_foreign(ns: str, backend: Backend) -> None:
+    with entered(ns):
+        for family, text in FOREIGN.items():
+            IptablesRunner(family, backend).restore(text)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(first=clusters(), second=clusters())
+@pytest.mark.parametrize("backend", [Backend.LEGACY, Backend.NFT], ids=["legacy", "nft"])
+def test_partial_sync_gives_the_rules_of_a_full_sync_in_the_kernel(
+        namespaces: Lab, backend: Backend, first: list[dict[str, Any]],
+        second: list[dict[str, Any]]) -> None:
+    partial_ns, full_ns = namespaces.node_ns, namespaces.client_ns
+    for ns in (partial_ns, full_ns):
+        wipe(ns)
+        add_foreign(ns, backend)
+    cluster = Cluster()
+    a = cluster.become(*first)
+    b = cluster.become(*second)
+
+    plane = NodePlane(partial_ns, backend, addresses=lambda: ADDRESSES)
+    plane.sync(a, full=True)
+    # The kernel prints back exactly the rules we rendered: our spelling is its spelling.
+    with entered(partial_ns):
+        for family in Family:
+            kernel = parse_save(IptablesRunner(family, backend).save())
+            ruleset = plane.dp._families[family].ruleset
+            assert ruleset is not None
+            ours_in_kernel = {(t, c): r for t, chains in kernel.items()
+                              for c, r in chains.items() if ours(c)}
+            assert ours_in_kernel == ruleset.chains()
+    report = plane.sync(b)
+    assert not report.full
+
+    fresh = NodePlane(full_ns, backend, addresses=lambda: ADDRESSES)
+    fresh.sync(b, full=True)
+    assert saved(partial_ns, backend) == saved(full_ns, backend)
+
+
+def web(*ips: str, **spec: Any) -> list[dict[str, Any]]:
+    ports = spec.pop("ports", ({"name": "http", "port": 80},))
+    return [service("web", ports=ports, **spec),
+            eps_slice("web-1", [ep(ip, node="node-a") for ip in ips], service_name="web")]
+
+
+@pytest.mark.parametrize("backend", [Backend.LEGACY, Backend.NFT], ids=["legacy", "nft"])
+def test_cleanup_leaves_iptables_save_as_it_was(namespaces: Lab, backend: Backend) -> None:
+    ns = namespaces.node_ns
+    other = Backend.NFT if backend is Backend.LEGACY else Backend.LEGACY
+    wipe(ns)
+    # Others' rules in both back ends (so both have tables before we come; cleanup
+    # removes our chains, never a table).
+    add_foreign(ns, backend)
+    add_foreign(ns, other)
+    before = {b: saved(ns, b) for b in Backend}
+    cluster = Cluster()
+    state = cluster.become(*web(
+        "198.18.1.10", "198.18.1.11", type="LoadBalancer", externalIPs=["198.18.2.100"],
+        sessionAffinity="ClientIP", loadBalancerSourceRanges=["198.18.0.0/24"],
+        externalTrafficPolicy="Local", healthCheckNodePort=32000,
+        ports=({"name": "http", "port": 80, "nodePort": 30080},)))
+    plane = NodePlane(ns, backend)
+    plane.sync(state, full=True)
+    plane.sync(cluster.become(*web("198.18.1.11")))
+    # A leftover of an earlier run in the other back end goes too.
+    NodePlane(ns, other).sync(state, full=True)
+    assert "SPX-" in saved(ns, backend)[Family.V4] and "SPX-" in saved(ns, other)[Family.V4]
+    plane.cleanup()
+    assert {b: saved(ns, b) for b in Backend} == before
+
+
+@pytest.mark.parametrize("backend", [Backend.LEGACY, Backend.NFT], ids=["legacy", "nft"])
+def test_restore_refusal_names_the_line(namespaces: Lab, backend: Backend) -> None:
+    with entered(namespaces.node_ns):
+        runner = IptablesRunner(Family.V4, backend)
+        assert runner.available()
+        text = ("*nat\n:SPX-TEST - [0:0]\n-A SPX-TEST -m nosuchmatch -j RETURN\nCOMMIT\n")
+        with pytest.raises(RestoreError) as refused:
+            runner.restore(text)
+        assert refused.value.line == 3
+        assert refused.value.offending == "-A SPX-TEST -m nosuchmatch -j RETURN"
+        assert "SPX-TEST" not in runner.save("nat")  # nothing of it was committed
+
+
+def test_backend_detection_follows_the_rules_already_there(namespaces: Lab) -> None:
+    ns = namespaces.client_ns
+    wipe(ns)
+    with entered(ns):
+        # Nothing anywhere: the flavour of the plain `iptables` binary decides.
+        plain = detect_backend()
+        # More rules in legacy: legacy.
+        IptablesRunner(Family.V4, Backend.LEGACY).restore(
+            "*filter\n-A INPUT -p tcp -m tcp --dport 22 -j ACCEPT\nCOMMIT\n")
+        assert detect_backend() is Backend.LEGACY
+        # kubelet's hint chain in nf_tables beats rule counts.
+        IptablesRunner(Family.V4, Backend.NFT).restore(
+            "*mangle\n:KUBE-IPTABLES-HINT - [0:0]\nCOMMIT\n")
+        assert detect_backend() is Backend.NFT
+    wipe(ns)
+    flavour = subprocess.run(["iptables", "-V"], capture_output=True, text=True,
+                             check=True).stdout
+    assert plain is (Backend.LEGACY if "(legacy)" in flavour else Backend.NFT)
