@@ -1,0 +1,86 @@
+"""Which conntrack entries go stale when a service port changes (pure part of
+proxy.dataplane.conntrack; the kernel part is exercised in tests/e2e)."""
+
+from __future__ import annotations
+
+from ipaddress import ip_address
+from typing import Any
+
+from proxy.dataplane.conntrack import StaleFlows, _matches, stale_flows
+from proxy.model.snapshot import ResolvedServicePort
+from proxy.model.types import Family, Protocol
+from tests.unit.builders import NODE, ep, eps_slice, node, resolve_one, service
+
+
+def udp(*eps: dict[str, Any], protocol: str = "UDP", node_port: bool = True,
+        **spec: Any) -> ResolvedServicePort:
+    port: dict[str, Any] = {"name": "dns", "port": 53, "protocol": protocol}
+    if node_port:
+        port["nodePort"] = 30053
+        spec["type"] = "NodePort"
+    slice_ports = ({"name": "dns", "port": 5353, "protocol": protocol},)
+    return resolve_one(node(), service(ports=(port,), **spec),
+                       eps_slice("s1", list(eps), ports=slice_ports), port="dns")
+
+
+def described(flows: list[StaleFlows]) -> list[str]:
+    return [f"{f.reason}: {f.dst or '*'}:{f.dport} -> {f.endpoint or '*'}" for f in flows]
+
+
+def test_removed_udp_endpoint_is_cleared_on_every_address_of_the_port() -> None:
+    old = udp(ep("198.18.1.10"), ep("198.18.1.11"), externalIPs=["198.18.2.100"])
+    new = udp(ep("198.18.1.11"), externalIPs=["198.18.2.100"])
+    assert described(stale_flows(old, new)) == [
+        "endpoint gone: 198.18.128.1:53 -> 198.18.1.10",
+        "endpoint gone: 198.18.2.100:53 -> 198.18.1.10",
+        "endpoint gone: *:30053 -> 198.18.1.10",
+    ]
+    assert all(f.endpoint_port == 5353 and f.protocol is Protocol.UDP
+               for f in stale_flows(old, new))
+
+
+def test_deleted_udp_service_clears_all_its_endpoints() -> None:
+    old = udp(ep("198.18.1.10"), ep("198.18.1.11"))
+    assert len(stale_flows(old, None)) == 4  # 2 endpoints x (cluster IP, NodePort)
+
+
+def test_udp_service_gaining_its_first_endpoint_clears_its_addresses() -> None:
+    assert described(stale_flows(udp(), udp(ep("198.18.1.10")))) == [
+        "first endpoint: 198.18.128.1:53 -> *", "first endpoint: *:30053 -> *"]
+    assert described(stale_flows(None, udp(ep("198.18.1.10")))) == [
+        "first endpoint: 198.18.128.1:53 -> *", "first endpoint: *:30053 -> *"]
+    # A second endpoint is no "first" one.
+    assert stale_flows(udp(ep("198.18.1.10")), udp(ep("198.18.1.10"), ep("198.18.1.11"))) == []
+
+
+def test_tcp_needs_nothing_and_sctp_only_removals() -> None:
+    tcp_old, tcp_new = udp(ep("198.18.1.10"), protocol="TCP"), udp(protocol="TCP")
+    assert stale_flows(tcp_old, tcp_new) == []
+    sctp_old, sctp_new = udp(ep("198.18.1.10"), protocol="SCTP"), udp(protocol="SCTP")
+    assert [f.protocol for f in stale_flows(sctp_old, sctp_new)] == [Protocol.SCTP] * 2
+    assert stale_flows(sctp_new, sctp_old) == []
+
+
+def test_an_endpoint_still_receiving_some_traffic_is_not_cleared() -> None:
+    # internalTrafficPolicy Local: the remote endpoint was never used, so it has no
+    # flows to clear when it goes.
+    old = udp(ep("198.18.1.10", node=NODE), ep("198.18.1.11", node="node-b"),
+              internalTrafficPolicy="Local", node_port=False)
+    new = udp(ep("198.18.1.10", node=NODE), internalTrafficPolicy="Local", node_port=False)
+    assert stale_flows(old, new) == []
+    # A not-ready endpoint that becomes ready again was not in use either way.
+    assert stale_flows(udp(ep("198.18.1.10"), ep("198.18.1.11", ready=False)),
+                       udp(ep("198.18.1.10"))) == []
+
+
+def test_matching_uses_the_original_destination_and_the_reply_source() -> None:
+    flow = StaleFlows("ns/svc:dns", Family.V4, Protocol.UDP, ip_address("198.18.128.1"), 53,
+                      ip_address("198.18.1.10"), 5353)
+    vip, pod = ip_address("198.18.128.1"), ip_address("198.18.1.10")
+    assert _matches(flow, vip, 53, pod, 5353)
+    assert not _matches(flow, vip, 53, ip_address("198.18.1.11"), 5353)  # other endpoint
+    assert not _matches(flow, vip, 53, pod, 5354)
+    assert not _matches(flow, ip_address("198.18.128.2"), 53, pod, 5353)
+    anywhere = StaleFlows("ns/svc:dns", Family.V4, Protocol.UDP, None, 30053)
+    assert _matches(anywhere, ip_address("198.18.0.1"), 30053, pod, 5353)
+    assert not _matches(anywhere, ip_address("198.18.0.1"), 30054, pod, 5353)
