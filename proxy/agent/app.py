@@ -3,9 +3,10 @@
 Start-up order matters:
 1. the health and metrics servers start first, so probes get an answer (/livez 200,
    /healthz 503 until the first sync) while the rest comes up;
-2. the data plane is built on its worker thread; it must not touch existing rules:
-   a restarted agent leaves the previous run's rules serving traffic;
-3. the API client connects and discovers which EndpointSlice version the server has;
+2. the API client loads its configuration (a bad kubeconfig stops us here);
+3. the data plane is built on its worker thread; it must not touch existing rules:
+   a restarted agent leaves the previous run's rules serving traffic; then the client
+   discovers which EndpointSlice version the server has;
 4. the watches list everything; only when every resource has listed does the first
    (full) sync replace the old rules in one step, so no sync ever programs a partial
    view of the cluster;
@@ -130,8 +131,10 @@ class Agent:
         """Run until `stop` is set. Raises StartupError if it cannot start."""
         try:
             await self._start_http()
-            await self._start_dataplane()
+            # The API client only loads its configuration here (no request yet): a bad
+            # kubeconfig fails before anything touches the kernel.
             await self._connect()
+            await self._start_dataplane()
             if stop.is_set():
                 return
             await self._discover(stop)
