@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.iptables.runner import Backend
 from proxy.dataplane.ipvs.apply import IpvsDataPlane
-from proxy.dataplane.ipvs.kernel import Ipsets, IpvsTable, Links
+from proxy.dataplane.ipvs.kernel import IpvsTable, Links
 from proxy.dataplane.ipvs.netfilter import parse_ipset_save
 from proxy.dataplane.ipvs.render import (
     DUMMY_INTERFACE,
@@ -161,12 +161,14 @@ def read_kernel(thread: NodeThread) -> KernelView:
             table.close()
             links.close()
         entries = set()
-        ipsets = Ipsets()
-        for family in Family:
-            for role in SetRole:
-                name = set_name(role, family)
-                for entry in parse_ipset_save(ipsets.save(name)).get(name, []):
-                    entries.add(SetEntry(role, family, entry))
+        names = {set_name(role, family): (role, family) for family in Family
+                 for role in SetRole}
+        saved = subprocess.run(["ipset", "save"], capture_output=True, text=True,
+                               check=True, timeout=30).stdout
+        for name, listed in parse_ipset_save(saved).items():
+            if name in names:
+                role, family = names[name]
+                entries.update(normalise_entry(SetEntry(role, family, e)) for e in listed)
         return KernelView(services, addresses, entries)
 
     return thread.run(read)
@@ -193,7 +195,8 @@ def rendered_view(state: DesiredState, opts: DataplaneOptions, thread: NodeThrea
                  "dests": {str(r): 1 for r in vs.real_servers}}
         for k, (_owner, vs) in index.virtual_servers().items()
     }
-    return KernelView(services, index.addresses(), index.entries())
+    return KernelView(services, index.addresses(),
+                      {normalise_entry(e) for e in index.entries()})
 
 
 def normalise_entry(e: SetEntry) -> SetEntry:

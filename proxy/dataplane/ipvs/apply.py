@@ -291,9 +291,9 @@ class IpvsDataPlane:
             except RunnerError as exc:
                 run.fail(f"remove iptables chains ({family.label})", exc)
         try:
-            for name in h.ipsets.names():
-                if name.startswith(SET_PREFIX):
-                    h.ipsets.destroy(name)
+            ours = [n for n in h.ipsets.names() if n.startswith(SET_PREFIX)]
+            if ours:  # after the iptables rules: a set in use cannot be destroyed
+                h.ipsets.restore("".join(f"destroy {n}\n" for n in ours))
         except IpsetError as exc:
             run.fail("destroy ipsets", exc)
         self._believed.clear()
@@ -422,7 +422,12 @@ class IpvsDataPlane:
             if (op.kind in (OpKind.DEL_SERVICE, OpKind.DEL_DEST) and code in (
                     errno.ENOENT, errno.ESRCH)):
                 return True
-            run.fail(str(op), exc, service=str(owner) if owner else None)
+            why = str(exc)
+            if op.service is not None and code == errno.ENOENT:
+                # The kernel's answer for a scheduler it cannot load.
+                why += (f" (is the IPVS scheduler {op.service.scheduler!r} available? "
+                        f"modprobe ip_vs_{op.service.scheduler})")
+            run.fail(str(op), RuntimeError(why), service=str(owner) if owner else None)
             return False
         log.debug("IPVS operation", extra={"operation": str(op),
                                            "service": str(owner) if owner else None})
@@ -437,7 +442,7 @@ class IpvsDataPlane:
             if not pending:
                 continue
             try:
-                dests = h.ipvs.dests(vs_key) or {}
+                dests = h.ipvs.dests(vs_key)
             except Exception as exc:
                 run.fail(f"dump real servers of {vs_key}", exc)
                 continue
@@ -523,7 +528,8 @@ class IpvsDataPlane:
 
     def _log_conflicts(self, vs_keys: Iterable[VsKey]) -> None:
         for vs_key, owners in self._index.conflicts(vs_keys).items():
-            log.warning("two service ports claim one virtual server; the first wins",
+            log.warning("service ports %s all claim virtual server %s; %s wins",
+                        ", ".join(map(str, owners)), vs_key, owners[0],
                         extra={"virtual_server": str(vs_key),
                                "services": [str(o) for o in owners]})
 
@@ -533,6 +539,9 @@ class IpvsDataPlane:
                          keys: Iterable[ServicePortKey]) -> int:
         """Delete conntrack entries of UDP/SCTP flows to endpoints that left (shared with
         the iptables plane: with net.ipv4.vs.conntrack=1 IPVS keeps the same tuples).
+        Linux 5.9+ already expires a deleted real server's IPVS connections, conntrack
+        entries included (expire_nodest_conn=1), so this usually finds nothing there; it
+        covers older kernels and entries of real servers deleted by other means.
         A failure is logged, not raised: the rules themselves are in place."""
         flows = conntrack.stale_flows_between(old.ports, new.ports, keys)
         if not flows:

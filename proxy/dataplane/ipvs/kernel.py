@@ -89,12 +89,11 @@ def _dest(rs: RsKey, weight: int = 0) -> IPVSDest:
     return IPVSDest(addr=str(rs.address), port=rs.port, fwd_method=0, weight=weight)
 
 
-def _svc_attr(msg: Any, name: str) -> Any:
-    return msg.get_nested("IPVS_CMD_ATTR_SERVICE", f"IPVS_SVC_ATTR_{name}")
-
-
-def _dest_attr(msg: Any, name: str) -> Any:
-    return msg.get_nested("IPVS_CMD_ATTR_DEST", f"IPVS_DEST_ATTR_{name}")
+def _attrs(msg: Any, nested: str) -> dict[str, Any]:
+    """The attributes of a dump message's nested service or destination, by name, read in
+    one pass (pyroute2's get_nested walks the message again for every attribute)."""
+    nla = msg.get_attr(nested)
+    return dict(nla["attrs"]) if nla is not None else {}
 
 
 def _flags(value: Any) -> int:
@@ -121,47 +120,48 @@ class IpvsTable:
         out: dict[VsKey, KernelService] = {}
         self.calls += 1
         for msg in self._ipvs.service("dump"):
-            key = self._key(msg)
+            attrs = _attrs(msg, "IPVS_CMD_ATTR_SERVICE")
+            key = self._key(attrs)
             if key is None:
                 continue
             dests = self.dests(key)
             out[key] = KernelService(
                 key=key,
-                scheduler=str(_svc_attr(msg, "SCHED_NAME") or ""),
-                flags=_flags(_svc_attr(msg, "FLAGS")) & ~FLAG_HASHED,
-                timeout=int(_svc_attr(msg, "TIMEOUT") or 0),
-                dests=dests or {},
+                scheduler=str(attrs.get("IPVS_SVC_ATTR_SCHED_NAME") or ""),
+                flags=_flags(attrs.get("IPVS_SVC_ATTR_FLAGS")) & ~FLAG_HASHED,
+                timeout=int(attrs.get("IPVS_SVC_ATTR_TIMEOUT") or 0),
+                dests=dests,
             )
         return out
 
     @staticmethod
-    def _key(msg: Any) -> VsKey | None:
-        addr, port, proto = _svc_attr(msg, "ADDR"), _svc_attr(msg, "PORT"), _svc_attr(
-            msg, "PROTOCOL")
+    def _key(attrs: dict[str, Any]) -> VsKey | None:
+        addr = attrs.get("IPVS_SVC_ATTR_ADDR")
+        port = attrs.get("IPVS_SVC_ATTR_PORT")
+        proto = attrs.get("IPVS_SVC_ATTR_PROTOCOL")
         if addr is None or not port or proto not in PROTOCOL_OF:
-            return None
+            return None  # a firewall-mark service: never ours
         return VsKey(PROTOCOL_OF[proto], ip_address(addr), int(port))
 
-    def dests(self, key: VsKey) -> dict[RsKey, KernelDest] | None:
-        """The real servers of one virtual server, or None if it does not exist."""
+    def dests(self, key: VsKey) -> dict[RsKey, KernelDest]:
+        """The real servers of one virtual server (none if it does not exist: the kernel
+        answers a dump for a missing service with an empty list)."""
         self.calls += 1
-        try:
-            msgs = self._ipvs.dest("dump", service=_service(key))
-        except Exception as exc:  # pyroute2 raises NetlinkError(ENOENT/ESRCH) when absent
-            if getattr(exc, "code", None) in (2, 3):
-                return None
-            raise
         out = {}
-        for msg in msgs:
-            addr, port = _dest_attr(msg, "ADDR"), _dest_attr(msg, "PORT")
+        for msg in self._ipvs.dest("dump", service=_service(key)):
+            attrs = _attrs(msg, "IPVS_CMD_ATTR_DEST")
+            addr = attrs.get("IPVS_DEST_ATTR_ADDR")
             if addr is None:
                 continue
-            out[RsKey(ip_address(addr), int(port))] = KernelDest(
-                weight=int(_dest_attr(msg, "WEIGHT") or 0),
-                fwd_method=int(_dest_attr(msg, "FWD_METHOD") or 0) & 0x7,
-                active=int(_dest_attr(msg, "ACTIVE_CONNS") or 0),
-                inactive=int(_dest_attr(msg, "INACT_CONNS") or 0),
-            )
+            out[RsKey(ip_address(addr), int(attrs.get("IPVS_DEST_ATTR_PORT") or 0))] = \
+                KernelDest(
+                    weight=int(attrs.get("IPVS_DEST_ATTR_WEIGHT") or 0),
+                    # Only the low bits are the method; pyroute2's IPVSDest.from_message
+                    # ignores the attribute and reports its default, 3 (direct routing).
+                    fwd_method=int(attrs.get("IPVS_DEST_ATTR_FWD_METHOD") or 0) & 0x7,
+                    active=int(attrs.get("IPVS_DEST_ATTR_ACTIVE_CONNS") or 0),
+                    inactive=int(attrs.get("IPVS_DEST_ATTR_INACT_CONNS") or 0),
+                )
         return out
 
     def apply(self, op: Op) -> None:

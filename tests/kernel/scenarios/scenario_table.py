@@ -1,0 +1,231 @@
+"""The kernel's tables after an apply, inside user-mode Linux (run by
+tests/kernel/test_ipvs_table.py through scenarios/run.py; never on the host).
+
+The central property: after any sync, reading the kernel back (IPVS table over netlink,
+the dummy interface's addresses, our ipsets) gives exactly what the renderer says for
+the desired state, for random states and random transitions between them, through
+full and partial syncs. Plus: drift repaired by a full sync, clean-up, schedulers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from proxy.dataplane.base import ApplyError
+from proxy.dataplane.ipvs.netfilter import JUMPS
+from proxy.lab import Lab
+from tests.kernel.ipvs_guest import Cluster, NodeThread, options, read_kernel, rendered_view
+from tests.unit.builders import ep, eps_slice, service
+
+SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "fo", "ovf",
+              "mh")
+
+
+@pytest.fixture(scope="module")
+def lab() -> Iterator[Lab]:
+    """No backends: nothing here sends traffic."""
+    with Lab([]) as lab:
+        yield lab
+
+
+# --- random cluster states ------------------------------------------------------------
+
+endpoint = st.tuples(
+    st.integers(0, 5),  # which pod address
+    st.sampled_from(["node-a", "node-b"]),
+    st.sampled_from(["ready", "ready", "not-ready", "terminating"]),
+)
+service_spec = st.fixed_dictionaries({
+    "type": st.sampled_from(["ClusterIP", "NodePort", "LoadBalancer"]),
+    "protocol": st.sampled_from(["TCP", "UDP"]),
+    "affinity": st.sampled_from([None, 60, 10800]),
+    "external": st.sampled_from(["Cluster", "Local"]),
+    "internal": st.sampled_from(["Cluster", "Cluster", "Local"]),
+    "external_ips": st.lists(st.sampled_from(["198.18.2.60", "198.18.2.61", "198.18.0.1"]),
+                             max_size=2, unique=True),
+    "ranges": st.lists(st.sampled_from(["198.18.0.0/24", "0.0.0.0/0"]), max_size=1),
+    "dual": st.booleans(),
+    "endpoints": st.lists(endpoint, max_size=4, unique_by=lambda e: e[0]),
+})
+states = st.dictionaries(st.sampled_from(["s0", "s1", "s2", "s3"]), service_spec, max_size=4)
+
+
+def objects(specs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for name, spec in sorted(specs.items()):
+        n = int(name[1:])
+        ips = (f"198.18.128.{30 + n}",) + ((f"fd00:198:18::{30 + n}",) if spec["dual"] else ())
+        port: dict[str, Any] = {"name": "p", "port": 80, "protocol": spec["protocol"]}
+        extra: dict[str, Any] = {"externalIPs": spec["external_ips"],
+                                 "externalTrafficPolicy": spec["external"],
+                                 "internalTrafficPolicy": spec["internal"]}
+        if spec["type"] != "ClusterIP":
+            port["nodePort"] = 30100 + n
+        if spec["affinity"] is not None:
+            extra["sessionAffinity"] = "ClientIP"
+            extra["sessionAffinityConfig"] = {"clientIP": {"timeoutSeconds": spec["affinity"]}}
+        if spec["type"] == "LoadBalancer":
+            extra["loadBalancerSourceRanges"] = spec["ranges"]
+        svc = service(name, ips=ips, ports=(port,), type=spec["type"], **extra)
+        if spec["type"] == "LoadBalancer":
+            svc["status"] = {"loadBalancer": {"ingress": [{"ip": f"198.18.3.{n}"}]}}
+        out.append(svc)
+        slice_ports = ({"name": "p", "port": 8080, "protocol": spec["protocol"]},)
+        for family, fmt in (("IPv4", "198.18.1.{}"), ("IPv6", "fd00:18:1::{}")):
+            eps = [ep(fmt.format(10 + i), node=nd, ready=cond == "ready",
+                      serving=cond != "not-ready", terminating=cond == "terminating")
+                   for i, nd, cond in spec["endpoints"]]
+            out.append(eps_slice(f"{name}-{family}", eps, service_name=name,
+                                 ports=slice_ports, address_type=family))
+    return out
+
+
+def load(cluster: Cluster, specs: dict[str, dict[str, Any]]) -> Any:
+    """Make the model hold exactly `specs` (deleting services that are gone)."""
+    for name in ("s0", "s1", "s2", "s3"):
+        if name not in specs:
+            cluster.delete("Service", name)
+    return cluster.apply(*objects(specs))
+
+
+def assert_kernel_matches(node: NodeThread, state: Any) -> None:
+    got = read_kernel(node)
+    want = rendered_view(state, options(), node)
+    assert got.services == want.services
+    assert got.addresses == want.addresses
+    assert got.entries == want.entries
+
+
+@pytest.fixture(scope="module")
+def shared(lab: Lab) -> Iterator[NodeThread]:
+    """One plane for every example: each example starts from what the previous one left
+    in the kernel, which is one more transition to get right."""
+    thread = NodeThread(lab.node_ns)
+    thread.start_plane()
+    try:
+        yield thread
+    finally:
+        try:
+            if thread.plane is not None:
+                thread.run(thread.plane.cleanup)
+        finally:
+            thread.close()
+
+
+@settings(max_examples=12, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(first=states, second=states, full_first=st.booleans(), restart=st.booleans())
+def test_kernel_table_is_the_rendered_state(shared: NodeThread, first: dict[str, Any],
+                                            second: dict[str, Any], full_first: bool,
+                                            restart: bool) -> None:
+    node = shared
+    cluster = Cluster()
+    state = load(cluster, first)
+    node.sync(state, full=full_first)
+    assert_kernel_matches(node, state)
+    state = load(cluster, second)  # a transition, applied as a partial sync
+    report = node.sync(state)
+    assert not report.full
+    assert_kernel_matches(node, state)
+    if restart:
+        # A restarted plane finds nothing to change in IPVS.
+        node.start_plane()
+        report = node.sync(state)
+        assert report.full and report.details["ipvs_changes"] == 0, report.details
+        assert_kernel_matches(node, state)
+
+
+@pytest.fixture
+def node(lab: Lab) -> Iterator[NodeThread]:
+    thread = NodeThread(lab.node_ns)
+    thread.start_plane()
+    try:
+        yield thread
+    finally:
+        try:
+            if thread.plane is not None:
+                thread.run(thread.plane.cleanup)
+        finally:
+            thread.close()
+
+
+SOME = {
+    "s0": {"type": "NodePort", "protocol": "TCP", "affinity": None, "external": "Cluster",
+           "internal": "Cluster", "external_ips": ["198.18.2.60"], "ranges": [], "dual": True,
+           "endpoints": [(0, "node-a", "ready"), (1, "node-b", "ready")]},
+    "s1": {"type": "LoadBalancer", "protocol": "UDP", "affinity": 60, "external": "Local",
+           "internal": "Cluster", "external_ips": [], "ranges": ["198.18.0.0/24"],
+           "dual": False, "endpoints": [(2, "node-b", "ready")]},
+}
+
+
+def test_full_sync_repairs_drift(node: NodeThread) -> None:
+    cluster = Cluster()
+    state = load(cluster, SOME)
+    node.sync(state)
+    for cmd in (
+        ["ip", "addr", "del", "198.18.2.60/32", "dev", "spx-ipvs0"],
+        ["ip", "addr", "add", "198.18.2.99/32", "dev", "spx-ipvs0"],  # stray address
+        ["ipvsadm", "-e", "-t", "198.18.128.30:80", "-r", "198.18.1.10:8080", "-m", "-w", "5"],
+        ["ipvsadm", "-E", "-t", "198.18.0.1:30100", "-s", "wlc"],
+        ["ipvsadm", "-A", "-t", "198.18.128.30:81", "-s", "rr"],  # stray port on our VIP
+        ["ipvsadm", "-d", "-t", "198.18.2.60:80", "-r", "198.18.1.11:8080"],
+        ["ipset", "del", "SPX-IPVS4-EXT-MASQ", "198.18.2.60,tcp:80"],
+        ["iptables-legacy", "-t", "nat", "-D", "PREROUTING", "-m", "comment", "--comment",
+         "sliceproxy ipvs services", "-j", "SPX-IPVS-SERVICES"],
+    ):
+        out = node.exec(*cmd)
+        assert out.returncode == 0, (cmd, out.stderr)
+    report = node.sync(state, full=True)
+    assert report.details["ipvs_changes"] == 4, report.details
+    assert_kernel_matches(node, state)
+    saved = node.exec("iptables-legacy-save").stdout
+    for jump in JUMPS:
+        assert saved.count(f"-A {jump.chain} {jump.spec()}") == 1, (jump, saved)
+
+
+def test_cleanup_removes_ours_and_only_ours(node: NodeThread) -> None:
+    state = load(Cluster(), SOME)
+    node.sync(state)
+    for cmd in (["ipvsadm", "-A", "-t", "198.18.4.1:80", "-s", "rr"],  # someone else's
+                ["ipset", "create", "OTHER", "hash:ip"],
+                ["iptables-legacy", "-t", "nat", "-A", "POSTROUTING", "-j", "RETURN"]):
+        assert node.exec(*cmd).returncode == 0, cmd
+    plane = node.plane
+    assert plane is not None
+    node.run(plane.cleanup)
+    ipvs = node.exec("ipvsadm", "-Ln").stdout
+    assert "198.18.4.1:80" in ipvs
+    assert "198.18.128.30" not in ipvs and "30100" not in ipvs, ipvs
+    assert node.exec("ip", "link", "show", "spx-ipvs0").returncode != 0
+    assert node.exec("ipset", "list", "-n").stdout.split() == ["OTHER"]
+    for tool in ("iptables-legacy-save", "ip6tables-legacy-save"):
+        saved = node.exec(tool).stdout
+        assert "SPX-IPVS" not in saved, saved
+    assert "-A POSTROUTING -j RETURN" in node.exec("iptables-legacy-save").stdout
+    node.run(plane.cleanup)  # nothing left: a second clean-up is a no-op
+    for cmd in (["ipvsadm", "-D", "-t", "198.18.4.1:80"], ["ipset", "destroy", "OTHER"],
+                ["iptables-legacy", "-t", "nat", "-D", "POSTROUTING", "-j", "RETURN"]):
+        assert node.exec(*cmd).returncode == 0, cmd
+
+
+def test_every_scheduler_the_kernel_offers(node: NodeThread) -> None:
+    one = dict(SOME["s0"], type="ClusterIP", dual=False, external_ips=[])
+    state = load(Cluster(), {"s0": one})  # one virtual server: 13 full syncs stay cheap
+    offered = []
+    for name in SCHEDULERS:
+        node.start_plane(options(ipvs_scheduler=name))
+        node.sync(state)
+        services = read_kernel(node).services
+        assert set(services) == set(rendered_view(state, options(), node).services)
+        assert {s["scheduler"] for s in services.values()} == {name}, services
+        offered.append(name)
+    print("schedulers offered by this kernel:", " ".join(offered))
+    node.start_plane(options(ipvs_scheduler="nope"))
+    with pytest.raises(ApplyError, match="is the IPVS scheduler 'nope' available"):
+        node.sync(state)
