@@ -76,6 +76,7 @@ class WatchParams:
     send_initial_events: bool = False
 
 
+PRE_TIMEOUT_BOOKMARK = 2.0  # seconds before a watch's deadline (upstream cacher)
 CUT = None  # queued to end a stream (fault injection, shutdown)
 Queued = Event | ApiError | None  # an event, an error to end with, or CUT
 
@@ -150,18 +151,25 @@ class Watch:
             yield line
         deadline = time.monotonic() + self.params.timeout
         next_bookmark = time.monotonic() + self.bookmark_interval
+        # As the watch cache: one more bookmark 2 s before the deadline, so a client that
+        # resumes after the timeout starts from the freshest revision (client-go relies
+        # on it; measured against kube-apiserver v1.20.2 in tests/realcp).
+        pre_timeout = deadline - PRE_TIMEOUT_BOOKMARK
         while True:
             now = time.monotonic()
             if now >= deadline:
                 return
-            if self.params.bookmarks and now >= next_bookmark and self.queue.empty():
+            if self.params.bookmarks and self.queue.empty() and (
+                    now >= next_bookmark or now >= pre_timeout):
                 if self._store.rv > self.floor:
                     yield bookmark(self.params.rt, self._store.rv)
                 next_bookmark = now + self.bookmark_interval
+                if now >= pre_timeout:
+                    pre_timeout = deadline  # sent; only the periodic ones remain
                 continue
             wait = deadline - now
             if self.params.bookmarks:
-                wait = min(wait, max(next_bookmark - now, 0))
+                wait = min(wait, max(min(next_bookmark, pre_timeout) - now, 0))
             try:
                 ev = await asyncio.wait_for(self.queue.get(), timeout=wait)
             except TimeoutError:
