@@ -282,3 +282,22 @@ def test_refused_apply_leaves_traffic_on_the_old_rules(lab: Lab, backend: Backen
         assert lab.ask(lab.client_ns, VIP4, 80, count=20) == {"web-2": 20}
     finally:
         plane.cleanup()
+
+
+def test_iptc_applier_carries_real_traffic(lab: Lab) -> None:
+    """python-iptables writes IPv4 (ip6tables-legacy-restore IPv6) on legacy tables."""
+    plane = NodePlane(lab.node_ns, Backend.LEGACY, applier="iptc")
+    try:
+        cluster = Cluster()
+        dual = svc(ips=(VIP4, VIP6), ipFamilies=["IPv4", "IPv6"])
+        v6 = endpoints(lab, "web-3", v6=True)
+        plane.sync(cluster.become(dual, endpoints(lab, "web-1", "web-2"), v6), full=True)
+        assert set(lab.ask(lab.client_ns, VIP4, 80, count=40)) == {"web-1", "web-2"}
+        assert lab.ask(lab.client_ns, VIP6, 80, count=10) == {"web-3": 10}
+        report = plane.sync(cluster.become(dual, endpoints(lab, "web-2"), v6))
+        assert not report.full
+        assert lab.ask(lab.client_ns, VIP4, 80, count=20) == {"web-2": 20}
+        plane.sync(cluster.become(dual, v6))  # no IPv4 endpoints: -D jump, -I REJECT
+        assert lab.ask(lab.client_ns, VIP4, 80, count=3, timeout=2.0) == {"refused": 3}
+    finally:
+        plane.cleanup()

@@ -267,6 +267,6 @@ def test_full_sync_repairs_our_jumps_and_leaves_others() -> None:
                    runners[Family.V4].restores[-1].splitlines())
 
 
-def test_unavailable_applier_is_refused_with_the_reason() -> None:
-    with pytest.raises(ValueError, match="iptc"):
-        IptablesDataPlane(OPTIONS, applier="iptc", runners={}, addresses=list)
+def test_unknown_applier_is_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match="restore, iptc"):
+        IptablesDataPlane(OPTIONS, applier="netlink", runners={}, addresses=list)

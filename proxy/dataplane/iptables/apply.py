@@ -46,7 +46,11 @@ from proxy.model.types import Family, IPAddress, ServicePortKey
 
 log = logging.getLogger(__name__)
 
-APPLIERS = ("restore",)
+# "restore": the iptables-restore binary of the host's back end (the default).
+# "iptc": python-iptables for IPv4 on legacy hosts (IPv6 still goes through
+# ip6tables-legacy-restore: python-iptables 1.2 cannot load the IPv6 DNAT and
+# MASQUERADE extensions of iptables 1.8.9). Slower; see iptc_runner and the README.
+APPLIERS = ("restore", "iptc")
 
 
 class Runner(Protocol):
@@ -102,7 +106,6 @@ class IptablesDataPlane:
                  runners: Mapping[Family, Runner] | None = None,
                  addresses: Callable[[], Sequence[IPAddress]] | None = None) -> None:
         if applier not in APPLIERS:
-            # python-iptables was measured and not kept: see the README's iptables table.
             raise ValueError(f"unknown iptables applier {applier!r}; supported: "
                              f"{', '.join(APPLIERS)}")
         self.options = options
@@ -118,7 +121,7 @@ class IptablesDataPlane:
                     continue
                 runner = runners[family]
             else:
-                runner = IptablesRunner(family, backend, lock_wait)
+                runner = self._runner(family, backend, lock_wait)
             backend = runner.backend  # detect once, use for both families
             if runner.available():
                 self._families[family] = _FamilyState(runner)
@@ -127,6 +130,17 @@ class IptablesDataPlane:
                     "family": family.label, "binary": runner.restore_cmd})
         self.backend = backend
         self.failures = 0  # applies refused since start (a metric's source)
+
+    def _runner(self, family: Family, backend: Backend | None, lock_wait: float) -> Runner:
+        runner = IptablesRunner(family, backend, lock_wait)
+        if self.applier != "iptc" or family is not Family.V4:
+            return runner
+        if runner.backend is not Backend.LEGACY:
+            raise ValueError("the iptc applier (python-iptables) programs legacy tables "
+                             f"only; this host uses {runner.backend.value}")
+        from proxy.dataplane.iptables.iptc_runner import IptcRunner
+
+        return IptcRunner(family, runner.backend, lock_wait)
 
     @property
     def mode(self) -> str:
