@@ -38,11 +38,21 @@ UPSTREAM_VERSION = "v1.20.2"
 BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-proxy")
 # etcd-client brings etcdctl (compaction in the conformance tests); rsync is used by
 # upstream's build scripts; make runs them.
-APT_PACKAGES = ("golang-1.19-go", "rsync", "etcd-server", "etcd-client", "make", "dpkg-dev")
+APT_PACKAGES = ("golang-1.19-go", "rsync", "etcd-server", "etcd-client", "make", "dpkg-dev",
+                "golang-github-modern-go-reflect2-dev")
 GO_BIN = Path("/usr/lib/go-1.19/bin")
 DEBIAN_SOURCES = Path("/etc/apt/sources.list.d/debian.sources")
 DEB_SRC_FILE = Path("/etc/apt/sources.list.d/sliceproxy-deb-src.sources")
 MANIFEST = "manifest.json"
+# Bumped whenever the recipe (patches, flags) changes, so an old cache is not reused.
+RECIPE = 2
+# Vendored Go packages replaced before building, by Debian's packaged source. v1.20.2
+# vendors modern-go/reflect2 v1.0.1, which walks maps with the pre-Go-1.18 runtime
+# iterator layout: built with Go 1.19, kube-apiserver dies with SIGSEGV in mapiterinit
+# while encoding JSON (seen here on the first few requests). v1.0.2 fixed exactly that.
+VENDOR_OVERRIDES = {
+    "github.com/modern-go/reflect2": Path("/usr/share/gocode/src/github.com/modern-go/reflect2"),
+}
 
 
 class BuildError(RuntimeError):
@@ -156,7 +166,7 @@ def source_version() -> str:
 
 def cache_dir(version: str) -> Path:
     safe = re.sub(r"[^A-Za-z0-9.+-]", "_", version)
-    return CACHE_ROOT / f"kubernetes-{UPSTREAM_VERSION}-deb{safe}"
+    return CACHE_ROOT / f"kubernetes-{UPSTREAM_VERSION}-deb{safe}-r{RECIPE}"
 
 
 def _sha256(path: Path) -> str:
@@ -222,6 +232,22 @@ def _fetch_source(version: str, work: Path, logfile: Path) -> Path:
     return root
 
 
+def _override_vendor(tree: Path, logfile: Path) -> None:
+    """Replace the VENDOR_OVERRIDES packages in the tree's vendor/ (Go and assembly only)."""
+    for package, source in VENDOR_OVERRIDES.items():
+        files = [f for f in source.iterdir()
+                 if f.suffix in (".go", ".s") and not f.name.endswith("_test.go")]
+        if not files:
+            raise BuildError(f"{source} has no Go files (is its -dev package installed?)")
+        target = tree / "vendor" / package
+        shutil.rmtree(target)
+        target.mkdir(parents=True)
+        for f in files:
+            shutil.copy2(f, target / f.name)
+        with logfile.open("a") as out:
+            out.write(f"# vendor/{package} replaced by {source} ({len(files)} files)\n")
+
+
 def _build_env(work: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("GO", "KUBE_")) and k not in ("CGO_ENABLED",)}
@@ -266,6 +292,7 @@ def build(*, force: bool = False) -> Binaries:
         work = root / "work"
         started = time.monotonic()
         tree = _fetch_source(version, work / "src", logfile)
+        _override_vendor(tree, logfile)
         what = " ".join(f"cmd/{b}" for b in BINARIES)
         log.info("building", extra={"what": what, "log": str(logfile)})
         _run(["make", f"WHAT={what}"], env=_build_env(work), cwd=tree, logfile=logfile)

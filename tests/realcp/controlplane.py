@@ -1,0 +1,422 @@
+"""A real Kubernetes v1.20.2 control plane in a network namespace of its own.
+
+    control-plane ns "spx-<pid>-<hex>-cp"                   a node ns (Lab's, or any)
+    lo 127.0.0.1: etcd :2379, kube-apiserver :6443,
+                  kube-controller-manager healthz :10252
+    spx-cpbr0 198.18.96.1/24 (bridge) --- cpv<i> ====== cp0 198.18.96.(10+i)/24
+                                                     (veth; attach(ns) makes one)
+    host ns: 127.0.0.1:<ephemeral> --NetnsForwarder--> 127.0.0.1:6443 in the cp ns
+
+* etcd and the API server listen inside the namespace. Node namespaces reach the API
+  server at https://198.18.96.1:6443 over a veth to the bridge (`attach`), so an agent or
+  upstream kube-proxy in a node namespace talks to it over a real link; the test process
+  (in the host namespace, which must never get addresses or routes) goes through a
+  forwarder on the host's loopback.
+* TLS is verified for real (our CA, a serving certificate naming every address used);
+  clients authenticate with a static bearer token (system:masters), AlwaysAllow.
+* The controller manager runs only the endpoint, endpointslice and
+  endpointslicemirroring controllers: Pods made ready by patching their status (there is
+  no kubelet) become Endpoints and EndpointSlices written by the real controllers.
+* The EndpointSliceTerminatingCondition gate (alpha in v1.20) is on, in the API server
+  and the controller manager: a pod being deleted stays in its slices as
+  ready=false/serving/terminating, as on every cluster since 1.22.
+* The API server's own periodic etcd compaction is off (`--etcd-compaction-interval=0`):
+  tests compact when they mean to, so a 410 never arrives by accident.
+
+Everything (processes, namespace, veths, temporary files) goes away in `stop()`, which
+is safe to call after a partial start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import ssl
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv4Network
+from pathlib import Path
+from typing import Any
+
+from proxy.lab.netns import entered
+from proxy.lab.topology import delete_namespace, ip, sweep_stale
+from tests.realcp.build import Binaries
+from tests.realcp.forward import NetnsForwarder
+from tests.realcp.pki import Pki, make_pki
+
+log = logging.getLogger(__name__)
+
+CP_NET = IPv4Network("198.18.96.0/24")
+API_ADDR = IPv4Address("198.18.96.1")  # the bridge address in the cp namespace
+API_PORT = 6443
+ETCD_URL = "http://127.0.0.1:2379"
+KCM_HEALTHZ_PORT = 10252
+SERVICE_CIDR = "198.18.128.0/17"  # the simulator's and the lab's default
+KUBERNETES_SERVICE_IP = "198.18.128.1"  # the first address: the `kubernetes` service
+BRIDGE = "spx-cpbr0"
+CONTROLLERS = "endpoint,endpointslice,endpointslicemirroring"
+# Alpha in v1.20: slices carry serving/terminating for pods being deleted (what newer
+# clusters always do), so the side-by-side test can show where we differ on purpose.
+FEATURE_GATES = "--feature-gates=EndpointSliceTerminatingCondition=true"
+ETCDCTL = "etcdctl"
+# Where etcd keeps its data: tmpfs when there is one (etcd 3.4 has no --unsafe-no-fsync,
+# and fsync on a shared disk slows every write of every test).
+SHM = Path("/dev/shm")
+WORKDIR_PREFIX = "sliceproxy-realcp-"
+_STALE = re.compile(rf"^{WORKDIR_PREFIX}(?:etcd-)?(\d+)-")
+
+
+def _sweep_stale_dirs() -> None:
+    """Remove the files of control planes whose test process was killed outright."""
+    for base in (Path(tempfile.gettempdir()), SHM):
+        for d in base.glob(f"{WORKDIR_PREFIX}*") if base.is_dir() else ():
+            m = _STALE.match(d.name)
+            if m and not _pid_alive(int(m.group(1))):
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ControlPlaneError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+@dataclass
+class ControlPlane:
+    bins: Binaries
+    # Extra kube-apiserver flags (e.g. feature gates) for a test that needs them.
+    apiserver_flags: Sequence[str] = ()
+    ready_timeout: float = 90.0
+
+    prefix: str = field(init=False)
+    namespace: str = field(init=False)
+    workdir: Path = field(init=False)
+    pki: Pki = field(init=False)
+    forwarder: NetnsForwarder = field(init=False)
+    host_kubeconfig: Path = field(init=False)  # for the test process (via the forwarder)
+    node_kubeconfig: Path = field(init=False)  # for processes in attached node namespaces
+    internal_kubeconfig: Path = field(init=False)  # inside the cp namespace
+    _procs: dict[str, _Proc] = field(init=False, default_factory=dict)
+    _attached: dict[str, str] = field(init=False, default_factory=dict)  # ns -> cp-side veth
+    _etcd_dir: Path | None = field(init=False, default=None)
+    _ns_created: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        # Same naming scheme as proxy.lab, so Lab's sweep removes what a killed run left.
+        self.prefix = f"spx-{os.getpid()}-{secrets.token_hex(3)}"
+        self.namespace = f"{self.prefix}-cp"
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
+
+    # --- addresses ----------------------------------------------------------------------
+
+    @property
+    def host_url(self) -> str:
+        return f"https://127.0.0.1:{self.forwarder.port}"
+
+    @property
+    def node_url(self) -> str:
+        return f"https://{API_ADDR}:{API_PORT}"
+
+    @property
+    def token(self) -> str:
+        return self.pki.token
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def __enter__(self) -> ControlPlane:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        started = time.monotonic()
+        sweep_stale()
+        _sweep_stale_dirs()
+        self._make_namespace()
+        self.pki = make_pki(
+            self.workdir / "pki", ips=["127.0.0.1", str(API_ADDR), KUBERNETES_SERVICE_IP],
+            dns=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"])
+        self._start_etcd()
+        self.forwarder = NetnsForwarder(self.namespace, "127.0.0.1", API_PORT)
+        self.forwarder.start()
+        self.host_kubeconfig = self.pki.write_kubeconfig(
+            self.workdir / "host.kubeconfig", self.host_url)
+        self.node_kubeconfig = self.pki.write_kubeconfig(
+            self.workdir / "node.kubeconfig", self.node_url)
+        self.internal_kubeconfig = self.pki.write_kubeconfig(
+            self.workdir / "internal.kubeconfig", f"https://127.0.0.1:{API_PORT}")
+        self._start_apiserver()
+        self._start_controller_manager()
+        log.info("control plane ready", extra={
+            "namespace": self.namespace, "url": self.host_url,
+            "seconds": round(time.monotonic() - started, 1)})
+
+    def stop(self) -> None:
+        for name in ("kube-controller-manager", "kube-apiserver", "etcd"):
+            self._stop_proc(name)
+        if hasattr(self, "forwarder"):
+            self.forwarder.stop()
+        for ns in list(self._attached):
+            self.detach(ns)
+        if self._ns_created:
+            delete_namespace(self.namespace)
+            self._ns_created = False
+        if self._etcd_dir is not None:
+            shutil.rmtree(self._etcd_dir, ignore_errors=True)
+            self._etcd_dir = None
+        if os.environ.get("SLICEPROXY_REALCP_KEEP"):
+            log.warning("keeping control-plane files", extra={"dir": str(self.workdir)})
+        else:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _make_namespace(self) -> None:
+        ns = self.namespace
+        ip("netns", "add", ns)
+        self._ns_created = True
+        ip("-n", ns, "link", "set", "lo", "up")
+        ip("-n", ns, "link", "add", BRIDGE, "type", "bridge")
+        ip("-n", ns, "addr", "add", f"{API_ADDR}/{CP_NET.prefixlen}", "dev", BRIDGE)
+        ip("-n", ns, "link", "set", BRIDGE, "up")
+
+    # --- node namespaces ----------------------------------------------------------------
+
+    def attach(self, node_ns: str) -> IPv4Address:
+        """Link `node_ns` to the control plane; returns its address on the cp network."""
+        if node_ns in self._attached:
+            raise ControlPlaneError(f"{node_ns} is already attached")
+        index = len(self._attached)
+        addr = API_ADDR + 9 + index + 1  # 198.18.96.10, .11, ...
+        if addr not in CP_NET or addr == CP_NET.broadcast_address:
+            raise ControlPlaneError("too many attached namespaces")
+        cp_side = f"cpv{index}"
+        ip("-n", self.namespace, "link", "add", cp_side, "type", "veth", "peer", "name", "cp0",
+           "netns", node_ns)
+        ip("-n", self.namespace, "link", "set", cp_side, "master", BRIDGE, "up")
+        ip("-n", node_ns, "addr", "add", f"{addr}/{CP_NET.prefixlen}", "dev", "cp0")
+        ip("-n", node_ns, "link", "set", "cp0", "up")
+        self._attached[node_ns] = cp_side
+        return addr
+
+    def detach(self, node_ns: str) -> None:
+        cp_side = self._attached.pop(node_ns, None)
+        if cp_side is not None:
+            # Deleting one end deletes the pair; gone already if the node ns was deleted.
+            ip("-n", self.namespace, "link", "del", cp_side, check=False)
+
+    # --- processes ----------------------------------------------------------------------
+
+    def _spawn(self, name: str, cmd: Sequence[str]) -> _Proc:
+        logfile = self.workdir / f"{name}.log"
+        out = logfile.open("ab")
+        try:
+            popen = subprocess.Popen(["ip", "netns", "exec", self.namespace, *cmd],
+                                     stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            out.close()
+        proc = _Proc(name, popen, logfile)
+        self._procs[name] = proc
+        return proc
+
+    def _stop_proc(self, name: str, timeout: float = 15.0) -> None:
+        proc = self._procs.pop(name, None)
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.popen.pid, signal.SIGTERM)
+        try:
+            proc.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+            proc.popen.wait(timeout=10)
+
+    def _wait(self, proc: _Proc, check: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        last_err = ""
+        while True:
+            if proc.popen.poll() is not None:
+                raise ControlPlaneError(
+                    f"{proc.name} exited with {proc.popen.returncode} before {what}; "
+                    f"log {proc.log}:\n{proc.tail()}")
+            try:
+                if check():
+                    return
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                last_err = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(
+                    f"{proc.name}: no {what} within {self.ready_timeout:.0f}s (last error: "
+                    f"{last_err or 'not ready'}); log {proc.log}:\n{proc.tail()}")
+            time.sleep(0.2)
+
+    def _start_etcd(self) -> None:
+        base = SHM if SHM.is_dir() else self.workdir
+        self._etcd_dir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}etcd-{os.getpid()}-",
+                                               dir=base))
+        proc = self._spawn("etcd", [
+            "etcd", "--name", "realcp", "--data-dir", str(self._etcd_dir / "data"),
+            "--listen-client-urls", ETCD_URL, "--advertise-client-urls", ETCD_URL,
+            "--listen-peer-urls", "http://127.0.0.1:2380",
+            "--initial-advertise-peer-urls", "http://127.0.0.1:2380",
+            "--initial-cluster", "realcp=http://127.0.0.1:2380",
+            "--initial-cluster-state", "new", "--log-level", "warn", "--logger", "zap",
+        ])
+        self._wait(proc, lambda: self.etcdctl("endpoint", "health", check=False)
+                   .returncode == 0, "healthy endpoint")
+
+    def _start_apiserver(self) -> None:
+        p = self.pki
+        certs = self.workdir / "apiserver-certs"
+        certs.mkdir(exist_ok=True)
+        proc = self._spawn("kube-apiserver", [
+            str(self.bins.path("kube-apiserver")),
+            f"--etcd-servers={ETCD_URL}",
+            "--bind-address=0.0.0.0", f"--secure-port={API_PORT}", "--insecure-port=0",
+            f"--advertise-address={API_ADDR}",
+            f"--cert-dir={certs}",
+            f"--tls-cert-file={p.server_cert}", f"--tls-private-key-file={p.server_key}",
+            f"--token-auth-file={p.token_file}", "--anonymous-auth=false",
+            "--authorization-mode=AlwaysAllow",
+            "--service-account-issuer=https://kubernetes.default.svc",
+            f"--service-account-key-file={p.sa_pub}",
+            f"--service-account-signing-key-file={p.sa_key}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            # No kubelet, no token controller: pods must not need a service-account token.
+            "--disable-admission-plugins=ServiceAccount",
+            "--etcd-compaction-interval=0",
+            "--profiling=false", FEATURE_GATES,
+            *self.apiserver_flags,
+        ])
+        self._wait(proc, lambda: self._get_status("/readyz") == 200, "/readyz 200")
+
+    def restart_apiserver(self) -> None:
+        """Stop and start the API server (its watch cache starts over from etcd)."""
+        self._stop_proc("kube-apiserver")
+        self._start_apiserver()
+
+    def _start_controller_manager(self) -> None:
+        proc = self._spawn("kube-controller-manager", [
+            str(self.bins.path("kube-controller-manager")),
+            f"--kubeconfig={self.internal_kubeconfig}",
+            f"--controllers={CONTROLLERS}",
+            "--leader-elect=false", "--use-service-account-credentials=false",
+            "--secure-port=0", f"--port={KCM_HEALTHZ_PORT}", "--address=127.0.0.1",
+            "--profiling=false", FEATURE_GATES,
+        ])
+
+        def healthy() -> bool:
+            conn = http.client.HTTPConnection("127.0.0.1", KCM_HEALTHZ_PORT, timeout=2)
+            with entered(self.namespace):
+                conn.connect()  # the socket is born in the cp namespace
+            try:
+                conn.request("GET", "/healthz")
+                return conn.getresponse().status == 200
+            finally:
+                conn.close()
+
+        self._wait(proc, healthy, "/healthz 200")
+
+    def logs(self) -> dict[str, Path]:
+        return {p.name: p.log for p in self._procs.values()}
+
+    # --- talking to it ------------------------------------------------------------------
+
+    def ssl_context(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.pki.ca_cert))
+
+    def _get_status(self, path: str) -> int:
+        conn = http.client.HTTPSConnection("127.0.0.1", self.forwarder.port, timeout=5,
+                                           context=self.ssl_context())
+        try:
+            conn.request("GET", path, headers={"Authorization": f"Bearer {self.token}"})
+            resp = conn.getresponse()
+            resp.read()
+            return resp.status
+        finally:
+            conn.close()
+
+    def get_json(self, path: str) -> Any:
+        conn = http.client.HTTPSConnection("127.0.0.1", self.forwarder.port, timeout=10,
+                                           context=self.ssl_context())
+        try:
+            conn.request("GET", path, headers={"Authorization": f"Bearer {self.token}"})
+            resp = conn.getresponse()
+            body = resp.read()
+            if resp.status != 200:
+                raise ControlPlaneError(f"GET {path}: HTTP {resp.status}: {body[:300]!r}")
+            return json.loads(body)
+        finally:
+            conn.close()
+
+    def version(self) -> dict[str, Any]:
+        data: dict[str, Any] = self.get_json("/version")
+        return data
+
+    def etcdctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            ["ip", "netns", "exec", self.namespace, ETCDCTL, f"--endpoints={ETCD_URL}", *args],
+            capture_output=True, text=True, check=False, timeout=60,
+            env={**os.environ, "ETCDCTL_API": "3"})
+        if check and proc.returncode != 0:
+            raise ControlPlaneError(f"etcdctl {' '.join(args)}: {proc.stderr.strip()}")
+        return proc
+
+    def etcd_revision(self) -> int:
+        status = json.loads(self.etcdctl("endpoint", "status", "-w", "json").stdout)
+        return int(status[0]["Status"]["header"]["revision"])
+
+    def compact_etcd(self) -> int:
+        """Compact etcd's history up to its current revision; returns that revision.
+
+        This alone does not make old watch resumes fail for resources served from the API
+        server's watch cache: the cache keeps its own window of events. See `compact`."""
+        rev = self.etcd_revision()
+        self.etcdctl("compact", str(rev))
+        return rev
+
+    def compact(self) -> int:
+        """Make every resourceVersion handed out so far unusable for a resume or a
+        continue: compact etcd, then restart the API server so its watch cache, which
+        would still serve the compacted window, starts over at the current revision (what
+        a client sees after a long disconnection or an API server restart)."""
+        rev = self.compact_etcd()
+        self.restart_apiserver()
+        return rev
