@@ -207,7 +207,7 @@ class IptablesDataPlane:
     def _full(self, fam: _FamilyState, ports: Mapping[ServicePortKey, ResolvedServicePort],
               ctx: RenderContext) -> tuple[str, Ruleset, set[ServicePortKey]]:
         ruleset = Ruleset(render_base(ctx), {k: render_port(v, ctx) for k, v in ports.items()})
-        kernel = parse_save(self._save(fam))
+        kernel = parse_save(self._save(fam), our_rules=False)
         changed = {k for k in ports.keys() | fam.ports.keys()
                    if ports.get(k) is not fam.ports.get(k)}
         return ruleset.full_restore(kernel).render(), ruleset, changed

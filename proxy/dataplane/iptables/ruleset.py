@@ -61,10 +61,15 @@ def ours(chain: str) -> bool:
     return chain.startswith(PREFIX)
 
 
-def parse_save(text: str) -> Saved:
-    """The tables, chains (built-in ones included) and rules of iptables-save output."""
+def parse_save(text: str, our_rules: bool = True) -> Saved:
+    """The tables, chains (built-in ones included) and rules of iptables-save output.
+
+    `our_rules=False` skips the rules inside our own chains (their names are kept):
+    a full sync rewrites those anyway, and at 10,000 services they are 100,000 lines.
+    """
     saved: Saved = {}
     chains: dict[str, list[str]] | None = None
+    skip = f"-A {PREFIX}"
     for line in text.splitlines():
         if line.startswith("*"):
             try:
@@ -78,6 +83,8 @@ def parse_save(text: str) -> Saved:
         elif line.startswith(":"):
             chains.setdefault(line[1:].split(" ", 1)[0], [])
         elif line.startswith("-A "):
+            if not our_rules and line.startswith(skip):
+                continue
             _, chain, *rest = line.split(" ", 2)
             chains.setdefault(chain, []).append(rest[0] if rest else "")
     return saved
