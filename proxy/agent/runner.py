@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import time
 from collections import deque
@@ -187,8 +188,9 @@ class SyncRunner:
         self._succeeded(trigger, full, start, started_wall, batch, state, report)
 
     def _changed_fields(self) -> tuple[tuple[str, ...], int]:
-        keys = sorted(self._unapplied, key=lambda k: (k.namespace, k.name, k.port, k.family))
-        return tuple(str(k) for k in keys[:CHANGED_SHOWN]), len(keys)
+        first = heapq.nsmallest(CHANGED_SHOWN, self._unapplied,
+                                key=lambda k: (k.namespace, k.name, k.port, k.family))
+        return tuple(str(k) for k in first), len(self._unapplied)
 
     def _succeeded(self, trigger: Trigger, full: bool, start: float, started_wall: float,
                    batch: ChangeBatch, state: DesiredState, report: SyncReport) -> None:

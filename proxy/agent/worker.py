@@ -9,6 +9,7 @@ alive (an `iptables-restore` already started completes or fails atomically on it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -34,17 +35,19 @@ class Worker:
 
         def job() -> None:
             try:
-                result = fn()
+                result, error = fn(), None
             except BaseException as exc:
-                loop.call_soon_threadsafe(_settle, fut, None, exc)
-            else:
-                loop.call_soon_threadsafe(_settle, fut, result, None)
+                result, error = None, exc
+            # The loop may be gone: a job still running when the agent exited.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, fut, result, error)
 
         self._jobs.put(job)
         return fut
 
-    def run_sync(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the worker thread from plain (non-async) code and wait for it."""
+    def run_sync(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run `fn` on the worker thread from plain (non-async) code and wait for it
+        (TimeoutError if it has not run within `timeout`)."""
         box: list[tuple[bool, Any]] = []
         done = threading.Event()
 
@@ -57,7 +60,8 @@ class Worker:
                 done.set()
 
         self._jobs.put(job)
-        done.wait()
+        if not done.wait(timeout):
+            raise TimeoutError(f"the worker did not run the job within {timeout}s")
         ok, value = box[0]
         if not ok:
             raise value
