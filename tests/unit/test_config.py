@@ -73,6 +73,8 @@ def test_config_file_with_flags_winning(tmp_path: Path) -> None:
         (["--metrics-bind-address", "127.0.0.1:99999"], "port 99999 is out of range"),
         (["-v", "12"], "-v: invalid value '12'"),
         (["--min-sync-period", "2h"], "must not exceed --sync-period"),
+        (["--sync-period", "0s"], "--sync-period: must be greater than 0"),
+        (["--healthz-threshold", "-5s"], "--healthz-threshold: invalid value '-5s'"),
     ],
 )
 def test_errors_name_the_flag(argv: list[str], message: str) -> None:
@@ -93,3 +95,13 @@ def test_config_file_errors(tmp_path: Path) -> None:
 def test_format_duration_round_trips() -> None:
     for text in ("250ms", "1s", "90s", "5m", "1h"):
         assert format_duration(parse_duration(text)) == text
+
+
+def test_healthz_threshold_flag_and_file(tmp_path: Path) -> None:
+    assert parse_args(["--hostname-override", "n"]).healthz_threshold == 0.0  # derived
+    assert parse_args(["--hostname-override", "n", "--healthz-threshold", "90s"]
+                      ).healthz_threshold == 90.0
+    path = tmp_path / "c.yaml"
+    path.write_text("hostname-override: n\nhealthz-threshold: 2m\n")
+    cfg = parse_args(["--config", str(path)])
+    assert cfg.healthz_threshold == 120.0 and cfg.as_dict()["healthz-threshold"] == "2m"
