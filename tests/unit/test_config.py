@@ -74,7 +74,7 @@ def test_config_file_with_flags_winning(tmp_path: Path) -> None:
         (["-v", "12"], "-v: invalid value '12'"),
         (["--min-sync-period", "2h"], "must not exceed --sync-period"),
         (["--sync-period", "0s"], "--sync-period: must be greater than 0"),
-        (["--healthz-threshold", "-5s"], "--healthz-threshold: invalid value '-5s'"),
+        (["--healthz-threshold=-5s"], "--healthz-threshold: invalid value '-5s'"),
     ],
 )
 def test_errors_name_the_flag(argv: list[str], message: str) -> None:
