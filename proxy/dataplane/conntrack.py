@@ -24,6 +24,7 @@ import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from ipaddress import ip_address
+from typing import Any
 
 from proxy.model.snapshot import ResolvedServicePort
 from proxy.model.types import Family, IPAddress, Protocol, ServicePortKey
@@ -111,6 +112,16 @@ def _matches(flow: StaleFlows, daddr: IPAddress, dport: int, raddr: IPAddress,
                  or (flow.endpoint == raddr and flow.endpoint_port in (None, rport))))
 
 
+def _tuple(nla: Any) -> tuple[str | None, int | None, str | None, int | None]:
+    """(source, source port, destination, destination port) of a CTA_TUPLE_* attribute.
+    Read from the raw attributes: pyroute2's ConntrackEntry drops SCTP's ports."""
+    ip, proto = nla.get_attr("CTA_TUPLE_IP"), nla.get_attr("CTA_TUPLE_PROTO")
+    src = ip.get_attr("CTA_IP_V4_SRC") or ip.get_attr("CTA_IP_V6_SRC")
+    dst = ip.get_attr("CTA_IP_V4_DST") or ip.get_attr("CTA_IP_V6_DST")
+    return (src, proto.get_attr("CTA_PROTO_SRC_PORT"), dst,
+            proto.get_attr("CTA_PROTO_DST_PORT"))
+
+
 def clear(flows: Iterable[StaleFlows]) -> int:
     """Delete the conntrack entries `flows` describe; returns how many went."""
     wanted: dict[tuple[Family, Protocol], dict[int, list[StaleFlows]]] = {}
@@ -122,30 +133,41 @@ def clear(flows: Iterable[StaleFlows]) -> int:
     from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
     cleared = 0
-    with Conntrack() as ct:
-        for (family, protocol), by_port in wanted.items():
-            af = socket.AF_INET if family is Family.V4 else socket.AF_INET6
+    for (family, protocol), by_port in wanted.items():
+        af = socket.AF_INET if family is Family.V4 else socket.AF_INET6
+        number = IPPROTO[protocol]
+        # The socket's family filters the dump (AF_INET by default: IPv6 would be missed).
+        with Conntrack(nfgen_family=af) as ct:
             # Read the whole dump before deleting: pyroute2's sync wrapper tears its
             # event loop down after each call, which breaks a dump still being read.
-            entries = list(ct.dump_entries(tuple_orig=NFCTAttrTuple(
-                family=af, proto=IPPROTO[protocol])))
-            for entry in entries:
-                orig, reply = entry.tuple_orig, entry.tuple_reply
-                candidates = by_port.get(orig.dport)
-                if not candidates or orig.daddr is None or reply.saddr is None:
+            messages = list(ct.dump(tuple_orig=NFCTAttrTuple(family=af, proto=number)))
+            for msg in messages:
+                orig = msg.get_attr("CTA_TUPLE_ORIG")
+                saddr, sport, daddr, dport = _tuple(orig)
+                # The reply comes from whoever the flow was DNATed to.
+                raddr, rport, _, _ = _tuple(msg.get_attr("CTA_TUPLE_REPLY"))
+                if (orig.get_attr("CTA_TUPLE_PROTO").get_attr("CTA_PROTO_NUM") != number
+                        or dport is None or daddr is None or raddr is None):
                     continue
-                daddr, raddr = ip_address(orig.daddr), ip_address(reply.saddr)
+                candidates = by_port.get(dport)
+                if not candidates:
+                    continue
+                dst, endpoint = ip_address(daddr), ip_address(raddr)
                 hit = next((f for f in candidates
-                            if _matches(f, daddr, orig.dport, raddr, reply.sport)), None)
+                            if _matches(f, dst, dport, endpoint, rport or 0)), None)
                 if hit is None:
                     continue
                 try:
-                    ct.delete(entry)
-                except OSError as exc:  # gone meanwhile (expired): nothing to do
+                    ct.entry("del", tuple_orig=NFCTAttrTuple(
+                        family=af, saddr=saddr, daddr=daddr, proto=number, sport=sport,
+                        dport=dport))
+                except OSError as exc:  # expired meanwhile: nothing to do
                     log.debug("conntrack delete failed", extra={"error": str(exc)})
                     continue
                 cleared += 1
                 log.info("cleared stale conntrack entry", extra={
                     "service": hit.service, "reason": hit.reason, "protocol": protocol.value,
-                    "destination": f"{daddr}:{orig.dport}", "endpoint": f"{raddr}:{reply.sport}"})
+                    "client": f"{saddr}:{sport}", "destination": f"{daddr}:{dport}",
+                    "endpoint": f"{raddr}:{rport}"})
     return cleared
+

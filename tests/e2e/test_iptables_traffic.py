@@ -172,8 +172,9 @@ class UdpClient:
     port, so all of them belong to one conntrack entry."""
 
     def __init__(self, ns: str, ip: str, port: int) -> None:
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
         with entered(ns):
-            self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            self.sock = socket.socket(family, socket.SOCK_DGRAM)
         self.sock.connect((ip, port))
 
     def ask(self, timeout: float = 0.5) -> str:
@@ -198,16 +199,18 @@ class UdpClient:
         self.sock.close()
 
 
+@pytest.mark.parametrize("v6", [False, True], ids=["ipv4", "ipv6"])
 @pytest.mark.parametrize("clear", [True, False], ids=["cleared", "control"])
 def test_udp_flow_moves_off_a_removed_endpoint_when_conntrack_is_cleared(
-        lab: Lab, clear: bool) -> None:
+        lab: Lab, clear: bool, v6: bool) -> None:
     plane = NodePlane(lab.node_ns, clear_conntrack=clear)
-    client = UdpClient(lab.client_ns, VIP4, 53)
+    client = UdpClient(lab.client_ns, VIP6 if v6 else VIP4, 53)
+    dual = svc(ips=(VIP4, VIP6), ipFamilies=["IPv4", "IPv6"])
     try:
         cluster = Cluster()
-        plane.sync(cluster.become(svc(), endpoints(lab, "web-1")), full=True)
+        plane.sync(cluster.become(dual, endpoints(lab, "web-1", v6=v6)), full=True)
         assert client.ask() == "web-1"
-        report = plane.sync(cluster.become(svc(), endpoints(lab, "web-2")))
+        report = plane.sync(cluster.become(dual, endpoints(lab, "web-2", v6=v6)))
         # web-1 still runs: only the conntrack entry decides where datagrams go.
         if clear:
             assert report.conntrack_cleared >= 1
