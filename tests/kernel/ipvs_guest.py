@@ -224,3 +224,38 @@ def normalise_entry(e: SetEntry) -> SetEntry:
 
 __all__ = ["Cluster", "KernelView", "NodeThread", "VsKey", "normalise_entry", "options",
            "read_kernel", "rendered_view"]
+
+
+def ipvsadm_view(thread: NodeThread) -> dict[str, dict[str, Any]]:
+    """The IPVS table as `ipvsadm -Sn` prints it: a reader independent of ours.
+
+    Lines look like `-A -t 198.18.128.10:80 -s rr -p 60` and
+    `-a -t 198.18.128.10:80 -r 198.18.1.10:8080 -m -w 1`; -m is masquerading."""
+    out = thread.exec("ipvsadm", "-Sn")
+    assert out.returncode == 0, out.stderr
+    protocols = {"-t": "TCP", "-u": "UDP", "--sctp-service": "SCTP"}
+    table: dict[str, dict[str, Any]] = {}
+    for line in out.stdout.splitlines():
+        words = line.split()
+        if len(words) < 3 or words[1] not in protocols:
+            continue
+        key = f"{protocols[words[1]]} {words[2]}"
+        opts = dict(zip(words[3::2], words[4::2], strict=False))
+        if words[0] == "-A":
+            table[key] = {"scheduler": opts.get("-s"),
+                          "persistent": int(opts["-p"]) if "-p" in opts else None,
+                          "dests": {}}
+        elif words[0] == "-a":
+            rest = words[3:]
+            real = rest[rest.index("-r") + 1]
+            weight = int(rest[rest.index("-w") + 1])
+            masq = "-m" in rest
+            table[key]["dests"][real] = weight if masq else f"not masquerading: {line}"
+    return table
+
+
+def as_ipvsadm(view: KernelView) -> dict[str, dict[str, Any]]:
+    """A rendered view in `ipvsadm_view`'s terms."""
+    return {k: {"scheduler": v["scheduler"],
+                "persistent": v["timeout"] if v["flags"] & 1 else None,
+                "dests": v["dests"]} for k, v in view.services.items()}

@@ -19,6 +19,7 @@ from proxy.dataplane.ipvs.netfilter import (
     iptables_rules,
     parse_ipset_save,
     restore_text,
+    split_tables,
 )
 from proxy.dataplane.ipvs.render import SetEntry, SetRole
 from proxy.model.types import Family
@@ -92,7 +93,9 @@ def test_restore_adds_each_jump_once_and_cleanup_removes_everything() -> None:
     pre = [line for line in nat if line.startswith("-A PREROUTING")]
     assert pre[0].endswith("-j SPX-IPVS-SERVICES") and pre[1] == "-A PREROUTING -j OTHER"
 
-    text = cleanup_text({t: runner.save(t) for t in ("nat", "filter")})
+    assert set(split_tables(runner.save())) == {"nat", "filter"}
+    assert split_tables(runner.save())["nat"] == runner.save("nat")
+    text = cleanup_text(split_tables(runner.save()))
     runner.restore(text)
     after = runner.save()
     assert "SPX-IPVS" not in after

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -29,6 +30,7 @@ from proxy.dataplane import conntrack
 from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
 from proxy.dataplane.iptables.runner import Backend, IptablesRunner, RunnerError
 from proxy.dataplane.ipvs.diff import (
+    KernelDest,
     KernelService,
     Op,
     OpKind,
@@ -44,6 +46,7 @@ from proxy.dataplane.ipvs.netfilter import (
     ipset_update,
     parse_ipset_save,
     restore_text,
+    split_tables,
 )
 from proxy.dataplane.ipvs.render import (
     DUMMY_INTERFACE,
@@ -274,9 +277,9 @@ class IpvsDataPlane:
         except Exception as exc:
             run.fail("dump IPVS services", exc)
             kernel = {}
-        for vs_key in sorted(kernel, key=VsKey.order):
-            if vs_key.address in dummy_addresses or vs_key in owned or vs_key in self._believed:
-                self._do(h, Op(OpKind.DEL_SERVICE, vs_key), run)
+        doomed = [Op(OpKind.DEL_SERVICE, k) for k in sorted(kernel, key=VsKey.order)
+                  if k.address in dummy_addresses or k in owned or k in self._believed]
+        self._execute(h, doomed, [None] * len(doomed), run)
         try:
             if h.links.delete():
                 log.info("deleted dummy interface", extra={"interface": self._dummy_name})
@@ -284,7 +287,7 @@ class IpvsDataPlane:
             run.fail(f"delete link {self._dummy_name}", exc)
         for family, runner in h.runners.items():
             try:
-                text = cleanup_text({t: runner.save(t) for t in ("nat", "filter")})
+                text = cleanup_text(split_tables(runner.save()))
                 if text:
                     runner.restore(text, noflush=True)
                     run.iptables_lines += text.count("\n")
@@ -307,8 +310,8 @@ class IpvsDataPlane:
             self.failed_operations += len(run.failures)
             what, err = run.failures[0]
             raise ApplyError(f"IPVS clean-up incomplete: {what}: {err}", offending=what)
-        log.info("IPVS data plane cleaned up", extra={"virtual_servers_deleted": len(
-            [k for k in kernel if k.address in dummy_addresses or k in owned])})
+        log.info("IPVS data plane cleaned up: %d virtual servers deleted", len(doomed),
+                 extra={"virtual_servers_deleted": len(doomed)})
 
     def close(self) -> None:
         if self._h is not None:
@@ -339,10 +342,8 @@ class IpvsDataPlane:
         ours = set(desired) | {k for k in kernel if k.family in self._families and (
             k.address in present or k in owned or k in self._believed)}
         self._believed = {}
-        for vs_key in sorted(ours, key=VsKey.order):
-            entry = desired.get(vs_key)
-            self._sync_vs(vs_key, entry[1] if entry else None, kernel.get(vs_key),
-                          entry[0] if entry else None, h, run)
+        self._sync_servers([(k, desired.get(k), kernel.get(k))
+                            for k in sorted(ours, key=VsKey.order)], h, run)
         self._draining = {k: d for k, d in self._draining.items() if k[0] in self._believed}
         wanted = self._index.addresses()
         self._addresses(h, wanted - present, present - wanted, run)
@@ -365,107 +366,136 @@ class IpvsDataPlane:
             self._index.update(key, new, delta)
         self._log_conflicts(delta.virtual_servers)
         self._ipset_restore(h, ipset_update(delta.entries_added, ()), run)
-        new_drains: set[VsKey] = set()
-        for vs_key in sorted(delta.virtual_servers, key=VsKey.order):
-            entry = self._index.virtual_server(vs_key)
-            if self._sync_vs(vs_key, entry[1] if entry else None, self._believed.get(vs_key),
-                             entry[0] if entry else None, h, run):
-                new_drains.add(vs_key)
-        assert self._dummy_index is not None
+        new_drains = self._sync_servers(
+            [(k, self._index.virtual_server(k), self._believed.get(k))
+             for k in sorted(delta.virtual_servers, key=VsKey.order)], h, run)
         self._addresses(h, delta.addresses_added, delta.addresses_removed, run)
         self._ipset_restore(h, ipset_update((), delta.entries_removed), run)
         if new_drains:
             self._reap(new_drains, h, run)
         return delta
 
-    def _sync_vs(self, vs_key: VsKey, desired: VirtualServer | None, current: KernelService | None,
-                 owner: ServicePortKey | None, h: _Handles, run: _Run) -> bool:
-        """Apply one virtual server's difference; True if real servers started draining."""
-        ops = diff_service(desired, current)
-        ok = True
-        for op in ops:
-            if not self._do(h, op, run, owner):
-                ok = False
-                if op.kind is OpKind.ADD_SERVICE:
-                    break  # nothing to add real servers to; the next (full) sync retries
-        if desired is None:
-            if ok:
-                self._believed.pop(vs_key, None)
-                self._draining = {k: d for k, d in self._draining.items() if k[0] != vs_key}
-            return False
-        after = believed_after(desired, current)
-        assert after is not None
-        if not ok:
-            # Unknown now; the next sync is full and reads the kernel back.
-            self._believed[vs_key] = current or after
-            return False
-        self._believed[vs_key] = after
+    def _sync_servers(
+        self,
+        items: list[tuple[VsKey, tuple[ServicePortKey, VirtualServer] | None,
+                          KernelService | None]],
+        h: _Handles,
+        run: _Run,
+    ) -> set[VsKey]:
+        """Apply each virtual server's difference (desired: (owner, server) or None), all
+        operations in one batched exchange; returns those whose real servers started
+        draining."""
+        plans = [(vs_key, entry, current, diff_service(entry[1] if entry else None, current))
+                 for vs_key, entry, current in items]
+        ops = [op for *_, vs_ops in plans for op in vs_ops]
+        owners = [entry[0] if entry else None for _k, entry, _c, vs_ops in plans
+                  for _ in vs_ops]
+        results = iter(self._execute(h, ops, owners, run))
         now = self._clock()
-        started = False
-        for rs in desired.real_servers:
-            self._draining.pop((vs_key, rs), None)
-        for rs, dest in after.dests.items():
-            if dest.weight == 0 and (vs_key, rs) not in self._draining:
-                self._draining[(vs_key, rs)] = _Drain(now, owner)
-                started = True
-                log.info("real server draining", extra={
-                    "service": str(owner) if owner else None, "virtual_server": str(vs_key),
-                    "real_server": str(rs), "timeout": self.options.ipvs_drain_timeout})
+        started: set[VsKey] = set()
+        for vs_key, entry, current, vs_ops in plans:
+            outcomes = [next(results) for _ in vs_ops]  # consume them all, not just to a False
+            ok = all(outcomes)
+            if entry is None:
+                if ok:
+                    self._believed.pop(vs_key, None)
+                    self._draining = {k: d for k, d in self._draining.items()
+                                      if k[0] != vs_key}
+                continue
+            owner, desired = entry
+            after = believed_after(desired, current)
+            assert after is not None
+            if not ok:
+                # Unknown now; the next sync is full and reads the kernel back.
+                self._believed[vs_key] = current or after
+                continue
+            self._believed[vs_key] = after
+            for rs in desired.real_servers:
+                self._draining.pop((vs_key, rs), None)
+            for rs, dest in after.dests.items():
+                if dest.weight == 0 and (vs_key, rs) not in self._draining:
+                    self._draining[(vs_key, rs)] = _Drain(now, owner)
+                    started.add(vs_key)
+                    log.info("real server %s of %s (%s) draining", rs, vs_key, owner, extra={
+                        "service": str(owner), "virtual_server": str(vs_key),
+                        "real_server": str(rs), "timeout": self.options.ipvs_drain_timeout})
         return started
 
-    def _do(self, h: _Handles, op: Op, run: _Run, owner: ServicePortKey | None = None) -> bool:
+    def _execute(self, h: _Handles, ops: list[Op], owners: list[ServicePortKey | None],
+                 run: _Run) -> list[bool]:
+        """Carry out `ops` in order; whether each reached its goal (deleting what is
+        already gone counts as done)."""
+        if not ops:
+            return []
         try:
-            h.ipvs.apply(op)
-        except Exception as exc:
-            code = _error_code(exc)
-            # Already there / already gone: the kernel is where we wanted it.
-            if (op.kind in (OpKind.DEL_SERVICE, OpKind.DEL_DEST) and code in (
-                    errno.ENOENT, errno.ESRCH)):
-                return True
-            why = str(exc)
+            codes = h.ipvs.apply_many(ops)
+        except Exception as exc:  # the socket itself failed: nothing is known
+            run.fail(f"{len(ops)} IPVS operations starting with {ops[0]}", exc)
+            return [False] * len(ops)
+        done = []
+        failed_services: set[VsKey] = set()
+        for op, owner, code in zip(ops, owners, codes, strict=True):
+            if not code or (op.kind in (OpKind.DEL_SERVICE, OpKind.DEL_DEST)
+                            and code in (errno.ENOENT, errno.ESRCH)):
+                done.append(True)
+                log.debug("IPVS operation %s", op, extra={
+                    "operation": str(op), "service": str(owner) if owner else None})
+                continue
+            done.append(False)
+            if op.vs in failed_services:
+                continue  # its virtual server could not be made: one error is enough
+            if op.kind is OpKind.ADD_SERVICE:
+                failed_services.add(op.vs)
+            why = os.strerror(code)
             if op.service is not None and code == errno.ENOENT:
                 # The kernel's answer for a scheduler it cannot load.
                 why += (f" (is the IPVS scheduler {op.service.scheduler!r} available? "
                         f"modprobe ip_vs_{op.service.scheduler})")
-            run.fail(str(op), RuntimeError(why), service=str(owner) if owner else None)
-            return False
-        log.debug("IPVS operation", extra={"operation": str(op),
-                                           "service": str(owner) if owner else None})
-        return True
+            run.fail(str(op), OSError(code, why), service=str(owner) if owner else None)
+        return done
 
     def _reap(self, vs_keys: Iterable[VsKey], h: _Handles, run: _Run) -> None:
         """Delete the draining real servers of `vs_keys` that may go now."""
         now = self._clock()
         timeout = self.options.ipvs_drain_timeout
-        for vs_key in sorted(vs_keys, key=VsKey.order):
-            pending = [(rs, d) for (v, rs), d in self._draining.items() if v == vs_key]
-            if not pending:
-                continue
+        pending: dict[VsKey, list[tuple[RsKey, _Drain]]] = {}
+        for (v, rs), drain in self._draining.items():
+            pending.setdefault(v, []).append((rs, drain))
+        doomed: list[tuple[Op, _Drain, KernelDest]] = []
+        for vs_key in sorted(set(vs_keys) & set(pending), key=VsKey.order):
             try:
                 dests = h.ipvs.dests(vs_key)
             except Exception as exc:
                 run.fail(f"dump real servers of {vs_key}", exc)
                 continue
-            for rs, drain in pending:
+            for rs, drain in pending[vs_key]:
                 dest = dests.get(rs)
-                if dest is not None and not drained(dest, drain.since, now, timeout):
-                    continue
-                if dest is not None:
-                    reason = "idle" if dest.connections == 0 else "drain timeout"
-                    if not self._do(h, Op(OpKind.DEL_DEST, vs_key, rs=rs), run, drain.owner):
-                        continue
-                    log.info("real server deleted after draining", extra={
-                        "service": str(drain.owner) if drain.owner else None,
-                        "virtual_server": str(vs_key), "real_server": str(rs),
-                        "reason": reason, "connections": dest.connections,
-                        "drained_seconds": round(now - drain.since, 3)})
-                del self._draining[(vs_key, rs)]
-                believed = self._believed.get(vs_key)
-                if believed is not None and rs in believed.dests:
-                    dests_left = {k: v for k, v in believed.dests.items() if k != rs}
-                    self._believed[vs_key] = KernelService(
-                        believed.key, believed.scheduler, believed.flags, believed.timeout,
-                        dests_left)
+                if dest is None:  # gone already (deleted by hand, or with its server)
+                    self._forget_drain(vs_key, rs)
+                elif drained(dest, drain.since, now, timeout):
+                    doomed.append((Op(OpKind.DEL_DEST, vs_key, rs=rs), drain, dest))
+        results = self._execute(h, [op for op, _d, _k in doomed],
+                                [d.owner for _o, d, _k in doomed], run)
+        for (op, drain, dest), ok in zip(doomed, results, strict=True):
+            if not ok:
+                continue
+            assert op.rs is not None
+            self._forget_drain(op.vs, op.rs)
+            reason = "idle" if dest.connections == 0 else "drain timeout"
+            log.info("real server %s of %s (%s) deleted after draining: %s", op.rs, op.vs,
+                     drain.owner, reason, extra={
+                         "service": str(drain.owner) if drain.owner else None,
+                         "virtual_server": str(op.vs), "real_server": str(op.rs),
+                         "reason": reason, "connections": dest.connections,
+                         "drained_seconds": round(now - drain.since, 3)})
+
+    def _forget_drain(self, vs_key: VsKey, rs: RsKey) -> None:
+        self._draining.pop((vs_key, rs), None)
+        believed = self._believed.get(vs_key)
+        if believed is not None and rs in believed.dests:
+            self._believed[vs_key] = KernelService(
+                believed.key, believed.scheduler, believed.flags, believed.timeout,
+                {k: v for k, v in believed.dests.items() if k != rs})
 
     # --- addresses, ipsets, iptables ---------------------------------------------------
 
@@ -504,8 +534,7 @@ class IpvsDataPlane:
     def _write_iptables(self, h: _Handles, run: _Run) -> None:
         for family, runner in h.runners.items():
             try:
-                saved = {t: runner.save(t) for t in ("nat", "filter")}
-                text = restore_text(family, self.options, saved)
+                text = restore_text(family, self.options, split_tables(runner.save()))
                 runner.restore(text, noflush=True)
                 run.iptables_lines += text.count("\n")
             except RunnerError as exc:

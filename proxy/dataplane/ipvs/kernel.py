@@ -1,5 +1,6 @@
-"""The kernel-facing side of the IPVS data plane: IPVS and links over netlink (pyroute2),
-ipsets through the `ipset` binary, IPVS sysctls.
+"""The kernel-facing side of the IPVS data plane: IPVS over our own netlink client
+(`netlink.py`), links and addresses over pyroute2, ipsets through the `ipset` binary,
+IPVS sysctls.
 
 Everything here runs on the data plane's one worker thread, in the network namespace
 that thread is in: pyroute2 sockets are bound to the thread's namespace when opened, and
@@ -9,32 +10,35 @@ the operations (`diff.Op`) or text (`netfilter`) to carry out.
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import subprocess
+from collections.abc import Sequence
 from ipaddress import ip_address
 from pathlib import Path
 from typing import Any
 
-from pyroute2 import IPVS, IPRoute, IPVSDest, IPVSService
+from pyroute2 import IPRoute
 
-from proxy.dataplane.ipvs.diff import KernelDest, KernelService, Op, OpKind
-from proxy.dataplane.ipvs.render import (
-    FLAG_HASHED,
-    IPPROTO,
-    PROTOCOL_OF,
-    RsKey,
-    VirtualServer,
-    VsKey,
-    v6_netmask,
+from proxy.dataplane.ipvs.diff import KernelDest, KernelService, Op
+from proxy.dataplane.ipvs.netlink import (
+    ATTR_DEST,
+    ATTR_SERVICE,
+    CMD_GET_DEST,
+    CMD_GET_SERVICE,
+    IpvsSocket,
+    NetlinkError,
+    decode_dest,
+    decode_service,
+    nested,
+    request,
+    service_key_attrs,
 )
+from proxy.dataplane.ipvs.render import RsKey, VsKey
 from proxy.model.types import Family, IPAddress
 
 log = logging.getLogger(__name__)
-
-FLAGS_MASK = 0xFFFF
-V4_NETMASK = "255.255.255.255"
-_V6_NETMASK = v6_netmask()
 
 # Upstream's IPVS proxier sets these: conntrack entries for IPVS connections (needed for
 # iptables masquerading), dropping connections whose real server is gone instead of
@@ -61,129 +65,57 @@ def ensure_sysctls() -> list[str]:
     return failed
 
 
-def _af(family: Family) -> int:
-    return socket.AF_INET if family is Family.V4 else socket.AF_INET6
-
-
-def _service(key: VsKey, vs: VirtualServer | None = None) -> IPVSService:
-    fields: dict[str, Any] = {
-        "af": _af(key.family),
-        "protocol": IPPROTO[key.protocol],
-        "addr": str(key.address),
-        "port": key.port,
-    }
-    if vs is not None:
-        fields.update(
-            sched_name=vs.scheduler,
-            flags={"flags": vs.flags, "mask": FLAGS_MASK},
-            timeout=vs.timeout,
-            # The kernel wants a netmask on every full service entry; IPv6 takes a prefix
-            # length there (see render.v6_netmask). pyroute2 only fills in IPv4's.
-            netmask=V4_NETMASK if key.family is Family.V4 else _V6_NETMASK,
-        )
-    return IPVSService(**fields)
-
-
-def _dest(rs: RsKey, weight: int = 0) -> IPVSDest:
-    # fwd_method=0: masquerading (DNAT). pyroute2's default, 3, is direct routing.
-    return IPVSDest(addr=str(rs.address), port=rs.port, fwd_method=0, weight=weight)
-
-
-def _attrs(msg: Any, nested: str) -> dict[str, Any]:
-    """The attributes of a dump message's nested service or destination, by name, read in
-    one pass (pyroute2's get_nested walks the message again for every attribute)."""
-    nla = msg.get_attr(nested)
-    return dict(nla["attrs"]) if nla is not None else {}
-
-
-def _flags(value: Any) -> int:
-    if value is None:
-        return 0
-    if isinstance(value, int):
-        return value
-    return int(value.get("flags") or 0)
-
-
 class IpvsTable:
-    """The IPVS table of this thread's network namespace."""
+    """The IPVS table of this thread's network namespace (over `netlink.IpvsSocket`)."""
 
     def __init__(self) -> None:
-        self._ipvs = IPVS()
+        self._nl = IpvsSocket()
         self.calls = 0  # netlink requests made, for SyncReport.operations
         self.writes = 0  # of which changed the table successfully
 
     def close(self) -> None:
-        self._ipvs.close()
+        self._nl.close()
 
     def services(self) -> dict[VsKey, KernelService]:
         """Every address/port virtual server with its real servers (fwmark ones skipped)."""
-        out: dict[VsKey, KernelService] = {}
         self.calls += 1
-        for msg in self._ipvs.service("dump"):
-            attrs = _attrs(msg, "IPVS_CMD_ATTR_SERVICE")
-            key = self._key(attrs)
-            if key is None:
-                continue
-            dests = self.dests(key)
-            out[key] = KernelService(
-                key=key,
-                scheduler=str(attrs.get("IPVS_SVC_ATTR_SCHED_NAME") or ""),
-                flags=_flags(attrs.get("IPVS_SVC_ATTR_FLAGS")) & ~FLAG_HASHED,
-                timeout=int(attrs.get("IPVS_SVC_ATTR_TIMEOUT") or 0),
-                dests=dests,
-            )
+        out: dict[VsKey, KernelService] = {}
+        for attrs in self._nl.dump(CMD_GET_SERVICE):
+            svc = decode_service(attrs.get(ATTR_SERVICE, b""))
+            if svc is not None:
+                out[svc.key] = KernelService(svc.key, svc.scheduler, svc.flags, svc.timeout,
+                                             self.dests(svc.key))
         return out
 
-    @staticmethod
-    def _key(attrs: dict[str, Any]) -> VsKey | None:
-        addr = attrs.get("IPVS_SVC_ATTR_ADDR")
-        port = attrs.get("IPVS_SVC_ATTR_PORT")
-        proto = attrs.get("IPVS_SVC_ATTR_PROTOCOL")
-        if addr is None or not port or proto not in PROTOCOL_OF:
-            return None  # a firewall-mark service: never ours
-        return VsKey(PROTOCOL_OF[proto], ip_address(addr), int(port))
-
     def dests(self, key: VsKey) -> dict[RsKey, KernelDest]:
-        """The real servers of one virtual server (none if it does not exist: the kernel
-        answers a dump for a missing service with an empty list)."""
+        """The real servers of one virtual server (none if it does not exist)."""
         self.calls += 1
+        try:
+            replies = self._nl.dump(CMD_GET_DEST, nested(ATTR_SERVICE, service_key_attrs(key)))
+        except NetlinkError as exc:
+            if exc.code in (errno.ENOENT, errno.ESRCH):
+                return {}
+            raise
+        af = socket.AF_INET if key.family is Family.V4 else socket.AF_INET6
         out = {}
-        for msg in self._ipvs.dest("dump", service=_service(key)):
-            attrs = _attrs(msg, "IPVS_CMD_ATTR_DEST")
-            addr = attrs.get("IPVS_DEST_ATTR_ADDR")
-            if addr is None:
-                continue
-            out[RsKey(ip_address(addr), int(attrs.get("IPVS_DEST_ATTR_PORT") or 0))] = \
-                KernelDest(
-                    weight=int(attrs.get("IPVS_DEST_ATTR_WEIGHT") or 0),
-                    # Only the low bits are the method; pyroute2's IPVSDest.from_message
-                    # ignores the attribute and reports its default, 3 (direct routing).
-                    fwd_method=int(attrs.get("IPVS_DEST_ATTR_FWD_METHOD") or 0) & 0x7,
-                    active=int(attrs.get("IPVS_DEST_ATTR_ACTIVE_CONNS") or 0),
-                    inactive=int(attrs.get("IPVS_DEST_ATTR_INACT_CONNS") or 0),
-                )
+        for attrs in replies:
+            found = decode_dest(attrs.get(ATTR_DEST, b""), af)
+            if found is not None:
+                out[found[0]] = found[1]
         return out
 
     def apply(self, op: Op) -> None:
-        """Carry out one operation; raises pyroute2's NetlinkError on failure."""
-        self.calls += 1
-        kind = op.kind
-        if kind is OpKind.ADD_SERVICE:
-            self._ipvs.service("add", service=_service(op.vs, op.service))
-        elif kind is OpKind.SET_SERVICE:
-            self._ipvs.service("set", service=_service(op.vs, op.service))
-        elif kind is OpKind.DEL_SERVICE:
-            self._ipvs.service("del", service=_service(op.vs))
-        else:
-            assert op.rs is not None, op
-            if kind is OpKind.ADD_DEST:
-                self._ipvs.dest("add", service=_service(op.vs), dest=_dest(op.rs, op.weight))
-            elif kind in (OpKind.SET_DEST, OpKind.DRAIN_DEST):
-                # "set", never "update": pyroute2 maps "update" to a DELETE.
-                self._ipvs.dest("set", service=_service(op.vs), dest=_dest(op.rs, op.weight))
-            else:
-                self._ipvs.dest("del", service=_service(op.vs), dest=_dest(op.rs))
-        self.writes += 1
+        """Carry out one operation; raises NetlinkError on failure."""
+        (code,) = self.apply_many([op])
+        if code:
+            raise NetlinkError(code, str(op))
+
+    def apply_many(self, ops: Sequence[Op]) -> list[int]:
+        """Carry out operations in order, batched; one errno per operation (0: done)."""
+        codes = self._nl.execute([request(op) for op in ops])
+        self.calls += len(ops)
+        self.writes += sum(1 for c in codes if not c)
+        return codes
 
 
 def _msg_address(msg: Any) -> IPAddress | None:

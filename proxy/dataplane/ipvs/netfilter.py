@@ -144,6 +144,19 @@ def restore_text(family: Family, options: DataplaneOptions,
     return "\n".join(out) + "\n"
 
 
+def split_tables(saved: str) -> dict[str, str]:
+    """`iptables-save` output of every table -> table name -> that table's text (one
+    save per family instead of one per table: fewer processes on every full sync)."""
+    out: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in saved.splitlines():
+        if line.startswith("*"):
+            current = out.setdefault(line[1:].strip(), [])
+        if current is not None:
+            current.append(line)
+    return {table: "\n".join(lines) + "\n" for table, lines in out.items()}
+
+
 def has_jump(saved: str, jump: Jump) -> bool:
     prefix = f"-A {jump.chain} "
     return any(line.startswith(prefix) and line.split()[-2:] == ["-j", jump.target]

@@ -26,7 +26,7 @@ import enum
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from ipaddress import IPv4Address, IPv6Address
+from ipaddress import IPv6Address
 from typing import NamedTuple
 
 from proxy.dataplane.base import DataplaneOptions
@@ -371,11 +371,3 @@ def describe_entries(rules: PortRules) -> list[str]:
             lines.append(f"masquerade hairpin {e.entry}")
     return lines
 
-
-def v6_netmask() -> str:
-    """IPVS reads an IPv6 service's netmask as a prefix length in a host-order u32 (the
-    kernel refuses 0 or more than 128); pyroute2 encodes the attribute as an IPv4 address,
-    so /128 is the dotted quad of 128 in this machine's byte order."""
-    import struct
-
-    return str(IPv4Address(struct.unpack("!I", struct.pack("=I", 128))[0]))

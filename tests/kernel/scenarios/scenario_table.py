@@ -10,6 +10,7 @@ full and partial syncs. Plus: drift repaired by a full sync, clean-up, scheduler
 from __future__ import annotations
 
 from collections.abc import Iterator
+from ipaddress import ip_address
 from typing import Any
 
 import pytest
@@ -17,9 +18,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.dataplane.base import ApplyError
+from proxy.dataplane.ipvs.diff import Op, OpKind
+from proxy.dataplane.ipvs.kernel import IpvsTable
 from proxy.dataplane.ipvs.netfilter import JUMPS
+from proxy.dataplane.ipvs.render import VirtualServer, VsKey, VsKind
 from proxy.lab import Lab
-from tests.kernel.ipvs_guest import Cluster, NodeThread, options, read_kernel, rendered_view
+from proxy.model.types import Protocol
+from tests.kernel.ipvs_guest import (
+    Cluster,
+    NodeThread,
+    as_ipvsadm,
+    ipvsadm_view,
+    options,
+    read_kernel,
+    rendered_view,
+)
 from tests.unit.builders import ep, eps_slice, service
 
 SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "fo", "ovf",
@@ -97,6 +110,7 @@ def assert_kernel_matches(node: NodeThread, state: Any) -> None:
     got = read_kernel(node)
     want = rendered_view(state, options(), node)
     assert got.services == want.services
+    assert ipvsadm_view(node) == as_ipvsadm(want)  # a reader other than ours agrees
     assert got.addresses == want.addresses
     assert got.entries == want.entries
 
@@ -215,17 +229,37 @@ def test_cleanup_removes_ours_and_only_ours(node: NodeThread) -> None:
 
 
 def test_every_scheduler_the_kernel_offers(node: NodeThread) -> None:
-    one = dict(SOME["s0"], type="ClusterIP", dual=False, external_ips=[])
-    state = load(Cluster(), {"s0": one})  # one virtual server: 13 full syncs stay cheap
+    # Which schedulers this kernel loads (straight over netlink: cheap)...
     offered = []
-    for name in SCHEDULERS:
+    probe = VsKey(Protocol.TCP, ip_address("198.18.4.2"), 80)
+
+    def try_all() -> list[str]:
+        table = IpvsTable()
+        try:
+            for name in SCHEDULERS:
+                vs = VirtualServer(probe, VsKind.CLUSTER_IP, name, 0, 0, (), "cluster")
+                if table.apply_many([Op(OpKind.ADD_SERVICE, probe, service=vs)]) == [0]:
+                    offered.append(name)
+                    table.apply(Op(OpKind.DEL_SERVICE, probe))
+        finally:
+            table.close()
+        return offered
+
+    assert node.run(try_all) == list(SCHEDULERS)
+    print("schedulers offered by this kernel:", " ".join(offered))
+    # ...and --ipvs-scheduler through the data plane, including a change of scheduler on
+    # a running table (set in place, real servers kept).
+    one = dict(SOME["s0"], type="ClusterIP", dual=False, external_ips=[])
+    state = load(Cluster(), {"s0": one})  # one virtual server
+    for name in ("rr", "mh", "sh"):
         node.start_plane(options(ipvs_scheduler=name))
         node.sync(state)
         services = read_kernel(node).services
         assert set(services) == set(rendered_view(state, options(), node).services)
         assert {s["scheduler"] for s in services.values()} == {name}, services
-        offered.append(name)
-    print("schedulers offered by this kernel:", " ".join(offered))
+        assert all(s["dests"] for s in services.values())
+        # mh also hashes the source port (flag 0x10); switching away clears it.
+        assert services["TCP 198.18.128.30:80"]["flags"] == (0x10 if name == "mh" else 0)
     node.start_plane(options(ipvs_scheduler="nope"))
     with pytest.raises(ApplyError, match="is the IPVS scheduler 'nope' available"):
         node.sync(state)

@@ -8,6 +8,7 @@ applied with IpvsDataPlane on a thread inside the node namespace, as the agent d
 
 from __future__ import annotations
 
+import errno
 import socket
 import struct
 import time
@@ -303,22 +304,24 @@ def test_failed_netlink_call_is_repaired_by_the_next_sync(
     vip, c = "198.18.128.21", lab.client_ns
     state = cluster.apply(service("half", ips=(vip,), ports=(HTTP,)),
                           *slices(lab, "half", {"web-1": local(), "web-2": local()}))
-    real_apply = IpvsTable.apply
+    real_apply = IpvsTable.apply_many
     failed: list[str] = []
 
-    def flaky(self: IpvsTable, op: Any) -> None:
-        if op.kind.value == "add-dest" and not failed:
-            failed.append(str(op))
-            raise OSError(105, "No buffer space available (injected)")
-        real_apply(self, op)
+    def flaky(self: IpvsTable, ops: list[Any]) -> list[int]:
+        """The first real-server addition fails as if the kernel refused it."""
+        at = next((i for i, op in enumerate(ops) if op.kind.value == "add-dest"), None)
+        if at is None or failed:
+            return real_apply(self, ops)
+        failed.append(str(ops[at]))
+        return [*real_apply(self, ops[:at]), errno.ENOBUFS, *real_apply(self, ops[at + 1:])]
 
-    monkeypatch.setattr(IpvsTable, "apply", flaky)
+    monkeypatch.setattr(IpvsTable, "apply_many", flaky)
     with pytest.raises(ApplyError) as info:
         node.sync(state)
-    assert "injected" in str(info.value)
+    assert failed[0] in str(info.value) and "No buffer space" in str(info.value)
     half = dests(node, f"TCP {vip}:80")
     assert len(half) == 1, half  # half-built: one real server missing
-    monkeypatch.setattr(IpvsTable, "apply", real_apply)
+    monkeypatch.setattr(IpvsTable, "apply_many", real_apply)
     report = node.sync(state)  # a partial sync was asked for: the plane makes it full
     assert report.full
     assert read_kernel(node).services == rendered_view(state, options(), node).services

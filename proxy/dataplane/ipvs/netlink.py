@@ -1,0 +1,339 @@
+"""A small IPVS generic-netlink client: message encoding and decoding (pure) and a
+socket that sends requests in batches.
+
+Why not pyroute2 for IPVS: measured in user-mode Linux, a pyroute2 IPVS request costs
+about 3 ms (building the request through its request filters and running each one through
+its own asyncio loop: ~0.9 ms of that is encoding alone on the host), and reading the table
+back about 10 ms per virtual server. The same requests encoded here with `struct` cost
+0.012 ms each, and sent 128 to a datagram with one acknowledgement each they cost ~0.3 ms
+in user-mode Linux, about ten times less; dumps are ~1,000 times faster. At 10,000
+services x 10 endpoints a first sync is 110,000 requests: minutes with pyroute2.
+
+The wire format is include/uapi/linux/ip_vs.h: one generic-netlink family "IPVS"; each
+request carries a nested service attribute (its key: family, protocol, address, port;
+plus scheduler, flags, timeout and netmask when creating or changing it) and, for real
+servers, a nested destination attribute. Links, addresses and conntrack stay on pyroute2.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv6Address, ip_address
+
+from proxy.dataplane.ipvs.diff import FWD_MASQ, KernelDest, KernelService, Op, OpKind
+from proxy.dataplane.ipvs.render import (
+    FLAG_HASHED,
+    IPPROTO,
+    PROTOCOL_OF,
+    RsKey,
+    VirtualServer,
+    VsKey,
+)
+from proxy.model.types import Family
+
+NETLINK_GENERIC = 16
+NLM_F_REQUEST, NLM_F_ACK, NLM_F_DUMP = 0x1, 0x4, 0x300
+NLMSG_ERROR, NLMSG_DONE = 2, 3
+NLA_F_NESTED = 0x8000
+NLA_TYPE_MASK = 0x3FFF
+GENL_ID_CTRL, CTRL_CMD_GETFAMILY = 0x10, 3
+CTRL_ATTR_FAMILY_ID, CTRL_ATTR_FAMILY_NAME = 1, 2
+IPVS_GENL_NAME = b"IPVS"
+IPVS_GENL_VERSION = 1
+
+# Commands.
+CMD_NEW_SERVICE, CMD_SET_SERVICE, CMD_DEL_SERVICE, CMD_GET_SERVICE = 1, 2, 3, 4
+CMD_NEW_DEST, CMD_SET_DEST, CMD_DEL_DEST, CMD_GET_DEST = 5, 6, 7, 8
+# Top-level attributes.
+ATTR_SERVICE, ATTR_DEST = 1, 2
+# Service attributes.
+SVC_AF, SVC_PROTOCOL, SVC_ADDR, SVC_PORT, SVC_FWMARK = 1, 2, 3, 4, 5
+SVC_SCHED_NAME, SVC_FLAGS, SVC_TIMEOUT, SVC_NETMASK = 6, 7, 8, 9
+# Destination attributes.
+DEST_ADDR, DEST_PORT, DEST_FWD_METHOD, DEST_WEIGHT = 1, 2, 3, 4
+DEST_U_THRESH, DEST_L_THRESH, DEST_ACTIVE_CONNS, DEST_INACT_CONNS = 5, 6, 7, 8
+DEST_ADDR_FAMILY = 11
+
+FLAGS_MASK = 0xFFFF
+# IPv6 services take a prefix length where IPv4 ones take a netmask, in the same 4-byte
+# attribute; the kernel refuses 0 or more than 128 (and needs the attribute either way).
+V4_NETMASK = b"\xff\xff\xff\xff"
+V6_PREFIX = struct.pack("=I", 128)
+BATCH = 128  # requests per datagram: the acknowledgements must fit the receive buffer
+RCVBUF = 1 << 20
+TIMEOUT = 30.0
+
+_HEADER = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
+_GENL = struct.Struct("=BBH")  # genlmsghdr: cmd, version, reserved
+
+
+class NetlinkError(OSError):
+    """The kernel refused a request; `errno` says why (as pyroute2's error does)."""
+
+    def __init__(self, code: int, what: str = "") -> None:
+        super().__init__(code, f"{os.strerror(code)}{': ' + what if what else ''}")
+        self.code = code
+
+
+# --- encoding (pure) -------------------------------------------------------------------
+
+
+def nla(kind: int, payload: bytes) -> bytes:
+    size = 4 + len(payload)
+    return struct.pack("=HH", size, kind) + payload + b"\0" * (-size % 4)
+
+
+def nested(kind: int, payload: bytes) -> bytes:
+    return nla(kind | NLA_F_NESTED, payload)
+
+
+def _u16(v: int) -> bytes:
+    return struct.pack("=H", v)
+
+
+def _u32(v: int) -> bytes:
+    return struct.pack("=I", v)
+
+
+def _af(family: Family) -> int:
+    return socket.AF_INET if family is Family.V4 else socket.AF_INET6
+
+
+def service_key_attrs(key: VsKey) -> bytes:
+    return (nla(SVC_AF, _u16(_af(key.family))) + nla(SVC_PROTOCOL, _u16(IPPROTO[key.protocol]))
+            + nla(SVC_ADDR, key.address.packed) + nla(SVC_PORT, struct.pack("!H", key.port)))
+
+
+def service_attrs(key: VsKey, vs: VirtualServer) -> bytes:
+    netmask = V4_NETMASK if key.family is Family.V4 else V6_PREFIX
+    return (service_key_attrs(key) + nla(SVC_SCHED_NAME, vs.scheduler.encode() + b"\0")
+            + nla(SVC_FLAGS, struct.pack("=II", vs.flags, FLAGS_MASK))
+            + nla(SVC_TIMEOUT, _u32(vs.timeout)) + nla(SVC_NETMASK, netmask))
+
+
+def dest_attrs(rs: RsKey, weight: int | None) -> bytes:
+    """A destination; `weight` None for a delete, which needs only the address and port."""
+    out = nla(DEST_ADDR, rs.address.packed) + nla(DEST_PORT, struct.pack("!H", rs.port))
+    if weight is None:
+        return out
+    # Masquerading (DNAT); every attribute the kernel requires for a full entry.
+    return (out + nla(DEST_FWD_METHOD, _u32(FWD_MASQ)) + nla(DEST_WEIGHT, _u32(weight))
+            + nla(DEST_U_THRESH, _u32(0)) + nla(DEST_L_THRESH, _u32(0))
+            + nla(DEST_ADDR_FAMILY, _u16(_af(Family.of(rs.address)))))
+
+
+def request(op: Op) -> tuple[int, bytes]:
+    """(command, attributes) of the generic-netlink request carrying out `op`."""
+    kind = op.kind
+    if kind in (OpKind.ADD_SERVICE, OpKind.SET_SERVICE):
+        assert op.service is not None, op
+        cmd = CMD_NEW_SERVICE if kind is OpKind.ADD_SERVICE else CMD_SET_SERVICE
+        return cmd, nested(ATTR_SERVICE, service_attrs(op.vs, op.service))
+    if kind is OpKind.DEL_SERVICE:
+        return CMD_DEL_SERVICE, nested(ATTR_SERVICE, service_key_attrs(op.vs))
+    assert op.rs is not None, op
+    svc = nested(ATTR_SERVICE, service_key_attrs(op.vs))
+    if kind is OpKind.ADD_DEST:
+        return CMD_NEW_DEST, svc + nested(ATTR_DEST, dest_attrs(op.rs, op.weight))
+    if kind in (OpKind.SET_DEST, OpKind.DRAIN_DEST):
+        return CMD_SET_DEST, svc + nested(ATTR_DEST, dest_attrs(op.rs, op.weight))
+    return CMD_DEL_DEST, svc + nested(ATTR_DEST, dest_attrs(op.rs, None))
+
+
+def message(family_id: int, flags: int, seq: int, cmd: int, attrs: bytes) -> bytes:
+    body = _GENL.pack(cmd, IPVS_GENL_VERSION, 0) + attrs
+    return _HEADER.pack(_HEADER.size + len(body), family_id, flags, seq, 0) + body
+
+
+# --- decoding (pure) -------------------------------------------------------------------
+
+
+def parse_attrs(data: bytes) -> dict[int, bytes]:
+    out: dict[int, bytes] = {}
+    i = 0
+    while i + 4 <= len(data):
+        size, kind = struct.unpack_from("=HH", data, i)
+        if size < 4:
+            break
+        out[kind & NLA_TYPE_MASK] = data[i + 4:i + size]
+        i += (size + 3) & ~3
+    return out
+
+
+def _int(raw: bytes | None) -> int:
+    if not raw:
+        return 0
+    return int.from_bytes(raw[:4] if len(raw) >= 4 else raw, sys.byteorder)
+
+
+def _addr(raw: bytes, af: int) -> IPv4Address | IPv6Address:
+    # The kernel sends a 16-byte union for both families.
+    return ip_address(raw[:4] if af == socket.AF_INET else raw[:16])
+
+
+def decode_service(attrs: bytes) -> KernelService | None:
+    """A service from a GET_SERVICE reply's nested attribute; None for fwmark services."""
+    a = parse_attrs(attrs)
+    if SVC_ADDR not in a or SVC_PORT not in a:
+        return None
+    proto = _int(a.get(SVC_PROTOCOL))
+    if proto not in PROTOCOL_OF:
+        return None
+    af = _int(a.get(SVC_AF))
+    key = VsKey(PROTOCOL_OF[proto], _addr(a[SVC_ADDR], af),
+                struct.unpack("!H", a[SVC_PORT][:2])[0])
+    flags = struct.unpack("=I", a[SVC_FLAGS][:4])[0] if SVC_FLAGS in a else 0
+    return KernelService(
+        key=key,
+        scheduler=a.get(SVC_SCHED_NAME, b"").split(b"\0", 1)[0].decode(),
+        flags=flags & ~FLAG_HASHED,
+        timeout=_int(a.get(SVC_TIMEOUT)),
+    )
+
+
+def decode_dest(attrs: bytes, default_af: int) -> tuple[RsKey, KernelDest] | None:
+    a = parse_attrs(attrs)
+    if DEST_ADDR not in a or DEST_PORT not in a:
+        return None
+    af = _int(a.get(DEST_ADDR_FAMILY)) or default_af
+    rs = RsKey(_addr(a[DEST_ADDR], af), struct.unpack("!H", a[DEST_PORT][:2])[0])
+    return rs, KernelDest(
+        weight=_int(a.get(DEST_WEIGHT)),
+        fwd_method=_int(a.get(DEST_FWD_METHOD)) & 0x7,  # the low bits are the method
+        active=_int(a.get(DEST_ACTIVE_CONNS)),
+        inactive=_int(a.get(DEST_INACT_CONNS)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    kind: int  # nlmsg type
+    seq: int
+    payload: bytes  # after the netlink header
+
+    @property
+    def error(self) -> int:
+        """For NLMSG_ERROR: 0 for an acknowledgement, else the (positive) errno."""
+        return -int.from_bytes(self.payload[:4], sys.byteorder, signed=True)
+
+    def genl_attrs(self) -> dict[int, bytes]:
+        return parse_attrs(self.payload[_GENL.size:])
+
+
+def replies(data: bytes) -> Iterator[Reply]:
+    i = 0
+    while i + _HEADER.size <= len(data):
+        size, kind, _flags, seq, _pid = _HEADER.unpack_from(data, i)
+        if size < _HEADER.size:
+            break
+        yield Reply(kind, seq, data[i + _HEADER.size:i + size])
+        i += (size + 3) & ~3
+
+
+# --- the socket ------------------------------------------------------------------------
+
+
+class IpvsSocket:
+    """Generic netlink to the IPVS family of this thread's network namespace."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_GENERIC)
+        try:
+            # Netlink does not lose acknowledgements; the timeout only turns a kernel that
+            # never answers into an error instead of a hung data plane.
+            self._sock.settimeout(TIMEOUT)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
+            self._sock.bind((0, 0))
+            self._seq = 0
+            self.family_id = self._resolve()
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _next(self) -> int:
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        return self._seq
+
+    def _resolve(self) -> int:
+        seq = self._next()
+        body = _GENL.pack(CTRL_CMD_GETFAMILY, 1, 0) + nla(CTRL_ATTR_FAMILY_NAME,
+                                                          IPVS_GENL_NAME + b"\0")
+        self._sock.send(_HEADER.pack(_HEADER.size + len(body), GENL_ID_CTRL,
+                                     NLM_F_REQUEST | NLM_F_ACK, seq, 0) + body)
+        for reply in self._receive_until(seq):
+            if reply.kind == NLMSG_ERROR and reply.error:
+                raise NetlinkError(reply.error, "generic netlink family IPVS (is ip_vs "
+                                   "loaded?)")
+            family = reply.genl_attrs().get(CTRL_ATTR_FAMILY_ID)
+            if family:
+                return int.from_bytes(family[:2], sys.byteorder)
+        raise NetlinkError(errno.ENOENT, "generic netlink family IPVS")
+
+    def _recv(self) -> bytes:
+        try:
+            return self._sock.recv(RCVBUF)
+        except TimeoutError as exc:
+            raise NetlinkError(errno.ETIMEDOUT, "no answer from the kernel") from exc
+
+    def _receive_until(self, seq: int) -> Iterator[Reply]:
+        """Replies to request `seq`, up to its acknowledgement (or a dump's NLMSG_DONE)."""
+        while True:
+            data = self._recv()
+            for reply in replies(data):
+                if reply.seq != seq:
+                    continue  # a late reply to an earlier request: not ours to read
+                if reply.kind == NLMSG_DONE:
+                    return
+                yield reply
+                if reply.kind == NLMSG_ERROR:
+                    return
+
+    def execute(self, requests: Sequence[tuple[int, bytes]]) -> list[int]:
+        """Send requests in order, BATCH to a datagram, each acknowledged; returns one
+        errno per request (0: done). The kernel handles them in order, so a real server
+        added after its virtual server in the same batch finds it."""
+        results: list[int] = []
+        for start in range(0, len(requests), BATCH):
+            batch = requests[start:start + BATCH]
+            seqs = {}
+            chunks = []
+            for i, (cmd, attrs) in enumerate(batch):
+                seq = self._next()
+                seqs[seq] = i
+                chunks.append(message(self.family_id, NLM_F_REQUEST | NLM_F_ACK, seq, cmd,
+                                      attrs))
+            self._sock.send(b"".join(chunks))
+            codes: list[int | None] = [None] * len(batch)
+            pending = len(batch)
+            while pending:
+                for reply in replies(self._recv()):
+                    index = seqs.get(reply.seq)
+                    if reply.kind != NLMSG_ERROR or index is None or codes[index] is not None:
+                        continue
+                    codes[index] = reply.error
+                    pending -= 1
+            results.extend(c or 0 for c in codes)
+        return results
+
+    def dump(self, cmd: int, attrs: bytes = b"") -> list[dict[int, bytes]]:
+        """A dump request: the top-level attributes of every reply."""
+        seq = self._next()
+        self._sock.send(message(self.family_id, NLM_F_REQUEST | NLM_F_DUMP, seq, cmd, attrs))
+        out = []
+        for reply in self._receive_until(seq):
+            if reply.kind == NLMSG_ERROR:
+                if reply.error:
+                    raise NetlinkError(reply.error, f"dump command {cmd}")
+                continue
+            out.append(reply.genl_attrs())
+        return out
+
