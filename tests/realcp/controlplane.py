@@ -30,6 +30,7 @@ is safe to call after a partial start.
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import json
 import logging
@@ -69,6 +70,8 @@ CONTROLLERS = "endpoint,endpointslice,endpointslicemirroring"
 # clusters always do), so the side-by-side test can show where we differ on purpose.
 FEATURE_GATES = "--feature-gates=EndpointSliceTerminatingCondition=true"
 ETCDCTL = "etcdctl"
+WATCHED_PATHS = ("/api/v1/services", "/api/v1/endpoints", "/api/v1/nodes", "/api/v1/pods",
+                 "/apis/discovery.k8s.io/v1beta1/endpointslices")
 # Where etcd keeps its data: tmpfs when there is one (etcd 3.4 has no --unsafe-no-fsync,
 # and fsync on a shared disk slows every write of every test).
 SHM = Path("/dev/shm")
@@ -326,6 +329,13 @@ class ControlPlane:
             *self.apiserver_flags,
         ])
         self._wait(proc, lambda: self._get_status("/readyz") == 200, "/readyz 200")
+        # /readyz does not wait for the watch caches: a list at resourceVersion=0 is
+        # served by a resource's cache and blocks until it is filled.
+        for path in WATCHED_PATHS:
+            self._wait(proc, functools.partial(self._cache_ready, path), f"{path} watch cache")
+
+    def _cache_ready(self, path: str) -> bool:
+        return self._get_status(f"{path}?resourceVersion=0&limit=1") == 200
 
     def restart_apiserver(self) -> None:
         """Stop and start the API server (its watch cache starts over from etcd)."""

@@ -177,9 +177,10 @@ def test_label_selectors_on_list_and_watch(cluster: Cluster) -> None:
                          content_type="application/merge-patch+json")
         events = w.take(2)
     assert _events(events) == [("DELETED", "a"), ("ADDED", "b")]
-    # The object that left carries its old labels (it matched as it was)... or its new
-    # ones: the server sends the new object with the event's rv.
+    # The object that left is sent as it was when it last matched (old labels), stamped
+    # with the revision of the change that made it leave.
     gone = events[0]["object"]
+    assert gone["metadata"]["labels"] == {"tier": "web"}
     assert _rv(gone) < _rv(events[1]["object"])
 
 
@@ -196,16 +197,53 @@ def test_field_selectors_on_list_and_watch(cluster: Cluster) -> None:
     status, body = cluster.raw.get(services_path(), fieldSelector=f"metadata.namespace={other}")
     assert status == 200 and [(i["metadata"]["namespace"], i["metadata"]["name"])
                               for i in body["items"]] == [(other, "a")]
-    status, body = cluster.raw.get(services_path(ns), fieldSelector="spec.clusterIP=1.2.3.4")
-    assert status == 400 and body["reason"] == "BadRequest", body
-    assert body["message"] == ('"spec.clusterIP" is not a known field selector: only '
-                               '"metadata.name", "metadata.namespace"')
     start = cluster.raw.get(services_path(ns))[1]["metadata"]["resourceVersion"]
     with cluster.raw.watch(services_path(ns), resourceVersion=start,
                            fieldSelector="metadata.name=b") as w:
         cluster.raw.must("DELETE", f"{services_path(ns)}/a")
         cluster.raw.must("DELETE", f"{services_path(ns)}/b")
         assert _events(w.take(1)) == [("DELETED", "b")]
+
+
+def _known_sim_gap(request: pytest.FixtureRequest, cluster: Cluster, reason: str) -> None:
+    """A difference found here and handed to the simulator's owner: expected to fail on
+    the simulator (strictly: once fixed, the marker must go)."""
+    if cluster.name == "sim":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+
+
+def test_unknown_field_selectors_are_rejected_in_the_servers_words(
+        cluster: Cluster, request: pytest.FixtureRequest) -> None:
+    _known_sim_gap(request, cluster, "sim says 'field label not supported: F' for every "
+                   "resource; v1.20 says that only for kinds with their own field labels")
+    generic = ('"spec.foo" is not a known field selector: only "metadata.name", '
+               '"metadata.namespace"')
+    # Kinds without field-label conversions get the generic message; Node and Namespace
+    # (which have their own, e.g. spec.unschedulable, status.phase) the short one.
+    want = {"/api/v1/services": generic, "/api/v1/endpoints": generic,
+            "/api/v1/nodes": "field label not supported: spec.foo",
+            "/api/v1/namespaces": "field label not supported: spec.foo"}
+    for path, message in want.items():
+        status, body = cluster.raw.get(path, fieldSelector="spec.foo=x")
+        assert (status, body["reason"], body["message"]) == (400, "BadRequest", message), path
+
+
+def test_a_too_large_resource_version_is_a_504_with_retry_after(
+        cluster: Cluster, request: pytest.FixtureRequest) -> None:
+    _known_sim_gap(request, cluster, "sim's message lacks the 'Timeout: ' prefix")
+    ns = cluster.new_namespace("too-large")
+    path = services_path(ns)
+    current = int(cluster.raw.get(path)[1]["metadata"]["resourceVersion"])
+    future = current + 100_000
+    # The real server waits up to 3 s for its cache to catch up before answering.
+    status, body, headers = cluster.raw.request("GET", path,
+                                                params={"resourceVersion": str(future)})
+    assert status == 504 and headers.get("Retry-After") == "1", (status, headers)
+    assert (body["reason"], body["details"]) == ("Timeout", {
+        "causes": [{"reason": "ResourceVersionTooLarge",
+                    "message": "Too large resource version"}], "retryAfterSeconds": 1})
+    assert body["message"].startswith(f"Timeout: Too large resource version: {future}, "
+                                      "current: ")
 
 
 def test_paging_is_a_consistent_snapshot(cluster: Cluster) -> None:
