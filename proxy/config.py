@@ -102,6 +102,7 @@ class Config:
     healthz_threshold: float = 0.0  # 0: derived from the sync periods (see agent)
     service_proxy_name: str = ""
     ipvs_scheduler: str = "rr"
+    iptables_applier: str = "restore"
     cleanup: bool = False
     verbosity: int = 0
     uvloop: bool = True
@@ -129,6 +130,7 @@ class Config:
 
 
 PROXY_MODES = ("iptables", "ipvs")
+IPTABLES_APPLIERS = ("restore", "iptc")
 IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq", "mh")
 
 
@@ -167,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
              "applied (default 60s, or 3x --min-sync-period if longer; kube-proxy uses "
              "2x its --sync-period)")
     add("--ipvs-scheduler", help="IPVS scheduler (default rr)")
+    add("--iptables-applier", help="how iptables mode writes rules: restore (default: "
+        "iptables-restore, fastest, both back ends) or iptc (python-iptables; legacy "
+        "IPv4 tables only)")
     add("--cleanup", action="store_true", default=None,
         help="remove every rule sliceproxy owns and exit")
     add("-v", "--v", dest="v", metavar="N", help="log verbosity (0-9, as kube-proxy's -v)")
@@ -246,6 +251,10 @@ def from_values(values: dict[str, Any]) -> Config:
                     kw["uvloop"] = not _bool(value)
                 case "healthz_bind_address" | "metrics_bind_address":
                     kw[dest] = parse_bind_address(str(value), flag)
+                case "iptables_applier":
+                    if value not in IPTABLES_APPLIERS:
+                        raise ValueError(f"must be one of {', '.join(IPTABLES_APPLIERS)}")
+                    kw[dest] = value
                 case "ipvs_scheduler":
                     if value not in IPVS_SCHEDULERS:
                         raise ValueError(f"must be one of {', '.join(IPVS_SCHEDULERS)}")

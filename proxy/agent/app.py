@@ -86,6 +86,7 @@ def dataplane_options(config: Config) -> DataplaneOptions:
         masquerade_all=config.masquerade_all,
         nodeport_addresses=config.nodeport_addresses,
         ipvs_scheduler=config.ipvs_scheduler,
+        iptables_applier=config.iptables_applier,
     )
 
 

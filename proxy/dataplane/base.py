@@ -35,6 +35,9 @@ class DataplaneOptions:
     # Families to program; a family whose tools or kernel support are missing is
     # dropped at start-up with a log line, not at every sync.
     families: tuple[Family, ...] = (Family.V4, Family.V6)
+    # iptables only: "restore" (iptables-restore, both back ends and families) or
+    # "iptc" (python-iptables; legacy IPv4 tables only, IPv6 still goes through restore).
+    iptables_applier: str = "restore"
     # IPVS only.
     ipvs_scheduler: str = "rr"
     # IPVS only: how long a real server that left keeps weight 0 for its open

@@ -43,7 +43,7 @@ def test_flags() -> None:
         "--min-sync-period", "250ms", "--sync-period", "30s", "--cluster-cidr",
         "198.18.0.0/16,fd00::/64", "--masquerade-all", "--nodeport-addresses", "198.19.0.0/24",
         "--metrics-bind-address", "[::1]:9000", "--ipvs-scheduler", "lc", "-v", "4",
-        "--no-uvloop",
+        "--no-uvloop", "--iptables-applier", "iptc",
     ])
     assert cfg.proxy_mode == "ipvs" and cfg.endpoints_source is EndpointsSource.ENDPOINTS
     assert (cfg.min_sync_period, cfg.sync_period) == (0.25, 30.0)
@@ -51,6 +51,7 @@ def test_flags() -> None:
     assert cfg.masquerade_all and not cfg.uvloop and cfg.verbosity == 4
     assert cfg.metrics_bind_address == ("::1", 9000)
     assert cfg.as_dict()["min-sync-period"] == "250ms"
+    assert cfg.iptables_applier == "iptc"
 
 
 def test_config_file_with_flags_winning(tmp_path: Path) -> None:
@@ -72,6 +73,7 @@ def test_config_file_with_flags_winning(tmp_path: Path) -> None:
         (["--healthz-bind-address", "10256"], "--healthz-bind-address: '10256' is not"),
         (["--metrics-bind-address", "127.0.0.1:99999"], "port 99999 is out of range"),
         (["-v", "12"], "-v: invalid value '12'"),
+        (["--iptables-applier", "nft"], "--iptables-applier: invalid value 'nft': must be one"),
         (["--min-sync-period", "2h"], "must not exceed --sync-period"),
         (["--sync-period", "0s"], "--sync-period: must be greater than 0"),
         (["--healthz-threshold=-5s"], "--healthz-threshold: invalid value '-5s'"),
@@ -105,3 +107,13 @@ def test_healthz_threshold_flag_and_file(tmp_path: Path) -> None:
     path.write_text("hostname-override: n\nhealthz-threshold: 2m\n")
     cfg = parse_args(["--config", str(path)])
     assert cfg.healthz_threshold == 120.0 and cfg.as_dict()["healthz-threshold"] == "2m"
+
+
+def test_iptables_applier_reaches_the_data_plane() -> None:
+    from proxy.agent.app import dataplane_options
+    from proxy.dataplane.iptables import IptablesDataPlane
+
+    assert parse_args(["--hostname-override", "n"]).iptables_applier == "restore"
+    options = dataplane_options(parse_args(["--hostname-override", "n",
+                                            "--iptables-applier", "iptc"]))
+    assert IptablesDataPlane(options, runners={}).applier == "iptc"

@@ -100,11 +100,12 @@ class IptablesDataPlane:
     (a `simulate.SimulatedRunner` for pure tests); `clear_conntrack=False` skips
     conntrack cleanup (with simulated runners there is no kernel to clean)."""
 
-    def __init__(self, options: DataplaneOptions, *, applier: str = "restore",
+    def __init__(self, options: DataplaneOptions, *, applier: str | None = None,
                  backend: Backend | None = None, lock_wait: float = 5.0,
                  clear_conntrack: bool = True,
                  runners: Mapping[Family, Runner] | None = None,
                  addresses: Callable[[], Sequence[IPAddress]] | None = None) -> None:
+        applier = applier or options.iptables_applier
         if applier not in APPLIERS:
             raise ValueError(f"unknown iptables applier {applier!r}; supported: "
                              f"{', '.join(APPLIERS)}")
