@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-level", choices=sorted(API_LEVELS), default=LATEST.level,
                     help="Kubernetes release to imitate: 1.20 serves EndpointSlices only as "
                          "discovery.k8s.io/v1beta1 (v1 manifests given with -f are converted)")
+    ap.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate "
+                    "(the kubeconfig written trusts it as the CA)")
+    ap.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    ap.add_argument("--token", help="require this bearer token (written to the kubeconfig)")
     ap.add_argument("--service-cidr", default="198.18.128.0/17")
     ap.add_argument("--service-cidr-v6", default="fd00:198:18::/112")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every request")
@@ -53,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         sim = SimServer(host=host, port=port, objects=objects, validate=not args.no_validate,
                         bookmark_interval=args.bookmark_interval, history_limit=args.history,
                         service_cidr=args.service_cidr, service_cidr_v6=args.service_cidr_v6,
-                        api_level=args.api_level)
+                        api_level=args.api_level, tls_cert=args.tls_cert,
+                        tls_key=args.tls_key, token=args.token)
     except (ManifestError, ApiError, ValueError) as exc:
         print(f"sim: cannot load manifests: {exc}", file=sys.stderr)
         return 1

@@ -6,8 +6,10 @@ runs); fault methods cut watches, compact, fail or slow requests, and restart.
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import logging
+import ssl
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -25,12 +27,16 @@ log = logging.getLogger("proxy.sim")
 T = TypeVar("T")
 
 
-def kubeconfig(server: str, namespace: str = "default") -> dict[str, Any]:
+def kubeconfig(server: str, namespace: str = "default", *, ca_pem: bytes | None = None,
+               token: str | None = None) -> dict[str, Any]:
+    cluster: dict[str, Any] = {"server": server}
+    if ca_pem is not None:
+        cluster["certificate-authority-data"] = base64.b64encode(ca_pem).decode()
     return {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "sim", "cluster": {"server": server}}],
-        "users": [{"name": "sim", "user": {}}],
+        "clusters": [{"name": "sim", "cluster": cluster}],
+        "users": [{"name": "sim", "user": {"token": token} if token else {}}],
         "contexts": [{"name": "sim", "context": {"cluster": "sim", "user": "sim",
                                                  "namespace": namespace}}],
         "current-context": "sim",
@@ -42,10 +48,18 @@ class SimServer:
                  validate: bool = True, bookmark_interval: float = 5.0,
                  history_limit: int = 100_000, service_cidr: str = "198.18.128.0/17",
                  service_cidr_v6: str = "fd00:198:18::/112", api_level: str | None = None,
-                 ) -> None:
+                 tls_cert: str | Path | None = None, tls_key: str | Path | None = None,
+                 token: str | None = None) -> None:
         """`api_level` "1.20" serves EndpointSlices as discovery.k8s.io/v1beta1 only, like
-        a v1.20 API server; the default is the latest level (v1)."""
+        a v1.20 API server; the default is the latest level (v1). `tls_cert`/`tls_key`
+        (PEM files) serve HTTPS, as real API servers only do; `token` makes every request
+        but discovery's /version and health checks need `Authorization: Bearer TOKEN`."""
         self.host, self.port = host, port
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        self.tls_cert = Path(tls_cert) if tls_cert is not None else None
+        self.tls_key = Path(tls_key) if tls_key is not None else None
+        self.token = token
         self.surface = api_surface(api_level)
         self._store_options: dict[str, Any] = {
             "validate": validate, "history_limit": history_limit,
@@ -65,7 +79,9 @@ class SimServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        scheme = "https" if self.tls_cert is not None else "http"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}"
 
     @property
     def running(self) -> bool:
@@ -91,9 +107,14 @@ class SimServer:
         self._app = SimApp(self.store, self.faults, bookmark_interval=self.bookmark_interval,
                            surface=self.surface)
         self._app.restart_hook = self._restart_from_admin
+        self._app.token = self.token
         runner = web.AppRunner(self._app.build(), access_log=None, shutdown_timeout=1.0)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port)
+        ssl_context = None
+        if self.tls_cert is not None and self.tls_key is not None:
+            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_context.load_cert_chain(self.tls_cert, self.tls_key)
+        site = web.TCPSite(runner, self.host, self.port, ssl_context=ssl_context)
         await site.start()
         self._runner = runner
         self.port = int(runner.addresses[0][1])
@@ -147,7 +168,9 @@ class SimServer:
 
     def write_kubeconfig(self, path: str | Path) -> Path:
         out = Path(path)
-        out.write_text(yaml.safe_dump(kubeconfig(self.url)), encoding="utf-8")
+        ca = self.tls_cert.read_bytes() if self.tls_cert is not None else None
+        out.write_text(yaml.safe_dump(kubeconfig(self.url, ca_pem=ca, token=self.token)),
+                       encoding="utf-8")
         return out
 
     # ---- running things on the loop --------------------------------------------------

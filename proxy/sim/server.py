@@ -32,6 +32,8 @@ log = logging.getLogger("proxy.sim.server")
 
 JSON = "application/json"
 DEFAULT_WATCH_TIMEOUT = 1800.0  # upstream: a random time in [minRequestTimeout, 2x)
+# What upstream's system:public-info-viewer role lets anyone read.
+PUBLIC_PATHS = ("/version", "/healthz", "/livez", "/readyz")
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -44,6 +46,7 @@ def _error(exc: ApiError) -> web.Response:
 
 
 NOT_FOUND = ApiError(404, "NotFound", "the server could not find the requested resource", {})
+UNAUTHORIZED = ApiError(401, "Unauthorized", "Unauthorized")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +114,7 @@ class SimApp:
         self.server_address = "127.0.0.1:0"
         # Set by the harness: restart the whole server (keep_state), from another thread.
         self.restart_hook: Callable[[bool], None] | None = None
+        self.token: str | None = None  # bearer token every API request must carry
 
     def build(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=64 * 1024**2)
@@ -149,6 +153,10 @@ class SimApp:
         started = time.monotonic()
         admin = request.path.startswith("/_sim/")
         try:
+            if not admin and not self._authenticated(request):
+                log.info("unauthenticated request method=%s path=%s", request.method,
+                         request.path)
+                return _error(UNAUTHORIZED)
             if not admin:
                 if self.faults.latency:
                     await asyncio.sleep(self.faults.latency)
@@ -165,6 +173,12 @@ class SimApp:
                 request.method, request.path, request.query_string or "-", resp.status,
                 (time.monotonic() - started) * 1000, self.store.rv)
         return resp
+
+    def _authenticated(self, request: web.Request) -> bool:
+        if self.token is None or request.path in PUBLIC_PATHS:
+            return True
+        scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and value.strip() == self.token
 
     async def _body(self, request: web.Request) -> Any:
         raw = await request.read()
