@@ -11,6 +11,7 @@ cost ~10x the parse time and 4x the memory), and the list/watch loop is ours
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 log = logging.getLogger(__name__)
 
 IN_CLUSTER_HOST_ENV = "KUBERNETES_SERVICE_HOST"
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 class ConfigError(Exception):
@@ -55,6 +57,25 @@ class ClientOptions:
     kubeconfig: str | None = None
     master: str | None = None
     context: str | None = None
+    # Where the in-cluster service account's `token` and `ca.crt` are mounted.
+    service_account_dir: str = SERVICE_ACCOUNT_DIR
+
+
+def _override_host(configuration: Any, host: str) -> None:
+    """Point the configuration at `host`, and keep it there: the in-cluster loader's
+    token-refresh hook runs before every request and writes the service's address back."""
+    configuration.host = host
+    refresh = configuration.refresh_api_key_hook
+    if refresh is None:
+        return
+
+    async def refresh_and_keep_host(cfg: Any) -> None:
+        result = refresh(cfg)
+        if inspect.isawaitable(result):
+            await result
+        cfg.host = host
+
+    configuration.refresh_api_key_hook = refresh_and_keep_host
 
 
 class _AiohttpResponse:
@@ -98,7 +119,15 @@ class KubeApi:
                     client_configuration=configuration, persist_config=False)
                 source = f"kubeconfig {options.kubeconfig}"
             elif os.environ.get(IN_CLUSTER_HOST_ENV):
-                aio_config.load_incluster_config(client_configuration=configuration)
+                # Unlike kube-proxy, which ignores the service account once --master is
+                # given, we keep its token and CA with --master: the override then only
+                # moves the address (e.g. to a load balancer in front of the API servers).
+                from kubernetes.aio.config.incluster_config import InClusterConfigLoader
+
+                sa = os.path.join(options.service_account_dir, "")
+                InClusterConfigLoader(token_filename=sa + "token",
+                                      cert_filename=sa + "ca.crt",
+                                      ).load_and_set(configuration)
                 source = "in-cluster service account"
             elif options.master:
                 source = "--master only"
@@ -111,7 +140,7 @@ class KubeApi:
         except Exception as exc:  # the config loaders raise a variety of types
             raise ConfigError(f"cannot load API server configuration: {exc}") from exc
         if options.master:
-            configuration.host = options.master.rstrip("/")
+            _override_host(configuration, options.master.rstrip("/"))
         log.info("API server %s (from %s)", configuration.host, source)
         return cls(aio_client.ApiClient(configuration))
 
