@@ -8,9 +8,17 @@ The loop follows the Kubernetes "API concepts" contract:
 * `410 Gone` (on the request, or as an ERROR event on an open stream) means the history
   we need is compacted away: list again and emit exactly the differences from what we
   knew (adds, updates, and deletes of objects that vanished meanwhile);
-* an expired `continue` token restarts the list from the beginning;
-* errors back off exponentially with jitter, honouring `Retry-After`;
-* a stream that delivers neither event nor bookmark for `stall_timeout` is restarted.
+* an expired `continue` token restarts the list from the beginning, in one unpaged
+  request (as client-go's pager does), so a list slower than compaction still finishes;
+* errors back off exponentially with jitter, honouring `Retry-After`; so does a stream
+  that ends within a second having delivered nothing (client-go's "very short watch"),
+  so a server that closes every watch at once is not hammered;
+* a stream that delivers neither event nor bookmark for `stall_timeout` is restarted;
+  if the next stream is silent too, the reflector relists. A server that lost its
+  storage counts revisions from 1 again, and a watch resumed from our (now future)
+  resourceVersion is answered with silence until the new cluster catches up: the watch
+  cache sends neither events nor bookmarks older than the start. Listing again is the
+  only way back to the truth (client-go has no stall detector and waits).
 
 The reflector keeps only (namespace, name) -> resourceVersion per object: enough to emit
 exact differences on a relist without holding a second copy of every object.
@@ -21,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,9 +58,11 @@ class WatchEvent:
 @dataclass(slots=True)
 class ReflectorStats:
     lists: int = 0  # completed lists, the first included
-    relists: int = 0  # lists forced by 410 Gone
+    relists: int = 0  # lists started after the first (410 Gone, or stalls in a row)
+    expired: int = 0  # 410 Gone answers: watch history, or a list's continue token
     watches: int = 0  # watch streams opened
-    watch_restarts: int = 0  # streams that ended or broke and were reopened
+    watch_restarts: int = 0  # streams the server ended (timeoutSeconds), reopened
+    short_watches: int = 0  # streams that ended within a second with nothing delivered
     stalls: int = 0
     errors: int = 0
     events: int = 0
@@ -88,6 +99,16 @@ class _HttpError(Exception):
 
 class _Stalled(Exception):
     pass
+
+
+class _ShortWatch(Exception):
+    pass
+
+
+# A stream that ends sooner than this having delivered nothing is treated as an error.
+SHORT_WATCH_SECONDS = 1.0
+# Consecutive silent streams after which the resourceVersion is no longer trusted.
+STALLS_BEFORE_RELIST = 2
 
 
 class Backoff:
@@ -143,6 +164,8 @@ class Reflector:
         self.resource_version: str | None = None
         self._known: dict[ObjectKey, str] = {}
         self._backoff = Backoff(self.options.backoff_initial, self.options.backoff_max)
+        self._unpaged_next = False  # the last paged list lost its continue token
+        self._stalls_in_a_row = 0
 
     @property
     def known(self) -> Mapping[ObjectKey, str]:
@@ -167,24 +190,42 @@ class Reflector:
             except asyncio.CancelledError:
                 raise
             except _Gone:
-                self.stats.relists += 1
-                log.info("watch history expired (410 Gone); relisting",
+                listing = self.resource_version is None
+                self.stats.expired += 1
+                if listing:
+                    self._unpaged_next = True
+                log.info("%s; listing again", "the list's continue token expired (410 Gone)"
+                         if listing else "watch history expired (410 Gone)",
                          extra={"resource": str(self.resource),
                                 "resource_version": self.resource_version})
                 self.resource_version = None
             except _Stalled:
                 self.stats.stalls += 1
-                log.warning("no event or bookmark for %.0fs; restarting the watch",
-                            self.options.stall_timeout, extra={"resource": str(self.resource)})
+                self._stalls_in_a_row += 1
+                relist = self._stalls_in_a_row >= STALLS_BEFORE_RELIST
+                log.warning("no event or bookmark for %.0fs; %s", self.options.stall_timeout,
+                            "relisting: the resourceVersion we resume from may be one the "
+                            "server will never reach (did it lose its storage?)"
+                            if relist else "restarting the watch",
+                            extra={"resource": str(self.resource),
+                                   "resource_version": self.resource_version,
+                                   "stalls_in_a_row": self._stalls_in_a_row})
+                if relist:
+                    self._stalls_in_a_row = 0
+                    self.resource_version = None
             except Exception as exc:  # network, HTTP and parse errors alike: back off, retry
+                listing = self.resource_version is None
                 self.stats.errors += 1
+                if isinstance(exc, _ShortWatch):
+                    self.stats.short_watches += 1
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"
                 at_least = (exc.retry_after or 0.0) if isinstance(exc, _HttpError) else 0.0
                 delay = self._backoff.next(at_least)
-                log.warning("%s %s failed: %s; retrying in %.1fs",
-                            "list" if self.resource_version is None else "watch",
+                log.warning("%s %s failed: %s; retrying in %.2fs",
+                            "list" if listing else "watch",
                             self.resource, self.stats.last_error, delay,
-                            extra={"resource": str(self.resource)})
+                            extra={"resource": str(self.resource),
+                                   "retry_after": at_least or None})
                 await asyncio.sleep(delay)
 
     # --- list ------------------------------------------------------------------------
@@ -192,8 +233,11 @@ class Reflector:
     async def _list(self) -> None:
         seen: set[ObjectKey] = set()
         token: str | None = None
+        unpaged, self._unpaged_next = self._unpaged_next, False
         while True:
-            query = {"limit": str(self.options.page_size), **self._selectors()}
+            query = self._selectors()
+            if not unpaged:
+                query["limit"] = str(self.options.page_size)
             if token:
                 query["continue"] = token
             body = await self._get_json(query, self.options.request_timeout)
@@ -217,6 +261,8 @@ class Reflector:
             del self._known[key]
             self._emit("DELETED", key, None)
         self.resource_version = list_rv
+        if self.stats.lists:
+            self.stats.relists += 1
         self.stats.lists += 1
         self._backoff.reset()
         if not self.synced.is_set():
@@ -244,15 +290,19 @@ class Reflector:
     # --- watch -----------------------------------------------------------------------
 
     async def _watch(self) -> None:
-        timeout = self.options.min_watch_timeout * (1 + random.random())
+        timeout = max(1, int(self.options.min_watch_timeout * (1 + random.random())))
         query = {
             "watch": "1",
             "resourceVersion": self.resource_version or "",
             "allowWatchBookmarks": "true",
-            "timeoutSeconds": str(int(timeout)),
+            "timeoutSeconds": str(timeout),
             **self._selectors(),
         }
-        resp = await self.api.get(self.resource.path, query, timeout + 30)
+        loop = asyncio.get_running_loop()
+        # The whole stream may last the server's timeout and a margin; the answer to the
+        # request itself must come within request_timeout like any other.
+        resp = await asyncio.wait_for(self.api.get(self.resource.path, query, timeout + 30),
+                                      self.options.request_timeout)
         try:
             if resp.status == 410:
                 raise _Gone()
@@ -260,8 +310,12 @@ class Reflector:
                 data = await resp.read()
                 raise _HttpError(resp.status, _status_message(data), _retry_after(resp.headers))
             self.stats.watches += 1
+            started, lines = loop.time(), 0
             async for line in self._lines(resp):
+                lines += 1
                 self._handle_line(line)
+            if not lines and loop.time() - started < SHORT_WATCH_SECONDS:
+                raise _ShortWatch("the stream ended at once with nothing delivered")
             self.stats.watch_restarts += 1  # the server ended the stream (timeoutSeconds)
         finally:
             resp.close()
@@ -296,8 +350,14 @@ class Reflector:
         self._emit(kind, key, obj)
 
     async def _lines(self, resp: Response) -> AsyncIterator[bytes]:
-        """JSON lines of a watch stream; restarts (raises _Stalled) when it goes quiet."""
+        """JSON lines of a watch stream; restarts (raises _Stalled) when it goes quiet.
+
+        A line longer than `max_line_bytes` is dropped as it streams by (never held
+        whole) and counted: no real API server sends objects that big (etcd refuses
+        them), so it comes from a broken or hostile server.
+        """
         buf = bytearray()
+        head = b""  # the start of a line being discarded, to name the object in the log
         discarding = False
         limit = self.options.max_line_bytes
         while True:
@@ -307,21 +367,23 @@ class Reflector:
                 raise _Stalled() from None
             if not chunk:
                 return
+            self._stalls_in_a_row = 0  # the server is talking
             start = 0
             while True:
                 nl = chunk.find(b"\n", start)
+                end = len(chunk) if nl < 0 else nl
+                if not discarding and len(buf) + end - start > limit:
+                    discarding, head = True, bytes(buf[:_HEAD]) + chunk[start:start + _HEAD]
+                    buf.clear()
                 if nl < 0:
                     if not discarding:
                         buf += chunk[start:]
-                        if len(buf) > limit:
-                            discarding = True
-                            buf.clear()
                     break
                 if discarding:
-                    # A single event larger than any sane object: count it, skip it.
                     self.stats.oversized += 1
                     log.error("watch event over %d bytes skipped", limit,
-                              extra={"resource": str(self.resource)})
+                              extra={"resource": str(self.resource),
+                                     "object": _identify(head)})
                     discarding = False
                 else:
                     buf += chunk[start:nl]
@@ -337,6 +399,21 @@ class Reflector:
         except Exception:  # a bug downstream must not stop the watch
             log.exception("event handler failed", extra={"resource": str(self.resource),
                                                           "object": f"{key[0]}/{key[1]}"})
+
+
+_HEAD = 4096
+_NAME = re.compile(rb'"name":"([^"]{1,253})"')
+_NAMESPACE = re.compile(rb'"namespace":"([^"]{1,63})"')
+
+
+def _identify(head: bytes) -> str:
+    """namespace/name of an object from the start of its JSON, if it shows there (the
+    API server writes metadata.name and namespace before labels and the rest)."""
+    name, namespace = _NAME.search(head), _NAMESPACE.search(head)
+    if name is None:
+        return "?"
+    ns = namespace.group(1).decode("utf-8", "replace") + "/" if namespace else ""
+    return ns + name.group(1).decode("utf-8", "replace")
 
 
 def _status_message(data: bytes) -> str:
