@@ -122,3 +122,20 @@ def test_acknowledgements_carry_the_errno() -> None:
     ok = struct.pack("=IHHII", 36, NLMSG_ERROR, 0, 10, 0) + struct.pack("=i", 0) + bytes(16)
     got = [(r.seq, r.error) for r in replies(ack + ok)]
     assert got == [(9, 17), (10, 0)]
+
+
+def test_address_messages_match_pyroute2s_codec() -> None:
+    from pyroute2.netlink.rtnl.ifaddrmsg import ifaddrmsg
+
+    from proxy.dataplane.ipvs.netlink import IFA_F_NODAD, address_body, decode_address
+
+    for address in (ip_address("198.18.128.10"), ip_address("fd00:198:18::10")):
+        body = address_body(7, address)
+        msg = ifaddrmsg(struct.pack("=IHHII", 16 + len(body), 20, 0, 1, 0) + body)
+        msg.decode()
+        assert msg["index"] == 7 and msg["prefixlen"] == address.max_prefixlen
+        assert msg["flags"] == IFA_F_NODAD
+        assert msg.get_attr("IFA_ADDRESS") == str(address)
+        if address.version == 4:
+            assert msg.get_attr("IFA_LOCAL") == str(address)
+        assert decode_address(body) == (7, address)

@@ -60,7 +60,6 @@ from proxy.dataplane.ipvs.render import (
     address_order,
     describe_entries,
     describe_vs,
-    needs_node_addresses,
     render_all,
     render_port,
     set_name,
@@ -184,17 +183,26 @@ class IpvsDataPlane:
         calls_before = h.ipvs.calls + h.links.calls
         writes_before = h.ipvs.writes
         run = _Run()
-        try:
-            if full or self._dummy_index is None:
+        if full or self._ctx is None:
+            # Node addresses are read at full syncs only (a dump of every address, the
+            # dummy interface's thousands included): a NodePort follows a new node
+            # address at the next periodic full sync.
+            try:
                 self._dummy_index = h.links.ensure()
-            node_addresses = h.links.node_addresses(exclude=self._dummy_index)
-        except Exception as exc:
-            self._need_full = True
-            self.failed_operations += 1
-            raise ApplyError(f"cannot set up dummy interface {self._dummy_name}: {exc}",
-                             offending=f"link {self._dummy_name}") from exc
-        ctx = RenderContext.build(self.options, node_addresses)
-        delta = self._full(state, ctx, h, run) if full else self._partial(state, ctx, h, run)
+                table = h.links.address_table()
+            except Exception as exc:
+                self._need_full = True
+                self.failed_operations += 1
+                raise ApplyError(f"cannot set up dummy interface {self._dummy_name}: {exc}",
+                                 offending=f"link {self._dummy_name}") from exc
+            ctx = RenderContext.build(
+                self.options, (a for i, a in table if i != self._dummy_index))
+            present = {a for i, a in table
+                       if i == self._dummy_index and usable_node_address(a)}
+            delta = self._full(state, ctx, present, h, run)
+        else:
+            ctx = self._ctx
+            delta = self._partial(state, ctx, h, run)
         self._ctx = ctx
         cleared = 0
         if not run.failures and self._last is not None:
@@ -203,7 +211,7 @@ class IpvsDataPlane:
         operations = h.ipvs.calls + h.links.calls - calls_before + run.ipset_lines \
             + run.iptables_lines
         details = {
-            "virtual_servers": sum(1 for _ in self._believed),
+            "virtual_servers": len(self._believed),
             "real_servers": sum(len(s.dests) for s in self._believed.values()),
             "draining": len(self._draining),
             "addresses": len(self._index.addresses()),
@@ -270,7 +278,8 @@ class IpvsDataPlane:
         h = self._handles()
         run = _Run()
         index = h.links.index()
-        dummy_addresses = self._dummy_addresses(h, index) if index is not None else set()
+        dummy_addresses = ({a for a in h.links.addresses(index) if usable_node_address(a)}
+                           if index is not None else set())
         owned = self._owned_by_sets(h)
         try:
             kernel = h.ipvs.services()
@@ -320,7 +329,9 @@ class IpvsDataPlane:
 
     # --- full and partial syncs ----------------------------------------------------------
 
-    def _full(self, state: DesiredState, ctx: RenderContext, h: _Handles, run: _Run) -> Delta:
+    def _full(self, state: DesiredState, ctx: RenderContext, present: set[IPAddress],
+              h: _Handles, run: _Run) -> Delta:
+        """Everything against the kernel: `present` are the dummy interface's addresses."""
         previous = set(self._index.ports)
         self._index = RenderIndex(render_all(state, ctx, self._families))
         delta = Delta(written=set(self._index.ports), removed=previous - set(self._index.ports))
@@ -337,8 +348,6 @@ class IpvsDataPlane:
         except Exception as exc:
             run.fail("dump IPVS services", exc)
             return delta
-        assert self._dummy_index is not None
-        present = self._dummy_addresses(h, self._dummy_index)
         ours = set(desired) | {k for k in kernel if k.family in self._families and (
             k.address in present or k in owned or k in self._believed)}
         self._believed = {}
@@ -356,8 +365,6 @@ class IpvsDataPlane:
         last = self._last.ports
         keys = {k for k, v in state.ports.items() if last.get(k) is not v}
         keys.update(k for k in last if k not in state.ports)
-        if ctx != self._ctx:  # node addresses changed: NodePorts move with them
-            keys.update(k for k, v in state.ports.items() if needs_node_addresses(v))
         delta = Delta()
         for key in keys:
             rsp = state.ports.get(key)
@@ -499,26 +506,27 @@ class IpvsDataPlane:
 
     # --- addresses, ipsets, iptables ---------------------------------------------------
 
-    def _dummy_addresses(self, h: _Handles, index: int) -> set[IPAddress]:
-        # The kernel gives the dummy interface an IPv6 link-local address of its own.
-        return {a for a in h.links.addresses(index) if usable_node_address(a)}
-
     def _addresses(self, h: _Handles, add: Iterable[IPAddress], remove: Iterable[IPAddress],
                    run: _Run) -> None:
         index = self._dummy_index
         assert index is not None
-        for address in sorted(add, key=address_order):
-            try:
-                h.links.add_address(index, address)
-            except Exception as exc:
-                if _error_code(exc) != errno.EEXIST:
-                    run.fail(f"add address {address} to {self._dummy_name}", exc)
-        for address in sorted(remove, key=address_order):
-            try:
-                h.links.del_address(index, address)
-            except Exception as exc:
-                if _error_code(exc) != errno.EADDRNOTAVAIL:
-                    run.fail(f"delete address {address} from {self._dummy_name}", exc)
+        adding = sorted(add, key=address_order)
+        removing = sorted(remove, key=address_order)
+        if not adding and not removing:
+            return
+        try:
+            codes = h.links.change(index, adding, removing)
+        except Exception as exc:
+            run.fail(f"change addresses of {self._dummy_name}", exc)
+            return
+        for address, code in zip(adding, codes[:len(adding)], strict=True):
+            if code and code != errno.EEXIST:
+                run.fail(f"add address {address} to {self._dummy_name}",
+                         OSError(code, os.strerror(code)))
+        for address, code in zip(removing, codes[len(adding):], strict=True):
+            if code and code != errno.EADDRNOTAVAIL:
+                run.fail(f"delete address {address} from {self._dummy_name}",
+                         OSError(code, os.strerror(code)))
 
     def _ipset_restore(self, h: _Handles, text: str, run: _Run) -> bool:
         if not text:
