@@ -261,7 +261,8 @@ class Agent:
             self.api = None
         if self.dataplane is not None:
             try:
-                await asyncio.wait_for(self.worker.call(self.dataplane.close), CLOSE_TIMEOUT)
+                async with asyncio.timeout(CLOSE_TIMEOUT):
+                    await self.worker.call(self.dataplane.close)
             except TimeoutError:
                 log.warning("the data plane is still busy (a sync in progress); leaving it")
             except Exception:
@@ -324,9 +325,9 @@ class Agent:
         if dp is None:
             return None, "the data plane is not running"
         try:
-            rules = await asyncio.wait_for(
-                self.worker.call(lambda: {k: list(dp.applied_rules(k)) for k in keys}),
-                DUMP_RULES_TIMEOUT)
+            async with asyncio.timeout(DUMP_RULES_TIMEOUT):
+                rules = await self.worker.call(
+                    lambda: {k: list(dp.applied_rules(k)) for k in keys})
         except TimeoutError:
             return None, (f"the data plane was busy for {DUMP_RULES_TIMEOUT:g}s (a sync in "
                           "progress, or blocked); applied_rules left out")
@@ -379,4 +380,5 @@ def _stats(stats: object) -> dict[str, Any]:
 
 async def _wait(stop: asyncio.Event, delay: float) -> None:
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), delay)
+        async with asyncio.timeout(delay):
+            await stop.wait()

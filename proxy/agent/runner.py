@@ -157,7 +157,8 @@ class SyncRunner:
             if due is not None:
                 timeout = min(timeout, due - now)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(0.0, timeout))
+                async with asyncio.timeout(max(0.0, timeout)):
+                    await self._wake.wait()
 
     async def _housekeeping(self) -> None:
         try:

@@ -301,8 +301,8 @@ class Reflector:
         loop = asyncio.get_running_loop()
         # The whole stream may last the server's timeout and a margin; the answer to the
         # request itself must come within request_timeout like any other.
-        resp = await asyncio.wait_for(self.api.get(self.resource.path, query, timeout + 30),
-                                      self.options.request_timeout)
+        async with asyncio.timeout(self.options.request_timeout):
+            resp = await self.api.get(self.resource.path, query, timeout + 30)
         try:
             if resp.status == 410:
                 raise _Gone()
@@ -362,7 +362,8 @@ class Reflector:
         limit = self.options.max_line_bytes
         while True:
             try:
-                chunk = await asyncio.wait_for(resp.readany(), self.options.stall_timeout)
+                async with asyncio.timeout(self.options.stall_timeout):
+                    chunk = await resp.readany()
             except TimeoutError:
                 raise _Stalled() from None
             if not chunk:

@@ -171,7 +171,8 @@ class Watch:
             if self.params.bookmarks:
                 wait = min(wait, max(min(next_bookmark, pre_timeout) - now, 0))
             try:
-                ev = await asyncio.wait_for(self.queue.get(), timeout=wait)
+                async with asyncio.timeout(wait):
+                    ev = await self.queue.get()
             except TimeoutError:
                 continue
             if ev is CUT:
