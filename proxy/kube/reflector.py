@@ -20,8 +20,11 @@ The loop follows the Kubernetes "API concepts" contract:
   cache sends neither events nor bookmarks older than the start. Listing again is the
   only way back to the truth (client-go has no stall detector and waits).
 
-The reflector keeps only (namespace, name) -> resourceVersion per object: enough to emit
-exact differences on a relist without holding a second copy of every object.
+The reflector keeps only (namespace, name) -> resourceVersion and uid per object: enough
+to emit exact differences on a relist without holding a second copy of every object. The
+uid matters after storage is lost: the new cluster counts revisions from 1 again, so an
+object created again under the same name (the same manifests applied in the same order)
+may come back at the very resourceVersion we hold for the old one, with other content.
 """
 
 from __future__ import annotations
@@ -147,6 +150,10 @@ def _rv(obj: Mapping[str, Any]) -> str:
     return str((obj.get("metadata") or {}).get("resourceVersion") or "")
 
 
+def _uid(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("uid") or "")
+
+
 class Reflector:
     def __init__(
         self,
@@ -163,6 +170,7 @@ class Reflector:
         self.stats = ReflectorStats()
         self.resource_version: str | None = None
         self._known: dict[ObjectKey, str] = {}
+        self._uids: dict[ObjectKey, str] = {}  # same keys as _known
         self._backoff = Backoff(self.options.backoff_initial, self.options.backoff_max)
         self._unpaged_next = False  # the last paged list lost its continue token
         self._stalls_in_a_row = 0
@@ -247,10 +255,12 @@ class Reflector:
                 item.setdefault("apiVersion", self.resource.api_version)
                 key = _key(item)
                 seen.add(key)
-                rv = _rv(item)
+                rv, uid = _rv(item), _uid(item)
                 old = self._known.get(key)
-                self._known[key] = rv
-                if old != rv:
+                old_uid = self._uids.get(key)
+                self._known[key], self._uids[key] = rv, uid
+                # resourceVersions alone can repeat across a storage loss (see above)
+                if old != rv or old_uid != uid:
                     self._emit("ADDED" if old is None else "MODIFIED", key, item)
             meta = body.get("metadata") or {}
             token = meta.get("continue") or None
@@ -259,6 +269,7 @@ class Reflector:
                 break
         for key in [k for k in self._known if k not in seen]:
             del self._known[key]
+            self._uids.pop(key, None)
             self._emit("DELETED", key, None)
         self.resource_version = list_rv
         if self.stats.lists:
@@ -342,8 +353,9 @@ class Reflector:
         rv = _rv(obj)
         if kind == "DELETED":
             self._known.pop(key, None)
+            self._uids.pop(key, None)
         else:
-            self._known[key] = rv
+            self._known[key], self._uids[key] = rv, _uid(obj)
         if rv:
             self.resource_version = rv
         self._backoff.reset()
