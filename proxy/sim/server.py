@@ -19,7 +19,7 @@ import orjson
 import yaml
 from aiohttp import web
 
-from proxy.sim import discovery, errors
+from proxy.sim import discovery, errors, tables
 from proxy.sim.errors import ApiError
 from proxy.sim.faults import Faults
 from proxy.sim.patch import apply_patch
@@ -235,11 +235,14 @@ class SimApp:
     async def _resource(self, request: web.Request, t: Target) -> web.StreamResponse:
         q = request.query
         method = request.method
+        # Accept decides between the object and a Table (kubectl get), as upstream's
+        # negotiation does before any handler work; a bad Accept is 406 first.
+        table = tables.negotiate(request.headers.get("Accept")) if method == "GET" else None
         if t.name is None:
             if method == "GET":
                 if _flag(q.get("watch")):
-                    return await self._watch(request, t)
-                return self._list(t, q)
+                    return await self._watch(request, t, table)
+                return self._list(t, q, table)
             if method == "POST" and (t.namespace is not None or not t.rt.namespaced):
                 body = await self._body(request)
                 return _json(self.store.create(t.rt, t.namespace, body), 201)
@@ -252,7 +255,12 @@ class SimApp:
             raise errors.method_not_allowed()
         name = t.name
         if method == "GET":
-            return _json(self.store.get(t.rt, t.namespace, name))
+            obj = self.store.get(t.rt, t.namespace, name)
+            if table is not None:
+                return _json(tables.object_table(
+                    t.rt.kind, obj, version=table, level=self.surface.level,
+                    include=tables.include_object(q.get("includeObject"))))
+            return _json(obj)
         if method == "PUT":
             body = await self._body(request)
             obj, created = self.store.update(t.rt, t.namespace, name, body,
@@ -269,7 +277,7 @@ class SimApp:
             return self._delete(t.rt, t.namespace, name, await self._body(request))
         raise errors.method_not_allowed()
 
-    def _list(self, t: Target, q: Any) -> web.Response:
+    def _list(self, t: Target, q: Any, table: str | None = None) -> web.Response:
         limit_raw = q.get("limit") or "0"
         try:
             limit = max(int(limit_raw), 0)
@@ -282,8 +290,13 @@ class SimApp:
             limit=limit, continue_token=q.get("continue") or None,
             resource_version=q.get("resourceVersion"),
             resource_version_match=q.get("resourceVersionMatch") or None)
-        return _json(_list_body(t.rt, result.items, result.resource_version,
-                                result.continue_token, result.remaining))
+        body = _list_body(t.rt, result.items, result.resource_version,
+                          result.continue_token, result.remaining)
+        if table is not None:
+            body = tables.table(t.rt.kind, result.items, body["metadata"], version=table,
+                                include=tables.include_object(q.get("includeObject")),
+                                level=self.surface.level)
+        return _json(body)
 
     def _delete(self, rt: ResourceType, namespace: str | None, name: str,
                 options: Any) -> web.Response:
@@ -301,8 +314,12 @@ class SimApp:
         return _json({"kind": "Status", "apiVersion": "v1", "metadata": {},
                       "status": "Success", "details": details})
 
-    async def _watch(self, request: web.Request, t: Target) -> web.StreamResponse:
+    async def _watch(self, request: web.Request, t: Target,
+                     table: str | None = None) -> web.StreamResponse:
         q = request.query
+        # Table watches: each event's object becomes a one-row Table (upstream does this).
+        rows = tables.WatchTables(t.rt.kind, table, tables.include_object(
+            q.get("includeObject")), self.surface.level) if table is not None else None
         timeout = self.watch_timeout
         if q.get("timeoutSeconds"):
             try:
@@ -325,7 +342,7 @@ class SimApp:
         try:
             await resp.prepare(request)
             async for line in watch.lines():
-                await resp.write(line)
+                await resp.write(line if rows is None else rows.line(line))
                 watch.sent += 1
             await resp.write_eof()
         except (ConnectionResetError, RuntimeError) as exc:
