@@ -37,6 +37,7 @@ def prepare_create(rt: ResourceType, obj: dict[str, Any]) -> None:
         meta["generation"] = 1
         if rt is ENDPOINT_SLICES_V1BETA1:
             v1beta1.prepare(obj)
+        _slice_defaults(obj)
     elif rt is NAMESPACES:
         obj["spec"] = {"finalizers": ["kubernetes"]}
         obj["status"] = {"phase": "Active"}
@@ -65,6 +66,7 @@ def prepare_update(rt: ResourceType, new: dict[str, Any], old: dict[str, Any]) -
     elif is_endpoint_slice(rt):
         if rt is ENDPOINT_SLICES_V1BETA1:
             v1beta1.prepare(new)
+        _slice_defaults(new)
         strip = ("metadata",)
         changed = {k: v for k, v in new.items() if k not in strip} != {
             k: v for k, v in old.items() if k not in strip}
@@ -104,6 +106,15 @@ def _service_defaults(obj: dict[str, Any]) -> None:
         spec.setdefault("externalTrafficPolicy", "Cluster")
     if spec["type"] == "LoadBalancer":
         spec.setdefault("allocateLoadBalancerNodePorts", True)
+
+
+def _slice_defaults(obj: dict[str, Any]) -> None:
+    """Upstream's SetDefaults_EndpointPort (v1 and v1beta1): a port without a name is
+    named "", without a protocol is TCP."""
+    for port in obj.get("ports") or []:
+        if isinstance(port, dict):
+            port.setdefault("name", "")
+            port.setdefault("protocol", "TCP")
 
 
 def _keep_allocations(new: dict[str, Any], old: dict[str, Any]) -> None:
