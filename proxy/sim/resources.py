@@ -70,6 +70,24 @@ ENDPOINT_SLICES_V1BETA1 = ResourceType(
     FULL_VERBS, create_on_update=True,
 )
 
+# The other kinds of deploy/daemonset.yaml, so that `kubectl create|apply -f` of it works
+# against the simulator (kubectl maps every kind through discovery, even for a client-side
+# dry run). Stored and served like any object; nothing interprets them.
+CONFIG_MAPS = ResourceType(
+    "configmaps", "configmap", "ConfigMap", "", "v1", True, FULL_VERBS, ("cm",))
+SERVICE_ACCOUNTS = ResourceType(
+    "serviceaccounts", "serviceaccount", "ServiceAccount", "", "v1", True, FULL_VERBS, ("sa",))
+DAEMON_SETS = ResourceType(
+    "daemonsets", "daemonset", "DaemonSet", "apps", "v1", True, FULL_VERBS, ("ds",),
+    status_subresource=True)
+CLUSTER_ROLES = ResourceType(
+    "clusterroles", "clusterrole", "ClusterRole", "rbac.authorization.k8s.io", "v1", False,
+    FULL_VERBS)
+CLUSTER_ROLE_BINDINGS = ResourceType(
+    "clusterrolebindings", "clusterrolebinding", "ClusterRoleBinding",
+    "rbac.authorization.k8s.io", "v1", False, FULL_VERBS)
+DEPLOY_KINDS = (CONFIG_MAPS, SERVICE_ACCOUNTS, DAEMON_SETS, CLUSTER_ROLES, CLUSTER_ROLE_BINDINGS)
+
 
 @dataclass(frozen=True, slots=True)
 class ApiSurface:
@@ -96,8 +114,10 @@ class ApiSurface:
                      if (rt.api_version, rt.kind) == (api_version, kind)), None)
 
 
-LATEST = ApiSurface("1.32", (NAMESPACES, NODES, SERVICES, ENDPOINTS, ENDPOINT_SLICES))
-V1_20 = ApiSurface("1.20", (NAMESPACES, NODES, SERVICES, ENDPOINTS, ENDPOINT_SLICES_V1BETA1))
+LATEST = ApiSurface("1.32", (NAMESPACES, NODES, SERVICES, ENDPOINTS, ENDPOINT_SLICES,
+                             *DEPLOY_KINDS))
+V1_20 = ApiSurface("1.20", (NAMESPACES, NODES, SERVICES, ENDPOINTS, ENDPOINT_SLICES_V1BETA1,
+                            *DEPLOY_KINDS))
 API_LEVELS = {s.level: s for s in (LATEST, V1_20)}
 
 
