@@ -130,7 +130,9 @@ def too_large_resource_version(requested: int, current: int) -> ApiError:
     return ApiError(
         504,
         "Timeout",
-        f"Too large resource version: {requested}, current: {current}",
+        # The watch cache's "Too large resource version" wrapped in the handler's
+        # timeout error, whose text upstream prefixes with "Timeout: ".
+        f"Timeout: Too large resource version: {requested}, current: {current}",
         {
             "causes": [
                 {"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}

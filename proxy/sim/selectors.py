@@ -121,6 +121,12 @@ def labels_match(selector: LabelSelector, obj: Mapping[str, Any]) -> bool:
 
 
 FIELDS = ("metadata.name", "metadata.namespace")
+# Kinds with field-label conversions of their own (upstream AddFieldLabelConversionFunc)
+# accept more fields, and word a refusal differently from the generic one.
+OWN_FIELDS: dict[str, tuple[str, ...]] = {
+    "Node": ("spec.unschedulable",),
+    "Namespace": ("status.phase",),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +143,8 @@ def _unescape(value: str) -> str:
     return re.sub(r"\\(.)", r"\1", value)
 
 
-def parse_field_selector(text: str | None) -> FieldSelector:
+def parse_field_selector(text: str | None, kind: str | None = None) -> FieldSelector:
+    """`kind` decides which fields exist beyond metadata.name/namespace."""
     if not text or not text.strip():
         return ()
     out: list[FieldRequirement] = []
@@ -147,8 +154,11 @@ def parse_field_selector(text: str | None) -> FieldSelector:
         if not m:
             raise bad_request(f"invalid selector: '{text}'; can't understand '{part}'")
         name, op, value = m.group(1).strip(), m.group(2), _unescape(m.group(3).strip())
-        if name not in FIELDS:
-            raise bad_request(f'field label not supported: {name}')
+        if name not in FIELDS + OWN_FIELDS.get(kind or "", ()):
+            if kind in OWN_FIELDS:
+                raise bad_request(f"field label not supported: {name}")
+            raise bad_request(f'"{name}" is not a known field selector: only '
+                              '"metadata.name", "metadata.namespace"')
         out.append(FieldRequirement(name, op != "!=", value))
     return tuple(out)
 
@@ -157,8 +167,11 @@ def fields_match(selector: FieldSelector, obj: Mapping[str, Any]) -> bool:
     if not selector:
         return True
     meta = obj.get("metadata") or {}
+    spec, status = obj.get("spec") or {}, obj.get("status") or {}
     values = {"metadata.name": meta.get("name") or "", "metadata.namespace":
-              meta.get("namespace") or ""}
+              meta.get("namespace") or "",
+              "spec.unschedulable": "true" if spec.get("unschedulable") else "false",
+              "status.phase": str(status.get("phase") or "")}
     return all((values[r.field] == r.value) == r.equal for r in selector)
 
 

@@ -250,7 +250,7 @@ class SimApp:
                 self._check_verb(t.rt, "deletecollection")
                 deleted = self.store.delete_collection(
                     t.rt, t.namespace, parse_label_selector(q.get("labelSelector")),
-                    parse_field_selector(q.get("fieldSelector")))
+                    parse_field_selector(q.get("fieldSelector"), t.rt.kind))
                 return _json(_list_body(t.rt, deleted, self.store.rv, None, None))
             raise errors.method_not_allowed()
         name = t.name
@@ -286,7 +286,7 @@ class SimApp:
         result = self.store.list_objects(
             t.rt, t.namespace,
             label=parse_label_selector(q.get("labelSelector")),
-            field=parse_field_selector(q.get("fieldSelector")),
+            field=parse_field_selector(q.get("fieldSelector"), t.rt.kind),
             limit=limit, continue_token=q.get("continue") or None,
             resource_version=q.get("resourceVersion"),
             resource_version_match=q.get("resourceVersionMatch") or None)
@@ -329,7 +329,7 @@ class SimApp:
         params = WatchParams(
             rt=t.rt, namespace=t.namespace,
             match=matcher(parse_label_selector(q.get("labelSelector")),
-                          parse_field_selector(q.get("fieldSelector"))),
+                          parse_field_selector(q.get("fieldSelector"), t.rt.kind)),
             resource_version=q.get("resourceVersion"),
             bookmarks=_flag(q.get("allowWatchBookmarks")),
             timeout=timeout,

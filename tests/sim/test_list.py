@@ -57,6 +57,24 @@ def test_field_selectors(labelled: Api, selector: str, expected: str) -> None:
     assert "".join(o["metadata"]["name"] for o in body["items"]) == expected
 
 
+def test_node_and_namespace_field_labels_of_their_own(api: Api) -> None:
+    # As upstream's field-label conversions: Node knows spec.unschedulable, Namespace
+    # status.phase; other kinds only metadata.name and metadata.namespace.
+    for name, unschedulable in (("n1", True), ("n2", False)):
+        node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+                "spec": {"unschedulable": unschedulable}}
+        assert api.post("/api/v1/nodes", node)[0] == 201
+    status, body = api.get("/api/v1/nodes", fieldSelector="spec.unschedulable=false")
+    assert status == 200 and [o["metadata"]["name"] for o in body["items"]] == ["n2"]
+    status, body = api.get("/api/v1/namespaces", fieldSelector="status.phase=Active")
+    assert status == 200 and "default" in {o["metadata"]["name"] for o in body["items"]}
+    status, body = api.get("/api/v1/nodes", fieldSelector="spec.foo=x")
+    assert (status, body["message"]) == (400, "field label not supported: spec.foo")
+    status, body = api.get(SVC, fieldSelector="spec.foo=x")
+    assert (status, body["message"]) == (400, '"spec.foo" is not a known field selector: '
+                                              'only "metadata.name", "metadata.namespace"')
+
+
 @pytest.mark.parametrize(("param", "value"), [
     ("labelSelector", "app in (web"),
     ("labelSelector", "a=b=c"),
