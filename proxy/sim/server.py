@@ -42,7 +42,13 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 
 def _error(exc: ApiError) -> web.Response:
-    return _json(exc.status(), exc.code, exc.headers or None)
+    headers = dict(exc.headers)
+    # As upstream's response writer: a Status with details.retryAfterSeconds also says so
+    # in a Retry-After header, which is what clients read.
+    retry = (exc.details or {}).get("retryAfterSeconds")
+    if retry and "Retry-After" not in headers:
+        headers["Retry-After"] = str(retry)
+    return _json(exc.status(), exc.code, headers or None)
 
 
 NOT_FOUND = ApiError(404, "NotFound", "the server could not find the requested resource", {})
