@@ -160,7 +160,7 @@ def read_kernel(thread: NodeThread) -> KernelView:
         finally:
             table.close()
             links.close()
-        entries = set()
+        entries: set[SetEntry] = set()
         names = {set_name(role, family): (role, family) for family in Family
                  for role in SetRole}
         saved = subprocess.run(["ipset", "save"], capture_output=True, text=True,
