@@ -120,6 +120,9 @@ class ControlPlane:
     bins: Binaries
     # Extra kube-apiserver flags (e.g. feature gates) for a test that needs them.
     apiserver_flags: Sequence[str] = ()
+    # Extra kube-controller-manager flags (e.g. a higher client QPS for a benchmark that
+    # creates thousands of objects).
+    controller_manager_flags: Sequence[str] = ()
     ready_timeout: float = 90.0
 
     prefix: str = field(init=False)
@@ -350,6 +353,7 @@ class ControlPlane:
             "--leader-elect=false", "--use-service-account-credentials=false",
             "--secure-port=0", f"--port={KCM_HEALTHZ_PORT}", "--address=127.0.0.1",
             "--profiling=false", FEATURE_GATES,
+            *self.controller_manager_flags,
         ])
 
         def healthy() -> bool:
