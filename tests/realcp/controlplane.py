@@ -227,7 +227,9 @@ class ControlPlane:
         """Link `node_ns` to the control plane; returns its address on the cp network."""
         if node_ns in self._attached:
             raise ControlPlaneError(f"{node_ns} is already attached")
-        index = len(self._attached)
+        # The lowest free index: after a detach, len() would reuse a name still in use.
+        used = {int(side.removeprefix("cpv")) for side in self._attached.values()}
+        index = next(i for i in range(len(used) + 1) if i not in used)
         addr = API_ADDR + 9 + index + 1  # 198.18.96.10, .11, ...
         if addr not in CP_NET or addr == CP_NET.broadcast_address:
             raise ControlPlaneError("too many attached namespaces")

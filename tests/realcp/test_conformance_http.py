@@ -107,7 +107,9 @@ def test_watch_from_a_compacted_rv_gets_one_410_expired_error_event(cluster: Clu
     _create(cluster, ns, "c1")
     _create(cluster, ns, "c2")
     cluster.compact()
-    with cluster.raw.watch(path, resourceVersion=old) as w:
+    # Generous: the real server has just restarted (see compact) and, on a loaded machine,
+    # a watch can wait a while for its cache (a 15 s read timeout was seen to expire).
+    with cluster.raw.watch(path, read_timeout=60.0, resourceVersion=old) as w:
         assert w.status == 200  # not an HTTP 410: the error arrives as an event
         events = w.rest()
     assert len(events) == 1, events
