@@ -191,3 +191,109 @@ class Recorder:
 
 def _rv(obj: Mapping[str, Any]) -> str:
     return str((obj.get("metadata") or {}).get("resourceVersion") or "")
+
+
+# ---- a lazily connected client that also counts what came over the wire --------------
+
+
+class LazyApi:
+    """The real client, connected on first use: for the agent's synchronous
+    `api_factory`, which is called on the agent's own loop."""
+
+    def __init__(self, kubeconfig: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self._api: KubeApi | None = None
+
+    @property
+    def host(self) -> str:
+        return self._api.host if self._api is not None else ""
+
+    async def get(self, path: str, query: Mapping[str, str], timeout: float) -> Response:
+        if self._api is None:
+            self._api = await KubeApi.connect(ClientOptions(kubeconfig=str(self.kubeconfig)))
+        return await self._api.get(path, query, timeout)
+
+    async def close(self) -> None:
+        if self._api is not None:
+            await self._api.close()
+
+
+@dataclass
+class WireCounts:
+    """What the server answered, as the client saw it."""
+
+    statuses: dict[int, int] = field(default_factory=dict)  # status -> responses
+    failed: int = 0  # requests that got no answer at all (connection refused, reset)
+    stream_ends: int = 0  # watch streams that ended (cleanly, by error, or cut)
+    # ERROR 410 Gone as the first thing on a watch stream (a resume from a compacted
+    # revision, answered at the request) and after other events or bookmarks (an open
+    # stream the server expired).
+    gone_at_start: int = 0
+    gone_mid_stream: int = 0
+
+
+_ERROR_LINE = b'{"type":"ERROR"'
+
+
+class _ProbedResponse:
+    def __init__(self, resp: Response, counts: WireCounts, watch: bool) -> None:
+        self._resp, self._counts = resp, counts
+        self._watch = watch and resp.status == 200  # a stream, not an error answer
+        self.status, self.headers = resp.status, resp.headers
+        self._seen = 0  # bytes of the body read so far
+        self._tail = b""  # the end of the previous chunk: a marker may straddle two
+        self._ended = False
+
+    async def read(self) -> bytes:
+        return await self._resp.read()
+
+    async def readany(self) -> bytes:
+        try:
+            chunk = await self._resp.readany()
+        except BaseException:
+            self._end()
+            raise
+        if not chunk:
+            self._end()
+        elif self._watch:
+            window = self._tail + chunk
+            at = window.find(_ERROR_LINE)
+            if at >= 0 and b'"code":410' in window[at:]:
+                if self._seen - len(self._tail) + at == 0:
+                    self._counts.gone_at_start += 1
+                else:
+                    self._counts.gone_mid_stream += 1
+                self._tail = b""
+            else:
+                self._tail = window[-len(_ERROR_LINE):]
+            self._seen += len(chunk)
+        return chunk
+
+    def _end(self) -> None:
+        if self._watch and not self._ended:
+            self._ended = True
+            self._counts.stream_ends += 1
+
+    def close(self) -> None:
+        self._end()
+        self._resp.close()
+
+
+class ProbedApi(GatedApi):
+    """`GatedApi` that also counts statuses, failed requests, watch stream ends and
+    where a 410 Gone arrived (`counts`)."""
+
+    def __init__(self, inner: Api) -> None:
+        super().__init__(inner)
+        self.counts = WireCounts()
+
+    async def get(self, path: str, query: Mapping[str, str], timeout: float) -> Response:
+        try:
+            resp = await super().get(path, query, timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.counts.failed += 1
+            raise
+        self.counts.statuses[resp.status] = self.counts.statuses.get(resp.status, 0) + 1
+        return _ProbedResponse(resp, self.counts, query.get("watch") == "1")
