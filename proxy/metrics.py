@@ -142,10 +142,14 @@ class ModelCollector(Collector):
 
 _WATCH_HELP = {
     "lists": "Completed lists (the first included)",
-    "relists": "Lists forced by 410 Gone (watch history expired)",
+    "relists": "Lists after the first: 410 Gone (history expired), or a server whose "
+               "revision went below ours",
+    "expired": "410 Gone answers (watch history, or a list's continue token)",
     "watches": "Watch streams opened",
-    "watch_restarts": "Watch streams that ended or broke and were reopened",
+    "watch_restarts": "Watch streams the server ended (timeoutSeconds), reopened",
+    "short_watches": "Watch streams that ended at once with nothing delivered (backed off)",
     "stalls": "Watch streams restarted after going silent",
+    "probes": "One-item lists after silent streams, checking the server's revision",
     "errors": "Failed list or watch requests (retried with backoff)",
     "events": "Watch and list events delivered",
     "bookmarks": "Bookmarks received",

@@ -14,11 +14,15 @@ The loop follows the Kubernetes "API concepts" contract:
   that ends within a second having delivered nothing (client-go's "very short watch"),
   so a server that closes every watch at once is not hammered;
 * a stream that delivers neither event nor bookmark for `stall_timeout` is restarted;
-  if the next stream is silent too, the reflector relists. A server that lost its
-  storage counts revisions from 1 again, and a watch resumed from our (now future)
-  resourceVersion is answered with silence until the new cluster catches up: the watch
-  cache sends neither events nor bookmarks older than the start. Listing again is the
-  only way back to the truth (client-go has no stall detector and waits).
+  if the next stream is silent too, one small list (`limit=1`) asks the server for its
+  current revision and one object, and the reflector relists if the revision is below
+  the one we resume from or the object contradicts what we hold.
+  A server that lost its storage counts revisions from 1 again, and a watch resumed from
+  our (now future) resourceVersion is answered with silence until the new cluster
+  catches up: the watch cache sends neither events nor bookmarks older than the start.
+  Listing again is the only way back to the truth (client-go has no stall detector and
+  waits). A quiet resource on a healthy server is silent too (the watch cache sends no
+  bookmark when nothing changed), so silence alone must not cost a full relist.
 
 The reflector keeps only (namespace, name) -> resourceVersion and uid per object: enough
 to emit exact differences on a relist without holding a second copy of every object. The
@@ -61,12 +65,13 @@ class WatchEvent:
 @dataclass(slots=True)
 class ReflectorStats:
     lists: int = 0  # completed lists, the first included
-    relists: int = 0  # lists started after the first (410 Gone, or stalls in a row)
+    relists: int = 0  # lists after the first (410 Gone, or a server behind our revision)
     expired: int = 0  # 410 Gone answers: watch history, or a list's continue token
     watches: int = 0  # watch streams opened
     watch_restarts: int = 0  # streams the server ended (timeoutSeconds), reopened
     short_watches: int = 0  # streams that ended within a second with nothing delivered
     stalls: int = 0
+    probes: int = 0  # one-item lists after silent streams, checking the server's revision
     errors: int = 0
     events: int = 0
     bookmarks: int = 0
@@ -174,6 +179,7 @@ class Reflector:
         self._backoff = Backoff(self.options.backoff_initial, self.options.backoff_max)
         self._unpaged_next = False  # the last paged list lost its continue token
         self._stalls_in_a_row = 0
+        self._probe_next = False  # silent streams in a row: is the server behind us?
 
     @property
     def known(self) -> Mapping[ObjectKey, str]:
@@ -192,6 +198,9 @@ class Reflector:
         """Run until cancelled. Never raises for API trouble: it logs, counts and retries."""
         while True:
             try:
+                if self._probe_next:
+                    self._probe_next = False
+                    await self._check_server_revision()
                 if self.resource_version is None:
                     await self._list()
                 await self._watch()
@@ -210,17 +219,16 @@ class Reflector:
             except _Stalled:
                 self.stats.stalls += 1
                 self._stalls_in_a_row += 1
-                relist = self._stalls_in_a_row >= STALLS_BEFORE_RELIST
-                log.warning("no event or bookmark for %.0fs; %s", self.options.stall_timeout,
-                            "relisting: the resourceVersion we resume from may be one the "
-                            "server will never reach (did it lose its storage?)"
-                            if relist else "restarting the watch",
-                            extra={"resource": str(self.resource),
-                                   "resource_version": self.resource_version,
-                                   "stalls_in_a_row": self._stalls_in_a_row})
-                if relist:
+                probe = self._stalls_in_a_row >= STALLS_BEFORE_RELIST
+                log.info("no event or bookmark for %.0fs; %s", self.options.stall_timeout,
+                         "checking the server's revision before watching again"
+                         if probe else "restarting the watch",
+                         extra={"resource": str(self.resource),
+                                "resource_version": self.resource_version,
+                                "stalls_in_a_row": self._stalls_in_a_row})
+                if probe:
                     self._stalls_in_a_row = 0
-                    self.resource_version = None
+                    self._probe_next = True
             except Exception as exc:  # network, HTTP and parse errors alike: back off, retry
                 listing = self.resource_version is None
                 self.stats.errors += 1
@@ -237,6 +245,37 @@ class Reflector:
                 await asyncio.sleep(delay)
 
     # --- list ------------------------------------------------------------------------
+
+    async def _check_server_revision(self) -> None:
+        """After silent streams, one small list (same selectors, `limit=1`): relist if the
+        server is not the one we have been following — its revision is below ours, or
+        the object it shows contradicts what we hold at a revision we have passed (a new
+        cluster that counted up to our revision again) — or if we cannot tell."""
+        self.stats.probes += 1
+        body = await self._get_json({**self._selectors(), "limit": "1"},
+                                    self.options.request_timeout)
+        current = str((body.get("metadata") or {}).get("resourceVersion") or "")
+        ours = self.resource_version
+        why = None
+        # resourceVersions are opaque to clients; etcd's are integers. Anything else
+        # cannot be judged: relist to be safe.
+        if not (current.isdigit() and ours is not None and ours.isdigit()):
+            why = "revisions cannot be compared"
+        elif int(current) < int(ours):
+            why = "its revision is below ours: did it lose its storage?"
+        else:
+            for item in body.get("items") or []:
+                rv, key = _rv(item), _key(item)
+                if rv.isdigit() and int(rv) <= int(ours) and (
+                        self._known.get(key) != rv or self._uids.get(key) != _uid(item)):
+                    why = (f"{key[0]}/{key[1]} at {rv} is not the object we hold: "
+                           "did it lose its storage?")
+        if why is not None:
+            log.warning("after silent watches, the server (revision %s) looks new: %s; "
+                        "listing again", current or "?", why, extra={
+                            "resource": str(self.resource), "resource_version": ours,
+                            "server_resource_version": current})
+            self.resource_version = None
 
     async def _list(self) -> None:
         seen: set[ObjectKey] = set()

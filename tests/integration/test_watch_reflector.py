@@ -23,6 +23,7 @@ from tests.integration.watchkit import (
     Recorder,
     connect,
     eventually,
+    in_thread,
     run,
     sim_keys,
 )
@@ -269,8 +270,8 @@ def test_errors_on_the_initial_list_are_retried(sim: SimServer, tmp_path: Path) 
     run(main)
 
 
-def test_a_silent_stream_is_restarted_then_relisted(tmp_path: Path) -> None:
-    # No bookmarks from this server: every stream goes silent.
+def test_a_quiet_resource_costs_a_probe_not_a_relist(tmp_path: Path) -> None:
+    # No bookmarks from this server: every stream of a quiet resource goes silent.
     with SimServer(bookmark_interval=3600) as sim:
         sim.create(service("s"))
         options = replace(FAST, stall_timeout=0.5)
@@ -283,14 +284,39 @@ def test_a_silent_stream_is_restarted_then_relisted(tmp_path: Path) -> None:
                 await eventually(lambda: len(h.api.watches()) == 2, what="watch reopened")
                 first, second = h.api.watches()
                 assert first.query["resourceVersion"] == second.query["resourceVersion"]
-                assert h.reflector.stats.lists == 1
-                # A second silent stream in a row: the revision is suspect, relist.
-                await eventually(lambda: h.reflector.stats.lists == 2, what="relist")
-                assert h.reflector.stats.stalls == 2 and h.reflector.stats.relists == 1
+                # A second silent stream: one small list asks for the server's revision;
+                # it is not below ours, so the watch resumes where it was, no relist.
+                await eventually(lambda: len(h.api.watches()) == 3, what="watch resumed")
+                stats = h.reflector.stats
+                assert stats.stalls == 2 and stats.probes == 1, stats
+                assert stats.lists == 1 and stats.relists == 0, stats
+                probe = h.api.lists()[-1]
+                assert probe.query.get("limit") == "1" and "continue" not in probe.query
+                assert h.api.watches()[-1].query["resourceVersion"] == \
+                    first.query["resourceVersion"]
                 mark = len(h.rec.events)
                 sim.create(service("t"))
                 await h.converged()
-                assert h.rec.names(mark) == [("ADDED", "t")]  # the relist emitted nothing
+                assert h.rec.names(mark) == [("ADDED", "t")]
+
+        run(main)
+
+
+def test_a_server_that_lost_its_storage_is_listed_again(tmp_path: Path) -> None:
+    # Silent streams, then a probe showing the server's revision below ours: relist.
+    with SimServer(bookmark_interval=3600) as sim:
+        for i in range(5):
+            sim.create(service(f"s{i}"))
+        options = replace(FAST, stall_timeout=0.5)
+
+        async def main() -> None:
+            async with Harness(sim, tmp_path, options) as h:
+                await h.synced()
+                await in_thread(sim.restart, keep_state=False)
+                sim.create(service("fresh"))  # revision 1 or so: far below ours
+                await h.converged("the reflector forgot s0..s4 and found fresh")
+                stats = h.reflector.stats
+                assert stats.probes >= 1 and stats.relists == 1, stats
 
         run(main)
 
