@@ -18,6 +18,7 @@ the kernel-facing step (`SyncReport.apply_seconds`). Timings are reported, never
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -110,7 +111,7 @@ def run_one(name: str, services: int, endpoints: int, repeat: int,
         partial = []
         for i in range(max(repeat, 3)):
             state = change_one(model, slices[(i * 7919) % len(slices)], i)
-            partial.append(timed(lambda s=state: dp.sync(s)))
+            partial.append(timed(functools.partial(dp.sync, state)))
         assert all(not r.full for _, r in partial)
         out["partial"] = _summary(partial)
     return out
