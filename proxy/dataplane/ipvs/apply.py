@@ -214,7 +214,7 @@ class IpvsDataPlane:
             "virtual_servers": len(self._believed),
             "real_servers": sum(len(s.dests) for s in self._believed.values()),
             "draining": len(self._draining),
-            "addresses": len(self._index.addresses()),
+            "addresses": self._index.address_count(),  # not a copy per sync
             "netlink_calls": h.ipvs.calls + h.links.calls - calls_before,
             "ipvs_changes": h.ipvs.writes - writes_before,
             "ipset_lines": run.ipset_lines,

@@ -109,6 +109,9 @@ class RenderIndex:
     def addresses(self) -> set[IPAddress]:
         return set(self._addresses)
 
+    def address_count(self) -> int:
+        return len(self._addresses)
+
 
 def _acquire(counts: Counter[T], items: Iterable[T], added: set[T], removed: set[T]) -> None:
     for item in items:
