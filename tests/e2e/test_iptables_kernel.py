@@ -135,6 +135,38 @@ def test_partial_sync_gives_the_rules_of_a_full_sync_in_the_kernel(
     assert saved(partial_ns, backend, tables) == saved(full_ns, backend, tables)
 
 
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(first=clusters(), second=clusters())
+def test_batched_full_sync_on_nf_tables_in_the_kernel(
+        namespaces: Lab, monkeypatch: pytest.MonkeyPatch, first: list[dict[str, Any]],
+        second: list[dict[str, Any]]) -> None:
+    # Full syncs split into many small restores (as at thousands of services) must leave
+    # the kernel exactly as one restore does, over an earlier run's rules too.
+    batched_ns, single_ns = namespaces.node_ns, namespaces.client_ns
+    for ns in (batched_ns, single_ns):
+        wipe(ns)
+        add_foreign(ns, Backend.NFT)
+    cluster = Cluster()
+    a = cluster.become(*first)
+    b = cluster.become(*second)
+    monkeypatch.setattr("proxy.dataplane.iptables.apply.NFT_CHAINS_PER_RESTORE", 3)
+    batched = NodePlane(batched_ns, Backend.NFT, addresses=lambda: ADDRESSES)
+    batched.sync(a, full=True)
+    report = batched.sync(b, full=True)
+    for family in Family:
+        sizes = [len(r.chains) for r in
+                 batched.dp._families[family].ruleset.ports.values() if r.chains]  # type: ignore[union-attr]
+        # Split exactly when two service ports' chains together exceed a batch.
+        split = len(sizes) > 1 and sum(sizes) > 3
+        assert (report.details[family.label]["restores"] > 1) == split, sizes
+    monkeypatch.setattr("proxy.dataplane.iptables.apply.NFT_CHAINS_PER_RESTORE", 10**9)
+    single = NodePlane(single_ns, Backend.NFT, addresses=lambda: ADDRESSES)
+    single.sync(a, full=True)
+    single.sync(b, full=True)
+    assert saved(batched_ns, Backend.NFT) == saved(single_ns, Backend.NFT)
+
+
 def web(*ips: str, **spec: Any) -> list[dict[str, Any]]:
     ports = spec.pop("ports", ({"name": "http", "port": 80},))
     return [service("web", ports=ports, **spec),

@@ -6,7 +6,9 @@ service ports it was rendered from:
 
 - a full sync (the first one, `full=True`, after any failure, or when this node's
   addresses changed) reads our chains back with iptables-save and rewrites all of them
-  in one restore per family, deleting chains of ours nobody wants any more;
+  in one restore per family (on nf_tables, in batches of service ports, then one for
+  the rest: see `Ruleset.full_restore_batches`), deleting chains of ours nobody wants
+  any more;
 - a partial sync renders only the service ports whose snapshot entry is not the very
   object applied last time, and writes only what differs (see `ruleset`).
 
@@ -51,6 +53,11 @@ log = logging.getLogger(__name__)
 # ip6tables-legacy-restore: python-iptables 1.2 cannot load the IPv6 DNAT and
 # MASQUERADE extensions of iptables 1.8.9). Slower; see iptc_runner and the README.
 APPLIERS = ("restore", "iptc")
+
+# A full sync on nf_tables declares at most about this many chains per restore (a
+# service port has 2-5): iptables-nft-restore's time grows with the square of the chains
+# in one transaction. bench/iptables_bench: 10,000 services in one restore 256 s.
+NFT_CHAINS_PER_RESTORE = 4000
 
 
 class Runner(Protocol):
@@ -168,20 +175,21 @@ class IptablesDataPlane:
             started = time.perf_counter()
             try:
                 if is_full:
-                    text, ruleset, changed = self._full(fam, ports, ctx)
+                    texts, ruleset, changed = self._full(fam, ports, ctx)
                 else:
                     assert fam.ruleset is not None
                     text, ruleset, changed = self._partial(fam.ruleset, fam.ports, ports, ctx)
+                    texts = [text] if text else []
                 render_seconds = time.perf_counter() - started
                 started = time.perf_counter()
-                if text:
+                for text in texts:
                     self._apply(fam, text, is_full)
             except ApplyError as exc:
                 # The other family may still be fine: finish it, then report this one.
                 failure = failure or exc
                 continue
             elapsed = time.perf_counter() - started
-            lines = text.count("\n")
+            lines = sum(text.count("\n") for text in texts)
             any_full |= is_full
             apply_seconds += elapsed
             operations += lines
@@ -189,7 +197,7 @@ class IptablesDataPlane:
             written += [k for k in changed if k in ports]
             removed += [k for k in changed if k not in ports]
             fam.ruleset, fam.context, fam.ports = ruleset, ctx, ports
-            details[family.label] = {"full": is_full, "lines": lines,
+            details[family.label] = {"full": is_full, "lines": lines, "restores": len(texts),
                                      "render_seconds": round(render_seconds, 6),
                                      "apply_seconds": round(elapsed, 6)}
         cleared = self._clear(flows)
@@ -206,12 +214,17 @@ class IptablesDataPlane:
         return report
 
     def _full(self, fam: _FamilyState, ports: Mapping[ServicePortKey, ResolvedServicePort],
-              ctx: RenderContext) -> tuple[str, Ruleset, set[ServicePortKey]]:
+              ctx: RenderContext) -> tuple[list[str], Ruleset, set[ServicePortKey]]:
         ruleset = Ruleset(render_base(ctx), {k: render_port(v, ctx) for k, v in ports.items()})
         kernel = parse_save(self._save(fam), our_rules=False)
         changed = {k for k in ports.keys() | fam.ports.keys()
                    if ports.get(k) is not fam.ports.get(k)}
-        return ruleset.full_restore(kernel).render(), ruleset, changed
+        if fam.runner.backend is Backend.NFT:
+            batches = ruleset.full_restore_batches(kernel, NFT_CHAINS_PER_RESTORE)
+        else:  # legacy rewrites the whole table per restore: one is cheapest
+            batches = [ruleset.full_restore(kernel)]
+        texts = [t for t in (b.render() for b in batches) if t]
+        return texts, ruleset, changed
 
     @staticmethod
     def _partial(applied: Ruleset, before: Mapping[ServicePortKey, ResolvedServicePort],

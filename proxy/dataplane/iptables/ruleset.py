@@ -6,7 +6,9 @@ each service port's `PortRules`. From it:
 
 - `full_restore` writes every chain we own from scratch (each declared chain is flushed
   and refilled in the same transaction), deletes our chains the kernel still holds but we
-  no longer want, and repairs the jumps from the built-in chains;
+  no longer want, and repairs the jumps from the built-in chains; `full_restore_batches`
+  is the same in several transactions, for nf_tables (whose restore time grows with the
+  square of the chains in one);
 - `partial_restore` rewrites only the chains of changed service ports whose content
   changed, deletes the chains they no longer need, and edits the shared dispatch chains
   entry by entry (`-D` by rule spec, `-I` at a computed position), so the result is rule
@@ -167,11 +169,15 @@ class Ruleset:
 
     # --- full sync --------------------------------------------------------------------------
 
-    def full_restore(self, kernel: Saved) -> RestoreText:
-        """Make the kernel hold exactly this ruleset, whatever of ours it holds now."""
+    def full_restore(self, kernel: Saved,
+                     written: frozenset[str] = frozenset()) -> RestoreText:
+        """Make the kernel hold exactly this ruleset, whatever of ours it holds now.
+        `written`: nat chains of service ports already written by earlier batches."""
         text = RestoreText()
         wanted = self.chains()
         for (table, chain), specs in wanted.items():
+            if table is Table.NAT and chain in written:
+                continue
             text.write_chain(table, chain, specs)
         for table in TABLE_ORDER:
             for chain in kernel.get(table, {}):
@@ -179,6 +185,40 @@ class Ruleset:
                     text.remove_chain(table, chain)
         self._repair_jumps(kernel, text)
         return text
+
+    def full_restore_batches(self, kernel: Saved, max_chains: int) -> list[RestoreText]:
+        """`full_restore` as several restores, each declaring about `max_chains` chains at
+        most: iptables-nft-restore's time grows with the square of the chains one
+        transaction declares (10,000 services: 256 s in one restore; in batches of 1,000
+        services, seconds). The first batches write the service ports' own chains, a
+        port's chains always together: a new chain is not referenced yet, and a
+        rewritten one changes its service at once, as a partial sync would. The last
+        batch is the rest of `full_restore`: fixed and dispatch chains, stale chains,
+        jumps. Each restore is atomic; in between, every service is old or new, never
+        half of each."""
+        groups: list[list[tuple[str, tuple[str, ...]]]] = [[]]
+        for key in sorted(self.ports):
+            chains = self.ports[key].chains
+            if chains and groups[-1] and len(groups[-1]) + len(chains) > max_chains:
+                groups.append([])
+            groups[-1].extend(chains)
+        if len(groups) == 1:
+            return [self.full_restore(kernel)]
+        batches: list[RestoreText] = []
+        for group in groups:
+            text = RestoreText()
+            if not batches:
+                # Our fixed chains that service chains jump to must exist first; created
+                # empty here (declaring one that exists would flush it), filled last.
+                for table, chain, _ in self.base.chains:
+                    if chain not in kernel.get(table, {}):
+                        text.declare[table].append(f":{chain} - [0:0]")
+            for name, specs in group:
+                text.write_chain(Table.NAT, name, specs)
+            batches.append(text)
+        written = frozenset(name for group in groups for name, _ in group)
+        batches.append(self.full_restore(kernel, written))
+        return batches
 
     def _repair_jumps(self, kernel: Saved, text: RestoreText) -> None:
         """Our jumps from each built-in chain, each once and in order, or redo them."""
