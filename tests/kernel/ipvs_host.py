@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +50,20 @@ def outcome(run: KernelResult, name: str) -> None:
     if entry["outcome"] != "passed":
         pytest.fail(f"{name} {entry['outcome']} inside the kernel:\n{entry['longrepr']}",
                     pytrace=False)
+
+
+def scenario_module(module: str) -> tuple[Callable[..., KernelResult], Callable[..., None]]:
+    """The `run` fixture (one boot for the module) and the parametrized `test_scenario`
+    of a host test file: `run, test_scenario = scenario_module("scenario_x.py")`."""
+
+    @pytest.fixture(scope="module")
+    def run(tmp_path_factory: pytest.TempPathFactory) -> KernelResult:
+        return boot(module, tmp_path_factory)
+
+    @pytest.mark.kernel
+    @pytest.mark.slow
+    @pytest.mark.parametrize("name", scenario_names(module))
+    def test_scenario(run: KernelResult, name: str) -> None:
+        outcome(run, name)
+
+    return run, test_scenario

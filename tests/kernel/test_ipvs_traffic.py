@@ -3,21 +3,6 @@ scenario of scenarios/scenario_traffic.py; each scenario is reported here on its
 
 from __future__ import annotations
 
-import pytest
+from tests.kernel.ipvs_host import scenario_module
 
-from tests.kernel.ipvs_host import boot, outcome, scenario_names
-from tests.kernel.uml import KernelResult
-
-MODULE = "scenario_traffic.py"
-
-pytestmark = [pytest.mark.kernel, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> KernelResult:
-    return boot(MODULE, tmp_path_factory)
-
-
-@pytest.mark.parametrize("name", scenario_names(MODULE))
-def test_scenario(run: KernelResult, name: str) -> None:
-    outcome(run, name)
+run, test_scenario = scenario_module("scenario_traffic.py")
