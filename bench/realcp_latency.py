@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import urlencode
 
+from proxy.dataplane.iptables.ruleset import target_of
 from proxy.lab import Lab
 from proxy.lab.netns import entered
 from proxy.lab.topology import NODE_LAN4
@@ -179,14 +180,6 @@ def chain_rules(backend: str, chain: str) -> list[str] | None:
 _RULE = re.compile(r"^-A (\S+) ")
 _COMMENT = re.compile(r"--comment (\"[^\"]*\"|\S+)")
 _DNAT = re.compile(r"-j DNAT\b.*--to-destination (\S+)")
-_JUMP = re.compile(r"-j (\S+)\s*$")
-
-
-def jump_target(rule: str) -> str | None:
-    m = _JUMP.search(rule)
-    return m.group(1) if m else None
-
-
 @dataclass
 class NatView:
     """What matters in one proxy's nat table for one namespace's services."""
@@ -211,7 +204,7 @@ def parse_nat(text: str, namespace: str, dispatch: str, svc_prefix: str) -> NatV
         if not m:
             continue
         view.rules += 1
-        chain, target = m.group(1), jump_target(line)
+        chain, target = m.group(1), target_of(line)
         if (d := _DNAT.search(line)) is not None:
             dnat[chain] = d.group(1)
             continue
@@ -533,7 +526,7 @@ def watch_rule(ns: str, backend: str, svc_chain: str, sep_chain: str, present: b
             end = time.monotonic()
             polls += 1
             if rules is not None:
-                if any(jump_target(r) == sep_chain for r in rules) == present:
+                if any(target_of(r) == sep_chain for r in rules) == present:
                     return Seen(end - sent, end - not_yet, polls)
                 not_yet = start
             if end > deadline:

@@ -354,7 +354,7 @@ class Agent:
             "synced": self.watch.synced if self.watch is not None else False,
             "resources": {} if self.watch is None else {
                 str(r.resource): {**_stats(r.stats), "resource_version": r.resource_version,
-                                  "objects": len(r.known)}
+                                  "objects": r.object_count}
                 for r in self.watch.reflectors},
         }
         history = self.runner.history if self.runner is not None else ()

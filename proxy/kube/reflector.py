@@ -115,8 +115,9 @@ class _ShortWatch(Exception):
 
 # A stream that ends sooner than this having delivered nothing is treated as an error.
 SHORT_WATCH_SECONDS = 1.0
-# Consecutive silent streams after which the resourceVersion is no longer trusted.
-STALLS_BEFORE_RELIST = 2
+# Consecutive silent streams after which we ask whether the server is still the one whose
+# revisions we follow (see _check_server_revision).
+STALLS_BEFORE_PROBE = 2
 
 
 class Backoff:
@@ -174,8 +175,8 @@ class Reflector:
         self.synced = asyncio.Event()
         self.stats = ReflectorStats()
         self.resource_version: str | None = None
-        self._known: dict[ObjectKey, str] = {}
-        self._uids: dict[ObjectKey, str] = {}  # same keys as _known
+        # (resourceVersion, uid) of every object we know.
+        self._objects: dict[ObjectKey, tuple[str, str]] = {}
         self._backoff = Backoff(self.options.backoff_initial, self.options.backoff_max)
         self._unpaged_next = False  # the last paged list lost its continue token
         self._stalls_in_a_row = 0
@@ -183,8 +184,13 @@ class Reflector:
 
     @property
     def known(self) -> Mapping[ObjectKey, str]:
-        """(namespace, name) -> resourceVersion of every object currently known."""
-        return self._known
+        """(namespace, name) -> resourceVersion of every object currently known (a
+        copy: for tests, the dump and logs, not the hot path)."""
+        return {key: rv for key, (rv, _uid) in self._objects.items()}
+
+    @property
+    def object_count(self) -> int:
+        return len(self._objects)
 
     def _selectors(self) -> dict[str, str]:
         query: dict[str, str] = {}
@@ -219,7 +225,7 @@ class Reflector:
             except _Stalled:
                 self.stats.stalls += 1
                 self._stalls_in_a_row += 1
-                probe = self._stalls_in_a_row >= STALLS_BEFORE_RELIST
+                probe = self._stalls_in_a_row >= STALLS_BEFORE_PROBE
                 log.info("no event or bookmark for %.0fs; %s", self.options.stall_timeout,
                          "checking the server's revision before watching again"
                          if probe else "restarting the watch",
@@ -267,7 +273,7 @@ class Reflector:
             for item in body.get("items") or []:
                 rv, key = _rv(item), _key(item)
                 if rv.isdigit() and int(rv) <= int(ours) and (
-                        self._known.get(key) != rv or self._uids.get(key) != _uid(item)):
+                        self._objects.get(key) != (rv, _uid(item))):
                     why = (f"{key[0]}/{key[1]} at {rv} is not the object we hold: "
                            "did it lose its storage?")
         if why is not None:
@@ -294,21 +300,18 @@ class Reflector:
                 item.setdefault("apiVersion", self.resource.api_version)
                 key = _key(item)
                 seen.add(key)
-                rv, uid = _rv(item), _uid(item)
-                old = self._known.get(key)
-                old_uid = self._uids.get(key)
-                self._known[key], self._uids[key] = rv, uid
+                old = self._objects.get(key)
+                self._objects[key] = now = (_rv(item), _uid(item))
                 # resourceVersions alone can repeat across a storage loss (see above)
-                if old != rv or old_uid != uid:
+                if old != now:
                     self._emit("ADDED" if old is None else "MODIFIED", key, item)
             meta = body.get("metadata") or {}
             token = meta.get("continue") or None
             if token is None:
                 list_rv = str(meta.get("resourceVersion") or "")
                 break
-        for key in [k for k in self._known if k not in seen]:
-            del self._known[key]
-            self._uids.pop(key, None)
+        for key in [k for k in self._objects if k not in seen]:
+            del self._objects[key]
             self._emit("DELETED", key, None)
         self.resource_version = list_rv
         if self.stats.lists:
@@ -317,7 +320,7 @@ class Reflector:
         self._backoff.reset()
         if not self.synced.is_set():
             log.info("initial list done", extra={"resource": str(self.resource),
-                                                 "objects": len(self._known),
+                                                 "objects": len(self._objects),
                                                  "resource_version": list_rv})
         self.synced.set()
 
@@ -391,10 +394,9 @@ class Reflector:
         key = _key(obj)
         rv = _rv(obj)
         if kind == "DELETED":
-            self._known.pop(key, None)
-            self._uids.pop(key, None)
+            self._objects.pop(key, None)
         else:
-            self._known[key], self._uids[key] = rv, _uid(obj)
+            self._objects[key] = (rv, _uid(obj))
         if rv:
             self.resource_version = rv
         self._backoff.reset()

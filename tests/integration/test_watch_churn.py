@@ -54,12 +54,13 @@ Run with `-s` to see one line per seed and the totals.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -85,13 +86,16 @@ from tests.integration.watchkit import (
     GatedApi,
     LazyApi,
     ProbedApi,
+    Recorder,
     Request,
     WireCounts,
     connect,
     eventually,
+    identity,
     in_thread,
     run,
 )
+from tests.sim.client import wait_for
 
 T = TypeVar("T")
 Obj = dict[str, Any]
@@ -120,16 +124,8 @@ TOTALS: Counter[str] = Counter()
 SEEDS_DONE: list[int] = []
 
 
-def poll(cond: Callable[[], bool], what: str, timeout: float = WAIT,
-         detail: Callable[[], object] | None = None) -> None:
-    """Wait until cond() holds, polling; fail after `timeout` seconds (never a bare sleep
-    as synchronisation)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            extra = f": {detail()}" if detail is not None else ""
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}{extra}")
-        time.sleep(0.01)
+# Synchronous polling with a deadline (the churn drives the simulator from this thread).
+poll = functools.partial(wait_for, timeout=WAIT)
 
 
 def _meta(obj: Obj) -> dict[str, Any]:
@@ -137,48 +133,13 @@ def _meta(obj: Obj) -> dict[str, Any]:
     return meta if isinstance(meta, dict) else {}
 
 
-def _identity(obj: Obj) -> tuple[str, str]:
-    meta = _meta(obj)
-    return str(meta.get("uid") or ""), str(meta.get("resourceVersion") or "")
-
-
 # ---- the agent, recording every event it is handed ------------------------------------
-
-
-@dataclass
-class Ledger:
-    """Every event the reflectors hand the agent, applied to a dict of raw objects, and
-    every event that only a bug could produce."""
-
-    objects: dict[Key, Obj] = field(default_factory=dict)
-    events: Counter[str] = field(default_factory=Counter)
-    violations: list[str] = field(default_factory=list)
-
-    def __call__(self, ev: WatchEvent) -> None:
-        self.events[ev.type] += 1
-        key = (ev.resource.kind, ev.namespace, ev.name)
-        known = self.objects.get(key)
-        if ev.type == "ADDED" and known is not None:
-            self.violations.append(f"ADDED for known {key}")
-        elif ev.type != "ADDED" and known is None:
-            self.violations.append(f"{ev.type} for unknown {key}")
-        elif known is not None and ev.obj is not None:
-            (uid, rv), (old_uid, old_rv) = _identity(ev.obj), _identity(known)
-            if ev.type == "MODIFIED" and (uid, rv) == (old_uid, old_rv):
-                self.violations.append(f"MODIFIED without a change {key} rv={rv}")
-            elif uid == old_uid and rv.isdigit() and old_rv.isdigit() and int(rv) < int(old_rv):
-                self.violations.append(f"{ev.type} {key} went back from rv {old_rv} to {rv}")
-        if ev.type == "DELETED":
-            self.objects.pop(key, None)
-        else:
-            assert ev.obj is not None
-            self.objects[key] = ev.obj
 
 
 class RecordingAgent(Agent):
     """The real agent; its event handler also feeds the ledger."""
 
-    ledger: Ledger
+    ledger: Recorder
 
     def _on_event(self, ev: WatchEvent) -> None:
         self.ledger(ev)
@@ -201,7 +162,7 @@ class AgentRun:
         self.agent = RecordingAgent(config, dataplane_factory=lambda: self.dataplane,
                                     api_factory=lambda: self.api,
                                     reflector_options=OPTIONS, started_at=time.monotonic())
-        self.agent.ledger = Ledger()
+        self.agent.ledger = Recorder()
         self.loop = uvloop.new_event_loop()
         self.stop_event = asyncio.Event()
         self.error: BaseException | None = None
@@ -232,7 +193,7 @@ class AgentRun:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(WAIT)
 
     @property
-    def ledger(self) -> Ledger:
+    def ledger(self) -> Recorder:
         return self.agent.ledger
 
     @property
@@ -350,7 +311,7 @@ def _cache_differences(run: AgentRun, expected: dict[Key, Obj], fresh: ClusterMo
     for r in run.reflectors():
         if kind is not None and r.resource.kind != kind:
             continue
-        want = {(k[1], k[2]): _identity(o)[1] for k, o in expected.items()
+        want = {(k[1], k[2]): identity(o)[1] for k, o in expected.items()
                 if k[0] == r.resource.kind}
         if dict(r.known) != want:
             out.append(f"{r.resource.kind} reflector knows {_dict_diff(dict(r.known), want)}")
@@ -858,7 +819,7 @@ def test_churn_with_every_fault(sim: SimServer, tmp_path: Path, seed: int) -> No
         def converged() -> bool:
             return not differences(agent, watched(sim.state(), source))
 
-        poll(converged, "the agent to equal the simulator", CONVERGE,
+        poll(converged, "the agent to equal the simulator", timeout=CONVERGE,
              detail=lambda: differences(agent, watched(sim.state(), source)))
         ledger = agent.ledger
         assert agent.call(lambda: list(ledger.violations)) == []
@@ -882,7 +843,8 @@ def test_churn_with_every_fault(sim: SimServer, tmp_path: Path, seed: int) -> No
         **{f"write:{k}": v for k, v in churn.writes.items()},
     })
     # Every kind of event reached the agent, and the relists came (410 Gone, stalls).
-    assert all(ledger.events[t] for t in ("ADDED", "MODIFIED", "DELETED")), ledger.events
+    assert all(ledger.counts()[t] for t in ("ADDED", "MODIFIED", "DELETED")), \
+        ledger.counts()
     assert stats["relists"] >= 1 and stats["expired"] >= 1
     TOTALS.update(numbers)
     SEEDS_DONE.append(seed)
@@ -906,7 +868,7 @@ def test_a_name_back_at_the_same_resource_version_after_storage_loss(tmp_path: P
         old = sim.create(make_service(random.Random(1), "default", "a", 1))
 
         async def main() -> None:
-            ledger = Ledger()
+            ledger = Recorder()
             api = GatedApi(await connect(sim, tmp_path))
             reflector = Reflector(api, SERVICES, ledger, replace(OPTIONS, stall_timeout=0.5))
             task = asyncio.create_task(reflector.run())
@@ -917,13 +879,13 @@ def test_a_name_back_at_the_same_resource_version_after_storage_loss(tmp_path: P
                 await in_thread(sim.restart, False)
                 new = sim.create(make_service(random.Random(2), "default", "a", 2))
                 api.release()
-                assert _identity(new)[1] == _identity(old)[1]
-                assert _identity(new)[0] != _identity(old)[0]
+                assert identity(new)[1] == identity(old)[1]
+                assert identity(new)[0] != identity(old)[0]
                 await eventually(lambda: ledger.objects.get(("Service", "default", "a")) == new,
                                  what="the new object delivered",
-                                 detail=lambda: (reflector.stats, ledger.events))
+                                 detail=lambda: (reflector.stats, ledger.counts()))
                 assert reflector.stats.relists >= 1 and ledger.violations == []
-                assert ledger.events == Counter(ADDED=1, MODIFIED=1)
+                assert ledger.counts() == Counter(ADDED=1, MODIFIED=1)
             finally:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,7 +159,9 @@ class GatedApi:
 class Recorder:
     """Applies events to a dict, like a cache would, and notes every event that could
     only come from a reflector bug: an ADDED for a known object, a MODIFIED or DELETED
-    for an unknown one, a MODIFIED that changes nothing."""
+    for an unknown one, a MODIFIED that changes nothing, an object going back in time.
+    Objects are told apart by uid as well as resourceVersion: after a storage loss a new
+    object may come back at an old one's resourceVersion."""
 
     objects: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict)
     events: list[WatchEvent] = field(default_factory=list)
@@ -168,13 +171,16 @@ class Recorder:
         self.events.append(ev)
         key = (ev.resource.kind, ev.namespace, ev.name)
         known = self.objects.get(key)
-        if ev.type == "ADDED":
-            if known is not None:
-                self.violations.append(f"ADDED for known {key}")
-        elif known is None:
+        if ev.type == "ADDED" and known is not None:
+            self.violations.append(f"ADDED for known {key}")
+        elif ev.type != "ADDED" and known is None:
             self.violations.append(f"{ev.type} for unknown {key}")
-        elif ev.type == "MODIFIED" and ev.obj is not None and _rv(ev.obj) == _rv(known):
-            self.violations.append(f"MODIFIED without a change {key} rv={_rv(known)}")
+        elif known is not None and ev.obj is not None:
+            (uid, rv), (old_uid, old_rv) = identity(ev.obj), identity(known)
+            if ev.type == "MODIFIED" and (uid, rv) == (old_uid, old_rv):
+                self.violations.append(f"MODIFIED without a change {key} rv={rv}")
+            elif uid == old_uid and rv.isdigit() and old_rv.isdigit() and int(rv) < int(old_rv):
+                self.violations.append(f"{ev.type} {key} went back from rv {old_rv} to {rv}")
         if ev.type == "DELETED":
             self.objects.pop(key, None)
         else:
@@ -182,15 +188,21 @@ class Recorder:
             self.objects[key] = ev.obj
 
     def keys(self, kind: str) -> dict[ObjectKey, str]:
-        return {(ns, name): _rv(obj) for (k, ns, name), obj in self.objects.items()
+        return {(ns, name): identity(obj)[1] for (k, ns, name), obj in self.objects.items()
                 if k == kind}
 
     def names(self, start: int = 0) -> list[tuple[str, str]]:
         return [(e.type, e.name) for e in self.events[start:]]
 
+    def counts(self) -> Counter[str]:
+        """How many events of each type."""
+        return Counter(e.type for e in self.events)
 
-def _rv(obj: Mapping[str, Any]) -> str:
-    return str((obj.get("metadata") or {}).get("resourceVersion") or "")
+
+def identity(obj: Mapping[str, Any]) -> tuple[str, str]:
+    """(uid, resourceVersion) of an object."""
+    meta = obj.get("metadata") or {}
+    return str(meta.get("uid") or ""), str(meta.get("resourceVersion") or "")
 
 
 # ---- a lazily connected client that also counts what came over the wire --------------

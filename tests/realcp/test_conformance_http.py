@@ -107,11 +107,20 @@ def test_watch_from_a_compacted_rv_gets_one_410_expired_error_event(cluster: Clu
     _create(cluster, ns, "c1")
     _create(cluster, ns, "c2")
     cluster.compact()
-    # Generous: the real server has just restarted (see compact) and, on a loaded machine,
-    # a watch can wait a while for its cache (a 15 s read timeout was seen to expire).
-    with cluster.raw.watch(path, read_timeout=60.0, resourceVersion=old) as w:
-        assert w.status == 200  # not an HTTP 410: the error arrives as an event
-        events = w.rest()
+    # kube-apiserver v1.20.2 just after its restart (see compact) was seen, on a loaded
+    # machine, to accept such a watch and stay silent (3 times in about 15 tries; its
+    # watch cache had listed at a newer revision, so it should have refused): a race in
+    # the real server, not the behaviour under test. A silent stream is asked again.
+    events: list[Obj] | None = None
+    for _ in range(3):
+        with cluster.raw.watch(path, read_timeout=10.0, resourceVersion=old) as w:
+            assert w.status == 200  # not an HTTP 410: the error arrives as an event
+            try:
+                events = w.rest()
+                break
+            except TimeoutError:
+                continue
+    assert events is not None, "every watch from the compacted resourceVersion was silent"
     assert len(events) == 1, events
     assert events[0]["type"] == "ERROR"
     status = events[0]["object"]
@@ -205,13 +214,6 @@ def test_field_selectors_on_list_and_watch(cluster: Cluster) -> None:
         cluster.raw.must("DELETE", f"{services_path(ns)}/a")
         cluster.raw.must("DELETE", f"{services_path(ns)}/b")
         assert _events(w.take(1)) == [("DELETED", "b")]
-
-
-def _known_sim_gap(request: pytest.FixtureRequest, cluster: Cluster, reason: str) -> None:
-    """A difference found here and handed to the simulator's owner: expected to fail on
-    the simulator (strictly: once fixed, the marker must go)."""
-    if cluster.name == "sim":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
 
 
 def test_unknown_field_selectors_are_rejected_in_the_servers_words(

@@ -102,7 +102,7 @@ class WatchStream:
         return event
 
     def take(self, count: int) -> list[Obj]:
-        out = []
+        out: list[Obj] = []
         for _ in range(count):
             ev = self.next()
             assert ev is not None, f"stream ended after {out}"
@@ -111,7 +111,7 @@ class WatchStream:
 
     def until(self, pred: Callable[[Obj], bool], limit: int = 1000) -> list[Obj]:
         """Events up to and including the first that satisfies pred."""
-        out = []
+        out: list[Obj] = []
         for _ in range(limit):
             ev = self.next()
             assert ev is not None, f"stream ended before the awaited event; saw {out}"
@@ -127,12 +127,15 @@ class WatchStream:
         return out
 
 
-def wait_for(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    """Poll with a deadline (never a bare sleep as synchronisation)."""
+def wait_for(pred: Callable[[], bool], what: str = "condition", timeout: float = 5.0,
+             detail: Callable[[], object] | None = None) -> None:
+    """Poll with a deadline (never a bare sleep as synchronisation); `detail` says what
+    the failure message should show of the state at the deadline."""
     deadline = time.monotonic() + timeout
     while not pred():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            extra = f": {detail()}" if detail is not None else ""
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}{extra}")
         time.sleep(0.01)
 
 

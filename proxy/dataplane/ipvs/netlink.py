@@ -146,9 +146,14 @@ def request(op: Op) -> tuple[int, bytes]:
     return CMD_DEL_DEST, svc + nested(ATTR_DEST, dest_attrs(op.rs, None))
 
 
+def frame(kind: int, flags: int, seq: int, body: bytes) -> bytes:
+    """One netlink message: the header, then `body`."""
+    return _HEADER.pack(_HEADER.size + len(body), kind, flags, seq, 0) + body
+
+
 def message(family_id: int, flags: int, seq: int, cmd: int, attrs: bytes) -> bytes:
-    body = _GENL.pack(cmd, IPVS_GENL_VERSION, 0) + attrs
-    return _HEADER.pack(_HEADER.size + len(body), family_id, flags, seq, 0) + body
+    """One IPVS generic-netlink message."""
+    return frame(family_id, flags, seq, _GENL.pack(cmd, IPVS_GENL_VERSION, 0) + attrs)
 
 
 # --- decoding (pure) -------------------------------------------------------------------
@@ -331,8 +336,7 @@ class _Socket:
             for i, (kind, flags, body) in enumerate(batch):
                 seq = self._next()
                 seqs[seq] = i
-                chunks.append(_HEADER.pack(_HEADER.size + len(body), kind,
-                                           flags | NLM_F_REQUEST | NLM_F_ACK, seq, 0) + body)
+                chunks.append(frame(kind, flags | NLM_F_REQUEST | NLM_F_ACK, seq, body))
             self._sock.send(b"".join(chunks))
             codes: list[int | None] = [None] * len(batch)
             pending = len(batch)
@@ -348,8 +352,7 @@ class _Socket:
 
     def dump_raw(self, kind: int, body: bytes) -> list[Reply]:
         seq = self._next()
-        self._sock.send(_HEADER.pack(_HEADER.size + len(body), kind,
-                                     NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
+        self._sock.send(frame(kind, NLM_F_REQUEST | NLM_F_DUMP, seq, body))
         out = []
         for reply in self._receive_until(seq):
             if reply.kind == NLMSG_ERROR:
@@ -375,8 +378,7 @@ class IpvsSocket(_Socket):
         body = _GENL.pack(CTRL_CMD_GETFAMILY, 1, 0) + nla(CTRL_ATTR_FAMILY_NAME,
                                                           IPVS_GENL_NAME + b"\0")
         seq = self._next()
-        self._sock.send(_HEADER.pack(_HEADER.size + len(body), GENL_ID_CTRL,
-                                     NLM_F_REQUEST | NLM_F_ACK, seq, 0) + body)
+        self._sock.send(frame(GENL_ID_CTRL, NLM_F_REQUEST | NLM_F_ACK, seq, body))
         found = None
         for reply in self._receive_until(seq):
             if reply.kind == NLMSG_ERROR and reply.error:

@@ -321,12 +321,6 @@ def render_all(state: DesiredState, ctx: RenderContext,
             if key.family in wanted}
 
 
-def needs_node_addresses(rsp: ResolvedServicePort) -> bool:
-    """Whether a port's rendering depends on the node's addresses (re-render when they
-    change)."""
-    svc = rsp.service
-    return bool(rsp.port.node_port or svc.external_ips or svc.load_balancer_ips)
-
 
 # --- readable lines (applied_rules, the debug dump) ------------------------------------
 
@@ -370,4 +364,3 @@ def describe_entries(rules: PortRules) -> list[str]:
         elif e.role is SetRole.LOOPBACK:
             lines.append(f"masquerade hairpin {e.entry}")
     return lines
-
