@@ -14,7 +14,6 @@ Failures raise BuildError with the log's tail; the log stays in the cache direct
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import json
 import logging
@@ -25,14 +24,14 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.debian import CACHE_ROOT, dpkg_installed, locked
+
 log = logging.getLogger("realcp.build")
 
-CACHE_ROOT = Path(os.environ.get("SLICEPROXY_CACHE", "/var/cache/sliceproxy"))
 SOURCE_PACKAGE = "kubernetes"
 UPSTREAM_VERSION = "v1.20.2"
 BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-proxy")
@@ -130,19 +129,13 @@ def ensure_apt(logfile: Path) -> None:
             DEB_SRC_FILE.write_text(want)
             log.info("enabled deb-src", extra={"file": str(DEB_SRC_FILE)})
             changed = True
-    missing = [p for p in APT_PACKAGES if not _dpkg_installed(p)]
+    missing = [p for p in APT_PACKAGES if not dpkg_installed(p)]
     apt_env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     if changed or missing or not _has_source_index():
         _run(["apt-get", "update", "-qq"], env=apt_env, logfile=logfile)
     if missing:
         _run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing],
              env=apt_env, logfile=logfile)
-
-
-def _dpkg_installed(pkg: str) -> bool:
-    proc = subprocess.run(["dpkg-query", "-W", "-f=${Status}", pkg], capture_output=True,
-                          text=True, check=False)
-    return "install ok installed" in proc.stdout
 
 
 def _has_source_index() -> bool:
@@ -191,18 +184,6 @@ def cached(version: str) -> Binaries | None:
             log.warning("cache entry invalid", extra={"binary": str(p)})
             return None
     return Binaries(bin_dir, version, float(manifest.get("built_seconds", 0.0)), reused=True)
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        log.info("waiting for build lock", extra={"lock": str(path)})
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _fetch_source(version: str, work: Path, logfile: Path) -> Path:
@@ -279,11 +260,11 @@ def build(*, force: bool = False) -> Binaries:
     """Return the cached binaries, building them first if needed (serialised by a lock)."""
     CACHE_ROOT.mkdir(parents=True, exist_ok=True)
     bootstrap_log = CACHE_ROOT / "apt.log"
-    with _locked(CACHE_ROOT / "apt.lock"):
+    with locked(CACHE_ROOT / "apt.lock"):
         ensure_apt(bootstrap_log)
     version = source_version()
     root = cache_dir(version)
-    with _locked(CACHE_ROOT / f"{root.name}.lock"):
+    with locked(CACHE_ROOT / f"{root.name}.lock"):
         if not force and (hit := cached(version)) is not None:
             return hit
         root.mkdir(parents=True, exist_ok=True)
