@@ -15,14 +15,14 @@ from proxy.dataplane.ipvs.netlink import (
     CMD_NEW_DEST,
     CMD_NEW_SERVICE,
     CMD_SET_DEST,
-    NLMSG_ERROR,
+    GENL,
     decode_dest,
     decode_service,
     message,
-    replies,
     request,
 )
 from proxy.dataplane.ipvs.render import FLAG_PERSISTENT, RsKey, VirtualServer, VsKey, VsKind
+from proxy.dataplane.netlink import NLMSG_ERROR, replies
 from proxy.model.types import Protocol
 
 V4 = VsKey(Protocol.TCP, ip_address("198.18.128.10"), 80)
@@ -96,7 +96,7 @@ def test_we_decode_what_pyroute2_encodes() -> None:
         ("IPVS_SVC_ATTR_TIMEOUT", 60)]})]
     msg.encode()
     (reply,) = replies(bytes(msg.data))
-    svc = decode_service(reply.genl_attrs()[1])
+    svc = decode_service(reply.attrs(GENL.size)[1])
     assert svc is not None
     assert (str(svc.key), svc.scheduler, svc.flags, svc.timeout) == (
         "UDP [fd00:198:18::10]:53", "sh", FLAG_PERSISTENT, 60)  # HASHED (0x2) dropped
@@ -110,7 +110,7 @@ def test_we_decode_what_pyroute2_encodes() -> None:
         ("IPVS_DEST_ATTR_INACT_CONNS", 5)]})]
     msg.encode()
     (reply,) = replies(bytes(msg.data))
-    found = decode_dest(reply.genl_attrs()[2], socket.AF_INET)
+    found = decode_dest(reply.attrs(GENL.size)[2], socket.AF_INET)
     assert found is not None
     rs, dest = found
     assert (str(rs), dest.weight, dest.active, dest.inactive, dest.connections) == (

@@ -26,15 +26,14 @@ from proxy.dataplane.ipvs.netlink import (
     CMD_GET_DEST,
     CMD_GET_SERVICE,
     IpvsSocket,
-    NetlinkError,
     RouteSocket,
     decode_dest,
     decode_service,
-    nested,
     request,
     service_key_attrs,
 )
 from proxy.dataplane.ipvs.render import RsKey, VsKey
+from proxy.dataplane.netlink import NetlinkError, nested
 from proxy.model.types import Family, IPAddress
 
 log = logging.getLogger(__name__)

@@ -18,12 +18,10 @@ servers, a nested destination attribute. Links, addresses and conntrack stay on 
 from __future__ import annotations
 
 import errno
-import os
 import socket
 import struct
 import sys
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from ipaddress import IPv4Address, IPv6Address, ip_address
 
 from proxy.dataplane.ipvs.diff import FWD_MASQ, KernelDest, KernelService, Op, OpKind
@@ -35,13 +33,22 @@ from proxy.dataplane.ipvs.render import (
     VirtualServer,
     VsKey,
 )
+from proxy.dataplane.netlink import (
+    NLM_F_ACK,
+    NLM_F_CREATE,
+    NLM_F_EXCL,
+    NLM_F_REQUEST,
+    NLMSG_ERROR,
+    NetlinkError,
+    NetlinkSocket,
+    frame,
+    nested,
+    nla,
+    parse_attrs,
+)
 from proxy.model.types import Family
 
 NETLINK_GENERIC = 16
-NLM_F_REQUEST, NLM_F_ACK, NLM_F_DUMP = 0x1, 0x4, 0x300
-NLMSG_ERROR, NLMSG_DONE = 2, 3
-NLA_F_NESTED = 0x8000
-NLA_TYPE_MASK = 0x3FFF
 GENL_ID_CTRL, CTRL_CMD_GETFAMILY = 0x10, 3
 CTRL_ATTR_FAMILY_ID, CTRL_ATTR_FAMILY_NAME = 1, 2
 IPVS_GENL_NAME = b"IPVS"
@@ -65,32 +72,10 @@ FLAGS_MASK = 0xFFFF
 # attribute; the kernel refuses 0 or more than 128 (and needs the attribute either way).
 V4_NETMASK = b"\xff\xff\xff\xff"
 V6_PREFIX = struct.pack("=I", 128)
-BATCH = 128  # requests per datagram: the acknowledgements must fit the receive buffer
-RCVBUF = 1 << 20
-TIMEOUT = 30.0
-
-_HEADER = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
-_GENL = struct.Struct("=BBH")  # genlmsghdr: cmd, version, reserved
-
-
-class NetlinkError(OSError):
-    """The kernel refused a request; `errno` says why (as pyroute2's error does)."""
-
-    def __init__(self, code: int, what: str = "") -> None:
-        super().__init__(code, f"{os.strerror(code)}{': ' + what if what else ''}")
-        self.code = code
+GENL = struct.Struct("=BBH")  # genlmsghdr: cmd, version, reserved
 
 
 # --- encoding (pure) -------------------------------------------------------------------
-
-
-def nla(kind: int, payload: bytes) -> bytes:
-    size = 4 + len(payload)
-    return struct.pack("=HH", size, kind) + payload + b"\0" * (-size % 4)
-
-
-def nested(kind: int, payload: bytes) -> bytes:
-    return nla(kind | NLA_F_NESTED, payload)
 
 
 def _u16(v: int) -> bytes:
@@ -146,29 +131,12 @@ def request(op: Op) -> tuple[int, bytes]:
     return CMD_DEL_DEST, svc + nested(ATTR_DEST, dest_attrs(op.rs, None))
 
 
-def frame(kind: int, flags: int, seq: int, body: bytes) -> bytes:
-    """One netlink message: the header, then `body`."""
-    return _HEADER.pack(_HEADER.size + len(body), kind, flags, seq, 0) + body
-
-
 def message(family_id: int, flags: int, seq: int, cmd: int, attrs: bytes) -> bytes:
     """One IPVS generic-netlink message."""
-    return frame(family_id, flags, seq, _GENL.pack(cmd, IPVS_GENL_VERSION, 0) + attrs)
+    return frame(family_id, flags, seq, GENL.pack(cmd, IPVS_GENL_VERSION, 0) + attrs)
 
 
 # --- decoding (pure) -------------------------------------------------------------------
-
-
-def parse_attrs(data: bytes) -> dict[int, bytes]:
-    out: dict[int, bytes] = {}
-    i = 0
-    while i + 4 <= len(data):
-        size, kind = struct.unpack_from("=HH", data, i)
-        if size < 4:
-            break
-        out[kind & NLA_TYPE_MASK] = data[i + 4:i + size]
-        i += (size + 3) & ~3
-    return out
 
 
 def _int(raw: bytes | None) -> int:
@@ -216,36 +184,10 @@ def decode_dest(attrs: bytes, default_af: int) -> tuple[RsKey, KernelDest] | Non
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Reply:
-    kind: int  # nlmsg type
-    seq: int
-    payload: bytes  # after the netlink header
-
-    @property
-    def error(self) -> int:
-        """For NLMSG_ERROR: 0 for an acknowledgement, else the (positive) errno."""
-        return -int.from_bytes(self.payload[:4], sys.byteorder, signed=True)
-
-    def genl_attrs(self) -> dict[int, bytes]:
-        return parse_attrs(self.payload[_GENL.size:])
-
-
-def replies(data: bytes) -> Iterator[Reply]:
-    i = 0
-    while i + _HEADER.size <= len(data):
-        size, kind, _flags, seq, _pid = _HEADER.unpack_from(data, i)
-        if size < _HEADER.size:
-            break
-        yield Reply(kind, seq, data[i + _HEADER.size:i + size])
-        i += (size + 3) & ~3
-
-
 # --- addresses (rtnetlink, pure) --------------------------------------------------------
 
 NETLINK_ROUTE = 0
 RTM_NEWADDR, RTM_DELADDR, RTM_GETADDR = 20, 21, 22
-NLM_F_CREATE, NLM_F_EXCL = 0x400, 0x200
 IFA_ADDRESS, IFA_LOCAL = 1, 2
 IFA_F_NODAD = 0x02
 _IFADDR = struct.Struct("=BBBBI")  # ifaddrmsg: family, prefixlen, flags, scope, index
@@ -276,94 +218,7 @@ def decode_address(payload: bytes) -> tuple[int, IPv4Address | IPv6Address] | No
 # --- sockets ---------------------------------------------------------------------------
 
 
-class _Socket:
-    """A netlink socket of this thread's network namespace: batched, acknowledged
-    requests and dumps."""
-
-    def __init__(self, protocol: int) -> None:
-        self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, protocol)
-        self._buffer = bytearray(RCVBUF)
-        self._view = memoryview(self._buffer)
-        self._seq = 0
-        try:
-            # Netlink does not lose acknowledgements; the timeout only turns a kernel that
-            # never answers into an error instead of a hung data plane.
-            self._sock.settimeout(TIMEOUT)
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
-            self._sock.bind((0, 0))
-        except BaseException:
-            self._sock.close()
-            raise
-
-    def close(self) -> None:
-        self._sock.close()
-
-    def _next(self) -> int:
-        self._seq = self._seq % 0xFFFFFFFF + 1
-        return self._seq
-
-    def _recv(self) -> bytes:
-        # Into one reusable buffer: recv(RCVBUF) allocated 1 MiB per datagram, and the
-        # kernel acknowledges each request in a datagram of its own (in a fresh process
-        # glibc maps and unmaps each such block: ~4x the cost of a request, measured).
-        try:
-            size = self._sock.recv_into(self._buffer)
-        except TimeoutError as exc:
-            raise NetlinkError(errno.ETIMEDOUT, "no answer from the kernel") from exc
-        return bytes(self._view[:size])
-
-    def _receive_until(self, seq: int) -> Iterator[Reply]:
-        """Replies to request `seq`, up to its acknowledgement (or a dump's NLMSG_DONE)."""
-        while True:
-            for reply in replies(self._recv()):
-                if reply.seq != seq:
-                    continue  # a late reply to an earlier request: not ours to read
-                if reply.kind == NLMSG_DONE:
-                    return
-                yield reply
-                if reply.kind == NLMSG_ERROR:
-                    return
-
-    def execute_raw(self, requests: Sequence[tuple[int, int, bytes]]) -> list[int]:
-        """Send (type, flags, body) requests in order, BATCH to a datagram, each with an
-        acknowledgement; one errno per request (0: done). The kernel handles them in
-        order, so a real server added after its virtual server in one batch finds it."""
-        results: list[int] = []
-        for start in range(0, len(requests), BATCH):
-            batch = requests[start:start + BATCH]
-            seqs = {}
-            chunks = []
-            for i, (kind, flags, body) in enumerate(batch):
-                seq = self._next()
-                seqs[seq] = i
-                chunks.append(frame(kind, flags | NLM_F_REQUEST | NLM_F_ACK, seq, body))
-            self._sock.send(b"".join(chunks))
-            codes: list[int | None] = [None] * len(batch)
-            pending = len(batch)
-            while pending:
-                for reply in replies(self._recv()):
-                    index = seqs.get(reply.seq)
-                    if reply.kind != NLMSG_ERROR or index is None or codes[index] is not None:
-                        continue
-                    codes[index] = reply.error
-                    pending -= 1
-            results.extend(c or 0 for c in codes)
-        return results
-
-    def dump_raw(self, kind: int, body: bytes) -> list[Reply]:
-        seq = self._next()
-        self._sock.send(frame(kind, NLM_F_REQUEST | NLM_F_DUMP, seq, body))
-        out = []
-        for reply in self._receive_until(seq):
-            if reply.kind == NLMSG_ERROR:
-                if reply.error:
-                    raise NetlinkError(reply.error, f"dump of message type {kind}")
-                continue
-            out.append(reply)
-        return out
-
-
-class IpvsSocket(_Socket):
+class IpvsSocket(NetlinkSocket):
     """Generic netlink to the IPVS family."""
 
     def __init__(self) -> None:
@@ -375,7 +230,7 @@ class IpvsSocket(_Socket):
             raise
 
     def _resolve(self) -> int:
-        body = _GENL.pack(CTRL_CMD_GETFAMILY, 1, 0) + nla(CTRL_ATTR_FAMILY_NAME,
+        body = GENL.pack(CTRL_CMD_GETFAMILY, 1, 0) + nla(CTRL_ATTR_FAMILY_NAME,
                                                           IPVS_GENL_NAME + b"\0")
         seq = self._next()
         self._sock.send(frame(GENL_ID_CTRL, NLM_F_REQUEST | NLM_F_ACK, seq, body))
@@ -384,7 +239,7 @@ class IpvsSocket(_Socket):
             if reply.kind == NLMSG_ERROR and reply.error:
                 raise NetlinkError(reply.error, "generic netlink family IPVS (is ip_vs "
                                    "loaded?)")
-            family = reply.genl_attrs().get(CTRL_ATTR_FAMILY_ID)
+            family = reply.attrs(GENL.size).get(CTRL_ATTR_FAMILY_ID)
             if family:
                 found = int.from_bytes(family[:2], sys.byteorder)
         if found is None:
@@ -394,16 +249,16 @@ class IpvsSocket(_Socket):
     def execute(self, requests: Sequence[tuple[int, bytes]]) -> list[int]:
         """(command, attributes) requests; one errno per request."""
         return self.execute_raw([
-            (self.family_id, 0, _GENL.pack(cmd, IPVS_GENL_VERSION, 0) + attrs)
+            (self.family_id, 0, GENL.pack(cmd, IPVS_GENL_VERSION, 0) + attrs)
             for cmd, attrs in requests])
 
     def dump(self, cmd: int, attrs: bytes = b"") -> list[dict[int, bytes]]:
         """A dump request: the top-level attributes of every reply."""
-        body = _GENL.pack(cmd, IPVS_GENL_VERSION, 0) + attrs
-        return [reply.genl_attrs() for reply in self.dump_raw(self.family_id, body)]
+        body = GENL.pack(cmd, IPVS_GENL_VERSION, 0) + attrs
+        return [reply.attrs(GENL.size) for reply in self.dump_raw(self.family_id, body)]
 
 
-class RouteSocket(_Socket):
+class RouteSocket(NetlinkSocket):
     """rtnetlink, for interface addresses: pyroute2 needs ~0.3 ms to parse each address
     message and ~4 ms to add one (measured on the host; 10,000 service addresses are a
     3 s dump and a 43 s first sync); these are plain structs."""
