@@ -20,6 +20,7 @@ from proxy.dataplane.iptables.runner import (
     RestoreError,
     detect_backend,
 )
+from proxy.dataplane.nftables_probe import SCRATCH_TABLE, chain_type_unsupported, nat_unsupported
 from proxy.lab import Lab
 from proxy.lab.netns import entered
 from proxy.model.types import Family
@@ -230,3 +231,24 @@ def test_backend_detection_follows_the_rules_already_there(namespaces: Lab) -> N
     flavour = subprocess.run(["iptables", "-V"], capture_output=True, text=True,
                              check=True).stdout
     assert plain is (Backend.LEGACY if "(legacy)" in flavour else Backend.NFT)
+
+
+def test_nftables_probe_asks_the_kernel_and_leaves_nothing(namespaces: Lab) -> None:
+    ns = namespaces.client_ns
+    wipe(ns)
+
+    def ruleset() -> str:
+        return subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "ruleset"],
+                              capture_output=True, text=True, check=True).stdout
+
+    before = ruleset()
+    with entered(ns):
+        # This kernel has the nat chain type (the kernel lab checks one without it).
+        assert nat_unsupported(Family.V4) is None
+        assert nat_unsupported(Family.V6) is None
+        # A chain type no kernel has is refused, and said so.
+        refused = chain_type_unsupported(Family.V6, "no-such-type")
+        assert refused == ("nf_tables refused a no-such-type chain for IPv6 (creating the "
+                           "chain: No such file or directory)")
+    assert ruleset() == before  # the scratch table never outlived its transaction
+    assert SCRATCH_TABLE not in before

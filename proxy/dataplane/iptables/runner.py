@@ -16,6 +16,12 @@ follows upstream (kubernetes-sigs/iptables-wrappers, which kube-proxy's image us
    (`-A` lines over iptables and ip6tables) wins, when one holds more;
 3. otherwise the flavour of the plain `iptables` binary (`iptables -V` prints
    "(nf_tables)" or "(legacy)"); nft when even that cannot be told, as upstream.
+
+Whatever picked nft, it must be able to do NAT: a kernel may have nf_tables without its
+nat chain type (Debian's user-mode Linux does), where the nat table still lists but every
+restore that creates a nat chain fails. A probe that changes nothing
+(proxy/dataplane/nftables_probe.py) asks the kernel; if nf_tables cannot do NAT, legacy
+is used and the log says why.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import re
 import shutil
 import subprocess
 
+from proxy.dataplane.nftables_probe import nat_unsupported
 from proxy.model.types import Family
 
 log = logging.getLogger(__name__)
@@ -91,21 +98,31 @@ def _rule_count(backend: Backend) -> int:
 
 def detect_backend() -> Backend:
     """The back end this network namespace uses (rule in the module docstring)."""
+    backend, why = _preferred_backend()
+    if backend is Backend.NFT and (missing := nat_unsupported(Family.V4)) is not None:
+        log.warning("iptables back end: legacy, as nf_tables cannot do NAT in this kernel",
+                    extra={"backend": "legacy", "preferred": "nft", "preferred_because": why,
+                           "probe": missing})
+        return Backend.LEGACY
+    return _detected(backend, why)
+
+
+def _preferred_backend() -> tuple[Backend, str]:
     for family in (Family.V4, Family.V6):
         if _KUBELET_CHAINS.search(_output([binary(family, Backend.NFT, "save"), "-t", "mangle"])):
-            return _detected(Backend.NFT, "kubelet hint chain in nf_tables")
+            return Backend.NFT, "kubelet hint chain in nf_tables"
     # Without "-t mangle": asking legacy for a table creates it (upstream avoids that too).
     for family in (Family.V4, Family.V6):
         if _KUBELET_CHAINS.search(_output([binary(family, Backend.LEGACY, "save")])):
-            return _detected(Backend.LEGACY, "kubelet hint chain in legacy tables")
+            return Backend.LEGACY, "kubelet hint chain in legacy tables"
     legacy, nft = _rule_count(Backend.LEGACY), _rule_count(Backend.NFT)
     if legacy != nft:
-        return _detected(Backend.LEGACY if legacy > nft else Backend.NFT,
-                         f"rules: legacy {legacy}, nft {nft}")
+        return (Backend.LEGACY if legacy > nft else Backend.NFT,
+                f"rules: legacy {legacy}, nft {nft}")
     version = _output(["iptables", "-V"])
     if "(legacy)" in version:
-        return _detected(Backend.LEGACY, f"iptables -V: {version.strip()}")
-    return _detected(Backend.NFT, f"iptables -V: {version.strip() or 'unknown'}")
+        return Backend.LEGACY, f"iptables -V: {version.strip()}"
+    return Backend.NFT, f"iptables -V: {version.strip() or 'unknown'}"
 
 
 def _detected(backend: Backend, why: str) -> Backend:
@@ -171,9 +188,16 @@ class IptablesRunner:
         return result.stdout
 
     def available(self) -> bool:
-        """The binaries exist and the kernel's nat table can be listed."""
+        """The binaries exist, the kernel's nat table can be listed and, on nf_tables,
+        the kernel can make nat chains (see the module docstring)."""
         if not (shutil.which(self.restore_cmd) and shutil.which(self.save_cmd)):
             return False
+        if self.backend is Backend.NFT:
+            missing = nat_unsupported(self.family)
+            if missing is not None:
+                log.warning("nf_tables cannot do NAT in this kernel", extra={
+                    "family": self.family.label, "probe": missing})
+                return False
         lister = binary(self.family, self.backend)
         try:
             result = subprocess.run(

@@ -1,0 +1,140 @@
+"""Can this kernel's nf_tables do NAT? Asked in one transaction that changes nothing.
+
+iptables' nf_tables back end (Debian's default `iptables`) writes the nat table as
+nf_tables chains of type "nat" (module nft_chain_nat). A kernel may have nf_tables without
+that chain type (Debian's user-mode Linux does): listing the nat table still works, so the
+tools look usable, and then every restore that creates a nat chain fails. The probe sends
+one nf_tables batch: create a scratch table, a nat chain in it, delete the table. The
+kernel runs a batch as one transaction and, being told to, loads the chain type's module
+first; either way nothing of the batch stays, and nobody else sees the scratch table.
+
+The wire format is include/uapi/linux/netfilter/nf_tables.h over nfnetlink; a batch is
+framed by NFNL_MSG_BATCH_BEGIN / NFNL_MSG_BATCH_END messages.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import struct
+
+from proxy.dataplane.netlink import (
+    NLM_F_ACK,
+    NLM_F_CREATE,
+    NLM_F_REQUEST,
+    NLMSG_ERROR,
+    frame,
+    nested,
+    nla,
+    replies,
+)
+from proxy.model.types import Family
+
+log = logging.getLogger(__name__)
+
+NETLINK_NETFILTER = 12
+NFNL_SUBSYS_NFTABLES = 10
+NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END = 0x10, 0x11
+NFT_MSG_NEWTABLE, NFT_MSG_DELTABLE, NFT_MSG_NEWCHAIN = 0, 2, 3
+NFTA_TABLE_NAME = 1
+NFTA_CHAIN_TABLE, NFTA_CHAIN_NAME, NFTA_CHAIN_HOOK, NFTA_CHAIN_TYPE = 1, 3, 4, 7
+NFTA_HOOK_HOOKNUM, NFTA_HOOK_PRIORITY = 1, 2
+NF_INET_POST_ROUTING = 4
+NF_IP_PRI_NAT_SRC = 100
+NFPROTO = {Family.V4: 2, Family.V6: 10}
+SCRATCH_TABLE = "sliceproxy-nat-probe"
+TIMEOUT = 10.0
+
+_NFGEN = struct.Struct("!BBH")  # nfgenmsg: family, version, resource id (big endian)
+
+
+def _string(kind: int, text: str) -> bytes:
+    return nla(kind, text.encode() + b"\0")
+
+
+def _message(msg: int, flags: int, seq: int, family: int, attrs: bytes) -> bytes:
+    kind = NFNL_SUBSYS_NFTABLES << 8 | msg
+    return frame(kind, NLM_F_REQUEST | flags, seq, _NFGEN.pack(family, 0, 0) + attrs)
+
+
+def probe_batch(family: Family, chain_type: str = "nat",
+                first_seq: int = 1) -> tuple[bytes, list[int]]:
+    """The probe's batch (pure) and the sequence numbers of its opening message and of its
+    three acknowledged requests: new table, new base chain of `chain_type` in it (at
+    postrouting, source-NAT priority), delete the table."""
+    nfproto = NFPROTO[family]
+    begin = frame(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, first_seq,
+                  _NFGEN.pack(socket.AF_UNSPEC, 0, NFNL_SUBSYS_NFTABLES))
+    seqs = [first_seq + 1, first_seq + 2, first_seq + 3]
+    table = _string(NFTA_TABLE_NAME, SCRATCH_TABLE)
+    hook = nested(NFTA_CHAIN_HOOK,
+                  nla(NFTA_HOOK_HOOKNUM, struct.pack("!I", NF_INET_POST_ROUTING))
+                  + nla(NFTA_HOOK_PRIORITY, struct.pack("!i", NF_IP_PRI_NAT_SRC)))
+    chain = (_string(NFTA_CHAIN_TABLE, SCRATCH_TABLE) + _string(NFTA_CHAIN_NAME, "probe")
+             + hook + _string(NFTA_CHAIN_TYPE, chain_type))
+    body = [
+        _message(NFT_MSG_NEWTABLE, NLM_F_CREATE | NLM_F_ACK, seqs[0], nfproto, table),
+        _message(NFT_MSG_NEWCHAIN, NLM_F_CREATE | NLM_F_ACK, seqs[1], nfproto, chain),
+        _message(NFT_MSG_DELTABLE, NLM_F_ACK, seqs[2], nfproto, table),
+    ]
+    end = frame(NFNL_MSG_BATCH_END, NLM_F_REQUEST, first_seq + 4,
+                _NFGEN.pack(socket.AF_UNSPEC, 0, NFNL_SUBSYS_NFTABLES))
+    return begin + b"".join(body) + end, [first_seq, *seqs]
+
+
+class _Refused(Exception):
+    def __init__(self, code: int, what: str) -> None:
+        super().__init__(f"{what}: {os.strerror(code)}")
+        self.code = code
+
+
+def _run_batch(data: bytes, seqs: list[int]) -> None:
+    """Send the probe's batch; raise _Refused with the first error the kernel reports."""
+    what = {seqs[0]: "the batch", seqs[1]: "a scratch table", seqs[2]: "creating the chain",
+            seqs[3]: "deleting the scratch table"}
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER) as sock:
+        sock.settimeout(TIMEOUT)
+        sock.bind((0, 0))
+        sock.send(data)
+        # Every acknowledged request is answered; the batch's opening message only when
+        # refused (no nf_tables at all).
+        pending = set(seqs[1:])
+        while pending:
+            try:
+                received = sock.recv(1 << 16)
+            except TimeoutError:
+                raise _Refused(errno.ETIMEDOUT, "no answer from nf_tables") from None
+            for reply in replies(received):
+                if reply.kind != NLMSG_ERROR or reply.seq not in what:
+                    continue
+                if reply.error:
+                    raise _Refused(reply.error, what[reply.seq])
+                pending.discard(reply.seq)
+
+
+# What a kernel without the feature answers; anything else (EPERM above all) means this
+# process cannot tell.
+_MISSING = (errno.ENOENT, errno.EOPNOTSUPP, errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT)
+
+
+def chain_type_unsupported(family: Family, chain_type: str) -> str | None:
+    """Why nf_tables cannot make a base chain of `chain_type` for `family` in this network
+    namespace, or None when it can, or when this process cannot tell (no permission, no
+    netlink): the caller's own tools will say so then."""
+    data, seqs = probe_batch(family, chain_type)
+    try:
+        _run_batch(data, seqs)
+    except _Refused as exc:
+        if exc.code in _MISSING:
+            return f"nf_tables refused a {chain_type} chain for {family.label} ({exc})"
+        log.debug("nf_tables probe inconclusive", extra={"error": str(exc)})
+    except OSError as exc:  # no netlink socket for netfilter at all
+        log.debug("nf_tables probe inconclusive", extra={"error": str(exc)})
+    return None
+
+
+def nat_unsupported(family: Family) -> str | None:
+    """Why nf_tables cannot do NAT for `family` here (see chain_type_unsupported)."""
+    return chain_type_unsupported(family, "nat")
