@@ -1,11 +1,11 @@
 """IPVS benchmark: pyroute2 against our own netlink client, and what a data-plane sync
-costs, in a real Linux kernel (user-mode Linux).
+costs, in a real Linux kernel (the kernel lab's: QEMU with Debian's kernel by default).
 
     sudo .venv/bin/python -m bench.ipvs_bench --services 100 1000 --endpoints 3 --repeat 3 \\
         --json ipvs-bench.json
 
-The host kernel has no IPVS, so each size boots user-mode Linux through the kernel tests'
-harness (tests/kernel/uml.py) and runs bench/ipvs_guest.py inside, which says what is
+The host kernel has no IPVS, so each size boots a kernel through the kernel tests'
+harness (tests/kernel/harness.py) and runs bench/ipvs_guest.py inside, which says what is
 measured: for N TCP virtual servers with M masqueraded real servers each, programming
 them all, dumping the whole table, swapping one service's real server, and putting N
 addresses on a dummy interface and dumping them, with pyroute2 (one call per object, as
@@ -14,10 +14,10 @@ then the whole IpvsDataPlane's full, repeated full and one-endpoint partial sync
 
 Both clients must have built, and both must read back, the same table (and the data
 plane the same again): the guest checks that, and this refuses to report timings of
-different work. Timings are medians (with min and max) of user-mode Linux, whose system
-calls cost far more than a real kernel's: compare the ratios, not the seconds. The kernel
-is pinned to one host CPU (--cpu), which makes them far steadier. Nothing is asserted on
-time.
+different work. Timings are medians (with min and max) inside an emulated machine (QEMU's
+TCG where KVM does not work) or user-mode Linux (SLICEPROXY_KERNEL=uml), both far slower
+than a real one: compare the ratios, not the seconds. --pin runs the kernel on one host
+CPU, which made user-mode Linux far steadier. Nothing is asserted on time.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.ipvs_workload import Workload
-from tests.kernel.uml import run_in_kernel
+from tests.kernel.harness import DEFAULT_MEMORY_MB, run_in_kernel
 
 GUEST = Path(__file__).resolve().parent / "ipvs_guest.py"
 DEFAULT_TIMEOUT = 600.0  # per boot; the guest's own deadline is a little shorter
@@ -57,15 +57,15 @@ class BenchError(RuntimeError):
 
 def run(services: int, endpoints: int, repeat: int, *, swaps: int = 20, partials: int = 10,
         dataplane: bool = True, fresh_allocator: bool = False,
-        timeout: float = DEFAULT_TIMEOUT, memory: str = "768M",
-        cpu: int | None = None, pin: bool = True, workdir: Path | None = None
+        timeout: float = DEFAULT_TIMEOUT, memory_mb: int = DEFAULT_MEMORY_MB,
+        cpu: int | None = None, pin: bool = False, workdir: Path | None = None
         ) -> dict[str, Any]:
-    """Boot user-mode Linux once and measure one size; the guest's JSON result, plus the
-    boot's own timings under "uml". Raises KernelError if the kernel or the guest failed
+    """Boot the lab's kernel once and measure one size; the guest's JSON result, plus the
+    boot's own timings under "kernel". Raises KernelError if the kernel or the guest failed
     (with the guest's stderr); checks are reported in the result, not raised.
 
     `pin`: run the kernel on one host CPU, `cpu` (default: the first this process may
-    use). UML's system calls are ptrace hand-offs between its host processes; left to
+    use). In user-mode Linux, system calls are ptrace hand-offs between its host processes; left to
     roam, the same 4,000 requests took 1.1 s or 3.4 s depending on where they landed,
     pinned 1.0-1.1 s."""
     Workload(services, endpoints)  # refuse an impossible size before booting
@@ -84,14 +84,14 @@ def run(services: int, endpoints: int, repeat: int, *, swaps: int = 20, partials
             os.sched_setaffinity(0, {cpu})
         with tempfile.TemporaryDirectory(prefix="ipvs-bench-") as tmp:
             kernel = run_in_kernel(GUEST, args, workdir=workdir or Path(tmp), timeout=timeout,
-                                   memory=memory).check()
+                                   memory_mb=memory_mb).check()
     finally:
         os.sched_setaffinity(0, affinity)
     result: dict[str, Any] = kernel.result
-    result["uml"] = {"boot_s": round(kernel.boot_seconds, 2),
-                     "wall_s": round(kernel.wall_seconds, 1), "memory": memory, "cpu": cpu}
-    # UML's timings move with the host's load (its system calls are host context
-    # switches): keep the load next to them.
+    result["kernel"] = {"boot_s": round(kernel.boot_seconds, 2),
+                        "wall_s": round(kernel.wall_seconds, 1), "memory_mb": memory_mb,
+                        "cpu": cpu, "backend": kernel.backend}
+    # Emulated timings move with the host's load: keep the load next to them.
     result["host_load_1min"] = [load_before, os.getloadavg()[0]]
     return result
 
@@ -148,10 +148,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure in a fresh process's allocator state (see ipvs_guest.py)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help="seconds per kernel boot, all rounds included")
-    p.add_argument("--memory", default="768M", help="the kernel's memory (mem=)")
+    p.add_argument("--memory-mb", type=int, default=DEFAULT_MEMORY_MB,
+                   help="the kernel's memory")
     p.add_argument("--cpu", type=int, help="host CPU to pin the kernel to, for steadier "
                    "timings (default: the first this process may use)")
-    p.add_argument("--no-pin", action="store_true", help="let the kernel use any CPU")
+    p.add_argument("--pin", action="store_true", help="run the kernel on one host CPU")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the results here")
     args = p.parse_args(argv)
     results = []
@@ -159,11 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         result = run(size, args.endpoints, args.repeat, swaps=args.swaps,
                      partials=args.partials, dataplane=not args.no_dataplane,
                      fresh_allocator=args.fresh_allocator,
-                     timeout=args.timeout, memory=args.memory,
-                     cpu=args.cpu, pin=not args.no_pin)
+                     timeout=args.timeout, memory_mb=args.memory_mb,
+                     cpu=args.cpu, pin=args.pin)
         results.append(result)
         print(f"{size} services: {result['seconds']} s in the kernel, "
-              f"{result['uml']['wall_s']} s in all", file=sys.stderr, flush=True)
+              f"{result['kernel']['wall_s']} s in all", file=sys.stderr, flush=True)
         failed = failed_checks(result)
         if failed:
             if args.json:

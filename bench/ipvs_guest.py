@@ -1,5 +1,5 @@
-"""The IPVS benchmark's measurements, INSIDE user-mode Linux: started by bench/ipvs_bench.py
-through tests/kernel/uml.py. Never run it on the host: it makes and deletes network
+"""The IPVS benchmark's measurements, INSIDE the kernel lab's guest: started by bench/ipvs_bench.py
+through tests/kernel/harness.py. Never run it on the host: it makes and deletes network
 namespaces and needs IPVS.
 
     python bench/ipvs_guest.py --services N --endpoints M --repeat R [--swaps S] [--partials P]

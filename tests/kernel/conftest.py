@@ -1,4 +1,5 @@
-"""Fixtures for kernel tests: boot user-mode Linux per call, results in tmp_path."""
+"""Fixtures for kernel tests: a fresh kernel per call, results in tmp_path; and the tier's
+summary line (which kernel booted, how, how often, for how long)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,17 @@ from typing import Any
 
 import pytest
 
-from tests.kernel.uml import DEFAULT_TIMEOUT, KernelResult, run_in_kernel
+from tests.kernel.harness import BOOTS, DEFAULT_TIMEOUT, KernelResult, run_in_kernel
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _as_root() -> None:
+    # QEMU itself runs unprivileged, but the suite's contract is that kernel tests, like
+    # the e2e tests, run as root (CI does: the kernel cache and the guest's namespaces
+    # and rules need it) and are skipped, loudly, otherwise. Session scope: checked
+    # before any module's boot.
+    if os.geteuid() != 0:
+        pytest.skip("kernel tests boot a kernel and need root; run as root (CI does)")
 
 
 class KernelRunner:
@@ -35,8 +46,12 @@ class KernelRunner:
 
 @pytest.fixture
 def kernel(tmp_path: Path) -> KernelRunner:
-    # UML itself runs unprivileged, but the suite's contract is that kernel tests, like
-    # the e2e tests, run as root (CI does) and are skipped, loudly, otherwise.
-    if os.geteuid() != 0:
-        pytest.skip("kernel tests boot user-mode Linux and need root; run as root (CI does)")
     return KernelRunner(tmp_path)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if BOOTS.count:
+        for described in sorted(BOOTS.described):
+            terminalreporter.write_line(f"kernel lab: {described}")
+        terminalreporter.write_line(
+            f"kernel lab: {BOOTS.count} boots, {BOOTS.seconds:.0f} s of kernel wall time")

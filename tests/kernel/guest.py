@@ -1,4 +1,4 @@
-"""Helpers for scripts that run inside the user-mode Linux kernel (see uml.py)."""
+"""Helpers for scripts that run inside the kernel lab's guest (see harness.py)."""
 
 from __future__ import annotations
 

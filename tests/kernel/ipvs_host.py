@@ -5,14 +5,13 @@ test of its own (so a failure names the scenario and shows the guest's traceback
 from __future__ import annotations
 
 import ast
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.kernel.uml import KernelResult, run_in_kernel
+from tests.kernel.harness import KernelResult, run_in_kernel
 
 SCENARIOS = Path(__file__).parent / "scenarios"
 RUNNER = SCENARIOS / "run.py"
@@ -26,39 +25,41 @@ def scenario_names(module: str) -> list[str]:
 
 
 def boot(module: str, tmp_path_factory: pytest.TempPathFactory,
-         timeout: float = 420.0) -> KernelResult:
-    if os.geteuid() != 0:
-        pytest.skip("kernel tests boot user-mode Linux and need root; run as root (CI does)")
+         timeout: float = 420.0, **kwargs: Any) -> KernelResult:
+    """Run every scenario of `module` in one fresh kernel (run_in_kernel's `kwargs`)."""
     workdir = tmp_path_factory.mktemp(module.removesuffix(".py"))
-    run = run_in_kernel(RUNNER, [module], workdir=workdir, timeout=timeout)
-    print(f"{module}: boot {run.boot_seconds:.2f} s (kernel start to script start), "
-          f"startup {run.startup_seconds:.2f} s (host), script {run.script_seconds:.2f} s, "
-          f"wall {run.wall_seconds:.2f} s")
+    run = run_in_kernel(RUNNER, [module], workdir=workdir, timeout=timeout, **kwargs)
+    print(f"{module}: {run.timings()}")
     return run.check()
 
 
 def outcome(run: KernelResult, name: str) -> None:
-    """Fail (or skip) the host test as the scenario `name` did inside the kernel."""
+    """Fail (or skip) the host test as the scenario `name` did inside the kernel: all of
+    its parametrized cases (`name[id]`), if it has any."""
     tests: dict[str, Any] = run.result["tests"]
-    if name not in tests:
+    cases = {k: v for k, v in tests.items() if k == name or k.startswith(name + "[")}
+    if not cases:
         pytest.fail(f"scenario {name} did not run in the kernel (collection error?)\n"
                     f"{run.describe()}")
-    entry = tests[name]
-    print(f"{name}: {entry['outcome']} in {entry['seconds']:.2f} s (inside the kernel)")
-    if entry["outcome"] == "skipped":
-        pytest.skip(entry["longrepr"])
-    if entry["outcome"] != "passed":
-        pytest.fail(f"{name} {entry['outcome']} inside the kernel:\n{entry['longrepr']}",
-                    pytrace=False)
+    for case, entry in cases.items():
+        print(f"{case}: {entry['outcome']} in {entry['seconds']:.2f} s (inside the kernel)")
+    failed = {k: v for k, v in cases.items() if v["outcome"] not in ("passed", "skipped")}
+    if failed:
+        pytest.fail("\n".join(f"{k} {v['outcome']} inside the kernel:\n{v['longrepr']}"
+                              for k, v in failed.items()), pytrace=False)
+    if all(v["outcome"] == "skipped" for v in cases.values()):
+        pytest.skip("; ".join(v["longrepr"] for v in cases.values()))
 
 
-def scenario_module(module: str) -> tuple[Callable[..., KernelResult], Callable[..., None]]:
-    """The `run` fixture (one boot for the module) and the parametrized `test_scenario`
-    of a host test file: `run, test_scenario = scenario_module("scenario_x.py")`."""
+def scenario_module(module: str, **kwargs: Any
+                    ) -> tuple[Callable[..., KernelResult], Callable[..., None]]:
+    """The `run` fixture (one boot for the module, run_in_kernel's `kwargs`) and the
+    parametrized `test_scenario` of a host test file:
+    `run, test_scenario = scenario_module("scenario_x.py")`."""
 
     @pytest.fixture(scope="module")
     def run(tmp_path_factory: pytest.TempPathFactory) -> KernelResult:
-        return boot(module, tmp_path_factory)
+        return boot(module, tmp_path_factory, **kwargs)
 
     @pytest.mark.kernel
     @pytest.mark.slow

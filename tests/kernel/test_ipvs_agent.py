@@ -1,4 +1,4 @@
-"""The real agent process (`python -m proxy --proxy-mode ipvs`) in user-mode Linux,
+"""The real agent process (`python -m proxy --proxy-mode ipvs`) in the kernel lab,
 against the cluster simulator, judged by real traffic: one boot runs every scenario of
 scenarios/scenario_agent.py; each scenario is reported here on its own."""
 

@@ -1,4 +1,4 @@
-"""Real IPVS traffic through the user-mode Linux harness (see scripts/ipvs_smoke.py)."""
+"""Real IPVS traffic in the kernel lab (see scripts/ipvs_smoke.py)."""
 
 from __future__ import annotations
 

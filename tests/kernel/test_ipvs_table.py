@@ -1,4 +1,4 @@
-"""The kernel's IPVS table, addresses and ipsets after applies, in user-mode Linux: one
+"""The kernel's IPVS table, addresses and ipsets after applies, in the kernel lab: one
 boot runs every scenario of scenarios/scenario_table.py (the read-back property, drift
 repair, clean-up, schedulers); each scenario is reported here on its own."""
 

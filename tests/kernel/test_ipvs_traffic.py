@@ -1,4 +1,4 @@
-"""Real traffic through the IPVS data plane in user-mode Linux: one boot runs every
+"""Real traffic through the IPVS data plane in the kernel lab: one boot runs every
 scenario of scenarios/scenario_traffic.py; each scenario is reported here on its own."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Run scenario modules with pytest INSIDE the user-mode Linux kernel and hand the
+"""Run scenario modules with pytest INSIDE the kernel lab's guest and hand the
 outcome of every test back to the host (as $KERNEL_RESULT JSON, via guest.write_result).
 
     python tests/kernel/scenarios/run.py scenario_traffic.py [more.py ...] [-k EXPR]

@@ -1,4 +1,4 @@
-"""Traffic through the IPVS data plane, inside user-mode Linux (run by
+"""Traffic through the IPVS data plane, inside the kernel lab (run by
 tests/kernel/test_ipvs_traffic.py through scenarios/run.py; never on the host).
 
 The client namespace is outside the node; backends web-1..3 sit on the node's pod

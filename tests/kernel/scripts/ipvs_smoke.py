@@ -1,4 +1,4 @@
-"""IPVS smoke test: real TCP traffic through an IPVS virtual server, inside user-mode Linux.
+"""IPVS smoke test: real TCP traffic through an IPVS virtual server, inside the kernel lab.
 
 Run by tests/kernel/test_ipvs_smoke.py through the kernel harness; it needs a kernel with
 IPVS and must not run on the host. Topology (addresses only in 198.18.0.0/15):

@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["hang"]:
         print("probe: hanging on purpose", flush=True)
         threading.Event().wait()  # never set: only the harness's timeout ends this
-    # Imported here: pyroute2 takes ~2 s to import in UML; keep fail/hang paths quick.
+    # Imported here: pyroute2 takes seconds to import in the guest; keep fail/hang quick.
     from pyroute2 import IPVS, IPRoute
 
     with IPRoute() as ipr:
