@@ -181,19 +181,23 @@ class AgentProcess:
         return time.monotonic() - began
 
 
-def iptables_save(lab: Lab, family: str = "4") -> str:
-    """Our rules in the node namespace, from both back ends (whichever the agent used)."""
+BACKENDS = ("nft", "legacy")
+
+
+def iptables_save(lab: Lab, family: str = "4", backends: Sequence[str] = BACKENDS) -> str:
+    """The node namespace's rules, from both back ends (whichever the agent used)."""
     out = []
     tool = "iptables" if family == "4" else "ip6tables"
-    for backend in ("nft", "legacy"):
+    for backend in backends:
         res = lab.exec(lab.node_ns, [f"{tool}-{backend}-save"])
         out.append(res.stdout)
     return "\n".join(out)
 
 
-def our_rules(lab: Lab) -> list[str]:
-    return [ln for ln in (iptables_save(lab, "4") + iptables_save(lab, "6")).splitlines()
-            if "SPX-" in ln]
+def our_rules(lab: Lab, backends: Sequence[str] = BACKENDS) -> list[str]:
+    """Our lines in the node namespace's rules (both families), on `backends`."""
+    return [ln for ln in (iptables_save(lab, "4", backends)
+                          + iptables_save(lab, "6", backends)).splitlines() if "SPX-" in ln]
 
 
 def run_cli(lab: Lab, args: Sequence[str], timeout: float = 60.0,

@@ -1,4 +1,4 @@
-"""Helpers for IPVS scenarios that run INSIDE the user-mode Linux kernel (see
+"""Helpers for IPVS scenarios that run INSIDE the kernel lab's guest (see
 tests/kernel/scenarios/). Importable on the host too, but only useful in the guest.
 
 - `Cluster`: API objects in (the tests/unit/builders.py dicts), `DesiredState` out,
@@ -102,11 +102,9 @@ class NodeThread:
         return self._pool.submit(fn).result(timeout=timeout)
 
     def start_plane(self, opts: DataplaneOptions | None = None,
-                    backend: Backend = Backend.LEGACY) -> IpvsDataPlane:
-        """A fresh IpvsDataPlane (an agent restart: nothing carried over but the kernel).
-
-        Legacy iptables: Debian's user-mode Linux has nf_tables but no nft_chain_nat, so
-        an nf_tables nat table cannot be created in it."""
+                    backend: Backend = Backend.NFT) -> IpvsDataPlane:
+        """A fresh IpvsDataPlane (an agent restart: nothing carried over but the kernel),
+        its few iptables rules on `backend`: nf_tables unless asked, as on Debian 12."""
         if self.plane is not None:
             self.run(self.plane.close)
         plane = IpvsDataPlane(opts or options(), iptables_backend=backend)

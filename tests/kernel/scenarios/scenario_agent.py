@@ -1,4 +1,4 @@
-"""The real agent, `python -m proxy --proxy-mode ipvs`, inside user-mode Linux (run by
+"""The real agent, `python -m proxy --proxy-mode ipvs`, inside the kernel lab (run by
 tests/kernel/test_ipvs_agent.py through scenarios/run.py; never on the host).
 
 What scenario_traffic.py checks by driving IpvsDataPlane directly, here goes through
@@ -10,12 +10,15 @@ listening on the node namespace's loopback; the agent runs in the node namespace
 client namespace. Each scenario has service addresses of its own; afterwards its agents
 are stopped and `--cleanup --proxy-mode ipvs` and `conntrack -F` run, so scenarios do not
 see each other's state.
+
+The node is a Debian 12 node: its plain `iptables` is the nf_tables back end, and the
+agent's few iptables rules go there. The restart scenario runs on a node that kubelet
+marked as legacy, so both back ends are covered.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections import Counter
@@ -33,13 +36,10 @@ from tests.e2e.agent_support import (
     PortSpec,
     endpoint,
     endpoint_slice,
-    namespace_object,
-    node_object,
     our_rules,
     quiet_icmp_limits,
     run_cli,
     service,
-    start_sim,
     wait_for,
 )
 from tests.kernel.ipvs_guest import KernelView, NodeThread, read_kernel
@@ -49,7 +49,7 @@ NAMES = set(BACKENDS)
 BOTH: tuple[PortSpec, ...] = (("http", 80, 8080, "TCP"), ("dns", 53, 8081, "UDP"))
 HTTP: tuple[PortSpec, ...] = BOTH[:1]
 IPVS = ("--proxy-mode", "ipvs")
-# User-mode Linux on a loaded machine: an agent takes seconds to import and start.
+# An emulated machine on a loaded host: an agent takes seconds to import and start.
 READY_DEADLINE = 90.0
 CHANGE_DEADLINE = 30.0
 
@@ -59,12 +59,6 @@ def lab() -> Iterator[Lab]:
     """One lab for the module (building it is slow). Overrides conftest's `lab`."""
     with Lab([BackendSpec(name, node=node) for name, node in BACKENDS.items()]) as lab:
         quiet_icmp_limits(lab)
-        # Debian's user-mode Linux has nf_tables without its nat chain type
-        # (nft_chain_nat), so this node's iptables must be legacy. On a real node kubelet
-        # marks the back end it uses with this chain, and the agent follows it (as
-        # upstream does); without it the agent would pick nft, as `iptables -V` says.
-        lab.exec(lab.node_ns, ["iptables-legacy", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT"],
-                 check=True)
         lab.start_backends()  # TCP 8080, UDP 8081
         yield lab
 
@@ -77,28 +71,6 @@ def reader(lab: Lab) -> Iterator[NodeThread]:
         yield thread
     finally:
         thread.close()
-
-
-@pytest.fixture
-def workdir(request: pytest.FixtureRequest) -> Path:
-    """Where a scenario's agents keep their logs and kubeconfig. The root file system is
-    the host's, read-only, so not pytest's tmp_path: the run's result folder, which is
-    the host test's own folder, so the logs are still there to read after a failure."""
-    name: str = request.node.name
-    result = os.environ.get("KERNEL_RESULT")
-    base = Path(result).parent / "agents" if result else Path(os.environ["KERNEL_SCRATCH"])
-    path = base / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-@pytest.fixture
-def sim(lab: Lab) -> Iterator[SimServer]:
-    server = start_sim(lab, [node_object(), namespace_object("demo")])
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 class Agents:
@@ -218,6 +190,10 @@ def test_services_in_the_simulator_become_traffic(lab: Lab, sim: SimServer, agen
     assert kernel.services[f"UDP [{v6}]:53"]["dests"] == {rs(lab, "web-1", 8081, 6): 1,
                                                            rs(lab, "web-2", 8081, 6): 1}
     assert {str(a) for a in kernel.addresses} >= {v4, v6}
+    # The node's iptables is nf_tables, and the agent's masquerade and NodePort rules are
+    # there, nowhere else.
+    assert "SPX-IPVS" in "".join(our_rules(lab, ["nft"])) and not our_rules(lab, ["legacy"])
+    assert 'msg="iptables back end detected" backend=nft' in agent.log_text()
 
     # An endpoint stops being ready: no new connections reach it, while one it already
     # holds carries on (its real server drains at weight 0).
@@ -338,6 +314,19 @@ def test_health_metrics_and_debug_dump(lab: Lab, sim: SimServer, agents: Agents,
     print(f"\nstart to first sync under 2 s API latency: {started:.2f} s")
 
 
+@pytest.fixture
+def legacy_node(lab: Lab) -> Iterator[None]:
+    """The node marked as legacy the way kubelet marks the back end it uses (the agent
+    follows it, as upstream does); unmarked again afterwards."""
+    hint = ["iptables-legacy", "-t", "mangle"]
+    lab.exec(lab.node_ns, [*hint, "-N", "KUBE-IPTABLES-HINT"], check=True)
+    try:
+        yield
+    finally:
+        lab.exec(lab.node_ns, [*hint, "-X", "KUBE-IPTABLES-HINT"], check=True)
+
+
+@pytest.mark.usefixtures("legacy_node")
 def test_sigterm_restart_and_cleanup(lab: Lab, sim: SimServer, agents: Agents,
                                      reader: NodeThread) -> None:
     a, b, c = "198.18.128.30", "198.18.128.31", lab.client_ns
@@ -352,6 +341,7 @@ def test_sigterm_restart_and_cleanup(lab: Lab, sim: SimServer, agents: Agents,
         lab.wait_for(c, vip, 80, {"web-1", "web-2"}, deadline=CHANGE_DEADLINE)
     before = read_kernel(reader)
     assert {f"TCP {a}:80", f"TCP {b}:80"} <= set(before.services), before.services
+    assert "SPX-IPVS" in "".join(our_rules(lab, ["legacy"])) and not our_rules(lab, ["nft"])
 
     results: Counter[str] = Counter()
     stop = threading.Event()

@@ -1,10 +1,11 @@
-"""The kernel's tables after an apply, inside user-mode Linux (run by
+"""The kernel's tables after an apply, inside the kernel lab (run by
 tests/kernel/test_ipvs_table.py through scenarios/run.py; never on the host).
 
 The central property: after any sync, reading the kernel back (IPVS table over netlink,
 the dummy interface's addresses, our ipsets) gives exactly what the renderer says for
 the desired state, for random states and random transitions between them, through
-full and partial syncs. Plus: drift repaired by a full sync, clean-up, schedulers.
+full and partial syncs. Plus: drift repaired by a full sync and clean-up (with the
+iptables rules on either back end), schedulers.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.dataplane.base import ApplyError
+from proxy.dataplane.iptables.runner import Backend, binary
 from proxy.dataplane.ipvs.diff import Op, OpKind
 from proxy.dataplane.ipvs.kernel import IpvsTable
 from proxy.dataplane.ipvs.netfilter import JUMPS
 from proxy.dataplane.ipvs.render import VirtualServer, VsKey, VsKind
 from proxy.lab import Lab
-from proxy.model.types import Protocol
+from proxy.model.types import Family, Protocol
 from tests.kernel.ipvs_guest import (
     Cluster,
     NodeThread,
@@ -178,10 +180,13 @@ SOME = {
 }
 
 
-def test_full_sync_repairs_drift(node: NodeThread) -> None:
+@pytest.mark.parametrize("backend", [Backend.NFT, Backend.LEGACY], ids=["nft", "legacy"])
+def test_full_sync_repairs_drift(node: NodeThread, backend: Backend) -> None:
     cluster = Cluster()
     state = load(cluster, SOME)
+    node.start_plane(backend=backend)
     node.sync(state)
+    iptables, save = binary(Family.V4, backend), binary(Family.V4, backend, "save")
     for cmd in (
         ["ip", "addr", "del", "198.18.2.60/32", "dev", "spx-ipvs0"],
         ["ip", "addr", "add", "198.18.2.99/32", "dev", "spx-ipvs0"],  # stray address
@@ -190,7 +195,7 @@ def test_full_sync_repairs_drift(node: NodeThread) -> None:
         ["ipvsadm", "-A", "-t", "198.18.128.30:81", "-s", "rr"],  # stray port on our VIP
         ["ipvsadm", "-d", "-t", "198.18.2.60:80", "-r", "198.18.1.11:8080"],
         ["ipset", "del", "SPX-IPVS4-EXT-MASQ", "198.18.2.60,tcp:80"],
-        ["iptables-legacy", "-t", "nat", "-D", "PREROUTING", "-m", "comment", "--comment",
+        [iptables, "-t", "nat", "-D", "PREROUTING", "-m", "comment", "--comment",
          "sliceproxy ipvs services", "-j", "SPX-IPVS-SERVICES"],
     ):
         out = node.exec(*cmd)
@@ -198,17 +203,20 @@ def test_full_sync_repairs_drift(node: NodeThread) -> None:
     report = node.sync(state, full=True)
     assert report.details["ipvs_changes"] == 4, report.details
     assert_kernel_matches(node, state)
-    saved = node.exec("iptables-legacy-save").stdout
+    saved = node.exec(save).stdout
     for jump in JUMPS:
         assert saved.count(f"-A {jump.chain} {jump.spec()}") == 1, (jump, saved)
 
 
-def test_cleanup_removes_ours_and_only_ours(node: NodeThread) -> None:
+@pytest.mark.parametrize("backend", [Backend.NFT, Backend.LEGACY], ids=["nft", "legacy"])
+def test_cleanup_removes_ours_and_only_ours(node: NodeThread, backend: Backend) -> None:
     state = load(Cluster(), SOME)
+    node.start_plane(backend=backend)
     node.sync(state)
+    iptables = binary(Family.V4, backend)
     for cmd in (["ipvsadm", "-A", "-t", "198.18.4.1:80", "-s", "rr"],  # someone else's
                 ["ipset", "create", "OTHER", "hash:ip"],
-                ["iptables-legacy", "-t", "nat", "-A", "POSTROUTING", "-j", "RETURN"]):
+                [iptables, "-t", "nat", "-A", "POSTROUTING", "-j", "RETURN"]):
         assert node.exec(*cmd).returncode == 0, cmd
     plane = node.plane
     assert plane is not None
@@ -218,13 +226,13 @@ def test_cleanup_removes_ours_and_only_ours(node: NodeThread) -> None:
     assert "198.18.128.30" not in ipvs and "30100" not in ipvs, ipvs
     assert node.exec("ip", "link", "show", "spx-ipvs0").returncode != 0
     assert node.exec("ipset", "list", "-n").stdout.split() == ["OTHER"]
-    for tool in ("iptables-legacy-save", "ip6tables-legacy-save"):
-        saved = node.exec(tool).stdout
+    for family in (Family.V4, Family.V6):
+        saved = node.exec(binary(family, backend, "save")).stdout
         assert "SPX-IPVS" not in saved, saved
-    assert "-A POSTROUTING -j RETURN" in node.exec("iptables-legacy-save").stdout
+    assert "-A POSTROUTING -j RETURN" in node.exec(binary(Family.V4, backend, "save")).stdout
     node.run(plane.cleanup)  # nothing left: a second clean-up is a no-op
     for cmd in (["ipvsadm", "-D", "-t", "198.18.4.1:80"], ["ipset", "destroy", "OTHER"],
-                ["iptables-legacy", "-t", "nat", "-D", "POSTROUTING", "-j", "RETURN"]):
+                [iptables, "-t", "nat", "-D", "POSTROUTING", "-j", "RETURN"]):
         assert node.exec(*cmd).returncode == 0, cmd
 
 
