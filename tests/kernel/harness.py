@@ -178,11 +178,9 @@ def init_script(
     """The guest's init (after the initramfs has mounted the host's root)."""
     q = shlex.quote
     exports = "\n".join(f"export {k}={q(v)}" for k, v in sorted(env.items()))
-    release = q(guest.release)
-    # No dummy0 made when dummy loads (Debian's own default, which -C leaves out): the guest
-    # has no network device but lo. A module
-    # made unloadable: an "install" command that fails, for explicit loads and for the
-    # kernel's own requests by alias alike.
+    # No dummy0 when dummy loads (Debian's own default, which -C leaves out): the guest has
+    # no network device but lo. A denied module gets an "install" command that fails, for
+    # explicit loads and the kernel's own requests by alias alike.
     config = "options dummy numdummies=0\n" + "".join(f"install {m} /bin/false\n"
                                                        for m in deny)
     return f"""#!/bin/sh
@@ -195,9 +193,10 @@ export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PYTHONPATH={q(str(REPO_ROOT)
 say() {{ echo "kernel-harness: $*"; }}
 halt() {{
     sync
-    # poweroff -f is a direct reboot(2), synchronous; the sysrq fallback is asynchronous,
-    # so init must stay alive until the kernel stops (the host timeout bounds this).
-    poweroff -f >/dev/null 2>&1
+    # busybox's poweroff -f is a direct reboot(2), synchronous; the sysrq fallback is
+    # asynchronous, so init must stay alive until the kernel stops (the host timeout
+    # bounds this). QEMU exits when the guest powers off.
+    /bin/busybox poweroff -f >/dev/null 2>&1
     echo o > /proc/sysrq-trigger
     exec sleep 60
 }}
@@ -211,15 +210,14 @@ if mount -t devtmpfs devtmpfs /dev 2>/dev/null; then
 fi
 # /run, not /tmp: a tmpfs on /tmp would hide the host's /tmp (pytest's tmp_path, a venv).
 mount -t tmpfs -o mode=0755 tmpfs /run
-mkdir -p /run/out /run/netns /run/scratch/tmp /run/scratch/mr/lib/modules /run/scratch/mp.d
+mkdir -p /run/out /run/netns /run/scratch/tmp /run/scratch/mp.d
 mount -t 9p -o {NINEP} out /run/out || {{ say "cannot mount /run/out"; halt; }}
 read -r up _ < /proc/uptime; echo "$up" > /run/out/t_init
-# modprobe -d wants <dir>/lib/modules/<release>; the modules live elsewhere on the host.
-# Its configuration is ours alone (-C), not the host's /etc/modprobe.d.
-ln -s {q(str(guest.modules_dir))} /run/scratch/mr/lib/modules/{release}
+# The kernel's modules are in its cache entry (lib/modules/<release>, seen through the host's
+# root); modprobe's configuration is ours alone (-C), not the host's /etc/modprobe.d.
 printf %s {q(config)} > /run/scratch/mp.d/lab.conf
-printf '#!/bin/sh\\nexec /sbin/modprobe -C /run/scratch/mp.d -d /run/scratch/mr "$@"\\n' \
-    > /run/scratch/modprobe
+printf '#!/bin/sh\\nexec /sbin/modprobe -C /run/scratch/mp.d -d %s "$@"\\n' \
+    {q(str(guest.kernel.root))} > /run/scratch/modprobe
 chmod 755 /run/scratch/modprobe
 echo /run/scratch/modprobe > /proc/sys/kernel/modprobe
 # One modprobe for all (fast); it stops at the first failure, so then go one by one.
@@ -296,7 +294,7 @@ def run_in_kernel(
         raise FileNotFoundError(script_path)
     if guest is None:
         guest = lab_guest()
-    loadable, builtin = module_names(guest.modules_dir)
+    loadable, builtin = module_names(guest.kernel.modules)
     deny = [m.replace("-", "_") for m in deny_modules]
     wanted = [m.replace("-", "_") for m in modules if m.replace("-", "_") not in deny]
     missing = tuple(m for m in wanted if m not in loadable and m not in builtin)

@@ -190,14 +190,6 @@ class QemuGuest:
         wanted = accel or _accel_from_env()
         self.accel = self._probe_accel(kvm_device) if wanted == "auto" else wanted
 
-    @property
-    def release(self) -> str:
-        return self.kernel.release
-
-    @property
-    def modules_dir(self) -> Path:
-        return self.kernel.modules
-
     def describe(self) -> str:
         why = f", {self.accel_reason}" if self.accel_reason else ""
         return f"qemu ({self.accel}{why}) with {self.kernel.describe()}"
