@@ -46,11 +46,8 @@ def web_objects(lab: Lab) -> list[dict[str, object]]:
 
 @pytest.fixture
 def sim(lab: Lab) -> Iterator[SimServer]:
-    server = start_sim(lab, web_objects(lab))
-    try:
+    with start_sim(lab, web_objects(lab)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_first_sync_waits_until_every_list_is_complete(lab: Lab, tmp_path: Path) -> None:

@@ -51,11 +51,8 @@ def lab() -> Iterator[Lab]:
 
 @pytest.fixture
 def sim(lab: Lab) -> Iterator[SimServer]:
-    server = start_sim(lab, [node_object(), namespace_object("demo")])
-    try:
+    with start_sim(lab, [node_object(), namespace_object("demo")]) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

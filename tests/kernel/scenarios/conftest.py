@@ -67,8 +67,5 @@ def workdir(request: pytest.FixtureRequest) -> Path:
 
 @pytest.fixture
 def sim(lab: Lab) -> Iterator[SimServer]:
-    server = start_sim(lab, [node_object(), namespace_object("demo")])
-    try:
+    with start_sim(lab, [node_object(), namespace_object("demo")]) as server:
         yield server
-    finally:
-        server.stop()
