@@ -11,7 +11,7 @@ import os
 import socket
 import struct
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 NLM_F_REQUEST, NLM_F_ACK, NLM_F_DUMP = 0x1, 0x4, 0x300
@@ -169,6 +169,24 @@ class NetlinkSocket:
                     pending -= 1
             results.extend(c or 0 for c in codes)
         return results
+
+    def first_refusal(self, data: bytes, acked: Collection[int],
+                      watched: Collection[int] = ()) -> tuple[int, int] | None:
+        """Send `data`, messages framed by the caller (an nf_tables batch, say), in one
+        datagram; wait for the acknowledgement of each sequence number in `acked`. The
+        first refusal among `acked` or `watched` (messages answered only when refused,
+        such as a batch's opening) ends the wait: (its sequence number, errno). None when
+        every one in `acked` was acknowledged."""
+        self._sock.send(data)
+        pending = set(acked)
+        while pending:
+            for reply in replies(self._recv()):
+                if reply.kind != NLMSG_ERROR:
+                    continue
+                if reply.error and (reply.seq in pending or reply.seq in watched):
+                    return reply.seq, reply.error
+                pending.discard(reply.seq)
+        return None
 
     def dump_raw(self, kind: int, body: bytes) -> list[Reply]:
         seq = self._next()

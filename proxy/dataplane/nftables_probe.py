@@ -19,16 +19,16 @@ import logging
 import os
 import socket
 import struct
+from contextlib import closing
 
 from proxy.dataplane.netlink import (
     NLM_F_ACK,
     NLM_F_CREATE,
     NLM_F_REQUEST,
-    NLMSG_ERROR,
+    NetlinkSocket,
     frame,
     nested,
     nla,
-    replies,
 )
 from proxy.model.types import Family
 
@@ -45,7 +45,6 @@ NF_INET_POST_ROUTING = 4
 NF_IP_PRI_NAT_SRC = 100
 NFPROTO = {Family.V4: 2, Family.V6: 10}
 SCRATCH_TABLE = "sliceproxy-nat-probe"
-TIMEOUT = 10.0
 
 _NFGEN = struct.Struct("!BBH")  # nfgenmsg: family, version, resource id (big endian)
 
@@ -84,36 +83,6 @@ def probe_batch(family: Family, chain_type: str = "nat",
     return begin + b"".join(body) + end, [first_seq, *seqs]
 
 
-class _Refused(Exception):
-    def __init__(self, code: int, what: str) -> None:
-        super().__init__(f"{what}: {os.strerror(code)}")
-        self.code = code
-
-
-def _run_batch(data: bytes, seqs: list[int]) -> None:
-    """Send the probe's batch; raise _Refused with the first error the kernel reports."""
-    what = {seqs[0]: "the batch", seqs[1]: "a scratch table", seqs[2]: "creating the chain",
-            seqs[3]: "deleting the scratch table"}
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER) as sock:
-        sock.settimeout(TIMEOUT)
-        sock.bind((0, 0))
-        sock.send(data)
-        # Every acknowledged request is answered; the batch's opening message only when
-        # refused (no nf_tables at all).
-        pending = set(seqs[1:])
-        while pending:
-            try:
-                received = sock.recv(1 << 16)
-            except TimeoutError:
-                raise _Refused(errno.ETIMEDOUT, "no answer from nf_tables") from None
-            for reply in replies(received):
-                if reply.kind != NLMSG_ERROR or reply.seq not in what:
-                    continue
-                if reply.error:
-                    raise _Refused(reply.error, what[reply.seq])
-                pending.discard(reply.seq)
-
-
 # What a kernel without the feature answers; anything else (EPERM above all) means this
 # process cannot tell.
 _MISSING = (errno.ENOENT, errno.EOPNOTSUPP, errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT)
@@ -124,15 +93,23 @@ def chain_type_unsupported(family: Family, chain_type: str) -> str | None:
     namespace, or None when it can, or when this process cannot tell (no permission, no
     netlink): the caller's own tools will say so then."""
     data, seqs = probe_batch(family, chain_type)
+    what = {seqs[0]: "the batch", seqs[1]: "a scratch table", seqs[2]: "creating the chain",
+            seqs[3]: "deleting the scratch table"}
     try:
-        _run_batch(data, seqs)
-    except _Refused as exc:
-        if exc.code in _MISSING:
-            return f"nf_tables refused a {chain_type} chain for {family.label} ({exc})"
+        with closing(NetlinkSocket(NETLINK_NETFILTER)) as sock:
+            refused = sock.first_refusal(data, acked=seqs[1:], watched=seqs[:1])
+    except OSError as exc:  # no netlink for netfilter at all, or no answer (NetlinkError)
         log.debug("nf_tables probe inconclusive", extra={"error": str(exc)})
-    except OSError as exc:  # no netlink socket for netfilter at all
-        log.debug("nf_tables probe inconclusive", extra={"error": str(exc)})
-    return None
+        return None
+    if refused is None:
+        return None
+    seq, code = refused
+    if code not in _MISSING:
+        log.debug("nf_tables probe inconclusive",
+                  extra={"error": f"{what[seq]}: {os.strerror(code)}"})
+        return None
+    return (f"nf_tables refused a {chain_type} chain for {family.label} "
+            f"({what[seq]}: {os.strerror(code)})")
 
 
 def nat_unsupported(family: Family) -> str | None:
