@@ -14,10 +14,10 @@ then the whole IpvsDataPlane's full, repeated full and one-endpoint partial sync
 
 Both clients must have built, and both must read back, the same table (and the data
 plane the same again): the guest checks that, and this refuses to report timings of
-different work. Timings are medians (with min and max) inside an emulated machine (QEMU's
-TCG where KVM does not work) or user-mode Linux (SLICEPROXY_KERNEL=uml), both far slower
-than a real one: compare the ratios, not the seconds. --pin runs the kernel on one host
-CPU, which made user-mode Linux far steadier. Nothing is asserted on time.
+different work. Timings are medians (with min and max) inside the lab's machine (QEMU, with
+TCG's emulation where KVM does not work), far slower than a real one: compare the ratios,
+not the seconds. --pin runs the kernel on one host CPU (it made the user-mode Linux the
+lab used before far steadier). Nothing is asserted on time.
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ def run(services: int, endpoints: int, repeat: int, *, swaps: int = 20, partials
     (with the guest's stderr); checks are reported in the result, not raised.
 
     `pin`: run the kernel on one host CPU, `cpu` (default: the first this process may
-    use). In user-mode Linux, system calls are ptrace hand-offs between its host processes; left to
-    roam, the same 4,000 requests took 1.1 s or 3.4 s depending on where they landed,
-    pinned 1.0-1.1 s."""
+    use). In the user-mode Linux the lab used before, whose system calls were ptrace
+    hand-offs between host processes, the same 4,000 requests took 1.1 s or 3.4 s left to
+    roam, pinned 1.0-1.1 s."""
     Workload(services, endpoints)  # refuse an impossible size before booting
     args = ["--services", str(services), "--endpoints", str(endpoints), "--repeat", str(repeat),
             "--swaps", str(swaps), "--partials", str(partials)]

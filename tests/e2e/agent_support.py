@@ -185,7 +185,7 @@ BACKENDS = ("nft", "legacy")
 
 
 def iptables_save(lab: Lab, family: str = "4", backends: Sequence[str] = BACKENDS) -> str:
-    """The node namespace's rules, from both back ends (whichever the agent used)."""
+    """The node namespace's rules from `backends` (default both: whichever the agent used)."""
     out = []
     tool = "iptables" if family == "4" else "ip6tables"
     for backend in backends:

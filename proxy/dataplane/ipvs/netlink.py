@@ -231,7 +231,7 @@ class IpvsSocket(NetlinkSocket):
 
     def _resolve(self) -> int:
         body = GENL.pack(CTRL_CMD_GETFAMILY, 1, 0) + nla(CTRL_ATTR_FAMILY_NAME,
-                                                          IPVS_GENL_NAME + b"\0")
+                                                         IPVS_GENL_NAME + b"\0")
         seq = self._next()
         self._sock.send(frame(GENL_ID_CTRL, NLM_F_REQUEST | NLM_F_ACK, seq, body))
         found = None
