@@ -99,6 +99,7 @@ class Config:
     nodeport_addresses: tuple[IPNetwork, ...] = ()
     healthz_bind_address: tuple[str, int] = ("0.0.0.0", 10256)
     metrics_bind_address: tuple[str, int] = ("127.0.0.1", 10249)
+    debug_dump: bool = True  # /debug/dump on the metrics server (docs/security.md)
     healthz_threshold: float = 0.0  # 0: derived from the sync periods (see agent)
     service_proxy_name: str = ""
     ipvs_scheduler: str = "rr"
@@ -162,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="health check server (default 0.0.0.0:10256; port 0 disables)")
     add("--metrics-bind-address", metavar="IP:PORT",
         help="metrics and debug dump server (default 127.0.0.1:10249; port 0 disables)")
+    add("--debug-dump", metavar="BOOL", nargs="?", const="true",
+        help="sliceproxy only: serve /debug/dump (every service, endpoint and rule) on the "
+             "metrics server (default true; --debug-dump=false leaves /metrics alone)")
     add("--service-proxy-name", help="also proxy services labelled "
         "service.kubernetes.io/service-proxy-name with this value")
     add("--healthz-threshold", metavar="DURATION",
@@ -245,7 +249,7 @@ def from_values(values: dict[str, Any]) -> Config:
                     kw[dest] = parse_duration(str(value))
                 case "cluster_cidr" | "nodeport_addresses":
                     kw[dest] = _cidrs(value, flag)
-                case "masquerade_all" | "cleanup":
+                case "masquerade_all" | "cleanup" | "debug_dump":
                     kw[dest] = _bool(value)
                 case "no_uvloop":
                     kw["uvloop"] = not _bool(value)

@@ -3,7 +3,8 @@
 - health (default 0.0.0.0:10256): `/healthz` and `/livez`, kube-proxy's meaning and
   JSON body (see proxy/agent/health.py), for probes and cloud load balancers;
 - metrics (default 127.0.0.1:10249): `/metrics` (Prometheus text) and `/debug/dump`
-  (JSON; `?service=ns/name` narrows it). Local by default: the dump shows the cluster.
+  (JSON; `?service=ns/name` narrows it). Local by default: the dump shows the cluster;
+  `--debug-dump=false` turns the dump off and leaves /metrics (docs/security.md).
 """
 
 from __future__ import annotations
@@ -55,11 +56,17 @@ def health_app(health: ProxyHealth, metrics: AgentMetrics) -> web.Application:
     return app
 
 
-def metrics_app(metrics: AgentMetrics, source: DumpSource) -> web.Application:
+DUMP_DISABLED = "the debug dump is disabled (--debug-dump=false)"
+
+
+def metrics_app(metrics: AgentMetrics, source: DumpSource | None) -> web.Application:
+    """`source` None: /debug/dump answers 404 and says why (--debug-dump=false)."""
     async def serve_metrics(_: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def dump(request: web.Request) -> web.Response:
+        if source is None:
+            return web.json_response({"error": DUMP_DISABLED}, status=404)
         service = request.query.get("service") or None
         if service is not None and service.count("/") != 1:
             return web.json_response(

@@ -117,3 +117,20 @@ def test_iptables_applier_reaches_the_data_plane() -> None:
     options = dataplane_options(parse_args(["--hostname-override", "n",
                                             "--iptables-applier", "iptc"]))
     assert IptablesDataPlane(options, runners={}).applier == "iptc"
+
+
+def test_debug_dump_switch_as_go_bool_flags_take_it(tmp_path: Path) -> None:
+    base = ["--hostname-override", "n"]
+    assert parse_args(base).debug_dump is True  # on by default (on 127.0.0.1 only)
+    assert parse_args([*base, "--debug-dump=false"]).debug_dump is False
+    assert parse_args([*base, "--debug-dump", "0"]).debug_dump is False
+    assert parse_args([*base, "--debug-dump"]).debug_dump is True  # bare, as in Go
+    cfg = parse_args([*base, "--debug-dump=false"])
+    assert cfg.as_dict()["debug-dump"] is False
+    assert cfg.metrics_bind_address == ("127.0.0.1", 10249)  # /metrics stays
+    path = tmp_path / "c.yaml"
+    path.write_text("hostname-override: n\ndebug-dump: false\n")
+    assert parse_args(["--config", str(path)]).debug_dump is False
+    assert parse_args(["--config", str(path), "--debug-dump=true"]).debug_dump is True
+    with pytest.raises(ConfigError, match="--debug-dump: invalid value 'off'"):
+        parse_args([*base, "--debug-dump=off"])

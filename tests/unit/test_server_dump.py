@@ -17,7 +17,7 @@ from proxy.model.tracker import ClusterModel
 from proxy.model.types import ServicePortKey
 from proxy.model.view import service_port_view
 from proxy.server.dump import build_dump
-from proxy.server.http import metrics_app
+from proxy.server.http import DUMP_DISABLED, metrics_app
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -105,3 +105,18 @@ def test_keys_sort_by_service_then_port_then_family() -> None:
     order = [(s["service"], s["port"]) for s in doc["services"]]
     assert order == sorted(order)
     assert ServicePortKey("demo", "web", "http", 4) in model.state.ports  # type: ignore[arg-type]
+
+
+def test_dump_switched_off_answers_404_and_keeps_metrics() -> None:
+    async def go() -> None:
+        async with TestClient(TestServer(metrics_app(AgentMetrics(), None))) as client:
+            resp = await client.get("/debug/dump")
+            assert resp.status == 404
+            assert json.loads(await resp.text()) == {"error": DUMP_DISABLED}
+            assert "--debug-dump=false" in DUMP_DISABLED
+            resp = await client.get("/metrics")
+            assert resp.status == 200
+            assert "kubeproxy_sync_proxy_rules_duration_seconds" in await resp.text()
+
+    asyncio.run(go())
+
