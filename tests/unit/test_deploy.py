@@ -1,19 +1,26 @@
 """deploy/daemonset.yaml: what operators apply. Checked for structure, least privilege
-(exactly what the agent watches, read-only), the flags it passes, and by the real kubectl
-(`create --dry-run=client`) against the simulator."""
+(the ClusterRole grants exactly the requests the real agent makes, read-only; the
+container gets two capabilities and nothing else), the flags it passes, and by the real
+kubectl (`create --dry-run=client`) against the simulator. docs/security.md says why."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import re
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from proxy.config import parse_args
-from proxy.kube.resources import ENDPOINT_SLICES_V1, ENDPOINTS, NODES, SERVICES
+from proxy.agent.app import Agent
+from proxy.config import Config, parse_args
+from proxy.kube.client import ClientOptions, KubeApi, Response
 from proxy.sim import SimServer
+from tests.integration.agent_harness import FakeDataPlane
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = ROOT / "deploy" / "daemonset.yaml"
@@ -37,14 +44,121 @@ def test_kinds() -> None:
                                 "ClusterRoleBinding", "ConfigMap", "DaemonSet"}
 
 
-def test_cluster_role_is_read_only_and_exactly_what_the_agent_watches() -> None:
+Grant = tuple[str, str, str]  # (API group, resource, verb)
+
+
+def granted() -> set[Grant]:
     rules = documents()["ClusterRole"]["rules"]
-    granted = {(g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
-    watched = {(res.group_version.rpartition("/")[0], res.plural)
-               for res in (SERVICES, ENDPOINTS, NODES, ENDPOINT_SLICES_V1)}
-    assert granted == watched
     for rule in rules:
-        assert sorted(rule["verbs"]) == ["list", "watch"]
+        assert set(rule) == {"apiGroups", "resources", "verbs"}, \
+            "no resourceNames, nonResourceURLs or wildcards"
+    return {(g, r, v) for rule in rules for g in rule["apiGroups"]
+            for r in rule["resources"] for v in rule["verbs"]}
+
+
+class RecordingApi:
+    """The real client (connected on first use), recording every request it sends."""
+
+    def __init__(self, kubeconfig: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.inner: KubeApi | None = None
+        self.requests: list[tuple[str, dict[str, str]]] = []
+
+    @property
+    def host(self) -> str:
+        return self.inner.host if self.inner is not None else "?"
+
+    async def get(self, path: str, query: Mapping[str, str], timeout: float) -> Response:
+        if self.inner is None:
+            self.inner = await KubeApi.connect(ClientOptions(kubeconfig=str(self.kubeconfig)))
+        self.requests.append((path, dict(query)))
+        return await self.inner.get(path, query, timeout)
+
+    async def close(self) -> None:
+        if self.inner is not None:
+            await self.inner.close()
+
+
+def authorization(path: str, query: Mapping[str, str]) -> Grant | str:
+    """What RBAC checks for one GET: (group, resource, verb), or the non-resource path."""
+    parts = path.strip("/").split("/")
+    if parts[0] == "api":
+        group, rest = "", parts[2:]
+    elif parts[0] == "apis" and len(parts) > 3:
+        group, rest = parts[1], parts[3:]
+    else:
+        return path  # discovery: /apis/GROUP[/VERSION]
+    if rest[:1] == ["namespaces"] and len(rest) > 2:
+        rest = rest[2:]
+    assert len(rest) == 1, f"only collections are read, not single objects: {path}"
+    return group, rest[0], "watch" if query.get("watch") in ("1", "true") else "list"
+
+
+def shipped_config(tmp_path: Path, *extra: str) -> Config:
+    """The ConfigMap and args exactly as shipped; servers off (flags win over the file)."""
+    c = container()
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(documents()["ConfigMap"]["data"]["config.yaml"])
+    args = [a.replace("$(NODE_NAME)", "node-a")
+             .replace("/etc/sliceproxy/config.yaml", str(config_file)) for a in c["args"]]
+    return parse_args([*args, "--healthz-bind-address=127.0.0.1:0",
+                       "--metrics-bind-address=127.0.0.1:0", *extra])
+
+
+def requests_of_a_real_run(tmp_path: Path, *extra: str) -> list[tuple[str, dict[str, str]]]:
+    """Run the real agent (a fake data plane) against the simulator until every
+    resource it lists has its watch open; return the requests it sent."""
+    with SimServer() as sim:
+        api = RecordingApi(sim.write_kubeconfig(tmp_path / "kubeconfig"))
+        agent = Agent(shipped_config(tmp_path, *extra), api_factory=lambda: api,
+                      dataplane_factory=FakeDataPlane)
+
+        async def go() -> None:
+            stop = asyncio.Event()
+            run = asyncio.create_task(agent.run(stop))
+            async with asyncio.timeout(30):
+                while agent.watch is None or {p for p, q in api.requests if "watch" in q} \
+                        != {r.resource.path for r in agent.watch.reflectors}:
+                    assert not run.done(), run
+                    await asyncio.sleep(0.02)
+            stop.set()
+            await run
+
+        asyncio.run(go())
+    return api.requests
+
+
+def test_cluster_role_grants_exactly_what_the_agent_requests(tmp_path: Path) -> None:
+    requests = requests_of_a_real_run(tmp_path)
+    needed = {authorization(p, q) for p, q in requests}
+    resources = {n for n in needed if isinstance(n, tuple)}
+    # The API group discovery (which EndpointSlice version) is a non-resource URL that
+    # every authenticated client may GET (system:discovery): nothing to grant.
+    assert needed - resources == {"/apis/discovery.k8s.io"}
+    assert resources == granted()
+    assert {v for _, _, v in resources} == {"list", "watch"}
+    # Its own Node only, by field selector (RBAC cannot narrow a role that every node's
+    # pod shares to each node's own name).
+    node_queries = [q for p, q in requests if p == "/api/v1/nodes"]
+    assert node_queries and all(q.get("fieldSelector") == "metadata.name=node-a"
+                                for q in node_queries)
+
+
+def test_legacy_endpoints_need_exactly_the_one_resource_the_manifest_says_to_add(
+        tmp_path: Path) -> None:
+    requests = requests_of_a_real_run(tmp_path, "--endpoints-source=endpoints")
+    needed = {authorization(p, q) for p, q in requests}
+    slices = {g for g in granted() if g[1] == "endpointslices"}
+    assert needed == (granted() - slices) | {("", "endpoints", "list"),
+                                             ("", "endpoints", "watch")}
+    assert "add `endpoints` to the first rule's resources" in MANIFEST.read_text()
+
+
+def test_the_client_can_only_read() -> None:
+    """No Events, no status writes: the only HTTP method the client sends is GET."""
+    source = inspect.getsource(KubeApi)
+    assert re.findall(r'param_serialize\(\s*"(\w+)"', source) == ["GET"]
+    assert source.count("call_api(") == 1
 
 
 def test_binding_ties_the_role_to_the_daemonsets_service_account() -> None:
@@ -64,20 +178,55 @@ def test_pod_runs_on_every_node_in_the_host_network_with_just_enough_privilege()
     assert pod["priorityClassName"] == "system-node-critical"
     assert pod["tolerations"] == [{"operator": "Exists"}]
     assert ds["spec"]["updateStrategy"]["type"] == "RollingUpdate"
-    sec = container()["securityContext"]
-    assert sec["privileged"] is False and sec["allowPrivilegeEscalation"] is False
-    assert sec["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN", "NET_RAW"]}
     assert container()["resources"]["requests"]
 
 
-def test_mounts_xtables_lock_and_modules() -> None:
+def test_security_context_is_two_capabilities_and_nothing_else() -> None:
+    """docs/security.md, "The container": root (added capabilities reach only uid 0),
+    NET_ADMIN and NET_RAW, no privilege, no escalation, no writable root, seccomp on."""
+    assert container()["securityContext"] == {
+        "runAsUser": 0,
+        "privileged": False,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"], "add": ["NET_ADMIN", "NET_RAW"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    pod = documents()["DaemonSet"]["spec"]["template"]["spec"]
+    for shared in ("hostPID", "hostIPC", "shareProcessNamespace"):
+        assert shared not in pod
+    assert "securityContext" not in pod  # everything is said on the container
+    (c,) = pod["containers"]
+    assert "initContainers" not in pod and "sysctls" not in c
+
+
+def test_host_paths_are_only_the_xtables_lock() -> None:
+    """No /lib/modules: nothing in the container can load a module (no SYS_MODULE)."""
     pod = documents()["DaemonSet"]["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m for m in container()["volumeMounts"]}
-    lock = volumes[mounts["/run/xtables.lock"]["name"]]["hostPath"]
-    assert lock == {"path": "/run/xtables.lock", "type": "FileOrCreate"}
-    assert volumes[mounts["/lib/modules"]["name"]]["hostPath"]["path"] == "/lib/modules"
-    assert mounts["/lib/modules"]["readOnly"] is True
+    host = {path: volumes[m["name"]]["hostPath"] for path, m in mounts.items()
+            if "hostPath" in volumes[m["name"]]}
+    assert host == {"/run/xtables.lock": {"path": "/run/xtables.lock",
+                                          "type": "FileOrCreate"}}
+    for path, m in mounts.items():
+        if path != "/tmp" and "hostPath" not in volumes[m["name"]]:
+            assert m.get("readOnly") is True, path
+
+
+def test_namespace_admits_the_host_network_pod() -> None:
+    labels = documents()["Namespace"]["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+def test_debug_dump_and_metrics_stay_node_local(tmp_path: Path) -> None:
+    cfg = shipped_config(tmp_path)
+    config_text = documents()["ConfigMap"]["data"]["config.yaml"]
+    assert yaml.safe_load(config_text)["metrics-bind-address"] == "127.0.0.1:10249"
+    assert cfg.debug_dump is True  # the shipped default; `debug-dump: false` turns it off
+    assert "# debug-dump: false" in config_text
+    exposed = {p["containerPort"] for p in container()["ports"]}
+    assert exposed == {10256}
 
 
 def test_probes_hit_the_agents_health_server(tmp_path: Path) -> None:
