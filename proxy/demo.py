@@ -190,8 +190,8 @@ def ask_all(lab: Lab, dump: dict[str, Any], names: dict[str, str]) -> bool:
     for svc in dump["services"]:
         vip, port, proto = svc["cluster_ips"][0], svc["port_number"], svc["protocol"]
         label = f"{svc['service']}{':' + svc['port'] if svc['port'] else ''}"
-        chosen = svc["cluster_endpoints"] if svc["policies"]["uses_cluster_set"] else \
-            svc["local_endpoints"]
+        local = svc["policies"]["sets"]["cluster_ip"] == "local"
+        chosen = svc["local_endpoints"] if local else svc["cluster_endpoints"]
         want = {names[e.rsplit(":", 1)[0]] for e in chosen}
         got = lab.ask(lab.client_ns, vip, port, proto.lower(), count=ASKS, timeout=1.0)
         good = set(got) == want

@@ -8,6 +8,12 @@ One pure function, `categorize`, with upstream kube-proxy's meaning
 * local set (traffic policy Local): ready endpoints on this node, else serving-and-
   terminating ones on this node, else none (such traffic is dropped, never sent away).
 
+Which traffic uses which set (`traffic_uses`, `routes`): cluster-IP traffic follows
+internalTrafficPolicy; traffic from outside to a NodePort, externalIP or load-balancer
+IP follows externalTrafficPolicy; pods and the node itself reaching those external
+addresses use the cluster set whatever the policies (upstream's short-circuit), so an
+externally reachable port keeps a cluster set even when both policies are Local.
+
 Topology, in order of precedence (the first that is present decides):
 
 1. the `sliceproxy.io/topology-preference` annotation (ours): an ordered list of
@@ -28,9 +34,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from proxy.model.snapshot import EndpointSet, MergedEndpoint, SelectedEndpoint, Topology
-from proxy.model.types import LABEL_HOSTNAME, LABEL_ZONE, Service, ServicePort, TrafficPolicy
+from proxy.model.types import (
+    LABEL_HOSTNAME,
+    LABEL_ZONE,
+    Family,
+    Service,
+    ServicePort,
+    TrafficPolicy,
+)
 
 ANY = "*"
 _CLUSTER = frozenset({EndpointSet.CLUSTER})
@@ -55,30 +69,67 @@ class Selection:
     uses_local: bool
 
 
-def traffic_uses(service: Service, port: ServicePort) -> tuple[bool, bool]:
-    """(uses cluster set, uses local set), as upstream's UsesClusterEndpoints/UsesLocal."""
-    externally_accessible = bool(
-        port.node_port or service.load_balancer_ips or service.external_ips
-    )
-    external_local = (
-        externally_accessible and service.external_traffic_policy is TrafficPolicy.LOCAL
-    )
+def _externally_accessible(service: Service, port: ServicePort, family: Family | None) -> bool:
+    external = [*service.external_ips, *service.load_balancer_ips]
+    if family is not None:
+        external = [ip for ip in external if Family.of(ip) is family]
+    return bool(port.node_port or external)
+
+
+def traffic_uses(
+    service: Service, port: ServicePort, family: Family | None = None
+) -> tuple[bool, bool]:
+    """(uses cluster set, uses local set): upstream's UsesClusterEndpoints and
+    UsesLocalEndpoints (pkg/proxy/serviceport.go).
+
+    An externally reachable port keeps its cluster set even when both policies are
+    Local: pods and the node itself reaching its NodePort, externalIPs or load-balancer
+    IPs are short-circuited to the cluster set, as if they went out to a load balancer
+    and came back in. Like upstream, external reachability is judged per IP family
+    (`family`; None: any family's addresses count).
+    """
+    externally_accessible = _externally_accessible(service, port, family)
     internal_local = service.internal_traffic_policy is TrafficPolicy.LOCAL
-    uses_cluster = not internal_local or (externally_accessible and not external_local)
-    return uses_cluster, internal_local or external_local
+    external_local = service.external_traffic_policy is TrafficPolicy.LOCAL
+    uses_cluster = not internal_local or externally_accessible
+    uses_local = internal_local or (external_local and externally_accessible)
+    return uses_cluster, uses_local
+
+
+class Routes(NamedTuple):
+    """Which set each kind of traffic to a service port uses (None: no such traffic)."""
+
+    cluster_ip: EndpointSet
+    external: EndpointSet | None  # from outside, to NodePort / externalIPs / LB IPs
+    external_from_inside: EndpointSet | None  # from pods and this node, to the same
+
+
+def routes(service: Service, port: ServicePort, family: Family | None = None) -> Routes:
+    internal = (EndpointSet.LOCAL if service.internal_traffic_policy is TrafficPolicy.LOCAL
+                else EndpointSet.CLUSTER)
+    if not _externally_accessible(service, port, family):
+        return Routes(internal, None, None)
+    external = (EndpointSet.LOCAL if service.external_traffic_policy is TrafficPolicy.LOCAL
+                else EndpointSet.CLUSTER)
+    return Routes(internal, external, EndpointSet.CLUSTER)
 
 
 def categorize(
-    endpoints: Sequence[MergedEndpoint], service: Service, port: ServicePort, node: NodeView
+    endpoints: Sequence[MergedEndpoint],
+    service: Service,
+    port: ServicePort,
+    node: NodeView,
+    family: Family | None = None,
 ) -> Selection:
-    uses_cluster, uses_local = traffic_uses(service, port)
+    uses_cluster, uses_local = traffic_uses(service, port, family)
     ready = [ep for ep in endpoints if ep.ready]
     fallback = [ep for ep in endpoints if not ep.ready and ep.serving and ep.terminating]
 
     if uses_cluster:
         topology, keep = _choose_topology(service, ready, node)
     else:
-        topology = Topology("cluster", "none", "cluster set unused: every policy is Local")
+        topology = Topology("cluster", "none", "cluster set unused: internal policy Local, "
+                            "no external address")
         keep = _keep_all
     cluster_fallback = uses_cluster and not ready and bool(fallback)
 

@@ -213,7 +213,7 @@ class ClusterModel:
         group = self._by_service.get((key.namespace, key.name), {})
         slices = [sl for sls in group.values() for sl in sls]
         merged, conflicts = merge_port(slices, port.name, port.protocol, key.family)
-        sel = categorize(merged, service, port, self._node)
+        sel = categorize(merged, service, port, self._node, key.family)
         return ResolvedServicePort(
             key=key,
             service=service,

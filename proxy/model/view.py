@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.model.snapshot import EndpointSet, ResolvedServicePort, SelectedEndpoint
-from proxy.model.topology import NodeView
+from proxy.model.topology import NodeView, routes
 from proxy.model.types import Node, format_endpoint
 
 
@@ -32,6 +32,8 @@ def service_port_view(rsp: ResolvedServicePort) -> dict[str, Any]:
             "external": svc.external_traffic_policy.value,
             "uses_cluster_set": rsp.uses_cluster,
             "uses_local_set": rsp.uses_local,
+            # Which set each kind of traffic uses ("cluster", "local"; null: none such).
+            "sets": _sets(rsp),
         },
         "cluster_endpoints": sorted(str(ep) for ep in rsp.cluster_endpoints),
         "local_endpoints": sorted(str(ep) for ep in rsp.local_endpoints),
@@ -50,6 +52,16 @@ def service_port_view(rsp: ResolvedServicePort) -> dict[str, Any]:
             for c in rsp.conflicts
         ],
         "endpoints": [_endpoint_view(s) for s in rsp.endpoints],
+    }
+
+
+def _sets(rsp: ResolvedServicePort) -> dict[str, str | None]:
+    r = routes(rsp.service, rsp.port, rsp.key.family)
+    return {
+        "cluster_ip": r.cluster_ip.value,
+        "external": r.external.value if r.external else None,
+        "external_from_pods_and_node": (r.external_from_inside.value
+                                        if r.external_from_inside else None),
     }
 
 

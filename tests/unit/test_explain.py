@@ -128,3 +128,44 @@ def test_unreadable_input_fails_clearly(tmp_path: Path) -> None:
 def test_service_filter() -> None:
     out = json.loads(run_explain("examples/", "--service", "demo/web").stdout)
     assert {s["service"] for s in out["services"]} == {"demo/web"}
+
+
+def test_both_policies_local_keeps_the_cluster_set_for_pods_and_the_node() -> None:
+    # Upstream's short-circuit: with both policies Local, cluster-IP traffic and traffic
+    # from outside use only local endpoints (none here: dropped), but pods and the node
+    # reaching the NodePort still get the cluster set, so explain must list it.
+    text = json.dumps({"kind": "List", "items": [
+        node(),
+        service(type="NodePort", internalTrafficPolicy="Local", externalTrafficPolicy="Local",
+                ports=({"name": "http", "port": 80, "nodePort": 30080},)),
+        eps_slice("s1", [ep("198.18.1.1", node="node-b")]),
+    ]})
+    proc = run_explain(stdin=text)
+    assert proc.returncode == 0, proc.stderr
+    svc = entry(json.loads(proc.stdout), "ns/svc")
+    assert (svc["cluster_endpoints"], svc["local_endpoints"]) == (["198.18.1.1:8080"], [])
+    assert svc["policies"]["sets"] == {
+        "cluster_ip": "local", "external": "local", "external_from_pods_and_node": "cluster"}
+    assert svc["endpoints"][0]["reason"] == "cluster: ready; local: not on this node"
+
+
+def test_external_reachability_is_judged_per_family() -> None:
+    # An IPv4-only externalIP makes only the IPv4 port externally reachable (upstream
+    # filters externalIPs by family), so the IPv6 port with internal policy Local has no
+    # cluster set and no external traffic.
+    text = json.dumps({"kind": "List", "items": [
+        node(),
+        service(ips=("198.18.128.1", "fd00::10"), ipFamilies=["IPv4", "IPv6"],
+                ipFamilyPolicy="RequireDualStack", internalTrafficPolicy="Local",
+                externalIPs=["203.0.113.7"]),
+        eps_slice("s4", [ep("198.18.1.1", node="node-b")]),
+        eps_slice("s6", [ep("fd00::1:1", node="node-b")], address_type="IPv6"),
+    ]})
+    out = json.loads(run_explain(stdin=text).stdout)
+    by_family = {s["family"]: s for s in out["services"]}
+    assert by_family["IPv4"]["cluster_endpoints"] == ["198.18.1.1:8080"]
+    assert by_family["IPv4"]["policies"]["sets"]["external_from_pods_and_node"] == "cluster"
+    assert by_family["IPv6"]["cluster_endpoints"] == []
+    assert by_family["IPv6"]["policies"]["uses_cluster_set"] is False
+    assert by_family["IPv6"]["policies"]["sets"] == {
+        "cluster_ip": "local", "external": None, "external_from_pods_and_node": None}

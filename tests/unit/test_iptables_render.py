@@ -143,6 +143,73 @@ def test_local_external_policy_without_local_endpoint_drops_outside_traffic() ->
         "--src-type LOCAL -j <SVC>")
 
 
+BOTH_LOCAL = service(type="NodePort", internalTrafficPolicy="Local",
+                    externalTrafficPolicy="Local", externalIPs=["203.0.113.7"],
+                    ports=({"name": "http", "port": 80, "nodePort": 30080},))
+
+
+def test_both_policies_local_short_circuit_pods_and_the_node_to_the_cluster_chain() -> None:
+    # Upstream: cluster IP -> SVL; outside -> EXT -> SVL; pods and the node -> EXT -> SVC.
+    lines = pretty(resolve(BOTH_LOCAL, eps_slice("s1", [ep("198.18.1.10", node=NODE),
+                                                        ep("198.18.1.11", node="node-b")])))
+    assert [line for line in lines if "SPX-SERVICES" in line or "SPX-NODEPORTS" in line] == [
+        '-t nat -A SPX-SERVICES -d 198.18.128.1/32 -p tcp "ns/svc:http cluster IP" '
+        "-m tcp --dport 80 -j <SVL>",
+        '-t nat -A SPX-SERVICES -d 203.0.113.7/32 -p tcp "ns/svc:http external IP" '
+        "-m tcp --dport 80 -j <EXT>",
+        '-t nat -A SPX-NODEPORTS -p tcp "ns/svc:http" -m tcp --dport 30080 -j <EXT>',
+    ]
+    assert [line for line in lines if line.startswith("-t nat -A <EXT>")] == [
+        '-t nat -A <EXT> -s 198.18.1.0/24 "pod traffic for ns/svc:http external destinations" '
+        "-j <SVC>",
+        '-t nat -A <EXT> "masquerade LOCAL traffic for ns/svc:http external destinations" '
+        "-m addrtype --src-type LOCAL -j SPX-MARK-MASQ",
+        '-t nat -A <EXT> "route LOCAL traffic for ns/svc:http external destinations" '
+        "-m addrtype --src-type LOCAL -j <SVC>",
+        "-t nat -A <EXT> -j <SVL>",
+    ]
+    assert [line for line in lines if line.startswith("-t nat -A <SVC>")] == [
+        '-t nat -A <SVC> "ns/svc:http -> 198.18.1.10:8080" -m statistic --mode random '
+        f"--probability {probability(2)} -j <SEP 198.18.1.10:8080>",
+        '-t nat -A <SVC> "ns/svc:http -> 198.18.1.11:8080" -j <SEP 198.18.1.11:8080>',
+    ]
+    # The cluster-IP masquerade rule belongs to the internal chain, here the Local one.
+    assert [line for line in lines if line.startswith("-t nat -A <SVL>")] == [
+        '-t nat -A <SVL> ! -s 198.18.1.0/24 -d 198.18.128.1/32 -p tcp '
+        '"ns/svc:http cluster IP" -m tcp --dport 80 -j SPX-MARK-MASQ',
+        '-t nat -A <SVL> "ns/svc:http -> 198.18.1.10:8080" -j <SEP 198.18.1.10:8080>',
+    ]
+    assert not [line for line in lines if line.startswith("-t filter")]
+
+
+def test_both_policies_local_without_local_endpoint_drops_only_what_is_not_short_circuited(
+) -> None:
+    lines = pretty(resolve(BOTH_LOCAL, eps_slice("s1", [ep("198.18.1.11", node="node-b")])))
+    # Cluster-IP traffic and traffic from outside are dropped, in filter (after nat has
+    # DNATed whatever the EXT chain short-circuited), not rejected: endpoints exist.
+    assert [line for line in lines if line.startswith("-t filter")] == [
+        '-t filter -A SPX-SERVICES -d 198.18.128.1/32 -p tcp '
+        '"ns/svc:http has no local endpoints" -m tcp --dport 80 -j DROP',
+        '-t filter -A SPX-EXTERNAL-SERVICES -d 203.0.113.7/32 -p tcp '
+        '"ns/svc:http has no local endpoints" -m tcp --dport 80 -j DROP',
+        '-t filter -A SPX-EXTERNAL-SERVICES -p tcp "ns/svc:http has no local endpoints" '
+        "-m addrtype --dst-type LOCAL -m tcp --dport 30080 -j DROP",
+    ]
+    # Pods and the node still reach node-b's endpoint through the external addresses.
+    assert [line for line in lines if line.startswith("-t nat -A <EXT>")] == [
+        '-t nat -A <EXT> -s 198.18.1.0/24 "pod traffic for ns/svc:http external destinations" '
+        "-j <SVC>",
+        '-t nat -A <EXT> "masquerade LOCAL traffic for ns/svc:http external destinations" '
+        "-m addrtype --src-type LOCAL -j SPX-MARK-MASQ",
+        '-t nat -A <EXT> "route LOCAL traffic for ns/svc:http external destinations" '
+        "-m addrtype --src-type LOCAL -j <SVC>",
+    ]
+    assert [line for line in lines if line.startswith("-t nat -A <SVC>")] == [
+        '-t nat -A <SVC> "ns/svc:http -> 198.18.1.11:8080" -j <SEP 198.18.1.11:8080>']
+    assert "-t nat -N <SVL>" not in lines
+    assert not [line for line in lines if line.endswith("-j <SVL>")]
+
+
 def test_internal_local_policy_without_local_endpoint_drops_cluster_ip_traffic() -> None:
     rsp = resolve(service(internalTrafficPolicy="Local"),
                   eps_slice("s1", [ep("198.18.1.11", node="node-b")]))

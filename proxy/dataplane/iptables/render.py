@@ -19,10 +19,12 @@ prefix so sliceproxy never touches kube-proxy's or a CNI's chains:
 Every rule is written exactly as `iptables-save` prints it back (both back ends print
 the same), so what we think we applied can be compared with the kernel line by line.
 
-Differences from upstream, on purpose:
-- When the cluster set is unused (internal and external policy both Local: our model
-  selects no cluster endpoints then), pod and host traffic to external addresses is not
-  short-circuited to the Cluster chain (there is none); it follows the Local policy.
+External traffic with policy Local goes SPX-EXT -> SPX-SVL, except traffic from pods
+(the first --cluster-cidr of the family) and from the node itself (masqueraded), which
+is short-circuited to SPX-SVC whatever the policies, as upstream: the model keeps a
+cluster set for every externally reachable port, even with both policies Local.
+
+Differences from upstream, on purpose (docs/upstream-differences.md says why):
 - `--cluster-cidr` may list several CIDRs; per family the first one is the "local"
   detector (upstream takes exactly one per family).
 - NodePorts on loopback addresses are never served (upstream's --iptables-localhost-
@@ -387,7 +389,8 @@ def _external_rules(name: str, ctx: RenderContext, external_local: bool, svc_cha
                      f"-j {MARK_MASQ}")
     else:
         # Pods going to an external address act as if they went out and came back in:
-        # neither traffic policy applies (upstream's short-circuit), given a Cluster chain.
+        # neither traffic policy applies (upstream's short-circuit). svc_chain is None
+        # only when no endpoint is usable anywhere, and then there is no EXT chain.
         if ctx.local_cidr is not None and svc_chain:
             rules.append(f"-s {ctx.local_cidr} "
                          f"{comment(f'pod traffic for {name} external destinations')} "
