@@ -98,6 +98,14 @@ class AgentMetrics:
         self.conntrack_cleared = Counter(
             "sliceproxy_conntrack_entries_cleared",
             "Stale UDP/SCTP conntrack entries cleared after syncs", registry=r)
+        self.drift_checks = Counter(
+            "sliceproxy_rules_drift_checks",
+            "Checks of our rules after another process changed the tables they live in",
+            registry=r)
+        self.drift_repairs = Counter(
+            "sliceproxy_rules_drift_repairs",
+            "Full syncs run because another process had changed or removed our rules",
+            registry=r)
         self.first_sync = Gauge(
             "sliceproxy_first_sync_seconds",
             "Seconds from process start to the first successful sync", registry=r)

@@ -243,6 +243,18 @@ class Agent:
                  extra={"service_ports_dirty": len(self.model.dirty),
                         "since_start": f"{self.clock() - self.started_at:.3f}s"})
         self.runner.start()
+        await self._watch_drift()
+
+    async def _watch_drift(self) -> None:
+        """Let the data plane tell the runner when another process changed our rules."""
+        assert self.dataplane is not None and self.runner is not None
+        dataplane, notify = self.dataplane, self.runner.suspect_drift
+        try:
+            await self.worker.call(lambda: dataplane.watch_drift(notify))
+        except Exception:  # the full resync still repairs: never fatal
+            log.exception("cannot watch for changes to our rules by other processes; "
+                          "they are repaired at the next full sync only",
+                          extra={"mode": dataplane.mode})
 
     async def shutdown(self) -> None:
         log.info("stopping; the rules stay in place")

@@ -36,6 +36,10 @@ HISTORY = 32  # syncs kept for /debug/dump
 CHANGED_SHOWN = 25  # service ports listed per sync record; the rest are counted
 RETRY_MAX = 30.0
 HOUSEKEEPING_INTERVAL = 10.0
+# After a report of a foreign change, wait this long for the rest of it (a firewall
+# script is many commands) before reading our rules back: one check, not one per command.
+DRIFT_SETTLE = 0.1
+DRIFT_REASONS_KEPT = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +118,9 @@ class SyncRunner:
         self._failures = 0
         self.initialized = False
         self.syncs = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drift_reasons: list[str] = []  # reports of foreign changes not yet checked
+        self._drift_due: float | None = None
 
     # --- inputs ----------------------------------------------------------------------
 
@@ -136,10 +143,26 @@ class SyncRunner:
         self.schedule.request(Trigger.INITIAL)
         self._wake.set()
 
+    def suspect_drift(self, reason: str) -> None:
+        """Another process may have changed our rules (the data plane's watcher says so,
+        from its own thread): check them soon, and repair them if it did."""
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closing
+                loop.call_soon_threadsafe(self._suspected, reason)
+
+    def _suspected(self, reason: str) -> None:
+        if len(self._drift_reasons) < DRIFT_REASONS_KEPT:
+            self._drift_reasons.append(reason)
+        if self._drift_due is None:
+            self._drift_due = self._clock() + DRIFT_SETTLE
+        self._wake.set()
+
     # --- the loop --------------------------------------------------------------------
 
     async def run(self) -> None:
         """Sync whenever due, until cancelled."""
+        self._loop = asyncio.get_running_loop()
         next_housekeeping = self._clock() + self.housekeeping_interval
         while True:
             self._wake.clear()
@@ -147,6 +170,9 @@ class SyncRunner:
             trigger = self.schedule.start(now) if self.initialized else None
             if trigger is not None:
                 await self._sync(trigger)
+                continue
+            if self.initialized and self._drift_due is not None and now >= self._drift_due:
+                await self._check_drift()
                 continue
             if self.initialized and now >= next_housekeeping:
                 await self._housekeeping()
@@ -156,9 +182,35 @@ class SyncRunner:
             timeout = next_housekeeping - now
             if due is not None:
                 timeout = min(timeout, due - now)
+            if self._drift_due is not None:
+                timeout = min(timeout, self._drift_due - now)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, timeout)):
                     await self._wake.wait()
+
+    async def _check_drift(self) -> None:
+        reasons, self._drift_reasons, self._drift_due = self._drift_reasons, [], None
+        if self._need_full:
+            return  # the next sync rewrites everything anyway
+        self.metrics.drift_checks.inc()
+        try:
+            found = await self.worker.call(self.dataplane.check_drift)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("checking our rules after a foreign change failed",
+                          extra={"mode": self.dataplane.mode, "change": reasons})
+            return
+        if not found:
+            log.log(V(2), "our rules are intact after a change by another process",
+                    extra={"change": reasons})
+            return
+        self.metrics.drift_repairs.inc()
+        self._need_full = True
+        self.schedule.request(Trigger.DRIFT)
+        log.warning("another process changed our rules; rewriting them with a full sync",
+                    extra={"mode": self.dataplane.mode, "change": reasons,
+                           "differences": found})
 
     async def _housekeeping(self) -> None:
         try:

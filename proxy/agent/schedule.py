@@ -24,6 +24,7 @@ class Trigger(enum.Enum):
     CHANGE = "change"  # something in the cluster changed
     PERIODIC = "periodic"  # --sync-period passed without a sync
     RETRY = "retry"  # the previous sync failed
+    DRIFT = "drift"  # another process changed our rules: rewrite them all
 
 
 class SyncSchedule:

@@ -13,7 +13,7 @@ because the next sync still compares against what is really in the kernel's rule
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -95,6 +95,17 @@ class DataPlane(Protocol):
 
     def housekeeping(self) -> None:
         """Periodic work between syncs (IPVS: delete drained real servers). Cheap."""
+        ...
+
+    def watch_drift(self, notify: Callable[[str], None]) -> None:
+        """Start noticing changes to our rules made by other processes: `notify(reason)`,
+        from any thread, when one may have happened. A data plane that cannot notice
+        does nothing (its full resync still repairs)."""
+        ...
+
+    def check_drift(self) -> list[str]:
+        """How the kernel differs from what was last applied ([] when it does not); the
+        next sync repairs it when it does. Blocking, as `sync`."""
         ...
 
     def cleanup(self) -> None:

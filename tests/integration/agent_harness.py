@@ -38,6 +38,11 @@ class FakeDataPlane:
     housekept: int = 0
     closed: bool = False
     cleaned: bool = False
+    # Drift: what the next check_drift reports, the agent's notify callback once it
+    # asked, and how many checks it made.
+    drift: list[str] = field(default_factory=list)
+    notify: Callable[[str], None] | None = None
+    drift_checks: int = 0
     _applied: DesiredState | None = None
 
     def __post_init__(self) -> None:
@@ -79,6 +84,15 @@ class FakeDataPlane:
     def housekeeping(self) -> None:
         self.threads.add(threading.get_ident())
         self.housekept += 1
+
+    def watch_drift(self, notify: Callable[[str], None]) -> None:
+        self.notify = notify
+
+    def check_drift(self) -> list[str]:
+        """What a test put in `drift` (someone else's change), once."""
+        self.drift_checks += 1
+        found, self.drift = self.drift, []
+        return found
 
     def cleanup(self) -> None:
         self.cleaned = True

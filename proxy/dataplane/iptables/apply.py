@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from proxy.dataplane import conntrack
 from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
+from proxy.dataplane.iptables.drift_watch import LegacyCanary, NftablesListener, Notify
 from proxy.dataplane.iptables.render import (
     RenderContext,
     context_for,
@@ -42,7 +44,9 @@ from proxy.dataplane.iptables.runner import (
     RestoreError,
     RunnerError,
     binary,
+    started_here,
 )
+from proxy.dataplane.nftables_probe import NFPROTO
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
 from proxy.model.types import Family, IPAddress, ServicePortKey
 
@@ -138,6 +142,10 @@ class IptablesDataPlane:
                     "family": family.label, "binary": runner.restore_cmd})
         self.backend = backend
         self.failures = 0  # applies refused since start (a metric's source)
+        # Held while we write, so the legacy canary never reports our own restores.
+        self._writing = threading.Lock()
+        self._watch: NftablesListener | LegacyCanary | None = None
+        self.canary_interval = 2.0
 
     def _runner(self, family: Family, backend: Backend | None, lock_wait: float) -> Runner:
         runner = IptablesRunner(family, backend, lock_wait)
@@ -182,8 +190,13 @@ class IptablesDataPlane:
                     texts = [text] if text else []
                 render_seconds = time.perf_counter() - started
                 started = time.perf_counter()
-                for text in texts:
-                    self._apply(fam, text, is_full)
+                with self._writing:
+                    try:
+                        for text in texts:
+                            self._apply(fam, text, is_full)
+                    finally:
+                        if isinstance(self._watch, LegacyCanary):
+                            self._watch.rebaseline()
             except ApplyError as exc:
                 # The other family may still be fine: finish it, then report this one.
                 failure = failure or exc
@@ -285,6 +298,53 @@ class IptablesDataPlane:
     def housekeeping(self) -> None:
         """Nothing to do between syncs for iptables."""
 
+    # --- drift: someone else changed our rules ----------------------------------------------
+
+    def watch_drift(self, notify: Notify) -> None:
+        """Call `notify(reason)` (from another thread) whenever someone else may have
+        changed the tables our rules are in: announced by nf_tables, or seen by the
+        legacy canary (see drift_watch). Then `check_drift` tells whether they did."""
+        if self._injected or self._watch is not None or not self._families:
+            return
+        tables = ("nat", "filter")
+        if self.backend is Backend.NFT:
+            self._watch = NftablesListener(
+                {(NFPROTO[f], t) for f in self._families for t in tables}, started_here,
+                notify)
+        else:
+            self._watch = LegacyCanary([(f, t) for f in self._families for t in tables],
+                                       notify, self._writing, self.canary_interval)
+            with self._writing:
+                self._watch.rebaseline()
+        self._watch.start()
+        log.info("watching for changes to our rules by other processes", extra={
+            "backend": self.backend.value if self.backend else None,
+            "how": "nf_tables announcements" if self.backend is Backend.NFT
+                   else f"legacy table summaries every {self.canary_interval:g}s"})
+
+    def check_drift(self) -> list[str]:
+        """How our rules in the kernel differ from what we last applied ([] when they
+        agree); a family that differs is rewritten whole at the next sync."""
+        found: list[str] = []
+        for family, fam in self._families.items():
+            if fam.ruleset is None:
+                continue  # its next sync is full already
+            with self._writing:
+                try:
+                    kernel = parse_save(fam.runner.save())
+                except RunnerError as exc:
+                    found.append(f"{family.label}: our rules could not be read: {exc}")
+                    fam.ruleset = None
+                    continue
+                finally:
+                    if isinstance(self._watch, LegacyCanary):
+                        self._watch.rebaseline()
+            differences = fam.ruleset.differences(kernel)
+            if differences:
+                fam.ruleset = None
+                found += [f"{family.label}: {d}" for d in differences]
+        return found
+
     def cleanup(self) -> None:
         """Remove every chain of ours, and every rule jumping to one, in both back ends
         (a host may have switched since we last ran); nothing else."""
@@ -312,4 +372,7 @@ class IptablesDataPlane:
                 and shutil.which(binary(family, backend, "restore"))]
 
     def close(self) -> None:
-        """Nothing held open: runners are processes, netlink sockets are per call."""
+        """Stop watching for drift; runners are processes, netlink sockets are per call."""
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None

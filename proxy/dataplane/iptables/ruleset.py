@@ -167,6 +167,43 @@ class Ruleset:
     def rule_count(self) -> int:
         return sum(len(rules) for rules in self.chains().values()) + len(self.base.jumps)
 
+    # --- drift ------------------------------------------------------------------------------
+
+    def differences(self, kernel: Saved, limit: int = 5) -> list[str]:
+        """How the kernel's copy of our rules (`parse_save` with our rules) differs from
+        this ruleset: chains missing or of another length, chains of ours nobody wants,
+        jumps from the built-in chains missing or out of order. [] when they agree.
+
+        Counts, not text: iptables-save prints a rule in its own canonical form, which
+        need not be the text we wrote, and what a foreign process does (flush a table or
+        a chain, delete one, reload a firewall) always changes a count. At most `limit`
+        differences are described, then how many more there were."""
+        found: list[str] = []
+        for (table, chain), specs in self.chains().items():
+            have = kernel.get(table, {}).get(chain)
+            if have is None:
+                found.append(f"{table.value} chain {chain} is missing")
+            elif len(have) != len(specs):
+                found.append(f"{table.value} chain {chain} holds {len(have)} rules, "
+                             f"we wrote {len(specs)}")
+        wanted = self.chains().keys()
+        for table in TABLE_ORDER:
+            found += [f"{table.value} chain {chain} is not in our rules"
+                      for chain in kernel.get(table, {})
+                      if ours(chain) and (table, chain) not in wanted]
+        jumps: dict[tuple[Table, str], list[str | None]] = {}
+        for table, chain, spec in self.base.jumps:
+            jumps.setdefault((table, chain), []).append(target_of(spec))
+        for (table, chain), targets in jumps.items():
+            present = [t for t in map(target_of, kernel.get(table, {}).get(chain, []))
+                       if ours(t or "")]
+            if present != targets:
+                found.append(f"{table.value} {chain} jumps to {present or 'none of ours'}, "
+                             f"we wrote {targets}")
+        if len(found) > limit:
+            found = [*found[:limit], f"and {len(found) - limit} more"]
+        return found
+
     # --- full sync --------------------------------------------------------------------------
 
     def full_restore(self, kernel: Saved,

@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import re
 import shutil
 import subprocess
+import threading
+from collections import deque
 
 from proxy.dataplane.nftables_probe import nat_unsupported
 from proxy.model.types import Family
@@ -44,6 +47,35 @@ _KUBELET_CHAINS = re.compile(r"^:(KUBE-IPTABLES-HINT|KUBE-KUBELET-CANARY) ", re.
 # "iptables-restore: line 4 failed" (either back end) or, for errors found while
 # parsing a rule, "Error occurred at line: 3".
 _FAILED_LINE = re.compile(r"line:? (\d+)(?: failed)?")
+
+
+# The restores we ran lately, by process id: the nf_tables listener
+# (proxy/dataplane/iptables/drift_watch.py) tells our own commits from anyone else's.
+_children: deque[int] = deque(maxlen=256)
+_children_lock = threading.Lock()
+
+
+def started_here(pid: int) -> bool:
+    """`pid` is this process or one of its recent iptables-restore children."""
+    if pid == os.getpid():
+        return True
+    with _children_lock:
+        return pid in _children
+
+
+def _restore_process(cmd: list[str], text: str) -> subprocess.CompletedProcess[str]:
+    """subprocess.run(cmd, input=text), noting the child's pid before it commits."""
+    with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        with _children_lock:
+            _children.append(proc.pid)
+        try:
+            out, err = proc.communicate(text, timeout=RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 class Backend(enum.Enum):
@@ -165,8 +197,7 @@ class IptablesRunner:
         if counters:
             cmd.append("--counters")
         try:
-            result = subprocess.run(cmd, input=text, capture_output=True, text=True,
-                                    timeout=RUN_TIMEOUT, check=False)
+            result = _restore_process(cmd, text)
         except (OSError, subprocess.SubprocessError) as exc:
             raise RestoreError(f"{self.restore_cmd}: {exc}") from exc
         if result.returncode != 0:

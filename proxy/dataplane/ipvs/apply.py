@@ -274,6 +274,12 @@ class IpvsDataPlane:
             self._need_full = True
             self.failed_operations += len(run.failures)
 
+    def watch_drift(self, notify: Callable[[str], None]) -> None:
+        """Not yet: IPVS state is repaired by the full resync (--sync-period)."""
+
+    def check_drift(self) -> list[str]:
+        return []
+
     def cleanup(self) -> None:
         h = self._handles()
         run = _Run()
