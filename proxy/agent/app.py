@@ -151,7 +151,8 @@ class Agent:
         cfg = self.config
         for (host, port), app, what in (
             (cfg.healthz_bind_address, health_app(self.health, self.metrics), "healthz"),
-            (cfg.metrics_bind_address, metrics_app(self.metrics, self), "metrics"),
+            (cfg.metrics_bind_address,
+             metrics_app(self.metrics, self if cfg.debug_dump else None), "metrics"),
         ):
             if port == 0:
                 log.info("%s server disabled (port 0)", what)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.explain import explain
@@ -120,3 +121,34 @@ def test_dump_switched_off_answers_404_and_keeps_metrics() -> None:
 
     asyncio.run(go())
 
+
+def test_agent_serves_the_dump_only_when_the_flag_allows() -> None:
+    """The agent's own wiring: --debug-dump=false reaches the metrics server."""
+    import socket
+
+    from proxy.agent.app import Agent
+    from proxy.config import parse_args
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+            return port
+
+    async def status(flag: str) -> int:
+        port = free_port()
+        agent = Agent(parse_args(["--hostname-override", "node-a", flag,
+                                  "--healthz-bind-address", "127.0.0.1:0",
+                                  "--metrics-bind-address", f"127.0.0.1:{port}"]))
+        try:
+            await agent._start_http()
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                    assert resp.status == 200
+                async with session.get(f"http://127.0.0.1:{port}/debug/dump") as resp:
+                    return resp.status
+        finally:
+            await agent.shutdown()
+
+    assert asyncio.run(status("--debug-dump=false")) == 404
+    assert asyncio.run(status("--debug-dump=true")) == 200
