@@ -144,6 +144,30 @@ def test_internal_traffic_policy_local_reaches_only_local_backends(
     assert lab.ask(lab.node_ns, VIP4, 80, count=2, timeout=0.5) == {"timeout": 2}
 
 
+def test_both_policies_local_short_circuit_the_node_to_the_cluster_set(
+        lab: Lab, plane: NodePlane) -> None:
+    # Upstream's short-circuit: the node reaching a service's NodePort or externalIP is
+    # sent to the cluster set even with both traffic policies Local.
+    cluster = Cluster()
+    obj = svc(type="NodePort", externalIPs=[EXTERNAL_IP], internalTrafficPolicy="Local",
+              externalTrafficPolicy="Local",
+              ports=({"name": "http", "port": 80, "nodePort": 30080}, PORTS[1]))
+    plane.sync(cluster.become(obj, endpoints(lab, "web-4")), full=True)  # node-b only
+    # From outside, and to the cluster IP: no local endpoint, dropped (not refused).
+    assert lab.ask(lab.client_ns, lab.node_ip4, 30080, count=2, timeout=0.5) == {"timeout": 2}
+    assert lab.ask(lab.client_ns, EXTERNAL_IP, 80, count=2, timeout=0.5) == {"timeout": 2}
+    assert lab.ask(lab.node_ns, VIP4, 80, count=2, timeout=0.5) == {"timeout": 2}
+    # The node itself, to the external addresses: the cluster set.
+    assert lab.ask(lab.node_ns, lab.node_ip4, 30080, count=10) == {"web-4": 10}
+    assert lab.ask(lab.node_ns, EXTERNAL_IP, 80, count=10) == {"web-4": 10}
+    # With a local endpoint, outside and cluster-IP traffic use only it; the node still
+    # gets the whole cluster set at the external addresses.
+    plane.sync(cluster.become(obj, endpoints(lab, "web-1", "web-4")))
+    assert lab.ask(lab.client_ns, lab.node_ip4, 30080, count=20) == {"web-1": 20}
+    assert lab.ask(lab.node_ns, VIP4, 80, count=20) == {"web-1": 20}
+    assert set(lab.ask(lab.node_ns, lab.node_ip4, 30080, count=40)) == {"web-1", "web-4"}
+
+
 def test_terminating_serving_endpoints_only_when_nothing_is_ready(
         lab: Lab, plane: NodePlane) -> None:
     cluster = Cluster()

@@ -39,6 +39,8 @@ def test_ipv4_rules_with_cluster_cidrs_golden() -> None:
         "-A SPX-IPVS-CLUSTER-IP -j SPX-IPVS-MARK-MASQ",
         "-A SPX-IPVS-SERVICES -m set --match-set SPX-IPVS4-EXT-MASQ dst,dst "
         "-j SPX-IPVS-MARK-MASQ",
+        "-A SPX-IPVS-SERVICES -m set --match-set SPX-IPVS4-INSIDE-ONLY dst,dst "
+        "-m addrtype --src-type LOCAL -j SPX-IPVS-MARK-MASQ",
         "-A SPX-IPVS-MARK-MASQ -j MARK --or-mark 0x4000",
         "-A SPX-IPVS-POSTROUTING -m set --match-set SPX-IPVS4-LOOPBACK dst,dst,src "
         "-j MASQUERADE",
@@ -48,12 +50,20 @@ def test_ipv4_rules_with_cluster_cidrs_golden() -> None:
     ]
     assert rules["filter"] == [
         "-A SPX-IPVS-INPUT -m set --match-set SPX-IPVS4-DROP dst,dst -j DROP",
+        "-A SPX-IPVS-INPUT -m set --match-set SPX-IPVS4-INSIDE-ONLY dst,dst "
+        "-j SPX-IPVS-INSIDE-ONLY",
         "-A SPX-IPVS-INPUT -m set --match-set SPX-IPVS4-FW dst,dst -j SPX-IPVS-SOURCE-RANGES",
         "-A SPX-IPVS-INPUT -m conntrack --ctstate NEW -m set --match-set SPX-IPVS4-VIPS dst "
         "-m set ! --match-set SPX-IPVS4-SERVICES dst,dst -j REJECT",
         "-A SPX-IPVS-SOURCE-RANGES -m set --match-set SPX-IPVS4-FW-ALLOW dst,dst,src "
         "-j RETURN",
         "-A SPX-IPVS-SOURCE-RANGES -j DROP",
+        # External addresses with policy Local and no local endpoint: pods and the node
+        # pass (upstream's short-circuit), everyone else is dropped.
+        "-A SPX-IPVS-INSIDE-ONLY -s 198.18.1.0/24 -j RETURN",
+        "-A SPX-IPVS-INSIDE-ONLY -s 198.18.64.0/18 -j RETURN",
+        "-A SPX-IPVS-INSIDE-ONLY -m addrtype --src-type LOCAL -j RETURN",
+        "-A SPX-IPVS-INSIDE-ONLY -j DROP",
         "-A SPX-IPVS-FORWARD -m mark --mark 0x4000/0x4000 -j ACCEPT",
         "-A SPX-IPVS-FORWARD -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
     ]
@@ -72,6 +82,16 @@ def test_cluster_ip_masquerade_variants() -> None:
     bare = iptables_rules(Family.V4, DataplaneOptions(node_name="n"))["nat"]
     assert ("-A SPX-IPVS-SERVICES -m set --match-set SPX-IPVS4-CLUSTER-IP src,dst "
             "-j SPX-IPVS-MARK-MASQ") in bare
+
+
+def test_without_a_cluster_cidr_only_the_node_passes_inside_only_addresses() -> None:
+    # Pods cannot be told from the outside then: dropped, as upstream's iptables mode
+    # drops them without a local-traffic detector; the node's own traffic still passes.
+    filt = iptables_rules(Family.V4, DataplaneOptions(node_name="n"))["filter"]
+    assert [r for r in filt if r.startswith("-A SPX-IPVS-INSIDE-ONLY")] == [
+        "-A SPX-IPVS-INSIDE-ONLY -m addrtype --src-type LOCAL -j RETURN",
+        "-A SPX-IPVS-INSIDE-ONLY -j DROP",
+    ]
 
 
 def test_restore_adds_each_jump_once_and_cleanup_removes_everything() -> None:

@@ -156,27 +156,76 @@ def test_ipset_nets_split_only_the_whole_space() -> None:
     assert [str(n) for n in ipset_nets(ip_network("198.18.0.0/15"))] == ["198.18.0.0/15"]
 
 
-def test_local_policy_without_local_endpoints_drops_and_without_any_refuses() -> None:
+def test_local_policy_without_local_endpoints_serves_only_pods_and_the_node() -> None:
+    # As upstream's IPVS mode, the NodePort falls back to the cluster set; unlike it,
+    # traffic from outside is dropped by the filter (INSIDE-ONLY), as upstream's
+    # iptables mode drops what its EXT chain did not short-circuit.
     spec = {"type": "NodePort", "externalTrafficPolicy": "Local"}
     ports = (dict(HTTP, nodePort=30080),)
     rsp = resolve_one(service(ports=ports, **spec),
                       eps_slice("s1", [ep("198.18.1.11", node="node-b")]), node())
     rules = render_port(rsp, ctx())
     np = vss(rules)["TCP 198.18.0.1:30080"]
-    assert (np.real_servers, np.drop) == ((), True)
-    assert entries(rules, SetRole.DROP) == ["198.18.0.1,tcp:30080", "198.18.1.1,tcp:30080"]
-    assert describe_vs(np) == ["TCP 198.18.0.1:30080 rr -> (dropped: policy Local and no "
-                               "local endpoint)"]
-    assert "drop 198.18.0.1,tcp:30080 (traffic policy Local, no local endpoint)" in \
-        describe_entries(rules)
-    # The cluster IP (internal policy Cluster) still reaches the remote endpoint.
+    assert ([str(r) for r in np.real_servers], np.endpoint_set, np.drop, np.inside_only) == (
+        ["198.18.1.11:8080"], "cluster", False, True)
+    assert entries(rules, SetRole.INSIDE_ONLY) == ["198.18.0.1,tcp:30080",
+                                                   "198.18.1.1,tcp:30080"]
+    assert entries(rules, SetRole.DROP) == []
+    assert entries(rules, SetRole.EXTERNAL_MASQ) == []  # outside traffic is not forwarded
+    assert describe_vs(np) == [
+        "TCP 198.18.0.1:30080 rr -> 198.18.1.11:8080 weight 1 "
+        "(pods and this node only: policy Local, no local endpoint)"]
+    assert ("drop 198.18.0.1,tcp:30080 from outside the cluster CIDRs (traffic policy Local, "
+            "no local endpoint; pods and this node, masqueraded, use the cluster set)"
+            ) in describe_entries(rules)
+    # The cluster IP (internal policy Cluster) reaches the remote endpoint as usual.
     assert vss(rules)["TCP 198.18.128.1:80"].real_servers
 
+    # A local endpoint appears: the NodePort serves only it, for everyone.
+    rsp = resolve_one(service(ports=ports, **spec), node(), eps_slice(
+        "s1", [ep("198.18.1.10", node="node-a"), ep("198.18.1.11", node="node-b")]))
+    rules = render_port(rsp, ctx())
+    np = vss(rules)["TCP 198.18.0.1:30080"]
+    assert ([str(r) for r in np.real_servers], np.endpoint_set, np.inside_only) == (
+        ["198.18.1.10:8080"], "local", False)
+    assert entries(rules, SetRole.INSIDE_ONLY) == []
+
+    # No endpoint anywhere: an empty virtual server, which refuses.
     rsp = resolve_one(service(ports=ports, **spec), node())
     rules = render_port(rsp, ctx())
-    assert entries(rules, SetRole.DROP) == []
+    assert entries(rules, SetRole.DROP) == entries(rules, SetRole.INSIDE_ONLY) == []
     assert describe_vs(vss(rules)["TCP 198.18.0.1:30080"]) == [
         "TCP 198.18.0.1:30080 rr -> (no endpoints: connections refused)"]
+
+
+def test_both_policies_local() -> None:
+    # Cluster IP: the local set, dropped for everyone when empty (iTP Local). External
+    # addresses: the local set while there is one, else pods and the node only.
+    svc = service(ports=(dict(HTTP, nodePort=30080),), type="LoadBalancer",
+                  internalTrafficPolicy="Local", externalTrafficPolicy="Local",
+                  externalIPs=["198.18.2.60"])
+    svc["status"] = {"loadBalancer": {"ingress": [{"ip": "198.18.2.50"}]}}
+    both = [ep("198.18.1.10", node="node-a"), ep("198.18.1.11", node="node-b")]
+    rules = render_port(resolve_one(svc, node(), eps_slice("s1", both)), ctx())
+    assert {k: (v.endpoint_set, [str(r) for r in v.real_servers])
+            for k, v in vss(rules).items()} == {
+        k: ("local", ["198.18.1.10:8080"])
+        for k in ("TCP 198.18.128.1:80", "TCP 198.18.2.60:80", "TCP 198.18.2.50:80",
+                  "TCP 198.18.0.1:30080", "TCP 198.18.1.1:30080")}
+    assert entries(rules, SetRole.DROP) == entries(rules, SetRole.INSIDE_ONLY) == []
+
+    remote = [ep("198.18.1.11", node="node-b")]
+    rules = render_port(resolve_one(svc, node(), eps_slice("s1", remote)), ctx())
+    cip = vss(rules)["TCP 198.18.128.1:80"]
+    assert (cip.real_servers, cip.drop, cip.inside_only) == ((), True, False)
+    assert entries(rules, SetRole.DROP) == ["198.18.128.1,tcp:80"]
+    external = ["198.18.0.1,tcp:30080", "198.18.1.1,tcp:30080", "198.18.2.50,tcp:80",
+                "198.18.2.60,tcp:80"]
+    assert entries(rules, SetRole.INSIDE_ONLY) == external
+    for key in ("TCP 198.18.2.60:80", "TCP 198.18.2.50:80", "TCP 198.18.0.1:30080"):
+        vs = vss(rules)[key]
+        assert (vs.endpoint_set, [str(r) for r in vs.real_servers]) == (
+            "cluster", ["198.18.1.11:8080"]), key
 
 
 def test_internal_traffic_policy_local_uses_the_local_set_for_the_cluster_ip() -> None:

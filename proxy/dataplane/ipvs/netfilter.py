@@ -9,8 +9,10 @@ prefix, so it never collides with kube-proxy or a CNI:
 
     nat PREROUTING, OUTPUT -> SPX-IPVS-SERVICES     mark what must be masqueraded
     nat POSTROUTING        -> SPX-IPVS-POSTROUTING  masquerade marked and hairpin traffic
-    filter INPUT           -> SPX-IPVS-INPUT        Local-policy drops, source ranges,
-                                                    no stray ports on service addresses
+    filter INPUT           -> SPX-IPVS-INPUT        Local-policy drops (from outside
+                                                    only, for external addresses), source
+                                                    ranges, no stray ports on service
+                                                    addresses
     filter FORWARD         -> SPX-IPVS-FORWARD      accept marked and established traffic
 
 IPVS picks packets up on the local-in hook after filter INPUT, so drops there happen
@@ -32,6 +34,7 @@ CLUSTER_IP_CHAIN = "SPX-IPVS-CLUSTER-IP"
 MARK_MASQ_CHAIN = "SPX-IPVS-MARK-MASQ"
 POSTROUTING_CHAIN = "SPX-IPVS-POSTROUTING"
 INPUT_CHAIN = "SPX-IPVS-INPUT"
+INSIDE_ONLY_CHAIN = "SPX-IPVS-INSIDE-ONLY"
 SOURCE_RANGES_CHAIN = "SPX-IPVS-SOURCE-RANGES"
 FORWARD_CHAIN = "SPX-IPVS-FORWARD"
 
@@ -66,7 +69,7 @@ JUMPS = (
 
 CHAINS = {
     "nat": (SERVICES_CHAIN, CLUSTER_IP_CHAIN, MARK_MASQ_CHAIN, POSTROUTING_CHAIN),
-    "filter": (INPUT_CHAIN, SOURCE_RANGES_CHAIN, FORWARD_CHAIN),
+    "filter": (INPUT_CHAIN, INSIDE_ONLY_CHAIN, SOURCE_RANGES_CHAIN, FORWARD_CHAIN),
 }
 
 
@@ -99,6 +102,11 @@ def iptables_rules(family: Family, options: DataplaneOptions) -> dict[str, list[
                    f"-j {MARK_MASQ_CHAIN}")
     nat += [
         f"-A {SERVICES_CHAIN} {match(SetRole.EXTERNAL_MASQ, 'dst,dst')} -j {MARK_MASQ_CHAIN}",
+        # The node's own connections to an external address that only pods and the node
+        # may use go to endpoints on other nodes; their source may be the address itself
+        # (it sits on our dummy interface), so replies would not come back: masquerade.
+        f"-A {SERVICES_CHAIN} {match(SetRole.INSIDE_ONLY, 'dst,dst')} "
+        f"-m addrtype --src-type LOCAL -j {MARK_MASQ_CHAIN}",
         f"-A {MARK_MASQ_CHAIN} -j MARK --or-mark {MASQ_MARK}",
         f"-A {POSTROUTING_CHAIN} {match(SetRole.LOOPBACK, 'dst,dst,src')} -j MASQUERADE",
         f"-A {POSTROUTING_CHAIN} -m mark ! --mark {MASQ_MARK}/{MASQ_MARK} -j RETURN",
@@ -106,8 +114,15 @@ def iptables_rules(family: Family, options: DataplaneOptions) -> dict[str, list[
         f"-A {POSTROUTING_CHAIN} -j MARK --xor-mark {MASQ_MARK}",
         f"-A {POSTROUTING_CHAIN} -j MASQUERADE --random-fully",
     ]
+    # External addresses with policy Local and no local endpoint: pods (the cluster
+    # CIDRs) and the node itself pass, as upstream short-circuits them; without a
+    # cluster CIDR pods cannot be told from the outside and are dropped, as upstream.
+    inside = [f"-A {INSIDE_ONLY_CHAIN} -s {c} -j RETURN" for c in cidrs]
+    inside += [f"-A {INSIDE_ONLY_CHAIN} -m addrtype --src-type LOCAL -j RETURN",
+               f"-A {INSIDE_ONLY_CHAIN} -j DROP"]
     filt = [
         f"-A {INPUT_CHAIN} {match(SetRole.DROP, 'dst,dst')} -j DROP",
+        f"-A {INPUT_CHAIN} {match(SetRole.INSIDE_ONLY, 'dst,dst')} -j {INSIDE_ONLY_CHAIN}",
         f"-A {INPUT_CHAIN} {match(SetRole.FIREWALL, 'dst,dst')} -j {SOURCE_RANGES_CHAIN}",
         # A service address answers only on its service ports (upstream KUBE-IPVS-FILTER):
         # the host's own listeners must not be reachable through it.
@@ -115,6 +130,7 @@ def iptables_rules(family: Family, options: DataplaneOptions) -> dict[str, list[
         f"{match(SetRole.SERVICES, 'dst,dst', negate=True)} -j REJECT",
         f"-A {SOURCE_RANGES_CHAIN} {match(SetRole.FIREWALL_ALLOW, 'dst,dst,src')} -j RETURN",
         f"-A {SOURCE_RANGES_CHAIN} -j DROP",
+        *inside,
         # For hosts whose FORWARD policy is DROP (upstream KUBE-FORWARD): IPVS replies
         # are forwarded back to clients.
         f"-A {FORWARD_CHAIN} -m mark --mark {MASQ_MARK}/{MASQ_MARK} -j ACCEPT",

@@ -8,13 +8,21 @@ addresses to put on our dummy interface; and the ipset entries that drive the sm
 fixed set of iptables rules (`proxy.dataplane.ipvs.netfilter`) for what IPVS cannot
 express: masquerading, Local-policy drops, source ranges, hairpin traffic.
 
-Following upstream's IPVS proxier (pkg/proxy/ipvs/proxier.go), with these differences
-on purpose:
-- A Local traffic policy with no local endpoint drops the traffic (as our DESIGN and
-  upstream's iptables mode say); upstream's IPVS mode falls back to the cluster set.
-- A service port with no usable endpoint anywhere keeps its virtual server with no
-  real server: IPVS answers ICMP port unreachable, i.e. the client is refused, as
-  upstream's iptables mode rejects.
+Following upstream's IPVS proxier (pkg/proxy/ipvs/proxier.go). Traffic policy Local:
+- cluster IP with internalTrafficPolicy Local: the local set; none here (but endpoints
+  elsewhere) -> the filter drops the traffic, as upstream's iptables and nftables modes
+  (upstream's IPVS mode gives it the cluster set when the port is also reachable from
+  outside: on purpose unlike that);
+- NodePort, externalIPs, LB IPs with externalTrafficPolicy Local: the local set while
+  there is one. IPVS chooses by destination only, so pods and the node get it too
+  (upstream's IPVS mode does the same; its iptables mode short-circuits them to the
+  cluster set). With no local endpoint, the virtual server gets the cluster set, as in
+  upstream's IPVS mode, so pods and the node reach the service (upstream's short-
+  circuit), while the filter drops traffic from outside the cluster CIDRs (upstream's
+  IPVS mode lets it through to remote endpoints unmasqueraded, whose replies the client
+  discards) and the node's own connections are masqueraded so replies come back here.
+
+Also on purpose, unlike upstream (docs/upstream-differences.md says why):
 - NodePort bookkeeping uses exact node-address:port entries (hash:ip,port) instead of
   upstream's bitmap:port sets, so one set covers every protocol and a node address
   outside --nodeport-addresses is not matched.
@@ -107,6 +115,9 @@ class VirtualServer:
     real_servers: tuple[RsKey, ...]  # sorted; each with weight WEIGHT
     endpoint_set: str  # "cluster" or "local": which set the real servers come from
     drop: bool = False  # Local policy, no local endpoint: the filter drops its traffic
+    # External address, policy Local, no local endpoint: only pods and this node may
+    # use it (they get the cluster set); the filter drops traffic from outside.
+    inside_only: bool = False
 
     @property
     def persistent(self) -> bool:
@@ -120,6 +131,9 @@ class SetRole(enum.Enum):
     CLUSTER_IP = "CLUSTER-IP"  # cluster IP:port, masqueraded from off-cluster sources
     EXTERNAL_MASQ = "EXT-MASQ"  # externally reachable, Cluster policy: always masqueraded
     DROP = "DROP"  # Local policy with no local endpoint: dropped
+    # External address, policy Local, no local endpoint: dropped from outside the
+    # cluster CIDRs; the node's own connections are masqueraded.
+    INSIDE_ONLY = "INSIDE-ONLY"
     FIREWALL = "FW"  # load-balancer IP:port with source ranges
     FIREWALL_ALLOW = "FW-ALLOW"  # (lb IP:port, allowed source range)
     LOOPBACK = "LOOPBACK"  # (endpoint:port, endpoint): a pod reaching itself, masqueraded
@@ -131,6 +145,7 @@ SET_TYPES = {
     SetRole.CLUSTER_IP: "hash:ip,port",
     SetRole.EXTERNAL_MASQ: "hash:ip,port",
     SetRole.DROP: "hash:ip,port",
+    SetRole.INSIDE_ONLY: "hash:ip,port",
     SetRole.FIREWALL: "hash:ip,port",
     SetRole.FIREWALL_ALLOW: "hash:ip,port,net",
     SetRole.LOOPBACK: "hash:ip,port,ip",
@@ -237,25 +252,34 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortRules:
     internal_local = service.internal_traffic_policy is TrafficPolicy.LOCAL
     external_local = service.external_traffic_policy is TrafficPolicy.LOCAL
     # A Local policy without a local endpoint drops traffic only when endpoints exist
-    # elsewhere; with none at all the (empty) virtual server refuses it.
+    # elsewhere; with none at all the (empty) virtual server refuses it, as upstream.
     any_endpoints = rsp.has_any_endpoints
     servers: list[VirtualServer] = []
     entries: set[SetEntry] = set()
     addresses: set[IPAddress] = set()
 
     def add(kind: VsKind, address: IPAddress, vport: int, local: bool) -> VirtualServer:
-        reals = _real_servers(_endpoints(rsp, local))
+        chosen = _endpoints(rsp, local)
+        # External traffic with policy Local and no local endpoint: pods and the node
+        # get the cluster set (upstream's short-circuit); outside traffic is filtered.
+        inside_only = local and kind is not VsKind.CLUSTER_IP and not chosen and any_endpoints
+        if inside_only:
+            chosen = rsp.cluster_endpoints
+        reals = _real_servers(chosen)
         vs = VirtualServer(
             key=VsKey(protocol, address, vport), kind=kind, scheduler=ctx.scheduler,
             flags=flags, timeout=timeout, real_servers=reals,
-            endpoint_set="local" if local else "cluster",
+            endpoint_set="local" if local and not inside_only else "cluster",
             drop=local and not reals and any_endpoints,
+            inside_only=inside_only,
         )
         servers.append(vs)
         entry = ip_port(address, protocol, vport)
         entries.add(SetEntry(SetRole.SERVICES, family, entry))
         if vs.drop:
             entries.add(SetEntry(SetRole.DROP, family, entry))
+        if vs.inside_only:
+            entries.add(SetEntry(SetRole.INSIDE_ONLY, family, entry))
         if kind is not VsKind.CLUSTER_IP and not local:
             # Traffic from outside may come back through another node: masquerade, as
             # upstream does for every Cluster-policy external address.
@@ -344,6 +368,8 @@ def describe_vs(vs: VirtualServer, weights: Mapping[RsKey, int] | None = None) -
     for rs in sorted(reals, key=RsKey.order):
         weight = weights.get(rs, reals[rs]) if weights else reals[rs]
         suffix = " (draining)" if rs not in vs.real_servers else ""
+        if vs.inside_only:
+            suffix += " (pods and this node only: policy Local, no local endpoint)"
         lines.append(f"{head} -> {rs} weight {weight}{suffix}")
     return lines
 
@@ -359,6 +385,10 @@ def describe_entries(rules: PortRules) -> list[str]:
             lines.append(f"masquerade {e.entry} (external traffic policy Cluster)")
         elif e.role is SetRole.DROP:
             lines.append(f"drop {e.entry} (traffic policy Local, no local endpoint)")
+        elif e.role is SetRole.INSIDE_ONLY:
+            lines.append(f"drop {e.entry} from outside the cluster CIDRs (traffic policy "
+                         "Local, no local endpoint; pods and this node, masqueraded, use "
+                         "the cluster set)")
         elif e.role is SetRole.FIREWALL_ALLOW:
             lines.append(f"allow source range {e.entry} (others dropped)")
         elif e.role is SetRole.LOOPBACK:
