@@ -25,7 +25,7 @@ from proxy.model.snapshot import ResolvedServicePort
 from proxy.model.types import Family, ServicePortKey
 from tests.unit.builders import NODE, ep, eps_slice, node, resolve_one, service
 
-CIDR4 = RenderContext(Family.V4, local_cidr=ip_network("198.18.1.0/24"))
+CIDR4 = RenderContext(Family.V4, local_cidrs=(ip_network("198.18.1.0/24"),))
 
 
 def pretty(rsp: ResolvedServicePort, ctx: RenderContext = CIDR4) -> list[str]:
@@ -208,6 +208,27 @@ def test_both_policies_local_without_local_endpoint_drops_only_what_is_not_short
         '-t nat -A <SVC> "ns/svc:http -> 198.18.1.11:8080" -j <SEP 198.18.1.11:8080>']
     assert "-t nat -N <SVL>" not in lines
     assert not [line for line in lines if line.endswith("-j <SVL>")]
+
+
+def test_several_cluster_cidrs_in_a_family_all_count_as_pods() -> None:
+    options = DataplaneOptions("node-a", cluster_cidrs=(
+        ip_network("198.18.1.0/24"), ip_network("198.18.64.0/18"), ip_network("fd00:18:1::/64")))
+    v4 = context_for(Family.V4, options)
+    assert (Table.NAT, "SPX-MASQ-UNLESS-POD", (
+        "-s 198.18.1.0/24 -j RETURN", "-s 198.18.64.0/18 -j RETURN", "-j SPX-MARK-MASQ",
+    )) in render_base(v4).chains
+    rsp = resolve(service(type="NodePort", externalTrafficPolicy="Local",
+                          ports=({"name": "http", "port": 80, "nodePort": 30080},)),
+                  eps_slice("s1", [ep("198.18.1.10", node=NODE)]))
+    lines = pretty(rsp, v4)
+    assert ('-t nat -A <SVC> -d 198.18.128.1/32 -p tcp "ns/svc:http cluster IP" '
+            "-m tcp --dport 80 -j SPX-MASQ-UNLESS-POD") in lines
+    assert [line for line in lines if "pod traffic" in line] == [
+        f'-t nat -A <EXT> -s {c} "pod traffic for ns/svc:http external destinations" -j <SVC>'
+        for c in ("198.18.1.0/24", "198.18.64.0/18")]
+    # One CIDR in the family: upstream's rules, and no extra chain.
+    v6 = context_for(Family.V6, options)
+    assert "SPX-MASQ-UNLESS-POD" not in {name for _, name, _ in render_base(v6).chains}
 
 
 def test_internal_local_policy_without_local_endpoint_drops_cluster_ip_traffic() -> None:

@@ -256,6 +256,25 @@ def test_one_endpoint_change_rewrites_only_that_service() -> None:
     assert len(runners[Family.V6].restores) == 1  # the full sync; no IPv6 work since
 
 
+def test_several_cluster_cidrs_sync_with_their_masquerade_chain() -> None:
+    # The simulator is as strict as the kernel: a rule may only jump to a chain that
+    # exists, so a full and then a partial sync prove the fixed chain comes first.
+    options = DataplaneOptions(NODE, cluster_cidrs=(ip_network("198.18.1.0/24"),
+                                                    ip_network("198.18.64.0/18")))
+    runners = {f: SimulatedRunner(f, foreign()[f]) for f in (Family.V4, Family.V6)}
+    dp = IptablesDataPlane(options, runners=runners, addresses=lambda: NODE_IPS,
+                           clear_conntrack=False)
+    cluster = Cluster()
+    dp.sync(cluster.become(web("198.18.1.10")), full=True)
+    dp.sync(cluster.become(web("198.18.1.10") + web("198.18.1.20", name="api")))
+    nat = runners[Family.V4].kernel[Table.NAT]
+    assert nat["SPX-MASQ-UNLESS-POD"] == [
+        "-s 198.18.1.0/24 -j RETURN", "-s 198.18.64.0/18 -j RETURN", "-j SPX-MARK-MASQ"]
+    assert sum(rule.endswith("-j SPX-MASQ-UNLESS-POD")
+               for chain, rules in nat.items() if chain.startswith("SPX-SVC-")
+               for rule in rules) == 2
+
+
 def test_losing_all_endpoints_swaps_the_nat_jump_for_a_filter_reject() -> None:
     cluster = Cluster()
     dp, runners = plane(foreign())

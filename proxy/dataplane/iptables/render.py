@@ -20,13 +20,15 @@ Every rule is written exactly as `iptables-save` prints it back (both back ends 
 the same), so what we think we applied can be compared with the kernel line by line.
 
 External traffic with policy Local goes SPX-EXT -> SPX-SVL, except traffic from pods
-(the first --cluster-cidr of the family) and from the node itself (masqueraded), which
+(the family's --cluster-cidr) and from the node itself (masqueraded), which
 is short-circuited to SPX-SVC whatever the policies, as upstream: the model keeps a
 cluster set for every externally reachable port, even with both policies Local.
 
 Differences from upstream, on purpose (docs/upstream-differences.md says why):
-- `--cluster-cidr` may list several CIDRs; per family the first one is the "local"
-  detector (upstream takes exactly one per family).
+- `--cluster-cidr` may list several CIDRs per family, and all of them are pod traffic
+  (upstream accepts one per family). With several, off-cluster cluster-IP traffic is
+  masqueraded through SPX-MASQ-UNLESS-POD (RETURN for each CIDR, then the mark); with
+  one, the rules are upstream's (`! -s CIDR ... -j MARK-MASQ`).
 - NodePorts on loopback addresses are never served (upstream's --iptables-localhost-
   nodeports=false).
 """
@@ -59,6 +61,9 @@ FIREWALL = "SPX-FIREWALL"
 FORWARD = "SPX-FORWARD"
 POSTROUTING = "SPX-POSTROUTING"
 MARK_MASQ = "SPX-MARK-MASQ"
+# Marks for masquerade unless the source is in a cluster CIDR (only with several CIDRs
+# in a family: one fits in the rule itself, as upstream writes it).
+MASQ_UNLESS_POD = "SPX-MASQ-UNLESS-POD"
 # Upstream's masquerade bit (--iptables-masquerade-bit 14): a CNI that knows what
 # kube-proxy's mark means reads ours the same way.
 MASQ_MARK = "0x4000"
@@ -123,7 +128,7 @@ class RenderContext:
 
     family: Family
     masquerade_all: bool = False
-    local_cidr: IPNetwork | None = None  # --cluster-cidr of this family
+    local_cidrs: tuple[IPNetwork, ...] = ()  # --cluster-cidr of this family: pods
     # Node addresses that accept NodePorts; None: every local address (addrtype LOCAL).
     nodeport_ips: tuple[IPAddress, ...] | None = None
     # Every address of this node in this family (LB source ranges that contain one
@@ -145,8 +150,7 @@ def context_for(family: Family, options: DataplaneOptions,
     match_all = not npa or any(c.prefixlen == 0 for c in npa)
     nodeport_ips = None if match_all else tuple(
         ip for ip in mine if not ip.is_loopback and any(ip in c for c in npa))
-    return RenderContext(family, options.masquerade_all, cidrs[0] if cidrs else None,
-                         nodeport_ips, mine)
+    return RenderContext(family, options.masquerade_all, tuple(cidrs), nodeport_ips, mine)
 
 
 # --- names and small helpers ---------------------------------------------------------------
@@ -237,6 +241,9 @@ def render_base(ctx: RenderContext) -> BaseRules:
         (Table.FILTER, NODEPORTS, ()),
         (Table.FILTER, FORWARD, forward),
     ]
+    if len(ctx.local_cidrs) > 1 and not ctx.masquerade_all:
+        chains.append((Table.NAT, MASQ_UNLESS_POD, (
+            *(f"-s {c} -j RETURN" for c in ctx.local_cidrs), f"-j {MARK_MASQ}")))
     new = "-m conntrack --ctstate NEW"
     portals = comment("sliceproxy service portals")
     external = comment("sliceproxy externally-visible service portals")
@@ -351,14 +358,18 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortRules:
 
     # The policy chains. The cluster-IP masquerade rule goes first in the internal chain.
     masq_rules: dict[str, list[str]] = {}
-    if internal_chain and (ctx.masquerade_all or ctx.local_cidr is not None):
+    if internal_chain and (ctx.masquerade_all or ctx.local_cidrs):
         # Off-cluster clients of a cluster IP (a static route to the service range via
         # any node) may be answered from another node: masquerade them.
-        source = "" if ctx.masquerade_all or ctx.local_cidr is None else (
-            f"! -s {ctx.local_cidr} ")
+        source, target = "", MARK_MASQ
+        if not ctx.masquerade_all:
+            if len(ctx.local_cidrs) == 1:
+                source = f"! -s {ctx.local_cidrs[0]} "
+            else:
+                target = MASQ_UNLESS_POD
         masq_rules[internal_chain] = [
             f"{source}-d {_cidr(ip, ctx)} {pmatch} {comment(f'{name} cluster IP')} {dport} "
-            f"-j {MARK_MASQ}" for ip in rsp.cluster_ips]
+            f"-j {target}" for ip in rsp.cluster_ips]
 
     if ext_chain:
         chains.append((ext_chain, _external_rules(
@@ -391,10 +402,9 @@ def _external_rules(name: str, ctx: RenderContext, external_local: bool, svc_cha
         # Pods going to an external address act as if they went out and came back in:
         # neither traffic policy applies (upstream's short-circuit). svc_chain is None
         # only when no endpoint is usable anywhere, and then there is no EXT chain.
-        if ctx.local_cidr is not None and svc_chain:
-            rules.append(f"-s {ctx.local_cidr} "
-                         f"{comment(f'pod traffic for {name} external destinations')} "
-                         f"-j {svc_chain}")
+        if svc_chain:
+            rules.extend(f"-s {c} {comment(f'pod traffic for {name} external destinations')} "
+                         f"-j {svc_chain}" for c in ctx.local_cidrs)
         # The node itself is the source: its address is local, so masquerade.
         rules.append(f"{comment(f'masquerade LOCAL traffic for {name} external destinations')} "
                      f"-m addrtype --src-type LOCAL -j {MARK_MASQ}")
