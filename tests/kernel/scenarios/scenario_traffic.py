@@ -241,12 +241,18 @@ def test_local_traffic_policy(lab: Lab, node: NodeThread, cluster: Cluster) -> N
     assert set(reply_destinations(node, 30082)) == {str(lab.client_ip4)}
     # Cluster IP traffic (internal policy Cluster): every endpoint.
     assert lab.ask(c, vip, 80, count=6) == {"web-1": 3, "web-2": 3}
+    # The node itself gets the local set too: a virtual server cannot tell sources apart
+    # (upstream's IPVS mode alike; docs/upstream-differences.md K3).
+    assert lab.ask(lab.node_ns, lab.node_ip4, 30082, count=4) == {"web-1": 4}
     # No local endpoint left: external traffic is dropped, not sent to another node.
     del members["web-1"]
     state = cluster.apply(*slices(lab, "loc", members))
     node.sync(state)
     assert lab.ask(c, lab.node_ip4, 30082, count=3, timeout=0.5) == {"timeout": 3}
     assert lab.ask(c, vip, 80, count=4) == {"web-2": 4}
+    # ... but the node itself still reaches the NodePort, through the cluster set
+    # (upstream's short-circuit; its IPVS mode falls back to the cluster set).
+    assert lab.ask(lab.node_ns, lab.node_ip4, 30082, count=4) == {"web-2": 4}
     key = next(k for k in state.ports if k.name == "loc")
     rules = node.run(lambda: list(node.plane.applied_rules(key)))  # type: ignore[union-attr]
     assert any(r.startswith("drop 198.18.0.1,tcp:30082") for r in rules), rules
