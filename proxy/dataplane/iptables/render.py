@@ -20,8 +20,8 @@ Every rule is written exactly as `iptables-save` prints it back (both back ends 
 the same), so what we think we applied can be compared with the kernel line by line.
 
 External traffic with policy Local goes SPX-EXT -> SPX-SVL, except traffic from pods
-(the family's --cluster-cidr) and from the node itself (masqueraded), which
-is short-circuited to SPX-SVC whatever the policies, as upstream: the model keeps a
+(the family's --cluster-cidr) and from the node itself (masqueraded), which is
+short-circuited to SPX-SVC whatever the policies, as upstream: the model keeps a
 cluster set for every externally reachable port, even with both policies Local.
 
 Differences from upstream, on purpose (docs/upstream-differences.md says why):
@@ -31,6 +31,8 @@ Differences from upstream, on purpose (docs/upstream-differences.md says why):
   one, the rules are upstream's (`! -s CIDR ... -j MARK-MASQ`).
 - NodePorts on loopback addresses are never served (upstream's --iptables-localhost-
   nodeports=false).
+- LB source ranges admit the node's own traffic to its LB IPs when they contain any
+  address of the node (upstream: its one primary node IP).
 """
 
 from __future__ import annotations
