@@ -1,0 +1,120 @@
+"""Someone else changes our rules between syncs: a process deletes one of our chains, a
+host firewall flushes the nat table or reloads the whole ruleset. The agent notices (on
+nf_tables from the kernel's announcements, on legacy from its table canary) and rewrites
+its rules long before the next periodic full sync (an hour away)."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+import pytest
+
+from tests.e2e.agent_support import wait_for
+from tests.faults.conftest import FaultNode, settle
+
+pytestmark = pytest.mark.root
+
+Change = Callable[[FaultNode], None]
+
+
+def _iptables(node: FaultNode, *args: str) -> None:
+    node.lab.exec(node.lab.node_ns, [f"iptables-{node.backend}", *args], check=True)
+
+
+def delete_endpoint_chain(node: FaultNode) -> None:
+    """What a careless script does: empty web's service chain (so nothing refers to its
+    endpoint chains any more) and delete one endpoint chain."""
+    rules = "\n".join(node.rules())
+    svc = re.search(r'-A (SPX-SVC-\S+) .*--comment "?demo/web:http', rules)
+    assert svc, rules
+    sep = re.search(rf"-A {re.escape(svc.group(1))} .*-j (SPX-SEP-\S+)", rules)
+    assert sep, rules
+    # One transaction: the agent repairs a flushed chain faster than a second command
+    # could delete the endpoint chain.
+    if node.backend == "nft":
+        node.lab.exec(node.lab.node_ns, ["nft", "-f", "-"], check=True,
+                      input=f"flush chain ip nat {svc.group(1)}\n"
+                            f"flush chain ip nat {sep.group(1)}\n"
+                            f"delete chain ip nat {sep.group(1)}\n")
+    else:
+        node.lab.exec(node.lab.node_ns, ["iptables-legacy-restore", "--noflush"], check=True,
+                      input=f"*nat\n-F {svc.group(1)}\n-F {sep.group(1)}\n"
+                            f"-X {sep.group(1)}\nCOMMIT\n")
+
+
+def flush_nat(node: FaultNode) -> None:
+    _iptables(node, "-t", "nat", "-F")
+
+
+def reload_firewall(node: FaultNode) -> None:
+    """A host firewall replacing the whole ruleset: `nft flush ruleset` on nf_tables; on
+    legacy, a restore without --noflush of empty nat and filter tables."""
+    if node.backend == "nft":
+        node.lab.exec(node.lab.node_ns, ["nft", "flush", "ruleset"], check=True)
+    else:
+        node.lab.exec(node.lab.node_ns, ["iptables-legacy-restore"], check=True,
+                      input="*nat\nCOMMIT\n*filter\nCOMMIT\n")
+
+
+CHANGES: dict[str, Change] = {
+    "a chain of ours deleted": delete_endpoint_chain,
+    "nat table flushed": flush_nat,
+    "firewall reload (whole ruleset)": reload_firewall,
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_foreign_change_is_repaired(fault_node: FaultNode, change: str) -> None:
+    node = fault_node
+    agent = node.agent
+    before = sorted(node.rules())
+    assert before
+    with node.traffic() as traffic:
+        settle(0.5)
+        began = time.monotonic()
+        CHANGES[change](node)
+        assert sorted(node.rules()) != before, "the foreign change changed nothing"
+        wait_for(lambda: sorted(node.rules()) == before, 20.0,
+                 f"our rules back after: {change}")
+        repaired = time.monotonic()
+        settle(1.0)
+    report = traffic.report(since=began)
+    after = traffic.report(since=repaired + 0.2)
+    metrics = agent.metrics()
+    log = agent.log_text()
+    node.record(f"foreign change: {change}", report, repaired - began,
+                restarts=node.restarts(),
+                notes="cuts the data path until repaired")
+    assert agent.alive() and node.restarts() == 0
+    assert "another process changed our rules" in log, agent.log_tail()
+    assert metrics["sliceproxy_rules_drift_repairs_total"] >= 1
+    # No periodic resync did this: the only full syncs are the first and the repairs.
+    assert metrics.get('sliceproxy_syncs_total{kind="full",result="ok"}', 0) \
+        <= 1 + metrics["sliceproxy_rules_drift_repairs_total"]
+    assert after.failed == 0, after.failures()
+
+
+def test_our_own_syncs_are_not_drift(fault_node: FaultNode) -> None:
+    """Changes the agent makes itself never count as someone else's."""
+    node = fault_node
+    sim, lab = node.sim, node.lab
+    b = lab.backends
+    for i in range(5):
+        names = ("web-1", "web-2") if i % 2 else ("web-1",)
+        from tests.e2e.agent_support import endpoint, endpoint_slice
+        from tests.faults.conftest import BOTH_PORTS
+
+        sim.apply(endpoint_slice("web-1", "web", [endpoint(b[n].ipv4, node=b[n].node)
+                                                  for n in names], BOTH_PORTS))
+        want = 1 + i % 2
+        wait_for(lambda want=want: sum("demo/web:http" in r and "DNAT" in r
+                                       for r in node.rules()) == want,
+                 15.0, f"web with {want} endpoints")
+    settle(1.0)  # room for any (wrong) drift report to arrive and be acted on
+    metrics = node.agent.metrics()
+    assert metrics["sliceproxy_rules_drift_repairs_total"] == 0
+    # On nf_tables the listener attributes our restores to us: not even a check.
+    if node.backend == "nft":
+        assert metrics["sliceproxy_rules_drift_checks_total"] == 0
