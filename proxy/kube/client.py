@@ -35,10 +35,33 @@ class Response(Protocol):
     async def read(self) -> bytes: ...
 
     async def readany(self) -> bytes:
-        """Whatever bytes have arrived (b"" at the end of the stream)."""
+        """Some of the bytes that have arrived, at least one (b"" at the end of the
+        stream); waits only if none have."""
         ...
 
     def close(self) -> None: ...
+
+
+class BodyTooLarge(Exception):
+    """A response body over the caller's bound (see `read_body`)."""
+
+
+async def read_body(resp: Response, limit: int, *, truncate: bool = False) -> bytearray:
+    """The body of `resp`, read in the chunks that arrive, never more than `limit` bytes
+    held: over it, raise BodyTooLarge (the caller names what was too large), or with
+    `truncate` return the first `limit` bytes and stop reading (for error bodies, where
+    the start is all a log line needs). `read()` would hold a body of any size, and a
+    server that streams one forever would take all the memory there is."""
+    buf = bytearray()
+    while chunk := await resp.readany():
+        room = limit - len(buf)
+        if len(chunk) > room:
+            if truncate:
+                buf += chunk[:room]
+                return buf
+            raise BodyTooLarge(f"response body over {limit} bytes")
+        buf += chunk
+    return buf
 
 
 class Api(Protocol):
@@ -78,6 +101,9 @@ def _override_host(configuration: Any, host: str) -> None:
     configuration.refresh_api_key_hook = refresh_and_keep_host
 
 
+READ_CHUNK = 256 * 1024
+
+
 class _AiohttpResponse:
     def __init__(self, resp: Any) -> None:
         self._resp = resp
@@ -89,7 +115,10 @@ class _AiohttpResponse:
         return data
 
     async def readany(self) -> bytes:
-        data: bytes = await self._resp.content.readany()
+        # Not content.readany(), which joins everything buffered into one new bytes:
+        # a fast stream buffers megabytes between two turns of the loop, so the copy
+        # doubled them. read(n) hands out the buffered chunks, at most n bytes at a time.
+        data: bytes = await self._resp.content.read(READ_CHUNK)
         return data
 
     def close(self) -> None:

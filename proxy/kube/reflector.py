@@ -12,7 +12,11 @@ The loop follows the Kubernetes "API concepts" contract:
   request (as client-go's pager does), so a list slower than compaction still finishes;
 * errors back off exponentially with jitter, honouring `Retry-After`; so does a stream
   that ends within a second having delivered nothing (client-go's "very short watch"),
-  so a server that closes every watch at once is not hammered;
+  so a server that closes every watch at once is not hammered. The cap (8 s) is set by
+  how soon a change must reach the node after an API server outage (see `Backoff`);
+* relists the server forces (410 Gone, revisions going back) are immediate once in a
+  while and back off when they come in a row, so a server that answers every watch that
+  way does not get a full list per round trip (client-go backs off before every relist);
 * a stream that delivers neither event nor bookmark for `stall_timeout` is restarted;
   if the next stream is silent too, one small list (`limit=1`) asks the server for its
   current revision and one object, and the reflector relists if the revision is below
@@ -29,6 +33,28 @@ to emit exact differences on a relist without holding a second copy of every obj
 uid matters after storage is lost: the new cluster counts revisions from 1 again, so an
 object created again under the same name (the same manifests applied in the same order)
 may come back at the very resourceVersion we hold for the old one, with other content.
+
+A broken or hostile server cannot take more than bounded memory, nor wedge the loop
+(docs/watch.md lists each case and its measured bound):
+
+* a watch line over `max_line_bytes` is dropped as it streams by, never held whole;
+* a stream the server keeps open past the timeoutSeconds we asked for (events or
+  bookmarks without end) is ended by us after a grace period, and reopened;
+* a list response body over `max_list_bytes`, a paged list past `max_list_pages` pages
+  or `max_list_items` objects, or one that repeats an object (pages that loop) is given
+  up and retried with backoff; error bodies are read up to 64 KiB; every list request,
+  body included, ends within `request_timeout`;
+* resourceVersions going backwards on a watch stream (an event or bookmark older than
+  the revision we resume from) end the stream and relist: a list is a consistent read,
+  the one way back to the truth. client-go takes every event's resourceVersion as it
+  comes and would resume from the older one: the server then replays history we already
+  applied (objects going back in time), or answers 410 and it relists anyway. A list
+  whose revision is below the one we had reached is taken as the truth (our lists are
+  consistent reads, so the server's storage went back: restored or lost), logged once;
+* the loop yields to the event loop every `YIELD_EVERY` lines, so a server streaming as
+  fast as it can does not starve the agent's other tasks.
+
+Each incident is one log line with the resource and what was wrong, not one per event.
 """
 
 from __future__ import annotations
@@ -43,7 +69,7 @@ from typing import Any
 
 import orjson
 
-from proxy.kube.client import Api, Response
+from proxy.kube.client import Api, BodyTooLarge, Response, read_body
 from proxy.kube.resources import Resource
 
 log = logging.getLogger(__name__)
@@ -76,7 +102,11 @@ class ReflectorStats:
     events: int = 0
     bookmarks: int = 0
     oversized: int = 0
+    went_back: int = 0  # resourceVersions below ours: watch events, bookmarks or a list
+    overdue: int = 0  # streams we ended: the server kept them open past timeoutSeconds
+    bad_lists: int = 0  # lists given up: too large, too many pages or items, repeating
     last_error: str = ""
+    retry_delay: float = 0.0  # the last backoff delay chosen, in seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +120,16 @@ class ReflectorOptions:
     request_timeout: float = 60.0
     stall_timeout: float = 150.0
     backoff_initial: float = 0.5
-    backoff_max: float = 30.0
+    # 8 s, not client-go's 30 s: it bounds how long a node waits once an API server is
+    # back (see Backoff for the numbers).
+    backoff_max: float = 8.0
+    # No real API server comes near these (etcd refuses objects over 1.5 MiB; the
+    # Kubernetes scalability limits are 10,000 services and about 150,000 pods): they only
+    # stop a broken or hostile server from taking all the memory there is.
     max_line_bytes: int = 16 * 2**20
+    max_list_bytes: int = 256 * 2**20  # one list response's body
+    max_list_pages: int = 10_000
+    max_list_items: int = 1_000_000
 
 
 class _Gone(Exception):
@@ -113,15 +151,64 @@ class _ShortWatch(Exception):
     pass
 
 
+class _Overdue(Exception):
+    """The stream outlived the timeoutSeconds we asked for, and its grace."""
+
+
+class _WentBack(Exception):
+    """A watch event or bookmark older than the revision we resume from."""
+
+
+class _BadList(Exception):
+    """A list that would not end (too large, too many pages or objects, or repeating)."""
+
+
 # A stream that ends sooner than this having delivered nothing is treated as an error.
 SHORT_WATCH_SECONDS = 1.0
+# How long past its timeoutSeconds (this, or the timeout itself if shorter) a stream may
+# stay open before we end it: the server ignores the timeout we asked for.
+WATCH_GRACE = 30.0
+# Lines handled between yields to the event loop: a stream arriving faster than we handle
+# it keeps the socket's buffer full, and reads that find data never yield.
+YIELD_EVERY = 100
+# A forced relist (410, revisions going back) longer than this after the previous one is
+# immediate; sooner, it backs off (client-go resets its backoff after 2 minutes).
+RELIST_QUIET = 120.0
+# The start of an error answer's body is all a log line needs.
+ERROR_BODY_BYTES = 64 * 1024
 # Consecutive silent streams after which we ask whether the server is still the one whose
 # revisions we follow (see _check_server_revision).
 STALLS_BEFORE_PROBE = 2
 
 
 class Backoff:
-    """Exponential backoff with full jitter, reset after a success."""
+    """Exponential backoff, jittered: the n-th delay in a row is drawn uniformly from
+    [c/2, c] with c = min(maximum, initial * 2**n); reset after a success.
+
+    The reflector's cap, 8 s (ReflectorOptions.backoff_max), is chosen by the numbers
+    (docs/watch.md has the reasoning at length):
+
+    * recovery: a change written as an API server comes back reaches the reflector at
+      most one cap (8 s) plus one round trip later — the worst case is an attempt that
+      failed just before the return, followed by a full-cap delay. With client-go's 30 s
+      cap that is up to 30 s (its jitter makes it [30, 60) s): a 20 s outage easily
+      reaches the cap (0.5+1+2+4 s of delays before the 5th retry), so the goal of 10 s
+      from return to kernel needs a cap under 10 s less a sync.
+    * load: every agent runs 3 reflectors (Services, EndpointSlices or Endpoints, its
+      Node), so 5,000 nodes are 15,000 reflectors. At the cap each retries once per
+      [4, 8] s: 2,500 requests/s on average (at most 3,750/s, every delay at its floor)
+      while the server is away; at 30 s it was 667/s (1,000/s), client-go's about 333/s.
+      Away means refused connections, which cost a server that is down nothing. On its
+      return every reflector must come back once whatever the policy: within 10 s that
+      is at least 1,500 requests/s; with the 8 s cap the 15,000 watch resumptions arrive
+      spread over 8 s (about 1,900/s), no more than any policy meeting the goal.
+    * a server that is up but overloaded says so: 429 with Retry-After (API Priority
+      and Fairness), which is honoured as a floor (`at_least`).
+
+    A shared per-agent probe (one reflector retrying while the other two wait) would
+    cut the rate while the server is away by 3, but not the burst on its return, which
+    is the load that matters; not worth the coupling between reflectors.
+    """
 
     def __init__(self, initial: float, maximum: float, rng: random.Random | None = None) -> None:
         self.initial, self.maximum = initial, maximum
@@ -160,6 +247,27 @@ def _uid(obj: Mapping[str, Any]) -> str:
     return str((obj.get("metadata") or {}).get("uid") or "")
 
 
+def _older(rv: str, than: str | None) -> bool:
+    """rv is a revision before `than`. resourceVersions are opaque to clients, but etcd's
+    are integers and every server we know uses them; anything else cannot be judged and
+    is taken as it comes."""
+    return rv.isdigit() and than is not None and than.isdigit() and int(rv) < int(than)
+
+
+def _in(delay: float) -> str:
+    return f" in {delay:.2f}s" if delay else ""
+
+
+@dataclass(slots=True)
+class _StreamTally:
+    """What one watch stream delivered, for the log line that ends it."""
+
+    lines: int = 0
+    events: int = 0
+    bookmarks: int = 0
+    oversized: int = 0
+
+
 class Reflector:
     def __init__(
         self,
@@ -178,9 +286,17 @@ class Reflector:
         # (resourceVersion, uid) of every object we know.
         self._objects: dict[ObjectKey, tuple[str, str]] = {}
         self._backoff = Backoff(self.options.backoff_initial, self.options.backoff_max)
+        self._relist_backoff = Backoff(self.options.backoff_initial, self.options.backoff_max)
+        self._last_forced_relist: float | None = None
         self._unpaged_next = False  # the last paged list lost its continue token
         self._stalls_in_a_row = 0
         self._probe_next = False  # silent streams in a row: is the server behind us?
+        # The revision we had reached before a relist, to tell a list that went back; and
+        # whether that was already explained (a probe or a watch found it), so an incident
+        # is logged once.
+        self._reached: str | None = None
+        self._lower_explained = False
+        self._stream = _StreamTally()
 
     @property
     def known(self) -> Mapping[ObjectKey, str]:
@@ -200,6 +316,10 @@ class Reflector:
             query["fieldSelector"] = self.options.field_selector
         return query
 
+    def _extra(self, **more: object) -> dict[str, object]:
+        return {"resource": str(self.resource), "resource_version": self.resource_version,
+                **more}
+
     async def run(self) -> None:
         """Run until cancelled. Never raises for API trouble: it logs, counts and retries."""
         while True:
@@ -217,11 +337,19 @@ class Reflector:
                 self.stats.expired += 1
                 if listing:
                     self._unpaged_next = True
-                log.info("%s; listing again", "the list's continue token expired (410 Gone)"
-                         if listing else "watch history expired (410 Gone)",
-                         extra={"resource": str(self.resource),
-                                "resource_version": self.resource_version})
-                self.resource_version = None
+                delay = self._relist_delay()
+                log.info("%s; listing again%s", "the list's continue token expired (410 Gone)"
+                         if listing else "watch history expired (410 Gone)", _in(delay),
+                         extra=self._extra())
+                self._forget_revision()
+                await asyncio.sleep(delay)
+            except _WentBack as exc:
+                self.stats.went_back += 1
+                delay = self._relist_delay()
+                log.warning("watch of %s went back in time: %s; listing again%s",
+                            self.resource, exc, _in(delay), extra=self._extra())
+                self._forget_revision(explained=True)
+                await asyncio.sleep(delay)
             except _Stalled:
                 self.stats.stalls += 1
                 self._stalls_in_a_row += 1
@@ -229,9 +357,7 @@ class Reflector:
                 log.info("no event or bookmark for %.0fs; %s", self.options.stall_timeout,
                          "checking the server's revision before watching again"
                          if probe else "restarting the watch",
-                         extra={"resource": str(self.resource),
-                                "resource_version": self.resource_version,
-                                "stalls_in_a_row": self._stalls_in_a_row})
+                         extra=self._extra(stalls_in_a_row=self._stalls_in_a_row))
                 if probe:
                     self._stalls_in_a_row = 0
                     self._probe_next = True
@@ -240,15 +366,37 @@ class Reflector:
                 self.stats.errors += 1
                 if isinstance(exc, _ShortWatch):
                     self.stats.short_watches += 1
+                if isinstance(exc, _BadList):
+                    self.stats.bad_lists += 1
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"
                 at_least = (exc.retry_after or 0.0) if isinstance(exc, _HttpError) else 0.0
-                delay = self._backoff.next(at_least)
+                delay = self.stats.retry_delay = self._backoff.next(at_least)
                 log.warning("%s %s failed: %s; retrying in %.2fs",
                             "list" if listing else "watch",
                             self.resource, self.stats.last_error, delay,
                             extra={"resource": str(self.resource),
                                    "retry_after": at_least or None})
                 await asyncio.sleep(delay)
+
+    def _forget_revision(self, explained: bool = False) -> None:
+        """List again at the next turn. `explained`: the server going back in time has
+        been logged already, so a list below our revision is not logged again."""
+        if self.resource_version is not None:
+            self._reached = self.resource_version
+        self.resource_version = None
+        self._lower_explained = self._lower_explained or explained
+
+    def _relist_delay(self) -> float:
+        """No wait before a relist the server forced, unless the previous one was less
+        than RELIST_QUIET ago: then the backoff's next delay. A server that answers every
+        watch with 410, or with revisions going back, gets a list every backoff_max at
+        most, not one per round trip."""
+        now = asyncio.get_running_loop().time()
+        last, self._last_forced_relist = self._last_forced_relist, now
+        if last is None or now - last > RELIST_QUIET:
+            self._relist_backoff.reset()
+            return 0.0
+        return self._relist_backoff.next()
 
     # --- list ------------------------------------------------------------------------
 
@@ -278,28 +426,36 @@ class Reflector:
                            "did it lose its storage?")
         if why is not None:
             log.warning("after silent watches, the server (revision %s) looks new: %s; "
-                        "listing again", current or "?", why, extra={
-                            "resource": str(self.resource), "resource_version": ours,
-                            "server_resource_version": current})
-            self.resource_version = None
+                        "listing again", current or "?", why,
+                        extra=self._extra(server_resource_version=current))
+            self._forget_revision(explained=True)
 
     async def _list(self) -> None:
         seen: set[ObjectKey] = set()
         token: str | None = None
         unpaged, self._unpaged_next = self._unpaged_next, False
+        opts = self.options
+        pages = 0
         while True:
             query = self._selectors()
             if not unpaged:
-                query["limit"] = str(self.options.page_size)
+                query["limit"] = str(opts.page_size)
             if token:
                 query["continue"] = token
-            body = await self._get_json(query, self.options.request_timeout)
+            body = await self._get_json(query, opts.request_timeout)
+            pages += 1
             for item in body.get("items") or []:
                 # List items carry no kind/apiVersion; the decoder needs both.
                 item.setdefault("kind", self.resource.kind)
                 item.setdefault("apiVersion", self.resource.api_version)
                 key = _key(item)
+                # A list is one consistent snapshot: an object twice means pages that
+                # overlap or loop (and a list that would never end).
+                if key in seen:
+                    raise _BadList(f"the list repeated {key[0]}/{key[1]} (page {pages})")
                 seen.add(key)
+                if len(seen) > opts.max_list_items:
+                    raise _BadList(f"the list passed {opts.max_list_items} objects")
                 old = self._objects.get(key)
                 self._objects[key] = now = (_rv(item), _uid(item))
                 # resourceVersions alone can repeat across a storage loss (see above)
@@ -310,10 +466,19 @@ class Reflector:
             if token is None:
                 list_rv = str(meta.get("resourceVersion") or "")
                 break
+            if pages >= opts.max_list_pages:
+                raise _BadList(f"the list did not end after {pages} pages")
         for key in [k for k in self._objects if k not in seen]:
             del self._objects[key]
             self._emit("DELETED", key, None)
-        self.resource_version = list_rv
+        if _older(list_rv, self._reached) and not self._lower_explained:
+            self.stats.went_back += 1
+            log.warning("list of %s at revision %s, below the %s we had reached: the "
+                        "server's storage went back (restored or lost?); its list is the "
+                        "truth now", self.resource, list_rv, self._reached,
+                        extra=self._extra(server_resource_version=list_rv))
+        self._lower_explained = False
+        self.resource_version = self._reached = list_rv
         if self.stats.lists:
             self.stats.relists += 1
         self.stats.lists += 1
@@ -325,20 +490,35 @@ class Reflector:
         self.synced.set()
 
     async def _get_json(self, query: dict[str, str], timeout: float) -> dict[str, Any]:
-        resp = await self.api.get(self.resource.path, query, timeout)
+        # The whole answer, body included, within the timeout: a body trickling forever
+        # must not hold the loop (the client's own timeout is its business).
+        timer = asyncio.timeout(timeout)
         try:
-            data = await resp.read()
-            if resp.status == 410:
-                # An expired continue token: the snapshot is gone; start the list again.
-                raise _Gone()
-            if resp.status != 200:
-                raise _HttpError(resp.status, _status_message(data), _retry_after(resp.headers))
-            body = orjson.loads(data)
-            if not isinstance(body, dict):
-                raise _HttpError(resp.status, "list response is not an object")
-            return body
-        finally:
-            resp.close()
+            async with timer:
+                resp = await self.api.get(self.resource.path, query, timeout)
+                try:
+                    if resp.status == 410:
+                        # An expired continue token: the snapshot is gone; list again.
+                        raise _Gone()
+                    if resp.status != 200:
+                        data = await read_body(resp, ERROR_BODY_BYTES, truncate=True)
+                        raise _HttpError(resp.status, _status_message(data),
+                                         _retry_after(resp.headers))
+                    try:
+                        data = await read_body(resp, self.options.max_list_bytes)
+                    except BodyTooLarge:
+                        raise _BadList(f"a list response over {self.options.max_list_bytes}"
+                                       " bytes") from None
+                finally:
+                    resp.close()
+        except TimeoutError:
+            if not timer.expired():
+                raise
+            raise TimeoutError(f"no whole answer within {timeout:g}s") from None
+        body = orjson.loads(data)
+        if not isinstance(body, dict):
+            raise _HttpError(resp.status, "list response is not an object")
+        return body
 
     # --- watch -----------------------------------------------------------------------
 
@@ -352,99 +532,142 @@ class Reflector:
             **self._selectors(),
         }
         loop = asyncio.get_running_loop()
-        # The whole stream may last the server's timeout and a margin; the answer to the
-        # request itself must come within request_timeout like any other.
+        grace = min(WATCH_GRACE, timeout)
+        # The answer to the request itself must come within request_timeout like any
+        # other; the stream is ended by us at timeout + grace (the client's own limit is
+        # later still, so that ours is the one that fires).
         async with asyncio.timeout(self.options.request_timeout):
-            resp = await self.api.get(self.resource.path, query, timeout + 30)
+            resp = await self.api.get(self.resource.path, query, timeout + grace + 30)
         try:
             if resp.status == 410:
                 raise _Gone()
             if resp.status != 200:
-                data = await resp.read()
+                data = await read_body(resp, ERROR_BODY_BYTES, truncate=True)
                 raise _HttpError(resp.status, _status_message(data), _retry_after(resp.headers))
             self.stats.watches += 1
-            started, lines = loop.time(), 0
-            async for line in self._lines(resp):
-                lines += 1
-                self._handle_line(line)
-            if not lines and loop.time() - started < SHORT_WATCH_SECONDS:
+            started = loop.time()
+            tally = self._stream = _StreamTally()
+            try:
+                async for line in self._lines(resp, started + timeout + grace):
+                    tally.lines += 1
+                    self._handle_line(line)
+                    if tally.lines % YIELD_EVERY == 0:
+                        await asyncio.sleep(0)
+            except _Overdue:
+                self.stats.overdue += 1
+                log.warning("the server kept the watch of %s open %.0fs, past the "
+                            "timeoutSeconds=%d we asked for (%d events, %d bookmarks); "
+                            "ended it, watching again", self.resource,
+                            loop.time() - started, timeout, tally.events, tally.bookmarks,
+                            extra=self._extra())
+                return
+            if not tally.lines and loop.time() - started < SHORT_WATCH_SECONDS:
                 raise _ShortWatch("the stream ended at once with nothing delivered")
             self.stats.watch_restarts += 1  # the server ended the stream (timeoutSeconds)
         finally:
             resp.close()
+            if self._stream.oversized > 1:
+                log.error("%d watch events over %d bytes skipped in one stream of %s",
+                          self._stream.oversized, self.options.max_line_bytes,
+                          self.resource, extra=self._extra())
+            self._stream = _StreamTally()
 
-    def _handle_line(self, line: bytes) -> None:
+    def _handle_line(self, line: bytes | bytearray) -> None:
         event = orjson.loads(line)
         kind = event.get("type")
         obj = event.get("object")
         if not isinstance(obj, dict):
             raise ValueError(f"watch event without an object: {line[:200]!r}")
-        if kind == "BOOKMARK":
-            self.stats.bookmarks += 1
-            self.resource_version = _rv(obj) or self.resource_version
-            self._backoff.reset()
-            return
         if kind == "ERROR":
             code = obj.get("code")
             if code == 410:
                 raise _Gone()
             raise _HttpError(int(code or 0), str(obj.get("message") or obj))
-        if kind not in ("ADDED", "MODIFIED", "DELETED"):
+        if kind not in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK"):
             raise ValueError(f"unknown watch event type {kind!r}")
-        key = _key(obj)
         rv = _rv(obj)
+        if _older(rv, self.resource_version):
+            key = _key(obj)
+            what = "a bookmark" if kind == "BOOKMARK" else f"{kind} {key[0]}/{key[1]}"
+            raise _WentBack(f"{what} at resourceVersion {rv} after {self.resource_version}")
+        self._backoff.reset()
+        if kind == "BOOKMARK":
+            self.stats.bookmarks += 1
+            self._stream.bookmarks += 1
+            self.resource_version = rv or self.resource_version
+            return
+        key = _key(obj)
         if kind == "DELETED":
             self._objects.pop(key, None)
         else:
             self._objects[key] = (rv, _uid(obj))
         if rv:
             self.resource_version = rv
-        self._backoff.reset()
+        self._stream.events += 1
         self._emit(kind, key, obj)
 
-    async def _lines(self, resp: Response) -> AsyncIterator[bytes]:
-        """JSON lines of a watch stream; restarts (raises _Stalled) when it goes quiet.
+    async def _lines(self, resp: Response, deadline: float) -> AsyncIterator[bytearray]:
+        """JSON lines of a watch stream; raises _Stalled when it goes quiet, _Overdue at
+        `deadline` (loop time).
 
         A line longer than `max_line_bytes` is dropped as it streams by (never held
-        whole) and counted: no real API server sends objects that big (etcd refuses
+        whole), counted and logged as soon as it crosses the bound (a line that never
+        ends is still told): no real API server sends objects that big (etcd refuses
         them), so it comes from a broken or hostile server.
+
+        The line yielded is the buffer itself, valid until the next line is asked for
+        (no copy); pieces of chunks are appended through memoryviews (no copy either).
         """
+        loop = asyncio.get_running_loop()
         buf = bytearray()
-        head = b""  # the start of a line being discarded, to name the object in the log
         discarding = False
         limit = self.options.max_line_bytes
         while True:
+            timer = asyncio.timeout_at(min(loop.time() + self.options.stall_timeout, deadline))
             try:
-                async with asyncio.timeout(self.options.stall_timeout):
+                async with timer:
                     chunk = await resp.readany()
             except TimeoutError:
+                if not timer.expired():  # the client's own timeout: an error like any other
+                    raise
+                if loop.time() >= deadline:
+                    raise _Overdue() from None
                 raise _Stalled() from None
             if not chunk:
                 return
+            if loop.time() >= deadline:  # a stream that always has data never times out
+                raise _Overdue()
             self._stalls_in_a_row = 0  # the server is talking
             start = 0
             while True:
                 nl = chunk.find(b"\n", start)
                 end = len(chunk) if nl < 0 else nl
                 if not discarding and len(buf) + end - start > limit:
-                    discarding, head = True, bytes(buf[:_HEAD]) + chunk[start:start + _HEAD]
+                    discarding = True
+                    self._oversized(bytes(buf[:_HEAD]) + chunk[start:start + _HEAD])
                     buf.clear()
                 if nl < 0:
                     if not discarding:
-                        buf += chunk[start:]
+                        buf += memoryview(chunk)[start:]
                     break
                 if discarding:
-                    self.stats.oversized += 1
-                    log.error("watch event over %d bytes skipped", limit,
-                              extra={"resource": str(self.resource),
-                                     "object": _identify(head)})
                     discarding = False
                 else:
-                    buf += chunk[start:nl]
-                    if buf.strip():
-                        yield bytes(buf)
+                    buf += memoryview(chunk)[start:nl]
+                    if buf and not buf.isspace():
+                        yield buf
                 buf.clear()
                 start = nl + 1
+
+    def _oversized(self, head: bytes) -> None:
+        """A line crossed max_line_bytes: the first in a stream is logged now, more are
+        summed up in one line when the stream ends."""
+        self.stats.oversized += 1
+        self._stream.oversized += 1
+        if self._stream.oversized == 1:
+            log.error("watch event of %s over %d bytes: skipping it", self.resource,
+                      self.options.max_line_bytes,
+                      extra=self._extra(object=_identify(head)))
 
     def _emit(self, kind: str, key: ObjectKey, obj: dict[str, Any] | None) -> None:
         self.stats.events += 1
@@ -470,7 +693,7 @@ def _identify(head: bytes) -> str:
     return ns + name.group(1).decode("utf-8", "replace")
 
 
-def _status_message(data: bytes) -> str:
+def _status_message(data: bytes | bytearray) -> str:
     try:
         status = orjson.loads(data)
         if isinstance(status, dict) and status.get("message"):

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import orjson
 
-from proxy.kube.client import Api
+from proxy.kube.client import Api, BodyTooLarge, read_body
 from proxy.kube.ingest import EndpointsSource
 from proxy.kube.reflector import Reflector, ReflectorOptions, WatchEvent
 from proxy.kube.resources import (
@@ -37,19 +37,30 @@ class DiscoveryError(Exception):
     pass
 
 
+# A group's discovery document is a few hundred bytes; this only stops a broken server.
+DISCOVERY_BODY_BYTES = 1 * 2**20
+
+
 async def endpoint_slice_resource(api: Api, timeout: float = 30.0) -> Resource:
     """discovery.k8s.io/v1 where served (1.21+), else v1beta1 (1.17-1.20)."""
-    resp = await api.get("/apis/discovery.k8s.io", {}, timeout)
     try:
-        data = await resp.read()
-        if resp.status == 404:
-            raise DiscoveryError("the API server does not serve discovery.k8s.io "
-                                 "(EndpointSlices); use --endpoints-source=endpoints")
-        if resp.status != 200:
-            raise DiscoveryError(f"discovery of discovery.k8s.io failed: HTTP {resp.status}")
-        group = orjson.loads(data)
-    finally:
-        resp.close()
+        async with asyncio.timeout(timeout):  # body included
+            resp = await api.get("/apis/discovery.k8s.io", {}, timeout)
+            try:
+                data = await read_body(resp, DISCOVERY_BODY_BYTES)
+            finally:
+                resp.close()
+    except BodyTooLarge:
+        raise DiscoveryError("discovery of discovery.k8s.io: an answer over "
+                             f"{DISCOVERY_BODY_BYTES} bytes") from None
+    if resp.status == 404:
+        raise DiscoveryError("the API server does not serve discovery.k8s.io "
+                             "(EndpointSlices); use --endpoints-source=endpoints")
+    if resp.status != 200:
+        raise DiscoveryError(f"discovery of discovery.k8s.io failed: HTTP {resp.status}")
+    group = orjson.loads(data)
+    if not isinstance(group, dict):
+        raise DiscoveryError("discovery of discovery.k8s.io: the answer is not an object")
     versions = {v.get("version") for v in group.get("versions") or [] if isinstance(v, dict)}
     if "v1" in versions:
         return ENDPOINT_SLICES_V1
