@@ -211,14 +211,25 @@ class Backoff:
     """
 
     def __init__(self, initial: float, maximum: float, rng: random.Random | None = None) -> None:
+        if not 0 < initial <= maximum:
+            raise ValueError(f"backoff needs 0 < initial <= maximum, not {initial}, {maximum}")
         self.initial, self.maximum = initial, maximum
         self._attempt = 0
         self._rng = rng or random.Random()
 
     def next(self, at_least: float = 0.0) -> float:
-        ceiling = min(self.maximum, self.initial * 2**self._attempt)
-        self._attempt += 1
+        ceiling = self.ceiling
+        # Counting stops at the cap: 0.5 * 2**1024 is no float, so after 1,024 failures
+        # in a row (a 2-hour outage) this raised OverflowError, in the reflector's error
+        # handler, and ended its task for good.
+        if ceiling < self.maximum:
+            self._attempt += 1
         return max(at_least, self._rng.uniform(ceiling / 2, ceiling))
+
+    @property
+    def ceiling(self) -> float:
+        """The most the next delay can be (Retry-After aside)."""
+        return min(self.maximum, self.initial * 2.0 ** min(self._attempt, 1000))
 
     def reset(self) -> None:
         self._attempt = 0

@@ -158,6 +158,12 @@ class Server:
                 async with asyncio.timeout_at(deadline):
                     await wake.wait()
             except TimeoutError:
+                # As the watch cache does before a timeout: a bookmark, so that a quiet
+                # one-second stream is no "very short watch" (an error, backed off).
+                if self.rv >= sent:
+                    await resp.write(line("BOOKMARK", {
+                        "kind": "Service", "apiVersion": "v1",
+                        "metadata": {"resourceVersion": str(self.rv)}}))
                 return
 
 
