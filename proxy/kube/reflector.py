@@ -502,11 +502,12 @@ class Reflector:
 
     async def _get_json(self, query: dict[str, str], timeout: float) -> dict[str, Any]:
         # The whole answer, body included, within the timeout: a body trickling forever
-        # must not hold the loop (the client's own timeout is its business).
+        # must not hold the loop. The client's own limit is a little later, so that ours
+        # is the one that fires (and says what happened).
         timer = asyncio.timeout(timeout)
         try:
             async with timer:
-                resp = await self.api.get(self.resource.path, query, timeout)
+                resp = await self.api.get(self.resource.path, query, timeout + 5)
                 try:
                     if resp.status == 410:
                         # An expired continue token: the snapshot is gone; list again.
@@ -547,8 +548,14 @@ class Reflector:
         # The answer to the request itself must come within request_timeout like any
         # other; the stream is ended by us at timeout + grace (the client's own limit is
         # later still, so that ours is the one that fires).
-        async with asyncio.timeout(self.options.request_timeout):
-            resp = await self.api.get(self.resource.path, query, timeout + grace + 30)
+        timer = asyncio.timeout(self.options.request_timeout)
+        try:
+            async with timer:
+                resp = await self.api.get(self.resource.path, query, timeout + grace + 30)
+        except TimeoutError:
+            if not timer.expired():
+                raise
+            raise TimeoutError(f"no answer within {self.options.request_timeout:g}s") from None
         try:
             if resp.status == 410:
                 raise _Gone()

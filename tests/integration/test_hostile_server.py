@@ -349,7 +349,9 @@ def test_endless_stream_is_ended_past_its_timeout_under_16MiB(tmp_path: Path, fl
             assert peak[0] < 16 * MiB, peak
             overdue = logged(caplog, "past the timeoutSeconds=1 we asked for")
             assert len(overdue) == stats.overdue and "services.v1" in overdue[0], overdue
-            assert stats.errors == 0, stats
+            # The only error allowed is the fake server's own: under load its swap of
+            # writers can end one stream at once with nothing sent (a short watch).
+            assert stats.errors == stats.short_watches, stats
             h.alive()
             h.server.put("after")
             await h.converged()
@@ -626,12 +628,16 @@ def test_a_list_below_our_revision_is_the_truth_and_said_once_under_4MiB(
     at a revision below the one we had reached, with older objects. The list is a
     consistent read, so it is taken as the truth — objects at their older revisions,
     those it lacks deleted — and said once. 4 MiB."""
+    server: list[Server] = []
+
     async def gone(resp: web.StreamResponse, start: int) -> None:
+        server[0].watches = None  # once: the watches after it behave
         await resp.write(GONE)
 
     @bounded
     async def main() -> None:
         async with Harness(tmp_path) as h:
+            server.append(h.server)
             for name in ("a", "b", "c", "d"):
                 h.server.put(name)
             await h.synced()
@@ -645,12 +651,14 @@ def test_a_list_below_our_revision_is_the_truth_and_said_once_under_4MiB(
                 s.watches = gone
                 await eventually(lambda: h.reflector.stats.went_back >= 1,
                                  what="the list below ours")
-                s.watches = None
                 await h.converged("the restored state, older revisions and all")
             assert peak[0] < 4 * MiB, peak
             (told,) = logged(caplog, "below the")
             assert f"at revision 50, below the {reached} we had reached" in told, told
-            assert h.reflector.resource_version == "50"
+            # Polled: on a loaded machine the reflector may still be between its list
+            # and its next watch when converged() sees the objects.
+            await eventually(lambda: h.reflector.resource_version == "50",
+                             what="the reflector at the restored revision")
             h.server.put("after")
             await h.converged()
 
