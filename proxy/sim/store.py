@@ -249,7 +249,7 @@ class Store:
     # ---- writing -------------------------------------------------------------------
 
     def _commit(self, rt: ResourceType, key: str, kind: str, obj: Obj | None,
-                prev: Obj | None) -> Obj:
+                prev: Obj | None, allocate: bool = True) -> Obj:
         self.rv += 1
         objects = self._objects[rt.plural]
         if kind == DELETED:
@@ -261,7 +261,7 @@ class Store:
             obj["metadata"]["resourceVersion"] = str(self.rv)
             stored = obj
             objects[key] = stored
-        if rt is SERVICES:
+        if rt is SERVICES and allocate:
             self.alloc.observe(prev, None if kind == DELETED else stored)
         ev = Event(kind, self.rv, rt, key, stored, prev)
         self._history.append(ev)
@@ -372,6 +372,24 @@ class Store:
         if _same(obj, old):  # a no-op write keeps the revision, like upstream
             return old, False
         return self._commit(rt, key, MODIFIED, obj, old), False
+
+    def insert_unvalidated(self, rt: ResourceType, obj: Obj) -> Obj:
+        """Store `obj` exactly as given and tell watchers (ADDED, or MODIFIED if its key
+        exists): no normalisation, defaulting, validation, namespace check or allocation.
+
+        Test-only. It exists to simulate a lying API server, one that serves objects a
+        real one would refuse (bad names, addresses, ports, sizes), so tests can show
+        that clients do not trust what they are served. `obj` needs a `metadata` object
+        with a string `name`, the store's key (and `namespace` for namespaced types,
+        "default" if absent); nothing else is looked at. Do not update or delete such
+        an object through the ordinary calls: they assume it was validated.
+        """
+        obj = copy(obj)
+        meta = obj["metadata"]
+        namespace = str(meta.get("namespace") or "default") if rt.namespaced else None
+        key = key_of(rt, namespace, str(meta["name"]))
+        prev = self._objects[rt.plural].get(key)
+        return self._commit(rt, key, MODIFIED if prev else ADDED, obj, prev, allocate=False)
 
     def delete(self, rt: ResourceType, namespace: str | None, name: str, *,
                uid: str | None = None, resource_version: str | None = None) -> Obj:
