@@ -9,6 +9,7 @@ are read at scrape time by collectors instead of being counted twice.
 
 from __future__ import annotations
 
+from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import fields
 
@@ -138,8 +139,8 @@ class ModelCollector(Collector):
             "sliceproxy_service_ports", "Service ports (per IP family) this node proxies")
         model = self._model()
         if model is not None:
-            # Counts, not records: the model keeps a few records per object only.
-            for (kind, reason), count in sorted(model.skip_counts().items()):
+            tally = Tally((s.kind, s.reason) for s in model.skipped())
+            for (kind, reason), count in sorted(tally.items()):
                 skipped.add_metric([kind, reason], count)
             state = model.state
             conflicts.add_metric([], sum(len(rsp.conflicts) for rsp in state))
