@@ -5,18 +5,30 @@ unusable, and `skips` says what was dropped and why (the whole object, or one en
 port or address where the rest is still usable). Unexpected shapes are caught at the
 top of each decoder and reported as `malformed`, so a surprise in the API's JSON costs
 one object, never the agent.
+
+The API server validates what it stores, but the agent does not rely on it (an old
+server, a bug, a compromised or fake one): everything that can reach a rule is checked
+here against the API's own rules, so the data planes only ever see
+
+- addresses in canonical form that a packet can be sent to: no zone (`fe80::1%eth0`
+  would be written verbatim into a rule), no IPv4-mapped IPv6, nothing unspecified,
+  loopback, link-local, multicast or broadcast. IPv4 with leading zeros is read as
+  decimal, as kube-proxy (netutils.ParseIPSloppy) and the API server read it, and
+  recorded (`non-canonical-ip`);
+- ports in 1..65535.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from ipaddress import ip_address, ip_network
+from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
 from typing import Any, TypeVar
 
 from proxy.model import skips as why
-from proxy.model.skips import Skip
+from proxy.model.skips import Skip, shown
 from proxy.model.types import (
     ANNOTATION_TOPOLOGY_HINTS,
     ANNOTATION_TOPOLOGY_MODE,
@@ -48,6 +60,11 @@ _PROTOCOLS = {p.value: p for p in Protocol}
 _FAMILIES = {"IPv4": Family.V4, "IPv6": Family.V6}
 _SERVICE_TYPES = {t.value: t for t in ServiceType}
 _POLICIES = {p.value: p for p in TrafficPolicy}
+
+# IPv4 as Go's old net.ParseIP (and netutils.ParseIPSloppy) accepts it: decimal octets,
+# leading zeros allowed.
+_SLOPPY_V4 = re.compile(r"([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})")
+_BROADCAST = IPv4Address("255.255.255.255")
 
 
 class _Bad(Exception):
@@ -135,23 +152,101 @@ def _str_map(value: Any, what: str) -> dict[str, str]:
     return {str(k): str(v) for k, v in _dict(value, what).items()}
 
 
+# --- addresses -----------------------------------------------------------------------
+
+
+def special(ip: IPAddress) -> str | None:
+    """What makes an address useless as a service or endpoint address, or None.
+    Validation refuses unspecified, loopback and link-local ones (ValidateNonSpecialIP);
+    a DNAT to multicast or broadcast makes no more sense."""
+    if ip.is_unspecified:
+        return "unspecified"
+    if ip.is_loopback:
+        return "loopback"
+    if ip.is_link_local:
+        return "link-local"
+    if ip.is_multicast:
+        return "multicast"
+    if ip == _BROADCAST:
+        return "broadcast"
+    return None
+
+
+def _parse(value: str) -> tuple[IPAddress | None, bool]:
+    """(address, read from leading zeros) or (None, False). Rejects zones and
+    IPv4-mapped IPv6 (the strict validation's rules: both are read differently by
+    different software)."""
+    if "%" in value:
+        return None, False
+    try:
+        ip = ip_address(value)
+    except ValueError:
+        m = _SLOPPY_V4.fullmatch(value)
+        if m is None:
+            return None, False
+        octets = [int(o) for o in m.groups()]
+        if any(o > 255 for o in octets):
+            return None, False
+        return IPv4Address(".".join(map(str, octets))), True
+    if isinstance(ip, IPv6Address) and (ip.ipv4_mapped is not None or ip.scope_id):
+        return None, False
+    return ip, False
+
+
 def parse_ip(value: Any) -> IPAddress | None:
-    """An IP address as the API writes it, or None. Rejects zones and leading zeros."""
+    """An IP address as the API writes it, or None: no zone, no IPv4-mapped IPv6; IPv4
+    with leading zeros read as decimal. Special addresses are not refused here."""
     if not isinstance(value, str):
         return None
-    try:
-        return ip_address(value)
-    except ValueError:
-        return None
+    return _parse(value)[0]
 
 
-def _parse_network(value: Any) -> IPNetwork | None:
-    if not isinstance(value, str):
+def _ip(ctx: _Ctx, value: Any, where: str, family: Family | None = None) -> IPAddress | None:
+    """An address that may reach a rule, or None with a record saying why not."""
+    ip, sloppy = _parse(value) if isinstance(value, str) else (None, False)
+    wanted = f"an {family.label} address" if family is not None else "an IP address"
+    if ip is None:
+        hint = ""
+        if isinstance(value, str) and "%" in value:
+            hint = " (zone-scoped addresses are not allowed)"
+        elif isinstance(value, str) and value.lower().startswith("::ffff:"):
+            hint = " (IPv4-mapped IPv6 is not allowed: use the IPv4 address)"
+        ctx.skip(why.INVALID_IP, f"{shown(value)} is not {wanted}{hint}", where)
         return None
-    try:
-        return ip_network(value.strip(), strict=False)
-    except ValueError:
+    if family is not None and Family.of(ip) is not family:
+        ctx.skip(why.INVALID_IP, f"{shown(value)} is not {wanted}", where)
         return None
+    kind = special(ip)
+    if kind is not None:
+        ctx.skip(why.SPECIAL_IP, f"{ip} is a {kind} address", where)
+        return None
+    if sloppy:
+        ctx.skip(why.NON_CANONICAL_IP, f"{shown(value)} has leading zeros; used as {ip} "
+                 "(decimal, as kube-proxy reads it)", where)
+    return ip
+
+
+def _cidr(ctx: _Ctx, value: Any, where: str) -> IPNetwork | None:
+    """A source range: `address/prefix` (spaces around it trimmed, as upstream does)."""
+    net = None
+    if isinstance(value, str) and value.count("/") == 1:
+        text = value.strip()
+        addr_text, _, prefix = text.partition("/")
+        ip, sloppy = _parse(addr_text)
+        if ip is not None and prefix.isascii() and prefix.isdigit() and len(prefix) <= 3:
+            try:
+                net = ip_network(f"{ip}/{int(prefix)}", strict=False)
+            except ValueError:
+                net = None
+            if net is not None and sloppy:
+                ctx.skip(why.NON_CANONICAL_IP, f"{shown(value)} has leading zeros; used as "
+                         f"{net} (decimal, as kube-proxy reads it)", where)
+    if net is None:
+        ctx.skip(why.INVALID_CIDR, f"{shown(value)} is not a CIDR", where)
+    return net
+
+
+# --- small values --------------------------------------------------------------------
 
 
 def _protocol(value: Any) -> Protocol | None:
@@ -164,6 +259,14 @@ def _port_number(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         return None
     return value if 1 <= value <= 65535 else None
+
+
+def _port_name(ctx: _Ctx, raw: dict[str, Any], where: str) -> str | None:
+    name = raw.get("name") or ""
+    if not isinstance(name, str):
+        ctx.skip(why.MALFORMED, "port name is not a string", where)
+        return None
+    return name
 
 
 def _intern(value: Any) -> str | None:
@@ -185,45 +288,38 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
     spec = _dict(obj.get("spec"), "spec")
     status = _dict(obj.get("status"), "status")
 
-    raw_type = spec.get("type", "ClusterIP")
+    raw_type = spec.get("type") or "ClusterIP"
     svc_type = _SERVICE_TYPES.get(raw_type) if isinstance(raw_type, str) else None
     if svc_type is None:
-        raise _Bad(why.INVALID_VALUE, f"spec.type {raw_type!r} is not a known service type")
+        raise _Bad(why.INVALID_VALUE, f"spec.type {shown(raw_type)} is not a known service type")
 
     raw_ips = spec.get("clusterIPs") or ([spec["clusterIP"]] if spec.get("clusterIP") else [])
     raw_ips = _list(raw_ips, "spec.clusterIPs")
     headless = any(ip == "None" for ip in raw_ips)
     cluster_ips = () if headless else _ips(ctx, raw_ips, "spec.clusterIPs")
 
-    ports: list[ServicePort] = []
-    for i, raw in enumerate(_list(spec.get("ports"), "spec.ports")):
-        port = _service_port(ctx, raw, f"spec.ports[{i}]")
-        if port is not None:
-            ports.append(port)
+    ports = _service_ports(ctx, _list(spec.get("ports"), "spec.ports"))
 
     lb_ips: list[IPAddress] = []
     load_balancer = _dict(status.get("loadBalancer"), "status.loadBalancer")
     ingress = _list(load_balancer.get("ingress"), "status.loadBalancer.ingress")
     for i, ing in enumerate(ingress):
-        ing = _dict(ing, f"status.loadBalancer.ingress[{i}]")
+        where = f"status.loadBalancer.ingress[{i}]"
+        if not isinstance(ing, dict):
+            ctx.skip(why.MALFORMED, "ingress entry is not an object", where)
+            continue
         if "ip" not in ing:
             continue  # hostname-only ingress: nothing for a node to program
         if ing.get("ipMode") == "Proxy":
             continue  # the load balancer proxies; upstream does not capture this IP
-        ip = parse_ip(ing["ip"])
-        if ip is None:
-            ctx.skip(why.INVALID_IP, f"{ing['ip']!r} is not an IP address",
-                     f"status.loadBalancer.ingress[{i}]")
-        else:
+        ip = _ip(ctx, ing["ip"], where)
+        if ip is not None and ip not in lb_ips:
             lb_ips.append(ip)
 
     ranges: list[IPNetwork] = []
     for i, raw in enumerate(_list(spec.get("loadBalancerSourceRanges"), "sourceRanges")):
-        net = _parse_network(raw)
-        if net is None:
-            ctx.skip(why.INVALID_CIDR, f"{raw!r} is not a CIDR",
-                     f"spec.loadBalancerSourceRanges[{i}]")
-        else:
+        net = _cidr(ctx, raw, f"spec.loadBalancerSourceRanges[{i}]")
+        if net is not None and net not in ranges:
             ranges.append(net)
 
     affinity: int | None = None
@@ -232,7 +328,7 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
                     .get("clientIP"), "sessionAffinityConfig.clientIP")
         timeout = cfg.get("timeoutSeconds", DEFAULT_AFFINITY_TIMEOUT)
         if isinstance(timeout, bool) or not isinstance(timeout, int) or not 0 < timeout <= 86400:
-            ctx.skip(why.INVALID_VALUE, f"timeoutSeconds {timeout!r} is not in 1..86400; "
+            ctx.skip(why.INVALID_VALUE, f"timeoutSeconds {shown(timeout)} is not in 1..86400; "
                      f"using {DEFAULT_AFFINITY_TIMEOUT}",
                      "spec.sessionAffinityConfig.clientIP.timeoutSeconds")
             timeout = DEFAULT_AFFINITY_TIMEOUT
@@ -240,7 +336,7 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
 
     hc_port = spec.get("healthCheckNodePort") or 0
     if hc_port and _port_number(hc_port) is None:
-        ctx.skip(why.INVALID_PORT, f"{hc_port!r} is not a port", "spec.healthCheckNodePort")
+        ctx.skip(why.INVALID_PORT, f"{shown(hc_port)} is not a port", "spec.healthCheckNodePort")
         hc_port = 0
 
     preference = annotations.get(ANNOTATION_TOPOLOGY_PREFERENCE)
@@ -250,7 +346,7 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
         name=ctx.name,
         type=svc_type,
         cluster_ips=cluster_ips,
-        ports=tuple(ports),
+        ports=ports,
         headless=headless,
         external_ips=_ips(ctx, _list(spec.get("externalIPs"), "spec.externalIPs"),
                           "spec.externalIPs"),
@@ -276,12 +372,42 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
 def _ips(ctx: _Ctx, raw: list[Any], where: str) -> tuple[IPAddress, ...]:
     out: list[IPAddress] = []
     for i, value in enumerate(raw):
-        ip = parse_ip(value)
-        if ip is None:
-            ctx.skip(why.INVALID_IP, f"{value!r} is not an IP address", f"{where}[{i}]")
-        elif ip not in out:
+        ip = _ip(ctx, value, f"{where}[{i}]")
+        if ip is not None and ip not in out:
             out.append(ip)
     return tuple(out)
+
+
+def _service_ports(ctx: _Ctx, raw_ports: list[Any]) -> tuple[ServicePort, ...]:
+    ports: list[ServicePort] = []
+    for i, raw in enumerate(raw_ports):
+        port = _service_port(ctx, raw, f"spec.ports[{i}]")
+        if port is not None:
+            ports.append(port)
+    return tuple(ports)
+
+
+def _service_port(ctx: _Ctx, raw: Any, where: str) -> ServicePort | None:
+    if not isinstance(raw, dict):
+        ctx.skip(why.MALFORMED, "port is not an object", where)
+        return None
+    name = _port_name(ctx, raw, where)
+    if name is None:
+        return None
+    protocol = _protocol(raw.get("protocol"))
+    if protocol is None:
+        ctx.skip(why.UNKNOWN_PROTOCOL, f"protocol {shown(raw.get('protocol'))}", where)
+        return None
+    port = _port_number(raw.get("port"))
+    if port is None:
+        ctx.skip(why.INVALID_PORT, f"port {shown(raw.get('port'))} is not in 1..65535", where)
+        return None
+    node_port = raw.get("nodePort") or 0
+    if node_port and _port_number(node_port) is None:
+        ctx.skip(why.INVALID_PORT, f"nodePort {shown(node_port)} is not in 1..65535; ignored",
+                 where)
+        node_port = 0
+    return ServicePort(name=name, protocol=protocol, port=port, node_port=node_port)
 
 
 def _policy(ctx: _Ctx, spec: dict[str, Any], field: str) -> TrafficPolicy:
@@ -290,33 +416,10 @@ def _policy(ctx: _Ctx, spec: dict[str, Any], field: str) -> TrafficPolicy:
         return TrafficPolicy.CLUSTER
     policy = _POLICIES.get(raw) if isinstance(raw, str) else None
     if policy is None:
-        ctx.skip(why.INVALID_VALUE, f"{raw!r} is not Cluster or Local; using Cluster",
+        ctx.skip(why.INVALID_VALUE, f"{shown(raw)} is not Cluster or Local; using Cluster",
                  f"spec.{field}")
         return TrafficPolicy.CLUSTER
     return policy
-
-
-def _service_port(ctx: _Ctx, raw: Any, where: str) -> ServicePort | None:
-    if not isinstance(raw, dict):
-        ctx.skip(why.MALFORMED, "port is not an object", where)
-        return None
-    protocol = _protocol(raw.get("protocol"))
-    if protocol is None:
-        ctx.skip(why.UNKNOWN_PROTOCOL, f"protocol {raw.get('protocol')!r}", where)
-        return None
-    port = _port_number(raw.get("port"))
-    if port is None:
-        ctx.skip(why.INVALID_PORT, f"port {raw.get('port')!r} is not in 1..65535", where)
-        return None
-    node_port = raw.get("nodePort") or 0
-    if node_port and _port_number(node_port) is None:
-        ctx.skip(why.INVALID_PORT, f"nodePort {node_port!r} is not in 1..65535; ignored", where)
-        node_port = 0
-    name = raw.get("name") or ""
-    if not isinstance(name, str):
-        ctx.skip(why.MALFORMED, "port name is not a string", where)
-        return None
-    return ServicePort(name=name, protocol=protocol, port=port, node_port=node_port)
 
 
 # --- EndpointSlice -------------------------------------------------------------------
@@ -340,31 +443,19 @@ def _slice_body(ctx: _Ctx, obj: dict[str, Any]) -> EndpointSlice | None:
         raise _Bad(why.UNSUPPORTED_ADDRESS_TYPE, "FQDN slices are not proxied")
     family = _FAMILIES.get(address_type) if isinstance(address_type, str) else None
     if family is None:
-        raise _Bad(why.UNKNOWN_ADDRESS_TYPE, f"addressType {address_type!r}")
+        raise _Bad(why.UNKNOWN_ADDRESS_TYPE, f"addressType {shown(address_type)}")
     beta = str(obj.get("apiVersion", "")).endswith("/v1beta1")
+    raw_ports = _list(obj.get("ports"), "ports")
+    raw_endpoints = _list(obj.get("endpoints"), "endpoints")
 
     ports: list[SlicePort] = []
-    for i, raw in enumerate(_list(obj.get("ports"), "ports")):
-        where = f"ports[{i}]"
-        if not isinstance(raw, dict):
-            ctx.skip(why.MALFORMED, "port is not an object", where)
-            continue
-        protocol = _protocol(raw.get("protocol"))
-        if protocol is None:
-            ctx.skip(why.UNKNOWN_PROTOCOL, f"protocol {raw.get('protocol')!r}", where)
-            continue
-        if raw.get("port") is None:
-            ctx.skip(why.MISSING_FIELD, "port number is missing", where)
-            continue
-        number = _port_number(raw.get("port"))
-        if number is None:
-            ctx.skip(why.INVALID_PORT, f"port {raw.get('port')!r} is not in 1..65535", where)
-            continue
-        name = raw.get("name") or ""
-        ports.append(SlicePort(name=str(name), protocol=protocol, port=number))
+    for i, raw in enumerate(raw_ports):
+        port = _endpoint_port(ctx, raw, f"ports[{i}]")
+        if port is not None:
+            ports.append(port)
 
     endpoints: list[Endpoint] = []
-    for i, raw in enumerate(_list(obj.get("endpoints"), "endpoints")):
+    for i, raw in enumerate(raw_endpoints):
         ep = _slice_endpoint(ctx, raw, family, beta, f"endpoints[{i}]")
         if ep is not None:
             endpoints.append(ep)
@@ -380,6 +471,28 @@ def _slice_body(ctx: _Ctx, obj: dict[str, Any]) -> EndpointSlice | None:
     )
 
 
+def _endpoint_port(ctx: _Ctx, raw: Any, where: str) -> SlicePort | None:
+    """A port of a slice or of an Endpoints subset."""
+    if not isinstance(raw, dict):
+        ctx.skip(why.MALFORMED, "port is not an object", where)
+        return None
+    name = _port_name(ctx, raw, where)
+    if name is None:
+        return None
+    protocol = _protocol(raw.get("protocol"))
+    if protocol is None:
+        ctx.skip(why.UNKNOWN_PROTOCOL, f"protocol {shown(raw.get('protocol'))}", where)
+        return None
+    if raw.get("port") is None:
+        ctx.skip(why.MISSING_FIELD, "port number is missing", where)
+        return None
+    number = _port_number(raw.get("port"))
+    if number is None:
+        ctx.skip(why.INVALID_PORT, f"port {shown(raw.get('port'))} is not in 1..65535", where)
+        return None
+    return SlicePort(name=name, protocol=protocol, port=number)
+
+
 def _slice_endpoint(ctx: _Ctx, raw: Any, family: Family, beta: bool, where: str) -> Endpoint | None:
     if not isinstance(raw, dict):
         ctx.skip(why.MALFORMED, "endpoint is not an object", where)
@@ -388,9 +501,8 @@ def _slice_endpoint(ctx: _Ctx, raw: Any, family: Family, beta: bool, where: str)
     if not isinstance(addresses, list) or not addresses:
         ctx.skip(why.MISSING_FIELD, "endpoint has no addresses", where)
         return None
-    address = parse_ip(addresses[0])  # upstream uses only the first address
-    if address is None or Family.of(address) is not family:
-        ctx.skip(why.INVALID_IP, f"{addresses[0]!r} is not an {family.label} address", where)
+    address = _ip(ctx, addresses[0], where, family)  # upstream uses only the first address
+    if address is None:
         return None
     cond = _loose_dict(raw.get("conditions"))
     # Defaults: ready nil = ready; serving nil = ready's value; terminating nil = false.
@@ -452,33 +564,25 @@ def _endpoints_body(ctx: _Ctx, obj: dict[str, Any]) -> tuple[EndpointSlice, ...]
             continue
         ports: list[SlicePort] = []
         for p, raw in enumerate(_list(subset.get("ports"), f"{where}.ports")):
-            port_where = f"{where}.ports[{p}]"
-            if not isinstance(raw, dict):
-                ctx.skip(why.MALFORMED, "port is not an object", port_where)
-                continue
-            protocol = _protocol(raw.get("protocol"))
-            number = _port_number(raw.get("port"))
-            if protocol is None:
-                ctx.skip(why.UNKNOWN_PROTOCOL, f"protocol {raw.get('protocol')!r}", port_where)
-            elif number is None:
-                ctx.skip(why.INVALID_PORT, f"port {raw.get('port')!r} is not in 1..65535",
-                         port_where)
-            else:
-                ports.append(SlicePort(str(raw.get("name") or ""), protocol, number))
+            port = _endpoint_port(ctx, raw, f"{where}.ports[{p}]")
+            if port is not None:
+                ports.append(port)
         by_family: dict[Family, list[Endpoint]] = {Family.V4: [], Family.V6: []}
-        for field, ready in (("addresses", True), ("notReadyAddresses", False)):
-            for a, raw in enumerate(_list(subset.get(field), f"{where}.{field}")):
-                addr_where = f"{where}.{field}[{a}]"
-                raw = raw if isinstance(raw, dict) else {}
-                ip = parse_ip(raw.get("ip"))
-                if ip is None:
-                    ctx.skip(why.INVALID_IP, f"{raw.get('ip')!r} is not an IP address",
-                             addr_where)
-                    continue
-                by_family[Family.of(ip)].append(Endpoint(
-                    address=ip, ready=ready, serving=ready, terminating=False,
-                    node_name=_intern(raw.get("nodeName")),
-                ))
+        listed = [(field, ready, a, raw)
+                  for field, ready in (("addresses", True), ("notReadyAddresses", False))
+                  for a, raw in enumerate(_list(subset.get(field), f"{where}.{field}"))]
+        for field, ready, a, raw in listed:
+            addr_where = f"{where}.{field}[{a}]"
+            if not isinstance(raw, dict):
+                ctx.skip(why.MALFORMED, "address is not an object", addr_where)
+                continue
+            ip = _ip(ctx, raw.get("ip"), addr_where)
+            if ip is None:
+                continue
+            by_family[Family.of(ip)].append(Endpoint(
+                address=ip, ready=ready, serving=ready, terminating=False,
+                node_name=_intern(raw.get("nodeName")),
+            ))
         for family, endpoints in by_family.items():
             if endpoints:
                 out.append(EndpointSlice(
