@@ -10,12 +10,17 @@ The API server validates what it stores, but the agent does not rely on it (an o
 server, a bug, a compromised or fake one): everything that can reach a rule is checked
 here against the API's own rules, so the data planes only ever see
 
+- names that are DNS labels or subdomains (they end up in rule comments and in the
+  hashes that name chains, which must not collide: `ns/name:port` is unambiguous only
+  because none of the three may contain `/` or `:`);
 - addresses in canonical form that a packet can be sent to: no zone (`fe80::1%eth0`
   would be written verbatim into a rule), no IPv4-mapped IPv6, nothing unspecified,
   loopback, link-local, multicast or broadcast. IPv4 with leading zeros is read as
   decimal, as kube-proxy (netutils.ParseIPSloppy) and the API server read it, and
   recorded (`non-canonical-ip`);
-- ports in 1..65535.
+- ports in 1..65535;
+- objects within the API's size limits (1,000 endpoints and 100 ports per slice,
+  256 KiB of annotations).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
 from typing import Any, TypeVar
 
 from proxy.model import skips as why
-from proxy.model.skips import Skip, shown
+from proxy.model.skips import Skip, clip, shown
 from proxy.model.types import (
     ANNOTATION_TOPOLOGY_HINTS,
     ANNOTATION_TOPOLOGY_MODE,
@@ -61,10 +66,37 @@ _FAMILIES = {"IPv4": Family.V4, "IPv6": Family.V6}
 _SERVICE_TYPES = {t.value: t for t in ServiceType}
 _POLICIES = {p.value: p for p in TrafficPolicy}
 
+# Limits the API server enforces (pkg/apis/discovery/validation, apimachinery's
+# ValidateAnnotations): an object beyond them cannot come from a real API server.
+MAX_SLICE_ENDPOINTS = 1000
+MAX_SLICE_PORTS = 100
+MAX_ANNOTATION_BYTES = 256 * 1024
+# Endpoints objects have no such limit, but the EndpointSlice mirroring controller
+# mirrors at most this many addresses per subset, so kube-proxy (reading slices) never
+# uses more; in Endpoints mode the rest are dropped, counted in one record per subset.
+MAX_SUBSET_ADDRESSES = 1000
+
+# Names, as apimachinery's validation spells them (ASCII only; matched whole).
+_DNS_LABEL = re.compile(r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
+                            r"(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9])?)*")
+_LABEL_VALUE = re.compile(r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
 # IPv4 as Go's old net.ParseIP (and netutils.ParseIPSloppy) accepts it: decimal octets,
 # leading zeros allowed.
 _SLOPPY_V4 = re.compile(r"([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})")
 _BROADCAST = IPv4Address("255.255.255.255")
+
+
+def dns_label(value: str) -> bool:
+    return len(value) <= 63 and _DNS_LABEL.fullmatch(value) is not None
+
+
+def dns_subdomain(value: str) -> bool:
+    return len(value) <= 253 and _DNS_SUBDOMAIN.fullmatch(value) is not None
+
+
+def label_value(value: str) -> bool:
+    return len(value) <= 63 and _LABEL_VALUE.fullmatch(value) is not None
 
 
 class _Bad(Exception):
@@ -87,43 +119,65 @@ class _Ctx:
         self.skips.append(Skip(self.kind, self.namespace, self.name, reason, detail, part))
 
 
-def _meta(obj: Any, kind: str, namespaced: bool) -> _Ctx:
+def _meta(obj: Any, kind: str, namespaced: bool, valid_name: Callable[[str], bool]) -> _Ctx:
     if not isinstance(obj, dict):
         raise _Bad(why.MALFORMED, f"expected an object, got {type(obj).__name__}")
     meta = obj.get("metadata")
-    if not isinstance(meta, dict):
+    if meta is None:
         raise _Bad(why.MISSING_FIELD, "metadata is missing")
+    if not isinstance(meta, dict):
+        raise _Bad(why.MALFORMED, "metadata is not an object")
     name = meta.get("name")
-    if not isinstance(name, str) or not name:
+    if name is None or name == "":
         raise _Bad(why.MISSING_FIELD, "metadata.name is missing")
-    namespace = meta.get("namespace") or ("default" if namespaced else "")
-    if not isinstance(namespace, str):
-        raise _Bad(why.MALFORMED, "metadata.namespace is not a string")
+    if not isinstance(name, str):
+        raise _Bad(why.MALFORMED, f"metadata.name {shown(name)} is not a string")
+    if not valid_name(name):
+        raise _Bad(why.INVALID_NAME, f"metadata.name {shown(name)} is not a valid "
+                   f"{'DNS label' if valid_name is dns_label else 'DNS subdomain'}")
+    namespace: Any = ""
+    if namespaced:
+        namespace = meta.get("namespace") or "default"
+        if not isinstance(namespace, str):
+            raise _Bad(why.MALFORMED, "metadata.namespace is not a string")
+        if not dns_label(namespace):
+            raise _Bad(why.INVALID_NAME,
+                       f"metadata.namespace {shown(namespace)} is not a valid DNS label")
+    annotations = meta.get("annotations")
+    if isinstance(annotations, dict):
+        size = sum(len(str(k)) + len(str(v)) for k, v in annotations.items())
+        if size > MAX_ANNOTATION_BYTES:
+            raise _Bad(why.TOO_LARGE, f"annotations hold {size} characters; the API "
+                       f"allows {MAX_ANNOTATION_BYTES}")
     return _Ctx(kind, namespace, name, [])
 
 
 def _guard(
-    kind: str, namespaced: bool, obj: Any, body: Callable[[_Ctx, dict[str, Any]], T | None]
+    kind: str, namespaced: bool, valid_name: Callable[[str], bool], obj: Any,
+    body: Callable[[_Ctx, dict[str, Any]], T | None],
 ) -> Decoded[T]:
     """Run a decoder body; turn any failure into a whole-object skip."""
     try:
-        ctx = _meta(obj, kind, namespaced)
+        ctx = _meta(obj, kind, namespaced, valid_name)
     except _Bad as bad:
-        name = _safe_name(obj)
-        return None, [Skip(kind, name[0], name[1], bad.reason, bad.detail)]
+        namespace, name = _safe_name(obj, namespaced)
+        return None, [Skip(kind, namespace, name, bad.reason, bad.detail)]
     try:
         return body(ctx, obj), ctx.skips
     except _Bad as bad:
         ctx.skip(bad.reason, bad.detail)
     except Exception as exc:  # the decoder's promise is "never raises"
-        ctx.skip(why.MALFORMED, f"{type(exc).__name__}: {exc}")
+        ctx.skip(why.MALFORMED, f"{type(exc).__name__}: {shown(str(exc))}")
     return None, ctx.skips
 
 
-def _safe_name(obj: Any) -> tuple[str, str]:
+def _safe_name(obj: Any, namespaced: bool) -> tuple[str, str]:
+    """(namespace, name) for the record of an object whose metadata did not decode: as
+    ingest keys the object (a missing namespace is "default"), cut to a sane length."""
     if isinstance(obj, dict) and isinstance(obj.get("metadata"), dict):
         meta = obj["metadata"]
-        return (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+        namespace = str(meta.get("namespace") or "default") if namespaced else ""
+        return clip(namespace), clip(str(meta.get("name") or ""))
     return ("", "")
 
 
@@ -262,9 +316,15 @@ def _port_number(value: Any) -> int | None:
 
 
 def _port_name(ctx: _Ctx, raw: dict[str, Any], where: str) -> str | None:
-    name = raw.get("name") or ""
+    """A port's name ("" for none), or None with a record when it is not a DNS label."""
+    name = raw.get("name")
+    if name is None or name == "":
+        return ""
     if not isinstance(name, str):
-        ctx.skip(why.MALFORMED, "port name is not a string", where)
+        ctx.skip(why.MALFORMED, f"port name {shown(name)} is not a string", where)
+        return None
+    if not dns_label(name):
+        ctx.skip(why.INVALID_NAME, f"port name {shown(name)} is not a valid DNS label", where)
         return None
     return name
 
@@ -278,7 +338,7 @@ def _intern(value: Any) -> str | None:
 
 
 def decode_service(obj: Any) -> Decoded[Service]:
-    return _guard("Service", True, obj, _service_body)
+    return _guard("Service", True, dns_label, obj, _service_body)
 
 
 def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
@@ -364,8 +424,8 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
             if preference is not None else None
         ),
         proxy_name=labels.get(LABEL_SERVICE_PROXY_NAME),
-        uid=str(meta.get("uid") or ""),
-        resource_version=str(meta.get("resourceVersion") or ""),
+        uid=clip(str(meta.get("uid") or "")),
+        resource_version=clip(str(meta.get("resourceVersion") or "")),
     )
 
 
@@ -427,7 +487,7 @@ def _policy(ctx: _Ctx, spec: dict[str, Any], field: str) -> TrafficPolicy:
 
 def decode_endpoint_slice(obj: Any) -> Decoded[EndpointSlice]:
     """discovery.k8s.io/v1, or v1beta1 (topology map instead of nodeName/zone)."""
-    return _guard("EndpointSlice", True, obj, _slice_body)
+    return _guard("EndpointSlice", True, dns_subdomain, obj, _slice_body)
 
 
 def _slice_body(ctx: _Ctx, obj: dict[str, Any]) -> EndpointSlice | None:
@@ -436,17 +496,28 @@ def _slice_body(ctx: _Ctx, obj: dict[str, Any]) -> EndpointSlice | None:
     service_name = labels.get(LABEL_SERVICE_NAME)
     if not service_name:
         raise _Bad(why.MISSING_SERVICE_NAME, f"no {LABEL_SERVICE_NAME} label")
+    if not label_value(service_name):
+        raise _Bad(why.INVALID_NAME, f"{LABEL_SERVICE_NAME} {shown(service_name)} is not a "
+                   "valid label value")
     if LABEL_HEADLESS in labels:
         raise _Bad(why.HEADLESS, f"labelled {LABEL_HEADLESS}")
     address_type = obj.get("addressType")
     if address_type == "FQDN":
         raise _Bad(why.UNSUPPORTED_ADDRESS_TYPE, "FQDN slices are not proxied")
+    if address_type is None:
+        raise _Bad(why.MISSING_FIELD, "addressType is missing")
     family = _FAMILIES.get(address_type) if isinstance(address_type, str) else None
     if family is None:
         raise _Bad(why.UNKNOWN_ADDRESS_TYPE, f"addressType {shown(address_type)}")
     beta = str(obj.get("apiVersion", "")).endswith("/v1beta1")
     raw_ports = _list(obj.get("ports"), "ports")
     raw_endpoints = _list(obj.get("endpoints"), "endpoints")
+    if len(raw_endpoints) > MAX_SLICE_ENDPOINTS:
+        raise _Bad(why.TOO_LARGE, f"{len(raw_endpoints)} endpoints; the API allows "
+                   f"{MAX_SLICE_ENDPOINTS} per slice")
+    if len(raw_ports) > MAX_SLICE_PORTS:
+        raise _Bad(why.TOO_LARGE, f"{len(raw_ports)} ports; the API allows "
+                   f"{MAX_SLICE_PORTS} per slice")
 
     ports: list[SlicePort] = []
     for i, raw in enumerate(raw_ports):
@@ -467,7 +538,7 @@ def _slice_body(ctx: _Ctx, obj: dict[str, Any]) -> EndpointSlice | None:
         family=family,
         ports=tuple(ports),
         endpoints=tuple(endpoints),
-        resource_version=str(meta.get("resourceVersion") or ""),
+        resource_version=clip(str(meta.get("resourceVersion") or "")),
     )
 
 
@@ -548,11 +619,11 @@ def decode_endpoints(obj: Any) -> Decoded[tuple[EndpointSlice, ...]]:
     carry no terminating condition, zone or hints. Pseudo-slice names are
     `<name>#<subset>/<family>` so explain shows where an endpoint came from.
     """
-    return _guard("Endpoints", True, obj, _endpoints_body)
+    return _guard("Endpoints", True, dns_subdomain, obj, _endpoints_body)
 
 
 def _endpoints_body(ctx: _Ctx, obj: dict[str, Any]) -> tuple[EndpointSlice, ...]:
-    rv = str(obj["metadata"].get("resourceVersion") or "")
+    rv = clip(str(obj["metadata"].get("resourceVersion") or ""))
     labels = _str_map(obj["metadata"].get("labels"), "metadata.labels")
     if LABEL_HEADLESS in labels:
         raise _Bad(why.HEADLESS, f"labelled {LABEL_HEADLESS}")
@@ -571,6 +642,11 @@ def _endpoints_body(ctx: _Ctx, obj: dict[str, Any]) -> tuple[EndpointSlice, ...]
         listed = [(field, ready, a, raw)
                   for field, ready in (("addresses", True), ("notReadyAddresses", False))
                   for a, raw in enumerate(_list(subset.get(field), f"{where}.{field}"))]
+        if len(listed) > MAX_SUBSET_ADDRESSES:
+            ctx.skip(why.TOO_LARGE, f"{len(listed)} addresses; only the first "
+                     f"{MAX_SUBSET_ADDRESSES} are used (as the EndpointSlice mirroring "
+                     "controller does)", where)
+            del listed[MAX_SUBSET_ADDRESSES:]
         for field, ready, a, raw in listed:
             addr_where = f"{where}.{field}[{a}]"
             if not isinstance(raw, dict):
@@ -601,7 +677,7 @@ def _endpoints_body(ctx: _Ctx, obj: dict[str, Any]) -> tuple[EndpointSlice, ...]
 
 
 def decode_node(obj: Any) -> Decoded[Node]:
-    return _guard("Node", False, obj, _node_body)
+    return _guard("Node", False, dns_subdomain, obj, _node_body)
 
 
 def _node_body(ctx: _Ctx, obj: dict[str, Any]) -> Node:

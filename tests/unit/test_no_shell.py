@@ -116,11 +116,6 @@ def test_the_scan_lets_argument_lists_through() -> None:
 HOSTILE_PORT_NAME = 'x\n-I PREROUTING -p tcp --dport 22 -j DNAT --to-destination 203.0.113.9\n#'
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap (docs/security.md): the decoder does not check metadata.name, namespace "
-    "or port names against Kubernetes' name rules, and iptables render.quote() does not "
-    "escape line breaks; fix in proxy/kube/decode.py (skip the object) and/or "
-    "proxy/dataplane/iptables/render.py, then drop this marker"))
 def test_api_strings_cannot_add_lines_to_iptables_restore_input() -> None:
     port = {"name": HOSTILE_PORT_NAME, "port": 80}
     model = model_of(builders.node(), service(ports=(port,)),
