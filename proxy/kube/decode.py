@@ -18,9 +18,14 @@ here against the API's own rules, so the data planes only ever see
   loopback, link-local, multicast or broadcast. IPv4 with leading zeros is read as
   decimal, as kube-proxy (netutils.ParseIPSloppy) and the API server read it, and
   recorded (`non-canonical-ip`);
-- ports in 1..65535;
+- ports in 1..65535, each name and each number once per object;
 - objects within the API's size limits (1,000 endpoints and 100 ports per slice,
   256 KiB of annotations).
+
+Values that only steer selection (node names, zones, hints, topology settings) are
+checked too, so the model and the debug dump never hold a megabyte of hostile text; a
+bad one is dropped with a record and the endpoint or service kept, on the safe side
+(no node: not local; no hints: the whole cluster).
 """
 
 from __future__ import annotations
@@ -75,12 +80,16 @@ MAX_ANNOTATION_BYTES = 256 * 1024
 # mirrors at most this many addresses per subset, so kube-proxy (reading slices) never
 # uses more; in Endpoints mode the rest are dropped, counted in one record per subset.
 MAX_SUBSET_ADDRESSES = 1000
+MAX_PREFERENCE_KEYS = 16
 
 # Names, as apimachinery's validation spells them (ASCII only; matched whole).
 _DNS_LABEL = re.compile(r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
                             r"(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9])?)*")
 _LABEL_VALUE = re.compile(r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+# A label key ("prefix/name") or "*": the keys of the topology-preference annotation.
+_LABEL_KEY = re.compile(r"\*|(?:[a-z0-9](?:[-a-z0-9.]*[a-z0-9])?/)?"
+                        r"[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?")
 # IPv4 as Go's old net.ParseIP (and netutils.ParseIPSloppy) accepts it: decimal octets,
 # leading zeros allowed.
 _SLOPPY_V4 = re.compile(r"([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})")
@@ -195,11 +204,6 @@ def _list(value: Any, what: str) -> list[Any]:
     if not isinstance(value, list):
         raise _Bad(why.MALFORMED, f"{what} is not a list")
     return value
-
-
-def _loose_dict(value: Any) -> dict[str, Any]:
-    """Optional sub-objects: a wrong shape counts as absent rather than costing the object."""
-    return value if isinstance(value, dict) else {}
 
 
 def _str_map(value: Any, what: str) -> dict[str, str]:
@@ -329,9 +333,29 @@ def _port_name(ctx: _Ctx, raw: dict[str, Any], where: str) -> str | None:
     return name
 
 
-def _intern(value: Any) -> str | None:
+def _intern(value: str) -> str:
     # Node names and zones repeat across every endpoint: share one string each.
-    return sys.intern(value) if isinstance(value, str) and value else None
+    return sys.intern(value)
+
+
+def _node_name(ctx: _Ctx, value: Any, where: str) -> str | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, str) and dns_subdomain(value):
+        return _intern(value)
+    ctx.skip(why.INVALID_NAME, f"node name {shown(value)} is not a valid DNS subdomain; "
+             "treated as on no node", where)
+    return None
+
+
+def _zone(ctx: _Ctx, value: Any, where: str) -> str | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, str) and label_value(value):
+        return _intern(value)
+    ctx.skip(why.INVALID_VALUE, f"zone {shown(value)} is not a valid label value; "
+             "treated as in no zone", where)
+    return None
 
 
 # --- Service -------------------------------------------------------------------------
@@ -356,7 +380,7 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
     raw_ips = spec.get("clusterIPs") or ([spec["clusterIP"]] if spec.get("clusterIP") else [])
     raw_ips = _list(raw_ips, "spec.clusterIPs")
     headless = any(ip == "None" for ip in raw_ips)
-    cluster_ips = () if headless else _ips(ctx, raw_ips, "spec.clusterIPs")
+    cluster_ips = () if headless else _cluster_ips(ctx, raw_ips)
 
     ports = _service_ports(ctx, _list(spec.get("ports"), "spec.ports"))
 
@@ -383,7 +407,8 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
             ranges.append(net)
 
     affinity: int | None = None
-    if spec.get("sessionAffinity") == "ClientIP":
+    raw_affinity = spec.get("sessionAffinity")
+    if raw_affinity == "ClientIP":
         cfg = _dict(_dict(spec.get("sessionAffinityConfig"), "sessionAffinityConfig")
                     .get("clientIP"), "sessionAffinityConfig.clientIP")
         timeout = cfg.get("timeoutSeconds", DEFAULT_AFFINITY_TIMEOUT)
@@ -393,14 +418,21 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
                      "spec.sessionAffinityConfig.clientIP.timeoutSeconds")
             timeout = DEFAULT_AFFINITY_TIMEOUT
         affinity = timeout
+    elif raw_affinity not in (None, "", "None"):
+        ctx.skip(why.INVALID_VALUE, f"{shown(raw_affinity)} is not None or ClientIP; "
+                 "no affinity", "spec.sessionAffinity")
 
     hc_port = spec.get("healthCheckNodePort") or 0
     if hc_port and _port_number(hc_port) is None:
         ctx.skip(why.INVALID_PORT, f"{shown(hc_port)} is not a port", "spec.healthCheckNodePort")
         hc_port = 0
 
-    preference = annotations.get(ANNOTATION_TOPOLOGY_PREFERENCE)
-    td = spec.get("trafficDistribution")
+    external_ips: list[IPAddress] = []
+    for i, raw in enumerate(_list(spec.get("externalIPs"), "spec.externalIPs")):
+        ip = _ip(ctx, raw, f"spec.externalIPs[{i}]")
+        if ip is not None and ip not in external_ips:
+            external_ips.append(ip)
+
     return Service(
         namespace=ctx.namespace,
         name=ctx.name,
@@ -408,42 +440,64 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
         cluster_ips=cluster_ips,
         ports=ports,
         headless=headless,
-        external_ips=_ips(ctx, _list(spec.get("externalIPs"), "spec.externalIPs"),
-                          "spec.externalIPs"),
+        external_ips=tuple(external_ips),
         load_balancer_ips=tuple(lb_ips),
         load_balancer_source_ranges=tuple(ranges),
         affinity_timeout=affinity,
         internal_traffic_policy=_policy(ctx, spec, "internalTrafficPolicy"),
         external_traffic_policy=_policy(ctx, spec, "externalTrafficPolicy"),
         health_check_node_port=hc_port,
-        traffic_distribution=td if isinstance(td, str) and td else None,
-        topology_mode=annotations.get(ANNOTATION_TOPOLOGY_MODE)
-        or annotations.get(ANNOTATION_TOPOLOGY_HINTS),
-        topology_preference=(
-            tuple(k.strip() for k in preference.split(",") if k.strip())
-            if preference is not None else None
-        ),
+        traffic_distribution=_traffic_distribution(ctx, spec.get("trafficDistribution")),
+        topology_mode=_topology_mode(ctx, annotations),
+        topology_preference=_preference(ctx, annotations.get(ANNOTATION_TOPOLOGY_PREFERENCE)),
         proxy_name=labels.get(LABEL_SERVICE_PROXY_NAME),
         uid=clip(str(meta.get("uid") or "")),
         resource_version=clip(str(meta.get("resourceVersion") or "")),
     )
 
 
-def _ips(ctx: _Ctx, raw: list[Any], where: str) -> tuple[IPAddress, ...]:
+def _cluster_ips(ctx: _Ctx, raw: list[Any]) -> tuple[IPAddress, ...]:
+    """At most one per family, as the API allows (a second one of a family would
+    capture any address the writer liked)."""
     out: list[IPAddress] = []
     for i, value in enumerate(raw):
-        ip = _ip(ctx, value, f"{where}[{i}]")
-        if ip is not None and ip not in out:
-            out.append(ip)
+        where = f"spec.clusterIPs[{i}]"
+        ip = _ip(ctx, value, where)
+        if ip is None:
+            continue
+        if any(Family.of(have) is Family.of(ip) for have in out):
+            ctx.skip(why.INVALID_VALUE, f"{ip} is a second {Family.of(ip).label} cluster IP; "
+                     "only the first of each family is used", where)
+            continue
+        out.append(ip)
     return tuple(out)
 
 
 def _service_ports(ctx: _Ctx, raw_ports: list[Any]) -> tuple[ServicePort, ...]:
     ports: list[ServicePort] = []
+    node_ports: set[tuple[int, Protocol]] = set()
     for i, raw in enumerate(raw_ports):
-        port = _service_port(ctx, raw, f"spec.ports[{i}]")
-        if port is not None:
-            ports.append(port)
+        where = f"spec.ports[{i}]"
+        port = _service_port(ctx, raw, where)
+        if port is None:
+            continue
+        clash = next((p for p in ports if p.name == port.name), None)
+        if clash is not None:
+            ctx.skip(why.DUPLICATE_PORT, f"a second port named {port.name!r}", where)
+            continue
+        clash = next((p for p in ports if (p.port, p.protocol) == (port.port, port.protocol)),
+                     None)
+        if clash is not None:
+            ctx.skip(why.DUPLICATE_PORT, f"{port.protocol.value} {port.port} is already "
+                     f"port {clash.name!r}", where)
+            continue
+        if port.node_port and (port.node_port, port.protocol) in node_ports:
+            ctx.skip(why.DUPLICATE_PORT, f"nodePort {port.node_port} ({port.protocol.value}) "
+                     "is already used by another port; ignored", where)
+            port = ServicePort(port.name, port.protocol, port.port)
+        if port.node_port:
+            node_ports.add((port.node_port, port.protocol))
+        ports.append(port)
     return tuple(ports)
 
 
@@ -457,6 +511,9 @@ def _service_port(ctx: _Ctx, raw: Any, where: str) -> ServicePort | None:
     protocol = _protocol(raw.get("protocol"))
     if protocol is None:
         ctx.skip(why.UNKNOWN_PROTOCOL, f"protocol {shown(raw.get('protocol'))}", where)
+        return None
+    if raw.get("port") is None:
+        ctx.skip(why.MISSING_FIELD, "port number is missing", where)
         return None
     port = _port_number(raw.get("port"))
     if port is None:
@@ -480,6 +537,42 @@ def _policy(ctx: _Ctx, spec: dict[str, Any], field: str) -> TrafficPolicy:
                  f"spec.{field}")
         return TrafficPolicy.CLUSTER
     return policy
+
+
+def _traffic_distribution(ctx: _Ctx, raw: Any) -> str | None:
+    """Passed on when well formed (topology says what it makes of an unknown value)."""
+    if raw is None or raw == "":
+        return None
+    if isinstance(raw, str) and label_value(raw):
+        return raw
+    ctx.skip(why.INVALID_VALUE, f"{shown(raw)} is not a valid value; ignored",
+             "spec.trafficDistribution")
+    return None
+
+
+def _topology_mode(ctx: _Ctx, annotations: dict[str, str]) -> str | None:
+    for key in (ANNOTATION_TOPOLOGY_MODE, ANNOTATION_TOPOLOGY_HINTS):
+        value = annotations.get(key)
+        if not value:
+            continue
+        if label_value(value):
+            return value
+        ctx.skip(why.INVALID_VALUE, f"{shown(value)} is not a valid value; ignored",
+                 f"metadata.annotations[{key}]")
+    return None
+
+
+def _preference(ctx: _Ctx, raw: str | None) -> tuple[str, ...] | None:
+    if raw is None:
+        return None
+    keys = tuple(k.strip() for k in raw.split(",", MAX_PREFERENCE_KEYS + 1) if k.strip())
+    if len(keys) <= MAX_PREFERENCE_KEYS and all(
+            len(k) <= 317 and _LABEL_KEY.fullmatch(k) for k in keys):
+        return keys
+    ctx.skip(why.INVALID_VALUE, f"{shown(raw)} is not a list of at most "
+             f"{MAX_PREFERENCE_KEYS} label keys or '*'; ignored",
+             f"metadata.annotations[{ANNOTATION_TOPOLOGY_PREFERENCE}]")
+    return None
 
 
 # --- EndpointSlice -------------------------------------------------------------------
@@ -521,7 +614,7 @@ def _slice_body(ctx: _Ctx, obj: dict[str, Any]) -> EndpointSlice | None:
 
     ports: list[SlicePort] = []
     for i, raw in enumerate(raw_ports):
-        port = _endpoint_port(ctx, raw, f"ports[{i}]")
+        port = _endpoint_port(ctx, raw, f"ports[{i}]", ports)
         if port is not None:
             ports.append(port)
 
@@ -542,8 +635,8 @@ def _slice_body(ctx: _Ctx, obj: dict[str, Any]) -> EndpointSlice | None:
     )
 
 
-def _endpoint_port(ctx: _Ctx, raw: Any, where: str) -> SlicePort | None:
-    """A port of a slice or of an Endpoints subset."""
+def _endpoint_port(ctx: _Ctx, raw: Any, where: str, have: list[SlicePort]) -> SlicePort | None:
+    """A port of a slice or of an Endpoints subset (each name once, as validation says)."""
     if not isinstance(raw, dict):
         ctx.skip(why.MALFORMED, "port is not an object", where)
         return None
@@ -561,7 +654,31 @@ def _endpoint_port(ctx: _Ctx, raw: Any, where: str) -> SlicePort | None:
     if number is None:
         ctx.skip(why.INVALID_PORT, f"port {shown(raw.get('port'))} is not in 1..65535", where)
         return None
+    if any(p.name == name for p in have):
+        ctx.skip(why.DUPLICATE_PORT, f"a second port named {name!r}", where)
+        return None
     return SlicePort(name=name, protocol=protocol, port=number)
+
+
+def _conditions(ctx: _Ctx, raw: Any, where: str) -> tuple[bool, bool, bool] | None:
+    """(ready, serving, terminating) with the API's defaults; None, with a record, when
+    they are not booleans: guessing "true" from a string "false" could send traffic to
+    an endpoint that said it was not ready."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        ctx.skip(why.MALFORMED, "conditions is not an object", where)
+        return None
+    for key in ("ready", "serving", "terminating"):
+        value = raw.get(key)
+        if value is not None and not isinstance(value, bool):
+            ctx.skip(why.MALFORMED, f"conditions.{key} {shown(value)} is not a boolean", where)
+            return None
+    # Defaults: ready nil = ready; serving nil = ready's value; terminating nil = false.
+    ready = raw.get("ready") is not False
+    serving_raw = raw.get("serving")
+    serving = ready if serving_raw is None else serving_raw
+    return ready, serving, raw.get("terminating") is True
 
 
 def _slice_endpoint(ctx: _Ctx, raw: Any, family: Family, beta: bool, where: str) -> Endpoint | None:
@@ -575,20 +692,23 @@ def _slice_endpoint(ctx: _Ctx, raw: Any, family: Family, beta: bool, where: str)
     address = _ip(ctx, addresses[0], where, family)  # upstream uses only the first address
     if address is None:
         return None
-    cond = _loose_dict(raw.get("conditions"))
-    # Defaults: ready nil = ready; serving nil = ready's value; terminating nil = false.
-    ready = cond.get("ready") is not False
-    serving_raw = cond.get("serving")
-    serving = ready if serving_raw is None else serving_raw is True
-    terminating = cond.get("terminating") is True
+    conditions = _conditions(ctx, raw.get("conditions"), where)
+    if conditions is None:
+        return None
+    ready, serving, terminating = conditions
     if beta:
-        topology = _loose_dict(raw.get("topology"))
-        node_name = _intern(raw.get("nodeName")) or _intern(topology.get(LABEL_HOSTNAME))
-        zone = _intern(topology.get(LABEL_ZONE))
+        topology = raw.get("topology")
+        if topology is not None and not isinstance(topology, dict):
+            ctx.skip(why.MALFORMED, "topology is not an object; ignored", f"{where}.topology")
+            topology = None
+        topology = topology or {}
+        node_name = _node_name(ctx, raw.get("nodeName") or topology.get(LABEL_HOSTNAME),
+                               f"{where}.nodeName")
+        zone = _zone(ctx, topology.get(LABEL_ZONE), f"{where}.topology")
     else:
-        node_name = _intern(raw.get("nodeName"))
-        zone = _intern(raw.get("zone"))
-    hints = _loose_dict(raw.get("hints"))
+        node_name = _node_name(ctx, raw.get("nodeName"), f"{where}.nodeName")
+        zone = _zone(ctx, raw.get("zone"), f"{where}.zone")
+    zone_hints, node_hints = _hints(ctx, raw.get("hints"), f"{where}.hints")
     return Endpoint(
         address=address,
         ready=ready,
@@ -596,17 +716,36 @@ def _slice_endpoint(ctx: _Ctx, raw: Any, family: Family, beta: bool, where: str)
         terminating=terminating,
         node_name=node_name,
         zone=zone,
-        zone_hints=_hint_names(hints.get("forZones")),
-        node_hints=_hint_names(hints.get("forNodes")),
+        zone_hints=zone_hints,
+        node_hints=node_hints,
     )
 
 
-def _hint_names(raw: Any) -> tuple[str, ...]:
-    if not isinstance(raw, list):
-        return ()
-    names = {sys.intern(h["name"]) for h in raw
-             if isinstance(h, dict) and isinstance(h.get("name"), str) and h["name"]}
-    return tuple(sorted(names))
+def _hints(ctx: _Ctx, raw: Any, where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(zone hints, node hints), sorted. Any bad part drops all of the endpoint's hints
+    (with a record): an endpoint without hints turns hint-based topology off for its
+    service, which then uses the whole cluster, never less."""
+    if raw is None:
+        return (), ()
+    problem = "" if isinstance(raw, dict) else "hints is not an object"
+    found: list[tuple[str, ...]] = []
+    for field, valid in (("forZones", label_value), ("forNodes", dns_subdomain)):
+        entries = raw.get(field) if isinstance(raw, dict) else None
+        names: set[str] = set()
+        if entries is not None and not problem:
+            if not isinstance(entries, list) or len(entries) > 8:
+                problem = f"{field} is not a list of at most 8 hints"
+            for h in entries if not problem else ():
+                name = h.get("name") if isinstance(h, dict) else None
+                if not isinstance(name, str) or not valid(name):
+                    problem = f"{field} holds {shown(h)}, not a hint with a valid name"
+                    break
+                names.add(_intern(name))
+        found.append(tuple(sorted(names)))
+    if problem:
+        ctx.skip(why.INVALID_VALUE, f"{problem}; hints ignored", where)
+        return (), ()
+    return found[0], found[1]
 
 
 # --- Endpoints (legacy) -------------------------------------------------------------
@@ -635,7 +774,7 @@ def _endpoints_body(ctx: _Ctx, obj: dict[str, Any]) -> tuple[EndpointSlice, ...]
             continue
         ports: list[SlicePort] = []
         for p, raw in enumerate(_list(subset.get("ports"), f"{where}.ports")):
-            port = _endpoint_port(ctx, raw, f"{where}.ports[{p}]")
+            port = _endpoint_port(ctx, raw, f"{where}.ports[{p}]", ports)
             if port is not None:
                 ports.append(port)
         by_family: dict[Family, list[Endpoint]] = {Family.V4: [], Family.V6: []}
@@ -657,7 +796,7 @@ def _endpoints_body(ctx: _Ctx, obj: dict[str, Any]) -> tuple[EndpointSlice, ...]
                 continue
             by_family[Family.of(ip)].append(Endpoint(
                 address=ip, ready=ready, serving=ready, terminating=False,
-                node_name=_intern(raw.get("nodeName")),
+                node_name=_node_name(ctx, raw.get("nodeName"), f"{addr_where}.nodeName"),
             ))
         for family, endpoints in by_family.items():
             if endpoints:
@@ -682,4 +821,10 @@ def decode_node(obj: Any) -> Decoded[Node]:
 
 def _node_body(ctx: _Ctx, obj: dict[str, Any]) -> Node:
     labels = _str_map(obj["metadata"].get("labels"), "metadata.labels")
+    # Only the zone steers anything (topology): an invalid one is dropped, not trusted.
+    zone = labels.get(LABEL_ZONE)
+    if zone is not None and not label_value(zone):
+        ctx.skip(why.INVALID_VALUE, f"zone {shown(zone)} is not a valid label value; "
+                 "ignored", f"metadata.labels[{LABEL_ZONE}]")
+        del labels[LABEL_ZONE]
     return Node(name=ctx.name, labels=tuple(sorted(labels.items())))
