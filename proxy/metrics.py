@@ -9,7 +9,6 @@ are read at scrape time by collectors instead of being counted twice.
 
 from __future__ import annotations
 
-from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import fields
 
@@ -139,8 +138,8 @@ class ModelCollector(Collector):
             "sliceproxy_service_ports", "Service ports (per IP family) this node proxies")
         model = self._model()
         if model is not None:
-            tally = Tally((s.kind, s.reason) for s in model.skipped())
-            for (kind, reason), count in sorted(tally.items()):
+            # Counts, not records: the model keeps a few records per object only.
+            for (kind, reason), count in sorted(model.skip_counts().items()):
                 skipped.add_metric([kind, reason], count)
             state = model.state
             conflicts.add_metric([], sum(len(rsp.conflicts) for rsp in state))

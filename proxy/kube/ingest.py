@@ -4,11 +4,18 @@ The watch layer and `explain` both go through here, so an object means the same 
 whichever way it arrived. An object that no longer decodes is treated as gone (its
 skip record says why): stale rules for an object we can no longer read would be a
 guess, and the record makes the removal visible.
+
+Whatever is skipped is logged once, when an object's records change (not again when
+the same object comes back at a relist): one line per object, however much of it was
+bad, naming the first problem and the count per reason.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
+from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from proxy.kube.decode import (
@@ -20,6 +27,8 @@ from proxy.kube.decode import (
 from proxy.model import skips as why
 from proxy.model.skips import Skip
 from proxy.model.tracker import ClusterModel
+
+log = logging.getLogger(__name__)
 
 
 class EndpointsSource(enum.Enum):
@@ -36,36 +45,44 @@ def _name(obj: dict[str, Any]) -> tuple[str, str]:
     return str(meta.get("namespace") or "default"), str(meta.get("name") or "")
 
 
+def _record(model: ClusterModel, kind: str, namespace: str, name: str,
+            skips: Sequence[Skip]) -> None:
+    if model.set_skips(kind, namespace, name, skips) and skips:
+        counts = Counter(s.reason for s in skips)
+        log.warning("input skipped: %s", skips[0], extra={
+            "kind": kind, "skipped": ", ".join(f"{r} x{n}" for r, n in sorted(counts.items()))})
+
+
 def apply_object(
     model: ClusterModel, obj: Any, source: EndpointsSource = EndpointsSource.ENDPOINT_SLICES
 ) -> bool:
     """Apply an added or modified object. False when its kind is not one we consume."""
     if not isinstance(obj, dict):
-        model.set_skips("?", "", "", [Skip("?", "", "", why.MALFORMED, "not an object")])
+        _record(model, "?", "", "", [Skip("?", "", "", why.MALFORMED, "not an object")])
         return False
     kind = obj.get("kind")
     namespace, name = _name(obj)
     if kind == "Service":
         svc, skips = decode_service(obj)
-        model.set_skips(kind, namespace, name, skips)
+        _record(model, kind, namespace, name, skips)
         if svc is None:
             model.delete_service(namespace, name)
         else:
             model.apply_service(svc)
     elif kind == "EndpointSlice" and source is EndpointsSource.ENDPOINT_SLICES:
         sl, skips = decode_endpoint_slice(obj)
-        model.set_skips(kind, namespace, name, skips)
+        _record(model, kind, namespace, name, skips)
         if sl is None:
             model.delete_slice(namespace, name)
         else:
             model.apply_slice(sl)
     elif kind == "Endpoints" and source is EndpointsSource.ENDPOINTS:
         slices, skips = decode_endpoints(obj)
-        model.set_skips(kind, namespace, name, skips)
+        _record(model, kind, namespace, name, skips)
         model.apply_endpoints(namespace, name, slices or ())
     elif kind == "Node":
         node, skips = decode_node(obj)
-        model.set_skips(kind, "", _name(obj)[1], skips)
+        _record(model, kind, "", _name(obj)[1], skips)
         if node is not None:
             model.set_node(node)
     else:

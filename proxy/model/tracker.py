@@ -12,11 +12,13 @@ service to another when a slice's service-name label changes.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 from proxy.model import skips as why
 from proxy.model.merge import merge_port
-from proxy.model.skips import Skip
+from proxy.model.skips import Skip, clip, shown
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
 from proxy.model.topology import NodeView, categorize
 from proxy.model.types import (
@@ -30,6 +32,37 @@ from proxy.model.types import (
 
 ServiceRef = tuple[str, str]  # (namespace, name)
 SourceRef = tuple[str, str]  # (namespace, "EndpointSlice/<name>" or "Endpoints/<name>")
+ObjectRef = tuple[str, str, str]  # (kind, namespace, name)
+
+# Skip records kept per object; every skip is counted. A slice with 100,000 bad
+# endpoints costs ten records and a count, not 100,000 records in memory and the dump.
+RECORDS_PER_OBJECT = 10
+
+
+@dataclass(frozen=True, slots=True)
+class SkipGroup:
+    """What was skipped from one object: its first records and a count per reason."""
+
+    records: tuple[Skip, ...]
+    counts: tuple[tuple[str, int], ...]  # (reason, how many), sorted by reason
+    # When it was recorded (a counter shared by all groups, newest highest): not part of
+    # what was skipped, so two models holding the same input compare equal.
+    seq: int = field(compare=False)
+
+    @staticmethod
+    def of(skips: Iterable[Skip], seq: int) -> SkipGroup:
+        counts: Counter[str] = Counter()
+        records: list[Skip] = []
+        for s in skips:
+            counts[s.reason] += 1
+            if len(records) < RECORDS_PER_OBJECT:
+                records.append(s)
+        return SkipGroup(tuple(records), tuple(sorted(counts.items())), seq)
+
+    @property
+    def total(self) -> int:
+        return sum(n for _, n in self.counts)
+
 
 
 def ignored_reason(service: Service, proxy_name: str | None) -> Skip | None:
@@ -41,7 +74,8 @@ def ignored_reason(service: Service, proxy_name: str | None) -> Skip | None:
         reason, detail = why.HEADLESS, "clusterIP is None"
     elif service.proxy_name is not None and service.proxy_name != (proxy_name or None):
         reason = why.OTHER_PROXY
-        detail = f"service-proxy-name is {service.proxy_name!r}, ours is {proxy_name or ''!r}"
+        detail = (f"service-proxy-name is {shown(service.proxy_name)}, "
+                  f"ours is {proxy_name or ''!r}")
     elif not service.cluster_ips:
         reason, detail = why.NO_CLUSTER_IP, "no valid cluster IP"
     if not reason:
@@ -62,10 +96,11 @@ class ClusterModel:
         self._node = NodeView(node_name)
         self._node_obj: Node | None = None
         self._services: dict[ServiceRef, Service] = {}  # ours only
-        self._ignored: dict[ServiceRef, Skip] = {}
+        self._ignored: dict[ServiceRef, SkipGroup] = {}
         self._sources: dict[SourceRef, tuple[str, tuple[EndpointSlice, ...]]] = {}
         self._by_service: dict[ServiceRef, dict[str, tuple[EndpointSlice, ...]]] = {}
-        self._decode_skips: dict[tuple[str, str, str], tuple[Skip, ...]] = {}
+        self._decode_skips: dict[ObjectRef, SkipGroup] = {}
+        self._skip_seq = 0
         self._dirty: set[ServicePortKey] = set()
         self._state = DesiredState()
 
@@ -75,7 +110,10 @@ class ClusterModel:
         ref = service.key
         skip = ignored_reason(service, self.proxy_name)
         if skip is not None:
-            self._ignored[ref] = skip
+            group = SkipGroup.of((skip,), self._skip_seq + 1)
+            if group != self._ignored.get(ref):
+                self._skip_seq += 1
+                self._ignored[ref] = group
             self.delete_service(*ref, keep_ignored=True)
             return
         self._ignored.pop(ref, None)
@@ -158,13 +196,19 @@ class ClusterModel:
             self._node = view
             self.mark_all_dirty()
 
-    def set_skips(self, kind: str, namespace: str, name: str, skips: Iterable[Skip]) -> None:
-        """Remember what the decoder dropped from one object (replacing earlier records)."""
-        found = tuple(skips)
-        if found:
-            self._decode_skips[(kind, namespace, name)] = found
-        else:
-            self._decode_skips.pop((kind, namespace, name), None)
+    def set_skips(self, kind: str, namespace: str, name: str, skips: Iterable[Skip]) -> bool:
+        """Remember what the decoder dropped from one object (replacing earlier records).
+        True when that changed what is recorded (an identical object re-applied, as at a
+        relist, changes nothing and stays where it was in the "recent" order)."""
+        ref = (kind, clip(namespace), clip(name))
+        group = SkipGroup.of(skips, self._skip_seq + 1)
+        if not group.counts:
+            return self._decode_skips.pop(ref, None) is not None
+        if group == self._decode_skips.get(ref):
+            return False
+        self._skip_seq += 1
+        self._decode_skips[ref] = group
+        return True
 
     def mark_all_dirty(self) -> None:
         for service in self._services.values():
@@ -188,10 +232,36 @@ class ClusterModel:
     def dirty(self) -> frozenset[ServicePortKey]:
         return frozenset(self._dirty)
 
+    def _skip_groups(self) -> Iterator[SkipGroup]:
+        yield from self._decode_skips.values()
+        yield from self._ignored.values()
+
     def skipped(self) -> list[Skip]:
-        out = [s for group in self._decode_skips.values() for s in group]
-        out.extend(self._ignored.values())
+        """The skip records kept (at most RECORDS_PER_OBJECT per object), sorted."""
+        out = [s for group in self._skip_groups() for s in group.records]
         return sorted(out, key=lambda s: (s.kind, s.namespace, s.name, s.part, s.reason))
+
+    def skip_counts(self) -> dict[tuple[str, str], int]:
+        """(kind, reason) -> how many things are skipped now, records kept or not."""
+        out: Counter[tuple[str, str]] = Counter()
+        for group in self._skip_groups():
+            kind = group.records[0].kind
+            for reason, n in group.counts:
+                out[(kind, reason)] += n
+        return dict(out)
+
+    def skip_objects(self) -> int:
+        """How many objects have something skipped (or are not ours to proxy)."""
+        return len(self._decode_skips) + len(self._ignored)
+
+    def recent_skips(self, limit: int) -> list[Skip]:
+        """Up to `limit` records, from the objects whose records changed last first."""
+        out: list[Skip] = []
+        for group in sorted(self._skip_groups(), key=lambda g: g.seq, reverse=True):
+            out.extend(group.records[:limit - len(out)])
+            if len(out) >= limit:
+                break
+        return out
 
     def resolve(self, full: bool = False) -> DesiredState:
         """Resolve the dirty service ports (every port if `full`) into a new snapshot."""

@@ -3,6 +3,11 @@
 Pure: built from the model, the rules the data plane reports, and the sync history.
 `services` entries are exactly the `python -m proxy explain` shape (proxy/model/view.py,
 a stable contract) plus `applied_rules`, so one jq filter works on both outputs.
+
+Skipped input is bounded whatever a hostile API server sends: `skipped` lists the kept
+records (at most ten per object, see the model) up to `SKIPPED_SHOWN`, in explain's
+order; `skipped_summary` counts everything skipped, by reason and kind, and lists the
+most recent records first.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ from typing import Any
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import ServicePortKey
 from proxy.model.view import node_view, service_port_view
+
+SKIPPED_SHOWN = 500  # records in `skipped`
+SKIPPED_RECENT = 20  # records in `skipped_summary.recent`
 
 
 def port_order(key: ServicePortKey) -> tuple[str, str, str, int]:
@@ -40,7 +48,7 @@ def build_dump(
         entry = service_port_view(model.state.ports[key])
         entry["applied_rules"] = list(applied.get(key, ())) if applied is not None else None
         services.append(entry)
-    skipped = [s.as_dict() for s in model.skipped()
+    records = [s for s in model.skipped()
                if service is None or f"{s.namespace}/{s.name}" == service]
     out: dict[str, Any] = {
         "config": dict(config),
@@ -48,7 +56,8 @@ def build_dump(
         "health": dict(health),
         "watch": dict(watch),
         "services": services,
-        "skipped": skipped,
+        "skipped": [s.as_dict() for s in records[:SKIPPED_SHOWN]],
+        "skipped_summary": skipped_summary(model, len(records)),
         "syncs": list(syncs),
     }
     if service is not None:
@@ -56,3 +65,23 @@ def build_dump(
     if applied_note:
         out["applied_rules_note"] = applied_note
     return out
+
+
+def skipped_summary(model: ClusterModel, listed: int) -> dict[str, Any]:
+    """Counts of everything skipped now, and the newest records; `listed` is how many
+    records `skipped` would hold unbounded (it shows at most SKIPPED_SHOWN)."""
+    counts = model.skip_counts()
+    by_reason: dict[str, int] = {}
+    by_kind: dict[str, dict[str, int]] = {}
+    for (kind, reason), n in sorted(counts.items()):
+        by_reason[reason] = by_reason.get(reason, 0) + n
+        by_kind.setdefault(kind, {})[reason] = n
+    return {
+        "total": sum(counts.values()),
+        "objects": model.skip_objects(),
+        "by_reason": by_reason,
+        "by_kind": by_kind,
+        "records_shown": min(listed, SKIPPED_SHOWN),
+        "records_omitted": max(0, listed - SKIPPED_SHOWN),
+        "recent": [s.as_dict() for s in model.recent_skips(SKIPPED_RECENT)],
+    }

@@ -43,7 +43,8 @@ def test_services_are_explains_shape_plus_applied_rules() -> None:
     model, objects = example_model()
     rules = {key: [f"rule for {key}"] for key in model.state.ports}
     doc = dump(model, applied=rules)
-    assert set(doc) == {"config", "node", "health", "watch", "services", "skipped", "syncs"}
+    assert set(doc) == {"config", "node", "health", "watch", "services", "skipped",
+                        "skipped_summary", "syncs"}
     offline = explain(objects, node_name="node-a", node_labels={},
                       source=EndpointsSource.ENDPOINT_SLICES)
     assert doc["node"] == offline["node"]
