@@ -30,6 +30,7 @@ bad one is dropped with a record and the endpoint or service kept, on the safe s
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from collections.abc import Callable
@@ -93,17 +94,21 @@ _LABEL_KEY = re.compile(r"\*|(?:[a-z0-9](?:[-a-z0-9.]*[a-z0-9])?/)?"
 # IPv4 as Go's old net.ParseIP (and netutils.ParseIPSloppy) accepts it: decimal octets,
 # leading zeros allowed.
 _SLOPPY_V4 = re.compile(r"([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})")
-_BROADCAST = IPv4Address("255.255.255.255")
 
 
+# Node names, zones and hint names repeat across every endpoint: their checks are
+# remembered (bounded, so hostile input cannot grow the cache).
+@functools.lru_cache(maxsize=4096)
 def dns_label(value: str) -> bool:
     return len(value) <= 63 and _DNS_LABEL.fullmatch(value) is not None
 
 
+@functools.lru_cache(maxsize=4096)
 def dns_subdomain(value: str) -> bool:
     return len(value) <= 253 and _DNS_SUBDOMAIN.fullmatch(value) is not None
 
 
+@functools.lru_cache(maxsize=4096)
 def label_value(value: str) -> bool:
     return len(value) <= 63 and _LABEL_VALUE.fullmatch(value) is not None
 
@@ -216,18 +221,18 @@ def _str_map(value: Any, what: str) -> dict[str, str]:
 def special(ip: IPAddress) -> str | None:
     """What makes an address useless as a service or endpoint address, or None.
     Validation refuses unspecified, loopback and link-local ones (ValidateNonSpecialIP);
-    a DNAT to multicast or broadcast makes no more sense."""
-    if ip.is_unspecified:
-        return "unspecified"
-    if ip.is_loopback:
-        return "loopback"
-    if ip.is_link_local:
-        return "link-local"
-    if ip.is_multicast:
-        return "multicast"
-    if ip == _BROADCAST:
-        return "broadcast"
-    return None
+    a DNAT to multicast or broadcast makes no more sense. (On the integer: ipaddress's
+    properties cost a network membership test each, for every endpoint.)"""
+    n = int(ip)
+    if ip.version == 4:
+        kind = ("unspecified" if n == 0 else "loopback" if n >> 24 == 127
+                else "link-local" if n >> 16 == 0xA9FE else "multicast" if n >> 28 == 0xE
+                else "broadcast" if n == 0xFFFFFFFF else None)
+    else:
+        kind = ("unspecified" if n == 0 else "loopback" if n == 1
+                else "link-local" if n >> 118 == 0x3FA else "multicast" if n >> 120 == 0xFF
+                else None)
+    return kind
 
 
 def _parse(value: str) -> tuple[IPAddress | None, bool]:
