@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
 from typing import Any, TypeVar
@@ -402,7 +402,8 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
         if ing.get("ipMode") == "Proxy":
             continue  # the load balancer proxies; upstream does not capture this IP
         ip = _ip(ctx, ing["ip"], where)
-        if ip is not None and ip not in lb_ips:
+        if (ip is not None and _not_again(ctx, ip, cluster_ips, "cluster", where)
+                and ip not in lb_ips):
             lb_ips.append(ip)
 
     ranges: list[IPNetwork] = []
@@ -434,8 +435,11 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
 
     external_ips: list[IPAddress] = []
     for i, raw in enumerate(_list(spec.get("externalIPs"), "spec.externalIPs")):
-        ip = _ip(ctx, raw, f"spec.externalIPs[{i}]")
-        if ip is not None and ip not in external_ips:
+        where = f"spec.externalIPs[{i}]"
+        ip = _ip(ctx, raw, where)
+        if (ip is not None and _not_again(ctx, ip, cluster_ips, "cluster", where)
+                and _not_again(ctx, ip, lb_ips, "load-balancer", where)
+                and ip not in external_ips):
             external_ips.append(ip)
 
     return Service(
@@ -476,6 +480,19 @@ def _cluster_ips(ctx: _Ctx, raw: list[Any]) -> tuple[IPAddress, ...]:
             continue
         out.append(ip)
     return tuple(out)
+
+
+def _not_again(ctx: _Ctx, ip: IPAddress, taken: Sequence[IPAddress], role: str,
+               where: str) -> bool:
+    """False, with a record, when `ip` is already the service's address in another role:
+    the same address and port twice would be two rules for one destination (and two
+    identical IPVS virtual servers). Cluster IPs come first, then load-balancer IPs
+    (their source ranges then still apply), then externalIPs."""
+    if ip not in taken:
+        return True
+    ctx.skip(why.INVALID_VALUE, f"{ip} is also the service's {role} IP; served as that",
+             where)
+    return False
 
 
 def _service_ports(ctx: _Ctx, raw_ports: list[Any]) -> tuple[ServicePort, ...]:
