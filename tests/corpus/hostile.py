@@ -50,8 +50,11 @@ size
     the first 1,000 used (as the mirroring controller does). Records quote at most
     80 characters of a value.
 collisions
-    two services with the same VIP and port, or the same NodePort, are not refused
-    (the decoder cannot tell which is right); the renderers must still emit valid rules.
+    an address in two roles of one service (an externalIP or load-balancer IP that is
+    its cluster IP, an externalIP that is its load-balancer IP): `invalid-value`, kept
+    in the first role (cluster, then load balancer, then external). Two services with
+    the same VIP and port, or the same NodePort, are not refused (the decoder cannot
+    tell which is right); the renderers must still emit valid rules.
 """
 
 from __future__ import annotations
@@ -306,6 +309,16 @@ def _(ns: str) -> list[Obj]:
               "198.18.0.0/15 -j ACCEPT", "0.0.0.0/0", 42, "198.18.0.0/255.255.0.0"]
     return [service(ns, type="LoadBalancer", loadBalancerSourceRanges=ranges,
                     status={"loadBalancer": {"ingress": [{"ip": "198.18.0.61"}]}}),
+            good_slice(ns)]
+
+
+@case("address-in-two-roles", {"invalid-value": 3},
+      note="found by the fuzz test: an externalIP equal to the cluster IP made two "
+           "identical IPVS virtual servers in one service port")
+def _(ns: str) -> list[Obj]:
+    return [service(ns, type="LoadBalancer", externalIPs=["198.18.128.10", "198.18.0.61"],
+                    status={"loadBalancer": {"ingress": [{"ip": "198.18.128.10"},
+                                                         {"ip": "198.18.0.61"}]}}),
             good_slice(ns)]
 
 

@@ -14,8 +14,8 @@ them. For iptables:
 - no chain is shared by two service ports.
 
 For IPVS: every virtual and real server has a usable canonical address, a port in
-1..65535 and a known protocol, every ipset entry parses, each service's virtual
-servers are distinct.
+1..65535 and a known protocol, every ipset entry parses, each service port's virtual
+servers are distinct (across ports and services, the IPVS index arbitrates).
 
 Renderers: iptables and IPVS. nftables joins when proxy/dataplane/nftables/render.py
 lands: add a `render_nftables(state)` and its checker next to the others, and call
@@ -293,13 +293,12 @@ def _ipset_entry(role: ipvs.SetRole, entry: str) -> str | None:
 
 def ipvs_problems(all_rules: Iterable[ipvs.PortRules]) -> list[str]:
     found: list[str] = []
-    by_service: dict[tuple[str, str], set[ipvs.VsKey]] = {}
     for rules in all_rules:
-        seen = by_service.setdefault((rules.key.namespace, rules.key.name), set())
+        seen: set[ipvs.VsKey] = set()
         for vs in rules.virtual_servers:
             k = vs.key
             if k in seen:
-                found.append(f"{rules.key}: virtual server {k} twice in one service")
+                found.append(f"{rules.key}: virtual server {k} twice in one service port")
             seen.add(k)
             why = usable_host(str(k.address)) or _port(str(k.port))
             if vs.scheduler not in _SCHEDULERS or not 0 <= vs.timeout <= 86400:
