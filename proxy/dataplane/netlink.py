@@ -72,6 +72,7 @@ class Reply:
     kind: int  # nlmsg type
     seq: int
     payload: bytes  # after the netlink header
+    port_id: int = 0  # the sender's port (for multicast notifications: who caused them)
 
     @property
     def error(self) -> int:
@@ -86,10 +87,10 @@ class Reply:
 def replies(data: bytes) -> Iterator[Reply]:
     i = 0
     while i + HEADER.size <= len(data):
-        size, kind, _flags, seq, _pid = HEADER.unpack_from(data, i)
+        size, kind, _flags, seq, port_id = HEADER.unpack_from(data, i)
         if size < HEADER.size:
             break
-        yield Reply(kind, seq, data[i + HEADER.size:i + size])
+        yield Reply(kind, seq, data[i + HEADER.size:i + size], port_id)
         i += (size + 3) & ~3
 
 

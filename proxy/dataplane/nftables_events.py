@@ -17,10 +17,9 @@ pid namespace sees it). Either may name one of ours.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-from proxy.dataplane.netlink import HEADER
+from proxy.dataplane.netlink import replies
 
 NFNLGRP_NFTABLES = 7
 NFNL_SUBSYS_NFTABLES = 10
@@ -32,7 +31,6 @@ TABLE_ATTRIBUTE = 1
 NFPROTO_NAMES = {1: "inet", 2: "ip", 3: "arp", 5: "netdev", 7: "bridge", 10: "ip6"}
 
 _NFGEN = 4  # nfgenmsg: family, version, resource id
-_ATTR = struct.Struct("=HH")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,16 +47,6 @@ class Transaction:
         tables = ", ".join(sorted(f"{NFPROTO_NAMES.get(f, f)} {t}" for f, t in self.tables))
         return f"{who} (pid {self.pid if self.pid is not None else self.port_id}) " \
                f"changed {tables or 'no table'}"
-
-
-def _attrs(payload: bytes, start: int) -> Iterator[tuple[int, bytes]]:
-    i = start
-    while i + 4 <= len(payload):
-        size, kind = _ATTR.unpack_from(payload, i)
-        if size < 4:
-            return
-        yield kind & 0x3FFF, payload[i + 4:i + size]
-        i += (size + 3) & ~3
 
 
 def _text(value: bytes) -> str:
@@ -78,28 +66,16 @@ class TransactionReader:
 
     def feed(self, data: bytes) -> list[Transaction]:
         done: list[Transaction] = []
-        i = 0
-        while i + HEADER.size <= len(data):
-            size, kind, _flags, _seq, port_id = HEADER.unpack_from(data, i)
-            if size < HEADER.size:
-                break
-            payload = data[i + HEADER.size:i + size]
-            i += (size + 3) & ~3
-            if kind >> 8 != NFNL_SUBSYS_NFTABLES or len(payload) < _NFGEN:
+        for msg in replies(data):
+            if msg.kind >> 8 != NFNL_SUBSYS_NFTABLES or len(msg.payload) < _NFGEN:
                 continue
-            if kind & 0xFF == NFT_MSG_NEWGEN:
-                pid: int | None = None
-                process = ""
-                for attr, value in _attrs(payload, _NFGEN):
-                    if attr == NFTA_GEN_PROC_PID and len(value) >= 4:
-                        pid = struct.unpack("!I", value[:4])[0]
-                    elif attr == NFTA_GEN_PROC_NAME:
-                        process = _text(value)
-                done.append(Transaction(port_id, pid, process, frozenset(self._tables)))
+            attrs = msg.attrs(_NFGEN)
+            if msg.kind & 0xFF == NFT_MSG_NEWGEN:
+                pid = attrs.get(NFTA_GEN_PROC_PID, b"")
+                done.append(Transaction(
+                    msg.port_id, struct.unpack("!I", pid[:4])[0] if len(pid) >= 4 else None,
+                    _text(attrs.get(NFTA_GEN_PROC_NAME, b"")), frozenset(self._tables)))
                 self._tables.clear()
-                continue
-            for attr, value in _attrs(payload, _NFGEN):
-                if attr == TABLE_ATTRIBUTE:
-                    self._tables.add((payload[0], _text(value)))
-                    break
+            elif TABLE_ATTRIBUTE in attrs:
+                self._tables.add((msg.payload[0], _text(attrs[TABLE_ATTRIBUTE])))
         return done

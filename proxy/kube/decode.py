@@ -523,10 +523,9 @@ def _service_ports(ctx: _Ctx, raw_ports: list[Any]) -> tuple[ServicePort, ...]:
     return tuple(ports)
 
 
-def _service_port(ctx: _Ctx, raw: Any, where: str) -> ServicePort | None:
-    if not isinstance(raw, dict):
-        ctx.skip(why.MALFORMED, "port is not an object", where)
-        return None
+def _named_port(ctx: _Ctx, raw: dict[str, Any], where: str,
+                ) -> tuple[str, Protocol, int] | None:
+    """Name, protocol and number: what service ports and endpoint ports share."""
     name = _port_name(ctx, raw, where)
     if name is None:
         return None
@@ -537,10 +536,21 @@ def _service_port(ctx: _Ctx, raw: Any, where: str) -> ServicePort | None:
     if raw.get("port") is None:
         ctx.skip(why.MISSING_FIELD, "port number is missing", where)
         return None
-    port = _port_number(raw.get("port"))
-    if port is None:
+    number = _port_number(raw.get("port"))
+    if number is None:
         ctx.skip(why.INVALID_PORT, f"port {shown(raw.get('port'))} is not in 1..65535", where)
         return None
+    return name, protocol, number
+
+
+def _service_port(ctx: _Ctx, raw: Any, where: str) -> ServicePort | None:
+    if not isinstance(raw, dict):
+        ctx.skip(why.MALFORMED, "port is not an object", where)
+        return None
+    named = _named_port(ctx, raw, where)
+    if named is None:
+        return None
+    name, protocol, port = named
     node_port = raw.get("nodePort") or 0
     if node_port and _port_number(node_port) is None:
         ctx.skip(why.INVALID_PORT, f"nodePort {shown(node_port)} is not in 1..65535; ignored",
@@ -662,20 +672,10 @@ def _endpoint_port(ctx: _Ctx, raw: Any, where: str, have: list[SlicePort]) -> Sl
     if not isinstance(raw, dict):
         ctx.skip(why.MALFORMED, "port is not an object", where)
         return None
-    name = _port_name(ctx, raw, where)
-    if name is None:
+    named = _named_port(ctx, raw, where)
+    if named is None:
         return None
-    protocol = _protocol(raw.get("protocol"))
-    if protocol is None:
-        ctx.skip(why.UNKNOWN_PROTOCOL, f"protocol {shown(raw.get('protocol'))}", where)
-        return None
-    if raw.get("port") is None:
-        ctx.skip(why.MISSING_FIELD, "port number is missing", where)
-        return None
-    number = _port_number(raw.get("port"))
-    if number is None:
-        ctx.skip(why.INVALID_PORT, f"port {shown(raw.get('port'))} is not in 1..65535", where)
-        return None
+    name, protocol, number = named
     if any(p.name == name for p in have):
         ctx.skip(why.DUPLICATE_PORT, f"a second port named {name!r}", where)
         return None

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.e2e.agent_support import wait_for
-from tests.faults.conftest import FaultNode, settle
+from tests.e2e.agent_support import endpoint, endpoint_slice, wait_for
+from tests.faults.conftest import BOTH_PORTS, FaultNode, settle
 
 pytestmark = pytest.mark.root
 
@@ -103,9 +103,6 @@ def test_our_own_syncs_are_not_drift(fault_node: FaultNode) -> None:
     b = lab.backends
     for i in range(5):
         names = ("web-1", "web-2") if i % 2 else ("web-1",)
-        from tests.e2e.agent_support import endpoint, endpoint_slice
-        from tests.faults.conftest import BOTH_PORTS
-
         sim.apply(endpoint_slice("web-1", "web", [endpoint(b[n].ipv4, node=b[n].node)
                                                   for n in names], BOTH_PORTS))
         want = 1 + i % 2

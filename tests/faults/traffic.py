@@ -142,16 +142,3 @@ class Traffic:
     def report(self, since: float = 0.0, until: float = float("inf"),
                targets: Sequence[Target] | None = None) -> Report:
         return report(self.attempts(), targets or self.targets, since, until)
-
-    def first_success(self, target: Target, after: float, deadline: float) -> float:
-        """When `target` first answered acceptably in an attempt started at or after
-        `after` (monotonic); waits up to `deadline` seconds for it."""
-        end = time.monotonic() + deadline
-        while True:
-            for t, a in self.attempts():
-                if t == target and a.started >= after and a.ok:
-                    return a.ended
-            if time.monotonic() > end:
-                raise AssertionError(f"{target} never answered acceptably within "
-                                     f"{deadline}s: {self.report(after).failures()}")
-            time.sleep(0.05)

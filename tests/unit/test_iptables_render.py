@@ -103,6 +103,18 @@ def test_only_terminating_endpoints_are_used_when_nothing_is_ready() -> None:
     assert '-t nat -A <SVC> "ns/svc:http -> 198.18.1.10:8080" -j <SEP 198.18.1.10:8080>' in alone
 
 
+# Pod and node traffic to a port's external addresses, short-circuited to its cluster set
+# (upstream's EXT chain): the same three rules whatever the policies.
+SHORT_CIRCUIT = [
+        '-t nat -A <EXT> -s 198.18.1.0/24 "pod traffic for ns/svc:http external destinations" '
+        "-j <SVC>",
+        '-t nat -A <EXT> "masquerade LOCAL traffic for ns/svc:http external destinations" '
+        "-m addrtype --src-type LOCAL -j SPX-MARK-MASQ",
+        '-t nat -A <EXT> "route LOCAL traffic for ns/svc:http external destinations" '
+        "-m addrtype --src-type LOCAL -j <SVC>",
+]
+
+
 def test_nodeport_with_local_external_policy_short_circuits_pods_and_the_node() -> None:
     rsp = resolve(
         service(type="NodePort", externalTrafficPolicy="Local",
@@ -115,15 +127,7 @@ def test_nodeport_with_local_external_policy_short_circuits_pods_and_the_node() 
         '-t nat -A SPX-NODEPORTS -p tcp "ns/svc:http" -m tcp --dport 30080 -j <EXT>',
     ]
     ext = [line for line in lines if line.startswith("-t nat -A <EXT>")]
-    assert ext == [
-        '-t nat -A <EXT> -s 198.18.1.0/24 "pod traffic for ns/svc:http external destinations" '
-        "-j <SVC>",
-        '-t nat -A <EXT> "masquerade LOCAL traffic for ns/svc:http external destinations" '
-        "-m addrtype --src-type LOCAL -j SPX-MARK-MASQ",
-        '-t nat -A <EXT> "route LOCAL traffic for ns/svc:http external destinations" '
-        "-m addrtype --src-type LOCAL -j <SVC>",
-        "-t nat -A <EXT> -j <SVL>",
-    ]
+    assert ext == [*SHORT_CIRCUIT, "-t nat -A <EXT> -j <SVL>"]
     # The Local chain holds only this node's endpoint; the Cluster chain both.
     assert [line for line in lines if line.startswith("-t nat -A <SVL>")] == [
         '-t nat -A <SVL> "ns/svc:http -> 198.18.1.10:8080" -j <SEP 198.18.1.10:8080>']
@@ -148,6 +152,7 @@ BOTH_LOCAL = service(type="NodePort", internalTrafficPolicy="Local",
                     ports=({"name": "http", "port": 80, "nodePort": 30080},))
 
 
+
 def test_both_policies_local_short_circuit_pods_and_the_node_to_the_cluster_chain() -> None:
     # Upstream: cluster IP -> SVL; outside -> EXT -> SVL; pods and the node -> EXT -> SVC.
     lines = pretty(resolve(BOTH_LOCAL, eps_slice("s1", [ep("198.18.1.10", node=NODE),
@@ -160,14 +165,7 @@ def test_both_policies_local_short_circuit_pods_and_the_node_to_the_cluster_chai
         '-t nat -A SPX-NODEPORTS -p tcp "ns/svc:http" -m tcp --dport 30080 -j <EXT>',
     ]
     assert [line for line in lines if line.startswith("-t nat -A <EXT>")] == [
-        '-t nat -A <EXT> -s 198.18.1.0/24 "pod traffic for ns/svc:http external destinations" '
-        "-j <SVC>",
-        '-t nat -A <EXT> "masquerade LOCAL traffic for ns/svc:http external destinations" '
-        "-m addrtype --src-type LOCAL -j SPX-MARK-MASQ",
-        '-t nat -A <EXT> "route LOCAL traffic for ns/svc:http external destinations" '
-        "-m addrtype --src-type LOCAL -j <SVC>",
-        "-t nat -A <EXT> -j <SVL>",
-    ]
+        *SHORT_CIRCUIT, "-t nat -A <EXT> -j <SVL>"]
     assert [line for line in lines if line.startswith("-t nat -A <SVC>")] == [
         '-t nat -A <SVC> "ns/svc:http -> 198.18.1.10:8080" -m statistic --mode random '
         f"--probability {probability(2)} -j <SEP 198.18.1.10:8080>",
@@ -196,14 +194,7 @@ def test_both_policies_local_without_local_endpoint_drops_only_what_is_not_short
         "-m addrtype --dst-type LOCAL -m tcp --dport 30080 -j DROP",
     ]
     # Pods and the node still reach node-b's endpoint through the external addresses.
-    assert [line for line in lines if line.startswith("-t nat -A <EXT>")] == [
-        '-t nat -A <EXT> -s 198.18.1.0/24 "pod traffic for ns/svc:http external destinations" '
-        "-j <SVC>",
-        '-t nat -A <EXT> "masquerade LOCAL traffic for ns/svc:http external destinations" '
-        "-m addrtype --src-type LOCAL -j SPX-MARK-MASQ",
-        '-t nat -A <EXT> "route LOCAL traffic for ns/svc:http external destinations" '
-        "-m addrtype --src-type LOCAL -j <SVC>",
-    ]
+    assert [line for line in lines if line.startswith("-t nat -A <EXT>")] == SHORT_CIRCUIT
     assert [line for line in lines if line.startswith("-t nat -A <SVC>")] == [
         '-t nat -A <SVC> "ns/svc:http -> 198.18.1.11:8080" -j <SEP 198.18.1.11:8080>']
     assert "-t nat -N <SVL>" not in lines

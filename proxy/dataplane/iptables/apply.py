@@ -62,6 +62,9 @@ APPLIERS = ("restore", "iptc")
 # service port has 2-5): iptables-nft-restore's time grows with the square of the chains
 # in one transaction. bench/iptables_bench: 10,000 services in one restore 256 s.
 NFT_CHAINS_PER_RESTORE = 4000
+# Seconds between looks at the legacy tables' summaries (drift_watch.LegacyCanary): a
+# foreign flush is noticed within this, at the cost of one getsockopt per table.
+CANARY_INTERVAL = 2.0
 
 
 class Runner(Protocol):
@@ -145,7 +148,6 @@ class IptablesDataPlane:
         # Held while we write, so the legacy canary never reports our own restores.
         self._writing = threading.Lock()
         self._watch: NftablesListener | LegacyCanary | None = None
-        self.canary_interval = 2.0
 
     def _runner(self, family: Family, backend: Backend | None, lock_wait: float) -> Runner:
         runner = IptablesRunner(family, backend, lock_wait)
@@ -313,14 +315,14 @@ class IptablesDataPlane:
                 notify)
         else:
             self._watch = LegacyCanary([(f, t) for f in self._families for t in tables],
-                                       notify, self._writing, self.canary_interval)
+                                       notify, self._writing, CANARY_INTERVAL)
             with self._writing:
                 self._watch.rebaseline()
         self._watch.start()
         log.info("watching for changes to our rules by other processes", extra={
             "backend": self.backend.value if self.backend else None,
             "how": "nf_tables announcements" if self.backend is Backend.NFT
-                   else f"legacy table summaries every {self.canary_interval:g}s"})
+                   else f"legacy table summaries every {CANARY_INTERVAL:g}s"})
 
     def check_drift(self) -> list[str]:
         """How our rules in the kernel differ from what we last applied ([] when they

@@ -66,7 +66,6 @@ class NftablesListener:
             raise
         self._thread = threading.Thread(target=self._run, name="nftables-listener",
                                         daemon=True)
-        self.transactions = 0  # seen, ours included (for tests and the log)
 
     def start(self) -> None:
         self._thread.start()
@@ -95,7 +94,6 @@ class NftablesListener:
                           "repaired at the next full sync only", extra={"error": str(exc)})
                 return
             for tx in reader.feed(bytes(buffer[:size])):
-                self.transactions += 1
                 if not tx.tables & self.tables:
                     continue
                 if self._ours(tx.port_id) or (tx.pid is not None and self._ours(tx.pid)):

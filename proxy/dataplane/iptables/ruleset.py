@@ -179,14 +179,14 @@ class Ruleset:
         a chain, delete one, reload a firewall) always changes a count. At most `limit`
         differences are described, then how many more there were."""
         found: list[str] = []
-        for (table, chain), specs in self.chains().items():
+        wanted = self.chains()
+        for (table, chain), specs in wanted.items():
             have = kernel.get(table, {}).get(chain)
             if have is None:
                 found.append(f"{table.value} chain {chain} is missing")
             elif len(have) != len(specs):
                 found.append(f"{table.value} chain {chain} holds {len(have)} rules, "
                              f"we wrote {len(specs)}")
-        wanted = self.chains().keys()
         for table in TABLE_ORDER:
             found += [f"{table.value} chain {chain} is not in our rules"
                       for chain in kernel.get(table, {})
