@@ -66,6 +66,8 @@ class Cluster:
     def apply(self, *objects: dict[str, Any]) -> DesiredState:
         for obj in objects:
             apply_object(self.model, obj)
+        # Scenario input must be valid: a skipped object would leave nothing to check.
+        assert not self.model.skipped(), self.model.skipped()
         return self.model.resolve()
 
     def delete(self, kind: str, name: str, namespace: str = "ns") -> DesiredState:

@@ -94,7 +94,7 @@ def service_objects(draw: Callable[..., Any], index: int) -> list[dict[str, Any]
                   ready=draw(st.booleans()), serving=draw(st.booleans()),
                   terminating=draw(st.booleans()))
                for j in draw(st.lists(st.integers(0, 5), max_size=count, unique=True))]
-        out.append(eps_slice(f"{name}-{family}", eps, service_name=name, address_type=family,
+        out.append(eps_slice(f"{name}-{family.lower()}", eps, service_name=name, address_type=family,
                              ports=tuple({"name": p, "port": 8000 + k, "protocol":
                                           PORTS[p].get("protocol", "TCP")}
                                          for k, p in enumerate(sorted(PORTS)))))
@@ -122,6 +122,8 @@ class Cluster:
             delete_object(self.model, kind, "ns", name)
         for obj in objects:
             apply_object(self.model, obj)
+        # Generated input must be valid: a skipped slice would leave nothing to check.
+        assert not self.model.skipped(), self.model.skipped()
         self.objects = wanted
         return self.model.resolve()
 

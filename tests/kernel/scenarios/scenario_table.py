@@ -95,7 +95,7 @@ def objects(specs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             eps = [ep(fmt.format(10 + i), node=nd, ready=cond == "ready",
                       serving=cond != "not-ready", terminating=cond == "terminating")
                    for i, nd, cond in spec["endpoints"]]
-            out.append(eps_slice(f"{name}-{family}", eps, service_name=name,
+            out.append(eps_slice(f"{name}-{family.lower()}", eps, service_name=name,
                                  ports=slice_ports, address_type=family))
     return out
 
