@@ -192,7 +192,10 @@ class Agent:
             self.endpoints_resource = ENDPOINTS
             log.info("using legacy Endpoints (core/v1), as --endpoints-source=endpoints asks")
             return
-        backoff = Backoff(0.5, 30.0)
+        # The reflectors' cap, not client-go's 30 s: an agent started while the API server
+        # is away must not wait longer for its return than a running one does.
+        options = self._reflector_options or ReflectorOptions()
+        backoff = Backoff(options.backoff_initial, options.backoff_max)
         while not stop.is_set():
             try:
                 self.endpoints_resource = await endpoint_slice_resource(self.api)

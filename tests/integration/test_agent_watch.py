@@ -5,6 +5,7 @@ EndpointSlice version, bad objects, node eligibility."""
 from __future__ import annotations
 
 import json
+import logging
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from proxy.sim import SimServer
-from tests.integration.agent_harness import AgentThread, running_agent, wait_until
+from tests.integration.agent_harness import FAST_WATCH, AgentThread, running_agent, wait_until
 from tests.unit.builders import ep, eps_slice, node, service
 
 NS = "ns"
@@ -96,6 +97,26 @@ def test_an_api_outage_keeps_the_rules_and_catches_up(sim: SimServer, tmp_path: 
         sim.start()
         sim.apply(web_slice("198.18.1.20"))
         wait_until(lambda: endpoints(agent) == {"198.18.1.20:8080"}, 20, "catching up")
+
+
+def test_an_agent_started_during_an_outage_retries_at_the_watch_cap(
+        sim: SimServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Discovery, the first thing the agent asks, retries no slower than its reflectors:
+    with client-go's 30 s cap an agent started while the server is away would wait up to
+    that long after the server's return (docs/watch.md)."""
+    sim.stop()
+    caplog.set_level(logging.WARNING, logger="proxy.agent.app")
+
+    def delays() -> list[float]:
+        return [float(r.args[1]) for r in caplog.records  # type: ignore[index]
+                if r.msg.startswith("EndpointSlice API discovery failed")]
+
+    with running_agent(sim, tmp_path) as agent:
+        # Enough failures in a row for an uncapped backoff to pass the cap several times.
+        wait_until(lambda: len(delays()) >= 8, 30, "discovery retried 8 times")
+        sim.start()
+        wait_until(lambda: endpoints(agent) == {"198.18.1.10:8080"}, 20, "first sync")
+    assert max(delays()) <= FAST_WATCH.backoff_max, delays()
 
 
 def test_discovery_falls_back_to_v1beta1_on_a_1_20_server(tmp_path: Path) -> None:
