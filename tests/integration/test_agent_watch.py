@@ -108,8 +108,9 @@ def test_an_agent_started_during_an_outage_retries_at_the_watch_cap(
     caplog.set_level(logging.WARNING, logger="proxy.agent.app")
 
     def delays() -> list[float]:
-        return [float(r.args[1]) for r in caplog.records  # type: ignore[index]
-                if r.msg.startswith("EndpointSlice API discovery failed")]
+        return [float(r.getMessage().rsplit("retrying in ", 1)[1].rstrip("s"))
+                for r in caplog.records
+                if r.getMessage().startswith("EndpointSlice API discovery failed")]
 
     with running_agent(sim, tmp_path) as agent:
         # Enough failures in a row for an uncapped backoff to pass the cap several times.
