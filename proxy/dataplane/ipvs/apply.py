@@ -28,7 +28,8 @@ from typing import Any
 
 from proxy.dataplane import conntrack
 from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
-from proxy.dataplane.iptables.runner import Backend, IptablesRunner, RunnerError
+from proxy.dataplane.iptables.drift_watch import LegacyCanary, NftablesListener
+from proxy.dataplane.iptables.runner import Backend, IptablesRunner, RunnerError, started_here
 from proxy.dataplane.ipvs.diff import (
     KernelDest,
     KernelService,
@@ -38,10 +39,12 @@ from proxy.dataplane.ipvs.diff import (
     diff_service,
     drained,
 )
+from proxy.dataplane.ipvs.drift import LinkListener
 from proxy.dataplane.ipvs.index import Delta, RenderIndex
 from proxy.dataplane.ipvs.kernel import IpsetError, Ipsets, IpvsTable, Links, ensure_sysctls
 from proxy.dataplane.ipvs.netfilter import (
     cleanup_text,
+    differences,
     ipset_replace,
     ipset_update,
     parse_ipset_save,
@@ -65,10 +68,15 @@ from proxy.dataplane.ipvs.render import (
     set_name,
     usable_node_address,
 )
+from proxy.dataplane.nftables_probe import NFPROTO
 from proxy.model.snapshot import DesiredState
 from proxy.model.types import Family, IPAddress, Protocol, ServicePortKey
 
 log = logging.getLogger(__name__)
+
+# Seconds between looks at the legacy tables' summaries (as the iptables plane's).
+CANARY_INTERVAL = 2.0
+DRIFT_LIMIT = 8  # differences described by one check, then how many more
 
 
 @dataclass(slots=True)
@@ -136,6 +144,9 @@ class IpvsDataPlane:
         self._dummy_index: int | None = None
         self._need_full = True
         self.failed_operations = 0  # netlink/ipset/iptables operations that failed, total
+        # Held while we write iptables rules, so the legacy canary never reports our own.
+        self._writing = threading.Lock()
+        self._watches: list[NftablesListener | LegacyCanary | LinkListener] = []
 
     @property
     def mode(self) -> str:
@@ -274,11 +285,121 @@ class IpvsDataPlane:
             self._need_full = True
             self.failed_operations += len(run.failures)
 
+    # --- drift: someone else changed what we own ---------------------------------------
+
     def watch_drift(self, notify: Callable[[str], None]) -> None:
-        """Not yet: IPVS state is repaired by the full resync (--sync-period)."""
+        """Call `notify(reason)` (from another thread) whenever someone else may have
+        changed our iptables rules (nf_tables announcements or the legacy canary, as the
+        iptables plane) or our dummy interface and its addresses (rtnetlink
+        announcements); see drift.py. Then `check_drift` tells whether they did. The IPVS
+        table itself announces nothing: repaired at the full resync."""
+        if self._watches:
+            return
+        h = self._handles()
+        rt_port = h.links.port_id
+        watches: list[NftablesListener | LegacyCanary | LinkListener] = [LinkListener(
+            self._dummy_name, lambda: self._dummy_index, lambda port: port == rt_port,
+            notify)]
+        tables = ("nat", "filter")
+        backend = next(iter(h.runners.values())).backend if h.runners else None
+        if backend is Backend.NFT:
+            watches.append(NftablesListener({(NFPROTO[f], t) for f in h.runners for t in tables},
+                                            started_here, notify))
+        elif backend is not None:
+            canary = LegacyCanary([(f, t) for f in h.runners for t in tables], notify,
+                                  self._writing, CANARY_INTERVAL)
+            with self._writing:
+                canary.rebaseline()
+            watches.append(canary)
+        for watch in watches:
+            watch.start()
+        self._watches = watches
+        log.info("watching for changes to our rules by other processes", extra={
+            "backend": backend.value if backend else None,
+            "how": ["rtnetlink announcements (dummy interface and its addresses)",
+                    "nf_tables announcements" if backend is Backend.NFT
+                    else f"legacy table summaries every {CANARY_INTERVAL:g}s"],
+            "not_watched": "the IPVS table (repaired at the full resync)"})
 
     def check_drift(self) -> list[str]:
-        return []
+        """How what we own in the kernel differs from what we last applied ([] when it
+        agrees): our iptables chains and jumps (rule counts), the dummy interface (there,
+        up, the same one) and its addresses, our ipsets (present), and which of our
+        virtual servers exist (keys and schedulers, not real servers). Any difference
+        makes the next sync a full one."""
+        if self._h is None or self._last is None or self._need_full:
+            return []  # nothing applied yet, or the next sync is full anyway
+        h = self._handles()
+        found: list[str] = []
+        for family, runner in h.runners.items():
+            with self._writing:
+                try:
+                    saved = split_tables(runner.save())
+                except RunnerError as exc:
+                    found.append(f"{family.label}: our iptables rules could not be read: {exc}")
+                    continue
+                finally:
+                    self._rebaseline()
+            found += [f"{family.label}: {d}" for d in differences(family, self.options, saved)]
+        found += self._link_differences(h)
+        try:
+            sets = set(h.ipsets.names())
+        except IpsetError as exc:
+            found.append(f"our ipsets could not be listed: {exc}")
+        else:
+            found += [f"ipset {n} is missing" for n in (
+                set_name(role, family) for family in self._families for role in SetRole)
+                if n not in sets]
+        try:
+            kernel = h.ipvs.service_keys()
+        except Exception as exc:
+            found.append(f"the IPVS table could not be read: {exc}")
+        else:
+            for key, believed in self._believed.items():
+                there = kernel.get(key)
+                if there is None:
+                    found.append(f"virtual server {key} is missing")
+                elif there.scheduler != believed.scheduler or there.flags != believed.flags:
+                    found.append(f"virtual server {key} was changed (scheduler "
+                                 f"{there.scheduler}, flags {there.flags:#x})")
+        if found:
+            self._need_full = True
+        if len(found) > DRIFT_LIMIT:
+            found = [*found[:DRIFT_LIMIT], f"and {len(found) - DRIFT_LIMIT} more"]
+        return found
+
+    def _link_differences(self, h: _Handles) -> list[str]:
+        try:
+            state = h.links.state()
+        except Exception as exc:
+            return [f"dummy interface {self._dummy_name} could not be read: {exc}"]
+        if state is None:
+            return [f"dummy interface {self._dummy_name} is missing"]
+        index, up = state
+        if index != self._dummy_index:
+            return [f"dummy interface {self._dummy_name} was re-created"]
+        found = [] if up else [f"dummy interface {self._dummy_name} is down"]
+        try:
+            present = {a for a in h.links.addresses(index) if usable_node_address(a)}
+        except Exception as exc:
+            return [*found, f"addresses of {self._dummy_name} could not be read: {exc}"]
+        wanted = self._index.addresses()
+        missing = sorted(wanted - present, key=address_order)
+        extra = sorted(present - wanted, key=address_order)
+        if missing:
+            found.append(f"{len(missing)} address(es) missing from {self._dummy_name}, "
+                         f"first {missing[0]}")
+        if extra:
+            found.append(f"{len(extra)} address(es) on {self._dummy_name} that are not "
+                         f"ours, first {extra[0]}")
+        return found
+
+    def _rebaseline(self) -> None:
+        """Our iptables write is done (caller holds `_writing`): the legacy canary's
+        summaries of now are ours."""
+        for watch in self._watches:
+            if isinstance(watch, LegacyCanary):
+                watch.rebaseline()
 
     def cleanup(self) -> None:
         h = self._handles()
@@ -302,10 +423,12 @@ class IpvsDataPlane:
             run.fail(f"delete link {self._dummy_name}", exc)
         for family, runner in h.runners.items():
             try:
-                text = cleanup_text(split_tables(runner.save()))
-                if text:
-                    runner.restore(text, noflush=True)
-                    run.iptables_lines += text.count("\n")
+                with self._writing:
+                    text = cleanup_text(split_tables(runner.save()))
+                    if text:
+                        runner.restore(text, noflush=True)
+                        run.iptables_lines += text.count("\n")
+                    self._rebaseline()
             except RunnerError as exc:
                 run.fail(f"remove iptables chains ({family.label})", exc)
         try:
@@ -329,6 +452,9 @@ class IpvsDataPlane:
                  extra={"virtual_servers_deleted": len(doomed)})
 
     def close(self) -> None:
+        for watch in self._watches:
+            watch.stop()
+        self._watches = []
         if self._h is not None:
             self._h.close()
             self._h = None
@@ -548,8 +674,12 @@ class IpvsDataPlane:
     def _write_iptables(self, h: _Handles, run: _Run) -> None:
         for family, runner in h.runners.items():
             try:
-                text = restore_text(family, self.options, split_tables(runner.save()))
-                runner.restore(text, noflush=True)
+                with self._writing:
+                    text = restore_text(family, self.options, split_tables(runner.save()))
+                    try:
+                        runner.restore(text, noflush=True)
+                    finally:
+                        self._rebaseline()
                 run.iptables_lines += text.count("\n")
             except RunnerError as exc:
                 run.fail(getattr(exc, "offending", None) or f"iptables-restore ({family.label})",

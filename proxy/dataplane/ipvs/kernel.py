@@ -38,6 +38,8 @@ from proxy.model.types import Family, IPAddress
 
 log = logging.getLogger(__name__)
 
+IFF_UP = 0x1
+
 # Upstream's IPVS proxier sets these: conntrack entries for IPVS connections (needed for
 # iptables masquerading), dropping connections whose real server is gone instead of
 # black-holing them, expiring affinity templates of weight-0 real servers, forwarding.
@@ -83,6 +85,17 @@ class IpvsTable:
             if svc is not None:
                 out[svc.key] = KernelService(svc.key, svc.scheduler, svc.flags, svc.timeout,
                                              self.dests(svc.key))
+        return out
+
+    def service_keys(self) -> dict[VsKey, KernelService]:
+        """Every address/port virtual server without its real servers: one dump, for a
+        cheap look at which exist (a drift check)."""
+        self.calls += 1
+        out: dict[VsKey, KernelService] = {}
+        for attrs in self._nl.dump(CMD_GET_SERVICE):
+            svc = decode_service(attrs.get(ATTR_SERVICE, b""))
+            if svc is not None:
+                out[svc.key] = svc
         return out
 
     def dests(self, key: VsKey) -> dict[RsKey, KernelDest]:
@@ -148,6 +161,20 @@ class Links:
         self.calls += 1
         self._ipr.link("set", index=index, state="up")
         return index
+
+    def state(self) -> tuple[int, bool] | None:
+        """(index, whether it is up) of the dummy interface; None if there is none."""
+        index = self.index()
+        if index is None:
+            return None
+        self.calls += 1
+        found = self._ipr.link("get", index=index)
+        return index, bool(int(found[0]["flags"]) & IFF_UP)
+
+    @property
+    def port_id(self) -> int:
+        """The netlink port id our address changes are announced with."""
+        return self._rt.port_id
 
     def delete(self) -> bool:
         index = self.index()

@@ -179,6 +179,42 @@ def has_jump(saved: str, jump: Jump) -> bool:
                for line in saved.splitlines())
 
 
+def differences(family: Family, options: DataplaneOptions, saved: dict[str, str],
+                limit: int = 5) -> list[str]:
+    """How our chains and jumps in `saved` (`split_tables` of one family's save) differ
+    from what `restore_text` writes: a chain missing or holding another number of rules,
+    a jump from a built-in chain missing. [] when they agree. Counts, not text, as the
+    iptables plane's check (`Ruleset.differences`): iptables-save prints rules in its
+    own canonical form, and whatever a foreign process does to our rules (flush a table
+    or chain, delete one, reload a firewall) changes a count."""
+    found: list[str] = []
+    rules = iptables_rules(family, options)
+    for table, chains in CHAINS.items():
+        text = saved.get(table, "")
+        declared = {line.split()[0][1:] for line in text.splitlines()
+                    if line.startswith(":")}
+        held: dict[str, int] = {}
+        for line in text.splitlines():
+            if line.startswith("-A "):
+                chain = line.split(maxsplit=2)[1]
+                held[chain] = held.get(chain, 0) + 1
+        wanted: dict[str, int] = dict.fromkeys(chains, 0)
+        for line in rules[table]:
+            chain = line.split(maxsplit=2)[1]
+            wanted[chain] = wanted.get(chain, 0) + 1
+        for chain, count in wanted.items():
+            if chain not in declared:
+                found.append(f"{table} chain {chain} is missing")
+            elif held.get(chain, 0) != count:
+                found.append(f"{table} chain {chain} holds {held.get(chain, 0)} rules, "
+                             f"we wrote {count}")
+        found += [f"{table} {jump.chain} has no jump to {jump.target}" for jump in JUMPS
+                  if jump.table == table and not has_jump(text, jump)]
+    if len(found) > limit:
+        found = [*found[:limit], f"and {len(found) - limit} more"]
+    return found
+
+
 def cleanup_text(saved: dict[str, str]) -> str:
     """iptables-restore --noflush input removing our jumps and chains; empty if none."""
     out = []

@@ -266,6 +266,13 @@ class RouteSocket(NetlinkSocket):
     def __init__(self) -> None:
         super().__init__(NETLINK_ROUTE)
 
+    @property
+    def port_id(self) -> int:
+        """This socket's netlink port id: the kernel announces the changes it requests
+        (RTM_NEWADDR, RTM_DELADDR to the address groups) under it."""
+        port: int = self._sock.getsockname()[0]
+        return port
+
     def addresses(self) -> list[tuple[int, IPv4Address | IPv6Address]]:
         """(interface index, address) of every address of every interface."""
         out = []
