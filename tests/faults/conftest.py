@@ -96,6 +96,17 @@ def web_objects(lab: Lab) -> list[dict[str, Any]]:
     ]
 
 
+def bulk_services(lab: Lab, count: int) -> list[dict[str, Any]]:
+    """`count` more services of one port each (198.18.160.1 onwards), both web pods."""
+    b = lab.backends
+    eps = [endpoint(b[n].ipv4, node=b[n].node) for n in ("web-1", "web-2")]
+    out: list[dict[str, Any]] = []
+    for i in range(count):
+        out.append(service(f"bulk-{i}", [f"198.18.{160 + i // 250}.{1 + i % 250}"]))
+        out.append(endpoint_slice(f"bulk-{i}-1", f"bulk-{i}", eps))
+    return out
+
+
 def targets(lab: Lab) -> list[Target]:
     return [
         Target("web", WEB, 80, "tcp", ANY),

@@ -15,23 +15,13 @@ import pytest
 
 from proxy.lab import Lab
 from proxy.lab.probe import Flow
-from tests.e2e.agent_support import endpoint, endpoint_slice, service, wait_for
-from tests.faults.conftest import WEB, FaultNode, make_node, settle
+from tests.e2e.agent_support import wait_for
+from tests.faults.conftest import WEB, FaultNode, bulk_services, make_node, settle
 from tests.faults.test_api_faults import add_probe, answered
 
 pytestmark = pytest.mark.root
 
 BULK = 1400  # service ports enough for two nf_tables restore batches in a full sync
-
-
-def bulk_services(lab: Lab) -> list[dict[str, object]]:
-    b = lab.backends
-    eps = [endpoint(b[n].ipv4, node=b[n].node) for n in ("web-1", "web-2")]
-    out: list[dict[str, object]] = []
-    for i in range(BULK):
-        out.append(service(f"bulk-{i}", [f"198.18.{160 + i // 250}.{1 + i % 250}"]))
-        out.append(endpoint_slice(f"bulk-{i}-1", f"bulk-{i}", eps))
-    return out
 
 
 def slow_restore(bindir: Path, marks: Path) -> dict[str, str]:
@@ -77,7 +67,7 @@ class RuleCounter:
 
 
 def test_sigkill_in_the_middle_of_a_full_sync(fault_lab: Lab, tmp_path: Path) -> None:
-    with make_node(fault_lab, tmp_path, "nft", bulk_services(fault_lab)) as node:
+    with make_node(fault_lab, tmp_path, "nft", bulk_services(fault_lab, BULK)) as node:
         node.start_agent().wait_ready(60)
         full = len(node.rules())
         with node.traffic() as traffic, RuleCounter(node) as counter, \
