@@ -161,6 +161,10 @@ _WATCH_HELP = {
     "events": "Watch and list events delivered",
     "bookmarks": "Bookmarks received",
     "oversized": "Watch events skipped for exceeding the size limit",
+    "went_back": "resourceVersions below ours (events, bookmarks or a list): relisted",
+    "overdue": "Watch streams we ended: the server kept them open past timeoutSeconds",
+    "bad_lists": "Lists given up: too large, too many pages or items, or repeating",
+    "unkeyed": "Objects without a usable namespace and name, passed on to be skipped",
 }
 # Every integer counter of ReflectorStats is exported, including ones added later.
 _WATCH_COUNTERS = [f.name for f in fields(ReflectorStats) if f.type in (int, "int")]

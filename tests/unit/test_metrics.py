@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.kube.reflector import ReflectorStats
@@ -99,6 +100,18 @@ def test_watch_collector_reads_reflector_stats_at_scrape_time() -> None:
     assert m.registry.get_sample_value("sliceproxy_watch_relists_total", labels) == 2
     assert m.registry.get_sample_value("sliceproxy_watch_watch_restarts_total", labels) == 5
     assert m.registry.get_sample_value("sliceproxy_watch_errors_total", labels) == 1
+
+
+def test_every_watch_counter_says_what_it_counts() -> None:
+    """An operator reading /metrics gets a sentence per counter, not a field name."""
+    m = AgentMetrics()
+    m.watch_reflectors(lambda: [FakeReflector()])
+    text = generate_latest(m.registry).decode()
+    watch = [f for f in text_string_to_metric_families(text)
+             if f.name.startswith("sliceproxy_watch_")]
+    assert len(watch) >= 15
+    generic = [f.name for f in watch if "(ReflectorStats)" in f.documentation]
+    assert not generic, generic
 
 
 def test_each_agent_has_its_own_registry() -> None:
