@@ -148,7 +148,8 @@ _OUR_CHAIN = re.compile(r"SPX-(?:SVC|SVL|EXT|FW|SEP)-[0-9A-F]{16}|SPX-[A-Z]+(?:-
 _BUILTIN_TARGETS = frozenset({"ACCEPT", "DROP", "RETURN", "REJECT", "DNAT", "MASQUERADE",
                               "MARK"})
 # xt_comment keeps 255 characters; ours are names, addresses and a few words.
-_COMMENT = re.compile(r"[A-Za-z0-9 ._:/\[\];>-]{1,255}")
+# "?": what the renderer writes for a character it will not pass (render.quote).
+_COMMENT = re.compile(r"[A-Za-z0-9 ._:/\[\];>?-]{1,255}")
 _VOCABULARY = frozenset({
     "!", "-p", "tcp", "udp", "sctp", "--random-fully", "--rcheck", "--reap", "--rsource",
     "--set",

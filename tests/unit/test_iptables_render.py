@@ -6,6 +6,7 @@ line is what `iptables-save` prints back (the kernel tests check that spelling).
 
 from __future__ import annotations
 
+import re
 from ipaddress import ip_address, ip_network
 from typing import Any
 
@@ -345,3 +346,47 @@ def test_quote_follows_iptables_save() -> None:
     assert quote("abc-1_X") == "abc-1_X"
     assert quote("ns/svc:http") == '"ns/svc:http"'
     assert quote('a"b') == '"a\\"b"'
+
+
+# Every character iptables-restore must never see raw in a rule: control characters
+# (a line break ends the rule and starts another, NUL cuts it), DEL, and non-ASCII (xt_comment
+# counts bytes, and we compare what iptables-save prints back as ASCII).
+UNSAFE = "".join(map(chr, range(0x20))) + "\x7f\x80\xa0é\u2028\ufeff😀"
+
+
+def test_quote_never_passes_control_or_non_ascii_characters() -> None:
+    for c in UNSAFE:
+        text = quote(f"a{c}b")
+        assert text == '"a?b"', (c, text)
+    assert quote("web\n-A INPUT -j ACCEPT") == '"web?-A INPUT -j ACCEPT"'
+    # Escaping still applies next to a replaced character.
+    assert quote('"\x00\\') == '"\\"?\\\\"'
+
+
+def test_hostile_names_reaching_the_renderer_stay_inside_one_safe_comment() -> None:
+    """Defence in depth: the decoder refuses such names, but the renderer must be safe
+    on its own. A service port whose names hold line breaks, NUL, other control and
+    non-ASCII characters renders to restore text that is printable ASCII, replays, and
+    whose comments are within xt_comment's 255 bytes."""
+    from dataclasses import replace
+
+    from proxy.dataplane.iptables.ruleset import Ruleset
+    from tests.corpus import pipeline
+
+    rsp = resolve(service(ports=({"name": "http", "port": 80, "nodePort": 30080},),
+                          type="NodePort", externalIPs=["198.18.0.20"],
+                          sessionAffinity="ClientIP"),
+                  eps_slice("s1", [ep("198.18.1.1"), ep("198.18.1.2")]))
+    evil = "x\n-A INPUT -j ACCEPT\r\x00\x1b[2J\x7fé\u2028" + "y" * 300
+    hostile = replace(rsp, key=rsp.key._replace(namespace=evil, name=evil, port=evil),
+                      service=replace(rsp.service, namespace=evil, name=evil),
+                      port=replace(rsp.port, name=evil))
+    ctx = CIDR4
+    rules = render_port(hostile, ctx)
+    text = Ruleset(render_base(ctx), {hostile.key: rules}).full_restore({}).render()
+    assert pipeline.restore_problems(text, Family.V4) == []
+    assert "-A INPUT -j ACCEPT\n" not in text and "\x00" not in text
+    for line in rules.lines():
+        assert line.isascii() and line.isprintable(), repr(line)
+        for m in re.finditer(r'--comment "((?:[^"\\]|\\.)*)"', line):
+            assert len(m.group(1).replace("\\", "")) <= 255, m.group(1)

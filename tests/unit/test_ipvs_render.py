@@ -283,3 +283,31 @@ def test_describe_vs_shows_draining_real_servers() -> None:
     assert describe_vs(vs, {gone: 0}) == [
         "TCP 198.18.128.1:80 rr -> 198.18.1.10:8080 weight 1",
         "TCP 198.18.128.1:80 rr -> 198.18.1.11:8080 weight 0 (draining)"]
+
+
+def test_hostile_names_reaching_the_renderer_never_reach_kernel_text() -> None:
+    """Defence in depth, as for iptables' comments: names are the decoder's to refuse,
+    and IPVS kernel input is built from addresses, protocols and numbers only. A service
+    port whose names hold line breaks, NUL and non-ASCII renders exactly as the same
+    port with plain names, and its ipset entries and our iptables rules are printable
+    ASCII."""
+    from dataclasses import replace
+
+    from proxy.dataplane.ipvs.netfilter import iptables_rules
+
+    rsp = resolve_one(
+        service(ips=("198.18.128.10",), ports=({**HTTP, "nodePort": 30080},), type="NodePort",
+                externalIPs=["198.18.0.20"], sessionAffinity="ClientIP"),
+        eps_slice("s1", [ep("198.18.1.10", node="node-a")]), node())
+    evil = "x\n-A INPUT -j ACCEPT\r\x00é\u2028" + "y" * 300
+    hostile = replace(rsp, key=rsp.key._replace(namespace=evil, name=evil, port=evil),
+                      service=replace(rsp.service, namespace=evil, name=evil),
+                      port=replace(rsp.port, name=evil))
+    plain, got = render_port(rsp, ctx()), render_port(hostile, ctx())
+    assert (got.virtual_servers, got.addresses, got.entries) == (
+        plain.virtual_servers, plain.addresses, plain.entries)
+    text = [e.entry for e in got.entries] + [str(vs.key) for vs in got.virtual_servers]
+    text += [r for rules in iptables_rules(Family.V4, DataplaneOptions(node_name="n")).values()
+             for r in rules]
+    for line in text:
+        assert line.isascii() and line.isprintable() and "yyy" not in line, line

@@ -40,6 +40,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from ipaddress import IPv4Network, IPv6Network
@@ -179,18 +180,37 @@ def endpoint_chain(key: ServicePortKey, protocol: str, endpoint: str) -> str:
 
 
 _NO_QUOTE = frozenset("_-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+# What may stand in restore text as it is: printable ASCII. iptables-restore reads a line
+# break as the end of the rule (the rest becomes rules of its own), NUL as the end of
+# the string, and counts bytes where we count characters.
+_UNSAFE = re.compile(r"[^\x20-\x7e]")
+# xt_comment holds 256 bytes with the terminating NUL; a longer comment makes
+# iptables-restore refuse the whole transaction.
+COMMENT_MAX = 255
 
 
 def quote(text: str) -> str:
-    """A string as iptables-save writes it (xtables_save_string)."""
+    """A string as iptables-save writes it (xtables_save_string), after replacing every
+    character outside printable ASCII with "?". The decoder refuses names holding one,
+    but rules must be safe whatever reaches them: replaced, not refused, so one bad name
+    costs its comment's accuracy, never the sync (chain names are hashes of the real
+    text, so replacement makes no two ports share a chain)."""
     if text and set(text) <= _NO_QUOTE:
         return text
+    text = _safe(text)
     escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("'", "\\'")
     return f'"{escaped}"'
 
 
 def comment(text: str) -> str:
-    return f"-m comment --comment {quote(text)}"
+    """`-m comment` with `text`, cut to what xt_comment holds (after quote() made it
+    ASCII, characters are bytes)."""
+    return f"-m comment --comment {quote(_safe(text)[:COMMENT_MAX])}"
+
+
+def _safe(text: str) -> str:
+    # The common case (every name the decoder lets through) costs two C-level scans.
+    return text if text.isascii() and text.isprintable() else _UNSAFE.sub("?", text)
 
 
 def probability(n: int) -> str:
