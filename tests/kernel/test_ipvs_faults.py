@@ -1,0 +1,34 @@
+"""The fault suite in IPVS mode: the real agent in the kernel lab while the API server,
+the cluster and other processes misbehave (scenarios/scenario_faults.py, one boot); each
+fault is reported here on its own, then the figures table, as tests/faults prints it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.faults.conftest import FaultRecord
+from tests.kernel.harness import KernelResult
+from tests.kernel.ipvs_host import scenario_module
+
+run, test_scenario = scenario_module("scenario_faults.py")
+
+
+@pytest.mark.kernel
+@pytest.mark.slow
+def test_figures(run: KernelResult, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Print the table the guest wrote (and copy it to $SLICEPROXY_FAULT_REPORT)."""
+    found = sorted(tmp_path_factory.getbasetemp().glob("scenario_faults*/**/faults.json"))
+    assert found, "the scenarios wrote no figures"
+    rows = [FaultRecord(**r) for r in json.loads(found[-1].read_text())]
+    print("\nfault suite, IPVS mode in the kernel lab (emulated; behaviour, not timing):")
+    print(f"  {'fault':<44} {'mode':<14} {'tried':>6} {'failed':>6} "
+          f"{'window':>8} {'converge':>8} {'rst':>3}")
+    for row in rows:
+        print(row.row())
+    out = os.environ.get("SLICEPROXY_FAULT_REPORT")
+    if out:
+        Path(out).write_text(json.dumps([vars(r) for r in rows], indent=2) + "\n")
