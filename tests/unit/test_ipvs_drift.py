@@ -55,7 +55,8 @@ def test_foreign_changes_to_our_interface_are_reported(msg: Reply, want: str) ->
     addr(RTM_DELADDR, "198.18.128.10", index=3),  # another interface
     addr(RTM_NEWADDR, "fe80::1"),  # the kernel's own link-local address
     link(RTM_NEWLINK),  # up, same name: nothing happened to us
-    link(RTM_NEWLINK, flags=0, port=OURS),  # our own link creation
+    link(RTM_NEWLINK, flags=0, port=OURS),  # our own change
+    link(RTM_NEWLINK, index=8, flags=0),  # our full sync creating it (announced down)
     link(RTM_NEWLINK, index=3, flags=0, name="eth0"),
     link(RTM_DELLINK, index=3, name="eth0"),
     Reply(2, 0, b"\0" * 4),  # not an announcement at all

@@ -76,7 +76,9 @@ def link_change(msg: Reply, name: str, index: int | None,
             return None
         if msg.kind == RTM_DELLINK:
             return f"interface {name} deleted"
-        if ours(msg.port_id):
+        if link != index or ours(msg.port_id):
+            # A new interface of that name is one our full sync is creating (it is
+            # announced down first): the data plane learns its index when it is up.
             return None
         if label is not None and label != name:
             return f"interface {name} renamed to {label}"
