@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
 from typing import Any, TypeVar
 
+from proxy.kube import identity
 from proxy.model import skips as why
 from proxy.model.skips import Skip, clip, shown
 from proxy.model.types import (
@@ -187,12 +188,13 @@ def _guard(
 
 def _safe_name(obj: Any, namespaced: bool) -> tuple[str, str]:
     """(namespace, name) for the record of an object whose metadata did not decode: as
-    ingest keys the object (a missing namespace is "default"), cut to a sane length."""
-    if isinstance(obj, dict) and isinstance(obj.get("metadata"), dict):
-        meta = obj["metadata"]
-        namespace = str(meta.get("namespace") or "default") if namespaced else ""
-        return clip(namespace), clip(str(meta.get("name") or ""))
-    return ("", "")
+    ingest keys the object (a missing namespace is "default"; no usable name: the key
+    the reflector passed it on under), cut to a sane length."""
+    found = identity.key(obj)
+    if found is None:
+        return identity.unkeyed_key(obj) if isinstance(obj, dict) else ("", "")
+    namespace = (found[0] or "default") if namespaced else ""
+    return clip(namespace), clip(found[1])
 
 
 def _dict(value: Any, what: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from proxy.kube import identity
 from proxy.kube.decode import (
     decode_endpoint_slice,
     decode_endpoints,
@@ -40,9 +41,13 @@ KINDS = ("Service", "EndpointSlice", "Endpoints", "Node")
 
 
 def _name(obj: dict[str, Any]) -> tuple[str, str]:
-    meta = obj.get("metadata")
-    meta = meta if isinstance(meta, dict) else {}
-    return str(meta.get("namespace") or "default"), str(meta.get("name") or "")
+    """The key the object is kept and recorded under. One without a usable name gets the
+    reflector's key for it (identity.py), so that its deletion, found by a relist,
+    removes its skip record."""
+    found = identity.key(obj)
+    if found is None:
+        return identity.unkeyed_key(obj)
+    return found[0] or "default", found[1]
 
 
 def _record(model: ClusterModel, kind: str, namespace: str, name: str,

@@ -70,11 +70,12 @@ from typing import Any
 import orjson
 
 from proxy.kube.client import Api, BodyTooLarge, Response, read_body
+from proxy.kube.identity import ObjectKey, decimal, meta_uid, meta_version, object_key, unkeyed_key
+from proxy.kube.identity import key as identify
 from proxy.kube.resources import Resource
+from proxy.model.skips import shown
 
 log = logging.getLogger(__name__)
-
-ObjectKey = tuple[str, str]  # (namespace, name); namespace "" for cluster-scoped
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,9 @@ class ReflectorStats:
     went_back: int = 0  # resourceVersions below ours: watch events, bookmarks or a list
     overdue: int = 0  # streams we ended: the server kept them open past timeoutSeconds
     bad_lists: int = 0  # lists given up: too large, too many pages or items, repeating
+    # Objects without a usable (namespace, name) (metadata [], a name that is no
+    # string, an item that is no object): passed on under a key of their own (identity.py)
+    unkeyed: int = 0
     last_error: str = ""
     retry_delay: float = 0.0  # the last backoff delay chosen, in seconds
 
@@ -245,24 +249,12 @@ def _retry_after(headers: Mapping[str, str]) -> float | None:
         return None
 
 
-def _key(obj: Mapping[str, Any]) -> ObjectKey:
-    meta = obj.get("metadata") or {}
-    return (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
-
-
-def _rv(obj: Mapping[str, Any]) -> str:
-    return str((obj.get("metadata") or {}).get("resourceVersion") or "")
-
-
-def _uid(obj: Mapping[str, Any]) -> str:
-    return str((obj.get("metadata") or {}).get("uid") or "")
-
-
 def _older(rv: str, than: str | None) -> bool:
     """rv is a revision before `than`. resourceVersions are opaque to clients, but etcd's
     are integers and every server we know uses them; anything else cannot be judged and
     is taken as it comes."""
-    return rv.isdigit() and than is not None and than.isdigit() and int(rv) < int(than)
+    mine, theirs = decimal(rv), decimal(than)
+    return mine is not None and theirs is not None and mine < theirs
 
 
 def _in(delay: float) -> str:
@@ -419,20 +411,23 @@ class Reflector:
         self.stats.probes += 1
         body = await self._get_json({**self._selectors(), "limit": "1"},
                                     self.options.request_timeout)
-        current = str((body.get("metadata") or {}).get("resourceVersion") or "")
-        ours = self.resource_version
+        current = meta_version(body)
+        ours = decimal(self.resource_version)
+        theirs = decimal(current)
         why = None
         # resourceVersions are opaque to clients; etcd's are integers. Anything else
         # cannot be judged: relist to be safe.
-        if not (current.isdigit() and ours is not None and ours.isdigit()):
+        if ours is None or theirs is None:
             why = "revisions cannot be compared"
-        elif int(current) < int(ours):
+        elif theirs < ours:
             why = "its revision is below ours: did it lose its storage?"
         else:
-            for item in body.get("items") or []:
-                rv, key = _rv(item), _key(item)
-                if rv.isdigit() and int(rv) <= int(ours) and (
-                        self._objects.get(key) != (rv, _uid(item))):
+            items = body.get("items")
+            for item in items if isinstance(items, list) else []:
+                rv, key = meta_version(item), object_key(item)
+                at = decimal(rv)
+                if at is not None and at <= ours and (
+                        self._objects.get(key) != (rv, meta_uid(item))):
                     why = (f"{key[0]}/{key[1]} at {rv} is not the object we hold: "
                            "did it lose its storage?")
         if why is not None:
@@ -443,6 +438,7 @@ class Reflector:
 
     async def _list(self) -> None:
         seen: set[ObjectKey] = set()
+        unkeyed = _Tally()  # objects without a usable name, for one log line
         token: str | None = None
         unpaged, self._unpaged_next = self._unpaged_next, False
         opts = self.options
@@ -455,33 +451,56 @@ class Reflector:
                 query["continue"] = token
             body = await self._get_json(query, opts.request_timeout)
             pages += 1
-            for item in body.get("items") or []:
+            items, meta = body.get("items"), body.get("metadata")
+            if not isinstance(items, list | None) or not isinstance(meta, dict | None):
+                raise _BadList("a list whose items or metadata have the wrong type")
+            for item in items or ():
+                if not isinstance(item, dict):
+                    # Not an object: nothing to decode, no kind to record it under.
+                    # Counted (stats, the dump's watch section) and logged below.
+                    unkeyed.note(f"an item {shown(item)}, not an object")
+                    self.stats.unkeyed += 1
+                    continue
                 # List items carry no kind/apiVersion; the decoder needs both.
                 item.setdefault("kind", self.resource.kind)
                 item.setdefault("apiVersion", self.resource.api_version)
-                key = _key(item)
+                key = identify(item)
+                if key is None:
+                    # Passed on all the same, under a key of its own, so the decoder
+                    # records why it is skipped; identical ones are one object.
+                    key = self._unkeyed(item)
+                    unkeyed.note(_why_unkeyed(item))
+                    if key in seen:
+                        continue
                 # A list is one consistent snapshot: an object twice means pages that
                 # overlap or loop (and a list that would never end).
-                if key in seen:
+                elif key in seen:
                     raise _BadList(f"the list repeated {key[0]}/{key[1]} (page {pages})")
                 seen.add(key)
                 if len(seen) > opts.max_list_items:
                     raise _BadList(f"the list passed {opts.max_list_items} objects")
                 old = self._objects.get(key)
-                self._objects[key] = now = (_rv(item), _uid(item))
+                self._objects[key] = now = (meta_version(item), meta_uid(item))
                 # resourceVersions alone can repeat across a storage loss (see above)
                 if old != now:
                     self._emit("ADDED" if old is None else "MODIFIED", key, item)
-            meta = body.get("metadata") or {}
+            meta = meta or {}
             token = meta.get("continue") or None
+            if token is not None and not isinstance(token, str):
+                raise _BadList(f"a continue token that is no string: {shown(token)}")
             if token is None:
-                list_rv = str(meta.get("resourceVersion") or "")
+                list_rv = meta_version(body)
                 break
             if pages >= opts.max_list_pages:
                 raise _BadList(f"the list did not end after {pages} pages")
         for key in [k for k in self._objects if k not in seen]:
             del self._objects[key]
             self._emit("DELETED", key, None)
+        if unkeyed.count:
+            log.warning("list of %s: %d objects without a usable namespace/name (the "
+                        "first: %s); objects passed on to be recorded as skipped, other "
+                        "items dropped", self.resource, unkeyed.count, unkeyed.first,
+                        extra=self._extra(unkeyed=unkeyed.count))
         if _older(list_rv, self._reached) and not self._lower_explained:
             self.stats.went_back += 1
             log.warning("list of %s at revision %s, below the %s we had reached: the "
@@ -603,9 +622,9 @@ class Reflector:
             raise _HttpError(int(code or 0), str(obj.get("message") or obj))
         if kind not in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK"):
             raise ValueError(f"unknown watch event type {kind!r}")
-        rv = _rv(obj)
+        rv = meta_version(obj)
         if _older(rv, self.resource_version):
-            key = _key(obj)
+            key = object_key(obj)
             what = "a bookmark" if kind == "BOOKMARK" else f"{kind} {key[0]}/{key[1]}"
             raise _WentBack(f"{what} at resourceVersion {rv} after {self.resource_version}")
         self._backoff.reset()
@@ -614,11 +633,21 @@ class Reflector:
             self._stream.bookmarks += 1
             self.resource_version = rv or self.resource_version
             return
-        key = _key(obj)
+        # As in a list, so an object gets one key whichever way it came.
+        obj.setdefault("kind", self.resource.kind)
+        obj.setdefault("apiVersion", self.resource.api_version)
+        found = identify(obj)
+        if found is None:
+            key = self._unkeyed(obj)
+            log.warning("%s event of %s without a usable namespace/name (%s): passed on "
+                        "as %s to be recorded as skipped", kind, self.resource,
+                        _why_unkeyed(obj), key[1], extra=self._extra(object=key[1]))
+        else:
+            key = found
         if kind == "DELETED":
             self._objects.pop(key, None)
         else:
-            self._objects[key] = (rv, _uid(obj))
+            self._objects[key] = (rv, meta_uid(obj))
         if rv:
             self.resource_version = rv
         self._stream.events += 1
@@ -687,6 +716,11 @@ class Reflector:
                       self.options.max_line_bytes,
                       extra=self._extra(object=_identify(head)))
 
+    def _unkeyed(self, obj: dict[str, Any]) -> ObjectKey:
+        """The key of an object without a usable name, counted."""
+        self.stats.unkeyed += 1
+        return unkeyed_key(obj)
+
     def _emit(self, kind: str, key: ObjectKey, obj: dict[str, Any] | None) -> None:
         self.stats.events += 1
         try:
@@ -694,6 +728,26 @@ class Reflector:
         except Exception:  # a bug downstream must not stop the watch
             log.exception("event handler failed", extra={"resource": str(self.resource),
                                                           "object": f"{key[0]}/{key[1]}"})
+
+
+@dataclass(slots=True)
+class _Tally:
+    """How many odd items one list held, and the first, for its one log line."""
+
+    count: int = 0
+    first: str = ""
+
+    def note(self, why: str) -> None:
+        self.count += 1
+        self.first = self.first or why
+
+
+def _why_unkeyed(obj: dict[str, Any]) -> str:
+    meta = obj.get("metadata")
+    if not isinstance(meta, dict):
+        return "metadata missing" if meta is None else f"metadata {shown(meta)}"
+    return (f"metadata.name {shown(meta.get('name'))}, "
+            f"metadata.namespace {shown(meta.get('namespace'))}")
 
 
 _HEAD = 4096

@@ -92,6 +92,7 @@ class Server:
         self.watches: Writer | None = None
         self.hostile_lists = 0
         self.hostile_watches = 0
+        self.junk: list[Any] = []  # list items served after the objects, as they are
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -130,7 +131,7 @@ class Server:
             return web.json_response({
                 "kind": "ServiceList", "apiVersion": "v1",
                 "metadata": {"resourceVersion": str(self.rv)},
-                "items": list(self.objects.values())})
+                "items": [*self.objects.values(), *self.junk]})
         start = int(request.query.get("resourceVersion") or self.rv)
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         await resp.prepare(request)
@@ -686,5 +687,111 @@ def test_every_watch_answered_410_is_not_a_list_per_round_trip(
                 assert gap >= min(0.2, OPTIONS.backoff_initial * 2**n) / 2, gaps
             h.server.put("after")
             await h.converged()
+
+    run(main)
+
+
+# ---- objects without a usable identity -------------------------------------------------
+
+
+NOT_OBJECTS: list[Any] = [7, "text", None, []]
+
+
+def unkeyed() -> list[Obj]:
+    """Objects the reflector cannot key by (namespace, name): metadata of the wrong type
+    or missing, a name or namespace that is no string."""
+    spec = {"ports": [{"port": 80}]}
+    base = {"kind": "Service", "apiVersion": "v1", "spec": spec}
+    return [
+        {**base, "metadata": []},
+        {**base, "metadata": "web"},
+        {**base, "metadata": ["web", "default"]},
+        {**base, "metadata": 7},
+        {**base},
+        {**base, "metadata": {"name": 5, "namespace": "default"}},
+        {**base, "metadata": {"name": {"a": 1}, "namespace": "default"}},
+        {**base, "metadata": {"name": "x", "namespace": ["default"]}},
+        {**base, "metadata": {"name": ""}},
+    ]
+
+
+def odd_versions() -> Obj:
+    """A service whose resourceVersion and uid are no strings: it is kept, its version
+    unknown (never a resume point)."""
+    obj = service("odd", 0)
+    obj["metadata"]["resourceVersion"] = ["1"]
+    obj["metadata"]["uid"] = {"u": 1}
+    return obj
+
+
+def test_objects_without_a_usable_name_are_passed_on_and_the_rest_listed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A list holding objects with metadata [] (or a string, a number, none; a name or
+    namespace that is no string) and items that are no object: the rest of the list is
+    taken, the list counts as done (no error, no list again), each odd object is passed
+    on to the handler once under a key of its own (so the decoder records why it was
+    skipped) and dropped when the server no longer lists it; items that are no object
+    are counted and dropped; one log line per list. A
+    watch event with metadata [] is passed on the same way; bookmarks whose
+    resourceVersion is no usable string ("²", a list, a megabyte) are not resume points."""
+    @bounded
+    async def main() -> None:
+        async with Harness(tmp_path) as h:
+            h.server.put("a")
+            h.server.put("b")
+            h.server.junk = [*unkeyed(), *NOT_OBJECTS, odd_versions(), *unkeyed()[:2]]
+            await h.synced()
+            stats = h.reflector.stats
+            named = {k: v for k, v in h.reflector.known.items() if not k[1].startswith("?")}
+            assert named == {**h.server.keys(), ("default", "odd"): ""}, named
+            assert stats.errors == stats.bad_lists == 0, stats
+            assert stats.lists == 1, stats
+            odd = {k for k in h.tally.objects if k[1].startswith("?")}
+            assert len(odd) == len(unkeyed()), sorted(odd)
+            # Counted, the items that are no object too (they are dropped: no kind, no
+            # metadata, nothing for the decoder to say), repeats too.
+            odd_items = len(unkeyed()) + len(NOT_OBJECTS) + 2
+            assert stats.unkeyed == odd_items, stats
+            (told,) = logged(caplog, "without a usable")
+            assert "services.v1" in told and f"{odd_items} objects" in told, told
+            assert "the first: metadata <list of 0>" in told, told
+
+            # A watch: an event with metadata [], bookmarks with unusable versions, then
+            # the server behaves again.
+            reached = h.reflector.resource_version
+            events = stats.events
+
+            async def hostile(resp: web.StreamResponse, start: int) -> None:
+                h.server.watches = None  # once
+                await resp.write(line("ADDED", {"kind": "Service", "apiVersion": "v1",
+                                                "metadata": [], "spec": {"x": 1}}))
+                for rv in (["1"], "²", "9" * 300, "1 2", 12):
+                    await resp.write(line("BOOKMARK", {"kind": "Service", "apiVersion": "v1",
+                                                       "metadata": {"resourceVersion": rv}}))
+                await resp.write(line("MODIFIED", {**service("b", 0), "metadata": {
+                    "name": "b", "namespace": "default", "resourceVersion": "²"}}))
+                await h.server._watch(resp, start, 1)
+
+            h.server.watches = hostile
+            await eventually(lambda: stats.events >= events + 2, what="the odd events")
+            assert h.reflector.resource_version == reached
+            assert len({k for k in h.tally.objects if k[1].startswith("?")}) == len(odd) + 1
+            assert h.tally.objects[("default", "b")]["metadata"]["resourceVersion"] == "²"
+            h.server.put("c")
+            await eventually(lambda: ("default", "c") in h.tally.objects, what="c")
+            assert stats.errors == 0 and stats.lists == 1, stats
+
+            # A relist without them: each is deleted, as any vanished object is.
+            async def gone(resp: web.StreamResponse, start: int) -> None:
+                h.server.watches = None  # once: the watches after it behave
+                await resp.write(GONE)
+
+            h.server.junk = []
+            h.server.watches = gone
+            await eventually(lambda: stats.lists == 2, what="the relist")
+            h.server.put("d")
+            await h.converged()
+            assert not [k for k in h.tally.objects if k[1].startswith("?")]
+            assert "Traceback" not in caplog.text and not logged(caplog, "failed")
 
     run(main)
