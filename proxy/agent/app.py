@@ -385,9 +385,11 @@ class Agent:
 def _service_of(ev: WatchEvent) -> str | None:
     if ev.resource.kind == "Endpoints":
         return ev.name
-    labels = ((ev.obj or {}).get("metadata") or {}).get("labels") or {}
+    # The object as served: any field may have the wrong type (metadata []).
+    meta = (ev.obj or {}).get("metadata")
+    labels = meta.get("labels") if isinstance(meta, dict) else None
     name = labels.get(LABEL_SERVICE_NAME) if isinstance(labels, dict) else None
-    return str(name) if name else None
+    return name if isinstance(name, str) and name else None
 
 
 def _stats(stats: object) -> dict[str, Any]:

@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 
 TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
 
@@ -34,15 +33,20 @@ def go_time(epoch: float | None) -> str:
     return dt.strftime("%Y-%m-%d %H:%M:%S") + (f".{frac}" if frac else "") + " +0000 UTC"
 
 
-def node_eligible(node: dict[str, Any] | None) -> bool:
-    """False for a Node being deleted or tainted for deletion by the autoscaler."""
-    if node is None:
+def node_eligible(node: object) -> bool:
+    """False for a Node being deleted or tainted for deletion by the autoscaler.
+
+    The object is as the server sent it, before any decoding: a field of the wrong type
+    (metadata [], taints "x") is read as absent, never raised on (the decoder records
+    the object as skipped)."""
+    if not isinstance(node, dict):
         return True
-    meta = node.get("metadata") or {}
-    if meta.get("deletionTimestamp"):
+    meta, spec = node.get("metadata"), node.get("spec")
+    if isinstance(meta, dict) and meta.get("deletionTimestamp"):
         return False
-    taints = (node.get("spec") or {}).get("taints") or []
-    return not any(isinstance(t, dict) and t.get("key") == TO_BE_DELETED_TAINT for t in taints)
+    taints = spec.get("taints") if isinstance(spec, dict) else None
+    return not (isinstance(taints, list) and any(
+        isinstance(t, dict) and t.get("key") == TO_BE_DELETED_TAINT for t in taints))
 
 
 @dataclass(frozen=True, slots=True)

@@ -100,6 +100,23 @@ def test_node_eligibility(node: dict[str, Any] | None, eligible: bool) -> None:
     assert node_eligible(node) is eligible
 
 
+@pytest.mark.parametrize("node", [
+    {"metadata": []}, {"metadata": ["deletionTimestamp"]}, {"metadata": "n"},
+    {"metadata": 7}, {}, {"metadata": {"name": "n"}, "spec": "x"},
+    {"metadata": {"name": "n"}, "spec": []}, {"metadata": {"name": "n"}, "spec": ["taints"]},
+    {"metadata": {"name": "n"}, "spec": {"taints": 5}},
+    {"metadata": {"name": "n"}, "spec": {"taints": "ToBeDeletedByClusterAutoscaler"}},
+    {"metadata": {"name": "n"}, "spec": {"taints": {"key": "ToBeDeletedByClusterAutoscaler"}}},
+    {"metadata": {"name": "n"}, "spec": {"taints": [5, "x", None, {"key": ["a"]}]}},
+    [], "node", 7,
+])
+def test_a_malformed_node_never_raises_and_is_read_as_eligible(node: Any) -> None:
+    """A Node a broken server sends with fields of the wrong type: what cannot be read is
+    taken as absent (the decoder records why the object was skipped), never an
+    exception in the agent's event handler."""
+    assert node_eligible(node) is True
+
+
 async def _get(h: ProxyHealth, metrics: AgentMetrics, path: str) -> tuple[int, Any, str]:
     async with TestClient(TestServer(health_app(h, metrics))) as client:
         resp = await client.get(path)
