@@ -258,7 +258,8 @@ class Store:
             del objects[key]
         else:
             assert obj is not None
-            obj["metadata"]["resourceVersion"] = str(self.rv)
+            if isinstance(obj.get("metadata"), dict):  # not so in insert_unvalidated's
+                obj["metadata"]["resourceVersion"] = str(self.rv)
             stored = obj
             objects[key] = stored
         if rt is SERVICES and allocate:
@@ -373,7 +374,7 @@ class Store:
             return old, False
         return self._commit(rt, key, MODIFIED, obj, old), False
 
-    def insert_unvalidated(self, rt: ResourceType, obj: Obj) -> Obj:
+    def insert_unvalidated(self, rt: ResourceType, obj: Obj, key_name: str | None = None) -> Obj:
         """Store `obj` exactly as given and tell watchers (ADDED, or MODIFIED if its key
         exists): no normalisation, defaulting, validation, namespace check or allocation.
 
@@ -383,11 +384,13 @@ class Store:
         with a string `name`, the store's key (and `namespace` for namespaced types,
         "default" if absent); nothing else is looked at. Do not update or delete such
         an object through the ordinary calls: they assume it was validated.
+        `key_name`: the key of an object whose metadata is not an object (it is stored
+        under "default" and served as given, without a resourceVersion).
         """
         obj = copy(obj)
-        meta = obj["metadata"]
+        meta = obj["metadata"] if key_name is None else {}
         namespace = str(meta.get("namespace") or "default") if rt.namespaced else None
-        key = key_of(rt, namespace, str(meta["name"]))
+        key = key_of(rt, namespace, key_name if key_name is not None else str(meta["name"]))
         prev = self._objects[rt.plural].get(key)
         return self._commit(rt, key, MODIFIED if prev else ADDED, obj, prev, allocate=False)
 

@@ -41,7 +41,11 @@ enums
     topology annotation or sessionAffinity: `invalid-value`, ignored; conditions that
     are not booleans: `malformed`, the endpoint skipped (never guess "ready").
 missing fields
-    no metadata or name: `missing-field` (whole object); endpoint without addresses,
+    no metadata or name: `missing-field` (whole object); metadata that is no object
+    (`[]`, a string), a name or namespace that is no string: `malformed`. The
+    reflector cannot key such an object by namespace/name: it passes it on under
+    "?" and a hash of its content (proxy/kube/identity.py), so it is recorded, and
+    removed when a relist no longer finds it. Endpoint without addresses,
     slice without addressType: `missing-field`; slice without its service label:
     `missing-service-name-label`.
 size
@@ -523,6 +527,21 @@ def _(ns: str) -> list[Obj]:
             {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "list",
                                                                  "namespace": ns},
              "spec": ["clusterIP"]}]
+
+
+@case("metadata-not-an-object", {"malformed": 4},
+      note="the reflector cannot key them: passed on under a key of their own")
+def _(ns: str) -> list[Obj]:
+    # Served by a lying server (the e2e's simulator serves them as given, one in its
+    # list and one in a watch event at least): each recorded once, the rest of the list
+    # and the other services unharmed. Distinct content: identical objects would be one.
+    svc = service(ns, "x")
+    out = [{**svc, "metadata": []},
+           {**svc, "metadata": [], "spec": {**svc["spec"], "clusterIP": "198.18.128.11",
+                                            "clusterIPs": ["198.18.128.11"]}},
+           {**svc, "metadata": "web"},
+           {**eslice(ns, "x", [endpoint("198.18.1.10")]), "metadata": []}]
+    return out
 
 
 # Size.

@@ -106,3 +106,31 @@ def test_leading_zeros_are_read_as_decimal_like_kube_proxy() -> None:
     (rsp,) = rendered.state.ports.values()
     assert [str(e) for e in rsp.cluster_endpoints] == ["198.18.1.11:8080"]
     assert "198.18.1.9" not in rendered.rule_text()
+
+
+def test_an_object_without_a_usable_name_is_recorded_under_the_reflectors_key() -> None:
+    """metadata [] (or a name that is no string): ingest records the skip under the key
+    the reflector passes the object on under ("?" and a hash of its content), so the
+    deletion a relist finds removes the record; the same content is one object, other
+    content another."""
+    from proxy.kube import identity
+    from proxy.kube.ingest import delete_object
+    from proxy.model.tracker import ClusterModel
+
+    objects = hostile.by_name("metadata-not-an-object").objects("ns")
+    model = ClusterModel(pipeline.NODE)
+    for obj in [*objects, *objects]:  # a relist: nothing new
+        apply_object(model, obj)
+    keys = [identity.object_key(obj) for obj in objects]
+    assert len(set(keys)) == len(objects)
+    assert all(ns == "" and name.startswith("?") for ns, name in keys)
+    assert sorted((s.namespace, s.name, s.reason) for s in model.skipped()) == sorted(
+        (ns, name, "malformed") for ns, name in keys)
+    # A resourceVersion is no part of the key: a DELETED event, at a later revision
+    # than the object's ADDED, names the same object.
+    unnamed = {"kind": "Service", "metadata": {"namespace": "ns", "resourceVersion": "5"}}
+    assert identity.object_key(unnamed) == identity.object_key(
+        {**unnamed, "metadata": {"namespace": "ns", "resourceVersion": "6"}})
+    for obj, (ns, name) in zip(objects, keys, strict=True):
+        delete_object(model, obj["kind"], ns, name)
+    assert model.skipped() == []
