@@ -30,6 +30,10 @@ UNSUPPORTED_ADDRESS_TYPE = "unsupported-address-type"  # FQDN slices
 MISSING_SERVICE_NAME = "missing-service-name-label"
 TOO_LARGE = "too-large"  # beyond a size limit the API server enforces
 UNKNOWN_KIND = "unknown-kind"
+# A destination another service also claims (IP, port and protocol in any role, or a
+# NodePort): the service whose namespace/name sorts first keeps it. Validation and the
+# allocators make this impossible through a real API server.
+CONFLICT = "conflict"
 # Well-formed objects that are not ours to proxy.
 HEADLESS = "headless"
 EXTERNAL_NAME = "external-name"

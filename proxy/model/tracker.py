@@ -13,8 +13,8 @@ service to another when a slice's service-name label changes.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 
 from proxy.model import skips as why
 from proxy.model.merge import merge_port
@@ -24,8 +24,11 @@ from proxy.model.topology import NodeView, categorize
 from proxy.model.types import (
     EndpointSlice,
     Family,
+    IPAddress,
     Node,
+    Protocol,
     Service,
+    ServicePort,
     ServicePortKey,
     ServiceType,
 )
@@ -33,6 +36,10 @@ from proxy.model.types import (
 ServiceRef = tuple[str, str]  # (namespace, name)
 SourceRef = tuple[str, str]  # (namespace, "EndpointSlice/<name>" or "Endpoints/<name>")
 ObjectRef = tuple[str, str, str]  # (kind, namespace, name)
+# A destination a service port claims: (IP, protocol, port) for its cluster, external
+# and load-balancer IPs alike (one rule or virtual server matches them all), or
+# (None, protocol, nodePort).
+Claim = tuple[IPAddress | None, Protocol, int]
 
 # Skip records kept per object; every skip is counted. A slice with 100,000 bad
 # endpoints costs ten records and a count, not 100,000 records in memory and the dump.
@@ -83,6 +90,45 @@ def ignored_reason(service: Service, proxy_name: str | None) -> Skip | None:
     return Skip("Service", service.namespace, service.name, reason, detail)
 
 
+def claims_of(service: Service) -> dict[Claim, tuple[str, ServicePort]]:
+    """Every destination `service` claims -> (its role, the port). Within one service
+    the decoder already keeps an address in one role and a port number once."""
+    out: dict[Claim, tuple[str, ServicePort]] = {}
+    for port in service.ports:
+        for role, ips in (("cluster IP", service.cluster_ips),
+                          ("load-balancer IP", service.load_balancer_ips),
+                          ("external IP", service.external_ips)):
+            for ip in ips:
+                out.setdefault((ip, port.protocol, port.port), (role, port))
+        if port.node_port:
+            out.setdefault((None, port.protocol, port.node_port), ("NodePort", port))
+    return out
+
+
+def _claim_text(claim: Claim, role: str) -> str:
+    ip, protocol, port = claim
+    if ip is None:
+        return f"{role} {port}/{protocol.value}"
+    where = f"[{ip}]" if ip.version == 6 else str(ip)
+    return f"{role} {where}:{port}/{protocol.value}"
+
+
+def _without(lost: frozenset[Claim], service: Service, port: ServicePort,
+             cluster_ips: tuple[IPAddress, ...]
+             ) -> tuple[Service, ServicePort, tuple[IPAddress, ...]]:
+    """A service port without the destinations another service won from it."""
+    def kept(ip: IPAddress) -> bool:
+        return (ip, port.protocol, port.port) not in lost
+
+    external = tuple(filter(kept, service.external_ips))
+    balancer = tuple(filter(kept, service.load_balancer_ips))
+    if external != service.external_ips or balancer != service.load_balancer_ips:
+        service = replace(service, external_ips=external, load_balancer_ips=balancer)
+    if port.node_port and (None, port.protocol, port.node_port) in lost:
+        port = replace(port, node_port=0)
+    return service, port, tuple(filter(kept, cluster_ips))
+
+
 def service_keys(service: Service) -> Iterator[ServicePortKey]:
     for family in service.families():
         for port in service.ports:
@@ -100,6 +146,12 @@ class ClusterModel:
         self._sources: dict[SourceRef, tuple[str, tuple[EndpointSlice, ...]]] = {}
         self._by_service: dict[ServiceRef, dict[str, tuple[EndpointSlice, ...]]] = {}
         self._decode_skips: dict[ObjectRef, SkipGroup] = {}
+        # Destinations claimed by our services, for arbitration between services that
+        # claim the same one (a hostile or broken server; see claims_of).
+        self._claims: dict[Claim, set[ServiceRef]] = {}
+        self._claims_of: dict[ServiceRef, dict[Claim, tuple[str, ServicePort]]] = {}
+        self._lost: dict[ServiceRef, frozenset[Claim]] = {}
+        self._conflicts: dict[ServiceRef, SkipGroup] = {}
         self._skip_seq = 0
         self._dirty: set[ServicePortKey] = set()
         self._state = DesiredState()
@@ -124,6 +176,7 @@ class ClusterModel:
         if old is not None:
             self._dirty.update(service_keys(old))
         self._dirty.update(service_keys(service))
+        self._set_claims(ref, claims_of(service))
 
     def delete_service(self, namespace: str, name: str, keep_ignored: bool = False) -> None:
         ref = (namespace, name)
@@ -132,6 +185,57 @@ class ClusterModel:
         old = self._services.pop(ref, None)
         if old is not None:
             self._dirty.update(service_keys(old))
+            self._set_claims(ref, {})
+
+    def _set_claims(self, ref: ServiceRef,
+                    new: Mapping[Claim, tuple[str, ServicePort]]) -> None:
+        """Replace what `ref` claims, and arbitrate again wherever that changed who
+        claims what: the service whose (namespace, name) sorts first keeps a destination,
+        as the IPVS index decides, so the outcome never depends on arrival order."""
+        old = self._claims_of.pop(ref, {})
+        if new:
+            self._claims_of[ref] = dict(new)
+        touched = old.keys() ^ new.keys()
+        for claim in old.keys() - new.keys():
+            holders = self._claims[claim]
+            holders.discard(ref)
+            if not holders:
+                del self._claims[claim]
+        for claim in new.keys() - old.keys():
+            self._claims.setdefault(claim, set()).add(ref)
+        affected = {ref}
+        for claim in touched:
+            affected.update(self._claims.get(claim, ()))
+        for other in affected:
+            self._arbitrate(other)
+
+    def _arbitrate(self, ref: ServiceRef) -> None:
+        claims = self._claims_of.get(ref, {})
+        lost: dict[Claim, ServiceRef] = {}
+        for claim in claims:
+            holders = self._claims[claim]
+            if len(holders) > 1 and (winner := min(holders)) != ref:
+                lost[claim] = winner
+        if frozenset(lost) != self._lost.get(ref, frozenset()):
+            if lost:
+                self._lost[ref] = frozenset(lost)
+            else:
+                self._lost.pop(ref, None)
+            service = self._services.get(ref)
+            if service is not None:
+                self._dirty.update(service_keys(service))
+        skips = sorted(
+            (Skip("Service", ref[0], ref[1], why.CONFLICT,
+                  f"{_claim_text(claim, claims[claim][0])} is also claimed by "
+                  f"{winner[0]}/{winner[1]}, which keeps it",
+                  f"ports[{claims[claim][1].name or claims[claim][1].port}]")
+             for claim, winner in lost.items()), key=lambda s: (s.part, s.detail))
+        group = SkipGroup.of(skips, self._skip_seq + 1)
+        if not group.counts:
+            self._conflicts.pop(ref, None)
+        elif group != self._conflicts.get(ref):
+            self._skip_seq += 1
+            self._conflicts[ref] = group
 
     def apply_slice(self, sl: EndpointSlice) -> None:
         self.apply_source(sl.namespace, f"EndpointSlice/{sl.name}", sl.service_name, (sl,))
@@ -235,6 +339,7 @@ class ClusterModel:
     def _skip_groups(self) -> Iterator[SkipGroup]:
         yield from self._decode_skips.values()
         yield from self._ignored.values()
+        yield from self._conflicts.values()
 
     def skipped(self) -> list[Skip]:
         """The skip records kept (at most RECORDS_PER_OBJECT per object), sorted."""
@@ -252,7 +357,11 @@ class ClusterModel:
 
     def skip_objects(self) -> int:
         """How many objects have something skipped (or are not ours to proxy)."""
-        return len(self._decode_skips) + len(self._ignored)
+        # A service that lost a destination may have had parts skipped by the decoder
+        # too: one object. (An ignored service claims nothing, so never conflicts.)
+        conflicted = sum(1 for ns, name in self._conflicts
+                         if ("Service", clip(ns), clip(name)) not in self._decode_skips)
+        return len(self._decode_skips) + len(self._ignored) + conflicted
 
     def recent_skips(self, limit: int) -> list[Skip]:
         """Up to `limit` records, from the objects whose records changed last first."""
@@ -283,12 +392,16 @@ class ClusterModel:
         group = self._by_service.get((key.namespace, key.name), {})
         slices = [sl for sls in group.values() for sl in sls]
         merged, conflicts = merge_port(slices, port.name, port.protocol, key.family)
+        cluster_ips = tuple(ip for ip in service.cluster_ips if Family.of(ip) is key.family)
+        lost = self._lost.get((key.namespace, key.name))
+        if lost:
+            service, port, cluster_ips = _without(lost, service, port, cluster_ips)
         sel = categorize(merged, service, port, self._node, key.family)
         return ResolvedServicePort(
             key=key,
             service=service,
             port=port,
-            cluster_ips=tuple(ip for ip in service.cluster_ips if Family.of(ip) is key.family),
+            cluster_ips=cluster_ips,
             uses_cluster=sel.uses_cluster,
             uses_local=sel.uses_local,
             endpoints=sel.endpoints,

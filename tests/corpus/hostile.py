@@ -57,8 +57,11 @@ collisions
     an address in two roles of one service (an externalIP or load-balancer IP that is
     its cluster IP, an externalIP that is its load-balancer IP): `invalid-value`, kept
     in the first role (cluster, then load balancer, then external). Two services with
-    the same VIP and port, or the same NodePort, are not refused (the decoder cannot
-    tell which is right); the renderers must still emit valid rules.
+    one destination (an IP in any role with the same port and protocol, or the same
+    NodePort and protocol; the API's allocators prevent it): the model arbitrates, the
+    service whose namespace/name sorts first keeps it (as the IPVS index decides), the
+    other loses just that destination and is recorded `conflict`, whatever the order
+    of arrival, and both renderers program the winner alone.
 """
 
 from __future__ import annotations
@@ -360,7 +363,7 @@ def _(ns: str) -> list[Obj]:
     ports = (port("http", 80), port("http", 81), port("other", 80), port("dns", 80, "UDP"),
              port("np1", 82, nodePort=30001), port("np2", 83, nodePort=30001))
     return [service(ns, ports=ports, type="NodePort"),
-            service(ns, "unnamed", ports=(port(None, 80), port(None, 81))),
+            service(ns, "unnamed", ips=("198.18.128.11",), ports=(port(None, 80), port(None, 81))),
             eslice(ns, "dup", [endpoint("198.18.1.10")],
                    ports=(port("http", 8080), port("http", 9090)))]
 
@@ -582,11 +585,25 @@ def _(ns: str) -> list[Obj]:
 
 # Collisions between objects that are each valid.
 
-@case("shared-vip-and-node-port", {})
+@case("shared-vip-and-node-port", {"conflict": 2}, shown=("/a:http cluster IP",),
+      note="b loses the VIP:80/TCP and NodePort 30002/TCP to a")
 def _(ns: str) -> list[Obj]:
     return [service(ns, "a", ports=(port("http", 80, nodePort=30002),), type="NodePort"),
             service(ns, "b", ports=(port("http", 80, nodePort=30002),), type="NodePort"),
             good_slice(ns, "a"), good_slice(ns, "b")]
+
+
+@case("shared-external-and-lb-ip", {"conflict": 3},
+      note="an externalIP that is another service's cluster IP, one externalIP and one "
+           "load-balancer IP in two services: the first namespace/name keeps each")
+def _(ns: str) -> list[Obj]:
+    lb = {"loadBalancer": {"ingress": [{"ip": "198.18.0.30"}]}}
+    return [service(ns, "a", externalIPs=["198.18.0.20"]),
+            service(ns, "b", ips=("198.18.128.11",), externalIPs=["198.18.128.10",
+                                                                  "198.18.0.20"]),
+            service(ns, "c", ips=("198.18.128.12",), type="LoadBalancer", status=lb),
+            service(ns, "d", ips=("198.18.128.13",), type="LoadBalancer", status=lb),
+            *(good_slice(ns, n) for n in "abcd")]
 
 
 def by_name(name: str) -> Case:
@@ -599,11 +616,53 @@ def namespace_of(index: int) -> str:
 
 def all_objects(source: EndpointsSource = SLICES, e2e_only: bool = False
                 ) -> Iterator[tuple[Case, Obj]]:
-    """Every case's objects, each case in its own namespace."""
+    """Every case's objects, each case in its own namespace and with service addresses
+    of its own (relocate): cases reuse 198.18.128.10, and two services with one
+    destination are a conflict the model arbitrates, whatever their namespaces."""
     for i, c in enumerate(CASES):
         if c.source is source and (c.e2e or not e2e_only):
             for obj in c.objects(namespace_of(i)):
-                yield c, obj
+                yield c, relocate(obj, i)
+
+
+# Service address blocks the cases write, and each case's own block in the whole corpus.
+# (Never the block itself: a hostile spelling of it, 198.018.128.010, is not moved.)
+_BLOCKS = (("198.18.128.", lambda i: f"198.18.{129 + i}."),
+           ("fd00:18:128::", lambda i: f"fd00:18:{0x129 + i:x}::"),
+           ("198.18.0.", lambda i: f"198.19.{i}."))
+
+
+def relocate(obj: Obj, index: int) -> Obj:
+    """A Service's cluster, external and load-balancer IPs moved to case `index`'s block
+    (text replaced, so hostile spellings stay hostile); the node's own address
+    (198.18.0.1) stays. Anything else, and any other kind, as it is."""
+    spec = obj.get("spec")
+    if obj.get("kind") != "Service" or not isinstance(spec, dict):
+        return obj
+
+    def move(value: Any) -> Any:
+        if not isinstance(value, str) or value == "198.18.0.1":
+            return value
+        for block, ours in _BLOCKS:
+            value = value.replace(block, ours(index))
+        return value
+
+    def each(values: Any) -> Any:
+        return [move(v) for v in values] if isinstance(values, list) else values
+
+    spec = {**spec}
+    for field in ("clusterIP", "clusterIPs", "externalIPs"):
+        if field in spec:
+            spec[field] = move(spec[field]) if field == "clusterIP" else each(spec[field])
+    out = {**obj, "spec": spec}
+    status = obj.get("status")
+    balancer = status.get("loadBalancer") if isinstance(status, dict) else None
+    ingress = balancer.get("ingress") if isinstance(balancer, dict) else None
+    if isinstance(ingress, list):
+        out["status"] = {**status, "loadBalancer": {**balancer, "ingress": [
+            {**e, "ip": move(e.get("ip"))} if isinstance(e, dict) and "ip" in e else e
+            for e in ingress]}}
+    return out
 
 
 def expected(source: EndpointsSource = SLICES, e2e_only: bool = False) -> dict[str, int]:

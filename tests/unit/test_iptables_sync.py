@@ -94,7 +94,8 @@ def service_objects(draw: Callable[..., Any], index: int) -> list[dict[str, Any]
                   ready=draw(st.booleans()), serving=draw(st.booleans()),
                   terminating=draw(st.booleans()))
                for j in draw(st.lists(st.integers(0, 5), max_size=count, unique=True))]
-        out.append(eps_slice(f"{name}-{family.lower()}", eps, service_name=name, address_type=family,
+        out.append(eps_slice(f"{name}-{family.lower()}", eps, service_name=name,
+                             address_type=family,
                              ports=tuple({"name": p, "port": 8000 + k, "protocol":
                                           PORTS[p].get("protocol", "TCP")}
                                          for k, p in enumerate(sorted(PORTS)))))
@@ -123,7 +124,10 @@ class Cluster:
         for obj in objects:
             apply_object(self.model, obj)
         # Generated input must be valid: a skipped slice would leave nothing to check.
-        assert not self.model.skipped(), self.model.skipped()
+        # Services may share an externalIP: the model arbitrates that (`conflict`), and
+        # partial syncs must follow it as the winner comes and goes.
+        odd = [s for s in self.model.skipped() if s.reason != "conflict"]
+        assert not odd, odd
         self.objects = wanted
         return self.model.resolve()
 
@@ -238,7 +242,9 @@ def test_partial_sync_writes_nothing_for_unchanged_service_ports(
 
 
 def web(*ips: str, name: str = "web") -> list[dict[str, Any]]:
-    return [service(name, ports=({"name": "http", "port": 80},)),
+    # A cluster IP each: two services on one IP:port are a conflict the model arbitrates.
+    vip = {"web": "198.18.128.1", "api": "198.18.128.2"}[name]
+    return [service(name, ips=(vip,), ports=({"name": "http", "port": 80},)),
             eps_slice(f"{name}-1", [ep(ip) for ip in ips], service_name=name)]
 
 

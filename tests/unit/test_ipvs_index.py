@@ -96,12 +96,17 @@ def test_partial_updates_equal_a_fresh_render(ops: list[tuple[Any, ...]], every:
 
 
 def test_two_ports_claiming_one_virtual_server_first_key_wins() -> None:
-    model = ClusterModel("node-a")
+    """The index's own arbitration, a second line behind the model's (which gives a
+    claimed destination to one service before rendering): each service rendered by a
+    model of its own, so both claims reach the index."""
+    rendered = {}
     for name in ("b", "a"):
+        model = ClusterModel("node-a")
         apply_object(model, service(name, ips=(f"198.18.128.{ord(name)}",),
                                     ports=({"name": "http", "port": 80},),
                                     externalIPs=["198.18.2.60"]))
-    index = RenderIndex(render_all(model.resolve(), CTX))
+        rendered.update(render_all(model.resolve(), CTX))
+    index = RenderIndex(rendered)
     vs_key = next(k for k in index.virtual_servers() if str(k) == "TCP 198.18.2.60:80")
     owner, _vs = index.virtual_servers()[vs_key]
     assert owner.name == "a"
