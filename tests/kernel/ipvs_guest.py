@@ -67,7 +67,10 @@ class Cluster:
         for obj in objects:
             apply_object(self.model, obj)
         # Scenario input must be valid: a skipped object would leave nothing to check.
-        assert not self.model.skipped(), self.model.skipped()
+        # Services sharing an external IP are arbitrated by the model (`conflict`), and
+        # the kernel must follow the winner: that one is allowed.
+        odd = [s for s in self.model.skipped() if s.reason != "conflict"]
+        assert not odd, odd
         return self.model.resolve()
 
     def delete(self, kind: str, name: str, namespace: str = "ns") -> DesiredState:
