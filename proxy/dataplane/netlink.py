@@ -1,18 +1,22 @@
 """Netlink, the parts every client of ours shares: message and attribute encoding and
-decoding (pure), and a socket that sends acknowledged requests in batches and reads
-dumps. The protocol families on top: IPVS and rtnetlink (proxy/dataplane/ipvs/netlink.py),
-nf_tables (proxy/dataplane/nftables_probe.py).
+decoding (pure), a socket that sends acknowledged requests in batches and reads dumps,
+and a thread listening to a multicast group. The protocol families on top: IPVS and
+rtnetlink (proxy/dataplane/ipvs/netlink.py), nf_tables (proxy/dataplane/nftables_probe.py).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import socket
 import struct
 import sys
+import threading
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 NLM_F_REQUEST, NLM_F_ACK, NLM_F_DUMP = 0x1, 0x4, 0x300
 NLM_F_CREATE, NLM_F_EXCL = 0x400, 0x200
@@ -95,6 +99,68 @@ def replies(data: bytes) -> Iterator[Reply]:
 
 
 # --- sockets ---------------------------------------------------------------------------
+
+
+SOL_NETLINK, NETLINK_ADD_MEMBERSHIP = 270, 1
+SO_RCVBUFFORCE = 33
+LISTEN_POLL = 0.5  # how often a listener thread looks at its stop flag
+
+
+class MulticastListener:
+    """A thread reading one netlink multicast socket (opened in the network namespace of
+    the thread that makes it): `_feed(datagram)` for what arrives, `_lost()` when the
+    receive buffer overflowed (announcements were dropped). A listener that fails for
+    another reason logs `stopped` and ends: the caller's full resync still repairs."""
+
+    def __init__(self, protocol: int, *, groups: int = 0, membership: int | None = None,
+                 buffer: int, name: str, stopped: str) -> None:
+        self._name, self._stopped = name, stopped
+        self._stop = threading.Event()
+        self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, protocol)
+        try:
+            self._sock.bind((0, groups))
+            if membership is not None:
+                self._sock.setsockopt(SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, membership)
+            try:
+                self._sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, buffer)
+            except OSError:  # without CAP_NET_ADMIN: as much as rmem_max allows
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer)
+            self._sock.settimeout(LISTEN_POLL)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+        self._sock.close()
+
+    def _feed(self, datagram: bytes) -> None:
+        raise NotImplementedError
+
+    def _lost(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        buffer = bytearray(1 << 16)
+        while not self._stop.is_set():
+            try:
+                size = self._sock.recv_into(buffer)
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if exc.errno == errno.ENOBUFS:
+                    self._lost()
+                    continue
+                if self._stop.is_set():
+                    return
+                log.error(self._stopped, extra={"error": str(exc), "listener": self._name})
+                return
+            self._feed(bytes(buffer[:size]))
 
 
 class NetlinkSocket:

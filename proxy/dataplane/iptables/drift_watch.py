@@ -21,29 +21,24 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import logging
 import socket
 import threading
 from collections.abc import Callable, Collection, Iterable
 from typing import Protocol
 
+from proxy.dataplane.netlink import MulticastListener
 from proxy.dataplane.nftables_events import NFNLGRP_NFTABLES, TransactionReader
 from proxy.model.types import Family
 
-log = logging.getLogger(__name__)
-
 NETLINK_NETFILTER = 12
-SOL_NETLINK, NETLINK_ADD_MEMBERSHIP = 270, 1
-SO_RCVBUFFORCE = 33
 # Room for a burst of notifications: a full sync at 10,000 services announces ~300,000
 # objects. Overflowing costs one check (the lost messages might have been someone else's).
 LISTEN_BUFFER = 8 << 20
-POLL = 0.5  # how often the listener thread looks at its stop flag
 
 Notify = Callable[[str], None]
 
 
-class NftablesListener:
+class NftablesListener(MulticastListener):
     """A thread reading nf_tables change announcements; `notify` for every foreign
     transaction that touched one of `tables` ((NFPROTO family, table name))."""
 
@@ -51,54 +46,23 @@ class NftablesListener:
                  notify: Notify) -> None:
         self.tables = frozenset(tables)
         self._ours, self._notify = ours, notify
-        self._stop = threading.Event()
-        self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
-        try:
-            self._sock.bind((0, 0))
-            self._sock.setsockopt(SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, NFNLGRP_NFTABLES)
-            try:
-                self._sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, LISTEN_BUFFER)
-            except OSError:  # without CAP_NET_ADMIN: as much as rmem_max allows
-                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, LISTEN_BUFFER)
-            self._sock.settimeout(POLL)
-        except BaseException:
-            self._sock.close()
-            raise
-        self._thread = threading.Thread(target=self._run, name="nftables-listener",
-                                        daemon=True)
+        self._reader = TransactionReader()
+        super().__init__(NETLINK_NETFILTER, membership=NFNLGRP_NFTABLES,
+                         buffer=LISTEN_BUFFER, name="nftables-listener",
+                         stopped="nf_tables listener stopped; foreign changes to our "
+                                 "rules are repaired at the next full sync only")
 
-    def start(self) -> None:
-        self._thread.start()
+    def _lost(self) -> None:
+        self._reader.reset()
+        self._notify("nf_tables announcements were lost (receive buffer full)")
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5.0)
-        self._sock.close()
-
-    def _run(self) -> None:
-        reader = TransactionReader()
-        buffer = bytearray(1 << 16)
-        while not self._stop.is_set():
-            try:
-                size = self._sock.recv_into(buffer)
-            except TimeoutError:
+    def _feed(self, datagram: bytes) -> None:
+        for tx in self._reader.feed(datagram):
+            if not tx.tables & self.tables:
                 continue
-            except OSError as exc:
-                if exc.errno == errno.ENOBUFS:
-                    reader.reset()
-                    self._notify("nf_tables announcements were lost (receive buffer full)")
-                    continue
-                if self._stop.is_set():
-                    return
-                log.error("nf_tables listener stopped; foreign changes to our rules are "
-                          "repaired at the next full sync only", extra={"error": str(exc)})
-                return
-            for tx in reader.feed(bytes(buffer[:size])):
-                if not tx.tables & self.tables:
-                    continue
-                if self._ours(tx.port_id) or (tx.pid is not None and self._ours(tx.pid)):
-                    continue
-                self._notify(f"nf_tables transaction: {tx.describe()}")
+            if self._ours(tx.port_id) or (tx.pid is not None and self._ours(tx.pid)):
+                continue
+            self._notify(f"nf_tables transaction: {tx.describe()}")
 
 
 # struct ipt_getinfo / ip6t_getinfo: the same layout for both families.

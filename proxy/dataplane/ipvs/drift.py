@@ -20,19 +20,13 @@ reads back and compares; only a real difference costs a full sync:
 
 from __future__ import annotations
 
-import errno
-import logging
-import socket
 import struct
-import threading
 from collections.abc import Callable
 from ipaddress import IPv4Address, IPv6Address
 
 from proxy.dataplane.ipvs.netlink import RTM_DELADDR, RTM_NEWADDR, decode_address
 from proxy.dataplane.ipvs.render import usable_node_address
-from proxy.dataplane.netlink import Reply, parse_attrs, replies
-
-log = logging.getLogger(__name__)
+from proxy.dataplane.netlink import MulticastListener, Reply, parse_attrs, replies
 
 NETLINK_ROUTE = 0
 # Legacy multicast group bits of rtnetlink (bind's groups mask): links, IPv4 and IPv6
@@ -43,7 +37,6 @@ IFLA_IFNAME = 3
 IFF_UP = 0x1
 _IFINFO = struct.Struct("=BxHiII")  # ifinfomsg: family, pad, type, index, flags, change
 LISTEN_BUFFER = 4 << 20
-POLL = 0.5  # how often the listener thread looks at its stop flag
 
 Notify = Callable[[str], None]
 
@@ -87,7 +80,7 @@ def link_change(msg: Reply, name: str, index: int | None,
     return None
 
 
-class LinkListener:
+class LinkListener(MulticastListener):
     """A thread reading rtnetlink's link and address announcements; `notify` for each
     that says someone else changed our dummy interface (`link_change`). `index()` is
     the interface's index as the data plane last saw it (it changes when the interface
@@ -97,48 +90,18 @@ class LinkListener:
                  ours: Callable[[int], bool], notify: Notify) -> None:
         self.name = name
         self._index, self._ours, self._notify = index, ours, notify
-        self._stop = threading.Event()
-        self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
-        try:
-            self._sock.bind((0, RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR))
-            try:
-                self._sock.setsockopt(socket.SOL_SOCKET, 33, LISTEN_BUFFER)  # SO_RCVBUFFORCE
-            except OSError:
-                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, LISTEN_BUFFER)
-            self._sock.settimeout(POLL)
-        except BaseException:
-            self._sock.close()
-            raise
-        self._thread = threading.Thread(target=self._run, name="rtnetlink-listener",
-                                        daemon=True)
+        super().__init__(NETLINK_ROUTE,
+                         groups=RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR,
+                         buffer=LISTEN_BUFFER, name="rtnetlink-listener",
+                         stopped="rtnetlink listener stopped; foreign changes to the dummy "
+                                 "interface are repaired at the next full sync only")
 
-    def start(self) -> None:
-        self._thread.start()
+    def _lost(self) -> None:
+        self._notify("rtnetlink announcements were lost (receive buffer full)")
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5.0)
-        self._sock.close()
-
-    def _run(self) -> None:
-        buffer = bytearray(1 << 16)
-        while not self._stop.is_set():
-            try:
-                size = self._sock.recv_into(buffer)
-            except TimeoutError:
-                continue
-            except OSError as exc:
-                if exc.errno == errno.ENOBUFS:
-                    self._notify("rtnetlink announcements were lost (receive buffer full)")
-                    continue
-                if self._stop.is_set():
-                    return
-                log.error("rtnetlink listener stopped; foreign changes to the dummy "
-                          "interface are repaired at the next full sync only",
-                          extra={"error": str(exc)})
-                return
-            index = self._index()
-            for msg in replies(bytes(buffer[:size])):
-                reason = link_change(msg, self.name, index, self._ours)
-                if reason is not None:
-                    self._notify(reason)
+    def _feed(self, datagram: bytes) -> None:
+        index = self._index()
+        for msg in replies(datagram):
+            reason = link_change(msg, self.name, index, self._ours)
+            if reason is not None:
+                self._notify(reason)
