@@ -19,6 +19,7 @@ from proxy.lab.probe import ask_once
 from proxy.sim import SimServer
 from tests.e2e.agent_support import endpoint, endpoint_slice, service
 from tests.faults.conftest import FaultNode, bulk_services, make_node, settle
+from tests.faults.traffic import Report
 
 pytestmark = pytest.mark.root
 
@@ -127,23 +128,28 @@ FAULTS = [
 ]
 
 
-def test_watch_faults_one_after_another(nft_node: FaultNode) -> None:
-    """Each fault with a change written as it begins; converge is from the fault's end
-    (or the write, for the instant ones) to the change's traffic."""
-    node = nft_node
+def through_each(node: FaultNode, faults: list[ApiFault], deadline: float) -> Report:
+    """Each fault with a change written as it begins, under traffic; converge is from
+    the fault's end (or the write, for the instant ones) to the change's traffic. Every
+    fault is recorded and must fail no connection; the whole run's report."""
     with node.traffic() as traffic:
         settle(1.0)
-        for index, fault in enumerate(FAULTS, start=10):
+        for index, fault in enumerate(faults, start=10):
             began = time.monotonic()
             fault.begin(node.sim)
             ip = add_probe(node, index)
             settle(fault.lasts)
             fault.end(node.sim)
             ended = time.monotonic()
-            converged = answered(node.lab, ip, 90.0) - ended
+            converged = answered(node.lab, ip, deadline) - ended
             report = traffic.report(since=began)
             node.record(fault.name, report, converged, restarts=node.restarts(),
                         notes="converge: from the fault's end to the change's traffic")
             assert report.failed == 0, f"{fault.name}: {report.failures()}"
-    assert node.agent.alive() and node.restarts() == 0
-    assert traffic.report().failed == 0
+    return traffic.report()
+
+
+def test_watch_faults_one_after_another(nft_node: FaultNode) -> None:
+    report = through_each(nft_node, FAULTS, 90.0)
+    assert nft_node.agent.alive() and nft_node.restarts() == 0
+    assert report.failed == 0

@@ -47,7 +47,15 @@ from tests.e2e.agent_support import (
     wait_for,
 )
 from tests.faults.conftest import BOTH_PORTS, FAULTS, WEB, FaultNode, settle, web_objects
-from tests.faults.test_api_faults import ApiFault, _calm, _compact, _storm, add_probe, answered
+from tests.faults.test_api_faults import (
+    ApiFault,
+    _calm,
+    _compact,
+    _storm,
+    add_probe,
+    answered,
+    through_each,
+)
 from tests.faults.test_cluster_faults import StickyUdp
 from tests.faults.test_kernel_faults import slow_restore
 from tests.faults.traffic import Traffic
@@ -181,22 +189,9 @@ API_FAULTS = [
 
 
 def test_watch_faults_one_after_another(node: IpvsFaultNode) -> None:
-    with node.traffic() as traffic:
-        settle(1.0)
-        for index, fault in enumerate(API_FAULTS, start=10):
-            began = time.monotonic()
-            fault.begin(node.sim)
-            ip = add_probe(node, index)
-            settle(fault.lasts)
-            fault.end(node.sim)
-            ended = time.monotonic()
-            converged = answered(node.lab, ip, CHANGE_DEADLINE) - ended
-            report = traffic.report(since=began)
-            node.record(fault.name, report, converged, restarts=node.restarts(),
-                        notes="converge: from the fault's end to the change's traffic")
-            assert report.failed == 0, f"{fault.name}: {report.failures()}"
+    report = through_each(node, API_FAULTS, CHANGE_DEADLINE)
     healthy(node)
-    assert traffic.report().failed == 0
+    assert report.failed == 0
     # Our own syncs (services added, each a new address on the dummy interface and new
     # virtual servers) never counted as someone else's change.
     assert node.metric("sliceproxy_rules_drift_repairs_total") == 0
