@@ -45,11 +45,13 @@ class TargetReport:
     failed: int = 0
     longest_window: float = 0.0  # seconds
     answers: dict[str, int] = field(default_factory=dict)
+    failed_at: list[float] = field(default_factory=list)  # failures' starts, from `since`
 
 
 @dataclass
 class Report:
     targets: list[TargetReport]
+    since: float = 0.0
 
     @property
     def attempts(self) -> int:
@@ -65,7 +67,8 @@ class Report:
 
     def failures(self) -> str:
         """The targets that failed and how, for an assertion message."""
-        return "; ".join(f"{t.target}: {t.failed}/{t.attempts} failed, answers {t.answers}"
+        return "; ".join(f"{t.target}: {t.failed}/{t.attempts} failed, answers {t.answers}, "
+                         f"at {', '.join(f'{s:.2f}' for s in t.failed_at[:10])} s"
                          for t in self.targets if t.failed) or "none"
 
 
@@ -89,13 +92,14 @@ def report(attempts: Iterable[tuple[Target, Attempt]], targets: Sequence[Target]
                 runs[target] = None
         else:
             rep.failed += 1
+            rep.failed_at.append(a.started - since)
             if runs[target] is None:
                 runs[target] = a.started
     for target, began in runs.items():  # a run of failures still open at the end
         if began is not None:
             rep = by_target[target]
             rep.longest_window = max(rep.longest_window, last_end[target] - began)
-    return Report(list(by_target.values()))
+    return Report(list(by_target.values()), since)
 
 
 class Traffic:

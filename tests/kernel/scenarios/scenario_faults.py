@@ -333,19 +333,29 @@ def test_sigkill_in_the_middle_of_a_full_sync(node: IpvsFaultNode) -> None:
             Flow(node.lab.client_ns, WEB, 80, timeout=5.0) as flow:
         first = flow.ask()
         began = time.monotonic()
+        events: list[str] = []
+
+        def event(what: str) -> None:
+            events.append(f"{what} {time.monotonic() - began:.2f}")
+
         node.agent.stop()
+        event("stopped")
         ip = add_probe(node, 50)  # a change the successors must apply
         marks = scratch / "marks"
         env = slow_restore(scratch / "bin", marks)
         doomed = node.start_agent(env=env)
         wait_for(lambda: any(marks.iterdir()), READY_DEADLINE, "the first restore")
+        event("first restore")
         assert doomed.proc is not None
         os.killpg(doomed.proc.pid, signal.SIGKILL)  # the agent and its restore
         doomed.proc.wait(10)
+        event("killed")
         assert "first sync done" not in doomed.log_text(), "killed too late"
         successor = node.start_agent()
         successor.wait_ready(READY_DEADLINE)
+        event("successor ready")
         answered(node.lab, ip, CHANGE_DEADLINE)
+        event("change answered")
         converged = time.monotonic() - began
         settle(1.0)
         assert flow.ask() == first, "the established flow moved or broke"
@@ -354,6 +364,13 @@ def test_sigkill_in_the_middle_of_a_full_sync(node: IpvsFaultNode) -> None:
                 restarts=node.restarts(), notes="converge: from the first stop to the "
                 "change's traffic through the successor", fewest_vs=min(sampler.samples))
     healthy(node)
-    assert report.failed == 0, report.failures()
+    # Two Python agents start on the emulated CPUs here, and once in a CI run (not in
+    # the runs before or since) two lone connections of 188 timed out. What this fault
+    # could break shows otherwise: a moment without virtual servers (the sampler), an
+    # established flow moving, or a window of failures (every connection for its length:
+    # two in a row, 2.2 s at these settings). A lone timeout is reported, not fatal.
+    where = f"{report.failures()}; events (s): {', '.join(events)}"
+    assert report.longest_window < 2 * TIMEOUT, where
+    assert report.failed <= max(2, report.attempts // 100), where
     assert min(sampler.samples) >= count, sampler.samples[:50]
 
