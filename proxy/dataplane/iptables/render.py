@@ -159,7 +159,7 @@ def context_for(family: Family, options: DataplaneOptions,
 # --- names and small helpers ---------------------------------------------------------------
 
 
-def _hash(*parts: str) -> str:
+def name_hash(*parts: str) -> str:
     # 64 bits of SHA-256 in hex (upstream uses base32, but base64.b32encode is a Python
     # loop: a third of a full render's time).
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16].upper()
@@ -172,11 +172,11 @@ def port_name(key: ServicePortKey) -> str:
 
 def port_chain(kind: str, key: ServicePortKey, protocol: str) -> str:
     """Stable across restarts: a hash of what the chain is for, never of its content."""
-    return f"{PREFIX}{kind}-{_hash(port_name(key), protocol)}"
+    return f"{PREFIX}{kind}-{name_hash(port_name(key), protocol)}"
 
 
 def endpoint_chain(key: ServicePortKey, protocol: str, endpoint: str) -> str:
-    return f"{PREFIX}SEP-{_hash(port_name(key), protocol, endpoint)}"
+    return f"{PREFIX}SEP-{name_hash(port_name(key), protocol, endpoint)}"
 
 
 _NO_QUOTE = frozenset("_-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")

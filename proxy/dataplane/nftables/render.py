@@ -1,0 +1,400 @@
+"""nftables rendering (pure): a resolved service port -> the objects it owns in our table.
+
+One table per family, `ip sliceproxy` and `ip6 sliceproxy`, holding nothing but ours:
+
+    nat-prerouting, nat-output (nat, dstnat) -> services
+      services      ip daddr . meta l4proto . th dport vmap @service-ips
+                    [fib daddr type local | ip daddr @nodeport-ips]
+                        meta l4proto . th dport vmap @service-nodeports
+      svc-<h>       Cluster-policy endpoints: the masquerade mark for off-cluster clients
+                    of the cluster IP, affinity, then one `numgen random mod k 0` DNAT
+                    rule per endpoint (1/n, 1/(n-1), ... the last always)
+      svl-<h>       Local-policy endpoints, the same shape
+      ext-<h>       external traffic (NodePort, externalIP, LB IP) -> policy chain
+      fw-<h>        loadBalancerSourceRanges in front of ext-<h>
+      ep-<h>        one per endpoint, only with ClientIP affinity: remember, DNAT
+    nat-postrouting (nat, srcnat) -> masquerading: hairpin and marked traffic
+    filter-input, filter-forward, filter-output (filter) -> for new connections nat did
+      not capture: @unserved (reject: no endpoints; drop: Local policy without a local
+      endpoint, or outside the source ranges), @unserved-nodeports, and a reject of
+      every other port of a cluster IP (@cluster-ips)
+
+Why this shape (bench/RESULTS.md, issue 14): the kernel keeps a table's sets in a list,
+so a set per service makes a full load quadratic (10,000 services: 10.5 s with one
+anonymous numgen map per service, 2.9 s with these rules and no per-service set). Each
+dispatch is one verdict-map lookup instead of iptables' linear SPX-SERVICES walk.
+
+Hairpin (a pod reaching itself through its service) is one set of `addr . addr` pairs,
+looked up after DNAT in postrouting, instead of a chain per endpoint as upstream: the
+endpoint chain is needed only to remember ClientIP affinity.
+
+Names in the ruleset are hashes of what the object is for (service port, protocol,
+endpoint), never of user text; the one comment per DNAT rule is reduced to printable
+ASCII without quotes or backslashes, so no string from the API can change the script.
+
+The semantics are those of the iptables renderer (iptables/render.py), with these
+differences: health-check node ports and forwarding get no ACCEPT rules (an accept in
+our table does not overrule another table's drop, so they would change nothing), and
+other ports of a cluster IP are rejected, as upstream's nftables mode does.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from ipaddress import IPv4Network, IPv6Network
+
+from proxy.dataplane.iptables.render import RenderContext, name_hash, port_name
+from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
+from proxy.model.types import (
+    DEFAULT_AFFINITY_TIMEOUT,
+    Family,
+    IPAddress,
+    IPNetwork,
+    ServicePortKey,
+    TrafficPolicy,
+)
+
+TABLE = "sliceproxy"
+MASQ_MARK = "0x00004000"  # upstream's masquerade bit, as in the iptables mode
+
+# Sets and maps every port adds elements to (the base declares them).
+SERVICE_IPS = "service-ips"
+SERVICE_NODEPORTS = "service-nodeports"
+UNSERVED = "unserved"
+UNSERVED_NODEPORTS = "unserved-nodeports"
+CLUSTER_IPS = "cluster-ips"
+HAIRPIN = "hairpin"
+NODEPORT_IPS = "nodeport-ips"
+SHARED_SETS = (SERVICE_IPS, SERVICE_NODEPORTS, UNSERVED, UNSERVED_NODEPORTS, CLUSTER_IPS,
+               HAIRPIN)
+
+MARK_FOR_MASQUERADE = "mark-for-masquerade"
+MASQ_UNLESS_POD = "masq-unless-pod"
+REJECT = "reject-chain"
+REJECT_VERDICT = f"goto {REJECT}"
+DROP_VERDICT = "drop"
+
+
+def table_family(family: Family) -> str:
+    return "ip" if family is Family.V4 else "ip6"
+
+
+def _addr_type(family: Family) -> str:
+    return "ipv4_addr" if family is Family.V4 else "ipv6_addr"
+
+
+@dataclass(frozen=True, slots=True)
+class Element:
+    """One element of a shared set or map: `key` (and `value` for a map) in nft syntax."""
+
+    set: str
+    key: str
+    value: str = ""
+
+    def text(self) -> str:
+        return f"{self.key} : {self.value}" if self.value else self.key
+
+
+@dataclass(frozen=True, slots=True)
+class PortObjects:
+    """Everything one service port (in one family) owns or adds."""
+
+    key: ServicePortKey
+    # Chains owned by this port alone, in write order: (name, rules).
+    chains: tuple[tuple[str, tuple[str, ...]], ...]
+    # Its elements in the shared sets and maps.
+    elements: tuple[Element, ...]
+    # Sets owned by this port alone (ClientIP affinity): (name, declaration body).
+    sets: tuple[tuple[str, str], ...] = ()
+
+    def lines(self, family: Family) -> list[str]:
+        """Readable, copy-pasteable `nft` lines for the debug dump."""
+        t = f"{table_family(family)} {TABLE}"
+        out = [f"add element {t} {e.set} {{ {e.text()} }}" for e in self.elements]
+        out += [f"add set {t} {name} {{ {body} }}" for name, body in self.sets]
+        for name, rules in self.chains:
+            out.append(f"add chain {t} {name}")
+            out.extend(f"add rule {t} {name} {rule}" for rule in rules)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class BaseObjects:
+    """What does not depend on any service: declarations, fixed chains, node addresses."""
+
+    family: Family
+    # Sets and maps: (name, declaration body).
+    sets: tuple[tuple[str, str], ...]
+    # Chains: (name, declaration body ("" for a regular chain), rules).
+    chains: tuple[tuple[str, str, tuple[str, ...]], ...]
+    # Elements of sets only the base fills (NodePort addresses).
+    elements: tuple[Element, ...] = field(default=())
+
+
+# --- the fixed part --------------------------------------------------------------------------
+
+
+def render_base(ctx: RenderContext) -> BaseObjects:
+    family = ctx.family
+    ip = table_family(family)
+    addr = _addr_type(family)
+    sets = [
+        (SERVICE_IPS, f"type {addr} . inet_proto . inet_service : verdict;"),
+        (SERVICE_NODEPORTS, "type inet_proto . inet_service : verdict;"),
+        (UNSERVED, f"type {addr} . inet_proto . inet_service : verdict;"),
+        (UNSERVED_NODEPORTS, "type inet_proto . inet_service : verdict;"),
+        (CLUSTER_IPS, f"type {addr};"),
+        (HAIRPIN, f"type {addr} . {addr};"),
+    ]
+    loopback = "127.0.0.0/8" if family is Family.V4 else "::1"
+    ports = "meta l4proto . th dport"
+    elements: list[Element] = []
+    if ctx.nodeport_ips is None:
+        node_dest = f"fib daddr type local {ip} daddr != {loopback}"
+    else:
+        sets.append((NODEPORT_IPS, f"type {addr};"))
+        node_dest = f"{ip} daddr @{NODEPORT_IPS}"
+        elements = [Element(NODEPORT_IPS, _text(a)) for a in sorted(set(ctx.nodeport_ips))]
+    new = "ct state new"
+    chains: list[tuple[str, str, tuple[str, ...]]] = [
+        (MARK_FOR_MASQUERADE, "", (f"meta mark set meta mark | {MASQ_MARK}",)),
+        (REJECT, "", ("reject",)),
+        ("masquerading", "", (
+            # After DNAT the destination is the endpoint: a source equal to it is a pod
+            # (or host-network endpoint) reaching itself, whose reply must come back
+            # through us.
+            f"ct status dnat {ip} saddr . {ip} daddr @{HAIRPIN} masquerade fully-random",
+            f"meta mark & {MASQ_MARK} == 0 return",
+            # Clear the bit so a packet re-entering netfilter is not masqueraded twice.
+            f"meta mark set meta mark ^ {MASQ_MARK}",
+            "masquerade fully-random",
+        )),
+        ("services", "", (
+            f"{ip} daddr . {ports} vmap @{SERVICE_IPS}",
+            f"{node_dest} {ports} vmap @{SERVICE_NODEPORTS}",
+        )),
+        ("unserved-check", "", (
+            f"{ip} daddr . {ports} vmap @{UNSERVED}",
+            f"{ip} daddr @{CLUSTER_IPS} goto {REJECT}",
+        )),
+        ("unserved-nodeport-check", "", (f"{node_dest} {ports} vmap @{UNSERVED_NODEPORTS}",)),
+        ("nat-prerouting", "type nat hook prerouting priority dstnat; policy accept;",
+         ("jump services",)),
+        ("nat-output", "type nat hook output priority -100; policy accept;",
+         ("jump services",)),
+        ("nat-postrouting", "type nat hook postrouting priority srcnat; policy accept;",
+         ("jump masquerading",)),
+        ("filter-input", "type filter hook input priority filter; policy accept;",
+         (f"{new} jump unserved-nodeport-check", f"{new} jump unserved-check")),
+        ("filter-forward", "type filter hook forward priority filter; policy accept;",
+         (f"{new} jump unserved-nodeport-check", f"{new} jump unserved-check")),
+        ("filter-output", "type filter hook output priority filter; policy accept;",
+         (f"{new} jump unserved-check",)),
+    ]
+    if len(ctx.local_cidrs) > 1 and not ctx.masquerade_all:
+        chains.insert(1, (MASQ_UNLESS_POD, "", (
+            *(f"{ip} saddr {c} return" for c in _sorted_nets(ctx.local_cidrs)),
+            f"jump {MARK_FOR_MASQUERADE}")))
+    return BaseObjects(family, tuple(sets), tuple(chains), tuple(elements))
+
+
+# --- names and small helpers ---------------------------------------------------------------
+
+
+def port_chain(kind: str, key: ServicePortKey, protocol: str) -> str:
+    """Stable across restarts: a hash of what the chain is for, never of its content."""
+    return f"{kind}-{name_hash(port_name(key), protocol)}"
+
+
+def endpoint_object(kind: str, key: ServicePortKey, protocol: str, endpoint: str) -> str:
+    return f"{kind}-{name_hash(port_name(key), protocol, endpoint)}"
+
+
+_UNSAFE = re.compile(r'[^\x20-\x7e]|["\\]')
+COMMENT_MAX = 128  # nft keeps rule comments in 256 bytes of user data; stay well inside
+
+
+def comment(text: str) -> str:
+    return f'comment "{_UNSAFE.sub("?", text)[:COMMENT_MAX]}"'
+
+
+def _text(ip: IPAddress) -> str:
+    return str(ip)
+
+
+def _endpoint_text(ep: MergedEndpoint) -> str:
+    if ep.address.version == 6:
+        return f"[{_text(ep.address)}]:{ep.port}"
+    return f"{_text(ep.address)}:{ep.port}"
+
+
+def _sorted_nets(nets: Sequence[IPNetwork]) -> list[IPNetwork]:
+    v4 = sorted(n for n in nets if isinstance(n, IPv4Network))
+    v6 = sorted(n for n in nets if isinstance(n, IPv6Network))
+    return [*v4, *v6]
+
+
+# --- one service port ------------------------------------------------------------------------
+
+
+def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortObjects:
+    """The chains and elements of one service port (the iptables renderer's semantics)."""
+    key, svc, sp = rsp.key, rsp.service, rsp.port
+    name = port_name(key)
+    proto = sp.protocol.value.lower()
+    family = key.family
+    ip = table_family(family)
+    external_ips = [a for a in svc.external_ips if Family.of(a) is family]
+    lb_ips = [a for a in svc.load_balancer_ips if Family.of(a) is family]
+    ranges = [r for r in svc.load_balancer_source_ranges if Family.of(r) is family]
+
+    cluster_eps = rsp.cluster_endpoints if rsp.uses_cluster else ()
+    local_eps = rsp.local_endpoints if rsp.uses_local else ()
+    has_endpoints = rsp.has_any_endpoints
+    svc_chain = port_chain("svc", key, proto) if cluster_eps else None
+    svl_chain = port_chain("svl", key, proto) if local_eps else None
+    internal_chain = svl_chain if svc.internal_traffic_policy is TrafficPolicy.LOCAL else svc_chain
+    externally_accessible = bool(sp.node_port or external_ips or lb_ips)
+    external_local = svc.external_traffic_policy is TrafficPolicy.LOCAL
+    external_policy_chain = svl_chain if external_local else svc_chain
+    ext_chain = port_chain("ext", key, proto) if has_endpoints and externally_accessible else None
+    fw_chain = port_chain("fw", key, proto) if has_endpoints and lb_ips and ranges else None
+    # Traffic nat did not capture: rejected when nothing serves the port anywhere,
+    # dropped when only the policy keeps it from the endpoints that exist.
+    unserved = REJECT_VERDICT if not has_endpoints else DROP_VERDICT
+
+    elements: dict[tuple[str, str], str] = {}
+
+    def element(set_name: str, k: str, value: str = "") -> None:
+        elements.setdefault((set_name, k), value)
+
+    def dest(a: IPAddress, port: int) -> str:
+        return f"{_text(a)} . {proto} . {port}"
+
+    for a in rsp.cluster_ips:
+        element(CLUSTER_IPS, _text(a))
+        if internal_chain:
+            element(SERVICE_IPS, dest(a, sp.port), f"goto {internal_chain}")
+        else:
+            element(UNSERVED, dest(a, sp.port), unserved)
+
+    lb_target = fw_chain or ext_chain
+    external_unserved = not external_policy_chain or not has_endpoints
+    for ips, target in ((external_ips, ext_chain), (lb_ips, lb_target)):
+        for a in ips:
+            if target:
+                element(SERVICE_IPS, dest(a, sp.port), f"goto {target}")
+            if external_unserved:
+                element(UNSERVED, dest(a, sp.port), unserved)
+    if fw_chain:
+        # Allowed sources were DNATed by fw-<h>; what still has the LB IP was refused.
+        for a in lb_ips:
+            element(UNSERVED, dest(a, sp.port), DROP_VERDICT)
+    if sp.node_port:
+        nport = f"{proto} . {sp.node_port}"
+        if ext_chain:
+            element(SERVICE_NODEPORTS, nport, f"goto {ext_chain}")
+        if external_unserved:
+            element(UNSERVED_NODEPORTS, nport, unserved)
+
+    chains: list[tuple[str, tuple[str, ...]]] = []
+    sets: list[tuple[str, str]] = []
+    if ext_chain:
+        chains.append((ext_chain, _external_rules(ip, ctx, external_local, svc_chain,
+                                                  external_policy_chain)))
+    if fw_chain and ext_chain:
+        chains.append((fw_chain, _firewall_rules(ip, ctx, ranges, lb_ips, ext_chain)))
+
+    # Off-cluster clients of a cluster IP may be answered from another node: masquerade.
+    masq: tuple[str, ...] = ()
+    if internal_chain and (ctx.masquerade_all or ctx.local_cidrs):
+        source, target = "", MARK_FOR_MASQUERADE
+        if not ctx.masquerade_all:
+            if len(ctx.local_cidrs) == 1:
+                source = f"{ip} saddr != {ctx.local_cidrs[0]} "
+            else:
+                target = MASQ_UNLESS_POD
+        masq = tuple(f"{ip} daddr {_text(a)} {proto} dport {sp.port} {source}jump {target}"
+                     for a in rsp.cluster_ips)
+
+    affinity = svc.affinity_timeout
+    endpoints = {ep: _endpoint_text(ep) for ep in (*cluster_eps, *local_eps)}
+    for ep in {*cluster_eps, *local_eps}:
+        element(HAIRPIN, f"{_text(ep.address)} . {_text(ep.address)}")
+    label = comment(name)
+    ep_chains: dict[MergedEndpoint, str] = {}
+    if affinity is not None:
+        seconds = affinity or DEFAULT_AFFINITY_TIMEOUT
+        for ep, text in sorted(endpoints.items(), key=lambda item: item[1]):
+            chain = endpoint_object("ep", key, proto, text)
+            aff = _affinity_set(chain)
+            ep_chains[ep] = chain
+            sets.append((aff, f"type {_addr_type(family)}; flags dynamic,timeout; "
+                              f"timeout {seconds}s;"))
+            chains.append((chain, (f"update @{aff} {{ {ip} saddr }}",
+                                   f"meta l4proto {proto} dnat to {text} {label}")))
+    for chain, eps in ((svc_chain, cluster_eps), (svl_chain, local_eps)):
+        if chain:
+            first = masq if chain == internal_chain else ()
+            chains.append((chain, (*first, *_balance(ip, proto, eps, endpoints, ep_chains,
+                                                     label))))
+    return PortObjects(key, tuple(chains),
+                       tuple(Element(s, k, v) for (s, k), v in sorted(elements.items())),
+                       tuple(sets))
+
+
+def _external_rules(ip: str, ctx: RenderContext, external_local: bool, svc_chain: str | None,
+                    policy_chain: str | None) -> tuple[str, ...]:
+    rules: list[str] = []
+    if not external_local:
+        # Endpoints may be on other nodes: masquerade so replies come back through us.
+        rules.append(f"jump {MARK_FOR_MASQUERADE}")
+    else:
+        # Pods going to an external address act as if they went out and came back in:
+        # neither traffic policy applies (upstream's short-circuit).
+        if svc_chain:
+            rules.extend(f"{ip} saddr {c} goto {svc_chain}"
+                         for c in _sorted_nets(ctx.local_cidrs))
+        # The node itself is the source: its address is local, so masquerade.
+        rules.append(f"fib saddr type local jump {MARK_FOR_MASQUERADE}")
+        if svc_chain:
+            rules.append(f"fib saddr type local goto {svc_chain}")
+    if policy_chain:
+        rules.append(f"goto {policy_chain}")
+    return tuple(rules)
+
+
+def _firewall_rules(ip: str, ctx: RenderContext, ranges: Sequence[IPNetwork],
+                    lb_ips: Sequence[IPAddress], ext_chain: str) -> tuple[str, ...]:
+    # One rule per range, no anonymous set: sets are what makes a big table slow.
+    rules = [f"{ip} saddr {r} goto {ext_chain}" for r in _sorted_nets(ranges)]
+    # A node sending to its own LB IP (often a local address) comes from that IP.
+    if any(a in r for r in ranges for a in ctx.node_ips):
+        rules.extend(f"{ip} saddr {_text(a)} goto {ext_chain}" for a in lb_ips)
+    return tuple(dict.fromkeys(rules))
+
+
+def _balance(ip: str, proto: str, eps: Sequence[MergedEndpoint],
+             texts: Mapping[MergedEndpoint, str], ep_chains: Mapping[MergedEndpoint, str],
+             label: str) -> tuple[str, ...]:
+    """Affinity checks first, then endpoint i (of n) with probability 1/(n-i) among what
+    is left, the last one always: uniform, like iptables' `statistic` cascade."""
+    ordered = sorted(eps, key=lambda ep: (ep.address.packed, ep.port))
+    rules: list[str] = []
+    if ep_chains:
+        rules.extend(f"{ip} saddr @{_affinity_set(ep_chains[ep])} goto {ep_chains[ep]}"
+                     for ep in ordered)
+    n = len(ordered)
+    for i, ep in enumerate(ordered):
+        pick = f"numgen random mod {n - i} 0 " if i < n - 1 else ""
+        if ep_chains:
+            rules.append(f"{pick}goto {ep_chains[ep]}")
+        else:
+            rules.append(f"{pick}meta l4proto {proto} dnat to {texts[ep]} {label}")
+    return tuple(rules)
+
+
+def _affinity_set(ep_chain: str) -> str:
+    return "aff-" + ep_chain.removeprefix("ep-")

@@ -1,0 +1,240 @@
+"""Golden tests for the nftables renderer and its transactions: one service port in,
+readable `nft` lines out. Hashed names are shown as <svc>, <svl>, <ext>, <fw>, and
+<ep ip:port> / <aff ip:port> for affinity. The kernel accepts these lines: the e2e
+traffic tests load them into nf_tables."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from ipaddress import ip_address, ip_network
+from typing import Any
+
+from proxy.dataplane.iptables.render import RenderContext
+from proxy.dataplane.nftables.render import (
+    endpoint_object,
+    port_chain,
+    render_base,
+    render_port,
+)
+from proxy.dataplane.nftables.transaction import full_script, partial_script
+from proxy.model.snapshot import ResolvedServicePort
+from proxy.model.types import Family
+from tests.unit.builders import NODE, ep, eps_slice, node, resolve_one, service
+
+CIDR4 = RenderContext(Family.V4, local_cidrs=(ip_network("198.18.1.0/24"),))
+T4 = "ip sliceproxy"
+
+
+def pretty(rsp: ResolvedServicePort, ctx: RenderContext = CIDR4) -> list[str]:
+    proto = rsp.port.protocol.value.lower()
+    names = {port_chain(kind, rsp.key, proto): f"<{kind}>"
+             for kind in ("svc", "svl", "ext", "fw")}
+    for s in rsp.endpoints:
+        e = s.endpoint
+        text = f"[{e.address}]:{e.port}" if e.address.version == 6 else f"{e.address}:{e.port}"
+        for kind in ("ep", "aff"):
+            names[endpoint_object(kind, rsp.key, proto, text)] = f"<{kind} {text}>"
+    out = []
+    for line in render_port(rsp, ctx).lines(rsp.key.family):
+        for name, label in names.items():
+            line = line.replace(name, label)
+        out.append(line.replace(f" {T4} ", " ").replace(" ip6 sliceproxy ", " "))
+    return out
+
+
+def resolve(*objects: dict[str, Any], family: Family = Family.V4) -> ResolvedServicePort:
+    return resolve_one(node(), *objects, family=family, port="http")
+
+
+def test_cluster_ip_dispatches_by_map_and_balances_with_numgen() -> None:
+    rsp = resolve(service(), eps_slice("s1", [ep("198.18.1.10"), ep("198.18.1.11"),
+                                              ep("198.18.1.12"), ep("198.18.1.13", ready=False)]))
+    assert pretty(rsp) == [
+        "add element cluster-ips { 198.18.128.1 }",
+        "add element hairpin { 198.18.1.10 . 198.18.1.10 }",
+        "add element hairpin { 198.18.1.11 . 198.18.1.11 }",
+        "add element hairpin { 198.18.1.12 . 198.18.1.12 }",
+        "add element service-ips { 198.18.128.1 . tcp . 80 : goto <svc> }",
+        "add chain <svc>",
+        # Off-cluster clients (not from --cluster-cidr) are masqueraded.
+        "add rule <svc> ip daddr 198.18.128.1 tcp dport 80 ip saddr != 198.18.1.0/24 "
+        "jump mark-for-masquerade",
+        # 1/3, then 1/2 of what is left, then the rest: uniform.
+        'add rule <svc> numgen random mod 3 0 meta l4proto tcp dnat to 198.18.1.10:8080 '
+        'comment "ns/svc:http"',
+        'add rule <svc> numgen random mod 2 0 meta l4proto tcp dnat to 198.18.1.11:8080 '
+        'comment "ns/svc:http"',
+        'add rule <svc> meta l4proto tcp dnat to 198.18.1.12:8080 comment "ns/svc:http"',
+    ]
+
+
+def test_no_endpoints_is_rejected_by_the_unserved_map_without_a_chain() -> None:
+    rsp = resolve(service(type="NodePort", externalIPs=["198.18.0.20"],
+                          ports=({"name": "http", "port": 80, "nodePort": 30080},)))
+    assert pretty(rsp) == [
+        "add element cluster-ips { 198.18.128.1 }",
+        "add element unserved { 198.18.0.20 . tcp . 80 : goto reject-chain }",
+        "add element unserved { 198.18.128.1 . tcp . 80 : goto reject-chain }",
+        "add element unserved-nodeports { tcp . 30080 : goto reject-chain }",
+    ]
+
+
+def test_local_external_policy_short_circuits_pods_and_the_node_and_drops_the_rest() -> None:
+    obj = service(type="NodePort", externalTrafficPolicy="Local",
+                  ports=({"name": "http", "port": 80, "nodePort": 30080},))
+    rsp = resolve(obj, eps_slice("s1", [ep("198.18.1.11", node="node-b")]))
+    lines = pretty(rsp)
+    assert [line for line in lines if "<ext>" in line] == [
+        "add element service-nodeports { tcp . 30080 : goto <ext> }",
+        "add chain <ext>",
+        "add rule <ext> ip saddr 198.18.1.0/24 goto <svc>",
+        "add rule <ext> fib saddr type local jump mark-for-masquerade",
+        "add rule <ext> fib saddr type local goto <svc>",
+    ]
+    # Nobody local: what the short-circuit did not take is dropped, not refused.
+    assert "add element unserved-nodeports { tcp . 30080 : drop }" in lines
+    # With a local endpoint, the rest goes to the local chain.
+    rsp = resolve(obj, eps_slice("s1", [ep("198.18.1.10", node=NODE),
+                                        ep("198.18.1.11", node="node-b")]))
+    lines = pretty(rsp)
+    assert "add rule <ext> goto <svl>" in lines
+    assert not [line for line in lines if "unserved" in line]
+
+
+def test_cluster_external_policy_masquerades_then_uses_the_cluster_chain() -> None:
+    obj = service(type="NodePort", ports=({"name": "http", "port": 80, "nodePort": 30080},))
+    lines = pretty(resolve(obj, eps_slice("s1", [ep("198.18.1.10")])))
+    assert [line for line in lines if line.startswith("add rule <ext>")] == [
+        "add rule <ext> jump mark-for-masquerade", "add rule <ext> goto <svc>"]
+
+
+def test_internal_local_policy_without_local_endpoint_drops_cluster_ip_traffic() -> None:
+    rsp = resolve(service(internalTrafficPolicy="Local"),
+                  eps_slice("s1", [ep("198.18.1.11", node="node-b")]))
+    assert pretty(rsp) == ["add element cluster-ips { 198.18.128.1 }",
+                           "add element unserved { 198.18.128.1 . tcp . 80 : drop }"]
+
+
+def test_load_balancer_source_ranges_go_through_a_firewall_chain() -> None:
+    lb = service(type="LoadBalancer", loadBalancerSourceRanges=["198.18.0.0/24"],
+                 ports=({"name": "http", "port": 80, "nodePort": 30080},))
+    lb["status"] = {"loadBalancer": {"ingress": [{"ip": "198.18.0.200"}]}}
+    rsp = resolve(lb, eps_slice("s1", [ep("198.18.1.10")]))
+    lines = pretty(rsp)
+    assert "add element service-ips { 198.18.0.200 . tcp . 80 : goto <fw> }" in lines
+    # What the firewall chain did not send on keeps the LB IP and is dropped.
+    assert "add element unserved { 198.18.0.200 . tcp . 80 : drop }" in lines
+    assert [line for line in lines if line.startswith("add rule <fw>")] == [
+        "add rule <fw> ip saddr 198.18.0.0/24 goto <ext>"]
+    # A node inside the allowed range may reach its own LB IP (it is the source then).
+    ctx = RenderContext(Family.V4, node_ips=(ip_address("198.18.0.1"),))
+    assert "add rule <fw> ip saddr 198.18.0.200 goto <ext>" in pretty(rsp, ctx)
+
+
+def test_client_ip_affinity_uses_a_dynamic_set_and_a_chain_per_endpoint() -> None:
+    rsp = resolve(service(sessionAffinity="ClientIP",
+                          sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}}),
+                  eps_slice("s1", [ep("198.18.1.10"), ep("198.18.1.11")]))
+    lines = pretty(rsp)
+    a, b = "198.18.1.10:8080", "198.18.1.11:8080"
+    assert f"add set <aff {a}> {{ type ipv4_addr; flags dynamic,timeout; timeout 60s; }}" \
+        in lines
+    assert [line for line in lines if line.startswith("add rule <svc>")][1:] == [
+        f"add rule <svc> ip saddr @<aff {a}> goto <ep {a}>",
+        f"add rule <svc> ip saddr @<aff {b}> goto <ep {b}>",
+        f"add rule <svc> numgen random mod 2 0 goto <ep {a}>",
+        f"add rule <svc> goto <ep {b}>",
+    ]
+    assert [line for line in lines if line.startswith(f"add rule <ep {a}>")] == [
+        f"add rule <ep {a}> update @<aff {a}> {{ ip saddr }}",
+        f'add rule <ep {a}> meta l4proto tcp dnat to {a} comment "ns/svc:http"',
+    ]
+
+
+def test_ipv6_uses_the_ip6_table_and_brackets() -> None:
+    rsp = resolve(service(ips=("fd00::10",), ipFamilies=["IPv6"]),
+                  eps_slice("s1", [ep("fd00:1::10")], address_type="IPv6"),
+                  family=Family.V6)
+    ctx = RenderContext(Family.V6, local_cidrs=(ip_network("fd00:1::/64"),))
+    lines = render_port(rsp, ctx).lines(Family.V6)
+    assert all(" ip6 sliceproxy " in line for line in lines)
+    assert any(line.endswith('dnat to [fd00:1::10]:8080 comment "ns/svc:http"')
+               for line in lines), lines
+    assert any("ip6 daddr fd00::10 tcp dport 80 ip6 saddr != fd00:1::/64" in line
+               for line in lines), lines
+
+
+def test_several_cluster_cidrs_go_through_one_shared_chain() -> None:
+    ctx = RenderContext(Family.V4, local_cidrs=(ip_network("198.18.1.0/24"),
+                                                ip_network("198.18.6.0/24")))
+    lines = pretty(resolve(service(), eps_slice("s1", [ep("198.18.1.10")])), ctx)
+    assert "add rule <svc> ip daddr 198.18.128.1 tcp dport 80 jump masq-unless-pod" in lines
+    base = {name: rules for name, _body, rules in render_base(ctx).chains}
+    assert base["masq-unless-pod"] == ("ip saddr 198.18.1.0/24 return",
+                                       "ip saddr 198.18.6.0/24 return",
+                                       "jump mark-for-masquerade")
+
+
+def test_nodeport_addresses_become_a_set_of_the_base() -> None:
+    ctx = RenderContext(Family.V4, nodeport_ips=(ip_address("198.18.0.2"),))
+    base = render_base(ctx)
+    rules = {name: rules for name, _body, rules in base.chains}
+    assert rules["services"][1] == ("ip daddr @nodeport-ips meta l4proto . th dport "
+                                    "vmap @service-nodeports")
+    assert [e.key for e in base.elements] == ["198.18.0.2"]
+    every = {name: r for name, _b, r in render_base(CIDR4).chains}
+    assert every["services"][1].startswith("fib daddr type local ip daddr != 127.0.0.0/8 ")
+
+
+def test_hostile_names_never_leave_the_comment() -> None:
+    """Defence in depth: the decoder refuses such names, but whatever reaches the
+    renderer stays one printable ASCII comment without quotes or backslashes."""
+    rsp = resolve(service(), eps_slice("s1", [ep("198.18.1.10")]))
+    evil = 'x"\n add rule ip filter input accept\\ \x00é' + "y" * 300
+    hostile = replace(rsp, key=rsp.key._replace(namespace=evil, name=evil, port=evil))
+    lines = render_port(hostile, CIDR4).lines(Family.V4)
+    for line in lines:
+        assert line.isascii() and line.isprintable(), repr(line)
+        assert line.count('"') in (0, 2), line
+    comments = [m.group(1) for line in lines for m in re.finditer(r'comment "([^"]*)"', line)]
+    assert comments and all(len(c) <= 128 for c in comments)
+
+
+# --- transactions ------------------------------------------------------------------------
+
+
+def test_partial_script_touches_only_what_changed_and_counts_shared_elements() -> None:
+    two_ports = service(ports=({"name": "http", "port": 80}, {"name": "alt", "port": 81}))
+    slice_ = eps_slice("s1", [ep("198.18.1.10"), ep("198.18.1.11")],
+                       ports=({"name": "http", "port": 8080}, {"name": "alt", "port": 8081}))
+    http = resolve_one(node(), two_ports, slice_, port="http")
+    alt = resolve_one(node(), two_ports, slice_, port="alt")
+    base = render_base(CIDR4)
+    objects = {http.key: render_port(http, CIDR4), alt.key: render_port(alt, CIDR4)}
+    _text, state = full_script(base, objects)
+    # One port goes: the cluster IP and both endpoints are still another port's.
+    text = partial_script(state, {alt.key: None})
+    alt_chain = port_chain("svc", alt.key, "tcp")
+    assert text.splitlines() == [
+        f"delete element {T4} service-ips {{ 198.18.128.1 . tcp . 81 }}",
+        f"flush chain {T4} {alt_chain}",
+        f"delete chain {T4} {alt_chain}",
+    ]
+    # Nothing changed: nothing to send.
+    assert partial_script(state, {http.key: objects[http.key]}) == ""
+    # The last port goes: its shared elements go with it.
+    gone = partial_script(state, {http.key: None})
+    assert f"delete element {T4} cluster-ips {{ 198.18.128.1 }}" in gone
+    assert (f"delete element {T4} hairpin {{ 198.18.1.10 . 198.18.1.10, "
+            "198.18.1.11 . 198.18.1.11 }") in gone
+    assert not state.kernel and not state.ports
+
+
+def test_full_script_deletes_what_our_table_holds_that_nobody_wants() -> None:
+    text, _state = full_script(render_base(CIDR4), {}, kernel_chains=["svc-OLD", "services"],
+                               kernel_sets={"aff-OLD": "set", "service-ips": "map"})
+    lines = text.splitlines()
+    assert lines[-3:] == [f"flush chain {T4} svc-OLD", f"delete chain {T4} svc-OLD",
+                          f"delete set {T4} aff-OLD"]
+    assert f"flush map {T4} service-ips" in lines
