@@ -28,54 +28,27 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import re
 import shutil
 import subprocess
-import threading
-from collections import deque
 
+from proxy.dataplane import processes
 from proxy.dataplane.nftables_probe import nat_unsupported
+from proxy.dataplane.processes import RUN_TIMEOUT, run_recorded
 from proxy.model.types import Family
 
 log = logging.getLogger(__name__)
 
-# Restores at 10,000 services take seconds (minutes for a full iptables-nft restore,
-# see FINDINGS); a hung binary must still not hang the agent forever.
-RUN_TIMEOUT = 900.0
 _KUBELET_CHAINS = re.compile(r"^:(KUBE-IPTABLES-HINT|KUBE-KUBELET-CANARY) ", re.MULTILINE)
 # "iptables-restore: line 4 failed" (either back end) or, for errors found while
 # parsing a rule, "Error occurred at line: 3".
 _FAILED_LINE = re.compile(r"line:? (\d+)(?: failed)?")
 
 
-# The restores we ran lately, by process id: the nf_tables listener
-# (proxy/dataplane/iptables/drift_watch.py) tells our own commits from anyone else's.
-_children: deque[int] = deque(maxlen=256)
-_children_lock = threading.Lock()
-
-
 def started_here(pid: int) -> bool:
-    """`pid` is this process or one of its recent iptables-restore children."""
-    if pid == os.getpid():
-        return True
-    with _children_lock:
-        return pid in _children
-
-
-def _restore_process(cmd: list[str], text: str) -> subprocess.CompletedProcess[str]:
-    """subprocess.run(cmd, input=text), noting the child's pid before it commits."""
-    with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as proc:
-        with _children_lock:
-            _children.append(proc.pid)
-        try:
-            out, err = proc.communicate(text, timeout=RUN_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    """`pid` is this process, one of its committing threads or a recent child (the
+    drift listeners' test; it lives in proxy/dataplane/processes.py)."""
+    return processes.started_here(pid)
 
 
 class Backend(enum.Enum):
@@ -197,7 +170,7 @@ class IptablesRunner:
         if counters:
             cmd.append("--counters")
         try:
-            result = _restore_process(cmd, text)
+            result = run_recorded(cmd, text)
         except (OSError, subprocess.SubprocessError) as exc:
             raise RestoreError(f"{self.restore_cmd}: {exc}") from exc
         if result.returncode != 0:

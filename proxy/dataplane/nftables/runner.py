@@ -1,0 +1,266 @@
+"""Running nftables scripts: one script, one atomic nf_tables transaction.
+
+The only place the nftables mode programs the kernel. A script is the text `nft -f`
+reads (`add table ...`, `flush chain ...`, `add rule ...`, `add element ...`); nft sends
+all of it as one netlink batch, which the kernel commits whole or not at all.
+
+Two appliers for the same text, because they cost differently (measured, nft 1.0.6,
+a service = a chain and 10 dnat rules):
+- in-process, libnftables (Debian's libnftables1) through ctypes: no fork and exec, so
+  a one-service change into a table of 10,000 chains takes 7 ms instead of 30 ms (the
+  child rereads the table each time). But nft's parse memory lands in the agent's heap,
+  and glibc keeps it: a 10,000-service script (8.8 MB) grew the caller's RSS by 392 MiB
+  at peak, 366 MiB still held afterwards;
+- `nft -f -` as a child for scripts over `subprocess_above` bytes: that memory goes
+  with the child (394 MiB there; the caller grew 8 MiB, the script's own text), and
+  the full load is no slower (2.5 s against 2.8 s in-process). The child's pid is
+  recorded (proxy/dataplane/processes.py) so the drift listener knows the commit is
+  ours.
+
+Both run in the network namespace of the calling thread: a child is forked into it,
+and libnftables opens its netlink socket when its context is made, in the namespace of
+that moment. So the context is made lazily, on first use, and a runner refuses any
+other thread (or the same thread in another namespace) afterwards.
+
+Errors. nft names the failing line as `<file>:<line>:<first>-<last>: Error: <what>`,
+then echoes that line and marks the columns, for syntax errors and kernel refusals
+alike (the kernel's refusals read "Could not process rule: <errno text>", whatever the
+object; one transaction can report several). libnftables gives no file name and no
+line for a script passed as a buffer, and echoes the script's *first* line whatever
+line failed; so the in-process path writes the script to a memfd and has libnftables
+read it as a file, which reports exactly what `nft -f -` does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import threading
+from typing import Any
+
+from proxy.dataplane import processes
+
+LIBRARY = "libnftables.so.1"
+NFT = "nft"
+# Bytes above which a script goes to `nft -f -` (module docstring). Parsing in-process
+# costs about 45 bytes of RSS, kept, per script byte: 64 KiB (75 services) grew the
+# caller by 4 MiB, 1,000 services (850 KiB) by 41 MiB; a sync's few changed services
+# stay far below it.
+SUBPROCESS_ABOVE = 64 * 1024
+_OUTPUT_JSON = 1 << 4  # NFT_CTX_OUTPUT_JSON
+_MAX_ERRORS = 5  # in an NftError's message; one bad reference can fail every rule
+_ERROR = re.compile(r"^(?:.*?:(?P<line>\d+):\d+-\d+: )?Error: (?P<what>.*)$")
+_CARETS = re.compile(r"^\s*[\^~]+\s*$")
+
+
+class NftError(Exception):
+    """nft refused a transaction; the kernel's ruleset is unchanged.
+
+    `line` is the 1-based line of the script nft named and `offending` that line's text.
+    Also raised when nft cannot run at all, and when `nft -f -` was killed for taking
+    longer than processes.RUN_TIMEOUT (then the message says the outcome is unknown).
+    """
+
+    def __init__(self, message: str, line: int | None = None,
+                 offending: str | None = None) -> None:
+        super().__init__(message)
+        self.line = line
+        self.offending = offending
+
+
+def parse_error(output: str, text: str) -> NftError:
+    """The NftError for nft's error output `output` about script `text`."""
+    lines = text.splitlines()
+    found: list[tuple[int | None, str]] = []
+    for raw in output.splitlines():
+        match = _ERROR.match(raw)
+        if match is not None:
+            number = int(match["line"]) if match["line"] else None
+            found.append((number or None, match["what"].strip()))
+    if not found:
+        return NftError(output.strip()[:500] or "nft failed and said nothing")
+    said = [f"line {n}: {what}" if n else what for n, what in found[:_MAX_ERRORS]]
+    if len(found) > _MAX_ERRORS:
+        said.append(f"and {len(found) - _MAX_ERRORS} more errors")
+    number = next((n for n, _ in found if n is not None), None)
+    offending = lines[number - 1] if number is not None and number <= len(lines) else None
+    return NftError("; ".join(said), number, offending)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    lib = ctypes.CDLL(LIBRARY)
+    ctx, text = ctypes.c_void_p, ctypes.c_char_p
+    lib.nft_ctx_new.argtypes, lib.nft_ctx_new.restype = [ctypes.c_uint32], ctx
+    lib.nft_ctx_free.argtypes, lib.nft_ctx_free.restype = [ctx], None
+    for name in ("nft_ctx_buffer_output", "nft_ctx_buffer_error"):
+        getattr(lib, name).argtypes = [ctx]
+        getattr(lib, name).restype = ctypes.c_int
+    for name in ("nft_ctx_get_output_buffer", "nft_ctx_get_error_buffer"):
+        getattr(lib, name).argtypes = [ctx]
+        getattr(lib, name).restype = text
+    lib.nft_ctx_output_get_flags.argtypes = [ctx]
+    lib.nft_ctx_output_get_flags.restype = ctypes.c_uint
+    lib.nft_ctx_output_set_flags.argtypes = [ctx, ctypes.c_uint]
+    lib.nft_ctx_output_set_flags.restype = None
+    for name in ("nft_run_cmd_from_buffer", "nft_run_cmd_from_filename"):
+        getattr(lib, name).argtypes = [ctx, text]
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
+def unavailable() -> str | None:
+    """Why this host cannot run the nftables mode's tools, or None. Loads the library
+    and looks the binary up; no kernel access."""
+    try:
+        _library()
+    except OSError as exc:
+        return f"{LIBRARY} cannot be loaded (Debian's libnftables1): {exc}"
+    except AttributeError as exc:  # an older library without a function we call
+        return f"{LIBRARY} lacks a function: {exc}"
+    if shutil.which(NFT) is None:
+        return f"no {NFT} binary on PATH (Debian's nftables)"
+    return None
+
+
+def _here() -> tuple[int, int, int]:
+    """This thread and the network namespace it is in."""
+    ns = os.stat("/proc/thread-self/ns/net")
+    return threading.get_ident(), ns.st_dev, ns.st_ino
+
+
+def _buffer(data: bytes | None) -> str:
+    return (data or b"").decode("utf-8", "replace")
+
+
+class NftRunner:
+    """Applies nftables scripts and lists the ruleset, in one thread's namespace."""
+
+    def __init__(self, subprocess_above: int = SUBPROCESS_ABOVE) -> None:
+        self.subprocess_above = subprocess_above
+        self._home: tuple[int, int, int] | None = None  # bound on first use
+        self._ctx: int | None = None
+        self._tid = 0  # the native id noted with processes while a context lives
+        self._lock = threading.Lock()  # close() may come from another thread
+
+    def __enter__(self) -> NftRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_home(self) -> None:
+        here = _here()
+        if self._home is None:
+            self._home = here
+        elif here[0] != self._home[0]:
+            raise RuntimeError("NftRunner used from a thread other than its first user's: "
+                               "its netlink socket is in that thread's network namespace")
+        elif here != self._home:
+            raise RuntimeError("NftRunner's thread is now in another network namespace "
+                               "than at its first use")
+
+    def _context(self) -> int:
+        """The libnftables context, made now if need be (caller holds the lock)."""
+        if self._ctx is None:
+            try:
+                lib = _library()
+            except (OSError, AttributeError) as exc:
+                raise NftError(f"{LIBRARY}: {exc}") from exc
+            # Noted before the first commit: the kernel names this thread as committer.
+            self._tid = threading.get_native_id()
+            processes.note_thread(self._tid)
+            ctx = lib.nft_ctx_new(0)  # opens the netlink socket, in this namespace
+            if not ctx:
+                processes.forget_thread(self._tid)
+                raise NftError("nft_ctx_new failed")
+            # Output and errors to buffers, never the agent's stdout/stderr.
+            lib.nft_ctx_buffer_output(ctx)
+            lib.nft_ctx_buffer_error(ctx)
+            self._ctx = ctx
+        return self._ctx
+
+    def run(self, text: str) -> None:
+        """Apply `text` as one transaction; raises NftError when nft refuses it."""
+        self._check_home()
+        if len(text) > self.subprocess_above:
+            self._run_child(text)
+        else:
+            self._run_here(text)
+
+    def _run_here(self, text: str) -> None:
+        # Read as a file so errors name their line (module docstring); a memfd never
+        # touches a disk and goes with its descriptor.
+        fd = os.memfd_create("nft-script", os.MFD_CLOEXEC)
+        try:
+            data = memoryview(text.encode())
+            while data:
+                data = data[os.write(fd, data):]
+            with self._lock:
+                ctx = self._context()
+                lib = _library()
+                rc = lib.nft_run_cmd_from_filename(ctx, f"/proc/self/fd/{fd}".encode())
+                # Reading a buffer also rewinds it: done after every command, or they grow.
+                lib.nft_ctx_get_output_buffer(ctx)
+                errors = _buffer(lib.nft_ctx_get_error_buffer(ctx))
+        finally:
+            os.close(fd)
+        if rc != 0:
+            raise parse_error(errors, text)
+
+    def _run_child(self, text: str) -> None:
+        cmd = [NFT, "-f", "-"]
+        try:
+            result = processes.run_recorded(cmd, text)
+        except subprocess.TimeoutExpired as exc:
+            raise NftError(f"nft -f - took over {exc.timeout:.0f} s and was killed; whether "
+                           "the kernel took the transaction is unknown") from exc
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise NftError(f"nft -f -: {exc}") from exc
+        if result.returncode != 0:
+            raise parse_error(result.stderr, text)
+
+    def list_json(self, command: str) -> dict[str, Any]:
+        """nft's JSON answer to `command` ("list table ip sliceproxy", "list chains ip6",
+        ...), parsed. NftError when nft refuses it (a table that does not exist...)."""
+        self._check_home()
+        with self._lock:
+            ctx = self._context()
+            lib = _library()
+            flags = lib.nft_ctx_output_get_flags(ctx)
+            # Only for this command: with JSON output set, nft also parses files as JSON.
+            lib.nft_ctx_output_set_flags(ctx, flags | _OUTPUT_JSON)
+            try:
+                rc = lib.nft_run_cmd_from_buffer(ctx, command.encode())
+            finally:
+                lib.nft_ctx_output_set_flags(ctx, flags)
+            output = _buffer(lib.nft_ctx_get_output_buffer(ctx))
+            errors = _buffer(lib.nft_ctx_get_error_buffer(ctx))
+        if rc != 0:
+            raise NftError(f"{command}: {parse_error(errors, command)}")
+        try:
+            parsed = json.loads(output)
+        except ValueError as exc:
+            raise NftError(f"{command}: nft's JSON does not parse: {exc}") from exc
+        if not isinstance(parsed, dict):
+            raise NftError(f"{command}: nft's JSON is not an object")
+        return parsed
+
+    def started_here(self, pid: int) -> bool:
+        """`pid` (as a NEWGEN announcement names it) is ours: this process, a thread that
+        commits in-process, or a recent `nft`/iptables-restore child."""
+        return processes.started_here(pid)
+
+    def close(self) -> None:
+        """Free the libnftables context (no kernel access; any thread may call it). The
+        runner stays bound to its thread and namespace and makes a new one if used."""
+        with self._lock:
+            if self._ctx is not None:
+                _library().nft_ctx_free(self._ctx)
+                self._ctx = None
+                processes.forget_thread(self._tid)
