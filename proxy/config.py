@@ -130,7 +130,7 @@ class Config:
         return out
 
 
-PROXY_MODES = ("iptables", "ipvs")
+PROXY_MODES = ("iptables", "ipvs", "nftables")
 IPTABLES_APPLIERS = ("restore", "iptc")
 IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq", "mh")
 
@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--kubeconfig", help="kubeconfig file (default: in-cluster service account)")
     add("--master", help="API server address, overriding the kubeconfig's")
     add("--hostname-override", help="this node's name (default: the host name)")
-    add("--proxy-mode", help="iptables (default) or ipvs")
+    add("--proxy-mode", help="iptables (default), ipvs or nftables")
     add("--endpoints-source", help="endpointslices (default) or endpoints (legacy)")
     add("--min-sync-period", metavar="DURATION",
         help="minimum time between syncs; the first change after a quiet period syncs at "

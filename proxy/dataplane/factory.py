@@ -13,6 +13,7 @@ from proxy.dataplane.base import DataPlane, DataplaneOptions
 PLANES = {
     "iptables": ("proxy.dataplane.iptables", "IptablesDataPlane"),
     "ipvs": ("proxy.dataplane.ipvs", "IpvsDataPlane"),
+    "nftables": ("proxy.dataplane.nftables", "NftablesDataPlane"),
 }
 
 

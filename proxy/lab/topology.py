@@ -191,6 +191,9 @@ class Lab:
             ip("-n", node, "link", "add", host_side, "type", "veth", "peer", "name", "eth0",
                "netns", b.ns)
             ip("-n", node, "link", "set", host_side, "master", BRIDGE, "up")
+            # As a CNI's bridge plugin with hairpinMode: a pod reaching itself through a
+            # service comes back out of the port it went in by.
+            ip("-n", node, "link", "set", host_side, "type", "bridge_slave", "hairpin", "on")
             self._addr(b.ns, "eth0", f"{b.ipv4}/24", f"{b.ipv6}/64")
             self._routes(b.ns, POD_GW4, POD_GW6)
         log.info("lab built", extra={"prefix": self.prefix, "backends": len(self.backends)})

@@ -13,6 +13,7 @@ import pytest
 from proxy.dataplane.base import DataplaneOptions, SyncReport
 from proxy.dataplane.iptables import IptablesDataPlane
 from proxy.dataplane.iptables.runner import Backend
+from proxy.dataplane.nftables import NftablesDataPlane
 from proxy.kube.ingest import apply_object, delete_object
 from proxy.lab.netns import entered
 from proxy.model.snapshot import DesiredState
@@ -43,14 +44,20 @@ class Cluster:
 
 
 class NodePlane:
-    """An IptablesDataPlane whose every kernel call happens in network namespace `ns`."""
+    """An IptablesDataPlane (or, `mode="nftables"`, an NftablesDataPlane) whose every
+    kernel call happens in network namespace `ns`."""
 
     def __init__(self, ns: str, backend: Backend | None = None,
-                 options: DataplaneOptions | None = None, **kw: Any) -> None:
+                 options: DataplaneOptions | None = None, mode: str = "iptables",
+                 **kw: Any) -> None:
         self.ns = ns
         self.options = options or DataplaneOptions("node-a", cluster_cidrs=POD_CIDRS)
+        self.dp: IptablesDataPlane | NftablesDataPlane
         with entered(ns):
-            self.dp = IptablesDataPlane(self.options, backend=backend, **kw)
+            if mode == "nftables":
+                self.dp = NftablesDataPlane(self.options, **kw)
+            else:
+                self.dp = IptablesDataPlane(self.options, backend=backend, **kw)
 
     def sync(self, state: DesiredState, full: bool = False) -> SyncReport:
         with entered(self.ns):
@@ -69,6 +76,8 @@ def host_iptables() -> str:
         result = subprocess.run([tool], capture_output=True, text=True, check=False)
         out.append("\n".join(line for line in result.stdout.splitlines()
                              if not line.startswith("#")))
+    out.append(subprocess.run(["nft", "list", "tables"], capture_output=True, text=True,
+                              check=False).stdout)
     return "\n".join(out)
 
 
@@ -76,8 +85,10 @@ def host_iptables() -> str:
 def host_untouched() -> Iterator[None]:
     """Fails the module if anything of ours ever shows up in the host's own tables."""
     assert "SPX-" not in host_iptables(), "the host already holds SPX- chains"
+    assert " sliceproxy" not in host_iptables(), "the host already holds our nft tables"
     yield
     assert "SPX-" not in host_iptables()
+    assert " sliceproxy" not in host_iptables()
 
 
 @pytest.fixture(params=[Backend.LEGACY, Backend.NFT], ids=["legacy", "nft"])

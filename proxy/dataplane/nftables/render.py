@@ -335,11 +335,11 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortObjects:
                               f"timeout {seconds}s;"))
             chains.append((chain, (f"update @{aff} {{ {ip} saddr }}",
                                    f"meta l4proto {proto} dnat to {text} {label}")))
-    for chain, eps in ((svc_chain, cluster_eps), (svl_chain, local_eps)):
-        if chain:
-            first = masq if chain == internal_chain else ()
-            chains.append((chain, (*first, *_balance(ip, proto, eps, endpoints, ep_chains,
-                                                     label))))
+    for policy_chain, eps in ((svc_chain, cluster_eps), (svl_chain, local_eps)):
+        if policy_chain:
+            first = masq if policy_chain == internal_chain else ()
+            chains.append((policy_chain, (*first, *_balance(ip, proto, eps, endpoints,
+                                                             ep_chains, label))))
     return PortObjects(key, tuple(chains),
                        tuple(Element(s, k, v) for (s, k), v in sorted(elements.items())),
                        tuple(sets))

@@ -11,7 +11,7 @@ are flushed and refilled, new ones added, gone ones deleted; elements are added 
 deleted one by one. Elements are shared (two ports of one service share their cluster
 IP in @cluster-ips, two services an endpoint in @hairpin), so `TableState` counts their
 owners: an element leaves the kernel with its last owner. Order inside a transaction:
-sets, chains, element deletions, element additions, chain deletions, set deletions;
+sets, new chains, rules, element deletions, element additions, chain deletions, set deletions;
 nothing is ever referenced before it exists or deleted while referenced.
 
 `TableState` is updated while a script is built: if the kernel refuses the script, the
@@ -140,6 +140,7 @@ def partial_script(state: TableState,
     kernel has nothing to change."""
     t = state.table
     add_sets: list[str] = []
+    add_chains: list[str] = []
     write_chains: list[str] = []
     gone_chains: list[str] = []
     gone_sets: list[str] = []
@@ -156,8 +157,10 @@ def partial_script(state: TableState,
             before = old_chains.get(name)
             if before == rules:
                 continue
-            write_chains.append(f"add chain {t} {name}" if before is None
-                                else f"flush chain {t} {name}")
+            if before is None:  # declared before any rule, which may jump to it
+                add_chains.append(f"add chain {t} {name}")
+            else:
+                write_chains.append(f"flush chain {t} {name}")
             write_chains += [f"add rule {t} {name} {rule}" for rule in rules]
         gone_chains += [n for n in old_chains if n not in new_chains]
         gone_sets += [n for n in old_sets if n not in new_sets]
@@ -192,7 +195,7 @@ def partial_script(state: TableState,
         if wanted is not None:
             adds.append((k[0], _text(k, wanted)))
             state.kernel[k] = wanted
-    lines = add_sets + write_chains
+    lines = add_sets + add_chains + write_chains
     lines += _element_lines("delete", t, deletes)
     lines += _element_lines("add", t, adds)
     lines += [f"flush chain {t} {name}" for name in gone_chains]

@@ -1,0 +1,283 @@
+"""The nftables data plane: desired state in, nf_tables transactions out.
+
+One `NftablesDataPlane` per agent, called from one worker thread, in that thread's
+network namespace. Per family it keeps the `TableState` it last applied:
+
+- a full sync (the first one, `full=True`, after any failure, after drift, or when this
+  node's addresses changed) reads back the names of what our table holds and rewrites
+  all of it in one transaction (transaction.full_script);
+- a partial sync renders only the service ports whose snapshot entry is not the very
+  object applied last time, and sends only their chains and elements.
+
+A transaction is atomic: if nf_tables refuses it, the previous rules stay, the state is
+dropped and the next sync is a full one. Our tables are `ip sliceproxy` and `ip6
+sliceproxy`; nothing outside them is ever touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from proxy.dataplane import conntrack
+from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
+from proxy.dataplane.iptables.apply import node_addresses
+from proxy.dataplane.iptables.drift_watch import NftablesListener
+from proxy.dataplane.iptables.render import RenderContext, context_for
+from proxy.dataplane.nftables.render import TABLE, render_base, render_port, table_family
+from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
+from proxy.dataplane.nftables.transaction import TableState, full_script, partial_script
+from proxy.dataplane.nftables_probe import NFPROTO, nat_unsupported
+from proxy.model.snapshot import DesiredState, ResolvedServicePort
+from proxy.model.types import Family, IPAddress, ServicePortKey
+
+log = logging.getLogger(__name__)
+
+
+class NftablesUnavailable(Exception):
+    """This host cannot run the nftables mode (tools or kernel support missing)."""
+
+
+class _FamilyState:
+    def __init__(self, family: Family) -> None:
+        self.family = family
+        self.state: TableState | None = None  # None: unknown, the next sync is full
+        self.context: RenderContext | None = None
+        # The snapshot entries the state was rendered from (kept after a failure: what
+        # conntrack cleanup compares against is what traffic last saw).
+        self.ports: dict[ServicePortKey, ResolvedServicePort] = {}
+
+    @property
+    def table(self) -> str:
+        return f"{table_family(self.family)} {TABLE}"
+
+
+class NftablesDataPlane:
+    """`runner` and `addresses` replace libnftables/nft and the netlink address dump in
+    tests; `probe=False` skips the kernel's NAT check (done by the caller)."""
+
+    def __init__(self, options: DataplaneOptions, *, runner: NftRunner | None = None,
+                 addresses: Callable[[], Sequence[IPAddress]] | None = None,
+                 clear_conntrack: bool = True, probe: bool = True) -> None:
+        why = unavailable() if runner is None else None
+        if why:
+            raise NftablesUnavailable(f"{why}; install Debian's nftables package or use "
+                                      "--proxy-mode iptables")
+        self.options = options
+        self.runner = runner or NftRunner()
+        self.clear_conntrack = clear_conntrack
+        self._addresses = addresses or node_addresses
+        self._families: dict[Family, _FamilyState] = {}
+        refused: list[str] = []
+        for family in options.families:
+            reason = nat_unsupported(family) if probe else None
+            if reason:
+                refused.append(reason)
+                log.warning("family dropped: nf_tables cannot do NAT for it here",
+                            extra={"family": family.label, "reason": reason})
+                continue
+            self._families[family] = _FamilyState(family)
+        if not self._families:
+            raise NftablesUnavailable(
+                f"this kernel's nf_tables cannot do NAT ({'; '.join(refused) or 'no family'})"
+                "; load nft_chain_nat or use --proxy-mode iptables or ipvs")
+        self.failures = 0  # transactions refused since start (a metric's source)
+        self._watch: NftablesListener | None = None
+        self._foreign: list[str] = []  # foreign transactions on our tables, not yet checked
+        self._foreign_lock = threading.Lock()
+
+    @property
+    def mode(self) -> str:
+        return "nftables"
+
+    @property
+    def families(self) -> tuple[Family, ...]:
+        return tuple(self._families)
+
+    # --- sync -------------------------------------------------------------------------------
+
+    def sync(self, state: DesiredState, full: bool = False) -> SyncReport:
+        node_ips = self._addresses()
+        written: list[ServicePortKey] = []
+        removed: list[ServicePortKey] = []
+        flows: list[conntrack.StaleFlows] = []
+        operations, apply_seconds, any_full = 0, 0.0, False
+        failure: ApplyError | None = None
+        details: dict[str, Any] = {}
+        for family, fam in self._families.items():
+            ports = {k: v for k, v in state.ports.items() if k.family is family}
+            ctx = context_for(family, self.options, node_ips)
+            is_full = full or fam.state is None or ctx != fam.context
+            started = time.perf_counter()
+            changed = {k for k in ports.keys() | fam.ports.keys()
+                       if ports.get(k) is not fam.ports.get(k)}
+            try:
+                if is_full:
+                    text, table = self._full(fam, ports, ctx)
+                else:
+                    assert fam.state is not None
+                    table = fam.state
+                    text = partial_script(table, {
+                        k: render_port(ports[k], ctx) if k in ports else None
+                        for k in changed})
+                render_seconds = time.perf_counter() - started
+                started = time.perf_counter()
+                if text:
+                    self._run(fam, text, is_full)
+            except ApplyError as exc:
+                # The other family may still be fine: finish it, then report this one.
+                failure = failure or exc
+                continue
+            elapsed = time.perf_counter() - started
+            lines = text.count("\n")
+            any_full |= is_full
+            apply_seconds += elapsed
+            operations += lines
+            flows += conntrack.stale_flows_between(fam.ports, ports, changed)
+            written += [k for k in changed if k in ports]
+            removed += [k for k in changed if k not in ports]
+            fam.state, fam.context, fam.ports = table, ctx, ports
+            details[family.label] = {"full": is_full, "lines": lines,
+                                     "render_seconds": round(render_seconds, 6),
+                                     "apply_seconds": round(elapsed, 6)}
+        cleared = self._clear(flows)
+        if failure is not None:
+            raise failure
+        log.info("nftables sync applied", extra={
+            "full": any_full, "written": len(written), "removed": len(removed),
+            "lines": operations, "apply_seconds": round(apply_seconds, 4),
+            "conntrack_cleared": cleared})
+        return SyncReport(full=any_full, written=tuple(sorted(written)),
+                          removed=tuple(sorted(removed)), operations=operations,
+                          apply_seconds=apply_seconds, conntrack_cleared=cleared,
+                          details=details)
+
+    def _full(self, fam: _FamilyState, ports: Mapping[ServicePortKey, ResolvedServicePort],
+              ctx: RenderContext) -> tuple[str, TableState]:
+        chains, sets = self._kernel_objects(fam)
+        return full_script(render_base(ctx), {k: render_port(v, ctx) for k, v in ports.items()},
+                           chains, sets)
+
+    def _kernel_objects(self, fam: _FamilyState) -> tuple[list[str], dict[str, str]]:
+        """Names of the chains, and of the sets and maps, our table holds now."""
+        chains: list[str] = []
+        sets: dict[str, str] = {}
+        ip = table_family(fam.family)
+        for kind, command in (("chain", f"list chains {ip}"), ("set", f"list sets {ip}"),
+                              ("map", f"list maps {ip}")):
+            try:
+                listed = self.runner.list_json(command)
+            except NftError as exc:
+                self._failed(fam, str(exc), None, True)
+                raise ApplyError(f"cannot read back table {fam.table}: {exc}") from exc
+            for item in listed.get("nftables", ()):
+                obj = item.get(kind)
+                if not obj or obj.get("table") != TABLE:
+                    continue
+                if kind == "chain":
+                    chains.append(obj["name"])
+                else:
+                    sets[obj["name"]] = kind
+        return chains, sets
+
+    def _run(self, fam: _FamilyState, text: str, full: bool) -> None:
+        try:
+            self.runner.run(text)
+        except NftError as exc:
+            self._failed(fam, str(exc), exc.offending, full, exc.line)
+            raise ApplyError(f"nf_tables refused the {'full' if full else 'partial'} "
+                             f"transaction for {fam.table}: {exc}",
+                             offending=exc.offending) from exc
+
+    def _failed(self, fam: _FamilyState, error: str, offending: str | None, full: bool,
+                line: int | None = None) -> None:
+        self.failures += 1
+        fam.state = None  # what the kernel holds is no longer certain: next sync is full
+        log.error("nftables transaction failed; previous rules stay, next sync is full",
+                  extra={"family": fam.family.label, "table": fam.table, "full": full,
+                         "line": line, "offending": offending, "error": error[-2000:]})
+
+    def _clear(self, flows: list[conntrack.StaleFlows]) -> int:
+        if not flows or not self.clear_conntrack:
+            return 0
+        try:
+            return conntrack.clear(flows)
+        except OSError as exc:  # never fail a sync whose rules are in: log and go on
+            log.warning("conntrack cleanup failed", extra={"error": str(exc),
+                                                           "flows": len(flows)})
+            return 0
+
+    # --- the rest of the contract -------------------------------------------------------------
+
+    def applied_rules(self, key: ServicePortKey) -> Sequence[str]:
+        fam = self._families.get(key.family)
+        if fam is None or fam.state is None:
+            return ()
+        objects = fam.state.ports.get(key)
+        return objects.lines(key.family) if objects is not None else ()
+
+    def housekeeping(self) -> None:
+        """Nothing to do between syncs: affinity entries expire in the kernel."""
+
+    def watch_drift(self, notify: Callable[[str], None]) -> None:
+        """Listen to nf_tables' announcements; a transaction on one of our tables that we
+        did not make is drift (`check_drift` then says so, and the next sync repairs)."""
+        if self._watch is not None:
+            return
+
+        def foreign(reason: str) -> None:
+            with self._foreign_lock:
+                self._foreign.append(reason)
+            notify(reason)
+
+        self._watch = NftablesListener({(NFPROTO[f], TABLE) for f in self._families},
+                                       self.runner.started_here, foreign)
+        self._watch.start()
+        log.info("watching for changes to our tables by other processes",
+                 extra={"how": "nf_tables announcements",
+                        "tables": [f.table for f in self._families.values()]})
+
+    def check_drift(self) -> list[str]:
+        """How our tables differ from what we last applied ([] when they agree): any
+        foreign transaction on them, or chains and sets missing or extra by name."""
+        with self._foreign_lock:
+            found, self._foreign = self._foreign[:1], []
+        for fam in self._families.values():
+            if fam.state is None:
+                continue  # its next sync is full already
+            try:
+                chains, sets = self._kernel_objects(fam)
+            except ApplyError as exc:
+                found.append(str(exc))
+                continue
+            missing = sorted(fam.state.chain_names() - set(chains))
+            extra = sorted(set(chains) - fam.state.chain_names())
+            missing_sets = sorted(fam.state.set_names() - set(sets))
+            for what, names in (("chains missing", missing), ("chains not ours", extra),
+                                ("sets missing", missing_sets)):
+                if names:
+                    found.append(f"{fam.table}: {what}: {', '.join(names[:5])}"
+                                 + (f" and {len(names) - 5} more" if len(names) > 5 else ""))
+        if found:
+            for fam in self._families.values():
+                fam.state = None
+        return found
+
+    def cleanup(self) -> None:
+        """Remove our tables (both families); nothing else."""
+        for family in self.options.families:
+            t = f"{table_family(family)} {TABLE}"
+            # `add` first makes the delete succeed whether or not the table exists.
+            self.runner.run(f"add table {t}\ndelete table {t}\n")
+            log.info("removed sliceproxy's nftables table", extra={"table": t})
+        for fam in self._families.values():
+            fam.state, fam.context, fam.ports = None, None, {}
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+        self.runner.close()

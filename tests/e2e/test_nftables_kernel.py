@@ -1,0 +1,164 @@
+"""The nftables data plane against the real kernel, inside throw-away namespaces: partial
+equals full (read back with `nft -j list table`), repair of a foreign deletion, a refused
+transaction, cleanup, and other tables left alone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from ipaddress import ip_address
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from proxy.dataplane.base import ApplyError
+from proxy.dataplane.nftables.runner import NftRunner
+from proxy.lab import Lab
+from proxy.lab.netns import entered
+from tests.e2e.agent_support import wait_for
+from tests.e2e.conftest import Cluster, NodePlane
+from tests.unit.builders import ep, eps_slice, service
+from tests.unit.test_iptables_sync import clusters
+
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
+
+ADDRESSES = [ip_address("198.18.0.1"), ip_address("fd00:18::1")]
+# Somebody else's table, which nothing of ours may touch.
+FOREIGN = """table inet firewall {
+  chain input { type filter hook input priority 0; policy accept; tcp dport 22 accept; }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def namespaces() -> Iterator[Lab]:
+    with Lab([]) as lab:  # two bare namespaces: node_ns and client_ns
+        yield lab
+
+
+def nft(ns: str, *args: str, stdin: str | None = None) -> str:
+    out = subprocess.run(["ip", "netns", "exec", ns, "nft", *args], input=stdin,
+                         capture_output=True, text=True, check=True)
+    return out.stdout
+
+
+def wipe(ns: str) -> None:
+    nft(ns, "flush", "ruleset")
+
+
+def listing(ns: str) -> dict[str, Any]:
+    """Every table of the namespace, as nft reads it back, without handles and with
+    set elements in order: comparable between namespaces."""
+    out: dict[str, Any] = {}
+    for item in json.loads(nft(ns, "-j", "list", "ruleset"))["nftables"]:
+        kind, obj = next(iter(item.items()))
+        if kind == "metainfo":
+            continue
+        obj = {k: v for k, v in obj.items() if k != "handle"}
+        if kind == "rule":
+            out.setdefault(("rules", obj["family"], obj["table"], obj["chain"]), []).append(
+                json.dumps(obj["expr"], sort_keys=True))
+        else:
+            if "elem" in obj:
+                obj["elem"] = sorted(json.dumps(e, sort_keys=True) for e in obj["elem"])
+            out[(kind, obj.get("family"), obj.get("table", ""), obj["name"])] = obj
+    return out
+
+
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(first=clusters(), second=clusters(), third=clusters())
+def test_partial_syncs_end_where_a_full_sync_from_scratch_does(
+        namespaces: Lab, first: list[dict[str, Any]], second: list[dict[str, Any]],
+        third: list[dict[str, Any]]) -> None:
+    partial_ns, full_ns = namespaces.node_ns, namespaces.client_ns
+    for ns in (partial_ns, full_ns):
+        wipe(ns)
+        nft(ns, "-f", "-", stdin=FOREIGN)
+    cluster = Cluster()
+    states = [cluster.become(*objs) for objs in (first, second, third)]
+    plane = NodePlane(partial_ns, mode="nftables", addresses=lambda: ADDRESSES)
+    plane.sync(states[0], full=True)
+    for state in states[1:]:
+        assert not plane.sync(state).full
+    fresh = NodePlane(full_ns, mode="nftables", addresses=lambda: ADDRESSES)
+    fresh.sync(states[-1], full=True)
+    assert listing(partial_ns) == listing(full_ns)
+    # ... and a full resync over what the partial syncs left changes nothing either.
+    plane.sync(states[-1], full=True)
+    assert listing(partial_ns) == listing(full_ns)
+    for p in (plane, fresh):
+        p.cleanup()
+    # Cleanup takes our tables and nothing else.
+    assert " sliceproxy" not in nft(partial_ns, "list", "tables")
+    assert "table inet firewall" in nft(partial_ns, "list", "tables")
+
+
+def web(endpoints: list[str]) -> list[dict[str, Any]]:
+    return [service("web", ips=("198.18.128.10",), sessionAffinity="ClientIP"),
+            eps_slice("web-1", [ep(a) for a in endpoints], service_name="web")]
+
+
+def test_foreign_changes_are_noticed_and_repaired_by_the_next_sync(namespaces: Lab) -> None:
+    ns = namespaces.node_ns
+    wipe(ns)
+    plane = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES)
+    cluster = Cluster()
+    state = cluster.become(*web(["198.18.1.10", "198.18.1.11"]))
+    plane.sync(state, full=True)
+    before = listing(ns)
+    heard: list[str] = []
+    with entered(ns):
+        plane.dp.watch_drift(heard.append)
+    try:
+        # A chain of ours emptied: announced by nf_tables, so noticed without a poll.
+        chain = next(k[3] for k in before if k[0] == "chain" and k[3].startswith("svc-"))
+        nft(ns, "flush", "chain", "ip", "sliceproxy", chain)
+        wait_for(lambda: bool(heard), 10.0, "the nf_tables announcement")
+        with entered(ns):
+            found = plane.dp.check_drift()
+        assert found, heard
+        assert plane.sync(state).full  # drift makes the next sync a full one
+        assert listing(ns) == before
+        # The whole table deleted (a firewall reload): missing by name too.
+        nft(ns, "delete", "table", "ip", "sliceproxy")
+        with entered(ns):
+            found = plane.dp.check_drift()
+        assert any("missing" in f for f in found), found
+        plane.sync(state)
+        assert listing(ns) == before
+    finally:
+        with entered(ns):
+            plane.dp.close()
+        plane.cleanup()
+
+
+def test_a_refused_transaction_keeps_the_old_rules_and_the_retry_is_full(
+        namespaces: Lab) -> None:
+    ns = namespaces.node_ns
+    wipe(ns)
+
+    class Sabotaged(NftRunner):
+        inject: str | None = None
+
+        def run(self, text: str) -> None:
+            super().run(text + (self.inject or ""))
+
+    with entered(ns):
+        runner = Sabotaged()
+    plane = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES, runner=runner)
+    cluster = Cluster()
+    plane.sync(cluster.become(*web(["198.18.1.10"])), full=True)
+    before = listing(ns)
+    runner.inject = "add rule ip sliceproxy services jump no-such-chain\n"
+    with pytest.raises(ApplyError) as refused:
+        plane.sync(cluster.become(*web(["198.18.1.11"])))
+    assert "no-such-chain" in f"{refused.value} {refused.value.offending}"
+    assert listing(ns) == before  # all or nothing
+    runner.inject = None
+    report = plane.sync(cluster.model.state)
+    assert report.full
+    assert "198.18.1.11" in nft(ns, "list", "table", "ip", "sliceproxy")
+    plane.cleanup()
