@@ -1,4 +1,5 @@
-"""iptables data-plane benchmark: program N services, then change one service, per applier.
+"""iptables and nftables data-plane benchmark: program N services, then change one
+service, per applier (`nftables` is the native mode, NftablesDataPlane).
 
     sudo .venv/bin/python -m bench.iptables_bench --sizes 1000 10000 --repeat 3
 
@@ -32,6 +33,7 @@ from bench.model_bench import make_objects
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.iptables import IptablesDataPlane
 from proxy.dataplane.iptables.runner import Backend
+from proxy.dataplane.nftables import NftablesDataPlane
 from proxy.kube.decode import decode_endpoint_slice, decode_service
 from proxy.lab import Lab
 from proxy.lab.netns import entered
@@ -41,10 +43,11 @@ from proxy.model.types import Family
 
 NODE = "node-0"
 # name -> (back end, applier)
-APPLIERS: dict[str, tuple[Backend, str]] = {
+APPLIERS: dict[str, tuple[Backend | None, str]] = {
     "legacy-restore": (Backend.LEGACY, "restore"),
     "nft-restore": (Backend.NFT, "restore"),
     "legacy-iptc": (Backend.LEGACY, "iptc"),
+    "nftables": (None, "nftables"),
 }
 
 
@@ -96,15 +99,16 @@ def run_one(name: str, services: int, endpoints: int, repeat: int,
     out: dict[str, Any] = {"applier": name, "services": services,
                            "endpoints_per_service": endpoints}
     with namespace() as ns, entered(ns):
-        dp = IptablesDataPlane(options, backend=backend, applier=applier,
-                               clear_conntrack=False)
+        dp: IptablesDataPlane | NftablesDataPlane
+        if applier == "nftables":
+            dp = NftablesDataPlane(options, clear_conntrack=False)
+        else:
+            dp = IptablesDataPlane(options, backend=backend, applier=applier,
+                                   clear_conntrack=False)
         seconds, report = timed(lambda: dp.sync(model.state, full=True))
         out["full"] = {"total_s": round(seconds, 3), "apply_s": round(report.apply_seconds, 3),
                        "lines": report.operations}
-        fam = dp._families[Family.V4]
-        assert fam.ruleset is not None
-        out["rules"] = fam.ruleset.rule_count()
-        out["chains"] = len(fam.ruleset.chains())
+        out["rules"], out["chains"] = _size(dp)
         if full:
             resync = [timed(lambda: dp.sync(model.state, full=True)) for _ in range(repeat)]
             out["resync"] = _summary(resync)
@@ -115,6 +119,18 @@ def run_one(name: str, services: int, endpoints: int, repeat: int,
         assert all(not r.full for _, r in partial)
         out["partial"] = _summary(partial)
     return out
+
+
+def _size(dp: IptablesDataPlane | NftablesDataPlane) -> tuple[int, int]:
+    """(rules, chains) the data plane holds for IPv4."""
+    if isinstance(dp, NftablesDataPlane):
+        table = dp._families[Family.V4].state
+        assert table is not None
+        rules = sum(len(r) for p in table.ports.values() for _, r in p.chains)
+        return rules + sum(len(r) for _n, _b, r in table.base.chains), len(table.chain_names())
+    fam = dp._families[Family.V4]
+    assert fam.ruleset is not None
+    return fam.ruleset.rule_count(), len(fam.ruleset.chains())
 
 
 def _summary(runs: list[tuple[float, Any]]) -> dict[str, Any]:
