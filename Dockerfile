@@ -17,11 +17,11 @@ RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM python:3.11-slim-bookworm
 # iptables (legacy and nft back ends), ipset, conntrack and ipvsadm for the data planes
-# and operators; iproute2 for addresses (`ip`). No kmod: the container cannot load
+# and operators; nftables (nft and libnftables1) for --proxy-mode nftables; iproute2 for addresses (`ip`). No kmod: the container cannot load
 # modules (no SYS_MODULE, no /lib/modules), the node must have them (docs/security.md).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
-      iptables ipset conntrack ipvsadm iproute2 \
+      iptables ipset conntrack ipvsadm nftables iproute2 \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir --no-index --find-links=/wheels sliceproxy \

@@ -103,7 +103,7 @@ def test_slim_base_tools_non_root_and_entrypoint() -> None:
     bases = [args for word, args in steps if word == "FROM"]
     assert bases and all("slim" in b for b in bases)
     installs = " ".join(args for word, args in steps if word == "RUN" and "apt-get" in args)
-    for pkg in ("iptables", "ipset", "conntrack", "ipvsadm"):
+    for pkg in ("iptables", "ipset", "conntrack", "ipvsadm", "nftables"):
         assert f" {pkg} " in f" {installs} ", pkg
     users = [args for word, args in steps if word == "USER"]
     assert users and users[-1] not in ("0", "root")
