@@ -215,7 +215,7 @@ class IptablesDataPlane:
             details[family.label] = {"full": is_full, "lines": lines, "restores": len(texts),
                                      "render_seconds": round(render_seconds, 6),
                                      "apply_seconds": round(elapsed, 6)}
-        cleared = self._clear(flows)
+        cleared = conntrack.clear_after_sync(flows) if self.clear_conntrack else 0
         if failure is not None:
             raise failure
         report = SyncReport(full=any_full, written=tuple(sorted(written)),
@@ -277,16 +277,6 @@ class IptablesDataPlane:
         log.error("iptables apply failed; previous rules stay, next sync is full", extra={
             "family": fam.runner.family.label, "binary": fam.runner.restore_cmd,
             "full": full, "line": line, "offending": offending, "error": error[-2000:]})
-
-    def _clear(self, flows: list[conntrack.StaleFlows]) -> int:
-        if not flows or not self.clear_conntrack:
-            return 0
-        try:
-            return conntrack.clear(flows)
-        except OSError as exc:  # never fail a sync whose rules are in: log and go on
-            log.warning("conntrack cleanup failed", extra={"error": str(exc),
-                                                           "flows": len(flows)})
-            return 0
 
     # --- the rest of the contract -------------------------------------------------------------
 

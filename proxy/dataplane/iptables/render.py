@@ -43,9 +43,9 @@ import hashlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from ipaddress import IPv4Network, IPv6Network
 
 from proxy.dataplane.base import DataplaneOptions
+from proxy.dataplane.paths import plan, sorted_nets
 from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
 from proxy.model.types import (
     DEFAULT_AFFINITY_TIMEOUT,
@@ -53,7 +53,6 @@ from proxy.model.types import (
     IPAddress,
     IPNetwork,
     ServicePortKey,
-    TrafficPolicy,
 )
 
 PREFIX = "SPX-"
@@ -308,21 +307,12 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortRules:
     pmatch = f"-p {proto}"
     dport = f"-m {proto} --dport {sp.port}"
     family = key.family
-    external_ips = [ip for ip in svc.external_ips if Family.of(ip) is family]
-    lb_ips = [ip for ip in svc.load_balancer_ips if Family.of(ip) is family]
-    ranges = [r for r in svc.load_balancer_source_ranges if Family.of(r) is family]
-
-    cluster_eps = rsp.cluster_endpoints if rsp.uses_cluster else ()
-    local_eps = rsp.local_endpoints if rsp.uses_local else ()
-    has_endpoints = rsp.has_any_endpoints
-    svc_chain = port_chain("SVC", key, proto) if cluster_eps else None
-    svl_chain = port_chain("SVL", key, proto) if local_eps else None
-    internal_chain = svl_chain if svc.internal_traffic_policy is TrafficPolicy.LOCAL else svc_chain
-    externally_accessible = bool(sp.node_port or external_ips or lb_ips)
-    external_local = svc.external_traffic_policy is TrafficPolicy.LOCAL
-    external_policy_chain = svl_chain if external_local else svc_chain
-    ext_chain = port_chain("EXT", key, proto) if has_endpoints and externally_accessible else None
-    fw_chain = port_chain("FW", key, proto) if has_endpoints and lb_ips and ranges else None
+    p = plan(rsp, lambda kind: port_chain(kind.upper(), key, proto))
+    external_ips, lb_ips, ranges = p.external_ips, p.lb_ips, p.ranges
+    cluster_eps, local_eps, has_endpoints = p.cluster_eps, p.local_eps, p.has_endpoints
+    svc_chain, svl_chain, internal_chain = p.svc, p.svl, p.internal
+    external_local, external_policy_chain = p.external_local, p.external_policy
+    ext_chain, fw_chain = p.ext, p.fw
 
     if not has_endpoints:
         internal_target = external_target = "REJECT --reject-with " + (
@@ -401,7 +391,7 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortRules:
     affinity = svc.affinity_timeout
     # Each endpoint's text and chain name, computed once (hashing is most of the cost).
     seps = {ep: (text, endpoint_chain(key, proto, text)) for ep in (*cluster_eps, *local_eps)
-            for text in (_endpoint_text(ep),)}
+            for text in (endpoint_text(ep),)}
     for chain, eps in ((svc_chain, cluster_eps), (svl_chain, local_eps)):
         if chain:
             chains.append((chain, tuple(masq_rules.get(chain, ())) + _balance(
@@ -441,18 +431,12 @@ def _external_rules(name: str, ctx: RenderContext, external_local: bool, svc_cha
 def _firewall_rules(name: str, ctx: RenderContext, ranges: Sequence[IPNetwork],
                     lb_ips: Sequence[IPAddress], ext_chain: str) -> tuple[str, ...]:
     label = comment(f"{name} loadbalancer IP")
-    rules = [f"-s {r} {label} -j {ext_chain}" for r in _sorted_nets(ranges)]
+    rules = [f"-s {r} {label} -j {ext_chain}" for r in sorted_nets(ranges)]
     # A node sending to its own LB IP (often a local address) comes from that IP.
     if any(ip in r for r in ranges for ip in ctx.node_ips):
         rules.extend(f"-s {_cidr(ip, ctx)} {label} -j {ext_chain}" for ip in lb_ips)
     rules.append(comment(f"other traffic to {name} will be dropped by {FIREWALL}"))
     return _dedupe(rules)
-
-
-def _sorted_nets(nets: Sequence[IPNetwork]) -> list[IPNetwork]:
-    v4 = sorted(n for n in nets if isinstance(n, IPv4Network))
-    v6 = sorted(n for n in nets if isinstance(n, IPv6Network))
-    return [*v4, *v6]
 
 
 def _balance(name: str, eps: Sequence[MergedEndpoint],
@@ -477,7 +461,7 @@ def _balance(name: str, eps: Sequence[MergedEndpoint],
     return tuple(rules)
 
 
-def _endpoint_text(ep: MergedEndpoint) -> str:
+def endpoint_text(ep: MergedEndpoint) -> str:
     if ep.address.version == 6:
         return f"[{_text(ep.address)}]:{ep.port}"
     return f"{_text(ep.address)}:{ep.port}"

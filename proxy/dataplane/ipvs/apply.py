@@ -716,12 +716,5 @@ class IpvsDataPlane:
         entries included (expire_nodest_conn=1), so this usually finds nothing there; it
         covers older kernels and entries of real servers deleted by other means.
         A failure is logged, not raised: the rules themselves are in place."""
-        flows = conntrack.stale_flows_between(old.ports, new.ports, keys)
-        if not flows:
-            return 0
-        try:
-            return conntrack.clear(flows)
-        except Exception as exc:
-            log.warning("conntrack cleanup failed", extra={"error": str(exc),
-                                                           "flows": len(flows)})
-            return 0
+        return conntrack.clear_after_sync(conntrack.stale_flows_between(old.ports, new.ports,
+                                                                         keys))

@@ -143,7 +143,7 @@ class NftablesDataPlane:
             details[family.label] = {"full": is_full, "lines": lines,
                                      "render_seconds": round(render_seconds, 6),
                                      "apply_seconds": round(elapsed, 6)}
-        cleared = self._clear(flows)
+        cleared = conntrack.clear_after_sync(flows) if self.clear_conntrack else 0
         if failure is not None:
             raise failure
         log.info("nftables sync applied", extra={
@@ -199,16 +199,6 @@ class NftablesDataPlane:
         log.error("nftables transaction failed; previous rules stay, next sync is full",
                   extra={"family": fam.family.label, "table": fam.table, "full": full,
                          "line": line, "offending": offending, "error": error[-2000:]})
-
-    def _clear(self, flows: list[conntrack.StaleFlows]) -> int:
-        if not flows or not self.clear_conntrack:
-            return 0
-        try:
-            return conntrack.clear(flows)
-        except OSError as exc:  # never fail a sync whose rules are in: log and go on
-            log.warning("conntrack cleanup failed", extra={"error": str(exc),
-                                                           "flows": len(flows)})
-            return 0
 
     # --- the rest of the contract -------------------------------------------------------------
 

@@ -43,9 +43,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from ipaddress import IPv4Network, IPv6Network
 
-from proxy.dataplane.iptables.render import RenderContext, name_hash, port_name
+from proxy.dataplane.iptables.render import RenderContext, endpoint_text, name_hash, port_name
+from proxy.dataplane.paths import plan, sorted_nets
 from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
 from proxy.model.types import (
     DEFAULT_AFFINITY_TIMEOUT,
@@ -53,7 +53,6 @@ from proxy.model.types import (
     IPAddress,
     IPNetwork,
     ServicePortKey,
-    TrafficPolicy,
 )
 
 TABLE = "sliceproxy"
@@ -195,7 +194,7 @@ def render_base(ctx: RenderContext) -> BaseObjects:
     ]
     if len(ctx.local_cidrs) > 1 and not ctx.masquerade_all:
         chains.insert(1, (MASQ_UNLESS_POD, "", (
-            *(f"{ip} saddr {c} return" for c in _sorted_nets(ctx.local_cidrs)),
+            *(f"{ip} saddr {c} return" for c in sorted_nets(ctx.local_cidrs)),
             f"jump {MARK_FOR_MASQUERADE}")))
     return BaseObjects(family, tuple(sets), tuple(chains), tuple(elements))
 
@@ -224,18 +223,6 @@ def _text(ip: IPAddress) -> str:
     return str(ip)
 
 
-def _endpoint_text(ep: MergedEndpoint) -> str:
-    if ep.address.version == 6:
-        return f"[{_text(ep.address)}]:{ep.port}"
-    return f"{_text(ep.address)}:{ep.port}"
-
-
-def _sorted_nets(nets: Sequence[IPNetwork]) -> list[IPNetwork]:
-    v4 = sorted(n for n in nets if isinstance(n, IPv4Network))
-    v6 = sorted(n for n in nets if isinstance(n, IPv6Network))
-    return [*v4, *v6]
-
-
 # --- one service port ------------------------------------------------------------------------
 
 
@@ -246,21 +233,12 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortObjects:
     proto = sp.protocol.value.lower()
     family = key.family
     ip = table_family(family)
-    external_ips = [a for a in svc.external_ips if Family.of(a) is family]
-    lb_ips = [a for a in svc.load_balancer_ips if Family.of(a) is family]
-    ranges = [r for r in svc.load_balancer_source_ranges if Family.of(r) is family]
-
-    cluster_eps = rsp.cluster_endpoints if rsp.uses_cluster else ()
-    local_eps = rsp.local_endpoints if rsp.uses_local else ()
-    has_endpoints = rsp.has_any_endpoints
-    svc_chain = port_chain("svc", key, proto) if cluster_eps else None
-    svl_chain = port_chain("svl", key, proto) if local_eps else None
-    internal_chain = svl_chain if svc.internal_traffic_policy is TrafficPolicy.LOCAL else svc_chain
-    externally_accessible = bool(sp.node_port or external_ips or lb_ips)
-    external_local = svc.external_traffic_policy is TrafficPolicy.LOCAL
-    external_policy_chain = svl_chain if external_local else svc_chain
-    ext_chain = port_chain("ext", key, proto) if has_endpoints and externally_accessible else None
-    fw_chain = port_chain("fw", key, proto) if has_endpoints and lb_ips and ranges else None
+    p = plan(rsp, lambda kind: port_chain(kind, key, proto))
+    external_ips, lb_ips, ranges = p.external_ips, p.lb_ips, p.ranges
+    cluster_eps, local_eps, has_endpoints = p.cluster_eps, p.local_eps, p.has_endpoints
+    svc_chain, svl_chain, internal_chain = p.svc, p.svl, p.internal
+    external_local, external_policy_chain = p.external_local, p.external_policy
+    ext_chain, fw_chain = p.ext, p.fw
     # Traffic nat did not capture: rejected when nothing serves the port anywhere,
     # dropped when only the policy keeps it from the endpoints that exist.
     unserved = REJECT_VERDICT if not has_endpoints else DROP_VERDICT
@@ -320,7 +298,7 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortObjects:
                      for a in rsp.cluster_ips)
 
     affinity = svc.affinity_timeout
-    endpoints = {ep: _endpoint_text(ep) for ep in (*cluster_eps, *local_eps)}
+    endpoints = {ep: endpoint_text(ep) for ep in (*cluster_eps, *local_eps)}
     for ep in {*cluster_eps, *local_eps}:
         element(HAIRPIN, f"{_text(ep.address)} . {_text(ep.address)}")
     label = comment(name)
@@ -356,7 +334,7 @@ def _external_rules(ip: str, ctx: RenderContext, external_local: bool, svc_chain
         # neither traffic policy applies (upstream's short-circuit).
         if svc_chain:
             rules.extend(f"{ip} saddr {c} goto {svc_chain}"
-                         for c in _sorted_nets(ctx.local_cidrs))
+                         for c in sorted_nets(ctx.local_cidrs))
         # The node itself is the source: its address is local, so masquerade.
         rules.append(f"fib saddr type local jump {MARK_FOR_MASQUERADE}")
         if svc_chain:
@@ -369,7 +347,7 @@ def _external_rules(ip: str, ctx: RenderContext, external_local: bool, svc_chain
 def _firewall_rules(ip: str, ctx: RenderContext, ranges: Sequence[IPNetwork],
                     lb_ips: Sequence[IPAddress], ext_chain: str) -> tuple[str, ...]:
     # One rule per range, no anonymous set: sets are what makes a big table slow.
-    rules = [f"{ip} saddr {r} goto {ext_chain}" for r in _sorted_nets(ranges)]
+    rules = [f"{ip} saddr {r} goto {ext_chain}" for r in sorted_nets(ranges)]
     # A node sending to its own LB IP (often a local address) comes from that IP.
     if any(a in r for r in ranges for a in ctx.node_ips):
         rules.extend(f"{ip} saddr {_text(a)} goto {ext_chain}" for a in lb_ips)
