@@ -102,7 +102,7 @@ def replies(data: bytes) -> Iterator[Reply]:
 
 
 SOL_NETLINK, NETLINK_ADD_MEMBERSHIP = 270, 1
-SO_RCVBUFFORCE = 33
+SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
 LISTEN_POLL = 0.5  # how often a listener thread looks at its stop flag
 
 
@@ -244,6 +244,7 @@ class NetlinkSocket:
         first refusal among `acked` or `watched` (messages answered only when refused,
         such as a batch's opening) ends the wait: (its sequence number, errno). None when
         every one in `acked` was acknowledged."""
+        self._fit_send_buffer(len(data))
         self._sock.send(data)
         pending = set(acked)
         while pending:
@@ -254,6 +255,16 @@ class NetlinkSocket:
                     return reply.seq, reply.error
                 pending.discard(reply.seq)
         return None
+
+    def _fit_send_buffer(self, size: int) -> None:
+        """A datagram larger than the send buffer is refused (EMSGSIZE): grow it, as nft
+        does for its batches."""
+        if size + 4096 <= self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2:
+            return
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, size + 4096)
+        except OSError:  # without CAP_NET_ADMIN: as much as wmem_max allows
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size + 4096)
 
     def dump_raw(self, kind: int, body: bytes) -> list[Reply]:
         seq = self._next()

@@ -17,6 +17,7 @@ from proxy.dataplane.base import ApplyError
 from proxy.dataplane.nftables.runner import NftRunner
 from proxy.lab import Lab
 from proxy.lab.netns import entered
+from proxy.model.types import Family
 from tests.e2e.agent_support import wait_for
 from tests.e2e.conftest import Cluster, NodePlane
 from tests.unit.builders import ep, eps_slice, service
@@ -145,6 +146,9 @@ def test_a_refused_transaction_keeps_the_old_rules_and_the_retry_is_full(
 
         def run(self, text: str) -> None:
             super().run(text + (self.inject or ""))
+
+        def send(self, text: str, family: Family, table: str) -> None:
+            super().send(text + (self.inject or ""), family, table)
 
     with entered(ns):
         runner = Sabotaged()

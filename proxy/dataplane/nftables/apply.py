@@ -7,7 +7,9 @@ network namespace. Per family it keeps the `TableState` it last applied:
   node's addresses changed) reads back the names of what our table holds and rewrites
   all of it in one transaction (transaction.full_script);
 - a partial sync renders only the service ports whose snapshot entry is not the very
-  object applied last time, and sends only their chains and elements.
+  object applied last time, and sends only their chains and elements, encoded here
+  into netlink (wire.py) rather than through nft, which would first read our table
+  back.
 
 A transaction is atomic: if nf_tables refuses it, the previous rules stay, the state is
 dropped and the next sync is a full one. Our tables are `ip sliceproxy` and `ip6
@@ -30,6 +32,7 @@ from proxy.dataplane.iptables.render import RenderContext, context_for
 from proxy.dataplane.nftables.render import TABLE, render_base, render_port, table_family
 from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
 from proxy.dataplane.nftables.transaction import TableState, full_script, partial_script
+from proxy.dataplane.nftables.wire import Unencodable
 from proxy.dataplane.nftables_probe import NFPROTO, nat_unsupported
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
 from proxy.model.types import Family, IPAddress, ServicePortKey
@@ -125,8 +128,7 @@ class NftablesDataPlane:
                         for k in changed})
                 render_seconds = time.perf_counter() - started
                 started = time.perf_counter()
-                if text:
-                    self._run(fam, text, is_full)
+                applier = self._run(fam, text, is_full) if text else "none"
             except ApplyError as exc:
                 # The other family may still be fine: finish it, then report this one.
                 failure = failure or exc
@@ -140,7 +142,7 @@ class NftablesDataPlane:
             written += [k for k in changed if k in ports]
             removed += [k for k in changed if k not in ports]
             fam.state, fam.context, fam.ports = table, ctx, ports
-            details[family.label] = {"full": is_full, "lines": lines,
+            details[family.label] = {"full": is_full, "lines": lines, "applier": applier,
                                      "render_seconds": round(render_seconds, 6),
                                      "apply_seconds": round(elapsed, 6)}
         cleared = conntrack.clear_after_sync(flows) if self.clear_conntrack else 0
@@ -183,9 +185,21 @@ class NftablesDataPlane:
                     sets[obj["name"]] = kind
         return chains, sets
 
-    def _run(self, fam: _FamilyState, text: str, full: bool) -> None:
+    def _run(self, fam: _FamilyState, text: str, full: bool) -> str:
+        """Apply `text`; which applier took it. A partial script is encoded here and
+        sent without nft (wire.py: no read-back of the table per change); anything that
+        encoder does not speak, and every full script, goes through nft."""
         try:
+            if not full:
+                try:
+                    self.runner.send(text, fam.family, TABLE)
+                    return "netlink"
+                except Unencodable as exc:
+                    log.warning("partial nftables script outside the encoder's dialect; "
+                                "applied through nft", extra={"family": fam.family.label,
+                                                              "reason": str(exc)})
             self.runner.run(text)
+            return "nft"
         except NftError as exc:
             self._failed(fam, str(exc), exc.offending, full, exc.line)
             raise ApplyError(f"nf_tables refused the {'full' if full else 'partial'} "

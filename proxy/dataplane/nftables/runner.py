@@ -44,6 +44,10 @@ import threading
 from typing import Any
 
 from proxy.dataplane import processes
+from proxy.dataplane.netlink import NetlinkSocket
+from proxy.dataplane.nftables import wire
+from proxy.dataplane.nftables_probe import NETLINK_NETFILTER
+from proxy.model.types import Family
 
 LIBRARY = "libnftables.so.1"
 NFT = "nft"
@@ -146,6 +150,9 @@ class NftRunner:
         self._home: tuple[int, int, int] | None = None  # bound on first use
         self._ctx: int | None = None
         self._tid = 0  # the native id noted with processes while a context lives
+        self._socket: NetlinkSocket | None = None  # for encoded batches (wire.py)
+        self._socket_tid = 0
+        self._seq = 0
         self._lock = threading.Lock()  # close() may come from another thread
 
     def __enter__(self) -> NftRunner:
@@ -213,6 +220,37 @@ class NftRunner:
         if rc != 0:
             raise parse_error(errors, text)
 
+    def send(self, text: str, family: Family, table: str) -> None:
+        """Apply `text` as one transaction encoded here (wire.py), without nft and its
+        read-back cache. Raises wire.Unencodable, before touching the kernel, for a
+        script outside that dialect (then `run` it); NftError naming the first refused
+        line when the kernel refuses it."""
+        self._check_home()
+        lines = text.splitlines()
+        with self._lock:
+            batch = wire.encode(text, family, table, self._seq + 1)
+            self._seq = (max(batch.lines, default=batch.begin_seq) + 1) % 0x7FFFFFFF
+            if not batch.lines:
+                return
+            try:
+                if self._socket is None:
+                    self._socket_tid = threading.get_native_id()
+                    processes.note_thread(self._socket_tid)  # it commits as this thread
+                    self._socket = NetlinkSocket(NETLINK_NETFILTER)
+                refused = self._socket.first_refusal(
+                    batch.data, acked=(max(batch.lines),),
+                    watched={batch.begin_seq, *batch.lines})
+            except OSError as exc:
+                raise NftError(f"nf_tables netlink: {exc}") from exc
+        if refused is None:
+            return
+        seq, code = refused
+        number = batch.lines.get(seq)
+        if number is None:
+            raise NftError(f"the kernel refused the batch: {os.strerror(code)}")
+        raise NftError(f"line {number}: Could not process rule: {os.strerror(code)}",
+                       number, lines[number - 1])
+
     def _run_child(self, text: str) -> None:
         cmd = [NFT, "-f", "-"]
         try:
@@ -264,3 +302,7 @@ class NftRunner:
                 _library().nft_ctx_free(self._ctx)
                 self._ctx = None
                 processes.forget_thread(self._tid)
+            if self._socket is not None:
+                self._socket.close()
+                self._socket = None
+                processes.forget_thread(self._socket_tid)

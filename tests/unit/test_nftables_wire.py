@@ -1,0 +1,96 @@
+"""The netlink encoder of partial nftables scripts (wire.py), without a kernel: every
+script a partial sync can produce is inside its dialect (or the fast path would quietly
+be the slow one), anything else is refused before a byte is sent, and messages map back
+to their lines. That the kernel reads the encoding as nft's is tested in
+tests/e2e/test_nftables_wire.py."""
+
+from __future__ import annotations
+
+import struct
+from ipaddress import ip_address, ip_network
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.dataplane.iptables.render import RenderContext
+from proxy.dataplane.netlink import replies
+from proxy.dataplane.nftables.render import TABLE, render_base, render_port
+from proxy.dataplane.nftables.transaction import TableState, partial_script
+from proxy.dataplane.nftables.wire import Unencodable, encode
+from proxy.model.types import Family
+from tests.unit.test_iptables_sync import Cluster, clusters
+
+CONTEXTS = {
+    "one cluster CIDR": RenderContext(Family.V4, local_cidrs=(ip_network("198.18.0.0/17"),)),
+    "two cluster CIDRs": RenderContext(Family.V4, local_cidrs=(
+        ip_network("198.18.0.0/17"), ip_network("198.19.0.0/24"))),
+    "masquerade all": RenderContext(Family.V4, masquerade_all=True,
+                                    node_ips=(ip_address("198.18.0.1"),)),
+    "nodeport addresses": RenderContext(Family.V4, local_cidrs=(ip_network("198.18.0.0/17"),),
+                                        nodeport_ips=(ip_address("198.18.0.1"),)),
+}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(context=st.sampled_from(sorted(CONTEXTS)), states=st.lists(clusters(), min_size=2,
+                                                                  max_size=3))
+def test_every_partial_script_is_inside_the_dialect(context: str,
+                                                     states: list[list[dict[str, Any]]]) -> None:
+    ctx = CONTEXTS[context]
+    cluster = Cluster()
+    table = TableState(Family.V4, render_base(ctx))
+    applied: dict[Any, Any] = {}
+    for objects in states:
+        ports = {k: v for k, v in cluster.become(objects).ports.items()
+                 if k.family is Family.V4}
+        changed = {k for k in ports.keys() | applied.keys()
+                   if ports.get(k) is not applied.get(k)}
+        script = partial_script(table, {k: render_port(ports[k], ctx) if k in ports else None
+                                        for k in changed})
+        batch = encode(script, Family.V4, TABLE, 100)
+        lines = script.splitlines()
+        assert sorted(batch.lines.values()) == list(range(1, len(lines) + 1))
+        messages = list(replies(batch.data))
+        assert len(messages) == len(lines) + 2  # framed by the batch's begin and end
+        applied = ports
+
+
+def test_only_the_last_message_asks_for_an_acknowledgement() -> None:
+    script = ("add chain ip sliceproxy a\nadd rule ip sliceproxy a drop\n"
+              "add element ip sliceproxy cluster-ips { 198.18.0.1 }\n")
+    batch = encode(script, Family.V4, TABLE, 7)
+    assert batch.begin_seq == 7
+    assert batch.lines == {8: 1, 9: 2, 10: 3}
+    raw = batch.data
+    flags = {}
+    i = 0
+    while i < len(raw):
+        size, _kind, flag, seq, _pid = struct.unpack_from("=IHHII", raw, i)
+        flags[seq] = flag
+        i += size
+    assert [seq for seq, f in flags.items() if f & 0x4] == [10]
+
+
+@pytest.mark.parametrize("line", [
+    "add chain ip sliceproxy nat-prerouting { type nat hook prerouting priority dstnat; }",
+    "add rule ip sliceproxy x ct state new jump y",
+    "add rule ip sliceproxy x masquerade fully-random",
+    "add rule ip sliceproxy x ip saddr 198.18.0.1/33 drop",
+    "add rule ip sliceproxy x ip saddr fd00::1 drop",  # the other family
+    "add rule ip sliceproxy x meta l4proto icmp drop",
+    "add rule ip sliceproxy x goto y comment \"a\"b\"",
+    "add rule ip sliceproxy x drop accept",
+    "add rule ip sliceproxy x numgen inc mod 2 0 drop",
+    "add rule ip6 sliceproxy x drop",  # another table
+    "add rule ip other x drop",
+    "add set ip sliceproxy s { type ipv4_addr; }",
+    "add element ip sliceproxy m { 198.18.0.1 . tcp . 80 : queue }",
+    "add element ip sliceproxy m { 198.18.0.1 . tcp . 70000 : drop }",
+    "delete table ip sliceproxy",
+    "add rule ip sliceproxy x",
+])
+def test_anything_else_is_refused_before_sending(line: str) -> None:
+    with pytest.raises(Unencodable):
+        encode(line + "\n", Family.V4, TABLE, 1)
