@@ -127,7 +127,8 @@ def _size(dp: IptablesDataPlane | NftablesDataPlane) -> tuple[int, int]:
         table = dp._families[Family.V4].state
         assert table is not None
         rules = sum(len(r) for p in table.ports.values() for _, r in p.chains)
-        return rules + sum(len(r) for _n, _b, r in table.base.chains), len(table.chain_names())
+        base_rules = sum(len(r) for b in table.bases for _n, _b, r in b.chains)
+        return rules + base_rules, len(table.chain_names())
     fam = dp._families[Family.V4]
     assert fam.ruleset is not None
     return fam.ruleset.rule_count(), len(fam.ruleset.chains())

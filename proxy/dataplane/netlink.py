@@ -189,6 +189,16 @@ class NetlinkSocket:
         self._seq = self._seq % 0xFFFFFFFF + 1
         return self._seq
 
+    def reserve(self, count: int) -> int:
+        """The first of `count` consecutive sequence numbers for messages the caller
+        frames itself (an nf_tables batch), never reused by this socket's own requests
+        soon after."""
+        if self._seq + count >= 0xFFFFFFFF:
+            self._seq = 0
+        first = self._seq + 1
+        self._seq += count
+        return first
+
     def _recv(self) -> bytes:
         # Into one reusable buffer: recv(RCVBUF) allocated 1 MiB per datagram, and the
         # kernel acknowledges each request in a datagram of its own (in a fresh process

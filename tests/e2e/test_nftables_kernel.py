@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from ipaddress import ip_address
 from typing import Any
 
@@ -80,11 +80,12 @@ def test_partial_syncs_end_where_a_full_sync_from_scratch_does(
         nft(ns, "-f", "-", stdin=FOREIGN)
     cluster = Cluster()
     states = [cluster.become(*objs) for objs in (first, second, third)]
-    plane = NodePlane(partial_ns, mode="nftables", addresses=lambda: ADDRESSES)
+    # Four shards: changes spread over tables, one transaction touching several.
+    plane = NodePlane(partial_ns, mode="nftables", addresses=lambda: ADDRESSES, shards=4)
     plane.sync(states[0], full=True)
     for state in states[1:]:
         assert not plane.sync(state).full
-    fresh = NodePlane(full_ns, mode="nftables", addresses=lambda: ADDRESSES)
+    fresh = NodePlane(full_ns, mode="nftables", addresses=lambda: ADDRESSES, shards=4)
     fresh.sync(states[-1], full=True)
     assert listing(partial_ns) == listing(full_ns)
     # ... and a full resync over what the partial syncs left changes nothing either.
@@ -115,8 +116,9 @@ def test_foreign_changes_are_noticed_and_repaired_by_the_next_sync(namespaces: L
         plane.dp.watch_drift(heard.append)
     try:
         # A chain of ours emptied: announced by nf_tables, so noticed without a poll.
-        chain = next(k[3] for k in before if k[0] == "chain" and k[3].startswith("svc-"))
-        nft(ns, "flush", "chain", "ip", "sliceproxy", chain)
+        table, chain = next(k[2:] for k in before
+                            if k[0] == "chain" and k[3].startswith("svc-"))
+        nft(ns, "flush", "chain", "ip", table, chain)
         wait_for(lambda: bool(heard), 10.0, "the nf_tables announcement")
         with entered(ns):
             found = plane.dp.check_drift()
@@ -124,12 +126,13 @@ def test_foreign_changes_are_noticed_and_repaired_by_the_next_sync(namespaces: L
         assert plane.sync(state).full  # drift makes the next sync a full one
         assert listing(ns) == before
         # The whole table deleted (a firewall reload): missing by name too.
-        nft(ns, "delete", "table", "ip", "sliceproxy")
-        with entered(ns):
-            found = plane.dp.check_drift()
-        assert any("missing" in f for f in found), found
-        plane.sync(state)
-        assert listing(ns) == before
+        for gone in ("sliceproxy", table):  # the main table, then the service's shard
+            nft(ns, "delete", "table", "ip", gone)
+            with entered(ns):
+                found = plane.dp.check_drift()
+            assert any("missing" in f for f in found), found
+            plane.sync(state)
+            assert listing(ns) == before
     finally:
         with entered(ns):
             plane.dp.close()
@@ -147,8 +150,8 @@ def test_a_refused_transaction_keeps_the_old_rules_and_the_retry_is_full(
         def run(self, text: str) -> None:
             super().run(text + (self.inject or ""))
 
-        def send(self, text: str, family: Family, table: str) -> None:
-            super().send(text + (self.inject or ""), family, table)
+        def send(self, text: str, family: Family, tables: Collection[str]) -> None:
+            super().send(text + (self.inject or ""), family, tables)
 
     with entered(ns):
         runner = Sabotaged()

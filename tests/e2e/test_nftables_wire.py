@@ -176,7 +176,7 @@ def test_every_statement_reads_back_as_nft_writes_it(namespaces: Lab, family: Fa
         for template in (STATEMENTS[family], REMOVALS[family]):
             nft(ns, "-f", "-", stdin=script(template, REF))
             with entered(ns):
-                runner.send(script(template, ENC), family, ENC)
+                runner.send(script(template, ENC), family, (ENC,))
             same_tables(ns, family)
             if template is STATEMENTS[family]:  # not vacuous: the rules are there
                 assert "dnat to" in nft(ns, "list", "table", fam, ENC)
@@ -199,14 +199,14 @@ def test_a_refused_batch_names_its_line_and_changes_nothing(namespaces: Lab) -> 
         runner = NftRunner()
     try:
         with entered(ns), pytest.raises(NftError) as refused:
-            runner.send(bad, Family.V4, ENC)
+            runner.send(bad, Family.V4, (ENC,))
         assert refused.value.line == 3
         assert refused.value.offending == f"add rule ip {ENC} old jump no-such-chain"
         assert "No such file or directory" in str(refused.value)
         assert listing(ns, Family.V4, ENC) == before  # all or nothing
         # The socket stays usable: the next batch is answered, not an old refusal.
         with entered(ns):
-            runner.send(bad.replace("no-such-chain", "target"), Family.V4, ENC)
+            runner.send(bad.replace("no-such-chain", "target"), Family.V4, (ENC,))
         assert "198.18.0.9" in nft(ns, "list", "set", "ip", ENC, "cluster-ips")
     finally:
         with entered(ns):

@@ -44,6 +44,8 @@ def lab() -> Iterator[Lab]:
 
 PLANES = {"legacy": ("iptables", Backend.LEGACY), "nft": ("iptables", Backend.NFT),
           "nftables": ("nftables", None)}
+# nftables: services spread over several shard tables, as on a big node (render.py).
+SHARDS = {"nftables": 4}
 
 
 @pytest.fixture(params=list(PLANES))
@@ -51,7 +53,8 @@ def plane(lab: Lab, request: pytest.FixtureRequest) -> Iterator[NodePlane]:
     """Every data plane written in the node namespace: iptables on both back ends, and
     the native nftables mode."""
     mode, backend = PLANES[request.param]
-    node_plane = NodePlane(lab.node_ns, backend, mode=mode)
+    kw = {"shards": SHARDS[request.param]} if request.param in SHARDS else {}
+    node_plane = NodePlane(lab.node_ns, backend, mode=mode, **kw)
     try:
         yield node_plane
     finally:

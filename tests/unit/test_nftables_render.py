@@ -16,6 +16,9 @@ from proxy.dataplane.nftables.render import (
     port_chain,
     render_base,
     render_port,
+    render_shard,
+    shard_of,
+    shards_for,
 )
 from proxy.dataplane.nftables.transaction import full_script, partial_script
 from proxy.model.snapshot import ResolvedServicePort
@@ -24,6 +27,7 @@ from tests.unit.builders import NODE, ep, eps_slice, node, resolve_one, service
 
 CIDR4 = RenderContext(Family.V4, local_cidrs=(ip_network("198.18.1.0/24"),))
 T4 = "ip sliceproxy"
+S0 = "sliceproxy-0"  # the one shard of a small table
 
 
 def pretty(rsp: ResolvedServicePort, ctx: RenderContext = CIDR4) -> list[str]:
@@ -39,7 +43,7 @@ def pretty(rsp: ResolvedServicePort, ctx: RenderContext = CIDR4) -> list[str]:
     for line in render_port(rsp, ctx).lines(rsp.key.family):
         for name, label in names.items():
             line = line.replace(name, label)
-        out.append(line.replace(f" {T4} ", " ").replace(" ip6 sliceproxy ", " "))
+        out.append(re.sub(r" ip6? sliceproxy(-\d+)? ", " ", line))
     return out
 
 
@@ -158,7 +162,7 @@ def test_ipv6_uses_the_ip6_table_and_brackets() -> None:
                   family=Family.V6)
     ctx = RenderContext(Family.V6, local_cidrs=(ip_network("fd00:1::/64"),))
     lines = render_port(rsp, ctx).lines(Family.V6)
-    assert all(" ip6 sliceproxy " in line for line in lines)
+    assert all(re.search(r" ip6 sliceproxy(-0)? ", line) for line in lines), lines
     assert any(line.endswith('dnat to [fd00:1::10]:8080 comment "ns/svc:http"')
                for line in lines), lines
     assert any("ip6 daddr fd00::10 tcp dport 80 ip6 saddr != fd00:1::/64" in line
@@ -170,21 +174,40 @@ def test_several_cluster_cidrs_go_through_one_shared_chain() -> None:
                                                 ip_network("198.18.6.0/24")))
     lines = pretty(resolve(service(), eps_slice("s1", [ep("198.18.1.10")])), ctx)
     assert "add rule <svc> ip daddr 198.18.128.1 tcp dport 80 jump masq-unless-pod" in lines
-    base = {name: rules for name, _body, rules in render_base(ctx).chains}
-    assert base["masq-unless-pod"] == ("ip saddr 198.18.1.0/24 return",
+    shard = {name: rules for name, _body, rules in render_shard(ctx, S0).chains}
+    assert shard["masq-unless-pod"] == ("ip saddr 198.18.1.0/24 return",
                                        "ip saddr 198.18.6.0/24 return",
                                        "jump mark-for-masquerade")
 
 
-def test_nodeport_addresses_become_a_set_of_the_base() -> None:
+def test_nodeport_addresses_become_a_set_in_each_table_that_matches_them() -> None:
     ctx = RenderContext(Family.V4, nodeport_ips=(ip_address("198.18.0.2"),))
-    base = render_base(ctx)
-    rules = {name: rules for name, _body, rules in base.chains}
-    assert rules["services"][1] == ("ip daddr @nodeport-ips meta l4proto . th dport "
-                                    "vmap @service-nodeports")
-    assert [e.key for e in base.elements] == ["198.18.0.2"]
-    every = {name: r for name, _b, r in render_base(CIDR4).chains}
-    assert every["services"][1].startswith("fib daddr type local ip daddr != 127.0.0.0/8 ")
+    shard = render_shard(ctx, S0)
+    rules = {name: rules for name, _body, rules in shard.chains}
+    assert rules["nodeports"] == ("ip daddr @nodeport-ips meta l4proto . th dport "
+                                  "vmap @service-nodeports",)
+    assert [(e.table, e.key) for e in shard.elements] == [(S0, "198.18.0.2")]
+    main = render_base(ctx)
+    assert [(e.table, e.key) for e in main.elements] == [("sliceproxy", "198.18.0.2")]
+    every = {name: r for name, _b, r in render_shard(CIDR4, S0).chains}
+    assert every["nodeports"][0].startswith("fib daddr type local ip daddr != 127.0.0.0/8 ")
+    # Node ports are looked up after every shard's services (priority dstnat + 1).
+    hooks = {name: body for name, body, _r in render_shard(CIDR4, S0).chains if body}
+    assert "priority dstnat;" in hooks["nat-prerouting"]
+    assert "priority dstnat + 1;" in hooks["nodeport-prerouting"]
+    assert "priority -99;" in hooks["nodeport-output"]
+
+
+def test_shards_grow_by_doubling_and_each_port_has_one() -> None:
+    assert [shards_for(n) for n in (0, 1000, 1001, 10_000, 50_000, 10**7)] == [
+        1, 1, 2, 16, 64, 64]
+    rsp = resolve(service(), eps_slice("s1", [ep("198.18.1.10")]))
+    objects = render_port(rsp, CIDR4, 16)
+    assert objects.table == shard_of(rsp.key, 16)
+    tables = {line.split()[3] for line in objects.lines(Family.V4)}
+    assert tables == {"sliceproxy", objects.table}  # its shard, and the main table's sets
+    spread = {shard_of(rsp.key._replace(name=f"s{i}"), 16) for i in range(200)}
+    assert len(spread) == 16
 
 
 def test_hostile_names_never_leave_the_comment() -> None:
@@ -210,20 +233,20 @@ def test_partial_script_touches_only_what_changed_and_counts_shared_elements() -
                        ports=({"name": "http", "port": 8080}, {"name": "alt", "port": 8081}))
     http = resolve_one(node(), two_ports, slice_, port="http")
     alt = resolve_one(node(), two_ports, slice_, port="alt")
-    base = render_base(CIDR4)
+    bases = [render_base(CIDR4), render_shard(CIDR4, S0)]
     objects = {http.key: render_port(http, CIDR4), alt.key: render_port(alt, CIDR4)}
-    _text, state = full_script(base, objects)
+    _text, state = full_script(bases, objects)
     # One port goes: the cluster IP and both endpoints are still another port's.
     text = partial_script(state, {alt.key: None})
     alt_chain = port_chain("svc", alt.key, "tcp")
     assert text.splitlines() == [
-        f"delete element {T4} service-ips {{ 198.18.128.1 . tcp . 81 }}",
-        f"flush chain {T4} {alt_chain}",
-        f"delete chain {T4} {alt_chain}",
+        f"delete element ip {S0} service-ips {{ 198.18.128.1 . tcp . 81 }}",
+        f"flush chain ip {S0} {alt_chain}",
+        f"delete chain ip {S0} {alt_chain}",
     ]
     # Nothing changed: nothing to send.
     assert partial_script(state, {http.key: objects[http.key]}) == ""
-    # The last port goes: its shared elements go with it.
+    # The last port goes: its shared elements (in the main table) go with it.
     gone = partial_script(state, {http.key: None})
     assert f"delete element {T4} cluster-ips {{ 198.18.128.1 }}" in gone
     assert (f"delete element {T4} hairpin {{ 198.18.1.10 . 198.18.1.10, "
@@ -231,10 +254,15 @@ def test_partial_script_touches_only_what_changed_and_counts_shared_elements() -
     assert not state.kernel and not state.ports
 
 
-def test_full_script_deletes_what_our_table_holds_that_nobody_wants() -> None:
-    text, _state = full_script(render_base(CIDR4), {}, kernel_chains=["svc-OLD", "services"],
-                               kernel_sets={"aff-OLD": "set", "service-ips": "map"})
+def test_full_script_deletes_what_our_tables_hold_that_nobody_wants() -> None:
+    bases = [render_base(CIDR4), render_shard(CIDR4, S0)]
+    text, _state = full_script(bases, {},
+                               kernel_chains=[(S0, "svc-OLD"), (S0, "services"),
+                                              ("sliceproxy-3", "svc-X")],
+                               kernel_sets={(S0, "aff-OLD"): "set", (S0, "service-ips"): "map"},
+                               kernel_tables=["sliceproxy", S0, "sliceproxy-3"])
     lines = text.splitlines()
-    assert lines[-3:] == [f"flush chain {T4} svc-OLD", f"delete chain {T4} svc-OLD",
-                          f"delete set {T4} aff-OLD"]
-    assert f"flush map {T4} service-ips" in lines
+    # A shard no longer used goes whole, with whatever it holds.
+    assert lines[-4:] == [f"flush chain ip {S0} svc-OLD", f"delete chain ip {S0} svc-OLD",
+                          f"delete set ip {S0} aff-OLD", "delete table ip sliceproxy-3"]
+    assert f"flush map ip {S0} service-ips" in lines

@@ -16,7 +16,14 @@ from hypothesis import strategies as st
 
 from proxy.dataplane.iptables.render import RenderContext
 from proxy.dataplane.netlink import replies
-from proxy.dataplane.nftables.render import TABLE, render_base, render_port
+from proxy.dataplane.nftables.render import (
+    TABLE,
+    our_tables,
+    render_base,
+    render_port,
+    render_shard,
+    shard_table,
+)
 from proxy.dataplane.nftables.transaction import TableState, partial_script
 from proxy.dataplane.nftables.wire import Unencodable, encode
 from proxy.model.types import Family
@@ -40,16 +47,18 @@ def test_every_partial_script_is_inside_the_dialect(context: str,
                                                      states: list[list[dict[str, Any]]]) -> None:
     ctx = CONTEXTS[context]
     cluster = Cluster()
-    table = TableState(Family.V4, render_base(ctx))
+    shards = 4  # ports spread over tables: one transaction may touch several
+    table = TableState(Family.V4, (render_base(ctx), *(render_shard(ctx, shard_table(i))
+                                                       for i in range(shards))))
     applied: dict[Any, Any] = {}
     for objects in states:
         ports = {k: v for k, v in cluster.become(objects).ports.items()
                  if k.family is Family.V4}
         changed = {k for k in ports.keys() | applied.keys()
                    if ports.get(k) is not applied.get(k)}
-        script = partial_script(table, {k: render_port(ports[k], ctx) if k in ports else None
-                                        for k in changed})
-        batch = encode(script, Family.V4, TABLE, 100)
+        script = partial_script(table, {
+            k: render_port(ports[k], ctx, shards) if k in ports else None for k in changed})
+        batch = encode(script, Family.V4, our_tables(), 100)
         lines = script.splitlines()
         assert sorted(batch.lines.values()) == list(range(1, len(lines) + 1))
         messages = list(replies(batch.data))
@@ -60,7 +69,7 @@ def test_every_partial_script_is_inside_the_dialect(context: str,
 def test_only_the_last_message_asks_for_an_acknowledgement() -> None:
     script = ("add chain ip sliceproxy a\nadd rule ip sliceproxy a drop\n"
               "add element ip sliceproxy cluster-ips { 198.18.0.1 }\n")
-    batch = encode(script, Family.V4, TABLE, 7)
+    batch = encode(script, Family.V4, (TABLE,), 7)
     assert batch.begin_seq == 7
     assert batch.lines == {8: 1, 9: 2, 10: 3}
     raw = batch.data
@@ -93,4 +102,4 @@ def test_only_the_last_message_asks_for_an_acknowledgement() -> None:
 ])
 def test_anything_else_is_refused_before_sending(line: str) -> None:
     with pytest.raises(Unencodable):
-        encode(line + "\n", Family.V4, TABLE, 1)
+        encode(line + "\n", Family.V4, our_tables(), 1)

@@ -29,7 +29,17 @@ from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
 from proxy.dataplane.iptables.apply import node_addresses
 from proxy.dataplane.iptables.drift_watch import NftablesListener
 from proxy.dataplane.iptables.render import RenderContext, context_for
-from proxy.dataplane.nftables.render import TABLE, render_base, render_port, table_family
+from proxy.dataplane.nftables.render import (
+    MAX_SHARDS,
+    TABLE,
+    our_tables,
+    render_base,
+    render_port,
+    render_shard,
+    shard_table,
+    shards_for,
+    table_family,
+)
 from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
 from proxy.dataplane.nftables.transaction import TableState, full_script, partial_script
 from proxy.dataplane.nftables.wire import Unencodable
@@ -38,6 +48,7 @@ from proxy.model.snapshot import DesiredState, ResolvedServicePort
 from proxy.model.types import Family, IPAddress, ServicePortKey
 
 log = logging.getLogger(__name__)
+OUR_TABLES = frozenset(our_tables())
 
 
 class NftablesUnavailable(Exception):
@@ -45,10 +56,13 @@ class NftablesUnavailable(Exception):
 
 
 class _FamilyState:
-    def __init__(self, family: Family) -> None:
+    def __init__(self, family: Family, shards: int) -> None:
         self.family = family
         self.state: TableState | None = None  # None: unknown, the next sync is full
         self.context: RenderContext | None = None
+        # Shard tables (render.py): set by each full sync, only ever grown while running
+        # (shrinking would move every port for nothing).
+        self.shards = shards
         # The snapshot entries the state was rendered from (kept after a failure: what
         # conntrack cleanup compares against is what traffic last saw).
         self.ports: dict[ServicePortKey, ResolvedServicePort] = {}
@@ -60,11 +74,15 @@ class _FamilyState:
 
 class NftablesDataPlane:
     """`runner` and `addresses` replace libnftables/nft and the netlink address dump in
-    tests; `probe=False` skips the kernel's NAT check (done by the caller)."""
+    tests; `probe=False` skips the kernel's NAT check (done by the caller); `shards`
+    is the least number of shard tables (more as the service ports need them)."""
 
     def __init__(self, options: DataplaneOptions, *, runner: NftRunner | None = None,
                  addresses: Callable[[], Sequence[IPAddress]] | None = None,
-                 clear_conntrack: bool = True, probe: bool = True) -> None:
+                 clear_conntrack: bool = True, probe: bool = True, shards: int = 1) -> None:
+        if not 1 <= shards <= MAX_SHARDS:
+            raise ValueError(f"shards must be 1 to {MAX_SHARDS}, not {shards}")
+        self.min_shards = shards
         why = unavailable() if runner is None else None
         if why:
             raise NftablesUnavailable(f"{why}; install Debian's nftables package or use "
@@ -82,7 +100,7 @@ class NftablesDataPlane:
                 log.warning("family dropped: nf_tables cannot do NAT for it here",
                             extra={"family": family.label, "reason": reason})
                 continue
-            self._families[family] = _FamilyState(family)
+            self._families[family] = _FamilyState(family, shards)
         if not self._families:
             raise NftablesUnavailable(
                 f"this kernel's nf_tables cannot do NAT ({'; '.join(refused) or 'no family'})"
@@ -124,7 +142,7 @@ class NftablesDataPlane:
                     assert fam.state is not None
                     table = fam.state
                     text = partial_script(table, {
-                        k: render_port(ports[k], ctx) if k in ports else None
+                        k: render_port(ports[k], ctx, table.shards) if k in ports else None
                         for k in changed})
                 render_seconds = time.perf_counter() - started
                 started = time.perf_counter()
@@ -159,31 +177,24 @@ class NftablesDataPlane:
 
     def _full(self, fam: _FamilyState, ports: Mapping[ServicePortKey, ResolvedServicePort],
               ctx: RenderContext) -> tuple[str, TableState]:
-        chains, sets = self._kernel_objects(fam)
-        return full_script(render_base(ctx), {k: render_port(v, ctx) for k, v in ports.items()},
-                           chains, sets)
+        tables, chains, sets = self._kernel_objects(fam)
+        shards = max(fam.shards, shards_for(len(ports)))
+        bases = [render_base(ctx), *(render_shard(ctx, shard_table(i)) for i in range(shards))]
+        text, state = full_script(bases, {k: render_port(v, ctx, shards)
+                                          for k, v in ports.items()}, chains, sets, tables)
+        fam.shards = shards
+        return text, state
 
-    def _kernel_objects(self, fam: _FamilyState) -> tuple[list[str], dict[str, str]]:
-        """Names of the chains, and of the sets and maps, our table holds now."""
-        chains: list[str] = []
-        sets: dict[str, str] = {}
-        ip = table_family(fam.family)
-        for kind, command in (("chain", f"list chains {ip}"), ("set", f"list sets {ip}"),
-                              ("map", f"list maps {ip}")):
-            try:
-                listed = self.runner.list_json(command)
-            except NftError as exc:
-                self._failed(fam, str(exc), None, True)
-                raise ApplyError(f"cannot read back table {fam.table}: {exc}") from exc
-            for item in listed.get("nftables", ()):
-                obj = item.get(kind)
-                if not obj or obj.get("table") != TABLE:
-                    continue
-                if kind == "chain":
-                    chains.append(obj["name"])
-                else:
-                    sets[obj["name"]] = kind
-        return chains, sets
+    def _kernel_objects(self, fam: _FamilyState
+                        ) -> tuple[set[str], list[tuple[str, str]], dict[tuple[str, str], str]]:
+        """Our tables, and the (table, name) of their chains and of their sets and maps
+        (-> "set" or "map"), as the kernel holds them now."""
+        try:
+            return self.runner.names(fam.family, OUR_TABLES)
+        except NftError as exc:
+            self._failed(fam, str(exc), None, True)
+            raise ApplyError(f"cannot read back our {table_family(fam.family)} tables: "
+                             f"{exc}") from exc
 
     def _run(self, fam: _FamilyState, text: str, full: bool) -> str:
         """Apply `text`; which applier took it. A partial script is encoded here and
@@ -192,7 +203,7 @@ class NftablesDataPlane:
         try:
             if not full:
                 try:
-                    self.runner.send(text, fam.family, TABLE)
+                    self.runner.send(text, fam.family, OUR_TABLES)
                     return "netlink"
                 except Unencodable as exc:
                     log.warning("partial nftables script outside the encoder's dialect; "
@@ -237,7 +248,8 @@ class NftablesDataPlane:
                 self._foreign.append(reason)
             notify(reason)
 
-        self._watch = NftablesListener({(NFPROTO[f], TABLE) for f in self._families},
+        self._watch = NftablesListener({(NFPROTO[f], t) for f in self._families
+                                        for t in OUR_TABLES},
                                        self.runner.started_here, foreign)
         self._watch.start()
         log.info("watching for changes to our tables by other processes",
@@ -253,17 +265,20 @@ class NftablesDataPlane:
             if fam.state is None:
                 continue  # its next sync is full already
             try:
-                chains, sets = self._kernel_objects(fam)
+                _tables, chains, sets = self._kernel_objects(fam)
             except ApplyError as exc:
                 found.append(str(exc))
                 continue
-            missing = sorted(fam.state.chain_names() - set(chains))
-            extra = sorted(set(chains) - fam.state.chain_names())
+            wanted_chains = fam.state.chain_names()
+            missing = sorted(wanted_chains - set(chains))
+            extra = sorted(set(chains) - wanted_chains)
             missing_sets = sorted(fam.state.set_names() - set(sets))
+            ip = table_family(fam.family)
             for what, names in (("chains missing", missing), ("chains not ours", extra),
                                 ("sets missing", missing_sets)):
                 if names:
-                    found.append(f"{fam.table}: {what}: {', '.join(names[:5])}"
+                    shown = ", ".join(f"{ip} {t} {n}" for t, n in names[:5])
+                    found.append(f"{what}: {shown}"
                                  + (f" and {len(names) - 5} more" if len(names) > 5 else ""))
         if found:
             for fam in self._families.values():
@@ -271,14 +286,17 @@ class NftablesDataPlane:
         return found
 
     def cleanup(self) -> None:
-        """Remove our tables (both families); nothing else."""
+        """Remove our tables (main and shards, both families); nothing else."""
         for family in self.options.families:
-            t = f"{table_family(family)} {TABLE}"
+            ip = table_family(family)
             # `add` first makes the delete succeed whether or not the table exists.
-            self.runner.run(f"add table {t}\ndelete table {t}\n")
-            log.info("removed sliceproxy's nftables table", extra={"table": t})
+            self.runner.run("".join(f"add table {ip} {t}\ndelete table {ip} {t}\n"
+                                    for t in our_tables()))
+            log.info("removed sliceproxy's nftables tables",
+                     extra={"tables": f"{ip} {TABLE}, {ip} {TABLE}-*"})
         for fam in self._families.values():
             fam.state, fam.context, fam.ports = None, None, {}
+            fam.shards = self.min_shards
 
     def close(self) -> None:
         if self._watch is not None:

@@ -1,10 +1,18 @@
-"""nftables rendering (pure): a resolved service port -> the objects it owns in our table.
+"""nftables rendering (pure): a resolved service port -> the objects it owns in our tables.
 
-One table per family, `ip sliceproxy` and `ip6 sliceproxy`, holding nothing but ours:
+Per family, one main table and K shard tables, holding nothing but ours:
 
-    nat-prerouting, nat-output (nat, dstnat) -> services
-      services      ip daddr . meta l4proto . th dport vmap @service-ips
-                    [fib daddr type local | ip daddr @nodeport-ips]
+    ip sliceproxy (main)
+      nat-postrouting (nat, srcnat) -> masquerading: hairpin and marked traffic
+      filter-input, filter-forward, filter-output (filter) -> for new connections nat
+        did not capture: @unserved (reject: no endpoints; drop: Local policy without a
+        local endpoint, or outside the source ranges), @unserved-nodeports, and a
+        reject of every other port of a cluster IP (@cluster-ips)
+    ip sliceproxy-<i>, i < K (shard: the service ports whose name hashes to i)
+      nat-prerouting, nat-output (nat, dstnat) -> services
+        services    ip daddr . meta l4proto . th dport vmap @service-ips
+      nodeport-prerouting, nodeport-output (nat, dstnat + 1) -> nodeports
+        nodeports   [fib daddr type local | ip daddr @nodeport-ips]
                         meta l4proto . th dport vmap @service-nodeports
       svc-<h>       Cluster-policy endpoints: the masquerade mark for off-cluster clients
                     of the cluster IP, affinity, then one `numgen random mod k 0` DNAT
@@ -13,16 +21,21 @@ One table per family, `ip sliceproxy` and `ip6 sliceproxy`, holding nothing but 
       ext-<h>       external traffic (NodePort, externalIP, LB IP) -> policy chain
       fw-<h>        loadBalancerSourceRanges in front of ext-<h>
       ep-<h>        one per endpoint, only with ClientIP affinity: remember, DNAT
-    nat-postrouting (nat, srcnat) -> masquerading: hairpin and marked traffic
-    filter-input, filter-forward, filter-output (filter) -> for new connections nat did
-      not capture: @unserved (reject: no endpoints; drop: Local policy without a local
-      endpoint, or outside the source ranges), @unserved-nodeports, and a reject of
-      every other port of a cluster IP (@cluster-ips)
 
-Why this shape (bench/RESULTS.md, issue 14): the kernel keeps a table's sets in a list,
-so a set per service makes a full load quadratic (10,000 services: 10.5 s with one
-anonymous numgen map per service, 2.9 s with these rules and no per-service set). Each
-dispatch is one verdict-map lookup instead of iptables' linear SPX-SERVICES walk.
+Why shards: the kernel checks a whole table (every chain reachable from its base chains)
+whenever a transaction adds a rule or a jump to it, so one change in a table of 10,000
+services cost 53 ms of kernel time, and 0.1 ms in a small table beside it (bench/
+RESULTS.md). K grows with the number of service ports (SHARD_PORTS each), so a change
+costs about the same at 1,000 services as at 50,000. The price: a new connection that
+is for no service passes each shard's two nat chains (one map lookup each, and a fib
+lookup for the node ports). The node-port chains run after every shard's service
+chain (priority dstnat + 1), as upstream's nodeports jump comes last: a destination
+that is both a service IP:port and a node port goes to the service, whatever the shards.
+
+Why no set per service: the kernel keeps a table's sets in a list, so a set per service
+makes a full load quadratic (10,000 services: 10.5 s with one anonymous numgen map per
+service, 2.9 s with these rules and no per-service set). Each dispatch is one
+verdict-map lookup instead of iptables' linear SPX-SERVICES walk.
 
 Hairpin (a pod reaching itself through its service) is one set of `addr . addr` pairs,
 looked up after DNAT in postrouting, instead of a chain per endpoint as upstream: the
@@ -68,6 +81,9 @@ HAIRPIN = "hairpin"
 NODEPORT_IPS = "nodeport-ips"
 SHARED_SETS = (SERVICE_IPS, SERVICE_NODEPORTS, UNSERVED, UNSERVED_NODEPORTS, CLUSTER_IPS,
                HAIRPIN)
+SHARD_SETS = (SERVICE_IPS, SERVICE_NODEPORTS)  # in each shard; the others in the main table
+SHARD_PORTS = 1000  # service ports per shard, about (module docstring)
+MAX_SHARDS = 64
 
 MARK_FOR_MASQUERADE = "mark-for-masquerade"
 MASQ_UNLESS_POD = "masq-unless-pod"
@@ -78,6 +94,29 @@ DROP_VERDICT = "drop"
 
 def table_family(family: Family) -> str:
     return "ip" if family is Family.V4 else "ip6"
+
+
+def shard_table(index: int) -> str:
+    return f"{TABLE}-{index}"
+
+
+def our_tables() -> tuple[str, ...]:
+    """Every table name this mode may use (per family)."""
+    return (TABLE, *(shard_table(i) for i in range(MAX_SHARDS)))
+
+
+def shards_for(ports: int) -> int:
+    """How many shards `ports` service ports need: a power of two, so that growing
+    doubles K instead of moving most ports."""
+    k = 1
+    while k * SHARD_PORTS < ports and k < MAX_SHARDS:
+        k *= 2
+    return k
+
+
+def shard_of(key: ServicePortKey, shards: int) -> str:
+    """The shard table of a service port: a hash of its name, stable across restarts."""
+    return shard_table(int(name_hash(port_name(key))[:8], 16) % shards)
 
 
 def _addr_type(family: Family) -> str:
@@ -91,6 +130,7 @@ class Element:
     set: str
     key: str
     value: str = ""
+    table: str = TABLE
 
     def text(self) -> str:
         return f"{self.key} : {self.value}" if self.value else self.key
@@ -101,6 +141,7 @@ class PortObjects:
     """Everything one service port (in one family) owns or adds."""
 
     key: ServicePortKey
+    table: str  # its shard: where its chains, sets and map elements are
     # Chains owned by this port alone, in write order: (name, rules).
     chains: tuple[tuple[str, tuple[str, ...]], ...]
     # Its elements in the shared sets and maps.
@@ -110,8 +151,9 @@ class PortObjects:
 
     def lines(self, family: Family) -> list[str]:
         """Readable, copy-pasteable `nft` lines for the debug dump."""
-        t = f"{table_family(family)} {TABLE}"
-        out = [f"add element {t} {e.set} {{ {e.text()} }}" for e in self.elements]
+        ip = table_family(family)
+        t = f"{ip} {self.table}"
+        out = [f"add element {ip} {e.table} {e.set} {{ {e.text()} }}" for e in self.elements]
         out += [f"add set {t} {name} {{ {body} }}" for name, body in self.sets]
         for name, rules in self.chains:
             out.append(f"add chain {t} {name}")
@@ -124,6 +166,7 @@ class BaseObjects:
     """What does not depend on any service: declarations, fixed chains, node addresses."""
 
     family: Family
+    table: str
     # Sets and maps: (name, declaration body).
     sets: tuple[tuple[str, str], ...]
     # Chains: (name, declaration body ("" for a regular chain), rules).
@@ -135,30 +178,35 @@ class BaseObjects:
 # --- the fixed part --------------------------------------------------------------------------
 
 
+def _node_destination(ctx: RenderContext) -> tuple[str, list[tuple[str, str]], list[str]]:
+    """The match for "addressed to this node" (NodePorts): its text, the set it needs
+    and that set's elements."""
+    ip, addr = table_family(ctx.family), _addr_type(ctx.family)
+    if ctx.nodeport_ips is None:
+        loopback = "127.0.0.0/8" if ctx.family is Family.V4 else "::1"
+        return f"fib daddr type local {ip} daddr != {loopback}", [], []
+    return (f"{ip} daddr @{NODEPORT_IPS}", [(NODEPORT_IPS, f"type {addr};")],
+            [_text(a) for a in sorted(set(ctx.nodeport_ips))])
+
+
+PORTS = "meta l4proto . th dport"
+
+
 def render_base(ctx: RenderContext) -> BaseObjects:
+    """The main table: masquerading, and the filter chains for what nat did not take."""
     family = ctx.family
     ip = table_family(family)
     addr = _addr_type(family)
+    node_dest, node_sets, node_ips = _node_destination(ctx)
     sets = [
-        (SERVICE_IPS, f"type {addr} . inet_proto . inet_service : verdict;"),
-        (SERVICE_NODEPORTS, "type inet_proto . inet_service : verdict;"),
         (UNSERVED, f"type {addr} . inet_proto . inet_service : verdict;"),
         (UNSERVED_NODEPORTS, "type inet_proto . inet_service : verdict;"),
         (CLUSTER_IPS, f"type {addr};"),
         (HAIRPIN, f"type {addr} . {addr};"),
+        *node_sets,
     ]
-    loopback = "127.0.0.0/8" if family is Family.V4 else "::1"
-    ports = "meta l4proto . th dport"
-    elements: list[Element] = []
-    if ctx.nodeport_ips is None:
-        node_dest = f"fib daddr type local {ip} daddr != {loopback}"
-    else:
-        sets.append((NODEPORT_IPS, f"type {addr};"))
-        node_dest = f"{ip} daddr @{NODEPORT_IPS}"
-        elements = [Element(NODEPORT_IPS, _text(a)) for a in sorted(set(ctx.nodeport_ips))]
     new = "ct state new"
     chains: list[tuple[str, str, tuple[str, ...]]] = [
-        (MARK_FOR_MASQUERADE, "", (f"meta mark set meta mark | {MASQ_MARK}",)),
         (REJECT, "", ("reject",)),
         ("masquerading", "", (
             # After DNAT the destination is the endpoint: a source equal to it is a pod
@@ -170,19 +218,11 @@ def render_base(ctx: RenderContext) -> BaseObjects:
             f"meta mark set meta mark ^ {MASQ_MARK}",
             "masquerade fully-random",
         )),
-        ("services", "", (
-            f"{ip} daddr . {ports} vmap @{SERVICE_IPS}",
-            f"{node_dest} {ports} vmap @{SERVICE_NODEPORTS}",
-        )),
         ("unserved-check", "", (
-            f"{ip} daddr . {ports} vmap @{UNSERVED}",
+            f"{ip} daddr . {PORTS} vmap @{UNSERVED}",
             f"{ip} daddr @{CLUSTER_IPS} goto {REJECT}",
         )),
-        ("unserved-nodeport-check", "", (f"{node_dest} {ports} vmap @{UNSERVED_NODEPORTS}",)),
-        ("nat-prerouting", "type nat hook prerouting priority dstnat; policy accept;",
-         ("jump services",)),
-        ("nat-output", "type nat hook output priority -100; policy accept;",
-         ("jump services",)),
+        ("unserved-nodeport-check", "", (f"{node_dest} {PORTS} vmap @{UNSERVED_NODEPORTS}",)),
         ("nat-postrouting", "type nat hook postrouting priority srcnat; policy accept;",
          ("jump masquerading",)),
         ("filter-input", "type filter hook input priority filter; policy accept;",
@@ -192,11 +232,42 @@ def render_base(ctx: RenderContext) -> BaseObjects:
         ("filter-output", "type filter hook output priority filter; policy accept;",
          (f"{new} jump unserved-check",)),
     ]
+    elements = tuple(Element(NODEPORT_IPS, a) for a in node_ips)
+    return BaseObjects(family, TABLE, tuple(sets), tuple(chains), elements)
+
+
+def render_shard(ctx: RenderContext, table: str) -> BaseObjects:
+    """What every shard table holds besides its service ports: the dispatch maps and
+    the nat chains that look them up."""
+    family = ctx.family
+    ip = table_family(family)
+    addr = _addr_type(family)
+    node_dest, node_sets, node_ips = _node_destination(ctx)
+    sets = [
+        (SERVICE_IPS, f"type {addr} . inet_proto . inet_service : verdict;"),
+        (SERVICE_NODEPORTS, "type inet_proto . inet_service : verdict;"),
+        *node_sets,
+    ]
+    chains: list[tuple[str, str, tuple[str, ...]]] = [
+        (MARK_FOR_MASQUERADE, "", (f"meta mark set meta mark | {MASQ_MARK}",)),
+        ("services", "", (f"{ip} daddr . {PORTS} vmap @{SERVICE_IPS}",)),
+        ("nodeports", "", (f"{node_dest} {PORTS} vmap @{SERVICE_NODEPORTS}",)),
+        ("nat-prerouting", "type nat hook prerouting priority dstnat; policy accept;",
+         ("jump services",)),
+        ("nat-output", "type nat hook output priority -100; policy accept;",
+         ("jump services",)),
+        # After every shard's services chain (module docstring).
+        ("nodeport-prerouting", "type nat hook prerouting priority dstnat + 1; "
+                                "policy accept;", ("jump nodeports",)),
+        ("nodeport-output", "type nat hook output priority -99; policy accept;",
+         ("jump nodeports",)),
+    ]
     if len(ctx.local_cidrs) > 1 and not ctx.masquerade_all:
         chains.insert(1, (MASQ_UNLESS_POD, "", (
             *(f"{ip} saddr {c} return" for c in sorted_nets(ctx.local_cidrs)),
             f"jump {MARK_FOR_MASQUERADE}")))
-    return BaseObjects(family, tuple(sets), tuple(chains), tuple(elements))
+    elements = tuple(Element(NODEPORT_IPS, a, table=table) for a in node_ips)
+    return BaseObjects(family, table, tuple(sets), tuple(chains), elements)
 
 
 # --- names and small helpers ---------------------------------------------------------------
@@ -226,9 +297,11 @@ def _text(ip: IPAddress) -> str:
 # --- one service port ------------------------------------------------------------------------
 
 
-def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortObjects:
-    """The chains and elements of one service port (the iptables renderer's semantics)."""
+def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1) -> PortObjects:
+    """The chains and elements of one service port (the iptables renderer's semantics),
+    in its shard of `shards`."""
     key, svc, sp = rsp.key, rsp.service, rsp.port
+    table = shard_of(key, shards)
     name = port_name(key)
     proto = sp.protocol.value.lower()
     family = key.family
@@ -318,8 +391,9 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortObjects:
             first = masq if policy_chain == internal_chain else ()
             chains.append((policy_chain, (*first, *_balance(ip, proto, eps, endpoints,
                                                              ep_chains, label))))
-    return PortObjects(key, tuple(chains),
-                       tuple(Element(s, k, v) for (s, k), v in sorted(elements.items())),
+    return PortObjects(key, table, tuple(chains),
+                       tuple(Element(s, k, v, table if s in SHARD_SETS else TABLE)
+                             for (s, k), v in sorted(elements.items())),
                        tuple(sets))
 
 

@@ -1,10 +1,11 @@
-"""nftables transactions (pure): what one family's table holds, and the script that moves
-it to the next desired state.
+"""nftables transactions (pure): what one family's tables hold (the main table and its
+shards, render.py), and the script that moves them to the next desired state.
 
 A full script rewrites everything we own in one transaction: every chain declared, then
 flushed and refilled (so no rule can point at a chain not yet there), every shared set
-and map flushed and refilled, and whatever our table holds that nobody wants any more
-deleted last. Affinity sets are declared, never flushed: a resync keeps who goes where.
+and map flushed and refilled, and whatever our tables hold that nobody wants any more
+deleted last (whole tables, when the shards were more). Affinity sets are declared,
+never flushed: a resync keeps who goes where.
 
 A partial script touches only the service ports that changed: chains whose rules differ
 are flushed and refilled, new ones added, gone ones deleted; elements are added and
@@ -20,48 +21,52 @@ data plane drops the state and the next sync is a full one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from proxy.dataplane.nftables.render import (
-    TABLE,
-    BaseObjects,
-    PortObjects,
-    table_family,
-)
+from proxy.dataplane.nftables.render import BaseObjects, PortObjects, table_family
 from proxy.model.types import Family, ServicePortKey
 
 # Elements per `add element` statement: one statement per element makes nft slower to
 # parse; one per set makes error messages name a huge line.
 ELEMENTS_PER_LINE = 500
 
-ElementKey = tuple[str, str]  # (set or map, key)
+ElementKey = tuple[str, str, str]  # (table, set or map, key)
+Named = tuple[str, str]  # (table, chain or set)
 
 
 @dataclass
 class TableState:
-    """What one family's table holds, as far as we know."""
+    """What one family's tables hold, as far as we know."""
 
     family: Family
-    base: BaseObjects
+    bases: tuple[BaseObjects, ...]  # the main table's fixed part, then each shard's
     ports: dict[ServicePortKey, PortObjects] = field(default_factory=dict)
     # Element -> {owning port: value}; the kernel holds the smallest owner's value.
     owners: dict[ElementKey, dict[ServicePortKey, str]] = field(default_factory=dict)
     kernel: dict[ElementKey, str] = field(default_factory=dict)
 
     @property
-    def table(self) -> str:
-        return f"{table_family(self.family)} {TABLE}"
+    def shards(self) -> int:
+        return len(self.bases) - 1
 
-    def chain_names(self) -> set[str]:
-        names = {name for name, _body, _rules in self.base.chains}
-        names.update(name for p in self.ports.values() for name, _ in p.chains)
+    def tables(self) -> set[str]:
+        return {b.table for b in self.bases}
+
+    def chain_names(self) -> set[Named]:
+        names = {(b.table, name) for b in self.bases for name, _body, _rules in b.chains}
+        names.update((p.table, name) for p in self.ports.values() for name, _ in p.chains)
         return names
 
-    def set_names(self) -> set[str]:
-        names = {name for name, _ in self.base.sets}
-        names.update(name for p in self.ports.values() for name, _ in p.sets)
+    def set_names(self) -> set[Named]:
+        names = {(b.table, name) for b in self.bases for name, _ in b.sets}
+        names.update((p.table, name) for p in self.ports.values() for name, _ in p.sets)
         return names
+
+
+# The bases' own elements (NodePort addresses) are owned by this pseudo port, which sorts
+# before every real one.
+_BASE = ServicePortKey("", "", "", Family.V4)
 
 
 def _is_map(body: str) -> bool:
@@ -72,65 +77,68 @@ def _declare_set(table: str, name: str, body: str) -> str:
     return f"add {'map' if _is_map(body) else 'set'} {table} {name} {{ {body} }}"
 
 
-def _element_lines(verb: str, table: str, items: Iterable[tuple[str, str]]) -> list[str]:
-    """`add|delete element` lines for (set, element text), grouped per set."""
-    by_set: dict[str, list[str]] = {}
-    for set_name, text in items:
-        by_set.setdefault(set_name, []).append(text)
+def _element_lines(verb: str, ip: str, items: Iterable[tuple[str, str, str]]) -> list[str]:
+    """`add|delete element` lines for (table, set, element text), grouped per set."""
+    by_set: dict[tuple[str, str], list[str]] = {}
+    for table, set_name, text in items:
+        by_set.setdefault((table, set_name), []).append(text)
     out = []
-    for set_name, texts in by_set.items():
+    for (table, set_name), texts in by_set.items():
         for i in range(0, len(texts), ELEMENTS_PER_LINE):
             chunk = ", ".join(texts[i:i + ELEMENTS_PER_LINE])
-            out.append(f"{verb} element {table} {set_name} {{ {chunk} }}")
+            out.append(f"{verb} element {ip} {table} {set_name} {{ {chunk} }}")
     return out
 
 
 def _text(key: ElementKey, value: str) -> str:
-    return f"{key[1]} : {value}" if value else key[1]
+    return f"{key[2]} : {value}" if value else key[2]
 
 
-def full_script(base: BaseObjects, ports: Mapping[ServicePortKey, PortObjects],
-                kernel_chains: Iterable[str] = (), kernel_sets: Mapping[str, str] | None = None,
-                ) -> tuple[str, TableState]:
-    """Everything we own, in one transaction. `kernel_chains` and `kernel_sets` (name ->
-    "set" or "map") are what our table holds now (read back): what nobody wants any
-    more is deleted."""
-    state = TableState(base.family, base)
-    t = state.table
-    lines = [f"add table {t}"]
-    lines += [_declare_set(t, name, body) for name, body in base.sets]
-    chains: list[tuple[str, str, tuple[str, ...]]] = list(base.chains)
+def full_script(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
+                kernel_chains: Iterable[Named] = (),
+                kernel_sets: Mapping[Named, str] | None = None,
+                kernel_tables: Iterable[str] = ()) -> tuple[str, TableState]:
+    """Everything we own, in one transaction. `kernel_chains`, `kernel_sets` ((table,
+    name) -> "set" or "map") and `kernel_tables` are what our tables hold now (read
+    back): what nobody wants any more is deleted."""
+    state = TableState(bases[0].family, tuple(bases))
+    ip = table_family(state.family)
+    lines = [f"add table {ip} {b.table}" for b in bases]
+    chains: list[tuple[str, str, str, tuple[str, ...]]] = []
+    for b in bases:
+        lines += [_declare_set(f"{ip} {b.table}", name, body) for name, body in b.sets]
+        chains += [(b.table, name, body, rules) for name, body, rules in b.chains]
     for key in sorted(ports):
         p = ports[key]
         state.ports[key] = p
-        lines += [_declare_set(t, name, body) for name, body in p.sets]
-        chains += [(name, "", rules) for name, rules in p.chains]
+        lines += [_declare_set(f"{ip} {p.table}", name, body) for name, body in p.sets]
+        chains += [(p.table, name, "", rules) for name, rules in p.chains]
         for e in p.elements:
-            state.owners.setdefault((e.set, e.key), {})[key] = e.value
-    for name, body, _rules in chains:
-        lines.append(f"add chain {t} {name}" + (f" {{ {body} }}" if body else ""))
-    for name, _body, rules in chains:
-        lines.append(f"flush chain {t} {name}")
-        lines += [f"add rule {t} {name} {rule}" for rule in rules]
-    for name, body in base.sets:
-        lines.append(f"flush {'map' if _is_map(body) else 'set'} {t} {name}")
-    for e in base.elements:
-        state.owners.setdefault((e.set, e.key), {})[_BASE] = e.value
+            state.owners.setdefault((e.table, e.set, e.key), {})[key] = e.value
+    for table, name, body, _rules in chains:
+        lines.append(f"add chain {ip} {table} {name}" + (f" {{ {body} }}" if body else ""))
+    for table, name, _body, rules in chains:
+        lines.append(f"flush chain {ip} {table} {name}")
+        lines += [f"add rule {ip} {table} {name} {rule}" for rule in rules]
+    for b in bases:
+        lines += [f"flush {'map' if _is_map(body) else 'set'} {ip} {b.table} {name}"
+                  for name, body in b.sets]
+        for e in b.elements:
+            state.owners.setdefault((e.table, e.set, e.key), {})[_BASE] = e.value
     for k, owners in state.owners.items():
         state.kernel[k] = owners[min(owners)]
-    lines += _element_lines("add", t, ((k[0], _text(k, v)) for k, v in state.kernel.items()))
-    stale_chains = sorted(set(kernel_chains) - state.chain_names())
-    lines += [f"flush chain {t} {name}" for name in stale_chains]
-    lines += [f"delete chain {t} {name}" for name in stale_chains]
+    lines += _element_lines("add", ip, ((k[0], k[1], _text(k, v))
+                                        for k, v in state.kernel.items()))
+    wanted = state.tables()
+    stale_chains = sorted(c for c in set(kernel_chains) - state.chain_names() if c[0] in wanted)
+    lines += [f"flush chain {ip} {t} {name}" for t, name in stale_chains]
+    lines += [f"delete chain {ip} {t} {name}" for t, name in stale_chains]
     kernel_sets = kernel_sets or {}
-    stale_sets = sorted(set(kernel_sets) - state.set_names())
-    lines += [f"delete {kernel_sets[name]} {t} {name}" for name in stale_sets]
+    stale_sets = sorted(k for k in set(kernel_sets) - state.set_names() if k[0] in wanted)
+    lines += [f"delete {kernel_sets[k]} {ip} {k[0]} {k[1]}" for k in stale_sets]
+    # Shards no longer used (there were more at the last start): whole tables.
+    lines += [f"delete table {ip} {t}" for t in sorted(set(kernel_tables) - wanted)]
     return "\n".join(lines) + "\n", state
-
-
-# The base's own elements (NodePort addresses) are owned by this pseudo port, which sorts
-# before every real one.
-_BASE = ServicePortKey("", "", "", Family.V4)
 
 
 def partial_script(state: TableState,
@@ -138,34 +146,35 @@ def partial_script(state: TableState,
     """The transaction from `state` to `state` with `updates` (None: the port is gone);
     updates `state` to what the kernel holds once the script is applied. "" when the
     kernel has nothing to change."""
-    t = state.table
+    ip = table_family(state.family)
     add_sets: list[str] = []
     add_chains: list[str] = []
     write_chains: list[str] = []
-    gone_chains: list[str] = []
-    gone_sets: list[str] = []
+    gone_chains: list[Named] = []
+    gone_sets: list[Named] = []
     touched: set[ElementKey] = set()
     for key in sorted(updates):
         new = updates[key]
         old = state.ports.get(key)
-        old_chains = dict(old.chains) if old else {}
-        new_chains = dict(new.chains) if new else {}
-        old_sets = dict(old.sets) if old else {}
-        new_sets = dict(new.sets) if new else {}
-        add_sets += [_declare_set(t, n, b) for n, b in new_sets.items() if old_sets.get(n) != b]
-        for name, rules in new_chains.items():
-            before = old_chains.get(name)
+        old_chains = {(old.table, n): r for n, r in old.chains} if old else {}
+        new_chains = {(new.table, n): r for n, r in new.chains} if new else {}
+        old_sets = {(old.table, n): b for n, b in old.sets} if old else {}
+        new_sets = {(new.table, n): b for n, b in new.sets} if new else {}
+        add_sets += [_declare_set(f"{ip} {t}", n, b) for (t, n), b in new_sets.items()
+                     if old_sets.get((t, n)) != b]
+        for (t, name), rules in new_chains.items():
+            before = old_chains.get((t, name))
             if before == rules:
                 continue
             if before is None:  # declared before any rule, which may jump to it
-                add_chains.append(f"add chain {t} {name}")
+                add_chains.append(f"add chain {ip} {t} {name}")
             else:
-                write_chains.append(f"flush chain {t} {name}")
-            write_chains += [f"add rule {t} {name} {rule}" for rule in rules]
-        gone_chains += [n for n in old_chains if n not in new_chains]
-        gone_sets += [n for n in old_sets if n not in new_sets]
-        old_el = {(e.set, e.key): e.value for e in old.elements} if old else {}
-        new_el = {(e.set, e.key): e.value for e in new.elements} if new else {}
+                write_chains.append(f"flush chain {ip} {t} {name}")
+            write_chains += [f"add rule {ip} {t} {name} {rule}" for rule in rules]
+        gone_chains += [c for c in old_chains if c not in new_chains]
+        gone_sets += [c for c in old_sets if c not in new_sets]
+        old_el = {(e.table, e.set, e.key): e.value for e in old.elements} if old else {}
+        new_el = {(e.table, e.set, e.key): e.value for e in new.elements} if new else {}
         for k, v in old_el.items():
             if new_el.get(k) != v:
                 owners = state.owners.get(k, {})
@@ -181,8 +190,8 @@ def partial_script(state: TableState,
             state.ports.pop(key, None)
         else:
             state.ports[key] = new
-    deletes: list[tuple[str, str]] = []
-    adds: list[tuple[str, str]] = []
+    deletes: list[tuple[str, str, str]] = []
+    adds: list[tuple[str, str, str]] = []
     for k in sorted(touched):
         held = state.kernel.get(k)
         claims = state.owners.get(k)
@@ -190,16 +199,16 @@ def partial_script(state: TableState,
         if held == wanted:
             continue
         if held is not None:
-            deletes.append((k[0], k[1]))  # a map element is deleted by its key alone
+            deletes.append(k)  # a map element is deleted by its key alone
             del state.kernel[k]
         if wanted is not None:
-            adds.append((k[0], _text(k, wanted)))
+            adds.append((k[0], k[1], _text(k, wanted)))
             state.kernel[k] = wanted
     lines = add_sets + add_chains + write_chains
-    lines += _element_lines("delete", t, deletes)
-    lines += _element_lines("add", t, adds)
-    lines += [f"flush chain {t} {name}" for name in gone_chains]
-    lines += [f"delete chain {t} {name}" for name in gone_chains]
-    lines += [f"delete set {t} {name}" for name in gone_sets]
+    lines += _element_lines("delete", ip, deletes)
+    lines += _element_lines("add", ip, adds)
+    lines += [f"flush chain {ip} {t} {name}" for t, name in gone_chains]
+    lines += [f"delete chain {ip} {t} {name}" for t, name in gone_chains]
+    lines += [f"delete set {ip} {t} {name}" for t, name in gone_sets]
     return "\n".join(lines) + "\n" if lines else ""
 

@@ -33,15 +33,25 @@ from __future__ import annotations
 import ipaddress
 import socket
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 
-from proxy.dataplane.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST, frame, nested, nla
+from proxy.dataplane.netlink import (
+    NLM_F_ACK,
+    NLM_F_CREATE,
+    NLM_F_REQUEST,
+    frame,
+    nested,
+    nla,
+    parse_attrs,
+)
 from proxy.dataplane.nftables_probe import NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END, NFPROTO
 from proxy.dataplane.nftables_probe import NFNL_SUBSYS_NFTABLES as SUBSYS
 from proxy.model.types import Family
 
 NLM_F_APPEND = 0x800
 # Messages.
+GETTABLE, GETCHAIN, GETSET = 1, 4, 10
 NEWCHAIN, DELCHAIN, NEWRULE, DELRULE = 3, 5, 6, 8
 NEWSET, DELSET, NEWSETELEM, DELSETELEM = 9, 11, 12, 14
 # Attributes, per object.
@@ -349,13 +359,14 @@ def _plain_name(rest: str) -> str:
 # --- lines -----------------------------------------------------------------------------------
 
 
-def _line(family: Family, table: str, line: str, set_id: int) -> tuple[int, int, bytes]:
+def _line(family: Family, tables: Collection[str], line: str,
+          set_id: int) -> tuple[int, int, bytes]:
     """(message type, flags, attributes) for one line."""
     words = line.split(" ", 4)
     if len(words) < 5:
         raise Unencodable(f"{line!r}")
-    verb, kind, fam, tname, rest = words
-    if fam != ("ip" if family is Family.V4 else "ip6") or tname != table:
+    verb, kind, fam, table, rest = words
+    if fam != ("ip" if family is Family.V4 else "ip6") or table not in tables:
         raise Unencodable(f"not our {family.label} table: {line!r}")
     t = _string(1, table)
     if kind == "rule" and verb == "add":
@@ -391,8 +402,8 @@ def _line(family: Family, table: str, line: str, set_id: int) -> tuple[int, int,
     raise Unencodable(f"{verb} {kind}")
 
 
-def encode(script: str, family: Family, table: str, first_seq: int) -> Batch:
-    """The batch for `script` (one statement per line) on `table` of `family`; message
+def encode(script: str, family: Family, tables: Collection[str], first_seq: int) -> Batch:
+    """The batch for `script` (one statement per line) on `tables` of `family`; message
     sequence numbers from `first_seq` on. The last message asks for an
     acknowledgement: the kernel answers a batch in order, so any refusal of an earlier
     line arrives before it. Raises Unencodable for anything outside the
@@ -403,7 +414,7 @@ def encode(script: str, family: Family, table: str, first_seq: int) -> Batch:
     chunks = [frame(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, seq,
                     _NFGEN.pack(socket.AF_UNSPEC, 0, SUBSYS))]
     lines: dict[int, int] = {}
-    messages = [(number, _line(family, table, line, number))
+    messages = [(number, _line(family, tables, line, number))
                 for number, line in enumerate(script.splitlines(), start=1) if line]
     for i, (number, (msg, flags, attrs)) in enumerate(messages):
         seq += 1
@@ -415,3 +426,30 @@ def encode(script: str, family: Family, table: str, first_seq: int) -> Batch:
     chunks.append(frame(NFNL_MSG_BATCH_END, NLM_F_REQUEST, seq,
                         _NFGEN.pack(socket.AF_UNSPEC, 0, SUBSYS)))
     return Batch(b"".join(chunks), first_seq, lines)
+
+
+# --- reading names back (pure) ---------------------------------------------------------------
+
+SET_F_ANONYMOUS, SET_F_MAP = 0x1, 0x8
+
+
+def dump_request(family: Family) -> bytes:
+    """The body of a dump of every table, chain or set of `family`."""
+    return _NFGEN.pack(NFPROTO[family], 0, 0)
+
+
+def decode_names(kind: int, payload: bytes) -> tuple[str, str, str]:
+    """(table, name, "set" | "map" | "") of one dumped table, chain or set (for a table:
+    its name twice). Anonymous sets (nft's `{ ... }` in a rule) have kind ""."""
+    attrs = parse_attrs(payload[_NFGEN.size:])
+
+    def text(attr: int) -> str:
+        return attrs.get(attr, b"").split(b"\0", 1)[0].decode(errors="replace")
+
+    if kind == GETTABLE:
+        return text(1), text(1), ""
+    if kind == GETCHAIN:
+        return text(CHAIN_TABLE), text(CHAIN_NAME), ""
+    flags = int.from_bytes(attrs.get(SET_FLAGS, b"\0\0\0\0"), "big")
+    what = "" if flags & SET_F_ANONYMOUS else "map" if flags & SET_F_MAP else "set"
+    return text(SET_TABLE), text(SET_NAME), what
