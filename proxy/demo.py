@@ -4,7 +4,8 @@
    service, one whose pods are all terminating, one with internalTrafficPolicy Local,
    one with a topology preference and a conflicting duplicate endpoint);
 2. a lab of network namespaces plays the node, a client outside it, and the pods;
-3. `python -m proxy --proxy-mode iptables` runs in the node namespace;
+3. `python -m proxy --proxy-mode iptables` runs in the node namespace (or nftables:
+   `./run demo --proxy-mode nftables`);
 4. the client asks every service who answers; the agent's /debug/dump says why;
 5. an endpoint changes in the simulator, and the rules and the traffic follow;
 6. the agent stops (its rules stay), `--cleanup` removes them, the lab is torn down.
@@ -13,6 +14,7 @@ Nothing is added to the host's own network namespace. Needs root.
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import os
@@ -120,11 +122,14 @@ def wait(cond: Callable[[], T | None], seconds: float, what: str) -> T:
         time.sleep(0.02)
 
 
+MODES = ("iptables", "nftables")  # IPVS needs a kernel with it, which a host may lack
+
+
 class Agent:
-    def __init__(self, lab: Lab, kubeconfig: Path, log: Path) -> None:
+    def __init__(self, lab: Lab, kubeconfig: Path, log: Path, mode: str) -> None:
         self.lab, self.log = lab, log
         self.argv = [sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
-                     "--hostname-override", lab.node_name, "--proxy-mode", "iptables",
+                     "--hostname-override", lab.node_name, "--proxy-mode", mode,
                      "--cluster-cidr", "198.18.1.0/24,fd00:18:1::/64", "-v", "2"]
         self.proc: subprocess.Popen[Any] | None = None
 
@@ -169,11 +174,20 @@ class Agent:
 
 
 def our_rules(lab: Lab) -> int:
+    """Rules of ours in the node's kernel: iptables' SPX- chains, nftables' tables."""
     total = 0
     for tool in ("iptables-save", "ip6tables-save", "iptables-legacy-save",
                  "ip6tables-legacy-save"):
         out = lab.exec(lab.node_ns, [tool]).stdout
         total += sum(1 for ln in out.splitlines() if ln.startswith("-A") and "SPX-" in ln)
+    tables = lab.exec(lab.node_ns, ["nft", "list", "tables"]).stdout.split("\n")
+    for line in tables:
+        parts = line.split()
+        if len(parts) == 3 and parts[2].startswith("sliceproxy"):
+            out = lab.exec(lab.node_ns, ["nft", "-a", "list", "table", parts[1],
+                                         parts[2]]).stdout
+            total += sum(1 for ln in out.splitlines() if "# handle" in ln
+                         and not ln.strip().startswith(("table", "chain", "set", "map")))
     return total
 
 
@@ -228,7 +242,7 @@ def simulator(lab: Lab, objects: list[dict[str, Any]]) -> Iterator[SimServer]:
         sim.stop()
 
 
-def run() -> None:
+def run(mode: str = "iptables") -> None:
     began = time.monotonic()
     objects = load_paths([EXAMPLES])
     pods = pods_of(objects)
@@ -245,13 +259,13 @@ def run() -> None:
               f"{len(pods)} pods answering with their names")
         with simulator(lab, objects) as sim:
             kubeconfig = sim.write_kubeconfig(Path(tmp) / "kubeconfig")
-            agent = Agent(lab, kubeconfig, Path(tmp) / "agent.log")
+            agent = Agent(lab, kubeconfig, Path(tmp) / "agent.log", mode)
             step("Starting the agent in the node namespace: python -m proxy "
-                 "--proxy-mode iptables ...")
+                 f"--proxy-mode {mode} ...")
             startup = agent.start()
             dump = agent.dump()
             print(f"  first full sync done {startup:.1f}s after start; "
-                  f"{our_rules(lab)} iptables rules in the node's tables")
+                  f"{our_rules(lab)} {mode} rules in the node's tables")
 
             step(f"Asking each service {ASKS} times from the client (fresh connection each)")
             ok = ask_all(lab, dump, names)
@@ -280,7 +294,7 @@ def run() -> None:
             applied_after = time.monotonic() - changed_at
             print(f"  sync: trigger {record['trigger']}, "
                   f"{'full' if record['full'] else 'partial'}, changed "
-                  f"{', '.join(record['changed'])}; {record['operations']} iptables-restore "
+                  f"{', '.join(record['changed'])}; {record['operations']} {mode} "
                   f"lines in {record['duration_seconds'] * 1000:.0f} ms "
                   f"({applied_after * 1000:.0f} ms after the change was written)")
             web_http = agent.dump("demo/web")["services"]
@@ -322,13 +336,17 @@ def run() -> None:
         raise DemoError("some answers did not match the agent's decisions (see above)")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="./run demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--proxy-mode", choices=MODES, default="iptables",
+                        help="the agent's data plane (default: iptables)")
+    args = parser.parse_args(argv)
     if os.geteuid() != 0:
         print("the demo builds network namespaces: run it as root (sudo ./run demo)",
               file=sys.stderr)
         return 2
     try:
-        run()
+        run(args.proxy_mode)
     except DemoError as exc:
         print(f"\ndemo failed: {exc}", file=sys.stderr)
         return 1
