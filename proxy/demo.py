@@ -228,7 +228,7 @@ def explain_service(svc: dict[str, Any]) -> None:
     for c in svc["conflicts"]:
         print(f"    ! {c['endpoint']} is listed by {', '.join(c['slices'])} with different "
               f"{', '.join(c['fields'])}: the copy from {c['chosen']} wins")
-    print(f"    {len(svc['applied_rules'] or [])} iptables rules applied for it")
+    print(f"    {len(svc['applied_rules'] or [])} rules applied for it")
 
 
 @contextmanager
