@@ -192,6 +192,13 @@ def _node_destination(ctx: RenderContext) -> tuple[str, list[tuple[str, str]], l
 PORTS = "meta l4proto . th dport"
 
 
+def _verdict_maps(addr: str, by_address: str, by_port: str) -> list[tuple[str, str]]:
+    """A verdict map keyed by address . protocol . port, and one by protocol . port
+    (node ports): how the dispatch maps and the unserved maps are both declared."""
+    return [(by_address, f"type {addr} . inet_proto . inet_service : verdict;"),
+            (by_port, "type inet_proto . inet_service : verdict;")]
+
+
 def render_base(ctx: RenderContext) -> BaseObjects:
     """The main table: masquerading, and the filter chains for what nat did not take."""
     family = ctx.family
@@ -199,8 +206,7 @@ def render_base(ctx: RenderContext) -> BaseObjects:
     addr = _addr_type(family)
     node_dest, node_sets, node_ips = _node_destination(ctx)
     sets = [
-        (UNSERVED, f"type {addr} . inet_proto . inet_service : verdict;"),
-        (UNSERVED_NODEPORTS, "type inet_proto . inet_service : verdict;"),
+        *_verdict_maps(addr, UNSERVED, UNSERVED_NODEPORTS),
         (CLUSTER_IPS, f"type {addr};"),
         (HAIRPIN, f"type {addr} . {addr};"),
         *node_sets,
@@ -243,11 +249,7 @@ def render_shard(ctx: RenderContext, table: str) -> BaseObjects:
     ip = table_family(family)
     addr = _addr_type(family)
     node_dest, node_sets, node_ips = _node_destination(ctx)
-    sets = [
-        (SERVICE_IPS, f"type {addr} . inet_proto . inet_service : verdict;"),
-        (SERVICE_NODEPORTS, "type inet_proto . inet_service : verdict;"),
-        *node_sets,
-    ]
+    sets = [*_verdict_maps(addr, SERVICE_IPS, SERVICE_NODEPORTS), *node_sets]
     chains: list[tuple[str, str, tuple[str, ...]]] = [
         (MARK_FOR_MASQUERADE, "", (f"meta mark set meta mark | {MASQ_MARK}",)),
         ("services", "", (f"{ip} daddr . {PORTS} vmap @{SERVICE_IPS}",)),
