@@ -249,8 +249,6 @@ class NftRunner:
                     return
                 refused = sock.first_refusal(batch.data, acked=(max(batch.lines),),
                                              watched={batch.begin_seq, *batch.lines})
-            except wire.Unencodable:
-                raise
             except OSError as exc:
                 raise NftError(f"nf_tables netlink: {exc}") from exc
         if refused is None:
