@@ -2,7 +2,9 @@
 
 A `DesiredState` is immutable. The resolver builds a new one from the previous one
 plus the dirty service ports, so a data plane can keep the last one it applied and
-compare, and `changed` tells it which keys to re-render on a partial sync.
+ask `changed_since(last)` which keys to re-render on a partial sync: the state's own
+`changed` when it was evolved straight from `last` (O(changes)), a scan of both
+otherwise (a state skipped in between, or one built by hand).
 """
 
 from __future__ import annotations
@@ -121,19 +123,24 @@ class DesiredState:
     10,000 ports) instead of rebuilding it.
     """
 
-    __slots__ = ("_ports", "changed", "generation", "ports")
+    __slots__ = ("_parent", "_ports", "_token", "changed", "generation", "ports")
 
     def __init__(
         self,
         ports: dict[ServicePortKey, ResolvedServicePort] | None = None,
         changed: frozenset[ServicePortKey] = frozenset(),
         generation: int = 0,
+        parent: object | None = None,
     ) -> None:
         self._ports = ports if ports is not None else {}
         self.ports: Mapping[ServicePortKey, ResolvedServicePort] = MappingProxyType(self._ports)
         # Keys added, removed or changed relative to the previous snapshot.
         self.changed = changed
         self.generation = generation
+        # Lineage by token, not by reference: a state holding its parent would keep
+        # every earlier snapshot alive.
+        self._token = object()
+        self._parent = parent
 
     def evolve(
         self,
@@ -141,7 +148,7 @@ class DesiredState:
     ) -> DesiredState:
         """The next state: `updates` maps a key to its new value, or None to remove it."""
         if not updates:
-            return DesiredState(self._ports, frozenset(), self.generation + 1)
+            return DesiredState(self._ports, frozenset(), self.generation + 1, self._token)
         ports = self._ports.copy()
         changed: set[ServicePortKey] = set()
         for key, value in updates.items():
@@ -151,7 +158,20 @@ class DesiredState:
             elif ports.get(key) != value:
                 ports[key] = value
                 changed.add(key)
-        return DesiredState(ports, frozenset(changed), self.generation + 1)
+        return DesiredState(ports, frozenset(changed), self.generation + 1, self._token)
+
+    def changed_since(self, earlier: DesiredState | None) -> frozenset[ServicePortKey]:
+        """Keys whose entry differs from `earlier`'s (None: every key). Unchanged entries
+        are the same objects in both (`evolve` keeps them), so identity decides."""
+        if earlier is self:
+            return frozenset()
+        if earlier is None:
+            return frozenset(self._ports)
+        if self._parent is earlier._token:
+            return self.changed
+        mine, theirs = self._ports, earlier._ports
+        return frozenset(k for k in mine.keys() | theirs.keys()
+                         if mine.get(k) is not theirs.get(k))
 
     def __iter__(self) -> Iterator[ResolvedServicePort]:
         return iter(self.ports.values())

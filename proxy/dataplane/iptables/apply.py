@@ -89,9 +89,9 @@ class _FamilyState:
         self.runner = runner
         self.ruleset: Ruleset | None = None  # None: unknown, the next sync is full
         self.context: RenderContext | None = None
-        # The snapshot entries the ruleset was rendered from (kept after a failure: what
+        # The snapshot the ruleset was last rendered from (kept after a failure: what
         # conntrack cleanup compares against is what traffic last saw).
-        self.ports: dict[ServicePortKey, ResolvedServicePort] = {}
+        self.last: DesiredState | None = None
 
 
 def node_addresses() -> list[IPAddress]:
@@ -177,17 +177,19 @@ class IptablesDataPlane:
         operations, apply_seconds, any_full = 0, 0.0, False
         failure: ApplyError | None = None
         details: dict[str, Any] = {"backend": self.backend.value if self.backend else None}
+        ports = state.ports
         for family, fam in self._families.items():
-            ports = {k: v for k, v in state.ports.items() if k.family is family}
             ctx = context_for(family, self.options, node_ips)
             is_full = full or fam.ruleset is None or ctx != fam.context
             started = time.perf_counter()
+            # O(changes) when `state` follows the last one applied (snapshot.py).
+            changed = {k for k in state.changed_since(fam.last) if k.family is family}
             try:
                 if is_full:
-                    texts, ruleset, changed = self._full(fam, ports, ctx)
+                    texts, ruleset = self._full(fam, state, ctx)
                 else:
                     assert fam.ruleset is not None
-                    text, ruleset, changed = self._partial(fam.ruleset, fam.ports, ports, ctx)
+                    text, ruleset = self._partial(fam.ruleset, ports, changed, ctx)
                     texts = [text] if text else []
                 render_seconds = time.perf_counter() - started
                 started = time.perf_counter()
@@ -207,10 +209,11 @@ class IptablesDataPlane:
             any_full |= is_full
             apply_seconds += elapsed
             operations += lines
-            flows += conntrack.stale_flows_between(fam.ports, ports, changed)
+            flows += conntrack.stale_flows_between(fam.last.ports if fam.last else {},
+                                                   ports, changed)
             written += [k for k in changed if k in ports]
             removed += [k for k in changed if k not in ports]
-            fam.ruleset, fam.context, fam.ports = ruleset, ctx, ports
+            fam.ruleset, fam.context, fam.last = ruleset, ctx, state
             details[family.label] = {"full": is_full, "lines": lines, "restores": len(texts),
                                      "render_seconds": round(render_seconds, 6),
                                      "apply_seconds": round(elapsed, 6)}
@@ -227,29 +230,25 @@ class IptablesDataPlane:
             "conntrack_cleared": cleared})
         return report
 
-    def _full(self, fam: _FamilyState, ports: Mapping[ServicePortKey, ResolvedServicePort],
-              ctx: RenderContext) -> tuple[list[str], Ruleset, set[ServicePortKey]]:
-        ruleset = Ruleset(render_base(ctx), {k: render_port(v, ctx) for k, v in ports.items()})
+    def _full(self, fam: _FamilyState, state: DesiredState,
+              ctx: RenderContext) -> tuple[list[str], Ruleset]:
+        ruleset = Ruleset(render_base(ctx), {k: render_port(v, ctx)
+                                             for k, v in state.ports.items()
+                                             if k.family is ctx.family})
         kernel = parse_save(self._save(fam), our_rules=False)
-        changed = {k for k in ports.keys() | fam.ports.keys()
-                   if ports.get(k) is not fam.ports.get(k)}
         if fam.runner.backend is Backend.NFT:
             batches = ruleset.full_restore_batches(kernel, NFT_CHAINS_PER_RESTORE)
         else:  # legacy rewrites the whole table per restore: one is cheapest
             batches = [ruleset.full_restore(kernel)]
         texts = [t for t in (b.render() for b in batches) if t]
-        return texts, ruleset, changed
+        return texts, ruleset
 
     @staticmethod
-    def _partial(applied: Ruleset, before: Mapping[ServicePortKey, ResolvedServicePort],
-                 ports: Mapping[ServicePortKey, ResolvedServicePort], ctx: RenderContext,
-                 ) -> tuple[str, Ruleset, set[ServicePortKey]]:
-        # Unchanged entries are the same objects in both snapshots (base.py's contract).
-        changed = {k for k, v in ports.items() if before.get(k) is not v}
-        changed.update(k for k in before if k not in ports)
+    def _partial(applied: Ruleset, ports: Mapping[ServicePortKey, ResolvedServicePort],
+                 changed: set[ServicePortKey], ctx: RenderContext) -> tuple[str, Ruleset]:
         updates = {k: (render_port(ports[k], ctx) if k in ports else None) for k in changed}
         text, ruleset = applied.partial_restore(updates)
-        return text.render(), ruleset, changed
+        return text.render(), ruleset
 
     def _save(self, fam: _FamilyState) -> str:
         try:
@@ -352,7 +351,7 @@ class IptablesDataPlane:
                 log.info("removed sliceproxy's iptables rules", extra={
                     "family": runner.family.label, "backend": runner.backend.value})
         for fam in self._families.values():
-            fam.ruleset, fam.context, fam.ports = None, None, {}
+            fam.ruleset, fam.context, fam.last = None, None, None
 
     def _cleanup_runners(self) -> list[Runner]:
         if self._injected:

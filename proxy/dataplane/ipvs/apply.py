@@ -494,9 +494,7 @@ class IpvsDataPlane:
     def _partial(self, state: DesiredState, ctx: RenderContext, h: _Handles,
                  run: _Run) -> Delta:
         assert self._last is not None
-        last = self._last.ports
-        keys = {k for k, v in state.ports.items() if last.get(k) is not v}
-        keys.update(k for k in last if k not in state.ports)
+        keys = state.changed_since(self._last)  # O(changes) when it follows (snapshot.py)
         delta = Delta()
         for key in keys:
             rsp = state.ports.get(key)

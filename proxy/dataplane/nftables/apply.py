@@ -7,9 +7,9 @@ network namespace. Per family it keeps the `TableState` it last applied:
   node's addresses changed) reads back the names of what our table holds and rewrites
   all of it in one transaction (transaction.full_script);
 - a partial sync renders only the service ports whose snapshot entry is not the very
-  object applied last time, and sends only their chains and elements, encoded here
-  into netlink (wire.py) rather than through nft, which would first read our table
-  back.
+  object applied last time (found in O(changes): `DesiredState.changed_since`), and
+  sends only their chains and elements, encoded here into netlink (wire.py) rather
+  than through nft, which would first read our table back.
 
 A transaction is atomic: if nf_tables refuses it, the previous rules stay, the state is
 dropped and the next sync is a full one. Our tables are `ip sliceproxy` and `ip6
@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from proxy.dataplane import conntrack
@@ -44,7 +44,7 @@ from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
 from proxy.dataplane.nftables.transaction import TableState, full_script, partial_script
 from proxy.dataplane.nftables.wire import Unencodable
 from proxy.dataplane.nftables_probe import NFPROTO, nat_unsupported
-from proxy.model.snapshot import DesiredState, ResolvedServicePort
+from proxy.model.snapshot import DesiredState
 from proxy.model.types import Family, IPAddress, ServicePortKey
 
 log = logging.getLogger(__name__)
@@ -63,9 +63,9 @@ class _FamilyState:
         # Shard tables (render.py): set by each full sync, only ever grown while running
         # (shrinking would move every port for nothing).
         self.shards = shards
-        # The snapshot entries the state was rendered from (kept after a failure: what
-        # conntrack cleanup compares against is what traffic last saw).
-        self.ports: dict[ServicePortKey, ResolvedServicePort] = {}
+        # The snapshot this family's state was last rendered from (kept after a failure:
+        # what conntrack cleanup compares against is what traffic last saw).
+        self.last: DesiredState | None = None
 
     @property
     def table(self) -> str:
@@ -128,16 +128,16 @@ class NftablesDataPlane:
         operations, apply_seconds, any_full = 0, 0.0, False
         failure: ApplyError | None = None
         details: dict[str, Any] = {}
+        ports = state.ports
         for family, fam in self._families.items():
-            ports = {k: v for k, v in state.ports.items() if k.family is family}
             ctx = context_for(family, self.options, node_ips)
             is_full = full or fam.state is None or ctx != fam.context
             started = time.perf_counter()
-            changed = {k for k in ports.keys() | fam.ports.keys()
-                       if ports.get(k) is not fam.ports.get(k)}
+            # O(changes) when `state` follows the last one applied (snapshot.py).
+            changed = {k for k in state.changed_since(fam.last) if k.family is family}
             try:
                 if is_full:
-                    text, table = self._full(fam, ports, ctx)
+                    text, table = self._full(fam, state, ctx)
                 else:
                     assert fam.state is not None
                     table = fam.state
@@ -156,10 +156,11 @@ class NftablesDataPlane:
             any_full |= is_full
             apply_seconds += elapsed
             operations += lines
-            flows += conntrack.stale_flows_between(fam.ports, ports, changed)
+            flows += conntrack.stale_flows_between(fam.last.ports if fam.last else {},
+                                                   ports, changed)
             written += [k for k in changed if k in ports]
             removed += [k for k in changed if k not in ports]
-            fam.state, fam.context, fam.ports = table, ctx, ports
+            fam.state, fam.context, fam.last = table, ctx, state
             details[family.label] = {"full": is_full, "lines": lines, "applier": applier,
                                      "render_seconds": round(render_seconds, 6),
                                      "apply_seconds": round(elapsed, 6)}
@@ -175,15 +176,16 @@ class NftablesDataPlane:
                           apply_seconds=apply_seconds, conntrack_cleared=cleared,
                           details=details)
 
-    def _full(self, fam: _FamilyState, ports: Mapping[ServicePortKey, ResolvedServicePort],
+    def _full(self, fam: _FamilyState, state: DesiredState,
               ctx: RenderContext) -> tuple[str, TableState]:
         tables, chains, sets = self._kernel_objects(fam)
+        ports = {k: v for k, v in state.ports.items() if k.family is fam.family}
         shards = max(fam.shards, shards_for(len(ports)))
         bases = [render_base(ctx), *(render_shard(ctx, shard_table(i)) for i in range(shards))]
-        text, state = full_script(bases, {k: render_port(v, ctx, shards)
+        text, table = full_script(bases, {k: render_port(v, ctx, shards)
                                           for k, v in ports.items()}, chains, sets, tables)
         fam.shards = shards
-        return text, state
+        return text, table
 
     def _kernel_objects(self, fam: _FamilyState
                         ) -> tuple[set[str], list[tuple[str, str]], dict[tuple[str, str], str]]:
@@ -295,7 +297,7 @@ class NftablesDataPlane:
             log.info("removed sliceproxy's nftables tables",
                      extra={"tables": f"{ip} {TABLE}, {ip} {TABLE}-*"})
         for fam in self._families.values():
-            fam.state, fam.context, fam.ports = None, None, {}
+            fam.state, fam.context, fam.last = None, None, None
             fam.shards = self.min_shards
 
     def close(self) -> None:
