@@ -99,8 +99,13 @@ class Agent:
         api_factory: Callable[[], Any] | None = None,
         reflector_options: ReflectorOptions | None = None,
         started_at: float | None = None,
+        clean_leftovers: bool | None = None,
     ) -> None:
         self.config = config
+        # Remove the other proxy modes' leftovers before the first sync: by default
+        # when the agent builds its own data plane (not a test's stand-in).
+        self._clean_leftovers = (dataplane_factory is None if clean_leftovers is None
+                                 else clean_leftovers)
         self._dataplane_factory = dataplane_factory or (
             lambda: make_dataplane(config.proxy_mode, dataplane_options(config)))
         self._api_factory = api_factory
@@ -246,8 +251,25 @@ class Agent:
         log.info("every watched resource has listed; running the first full sync",
                  extra={"service_ports_dirty": len(self.model.dirty),
                         "since_start": f"{self.clock() - self.started_at:.3f}s"})
+        if self._clean_leftovers:
+            await self._remove_leftovers()
         self.runner.start()
         await self._watch_drift()
+
+    async def _remove_leftovers(self) -> None:
+        """Remove the other proxy modes' rules (proxy/dataplane/leftovers.py), on the data
+        plane's thread, in its namespace. Here, right before the first sync, rather than
+        at start as upstream does: until the cluster has listed, the old mode's rules
+        keep serving (an agent started while the API server is away changes nothing).
+        Never fatal; our own mode's rules are never touched."""
+        from proxy.dataplane import leftovers
+
+        mode, options = self.config.proxy_mode, dataplane_options(self.config)
+        try:
+            await self.worker.call(lambda: leftovers.clean(mode, options))
+        except Exception as exc:  # clean() logs its own failures; this is a bug's net
+            log.warning("removing other proxy modes' leftovers failed: %s", exc,
+                        extra={"mode": mode, "error": str(exc)})
 
     async def _watch_drift(self) -> None:
         """Let the data plane tell the runner when another process changed our rules."""

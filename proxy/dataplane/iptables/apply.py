@@ -37,7 +37,7 @@ from proxy.dataplane.iptables.render import (
     render_base,
     render_port,
 )
-from proxy.dataplane.iptables.ruleset import Ruleset, cleanup_restore, parse_save
+from proxy.dataplane.iptables.ruleset import Ruleset, cleanup_restore, ours, parse_save
 from proxy.dataplane.iptables.runner import (
     Backend,
     IptablesRunner,
@@ -106,6 +106,36 @@ def node_addresses() -> list[IPAddress]:
     finally:
         sock.close()
     return sorted(found, key=lambda ip: (ip.version, ip.packed))
+
+
+def cleanup_runners(families: Sequence[Family]) -> list[Runner]:
+    """A runner for each family and back end whose binaries exist (no detection)."""
+    return [IptablesRunner(family, backend) for family in families for backend in Backend
+            if shutil.which(binary(family, backend, "save"))
+            and shutil.which(binary(family, backend, "restore"))]
+
+
+def remove_chains(runners: Sequence[Runner], owned: Callable[[str], bool] = ours
+                  ) -> list[tuple[Runner, int]]:
+    """Remove the chains `owned` names (every `SPX-` chain by default), and every rule
+    jumping to one, through each runner (ruleset.cleanup_restore); nothing else. The
+    runners that removed something, with how many chains. A back end whose save fails
+    is skipped (unusable here: nothing of ours in it); a refused restore raises
+    RestoreError."""
+    done = []
+    for runner in runners:
+        # Plain save only: asking legacy for a table (as `available` does) would
+        # create it, and iptables-save would then differ from before.
+        try:
+            saved = runner.save()
+        except RunnerError:
+            continue
+        text = cleanup_restore(parse_save(saved), owned)
+        rendered = text.render()
+        if rendered:
+            runner.restore(rendered)
+            done.append((runner, sum(len(text.delete[t]) for t in text.delete)))
+    return done
 
 
 class IptablesDataPlane:
@@ -338,28 +368,13 @@ class IptablesDataPlane:
     def cleanup(self) -> None:
         """Remove every chain of ours, and every rule jumping to one, in both back ends
         (a host may have switched since we last ran); nothing else."""
-        for runner in self._cleanup_runners():
-            # Plain save only: asking legacy for a table (as `available` does) would
-            # create it, and iptables-save would then differ from before.
-            try:
-                saved = runner.save()
-            except RunnerError:
-                continue  # this back end is unusable here: nothing of ours in it
-            text = cleanup_restore(parse_save(saved)).render()
-            if text:
-                runner.restore(text)
-                log.info("removed sliceproxy's iptables rules", extra={
-                    "family": runner.family.label, "backend": runner.backend.value})
+        runners = ([fam.runner for fam in self._families.values()] if self._injected
+                   else cleanup_runners(self.options.families))
+        for runner, _chains in remove_chains(runners):
+            log.info("removed sliceproxy's iptables rules", extra={
+                "family": runner.family.label, "backend": runner.backend.value})
         for fam in self._families.values():
             fam.ruleset, fam.context, fam.last = None, None, None
-
-    def _cleanup_runners(self) -> list[Runner]:
-        if self._injected:
-            return [fam.runner for fam in self._families.values()]
-        return [IptablesRunner(family, backend) for family in self.options.families
-                for backend in Backend
-                if shutil.which(binary(family, backend, "save"))
-                and shutil.which(binary(family, backend, "restore"))]
 
     def close(self) -> None:
         """Stop watching for drift; runners are processes, netlink sockets are per call."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from proxy.dataplane.iptables.render import (
@@ -338,16 +338,18 @@ def _specs(rules: PortRules | None, table: Table, chain: str) -> list[str]:
     return [spec for t, c, spec in rules.entries if t is table and c == chain]
 
 
-def cleanup_restore(kernel: Saved) -> RestoreText:
-    """Remove every chain we own and every rule elsewhere that jumps to one; nothing else."""
+def cleanup_restore(kernel: Saved, owned: Callable[[str], bool] = ours) -> RestoreText:
+    """Remove every chain `owned` names (by default every chain of ours) and every rule
+    elsewhere that jumps to one; nothing else. The IPVS mode, removing the iptables
+    mode's leftovers, owns all `SPX-` chains but its own `SPX-IPVS-` ones."""
     text = RestoreText()
     for table in TABLE_ORDER:
         for chain, specs in kernel.get(table, {}).items():
-            if ours(chain):
+            if owned(chain):
                 text.remove_chain(table, chain)
             else:
                 text.edits[table].extend(
-                    f"-D {chain} {s}" for s in specs if ours(target_of(s) or ""))
+                    f"-D {chain} {s}" for s in specs if owned(target_of(s) or ""))
     return text
 
 

@@ -147,6 +147,8 @@ class IpvsDataPlane:
         # Held while we write iptables rules, so the legacy canary never reports our own.
         self._writing = threading.Lock()
         self._watches: list[NftablesListener | LegacyCanary | LinkListener] = []
+        # What the last `cleanup` removed (for its caller's log line).
+        self.cleaned: dict[str, int] = {}
 
     @property
     def mode(self) -> str:
@@ -401,7 +403,9 @@ class IpvsDataPlane:
             if isinstance(watch, LegacyCanary):
                 watch.rebaseline()
 
-    def cleanup(self) -> None:
+    def cleanup(self, *, announce: bool = True) -> None:
+        """Remove our virtual servers, dummy interface, chains and ipsets; `cleaned`
+        then says how many of each. `announce=False`: the caller logs the summary."""
         h = self._handles()
         run = _Run()
         index = h.links.index()
@@ -416,9 +420,13 @@ class IpvsDataPlane:
         doomed = [Op(OpKind.DEL_SERVICE, k) for k in sorted(kernel, key=VsKey.order)
                   if k.address in dummy_addresses or k in owned or k in self._believed]
         self._execute(h, doomed, [None] * len(doomed), run)
+        cleaned = {"virtual servers": len(doomed), "dummy interfaces": 0,
+                   "iptables lines": 0, "ipsets": 0}
         try:
             if h.links.delete():
-                log.info("deleted dummy interface", extra={"interface": self._dummy_name})
+                cleaned["dummy interfaces"] = 1
+                if announce:
+                    log.info("deleted dummy interface", extra={"interface": self._dummy_name})
         except Exception as exc:
             run.fail(f"delete link {self._dummy_name}", exc)
         for family, runner in h.runners.items():
@@ -435,6 +443,7 @@ class IpvsDataPlane:
             ours = [n for n in h.ipsets.names() if n.startswith(SET_PREFIX)]
             if ours:  # after the iptables rules: a set in use cannot be destroyed
                 h.ipsets.restore("".join(f"destroy {n}\n" for n in ours))
+                cleaned["ipsets"] = len(ours)
         except IpsetError as exc:
             run.fail("destroy ipsets", exc)
         self._believed.clear()
@@ -444,12 +453,15 @@ class IpvsDataPlane:
         self._last = None
         self._dummy_index = None
         self._need_full = True
+        cleaned["iptables lines"] = run.iptables_lines
+        self.cleaned = cleaned
         if run.failures:
             self.failed_operations += len(run.failures)
             what, err = run.failures[0]
             raise ApplyError(f"IPVS clean-up incomplete: {what}: {err}", offending=what)
-        log.info("IPVS data plane cleaned up: %d virtual servers deleted", len(doomed),
-                 extra={"virtual_servers_deleted": len(doomed)})
+        if announce:
+            log.info("IPVS data plane cleaned up: %d virtual servers deleted", len(doomed),
+                     extra={"virtual_servers_deleted": len(doomed)})
 
     def close(self) -> None:
         for watch in self._watches:
