@@ -23,7 +23,11 @@ poll at 1,000 services on an idle machine, more while a big restore holds the ta
 lies between the start of the last poll that did not see the change and the end of the
 first that did (in nftables mode: `nft list chain` of the service port's chain, whose
 rules DNAT to the Pods themselves, ~6 ms at 10,000 services): the latency reported is
-the later bound, the gap is its resolution. A watch on the namespace's EndpointSlices,
+the later bound, the gap is its resolution. Where the rules are in nf_tables, the
+change is also dated by nf_tables' own announcement of the transaction that made it
+(heard on netlink in the node's namespace; the first commit between the last poll not
+showing the change and the first showing it): "commit announced", free of the polls'
+resolution. A watch on the namespace's EndpointSlices,
 from this process, splits that time into the controller's part (the write -> the
 updated slice reaches a watcher) and the proxy's. The proxies run with their defaults
 (for all: min sync period 1 s, burst 2);
@@ -59,7 +63,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from ipaddress import IPv4Network
@@ -67,6 +71,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import urlencode
 
+from proxy.dataplane.iptables.drift_watch import NftablesListener
 from proxy.dataplane.iptables.ruleset import target_of
 from proxy.lab import Lab
 from proxy.lab.netns import entered
@@ -106,6 +111,7 @@ BACKENDS = ("nft", "legacy")
 NFTABLES = "nftables"  # a side's `backend` when its rules are our own nf_tables tables
 NFT_MAIN = "sliceproxy"  # the nftables mode's main table; shards are sliceproxy-0..K-1
 NFT_MAX_SHARDS = 64
+NFPROTO_IPV4 = 2
 INITIAL_POLL = 0.25  # seconds between checks of the initial sync
 Obj = dict[str, Any]
 
@@ -572,15 +578,55 @@ def logged_syncs(side: Side, start: int = 0) -> tuple[list[float], int]:
 # --- measuring ----------------------------------------------------------------------------
 
 
+class Commits:
+    """nf_tables' own announcements of the transactions committed on a node's tables, as
+    they reach this process (monotonic times). A poll that shows a change is then dated
+    by the commit that made it rather than by the poll (whose resolution is tens of ms):
+    the change was committed between the last poll that did not show it and the end of
+    the first that did, and a proxy's change is one transaction."""
+
+    def __init__(self, ns: str, tables: Iterable[str]) -> None:
+        self._times: list[float] = []
+        self._lock = threading.Lock()
+        with entered(ns):  # the socket listens in the namespace it is made in
+            self._listener = NftablesListener({(NFPROTO_IPV4, t) for t in tables},
+                                              lambda _pid: False, self._heard)
+        self._listener.start()
+
+    def _heard(self, reason: str) -> None:
+        now = time.monotonic()
+        if reason.startswith("nf_tables transaction"):  # not "announcements were lost"
+            with self._lock:
+                self._times.append(now)
+
+    def between(self, after: float, until: float) -> list[float]:
+        with self._lock:
+            return [t for t in self._times if after < t <= until]
+
+    def stop(self) -> None:
+        self._listener.stop()
+
+
+def commit_tables(backend: str) -> tuple[str, ...]:
+    """The nf_tables tables a side's changes are committed to (none for legacy)."""
+    if backend == NFTABLES:
+        return (NFT_MAIN, *(f"{NFT_MAIN}-{i}" for i in range(NFT_MAX_SHARDS)))
+    return ("nat",) if backend == "nft" else ()
+
+
 @dataclass
 class Seen:
     seconds: float | None  # write acknowledged -> end of the first poll showing the change
     resolution: float | None  # minus the start of the last poll not showing it
     polls: int
+    # write -> the first commit announced in that window (nf_tables only), and how many
+    committed: float | None = None
+    commits: int = 0
 
 
 def watch_rule(ns: str, backend: str, svc_chain: str, sep_chain: str, present: bool,
-               sent: float, deadline: float, interval: float) -> Seen:
+               sent: float, deadline: float, interval: float,
+               commits: Commits | None = None) -> Seen:
     """Poll one proxy's service chain until its jump to `sep_chain` is `present`;
     times from `sent` (monotonic), when the write left."""
     polls = 0
@@ -593,7 +639,9 @@ def watch_rule(ns: str, backend: str, svc_chain: str, sep_chain: str, present: b
             polls += 1
             if rules is not None:
                 if shows(backend, rules, sep_chain) == present:
-                    return Seen(end - sent, end - not_yet, polls)
+                    heard = commits.between(not_yet, end) if commits is not None else []
+                    return Seen(end - sent, end - not_yet, polls,
+                                heard[0] - sent if heard else None, len(heard))
                 not_yet = start
             if end > deadline:
                 return Seen(None, None, polls)
@@ -820,7 +868,13 @@ def _changes(api: RawApi, ns: str, settings: Settings, sides: Sequence[Side],
     time.sleep(settings.spacing)
     before = {s.name: (scrape(s.proxy), cpu_seconds(s.pid), logged_syncs(s)[1]) for s in sides}
     samples: list[dict[str, Any]] = []
-    with ThreadPoolExecutor(len(sides)) as pool, Writer(api) as writer:
+    with ThreadPoolExecutor(len(sides)) as pool, Writer(api) as writer, \
+            contextlib.ExitStack() as listening:
+        commits: dict[str, Commits] = {}
+        for side in sides:
+            if tables := commit_tables(side.backend):
+                commits[side.name] = Commits(side.lab.node_ns, tables)
+                listening.callback(commits[side.name].stop)
         for k in range(settings.changes):
             i = chosen[k // 2]
             svc, pod, ip = service_name(i), pod_name(i, 0), pod_ip(settings, i, 0)
@@ -836,7 +890,8 @@ def _changes(api: RawApi, ns: str, settings: Settings, sides: Sequence[Side],
                 svc_chain, sep_chain = side.chains(port, endpoint)
                 futures[side.name] = pool.submit(
                     watch_rule, side.lab.node_ns, side.backend, svc_chain, sep_chain, present,
-                    sent, sent + settings.change_deadline, settings.poll_interval)
+                    sent, sent + settings.change_deadline, settings.poll_interval,
+                    commits.get(side.name))
             seen = {name: f.result(timeout=settings.change_deadline + 60)
                     for name, f in futures.items()}
             sliced = watch.first(svc, ready_after, sent)
@@ -847,10 +902,12 @@ def _changes(api: RawApi, ns: str, settings: Settings, sides: Sequence[Side],
                 "slice_seen_s": round(sliced - sent, 4) if sliced is not None else None}
             for name, s in seen.items():
                 sample[name] = {"seconds": _r(s.seconds), "resolution_s": _r(s.resolution),
-                                "polls": s.polls}
+                                "polls": s.polls, "committed_s": _r(s.committed),
+                                "commits": s.commits}
             samples.append(sample)
             progress(f"change {k + 1}/{settings.changes} ({sample['action']} {endpoint}): "
-                     + ", ".join(f"{name} {_ms(s.seconds)}" for name, s in seen.items())
+                     + ", ".join(f"{name} {_ms(s.seconds)} (commit {_ms(s.committed)})"
+                                 for name, s in seen.items())
                      + f"; slice seen {_ms(sample['slice_seen_s'])}")
             if k + 1 < settings.changes:
                 time.sleep(settings.spacing)
@@ -902,6 +959,11 @@ def _side_result(side: Side, changes: Mapping[str, Any]) -> dict[str, Any]:
                                 if s["action"] == "add"]),
         "after_slice_seen": summary(proxy_part),
         "resolution": summary([s[side.name]["resolution_s"] for s in samples]),
+        "committed": summary([s[side.name].get("committed_s") for s in samples]),
+        "committed_after_slice_seen": summary([
+            None if s[side.name].get("committed_s") is None or s["slice_seen_s"] is None
+            else s[side.name]["committed_s"] - s["slice_seen_s"] for s in samples]),
+        "commits_per_change": summary([s[side.name].get("commits") for s in samples]),
         "syncs_logged_during_changes": summary(syncs),
         "metrics_during_changes": {
             "network_programming_duration": histogram_delta(
@@ -957,6 +1019,8 @@ def markdown(result: Mapping[str, Any]) -> str:
     line("... rule added (pod ready again)", stats("latency_add"))
     line("... after the watcher saw the slice", stats("after_slice_seen"))
     line("poll resolution (median / p90 / min / max)", stats("resolution"))
+    line("readiness write -> commit announced by nf_tables", stats("committed"))
+    line("... after the watcher saw the slice", stats("committed_after_slice_seen"))
     line("syncs logged during the changes", stats("syncs_logged_during_changes"))
 
     def initial(p: Mapping[str, Any]) -> str:

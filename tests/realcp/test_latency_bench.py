@@ -29,4 +29,8 @@ def test_every_proxy_programs_every_readiness_change(
         assert side["initial"]["seconds_to_rules"] > 0
         for change in result["changes"]:
             assert change[name]["seconds"] is not None, (name, change)
+            if side["initial"]["backend"] in ("nft", "nftables"):
+                # nf_tables announced the transaction that made the change.
+                assert change[name]["commits"] >= 1, (name, change)
+                assert 0 < change[name]["committed_s"] <= change[name]["seconds"]
     assert "readiness write -> rule" in markdown(result)
