@@ -9,7 +9,8 @@ Start-up order matters:
    discovers which EndpointSlice version the server has;
 4. the watches list everything; only when every resource has listed does the first
    (full) sync replace the old rules in one step, so no sync ever programs a partial
-   view of the cluster;
+   view of the cluster; right before it, the other proxy modes' leftovers are removed
+   (proxy/dataplane/leftovers.py; never this mode's own rules);
 5. from then on each change requests a sync at the pace of --min-sync-period.
 On SIGTERM/SIGINT everything stops within seconds and the rules stay in place.
 """
