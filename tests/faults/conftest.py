@@ -7,6 +7,11 @@ Services (IPv4; dual stack is the e2e tier's business):
     np     NodePort 30080/TCP on 198.18.0.1 web-1, web-2
     local  198.18.128.30  80/TCP           internalTrafficPolicy Local: web-1 only
 
+Modes: "iptables/nft" and "iptables/legacy" (`--proxy-mode iptables` on either of
+iptables' back ends) and "nftables" (`--proxy-mode nftables`, our own tables `ip|ip6
+sliceproxy` and `sliceproxy-<i>`). `fault_node` runs each test in all three; faults that
+mean something in one mode only take `make_node` with that mode.
+
 Every fault's figures go into `FAULTS` and are printed at the end of the run (and
 written as JSON to $SLICEPROXY_FAULT_REPORT when set), for docs/reliability.md.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -59,7 +65,7 @@ class FaultRecord:
 
     def row(self) -> str:
         conv = f"{self.converge:.2f}s" if self.converge is not None else "-"
-        return (f"  {self.fault:<44} {self.mode:<14} {self.attempts:>6} {self.failed:>6} "
+        return (f"  {self.fault:<44} {self.mode:<15} {self.attempts:>6} {self.failed:>6} "
                 f"{self.longest_window:>7.2f}s {conv:>8} {self.restarts:>3}  {self.notes}")
 
 
@@ -72,7 +78,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     tr = terminalreporter
     tr.write_line("fault suite (connections attempted, failed, longest failure window, "
                   "time to converge, agent restarts):")
-    tr.write_line(f"  {'fault':<44} {'mode':<14} {'tried':>6} {'failed':>6} "
+    tr.write_line(f"  {'fault':<44} {'mode':<15} {'tried':>6} {'failed':>6} "
                   f"{'window':>8} {'converge':>8} {'rst':>3}")
     for record in FAULTS:
         tr.write_line(record.row())
@@ -122,20 +128,78 @@ def use_legacy(lab: Lab) -> None:
              check=True)
 
 
+MODES = ("iptables/nft", "iptables/legacy", "nftables")
+# Our nftables tables: the main one and its shards (proxy/dataplane/nftables/render.py).
+OUR_NFT_TABLE = re.compile(r"^table (ip6?) (sliceproxy(?:-\d+)?) \{$")
+_EXPIRES = re.compile(r" expires \S+")  # a dynamic element's countdown, not content
+
+
+def nft_objects(ruleset: str) -> list[str]:
+    """Our objects in `nft list ruleset` text, one line each, named by where they are:
+    "table ip sliceproxy", "chain ip sliceproxy-0 services", "rule ip sliceproxy-0
+    services <rule>", "element ip sliceproxy-0 service-ips <element>", ... Elements
+    one by one, because nft prints a set's elements in the kernel's order, which a
+    rewrite may change. Sorted, two listings compare as the rules a user would see."""
+    out: list[str] = []
+    table = kind = where = pending = ""
+    for raw in ruleset.splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        if not raw.startswith("\t"):  # a table's first or last line
+            match = OUR_NFT_TABLE.match(line)
+            table = f"{match[1]} {match[2]}" if match else ""
+            if table:
+                out.append(f"table {table}")
+            continue
+        if not table or line == "}":
+            continue
+        head = re.match(r"^(chain|set|map) (\S+) \{$", line)
+        if head:
+            kind, where = head[1], f"{table} {head[2]}"
+            out.append(f"{kind} {where}")
+        elif pending or line.startswith("elements = {"):
+            pending += " " + line.removeprefix("elements = {")
+            if line.endswith("}"):
+                out += [f"element {where} {_EXPIRES.sub('', e.strip())}"
+                        for e in pending.rstrip("}").split(",") if e.strip()]
+                pending = ""
+        elif kind == "chain" and not re.match(r"type \S+ hook ", line):
+            out.append(f"rule {where} {line}")
+        else:  # a chain's type and hook, a set's type, flags, timeout...
+            out.append(f"decl {where} {line}")
+    return out
+
+
+def nft_rules(lab: Lab) -> list[str]:
+    """Our nftables objects in the node namespace (both families): `nft_objects`."""
+    res = lab.exec(lab.node_ns, ["nft", "list", "ruleset"], check=True)
+    return nft_objects(res.stdout)
+
+
 class FaultNode:
     """One lab, its simulator, the agent and the traffic, for one test."""
 
-    def __init__(self, lab: Lab, sim: SimServer, workdir: Path, backend: str) -> None:
-        self.lab, self.sim, self.workdir, self.backend = lab, sim, workdir, backend
+    def __init__(self, lab: Lab, sim: SimServer, workdir: Path, mode: str) -> None:
+        assert mode in MODES, mode
+        self.lab, self.sim, self.workdir, self.mode = lab, sim, workdir, mode
         self.targets = targets(lab)
         self.agents: list[AgentProcess] = []
 
     @property
-    def mode(self) -> str:
-        return f"iptables/{self.backend}"
+    def nftables(self) -> bool:
+        """The native nftables mode (else the iptables mode, on `backend`)."""
+        return self.mode == "nftables"
+
+    @property
+    def backend(self) -> str:
+        """iptables' back end, "nft" or "legacy" (the iptables mode only)."""
+        assert not self.nftables, "the nftables mode has no iptables back end"
+        return self.mode.split("/")[1]
 
     def start_agent(self, *flags: str, env: dict[str, str] | None = None) -> AgentProcess:
-        agent = AgentProcess(self.lab, self.sim, self.workdir, *flags, env=env,
+        mode = ("--proxy-mode", self.mode.split("/")[0])
+        agent = AgentProcess(self.lab, self.sim, self.workdir, *mode, *flags, env=env,
                              name=f"agent-{len(self.agents) + 1}").start()
         self.agents.append(agent)
         return agent
@@ -148,6 +212,10 @@ class FaultNode:
         return Traffic(self.lab.client_ns, self.targets, **kw)
 
     def rules(self) -> list[str]:
+        """Our rules in the kernel: iptables-save lines of our chains, or our nftables
+        tables' objects (`nft_objects`)."""
+        if self.nftables:
+            return nft_rules(self.lab)
         return our_rules(self.lab, (self.backend,))
 
     def record(self, fault: str, report: Report, converge: float | None,
@@ -173,19 +241,19 @@ def fault_lab() -> Iterator[Lab]:
         yield lab
 
 
-@pytest.fixture(params=["nft", "legacy"])
-def backend(request: pytest.FixtureRequest) -> str:
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
 @contextlib.contextmanager
-def make_node(lab: Lab, tmp_path: Path, backend: str,
+def make_node(lab: Lab, tmp_path: Path, mode: str,
               objects: list[dict[str, Any]] | None = None) -> Iterator[FaultNode]:
-    if backend == "legacy":
+    if mode == "iptables/legacy":
         use_legacy(lab)
     objs = [node_object(), namespace_object("demo"), *web_objects(lab), *(objects or [])]
     with start_sim(lab, objs) as sim:
-        node = FaultNode(lab, sim, tmp_path, backend)
+        node = FaultNode(lab, sim, tmp_path, mode)
         try:
             yield node
         finally:
@@ -195,17 +263,17 @@ def make_node(lab: Lab, tmp_path: Path, backend: str,
 
 
 @pytest.fixture
-def fault_node(fault_lab: Lab, tmp_path: Path, backend: str) -> Iterator[FaultNode]:
-    """A node on `backend` (both, parametrized) with the agent running and ready."""
-    with make_node(fault_lab, tmp_path, backend) as node:
+def fault_node(fault_lab: Lab, tmp_path: Path, mode: str) -> Iterator[FaultNode]:
+    """A node in `mode` (each of MODES, parametrized) with the agent running and ready."""
+    with make_node(fault_lab, tmp_path, mode) as node:
         node.start_agent().wait_ready()
         yield node
 
 
 @pytest.fixture
 def nft_node(fault_lab: Lab, tmp_path: Path) -> Iterator[FaultNode]:
-    """For faults of the API server side, which do not depend on the back end."""
-    with make_node(fault_lab, tmp_path, "nft") as node:
+    """For faults of the API server side, which do not depend on the data plane."""
+    with make_node(fault_lab, tmp_path, "iptables/nft") as node:
         node.start_agent().wait_ready()
         yield node
 

@@ -51,7 +51,7 @@ def answered(lab: Lab, ip: str, deadline: float) -> float:
 
 @pytest.fixture
 def big_node(fault_lab: Lab, tmp_path: Path) -> Iterator[FaultNode]:
-    with make_node(fault_lab, tmp_path, "nft",
+    with make_node(fault_lab, tmp_path, "iptables/nft",
                    bulk_services(fault_lab, OUTAGE_SERVICES)) as node:
         node.start_agent().wait_ready(timeout=90.0)
         yield node

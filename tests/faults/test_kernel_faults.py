@@ -67,7 +67,8 @@ class RuleCounter:
 
 
 def test_sigkill_in_the_middle_of_a_full_sync(fault_lab: Lab, tmp_path: Path) -> None:
-    with make_node(fault_lab, tmp_path, "nft", bulk_services(fault_lab, BULK)) as node:
+    with make_node(fault_lab, tmp_path, "iptables/nft",
+                   bulk_services(fault_lab, BULK)) as node:
         node.start_agent().wait_ready(60)
         full = len(node.rules())
         with node.traffic() as traffic, RuleCounter(node) as counter, \
@@ -102,7 +103,7 @@ def test_sigkill_in_the_middle_of_a_full_sync(fault_lab: Lab, tmp_path: Path) ->
 
 def test_xtables_lock_held_for_10s(fault_lab: Lab, tmp_path: Path) -> None:
     """Legacy only: iptables' nf_tables back end does not take the xtables lock."""
-    with make_node(fault_lab, tmp_path, "legacy") as node:
+    with make_node(fault_lab, tmp_path, "iptables/legacy") as node:
         node.start_agent().wait_ready()
         lock = "/run/xtables.lock"
         with node.traffic() as traffic:
@@ -127,6 +128,7 @@ def test_xtables_lock_held_for_10s(fault_lab: Lab, tmp_path: Path) -> None:
         assert node.agent.alive() and node.restarts() == 0
 
 
+@pytest.mark.parametrize("mode", ["iptables/nft", "iptables/legacy"], indirect=True)
 def test_a_restore_the_kernel_refuses(fault_node: FaultNode) -> None:
     """Someone jumps to one of our chains from their own; deleting the service must
     delete the chain, which the kernel refuses while it is referenced. The old rules

@@ -113,7 +113,7 @@ def test_soak(fault_lab: Lab, tmp_path: Path) -> None:
     both = [endpoint(b[n].ipv4, node=b[n].node) for n in ("web-1", "web-2")]
     extra = [service("churn", [CHURN]), endpoint_slice("churn-1", "churn", both),
              service("flap", [FLAP]), endpoint_slice("flap-1", "flap", both[:1])]
-    with make_node(fault_lab, tmp_path, "nft", extra) as node:
+    with make_node(fault_lab, tmp_path, "iptables/nft", extra) as node:
         node.targets.append(Target("churn", CHURN, 80, "tcp", ANY))
         agent = node.start_agent()
         agent.wait_ready()
