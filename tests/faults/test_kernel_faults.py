@@ -1,6 +1,13 @@
 """Faults on the node's side: the agent SIGKILLed in the middle of a full sync, the
-xtables lock held by someone else, a restore the kernel refuses. Traffic to services
-with ready endpoints never fails; the agent (or its successor) converges afterwards."""
+xtables lock held by someone else, a restore the kernel refuses (in the nftables mode,
+a partial batch it refuses). Traffic to services with ready endpoints never fails; the
+agent (or its successor) converges afterwards.
+
+The nftables mode has no counterpart of the first two: a full sync there is one
+nf_tables transaction per family, which the kernel commits whole or not at all, so a
+SIGKILL cannot leave a half-written ruleset (the iptables mode's full sync is several
+restore batches); and nft takes no xtables lock (nf_tables serialises transactions in
+the kernel), so nobody can hold our syncs back by holding a lock."""
 
 from __future__ import annotations
 
@@ -15,8 +22,15 @@ import pytest
 
 from proxy.lab import Lab
 from proxy.lab.probe import Flow
-from tests.e2e.agent_support import wait_for
-from tests.faults.conftest import WEB, FaultNode, bulk_services, make_node, settle
+from tests.e2e.agent_support import endpoint, endpoint_slice, wait_for
+from tests.faults.conftest import (
+    BOTH_PORTS,
+    WEB,
+    FaultNode,
+    bulk_services,
+    make_node,
+    settle,
+)
 from tests.faults.test_api_faults import add_probe, answered
 
 pytestmark = pytest.mark.root
@@ -165,3 +179,64 @@ def test_a_restore_the_kernel_refuses(fault_node: FaultNode) -> None:
     finally:
         lab.exec(lab.node_ns, [tool, "-t", "nat", "-F", "FOREIGN"])
         lab.exec(lab.node_ns, [tool, "-t", "nat", "-X", "FOREIGN"])
+
+
+def test_a_partial_batch_the_kernel_refuses(fault_lab: Lab, tmp_path: Path) -> None:
+    """The nftables mode's refused transaction. nf_tables has no references across
+    tables, so nobody outside our tables can hold one of our chains as in the test
+    above; inside them, someone else's rule jumping to a service's chain makes the
+    kernel refuse the batch that deletes the chain (EBUSY). Such a rule is drift, and
+    the drift check (a full sync, which clears it) normally comes first; so the agent
+    is stopped (SIGSTOP) while the rule is added and the service deleted, and on waking
+    its partial batch meets the rule: refused whole, the old rules keep serving, the
+    next sync is full and converges, with the change to web that was refused along."""
+    with make_node(fault_lab, tmp_path, "nftables") as node:
+        agent = node.start_agent()
+        agent.wait_ready()
+        assert agent.proc is not None
+        lab = fault_lab
+        victim = add_probe(node, 40)
+        answered(lab, victim, 30.0)
+        element = next(r for r in node.rules() if r.startswith("element ip ")
+                       and f" {victim} . tcp . 80 : goto " in r)
+        table, chain = element.split()[2], element.split()[-1]
+        with node.traffic() as traffic:
+            settle(0.5)
+            began = time.monotonic()
+            os.killpg(agent.proc.pid, signal.SIGSTOP)
+            try:
+                lab.exec(lab.node_ns, ["nft", "-f", "-"], check=True,
+                         input=f"add chain ip {table} foreign\n"
+                               f"add rule ip {table} foreign jump {chain}\n")
+                node.sim.delete("v1", "Service", "probe-40", namespace="demo")
+                web2 = lab.backends["web-2"]  # in the same batch: web loses web-1
+                node.sim.apply(endpoint_slice("web-1", "web", [endpoint(web2.ipv4,
+                                                                        node=web2.node)],
+                                              BOTH_PORTS))
+                # Stopped for longer than --min-sync-period (1 s): on waking, the change
+                # is synced at once (a measured interval, not a wait for anything).
+                settle(1.2)
+            finally:
+                os.killpg(agent.proc.pid, signal.SIGCONT)
+            woke = time.monotonic()
+            wait_for(lambda: not any(f" {chain}" in r or " foreign" in r
+                                     for r in node.rules()), 30.0,
+                     "the victim's chain and the foreign chain gone")
+            lab.wait_for(lab.client_ns, WEB, 80, {"web-2"})
+            converged = time.monotonic() - woke
+            late = add_probe(node, 41)
+            answered(lab, late, 30.0)
+        report = traffic.report(since=began)
+        log = agent.log_text()
+        metrics = agent.metrics()
+        node.record("partial batch refused (foreign jump in our table)", report,
+                    converged, restarts=node.restarts(),
+                    notes="agent stopped meanwhile; converge from its waking")
+        refused = [ln for ln in log.splitlines()
+                   if "nftables transaction failed" in ln and "full=False" in ln]
+        assert refused, agent.log_tail()
+        assert f"delete chain ip {table} {chain}" in refused[0], refused[0]
+        assert metrics['sliceproxy_syncs_total{kind="partial",result="error"}'] >= 1
+        assert metrics['sliceproxy_syncs_total{kind="full",result="ok"}'] >= 2
+        assert report.failed == 0, report.failures()
+        assert agent.alive() and node.restarts() == 0
