@@ -149,6 +149,7 @@ def nft_objects(ruleset: str) -> list[str]:
         if not raw.startswith("\t"):  # a table's first or last line
             match = OUR_NFT_TABLE.match(line)
             table = f"{match[1]} {match[2]}" if match else ""
+            kind, where = "", table  # until its first chain or set: the table's own lines
             if table:
                 out.append(f"table {table}")
             continue
