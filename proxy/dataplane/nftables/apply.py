@@ -68,8 +68,9 @@ class _FamilyState:
         self.last: DesiredState | None = None
 
     @property
-    def table(self) -> str:
-        return f"{table_family(self.family)} {TABLE}"
+    def tables(self) -> str:
+        """Our tables of this family, for messages: the main one and its shards."""
+        return f"{table_family(self.family)} {TABLE} and {TABLE}-0..{self.shards - 1}"
 
 
 class NftablesDataPlane:
@@ -216,7 +217,7 @@ class NftablesDataPlane:
         except NftError as exc:
             self._failed(fam, str(exc), exc.offending, full, exc.line)
             raise ApplyError(f"nf_tables refused the {'full' if full else 'partial'} "
-                             f"transaction for {fam.table}: {exc}",
+                             f"transaction on {fam.tables}: {exc}",
                              offending=exc.offending) from exc
 
     def _failed(self, fam: _FamilyState, error: str, offending: str | None, full: bool,
@@ -224,7 +225,7 @@ class NftablesDataPlane:
         self.failures += 1
         fam.state = None  # what the kernel holds is no longer certain: next sync is full
         log.error("nftables transaction failed; previous rules stay, next sync is full",
-                  extra={"family": fam.family.label, "table": fam.table, "full": full,
+                  extra={"family": fam.family.label, "tables": fam.tables, "full": full,
                          "line": line, "offending": offending, "error": error[-2000:]})
 
     # --- the rest of the contract -------------------------------------------------------------
@@ -256,7 +257,8 @@ class NftablesDataPlane:
         self._watch.start()
         log.info("watching for changes to our tables by other processes",
                  extra={"how": "nf_tables announcements",
-                        "tables": [f.table for f in self._families.values()]})
+                        "tables": [f"{table_family(f)} {TABLE}, {TABLE}-0..{MAX_SHARDS - 1}"
+                                    for f in self._families]})
 
     def check_drift(self) -> list[str]:
         """How our tables differ from what we last applied ([] when they agree): any
