@@ -261,13 +261,15 @@ def shows(backend: str, rules: Sequence[str], target: str) -> bool:
     return any(target_of(r) == target for r in rules)
 
 
-def nft_view(namespace: str) -> NatView | None:
-    """The nftables mode's view: every shard table read as JSON (~0.2 s each at 10,000
-    services: only once its first sync is in), each DNAT rule carrying its service port
-    as comment. None while the main table is not there yet: a full sync is one
-    transaction, so once it is, all of it is."""
+def nft_view(namespace: str) -> tuple[NatView, float] | None:
+    """The nftables mode's view, and when its tables were first seen (monotonic): every
+    shard table read as JSON (~0.3 s each at 10,000 services, so only once the first
+    sync is in), each DNAT rule carrying its service port as comment. None while the
+    main table is not there yet: a full sync is one transaction, so once it is, all of
+    it is, and the reading afterwards is not the proxy's time."""
     if _run(["nft", "list", "chain", "ip", NFT_MAIN, "nat-postrouting"]).returncode != 0:
         return None
+    there = time.monotonic()
     view = NatView()
     prefix = f"{namespace}/"
     for table in [NFT_MAIN, *(f"{NFT_MAIN}-{i}" for i in range(NFT_MAX_SHARDS))]:
@@ -286,7 +288,7 @@ def nft_view(namespace: str) -> NatView | None:
                     endpoint = f"{dnat['addr']}:{dnat['port']}"
                     chain = f"{rule['table']} {rule['chain']}"
                     view.endpoints[(port, endpoint)] = (chain, endpoint)
-    return view
+    return view, there
 
 
 def dispatch_count(backend: str, chain: str, namespace: str) -> int:
@@ -660,11 +662,12 @@ def wait_initial(side: Side, namespace: str, want: set[tuple[str, str]], service
             start = time.monotonic()
             polls += 1
             for backend in BACKENDS if side.name in DISPATCH else (NFTABLES,):
+                seen: float | None = None
                 if backend == NFTABLES:
                     found = nft_view(namespace)
                     if found is None:
                         continue
-                    view = found
+                    view, seen = found
                 # The dispatch chain first (cheap); the whole table once it is complete.
                 elif dispatch_count(backend, DISPATCH[side.name], namespace) < services:
                     continue
@@ -672,7 +675,7 @@ def wait_initial(side: Side, namespace: str, want: set[tuple[str, str]], service
                     view = parse_nat(save_nat(backend), namespace, DISPATCH[side.name],
                                      SERVICE_CHAIN[side.name])
                 if want <= set(view.endpoints):
-                    seen = time.monotonic()
+                    seen = seen or time.monotonic()
                     side.backend, side.view = backend, view
                     return {"seconds_to_rules": round(seen - side.proxy.started, 3),
                             "resolution_s": round(seen - start + INITIAL_POLL, 3),
