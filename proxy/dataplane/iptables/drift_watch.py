@@ -36,6 +36,9 @@ NETLINK_NETFILTER = 12
 LISTEN_BUFFER = 8 << 20
 
 Notify = Callable[[str], None]
+# What `notify` is told when announcements were dropped: no evidence of anyone else's
+# change by itself (our own full sync can overflow the buffer).
+LOST = "nf_tables announcements were lost (receive buffer full)"
 
 
 class NftablesListener(MulticastListener):
@@ -54,7 +57,7 @@ class NftablesListener(MulticastListener):
 
     def _lost(self) -> None:
         self._reader.reset()
-        self._notify("nf_tables announcements were lost (receive buffer full)")
+        self._notify(LOST)
 
     def _feed(self, datagram: bytes) -> None:
         for tx in self._reader.feed(datagram):

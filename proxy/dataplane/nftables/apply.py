@@ -27,7 +27,7 @@ from typing import Any
 from proxy.dataplane import conntrack
 from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
 from proxy.dataplane.iptables.apply import node_addresses
-from proxy.dataplane.iptables.drift_watch import NftablesListener
+from proxy.dataplane.iptables.drift_watch import LOST, NftablesListener
 from proxy.dataplane.iptables.render import RenderContext, context_for
 from proxy.dataplane.nftables.render import (
     MAX_SHARDS,
@@ -264,7 +264,12 @@ class NftablesDataPlane:
         """How our tables differ from what we last applied ([] when they agree): any
         foreign transaction on them, or chains and sets missing or extra by name."""
         with self._foreign_lock:
-            found, self._foreign = self._foreign[:1], []
+            heard, self._foreign = self._foreign, []
+        # Lost announcements prove nothing: our own full sync overflows the listener's
+        # buffer from about 10,000 services on, and counting that as drift made every
+        # full sync trigger the next one. The name check below still runs; a foreign
+        # change of rule contents lost with them waits for the periodic full sync.
+        found = [r for r in heard if r != LOST][:1]
         for fam in self._families.values():
             if fam.state is None:
                 continue  # its next sync is full already
