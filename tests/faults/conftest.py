@@ -181,8 +181,10 @@ def nft_rules(lab: Lab) -> list[str]:
 class FaultNode:
     """One lab, its simulator, the agent and the traffic, for one test."""
 
+    modes: tuple[str, ...] = MODES  # a subclass may run other modes (the kernel tier's IPVS)
+
     def __init__(self, lab: Lab, sim: SimServer, workdir: Path, mode: str) -> None:
-        assert mode in MODES, mode
+        assert mode in self.modes, mode
         self.lab, self.sim, self.workdir, self.mode = lab, sim, workdir, mode
         self.targets = targets(lab)
         self.agents: list[AgentProcess] = []

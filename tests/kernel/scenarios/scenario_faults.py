@@ -74,9 +74,7 @@ FLAP = "198.18.128.40"
 class IpvsFaultNode(FaultNode):
     """tests/faults' node with the agent in IPVS mode."""
 
-    @property
-    def mode(self) -> str:
-        return "ipvs/nft"
+    modes = ("ipvs/nft",)
 
     def start_agent(self, *flags: str, env: dict[str, str] | None = None) -> AgentProcess:
         return super().start_agent("--proxy-mode", "ipvs", *flags, env=env)
@@ -128,7 +126,7 @@ def node(lab: Lab) -> Iterator[IpvsFaultNode]:
     objects = [node_object(), namespace_object("demo"), *web_objects(lab)]
     sim: SimServer
     with start_sim(lab, objects) as sim:
-        fault_node = IpvsFaultNode(lab, sim, workdir, "nft")
+        fault_node = IpvsFaultNode(lab, sim, workdir, "ipvs/nft")
         try:
             fault_node.start_agent().wait_ready(READY_DEADLINE)
             yield fault_node
