@@ -101,7 +101,7 @@ def replies(data: bytes) -> Iterator[Reply]:
 # --- sockets ---------------------------------------------------------------------------
 
 
-SOL_NETLINK, NETLINK_ADD_MEMBERSHIP = 270, 1
+SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, NETLINK_CAP_ACK = 270, 1, 10
 SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
 LISTEN_POLL = 0.5  # how often a listener thread looks at its stop flag
 
@@ -177,6 +177,9 @@ class NetlinkSocket:
             # never answers into an error instead of a hung data plane.
             self._sock.settimeout(TIMEOUT)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
+            # A refusal quotes only the refused message's header, not all of it: one
+            # bad reference in a full sync can refuse 100,000 rules.
+            self._sock.setsockopt(SOL_NETLINK, NETLINK_CAP_ACK, 1)
             self._sock.bind((0, 0))
         except BaseException:
             self._sock.close()
@@ -262,9 +265,26 @@ class NetlinkSocket:
                 if reply.kind != NLMSG_ERROR:
                     continue
                 if reply.error and (reply.seq in pending or reply.seq in watched):
+                    self._drain()
                     return reply.seq, reply.error
                 pending.discard(reply.seq)
         return None
+
+    def _drain(self) -> None:
+        """Drop whatever else the kernel queued for us (the refusals of later messages
+        of a refused batch; an overflow of them), so the next request reads its own."""
+        self._sock.setblocking(False)
+        try:
+            while True:
+                try:
+                    self._sock.recv_into(self._buffer)
+                except BlockingIOError:
+                    return
+                except OSError as exc:
+                    if exc.errno != errno.ENOBUFS:
+                        raise
+        finally:
+            self._sock.settimeout(TIMEOUT)
 
     def _fit_send_buffer(self, size: int) -> None:
         """A datagram larger than the send buffer is refused (EMSGSIZE): grow it, as nft

@@ -205,3 +205,32 @@ def test_a_refused_transaction_keeps_the_old_rules_and_the_retry_is_full(
     assert report.full
     assert "198.18.1.11" in nft(ns, "list", "table", "ip", "sliceproxy")
     plane.cleanup()
+
+
+def test_a_full_sync_the_kernel_refuses_from_the_encoder_is_retried_through_nft(
+        namespaces: Lab) -> None:
+    """Full syncs go through our netlink encoder; if the kernel ever refuses what it
+    sent (an encoder bug, or a kernel reading a shape differently), the same script
+    goes to nft, so the node is programmed instead of retrying the same refusal."""
+    ns = namespaces.node_ns
+    wipe(ns)
+
+    class EncoderRefused(NftRunner):
+        sent = 0
+
+        def send(self, text: str, family: Family, tables: Collection[str]) -> None:
+            self.sent += 1
+            # What a wrong encoding looks like from here: the kernel refuses a line.
+            super().send(text + "add rule ip sliceproxy services jump no-such-chain\n"
+                         if family is Family.V4 else text, family, tables)
+
+    with entered(ns):
+        runner = EncoderRefused()
+    plane = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES, runner=runner)
+    report = plane.sync(Cluster().become(*web(["198.18.1.10"])), full=True)
+    assert runner.sent == 2  # both families tried the encoder first
+    assert report.details["IPv4"]["applier"] == "nft"
+    assert report.details["IPv6"]["applier"] == "netlink"
+    assert "198.18.1.10" in nft(ns, "list", "table", "ip", "sliceproxy")
+    assert "no-such-chain" not in nft(ns, "list", "table", "ip", "sliceproxy")
+    plane.cleanup()

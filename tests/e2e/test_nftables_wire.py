@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from proxy.dataplane.netlink import NetlinkSocket, nla
+from proxy.dataplane.netlink import NetlinkSocket, Reply, nla
 from proxy.dataplane.nftables.runner import NftError, NftRunner
 from proxy.dataplane.nftables_probe import NETLINK_NETFILTER, NFNL_SUBSYS_NFTABLES, NFPROTO
 from proxy.lab import Lab
@@ -21,7 +21,7 @@ from proxy.model.types import Family
 
 pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
 
-GETRULE = 7
+GETCHAIN, GETSET, GETRULE = 4, 10, 7
 REF, ENC = "ref", "enc"  # the table nft writes, the table the encoder writes
 
 # What both tables hold before the statements under test (written by nft).
@@ -38,6 +38,7 @@ add rule ip {t} old goto target
 """,
     Family.V6: """
 add map ip6 {t} service-ips {{ type ipv6_addr . inet_proto . inet_service : verdict; }}
+add map ip6 {t} service-nodeports {{ type inet_proto . inet_service : verdict; }}
 add set ip6 {t} hairpin {{ type ipv6_addr . ipv6_addr; }}
 add chain ip6 {t} target
 """,
@@ -74,6 +75,23 @@ add element ip {t} service-ips {{ 198.18.0.1 . tcp . 80 : goto svc, \
 add element ip {t} service-nodeports {{ tcp . 30080 : goto svc }}
 add element ip {t} cluster-ips {{ 198.18.0.1, 198.18.0.2 }}
 add element ip {t} hairpin {{ 198.18.1.2 . 198.18.1.2 }}
+add chain ip {t} nat-pre {{ type nat hook prerouting priority dstnat; policy accept; }}
+add chain ip {t} nat-out {{ type nat hook output priority -100; policy accept; }}
+add chain ip {t} np-pre {{ type nat hook prerouting priority dstnat + 1; policy accept; }}
+add chain ip {t} post {{ type nat hook postrouting priority srcnat; policy accept; }}
+add chain ip {t} filt {{ type filter hook forward priority filter; policy accept; }}
+add rule ip {t} nat-pre ip daddr . meta l4proto . th dport vmap @service-ips
+add rule ip {t} nat-out jump target
+add rule ip {t} np-pre fib daddr type local ip daddr != 127.0.0.0/8 \
+meta l4proto . th dport vmap @service-nodeports
+add rule ip {t} post ct status dnat ip saddr . ip daddr @hairpin masquerade fully-random
+add rule ip {t} post meta mark & 0x00004000 == 0 return
+add rule ip {t} post meta mark set meta mark ^ 0x00004000
+add rule ip {t} post masquerade fully-random
+add rule ip {t} ep meta mark set meta mark | 0x00004000
+add rule ip {t} filt ct state new jump target
+add rule ip {t} filt ip daddr @cluster-ips goto target
+add rule ip {t} target reject
 """,
     Family.V6: """
 add set ip6 {t} aff-b {{ type ipv6_addr; flags dynamic,timeout; timeout 30s; }}
@@ -87,6 +105,13 @@ comment "ns/v6:http"
 add rule ip6 {t} svc meta l4proto udp dnat to [fd00::6]:53
 add element ip6 {t} service-ips {{ fd00::1 . tcp . 80 : goto svc }}
 add element ip6 {t} hairpin {{ fd00::5 . fd00::5 }}
+add chain ip6 {t} nat-pre {{ type nat hook prerouting priority dstnat; policy accept; }}
+add chain ip6 {t} post {{ type nat hook postrouting priority srcnat; policy accept; }}
+add rule ip6 {t} nat-pre ip6 daddr . meta l4proto . th dport vmap @service-ips
+add rule ip6 {t} nat-pre fib daddr type local ip6 daddr != ::1 \
+meta l4proto . th dport vmap @service-nodeports
+add rule ip6 {t} post ct status dnat ip6 saddr . ip6 daddr @hairpin masquerade fully-random
+add rule ip6 {t} target reject
 """,
 }
 
@@ -101,12 +126,15 @@ add rule ip {t} svc goto ep
 flush chain ip {t} old
 delete chain ip {t} old
 delete set ip {t} aff-old
+flush map ip {t} service-nodeports
+flush set ip {t} cluster-ips
 """,
     Family.V6: """
 delete element ip6 {t} service-ips {{ fd00::1 . tcp . 80 }}
 flush chain ip6 {t} svc
 delete chain ip6 {t} svc
 delete set ip6 {t} aff-b
+flush set ip6 {t} hairpin
 """,
 }
 
@@ -126,19 +154,36 @@ def nft(ns: str, *args: str, stdin: str | None = None) -> str:
                           capture_output=True, text=True, check=True).stdout
 
 
-def kernel_rules(family: Family, table: str) -> list[tuple[bytes, bytes, bytes | None]]:
-    """(chain, expressions, user data) of every rule of `table`, as the kernel dumps
-    them: its own encoding, so two ways of adding a rule compare byte for byte."""
+# What the kernel says of itself rather than of what it was sent: handles, use counts.
+KERNEL_OWN = {GETCHAIN: {2, 6}, GETSET: {16}}
+
+
+def _dump(family: Family, kind: int, table: str) -> list[Reply]:
     sock = NetlinkSocket(NETLINK_NETFILTER)
     try:
         body = struct.pack("!BBH", NFPROTO[family], 0, 0) + nla(1, table.encode() + b"\0")
-        out = []
-        for reply in sock.dump_raw(NFNL_SUBSYS_NFTABLES << 8 | GETRULE, body):
-            attrs = reply.attrs(4)
-            out.append((attrs[2], attrs[4], attrs.get(7)))
-        return out
+        return sock.dump_raw(NFNL_SUBSYS_NFTABLES << 8 | kind, body)
     finally:
         sock.close()
+
+
+def kernel_rules(family: Family, table: str) -> list[tuple[bytes, bytes, bytes | None]]:
+    """(chain, expressions, user data) of every rule of `table`, as the kernel dumps
+    them: its own encoding, so two ways of adding a rule compare byte for byte."""
+    return [(a[2], a[4], a.get(7)) for a in (r.attrs(4) for r in _dump(family, GETRULE, table))]
+
+
+def kernel_objects(family: Family, kind: int, table: str) -> list[list[tuple[int, bytes]]]:
+    """Every chain or set of `table` with all its attributes as the kernel dumps them
+    (hooks, priorities, key types, flags, user data), but those the kernel makes up."""
+    out = []
+    for reply in _dump(family, kind, table):
+        attrs = reply.attrs(4)
+        if attrs.get(1, b"").rstrip(b"\0").decode() != table:
+            continue  # a dump by table name still lists every table's sets
+        out.append(sorted((k, v) for k, v in attrs.items() if k not in KERNEL_OWN[kind]
+                          and k != 1))
+    return sorted(out)
 
 
 def listing(ns: str, family: Family, table: str) -> list[str]:
@@ -159,7 +204,9 @@ def listing(ns: str, family: Family, table: str) -> list[str]:
 def same_tables(ns: str, family: Family) -> None:
     with entered(ns):
         ref, enc = kernel_rules(family, REF), kernel_rules(family, ENC)
-    assert enc == ref
+        assert enc == ref
+        for kind in (GETCHAIN, GETSET):
+            assert kernel_objects(family, kind, ENC) == kernel_objects(family, kind, REF)
     assert listing(ns, family, ENC) == listing(ns, family, REF)
 
 
@@ -168,18 +215,22 @@ def test_every_statement_reads_back_as_nft_writes_it(namespaces: Lab, family: Fa
     ns = namespaces.node_ns
     fam = "ip" if family is Family.V4 else "ip6"
     nft(ns, "flush", "ruleset")
-    for table in (REF, ENC):
-        nft(ns, "-f", "-", stdin=f"add table {fam} {table}\n" + script(SETUP[family], table))
     with entered(ns):
         runner = NftRunner()
     try:
-        for template in (STATEMENTS[family], REMOVALS[family]):
+        setup = f"add table {fam} {{t}}\n" + SETUP[family]
+        for template in (setup, STATEMENTS[family], REMOVALS[family]):
             nft(ns, "-f", "-", stdin=script(template, REF))
             with entered(ns):
                 runner.send(script(template, ENC), family, (ENC,))
             same_tables(ns, family)
             if template is STATEMENTS[family]:  # not vacuous: the rules are there
                 assert "dnat to" in nft(ns, "list", "table", fam, ENC)
+                assert "hook prerouting" in nft(ns, "list", "table", fam, ENC)
+        with entered(ns):
+            runner.send(f"delete table {fam} {ENC}\n", family, (ENC,))
+        assert f"table {fam} {ENC}" not in nft(ns, "list", "tables")
+        assert f"table {fam} {REF}" in nft(ns, "list", "tables")
     finally:
         with entered(ns):
             runner.close()

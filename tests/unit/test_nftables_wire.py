@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from proxy.dataplane.iptables.render import RenderContext
 from proxy.dataplane.netlink import replies
+from proxy.dataplane.nftables.expressions import Unencodable
 from proxy.dataplane.nftables.render import (
     TABLE,
     our_tables,
@@ -24,8 +25,8 @@ from proxy.dataplane.nftables.render import (
     render_shard,
     shard_table,
 )
-from proxy.dataplane.nftables.transaction import TableState, partial_script
-from proxy.dataplane.nftables.wire import Unencodable, encode
+from proxy.dataplane.nftables.transaction import TableState, full_script, partial_script
+from proxy.dataplane.nftables.wire import encode
 from proxy.model.types import Family
 from tests.unit.test_iptables_sync import Cluster, clusters
 
@@ -66,6 +67,32 @@ def test_every_partial_script_is_inside_the_dialect(context: str,
         applied = ports
 
 
+V6_CONTEXT = RenderContext(Family.V6, local_cidrs=(ip_network("fd00:1::/64"),),
+                           nodeport_ips=(ip_address("fd00::1"),))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(context=st.sampled_from([*sorted(CONTEXTS), "ipv6"]), objects=clusters())
+def test_every_full_script_is_inside_the_dialect(context: str,
+                                                 objects: list[dict[str, Any]]) -> None:
+    """Full syncs go through the encoder too (start, resync, repair): every table,
+    base chain, map and rule they write, and what they delete of an earlier start."""
+    ctx = V6_CONTEXT if context == "ipv6" else CONTEXTS[context]
+    shards = 3
+    ports = {k: render_port(v, ctx, shards) for k, v in Cluster().become(objects).ports.items()
+             if k.family is ctx.family}
+    bases = [render_base(ctx), *(render_shard(ctx, shard_table(i)) for i in range(shards))]
+    stale = shard_table(shards)  # a shard of an earlier start with more services
+    script, _ = full_script(bases, ports, kernel_chains=[(TABLE, "svc-OLD")],
+                            kernel_sets={(TABLE, "aff-OLD"): "set"},
+                            kernel_tables=[TABLE, stale])
+    batch = encode(script, ctx.family, our_tables(), 100)
+    lines = script.splitlines()
+    assert sorted(batch.lines.values()) == list(range(1, len(lines) + 1))
+    assert any(line.startswith("add chain") and " hook " in line for line in lines)
+    assert f"delete table {'ip' if ctx.family is Family.V4 else 'ip6'} {stale}" in lines
+
+
 def test_only_the_last_message_asks_for_an_acknowledgement() -> None:
     script = ("add chain ip sliceproxy a\nadd rule ip sliceproxy a drop\n"
               "add element ip sliceproxy cluster-ips { 198.18.0.1 }\n")
@@ -84,8 +111,15 @@ def test_only_the_last_message_asks_for_an_acknowledgement() -> None:
 
 @pytest.mark.parametrize("line", [
     "add chain ip sliceproxy nat-prerouting { type nat hook prerouting priority dstnat; }",
-    "add rule ip sliceproxy x ct state new jump y",
-    "add rule ip sliceproxy x masquerade fully-random",
+    "add chain ip sliceproxy o { type route hook output priority mangle; policy accept; }",
+    "add chain ip sliceproxy o { type nat hook output priority dstnat; policy drop; }",
+    "add rule ip sliceproxy x ct state established jump y",
+    "add rule ip sliceproxy x ct status snat jump y",
+    "add rule ip sliceproxy x masquerade random",
+    "add rule ip sliceproxy x meta mark set 0x4000",
+    "add rule ip sliceproxy x meta mark & 0x4000 != 0 return",
+    "add rule ip sliceproxy x ip daddr . tcp dport @s drop",
+    "add rule ip sliceproxy x ip daddr . th dport == 1 drop",
     "add rule ip sliceproxy x ip saddr 198.18.0.1/33 drop",
     "add rule ip sliceproxy x ip saddr fd00::1 drop",  # the other family
     "add rule ip sliceproxy x meta l4proto icmp drop",
@@ -94,10 +128,14 @@ def test_only_the_last_message_asks_for_an_acknowledgement() -> None:
     "add rule ip sliceproxy x numgen inc mod 2 0 drop",
     "add rule ip6 sliceproxy x drop",  # another table
     "add rule ip other x drop",
-    "add set ip sliceproxy s { type ipv4_addr; }",
+    "add set ip sliceproxy s { type ether_addr; }",
+    "add map ip sliceproxy m { type ipv4_addr : ipv4_addr; }",
+    "add set ip sliceproxy s { type ipv4_addr . inet_service; flags dynamic,timeout; "
+    "timeout 1s; }",
     "add element ip sliceproxy m { 198.18.0.1 . tcp . 80 : queue }",
     "add element ip sliceproxy m { 198.18.0.1 . tcp . 70000 : drop }",
-    "delete table ip sliceproxy",
+    "delete table ip other",
+    "add table inet sliceproxy",
     "add rule ip sliceproxy x",
 ])
 def test_anything_else_is_refused_before_sending(line: str) -> None:
