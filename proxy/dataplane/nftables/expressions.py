@@ -73,6 +73,7 @@ def u32(value: int) -> bytes:
     return _U32.pack(value)
 
 
+@functools.lru_cache(maxsize=65536)  # table, chain and set names recur in every line
 def string(kind: int, text: str) -> bytes:
     return nla(kind, text.encode() + b"\0")
 
@@ -237,6 +238,14 @@ def _address_match(family: Family, field: str, op: int, operand: str) -> bytes:
         + cmp(op, raw)
 
 
+@functools.cache
+def _immediate_address_head(family: Family) -> bytes:
+    """An immediate of an address into register 1, but the address's bytes, which end
+    it (4 or 16 bytes: no padding follows)."""
+    width = ADDRESS_WIDTH[family]
+    return _immediate_data(REG_1, bytes(width))[:-width]
+
+
 def _dnat(family: Family, target: str) -> bytes:
     host, sep, port_text = target.rpartition(":")
     if not sep:
@@ -245,8 +254,8 @@ def _dnat(family: Family, target: str) -> bytes:
         if not (host.startswith("[") and host.endswith("]")):
             raise Unencodable(f"dnat target {target!r}")
         host = host[1:-1]
-    return (_immediate_data(REG_1, address(host, family)) + _immediate_port(port_text)
-            + _nat(family))
+    return (_immediate_address_head(family) + address(host, family)
+            + _immediate_port(port_text) + _nat(family))
 
 
 # --- concatenations ----------------------------------------------------------------------------
@@ -441,6 +450,7 @@ def _reject(family: Family) -> bytes:
 _MASQUERADE_FULLY_RANDOM = _expr("masq", nla(1, u32(NAT_RANGE_PROTO_RANDOM_FULLY)))
 
 
+@functools.lru_cache(maxsize=4096)  # one per service port, on each of its rules
 def comment(text: str) -> bytes:
     data = text.encode() + b"\0"
     if len(data) > 255:
