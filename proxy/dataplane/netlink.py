@@ -250,15 +250,18 @@ class NetlinkSocket:
             results.extend(c or 0 for c in codes)
         return results
 
-    def first_refusal(self, data: bytes, acked: Collection[int],
+    def first_refusal(self, data: Sequence[bytes | bytearray], acked: Collection[int],
                       watched: Collection[int] = ()) -> tuple[int, int] | None:
-        """Send `data`, messages framed by the caller (an nf_tables batch, say), in one
-        datagram; wait for the acknowledgement of each sequence number in `acked`. The
+        """Send the pieces of `data`, messages framed by the caller (an nf_tables batch,
+        say; no message split between pieces), as one datagram; wait for the
+        acknowledgement of each sequence number in `acked`. The
         first refusal among `acked` or `watched` (messages answered only when refused,
         such as a batch's opening) ends the wait: (its sequence number, errno). None when
         every one in `acked` was acknowledged."""
-        self._fit_send_buffer(len(data))
-        self._sock.send(data)
+        size = sum(len(piece) for piece in data)
+        self._fit_send_buffer(size)
+        if self._sock.sendmsg(data) != size:
+            raise NetlinkError(errno.EMSGSIZE, "the kernel took part of a batch")
         pending = set(acked)
         while pending:
             for reply in replies(self._recv()):

@@ -97,7 +97,7 @@ def chain_type_unsupported(family: Family, chain_type: str) -> str | None:
             seqs[3]: "deleting the scratch table"}
     try:
         with closing(NetlinkSocket(NETLINK_NETFILTER)) as sock:
-            refused = sock.first_refusal(data, acked=seqs[1:], watched=seqs[:1])
+            refused = sock.first_refusal((data,), acked=seqs[1:], watched=seqs[:1])
     except OSError as exc:  # no netlink for netfilter at all, or no answer (NetlinkError)
         log.debug("nf_tables probe inconclusive", extra={"error": str(exc)})
         return None

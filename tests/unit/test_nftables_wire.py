@@ -61,7 +61,7 @@ def test_every_partial_script_is_inside_the_dialect(context: str,
             k: render_port(ports[k], ctx, shards) if k in ports else None for k in changed})
         batch = encode(script, Family.V4, our_tables(), 100)
         lines = script.splitlines()
-        assert sorted(batch.lines.values()) == list(range(1, len(lines) + 1))
+        assert batch.numbers == list(range(1, len(lines) + 1))
         messages = list(replies(batch.data))
         assert len(messages) == len(lines) + 2  # framed by the batch's begin and end
         applied = ports
@@ -88,7 +88,7 @@ def test_every_full_script_is_inside_the_dialect(context: str,
                             kernel_tables=[TABLE, stale])
     batch = encode(script, ctx.family, our_tables(), 100)
     lines = script.splitlines()
-    assert sorted(batch.lines.values()) == list(range(1, len(lines) + 1))
+    assert batch.numbers == list(range(1, len(lines) + 1))
     assert any(line.startswith("add chain") and " hook " in line for line in lines)
     assert f"delete table {'ip' if ctx.family is Family.V4 else 'ip6'} {stale}" in lines
 
@@ -98,7 +98,8 @@ def test_only_the_last_message_asks_for_an_acknowledgement() -> None:
               "add element ip sliceproxy cluster-ips { 198.18.0.1 }\n")
     batch = encode(script, Family.V4, (TABLE,), 7)
     assert batch.begin_seq == 7
-    assert batch.lines == {8: 1, 9: 2, 10: 3}
+    assert batch.numbers == [1, 2, 3] and batch.last_seq == 10
+    assert [batch.line_of(s) for s in (7, 8, 10, 11)] == [None, 1, 3, None]
     raw = batch.data
     flags = {}
     i = 0

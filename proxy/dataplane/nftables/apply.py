@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from proxy.dataplane import conntrack
+from proxy.dataplane import conntrack, heap
 from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
 from proxy.dataplane.iptables.apply import node_addresses
 from proxy.dataplane.iptables.drift_watch import LOST, NftablesListener
@@ -172,6 +172,8 @@ class NftablesDataPlane:
                                      "render_seconds": round(render_seconds, 6),
                                      "apply_seconds": round(elapsed, 6)}
         cleared = conntrack.clear_after_sync(flows) if self.clear_conntrack else 0
+        if any_full:  # the script and batch were tens of MB: give the heap back
+            heap.release_free_memory()
         if failure is not None:
             raise failure
         log.info("nftables sync applied", extra={

@@ -73,7 +73,8 @@ def u32(value: int) -> bytes:
     return _U32.pack(value)
 
 
-@functools.lru_cache(maxsize=65536)  # table, chain and set names recur in every line
+# Small caches: a script names one chain, set or comment on many consecutive lines.
+@functools.lru_cache(maxsize=256)
 def string(kind: int, text: str) -> bytes:
     return nla(kind, text.encode() + b"\0")
 
@@ -82,7 +83,7 @@ def value(kind: int, data: bytes) -> bytes:
     return nested(kind, nla(DATA_VALUE, data))
 
 
-@functools.lru_cache(maxsize=65536)
+@functools.lru_cache(maxsize=256)
 def verdict(kind: int, verb: str, chain: str = "") -> bytes:
     code = struct.pack("!i", VERDICTS[verb])
     body = nla(VERDICT_CODE, code) + (string(VERDICT_CHAIN, chain) if chain else b"")
@@ -108,7 +109,7 @@ def payload(base: int, offset: int, length: int, reg: int = REG_1) -> bytes:
                  + nla(4, u32(length)))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=256)
 def cmp(op: int, data: bytes) -> bytes:
     return _expr("cmp", nla(1, u32(REG_1)) + nla(2, u32(op)) + value(3, data))
 
@@ -129,7 +130,7 @@ def _bitwise(width: int, mask: bytes, xor: bytes) -> bytes:
                  + value(4, mask) + value(5, xor))
 
 
-@functools.lru_cache(maxsize=65536)
+@functools.lru_cache(maxsize=256)
 def _immediate_verdict(verb: str, chain: str = "") -> bytes:
     return _expr("immediate", nla(1, u32(REG_VERDICT)) + verdict(2, verb, chain))
 
@@ -138,7 +139,7 @@ def _immediate_data(reg: int, data: bytes) -> bytes:
     return _expr("immediate", nla(1, u32(reg)) + value(2, data))
 
 
-@functools.lru_cache(maxsize=65536)
+@functools.lru_cache(maxsize=256)
 def _lookup(set_name: str, dreg: int | None = None) -> bytes:
     attrs = nla(2, u32(REG_1)) + string(1, set_name)
     if dreg is not None:
@@ -170,7 +171,7 @@ def _nat(family: Family) -> bytes:
                  + nla(7, u32(NAT_RANGE_PROTO_SPECIFIED)))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=256)
 def _immediate_port(text: str) -> bytes:
     return _immediate_data(REG_2, port(text))
 
@@ -450,7 +451,7 @@ def _reject(family: Family) -> bytes:
 _MASQUERADE_FULLY_RANDOM = _expr("masq", nla(1, u32(NAT_RANGE_PROTO_RANDOM_FULLY)))
 
 
-@functools.lru_cache(maxsize=4096)  # one per service port, on each of its rules
+@functools.lru_cache(maxsize=256)
 def comment(text: str) -> bytes:
     data = text.encode() + b"\0"
     if len(data) > 255:

@@ -238,27 +238,27 @@ class NftRunner:
         script outside that dialect (then `run` it); NftError naming the first refused
         line when the kernel refuses it."""
         self._check_home()
-        lines = text.splitlines()
         with self._lock:
             try:
                 sock = self._netlink()
                 # One message per line, framed by the batch's begin and end.
-                first = sock.reserve(sum(1 for line in lines if line) + 2)
+                first = sock.reserve(text.count("\n") + 3)
                 batch = wire.encode(text, family, tables, first)
-                if not batch.lines:
+                if not batch.numbers:
                     return
-                refused = sock.first_refusal(batch.data, acked=(max(batch.lines),),
-                                             watched={batch.begin_seq, *batch.lines})
+                refused = sock.first_refusal(
+                    batch.pages, acked=(batch.last_seq,),
+                    watched=range(batch.begin_seq, batch.last_seq + 1))
             except OSError as exc:
                 raise NftError(f"nf_tables netlink: {exc}") from exc
         if refused is None:
             return
         seq, code = refused
-        number = batch.lines.get(seq)
+        number = batch.line_of(seq)
         if number is None:
             raise NftError(f"the kernel refused the batch: {os.strerror(code)}")
         raise NftError(f"line {number}: Could not process rule: {os.strerror(code)}",
-                       number, lines[number - 1])
+                       number, text.splitlines()[number - 1])
 
     def names(self, family: Family, tables: Collection[str]
               ) -> tuple[set[str], list[tuple[str, str]], dict[tuple[str, str], str]]:
