@@ -57,7 +57,13 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from proxy.dataplane.iptables.render import RenderContext, endpoint_text, name_hash, port_name
+from proxy.dataplane.iptables.render import (
+    RenderContext,
+    address_text,
+    endpoint_text,
+    name_hash,
+    port_name,
+)
 from proxy.dataplane.paths import plan, sorted_nets
 from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
 from proxy.model.types import (
@@ -292,8 +298,7 @@ def comment(text: str) -> str:
     return f'comment "{_UNSAFE.sub("?", text)[:COMMENT_MAX]}"'
 
 
-def _text(ip: IPAddress) -> str:
-    return str(ip)
+_text = address_text
 
 
 # --- one service port ------------------------------------------------------------------------
