@@ -6,6 +6,7 @@ rtnetlink (proxy/dataplane/ipvs/netlink.py), nf_tables (proxy/dataplane/nftables
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -101,7 +102,7 @@ def replies(data: bytes) -> Iterator[Reply]:
 # --- sockets ---------------------------------------------------------------------------
 
 
-SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, NETLINK_CAP_ACK = 270, 1, 10
+SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, NETLINK_DROP_MEMBERSHIP, NETLINK_CAP_ACK = 270, 1, 2, 10
 SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
 LISTEN_POLL = 0.5  # how often a listener thread looks at its stop flag
 
@@ -116,6 +117,7 @@ class MulticastListener:
                  buffer: int, name: str, stopped: str) -> None:
         self._name, self._stopped = name, stopped
         self._stop = threading.Event()
+        self._membership = membership
         self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, protocol)
         try:
             self._sock.bind((0, groups))
@@ -138,6 +140,25 @@ class MulticastListener:
         self._stop.set()
         self._thread.join(5.0)
         self._sock.close()
+
+    @contextlib.contextmanager
+    def deaf(self) -> Iterator[None]:
+        """Leave the group (`membership`) for the duration, then join it again. For our
+        own big transactions: while anyone listens, the kernel writes an announcement of
+        every object a transaction touches, in the committing thread; 10,000 services'
+        full sync took 3x as long (1.0 -> 3.0 s). Nothing foreign is missed that matters:
+        transactions are serialised, our full one rewrites every object of ours, so a
+        foreign change committed before it is overwritten (what it added beside ours
+        is found by name at the next drift check), and what the kernel queued for us
+        before we left stays queued; the gap after our commit is one system call."""
+        if self._membership is None:
+            yield
+            return
+        self._sock.setsockopt(SOL_NETLINK, NETLINK_DROP_MEMBERSHIP, self._membership)
+        try:
+            yield
+        finally:
+            self._sock.setsockopt(SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, self._membership)
 
     def _feed(self, datagram: bytes) -> None:
         raise NotImplementedError

@@ -19,7 +19,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from proxy.dataplane.netlink import replies
+from proxy.dataplane.netlink import HEADER as _HEADER
+from proxy.dataplane.netlink import NLA_TYPE_MASK, parse_attrs
 
 NFNLGRP_NFTABLES = 7
 NFNL_SUBSYS_NFTABLES = 10
@@ -31,6 +32,7 @@ TABLE_ATTRIBUTE = 1
 NFPROTO_NAMES = {1: "inet", 2: "ip", 3: "arp", 5: "netdev", 7: "bridge", 10: "ip6"}
 
 _NFGEN = 4  # nfgenmsg: family, version, resource id
+_ATTR = struct.Struct("=HH")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,24 +60,42 @@ class TransactionReader:
     datagram closed. Messages before a NEWGEN are held until it comes."""
 
     def __init__(self) -> None:
-        self._tables: set[tuple[int, str]] = set()
+        self._tables: set[tuple[int, bytes]] = set()  # (family, raw table attribute)
 
     def reset(self) -> None:
         """Forget a half-read transaction (after the socket lost messages)."""
         self._tables.clear()
 
     def feed(self, data: bytes) -> list[Transaction]:
+        """Read straight from the datagram: our own full sync announces 100,000 objects
+        or more, and this thread shares the interpreter with the sync; an object
+        message's table is its first attribute (the kernel writes it first), so only
+        that is read, raw, and only a NEWGEN is parsed whole."""
         done: list[Transaction] = []
-        for msg in replies(data):
-            if msg.kind >> 8 != NFNL_SUBSYS_NFTABLES or len(msg.payload) < _NFGEN:
-                continue
-            attrs = msg.attrs(_NFGEN)
-            if msg.kind & 0xFF == NFT_MSG_NEWGEN:
-                pid = attrs.get(NFTA_GEN_PROC_PID, b"")
-                done.append(Transaction(
-                    msg.port_id, struct.unpack("!I", pid[:4])[0] if len(pid) >= 4 else None,
-                    _text(attrs.get(NFTA_GEN_PROC_NAME, b"")), frozenset(self._tables)))
-                self._tables.clear()
-            elif TABLE_ATTRIBUTE in attrs:
-                self._tables.add((msg.payload[0], _text(attrs[TABLE_ATTRIBUTE])))
+        i, end = 0, len(data)
+        unpack = _HEADER.unpack_from
+        while i + _HEADER.size <= end:
+            size, kind, _flags, _seq, port_id = unpack(data, i)
+            if size < _HEADER.size:
+                break
+            body = i + _HEADER.size
+            if kind >> 8 == NFNL_SUBSYS_NFTABLES and size >= _HEADER.size + _NFGEN:
+                first = body + _NFGEN
+                if kind & 0xFF == NFT_MSG_NEWGEN:
+                    attrs = parse_attrs(data[first:i + size])
+                    pid = attrs.get(NFTA_GEN_PROC_PID, b"")
+                    done.append(Transaction(
+                        port_id, struct.unpack("!I", pid[:4])[0] if len(pid) >= 4 else None,
+                        _text(attrs.get(NFTA_GEN_PROC_NAME, b"")),
+                        frozenset((f, _text(t)) for f, t in self._tables)))
+                    self._tables.clear()
+                elif first + 4 <= i + size:
+                    length, attr = _ATTR.unpack_from(data, first)
+                    if attr & NLA_TYPE_MASK == TABLE_ATTRIBUTE and length >= 4:
+                        self._tables.add((data[body], data[first + 4:first + length]))
+                    else:  # not first after all: look through them
+                        table = parse_attrs(data[first:i + size]).get(TABLE_ATTRIBUTE)
+                        if table is not None:
+                            self._tables.add((data[body], table))
+            i += (size + 3) & ~3
         return done

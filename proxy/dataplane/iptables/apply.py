@@ -21,6 +21,7 @@ the next sync is full.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import threading
@@ -223,7 +224,12 @@ class IptablesDataPlane:
                     texts = [text] if text else []
                 render_seconds = time.perf_counter() - started
                 started = time.perf_counter()
-                with self._writing:
+                # Our listener deaf to a full sync: the kernel then writes no announcement
+                # of each rule for us (netlink.MulticastListener.deaf).
+                deaf = (self._watch.deaf() if is_full and isinstance(self._watch,
+                                                                     NftablesListener)
+                        else contextlib.nullcontext())
+                with self._writing, deaf:
                     try:
                         for text in texts:
                             self._apply(fam, text, is_full)

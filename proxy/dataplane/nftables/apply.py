@@ -24,6 +24,7 @@ sliceproxy` and their shards; nothing outside them is ever touched.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -153,7 +154,11 @@ class NftablesDataPlane:
                         for k in changed})
                 render_seconds = time.perf_counter() - started
                 started = time.perf_counter()
-                applier = self._run(fam, text, is_full) if text else "none"
+                # Nobody of ours listening while we write everything: the kernel then
+                # announces nothing to us (netlink.MulticastListener.deaf).
+                with (self._watch.deaf() if is_full and self._watch is not None
+                      else contextlib.nullcontext()):
+                    applier = self._run(fam, text, is_full) if text else "none"
             except ApplyError as exc:
                 # The other family may still be fine: finish it, then report this one.
                 failure = failure or exc
