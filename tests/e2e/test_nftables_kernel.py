@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 from collections.abc import Collection, Iterator
 from ipaddress import ip_address
 from typing import Any
@@ -165,9 +166,20 @@ def test_our_own_full_sync_overflowing_the_listener_is_no_drift(
         plane.dp.watch_drift(heard.append)
     try:
         # Every service's endpoints replaced at once: one partial transaction of ours
-        # announcing every chain and element again.
+        # announcing every chain and element again, while the listener is held on the
+        # first datagram (else it may keep up: it reads on the other core).
+        listener = plane.dp._watch
+        assert listener is not None
+        held, feed = threading.Event(), listener._feed
+
+        def slow(datagram: bytes) -> None:
+            held.wait(10.0)
+            feed(datagram)
+
+        listener._feed = slow  # type: ignore[method-assign]
         state = cluster.become(*objects(3))
         assert not plane.sync(state).full
+        held.set()
         wait_for(lambda: drift_watch.LOST in heard, 10.0, "the listener to overflow")
         with entered(ns):
             assert plane.dp.check_drift() == []
