@@ -275,10 +275,10 @@ class NetlinkSocket:
                       watched: Collection[int] = ()) -> tuple[int, int] | None:
         """Send the pieces of `data`, messages framed by the caller (an nf_tables batch,
         say; no message split between pieces), as one datagram; wait for the
-        acknowledgement of each sequence number in `acked`. The
-        first refusal among `acked` or `watched` (messages answered only when refused,
-        such as a batch's opening) ends the wait: (its sequence number, errno). None when
-        every one in `acked` was acknowledged."""
+        acknowledgement of each sequence number in `acked`. The first refusal among
+        `acked` or `watched` (messages answered only when refused, such as a batch's
+        opening) ends the wait: (its sequence number, errno). None when every one in
+        `acked` was acknowledged."""
         size = sum(len(piece) for piece in data)
         self._fit_send_buffer(size)
         if self._sock.sendmsg(data) != size:

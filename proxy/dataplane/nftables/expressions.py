@@ -12,7 +12,7 @@ The dialect, closed; anything else raises `Unencodable`:
                meta l4proto, th dport)
     statement: jump|goto <chain>;  drop;  accept;  return;  reject;
                dnat to <addr>:<port> | [<addr6>]:<port>;  update @<set> { ip|ip6 saddr };
-               masquerade fully-random;  meta mark set meta mark ^|| <bits>;
+               masquerade fully-random;  meta mark set meta mark ^ <bits> (or |);
                <concatenation> vmap @<map>
 
 Speed matters here: a full sync at 10,000 services is 100,000 rules, and most of a
@@ -427,7 +427,7 @@ _SET_MARK = _expr("meta", nla(2, u32(META_MARK)) + nla(3, u32(REG_1)))
 
 
 def _mark(words: list[str]) -> bytes:
-    """`meta mark & <mask> == <value>` (a match) or `meta mark set meta mark ^|| <bits>`
+    """`meta mark & <mask> == <value>` (a match) or `meta mark set meta mark ^ <bits>` (or `|`)
     (a statement): the mark is in host byte order, as nft writes it."""
     if words[2] == "&" and len(words) == 6 and words[4] == "==":
         return (meta_load(META_MARK) + _bitwise(4, _HOST_U32.pack(_number(words[3])), bytes(4))
