@@ -2,9 +2,17 @@
 
 The loop follows the Kubernetes "API concepts" contract:
 
-* list (paged with `limit`/`continue`, a consistent snapshot) and remember the list's
-  resourceVersion; then watch from it with bookmarks, resuming from the last
-  resourceVersion seen (an event's or a bookmark's) whenever a stream ends or breaks;
+* list and remember the list's resourceVersion; then watch from it with bookmarks,
+  resuming from the last resourceVersion seen (an event's or a bookmark's) whenever a
+  stream ends or breaks;
+* lists spare the server as client-go's reflector does (5,000 agents list at once in a
+  DaemonSet rollout): the first asks for `resourceVersion=0`, which the API server
+  answers from its watch cache, whole (no read from etcd; a server without the cache
+  pages it: `limit` is sent); a relist after a watch's history expired asks for the
+  revision we had reached, without `limit`, also answered from the cache and never
+  older than what we hold; only when that fails (410, or 504 "too large resource
+  version": the server's storage went back) or the server went back in time is the
+  list a consistent, paged read from etcd (`resourceVersion` unset);
 * `410 Gone` (on the request, or as an ERROR event on an open stream) means the history
   we need is compacted away: list again and emit exactly the differences from what we
   knew (adds, updates, and deletes of objects that vanished meanwhile);
@@ -118,6 +126,10 @@ class ReflectorOptions:
     label_selector: str | None = None
     field_selector: str | None = None
     page_size: int = 500
+    # The first list from etcd (consistent, paged) rather than from the watch cache
+    # (resourceVersion=0): fresher on a cluster of API servers whose caches lag, at a
+    # cost to etcd that 5,000 nodes listing at once make large. Off, as in client-go.
+    consistent_first_list: bool = False
     # Watch streams last a random time in [min_watch_timeout, 2*min_watch_timeout) so that
     # many agents do not reconnect in step (as client-go does).
     min_watch_timeout: float = 300.0
@@ -292,6 +304,10 @@ class Reflector:
         self._relist_backoff = Backoff(self.options.backoff_initial, self.options.backoff_max)
         self._last_forced_relist: float | None = None
         self._unpaged_next = False  # the last paged list lost its continue token
+        # The resourceVersion the next list asks for (client-go's relistResourceVersion):
+        # "0" (any: the watch cache), the revision we had reached (not older than it:
+        # the cache again), or "" (a consistent read from etcd). See the module's doc.
+        self._list_from = "" if self.options.consistent_first_list else "0"
         self._stalls_in_a_row = 0
         self._probe_next = False  # silent streams in a row: is the server behind us?
         # The revision we had reached before a relist, to tell a list that went back; and
@@ -339,7 +355,10 @@ class Reflector:
                 listing = self.resource_version is None
                 self.stats.expired += 1
                 if listing:
+                    # The continue token (or the revision asked for) is gone: one
+                    # unpaged consistent list, as client-go's pager falls back to.
                     self._unpaged_next = True
+                    self._list_from = ""
                 delay = self._relist_delay()
                 log.info("%s; listing again%s", "the list's continue token expired (410 Gone)"
                          if listing else "watch history expired (410 Gone)", _in(delay),
@@ -371,6 +390,11 @@ class Reflector:
                     self.stats.short_watches += 1
                 if isinstance(exc, _BadList):
                     self.stats.bad_lists += 1
+                if listing and isinstance(exc, _HttpError) and exc.status == 504 and \
+                        self._list_from not in ("", "0"):
+                    # "Too large resource version": the server is behind the revision
+                    # we had reached (its storage went back); only etcd can say where.
+                    self._list_from = ""
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"
                 at_least = (exc.retry_after or 0.0) if isinstance(exc, _HttpError) else 0.0
                 delay = self.stats.retry_delay = self._backoff.next(at_least)
@@ -385,7 +409,11 @@ class Reflector:
         """List again at the next turn. `explained`: the server going back in time has
         been logged already, so a list below our revision is not logged again."""
         if self.resource_version is not None:
-            self._reached = self.resource_version
+            # An expired history only needs a state no older than ours (the cache has
+            # it); a server that went back (explained) has none: ask etcd.
+            self._reached = self._list_from = self.resource_version
+        if explained:
+            self._list_from = ""
         self.resource_version = None
         self._lower_explained = self._lower_explained or explained
 
@@ -441,6 +469,11 @@ class Reflector:
         unkeyed = _Tally()  # objects without a usable name, for one log line
         token: str | None = None
         unpaged, self._unpaged_next = self._unpaged_next, False
+        since = self._list_from
+        # Paging only where it spares the server: a list from a revision of ours with a
+        # limit would be a read from etcd (the cache cannot continue), without one the
+        # cache answers. "0" keeps the limit: the cache ignores it, etcd pages.
+        unpaged = unpaged or since not in ("", "0")
         opts = self.options
         pages = 0
         while True:
@@ -448,7 +481,9 @@ class Reflector:
             if not unpaged:
                 query["limit"] = str(opts.page_size)
             if token:
-                query["continue"] = token
+                query["continue"] = token  # no resourceVersion beside it: refused
+            elif since:
+                query["resourceVersion"] = since
             body = await self._get_json(query, opts.request_timeout)
             pages += 1
             items, meta = body.get("items"), body.get("metadata")
@@ -516,7 +551,9 @@ class Reflector:
         if not self.synced.is_set():
             log.info("initial list done", extra={"resource": str(self.resource),
                                                  "objects": len(self._objects),
-                                                 "resource_version": list_rv})
+                                                 "resource_version": list_rv,
+                                                 "pages": pages,
+                                                 "list_from": since or "storage"})
         self.synced.set()
 
     async def _get_json(self, query: dict[str, str], timeout: float) -> dict[str, Any]:

@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(the kubeconfig written trusts it as the CA)")
     ap.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     ap.add_argument("--token", help="require this bearer token (written to the kubeconfig)")
+    ap.add_argument("--no-watch-cache", action="store_true",
+                    help="page resourceVersion=0 lists, as kube-apiserver --watch-cache=false")
     ap.add_argument("--service-cidr", default="198.18.128.0/17")
     ap.add_argument("--service-cidr-v6", default="fd00:198:18::/112")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every request")
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                         bookmark_interval=args.bookmark_interval, history_limit=args.history,
                         service_cidr=args.service_cidr, service_cidr_v6=args.service_cidr_v6,
                         api_level=args.api_level, tls_cert=args.tls_cert,
-                        tls_key=args.tls_key, token=args.token)
+                        tls_key=args.tls_key, token=args.token,
+                        watch_cache=not args.no_watch_cache)
     except (ManifestError, ApiError, ValueError) as exc:
         print(f"sim: cannot load manifests: {exc}", file=sys.stderr)
         return 1

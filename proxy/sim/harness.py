@@ -49,11 +49,13 @@ class SimServer:
                  history_limit: int = 100_000, service_cidr: str = "198.18.128.0/17",
                  service_cidr_v6: str = "fd00:198:18::/112", api_level: str | None = None,
                  tls_cert: str | Path | None = None, tls_key: str | Path | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, watch_cache: bool = True) -> None:
         """`api_level` "1.20" serves EndpointSlices as discovery.k8s.io/v1beta1 only, like
         a v1.20 API server; the default is the latest level (v1). `tls_cert`/`tls_key`
         (PEM files) serve HTTPS, as real API servers only do; `token` makes every request
-        but discovery's /version and health checks need `Authorization: Bearer TOKEN`."""
+        but discovery's /version and health checks need `Authorization: Bearer TOKEN`.
+        `watch_cache=False` imitates `--watch-cache=false`: `resourceVersion=0` lists
+        are paged like any other (see Store)."""
         self.host, self.port = host, port
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
@@ -64,7 +66,7 @@ class SimServer:
         self._store_options: dict[str, Any] = {
             "validate": validate, "history_limit": history_limit,
             "service_cidr": service_cidr, "service_cidr_v6": service_cidr_v6,
-            "surface": self.surface}
+            "surface": self.surface, "watch_cache": watch_cache}
         self.store = Store(**self._store_options)
         self.store.load(objects)
         self.faults = Faults()

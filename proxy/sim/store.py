@@ -132,8 +132,12 @@ class Store:
     def __init__(self, *, validate: bool = True, history_limit: int = 100_000,
                  service_cidr: str = DEFAULT_V4_RANGE, service_cidr_v6: str = DEFAULT_V6_RANGE,
                  node_port_range: tuple[int, int] = (30000, 32767),
-                 surface: ApiSurface = LATEST) -> None:
+                 surface: ApiSurface = LATEST, watch_cache: bool = True) -> None:
         self.validate = validate
+        # A real API server answers `resourceVersion=0` lists from its watch cache, whole
+        # (`limit` ignored, no continue token); with --watch-cache=false they go to etcd,
+        # which pages them. Both exist; the default is the default.
+        self.watch_cache = watch_cache
         self.surface = surface
         self.history_limit = history_limit
         self.rv = 0
@@ -180,7 +184,8 @@ class Store:
 
         No rv / "0" / NotOlderThan: the current state (we are never behind). Exact (or a
         non-zero rv with a limit, the legacy paging rule): the state at that revision.
-        A continue token lists as of the first page's revision.
+        A continue token lists as of the first page's revision. "0" with the watch cache
+        on is served whole, `limit` ignored (v1.20's cacher: it cannot continue a list).
         """
         start = ""
         if continue_token:
@@ -207,6 +212,8 @@ class Store:
                 not resource_version_match and limit > 0 and want > 0)
             if want > self.rv:
                 raise errors.too_large_resource_version(want, self.rv)
+            if resource_version == "0" and not exact and self.watch_cache:
+                limit = 0
             if exact:
                 state, list_rv = self.state_at(rt, want), want
             else:

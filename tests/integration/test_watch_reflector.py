@@ -73,8 +73,34 @@ class Harness:
                          and self.sim.open_watches() == 1, what=f"watch #{count} open")
 
 
+@pytest.fixture
+def uncached() -> Iterator[SimServer]:
+    """A server started with --watch-cache=false: `resourceVersion=0` lists are paged."""
+    with SimServer(bookmark_interval=0.2, watch_cache=False) as server:
+        yield server
+
+
+def test_the_first_list_comes_whole_from_the_watch_cache(sim: SimServer,
+                                                          tmp_path: Path) -> None:
+    for i in range(7):
+        sim.create(service(f"s{i}"))
+
+    async def main() -> None:
+        async with Harness(sim, tmp_path) as h:
+            await h.synced()
+            assert sorted(h.rec.names()) == [("ADDED", f"s{i}") for i in range(7)]
+            # resourceVersion=0: any revision will do, so the cache answers (no etcd
+            # read); it ignores the limit and answers in one page.
+            (only,) = h.api.lists()
+            assert only.query["resourceVersion"] == "0" and only.query["limit"] == "3"
+            assert h.reflector.resource_version == str(sim.resource_version)
+
+    run(main)
+
+
 @pytest.mark.parametrize("loop", LOOPS)
-def test_list_in_pages_then_watch(sim: SimServer, tmp_path: Path, loop: str) -> None:
+def test_list_in_pages_then_watch(uncached: SimServer, tmp_path: Path, loop: str) -> None:
+    sim = uncached
     for i in range(7):
         sim.create(service(f"s{i}"))
 
@@ -84,6 +110,8 @@ def test_list_in_pages_then_watch(sim: SimServer, tmp_path: Path, loop: str) -> 
             assert sorted(h.rec.names()) == [("ADDED", f"s{i}") for i in range(7)]
             lists = h.api.lists()
             assert [r.query.get("limit") for r in lists] == ["3", "3", "3"]  # 7 in 3 pages
+            # Later pages carry the token alone (a resourceVersion beside it is refused).
+            assert [r.query.get("resourceVersion") for r in lists] == ["0", None, None]
             assert h.reflector.resource_version == str(sim.resource_version)
             await h.watching(1)
             (watch,) = h.api.watches()
@@ -180,6 +208,7 @@ def test_410_relists_and_emits_exactly_the_differences(sim: SimServer, tmp_path:
         async with Harness(sim, tmp_path) as h:
             await h.synced()
             await h.watching(1)
+            reached = h.reflector.resource_version
             if where == "open-stream":
                 # Stop reading; the server ends the open stream with ERROR 410; the
                 # changes that follow are on no stream at all.
@@ -198,14 +227,17 @@ def test_410_relists_and_emits_exactly_the_differences(sim: SimServer, tmp_path:
             stats = h.reflector.stats
             assert stats.expired == 1 and stats.relists == 1, stats
             assert sorted(h.rec.names(mark)) == sorted((t, n) for n, t in expected.items())
-            # The relist is an ordinary paged list from the current state.
-            assert "resourceVersion" not in h.api.lists()[-1].query
+            # The relist asks for a state no older than the one it had reached, in one
+            # page: the watch cache answers it (with a limit, etcd would).
+            relist = h.api.lists()[-1].query
+            assert relist["resourceVersion"] == reached and "limit" not in relist
 
     run(main)
 
 
-def test_expired_continue_token_falls_back_to_one_unpaged_list(sim: SimServer,
+def test_expired_continue_token_falls_back_to_one_unpaged_list(uncached: SimServer,
                                                                 tmp_path: Path) -> None:
+    sim = uncached
     for i in range(8):
         sim.create(service(f"s{i}"))
 
@@ -224,8 +256,41 @@ def test_expired_continue_token_falls_back_to_one_unpaged_list(sim: SimServer,
             continued, unpaged = h.api.lists()[-2:]
             assert "continue" in continued.query
             assert "limit" not in unpaged.query and "continue" not in unpaged.query
+            # From storage: the snapshot the token named is gone, so is any revision
+            # a cache could be asked to be no older than.
+            assert "resourceVersion" not in unpaged.query
 
     run(main)
+
+
+def test_a_relist_the_server_is_behind_for_is_read_from_storage(tmp_path: Path) -> None:
+    # The server lost its storage; the resumed watch is answered 410; the relist from
+    # our revision is answered 504 (too large resource version); the list after that is
+    # a consistent read, below our revision, taken as the truth.
+    with SimServer(bookmark_interval=0.2) as sim:
+        for i in range(5):
+            sim.create(service(f"s{i}"))
+
+        async def main() -> None:
+            async with Harness(sim, tmp_path) as h:
+                await h.synced()
+                await h.watching(1)
+                reached = h.reflector.resource_version
+                await in_thread(sim.restart, keep_state=False)
+                # Resumed from our revision, in the new server's future: silence.
+                await h.watching(2)
+                sim.create(service("fresh"))
+                assert sim.expire_watches() == 1
+                await h.converged("the reflector forgot s0..s4 and found fresh")
+                stats = h.reflector.stats
+                assert stats.expired == 1 and "Too large resource version" in \
+                    stats.last_error, stats
+                assert stats.went_back == 1 and stats.relists == 1, stats
+                from_cache, from_storage = [r.query for r in h.api.lists()[-2:]]
+                assert from_cache["resourceVersion"] == reached and "limit" not in from_cache
+                assert "resourceVersion" not in from_storage and "limit" in from_storage
+
+        run(main)
 
 
 @pytest.mark.parametrize(("code", "retry_after"), [(429, 1), (500, None)])

@@ -264,6 +264,26 @@ def test_paging_is_a_consistent_snapshot(cluster: Cluster) -> None:
     assert len({p["metadata"]["resourceVersion"] for p in pages}) == 1
 
 
+def test_a_list_at_resource_version_0_comes_whole_from_the_watch_cache(
+        cluster: Cluster) -> None:
+    """What the reflector's first list relies on: `resourceVersion=0` is answered from the
+    watch cache (no read from etcd), which cannot continue a list, so `limit` is ignored:
+    every item in one answer, no continue token. (Its order is the cache's, not sorted.)"""
+    ns = cluster.new_namespace("list-rv0")
+    path = services_path(ns)
+    names = {f"c{i}" for i in range(5)}
+    for name in names:
+        _create(cluster, ns, name)
+    status, body = cluster.raw.get(path, limit="2", resourceVersion="0")
+    assert status == 200, body
+    assert set(_names(body["items"])) == names and len(body["items"]) == 5
+    assert "continue" not in body["metadata"] and "remainingItemCount" not in body["metadata"]
+    # Not older than a revision we name, without a limit: the cache again, whole.
+    status, again = cluster.raw.get(path, resourceVersion=body["metadata"]["resourceVersion"])
+    assert status == 200 and set(_names(again["items"])) == names
+    assert _rv(again) >= _rv(body)
+
+
 def test_an_expired_continue_token_is_410_with_a_fresh_token(cluster: Cluster) -> None:
     ns = cluster.new_namespace("continue-410")
     path = services_path(ns)

@@ -128,7 +128,9 @@ def test_list_then_watch_pages_and_sees_every_change(cluster: Cluster) -> None:
         await eventually(reflector.synced.is_set, SYNC, "the initial list")
         assert sorted(rec.since(0)) == [("ADDED", f"s{i}") for i in range(5)]
         lists = api.lists()
+        # A consistent list (from etcd) is paged, every page at the first one's revision.
         assert [("continue" in q) for q in lists] == [False, True, True]
+        assert [q.get("resourceVersion") for q in lists] == [None, None, None]
         mark = len(rec.events)
         await _call(cluster.raw.must, "POST", path, service("s5", ns, labels=labels))
         await _merge(cluster, f"{path}/s0", {"metadata": {"annotations": {"a": "1"}}})
@@ -137,6 +139,28 @@ def test_list_then_watch_pages_and_sees_every_change(cluster: Cluster) -> None:
         assert rec.since(mark) == [("ADDED", "s5"), ("MODIFIED", "s0"), ("DELETED", "s1")]
         assert rec.mirror == _server_state(cluster, path)
         assert dict(reflector.known) == rec.mirror
+
+    run_reflector(cluster, SERVICES, replace(FAST, label_selector=selector,
+                                             consistent_first_list=True), scenario)
+
+
+def test_the_first_list_comes_whole_from_the_watch_cache(cluster: Cluster) -> None:
+    ns, labels, selector = _labelled(cluster, "list-cache")
+    path = services_path(ns)
+    for i in range(5):
+        cluster.raw.must("POST", path, service(f"s{i}", ns, labels=labels))
+
+    async def scenario(reflector: Reflector, api: GatedApi, rec: Recorder) -> None:
+        await eventually(reflector.synced.is_set, SYNC, "the initial list")
+        # resourceVersion=0 with a limit of 2: one answer with all five, no continue.
+        (only,) = api.lists()
+        assert only.get("resourceVersion") == "0" and only.get("limit") == "2", only
+        assert sorted(rec.since(0)) == [("ADDED", f"s{i}") for i in range(5)]
+        mark = len(rec.events)
+        await _call(cluster.raw.must, "POST", path, service("s5", ns, labels=labels))
+        await eventually(lambda: len(rec.events) > mark, SYNC, "a watch event")
+        assert rec.since(mark) == [("ADDED", "s5")]
+        assert rec.mirror == _server_state(cluster, path)
 
     run_reflector(cluster, SERVICES, replace(FAST, label_selector=selector), scenario)
 
@@ -251,7 +275,8 @@ def test_an_expired_continue_token_restarts_the_list(cluster: Cluster) -> None:
         assert sorted(rec.since(0)) == [("ADDED", f"c{i}") for i in range(7)]
         assert rec.mirror == _server_state(cluster, path)
 
-    run_reflector(cluster, SERVICES, replace(FAST, label_selector=selector), scenario)
+    run_reflector(cluster, SERVICES, replace(FAST, label_selector=selector,
+                                             consistent_first_list=True), scenario)
 
 
 def test_label_selector_changes_show_as_delete_and_add(cluster: Cluster) -> None:
