@@ -79,22 +79,23 @@ class TransactionReader:
             if size < _HEADER.size:
                 break
             body = i + _HEADER.size
+            stop = min(i + size, end)  # a truncated datagram claims more than it has
             if kind >> 8 == NFNL_SUBSYS_NFTABLES and size >= _HEADER.size + _NFGEN:
                 first = body + _NFGEN
                 if kind & 0xFF == NFT_MSG_NEWGEN:
-                    attrs = parse_attrs(data[first:i + size])
+                    attrs = parse_attrs(data[first:stop])
                     pid = attrs.get(NFTA_GEN_PROC_PID, b"")
                     done.append(Transaction(
                         port_id, struct.unpack("!I", pid[:4])[0] if len(pid) >= 4 else None,
                         _text(attrs.get(NFTA_GEN_PROC_NAME, b"")),
                         frozenset((f, _text(t)) for f, t in self._tables)))
                     self._tables.clear()
-                elif first + 4 <= i + size:
+                elif first + 4 <= stop:
                     length, attr = _ATTR.unpack_from(data, first)
                     if attr & NLA_TYPE_MASK == TABLE_ATTRIBUTE and length >= 4:
                         self._tables.add((data[body], data[first + 4:first + length]))
                     else:  # not first after all: look through them
-                        table = parse_attrs(data[first:i + size]).get(TABLE_ATTRIBUTE)
+                        table = parse_attrs(data[first:stop]).get(TABLE_ATTRIBUTE)
                         if table is not None:
                             self._tables.add((data[body], table))
             i += (size + 3) & ~3
