@@ -1,0 +1,240 @@
+"""The agent's cold start on the simulator: process start -> rules for every service.
+
+    python -m bench.cold_start --services 1000 --endpoints 10 --mode nftables --runs 3
+    python -m bench.cold_start --services 10000 --profile /tmp/cold.svg   (py-spy)
+
+The simulator (`python -m proxy.sim`, its own process) and the agent both run in a
+network namespace made for the run (removed afterwards, its rules with it). The agent's
+own figure is what it logs with "first sync done" (`since_start`: from the process's
+start, imports included, to the first sync's commit), and its peak RSS (VmHWM) at that
+moment. The simulator is not the real API server: its lists cost it more CPU (Python),
+which the agent does not pay for; `bench/realcp_latency.py` measures the same start on
+kube-apiserver v1.20.2. Needs root.
+
+Pod addresses come from 198.19.0.0/16; past 65,000 endpoints they repeat across
+services, which costs the agent the same as distinct ones (each service's endpoints are
+its own in the model and in the rules).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from ipaddress import IPv4Address
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+POD_BASE = IPv4Address("198.19.0.1")
+POD_ADDRESSES = 65_000
+NODE = "node-a"
+NODES = 50  # endpoints spread over this many nodes, one of them the agent's
+FIRST_SYNC = re.compile(r"first sync done.*?since_start[=\"': ]+([0-9.]+)s")
+Obj = dict[str, Any]
+
+
+def cluster(services: int, endpoints: int) -> list[Obj]:
+    """Services with one TCP port and one EndpointSlice each (as the controller writes
+    them: owned, labelled), endpoints ready, spread over NODES nodes."""
+    out: list[Obj] = []
+    for i in range(services):
+        name = f"s-{i}"
+        out.append({"apiVersion": "v1", "kind": "Service",
+                    "metadata": {"name": name, "namespace": "default"},
+                    "spec": {"ports": [{"name": "http", "port": 80, "protocol": "TCP",
+                                        "targetPort": 8080}]}})
+        eps = []
+        for j in range(endpoints):
+            k = (i * endpoints + j) % POD_ADDRESSES
+            eps.append({"addresses": [str(POD_BASE + k)], "conditions": {"ready": True},
+                        "nodeName": f"node-{'a' if k % NODES == 0 else k % NODES}"})
+        out.append({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                    "metadata": {"name": f"{name}-x1", "namespace": "default",
+                                 "labels": {"kubernetes.io/service-name": name,
+                                            "endpointslice.kubernetes.io/managed-by":
+                                                "endpointslice-controller.k8s.io"}},
+                    "addressType": "IPv4", "endpoints": eps,
+                    "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}]})
+    return out
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@contextmanager
+def namespace() -> Iterator[str]:
+    ns = f"spx-cold-{uuid.uuid4().hex[:6]}"
+    _ip("netns", "add", ns)
+    try:
+        _ip("-n", ns, "link", "set", "lo", "up")
+        yield ns
+    finally:
+        subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+
+
+def _in(ns: str, argv: Sequence[str]) -> list[str]:
+    return ["ip", "netns", "exec", ns, *argv]
+
+
+def _stop(proc: subprocess.Popen[Any]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _status_mib(pid: int, field: str) -> float | None:
+    """VmRSS, VmHWM (peak RSS)... of a process, in MiB."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+@contextmanager
+def simulator(ns: str, manifest: Path, work: Path, watch_cache: bool) -> Iterator[Path]:
+    kubeconfig = work / "kubeconfig"
+    log = (work / "sim.log").open("wb")
+    proc = subprocess.Popen(_in(ns, [sys.executable, "-m", "proxy.sim", "--listen",
+                                     "127.0.0.1:0", "--kubeconfig-out", str(kubeconfig),
+                                     "--history", "1000", "-f", str(manifest),
+                                     *(() if watch_cache else ("--no-watch-cache",))]),
+                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 600
+        while not kubeconfig.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the simulator did not start: {work / 'sim.log'}")
+            time.sleep(0.1)
+        yield kubeconfig
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
+               profile: Path | None, timeout: float) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
+            "--hostname-override", NODE, "--proxy-mode", mode,
+            "--cluster-cidr", "198.19.0.0/16", "-v", "1"]
+    if profile is not None:
+        fmt = {".txt": "raw", ".json": "speedscope"}.get(profile.suffix, "flamegraph")
+        argv = [str(Path(sys.executable).with_name("py-spy")), "record", "--rate", "250",
+                "--subprocesses", "--format", fmt, "--output", str(profile), "--", *argv]
+    log_path = work / f"agent-{run}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(_in(ns, argv), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+    began = time.monotonic()
+    timeline: list[tuple[float, float]] = []  # (seconds since start, RSS MiB)
+    try:
+        deadline = began + timeout
+        agent = None
+        while True:
+            match = FIRST_SYNC.search(log_path.read_text(errors="replace"))
+            if match:
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"no first sync: {log_path}")
+            agent = agent or _agent_pid(proc.pid)
+            rss = _status_mib(agent, "VmRSS") if agent else None
+            if rss is not None:
+                timeline.append((round(time.monotonic() - began, 2), round(rss, 1)))
+            time.sleep(0.05)
+        agent = _agent_pid(proc.pid)
+        return {"cold_start_s": float(match.group(1)),
+                "peak_rss_mib": _status_mib(agent, "VmHWM") if agent else None,
+                "rss_timeline": timeline}
+    finally:
+        if profile is not None:  # py-spy writes its profile when its child ends
+            agent = _agent_pid(proc.pid)
+            if agent:
+                os.kill(agent, signal.SIGTERM)
+            proc.wait(120)
+        _stop(proc)
+
+
+def _agent_pid(root: int) -> int | None:
+    """The python process running `-m proxy` under `ip netns exec` (and py-spy)."""
+    for pid in [root, *_descendants(root)]:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"proxy" in cmd and b"-m" in cmd and not cmd[0].endswith(b"py-spy"):
+            return pid
+    return None
+
+
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for kid in map(int, kids):
+            out += [kid, *_descendants(kid)]
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.cold_start", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--services", type=int, default=1000)
+    ap.add_argument("--endpoints", type=int, default=10)
+    ap.add_argument("--mode", default="nftables", choices=("iptables", "nftables"))
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--profile", type=Path, help="py-spy profile of the first run: .svg flame graph, .txt "
+                    "collapsed stacks, .json speedscope (py-spy must be installed)")
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--no-watch-cache", action="store_true",
+                    help="the simulator pages the first lists (--watch-cache=false)")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--keep-logs", type=Path, metavar="DIR",
+                    help="keep the agent's and the simulator's logs here")
+    args = ap.parse_args(argv)
+    if args.services < 1 or args.endpoints < 1 or args.runs < 1:
+        ap.error("--services, --endpoints and --runs must be positive")
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="spx-cold-") as tmp:
+        work = args.keep_logs or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        manifest = work / "cluster.json"
+        manifest.write_bytes(json.dumps(cluster(args.services, args.endpoints)).encode())
+        with namespace() as ns, simulator(ns, manifest, work,
+                                                    not args.no_watch_cache) as kubeconfig:
+            for run in range(args.runs):
+                profile = args.profile if run == 0 else None
+                result = start_once(ns, kubeconfig, args.mode, work, run, profile, args.timeout)
+                print(f"run {run + 1}: cold start {result['cold_start_s']:.3f} s, peak RSS "
+                      f"{result['peak_rss_mib'] or 0:.0f} MiB", flush=True)
+                results.append(result)
+    starts = sorted(r["cold_start_s"] for r in results)
+    summary = {"services": args.services, "endpoints": args.endpoints, "mode": args.mode,
+               "runs": results, "cold_start_median_s": starts[len(starts) // 2]}
+    print(json.dumps(summary))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
