@@ -126,6 +126,7 @@ class Agent:
         self.hc_ports = HealthCheckPorts(lambda: self.health.status().healthy,
                                          config.nodeport_addresses)
         self._local = LocalEndpointTracker(config.node_name)
+        self.first_synced = asyncio.Event()  # set once the first sync is in the kernel
         self._http: list[web.AppRunner] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self.metrics.watch_model(lambda: self.model)
@@ -351,6 +352,7 @@ class Agent:
             self.runner.request()
 
     def _synced(self, state: DesiredState, keys: frozenset[ServicePortKey]) -> None:
+        self.first_synced.set()
         if self._local.update(state, keys):
             self._spawn(self.hc_ports.update(self._local.wanted(), self._local.counts()),
                         "health check node ports")

@@ -11,10 +11,12 @@ from typing import Any
 
 from proxy.agent import logs
 from proxy.agent.app import Agent, StartupError, dataplane_options
+from proxy.agent.startup_gc import PAUSE_LIMIT, StartupPause
 from proxy.config import Config
 from proxy.dataplane.factory import PLANES, DataplaneUnavailable, make_dataplane
 
 log = logging.getLogger("proxy.agent")
+_GC = StartupPause()  # the process's collector: off until the first sync (startup_gc.py)
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -48,6 +50,7 @@ async def _serve(config: Config, agent_kwargs: dict[str, Any]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     agent = Agent(config, **agent_kwargs)
+    settle = asyncio.ensure_future(_collect_after_first_sync(agent))
     try:
         await agent.run(stop)
     except StartupError as exc:
@@ -56,12 +59,24 @@ async def _serve(config: Config, agent_kwargs: dict[str, Any]) -> int:
     except Exception:
         log.exception("the agent failed")
         return EXIT_FAILED
+    finally:
+        settle.cancel()
     log.info("stopped")
     return EXIT_OK
 
 
+async def _collect_after_first_sync(agent: Agent) -> None:
+    try:
+        async with asyncio.timeout(PAUSE_LIMIT):
+            await agent.first_synced.wait()
+        _GC.end("first sync done")
+    except TimeoutError:
+        _GC.end(f"no first sync within {PAUSE_LIMIT:g}s")
+
+
 def run(config: Config, **agent_kwargs: Any) -> int:
     """`python -m proxy [flags]`: run until SIGTERM/SIGINT."""
+    _GC.begin()
     logs.setup(config.verbosity)
     factory = _loop_factory(config.uvloop)
     log.info("sliceproxy starting", extra={

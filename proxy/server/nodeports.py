@@ -170,8 +170,11 @@ class LocalEndpointTracker:
             svc = rsp.service
             hc = svc.health_check_node_port if (
                 svc.external_traffic_policy is TrafficPolicy.LOCAL) else 0
+            # Only a health-check port needs the count: walking every endpoint of every
+            # service took 1.1 s of the first sync at 10,000 services x 10.
             local = frozenset(str(s.endpoint) for s in rsp.endpoints
-                              if s.endpoint.ready and s.endpoint.node_name == self.node_name)
+                              if s.endpoint.ready and s.endpoint.node_name == self.node_name
+                              ) if hc else frozenset()
             self._port[key] = (hc, local)
             group.add(key)
         changed = False
