@@ -1,12 +1,16 @@
 """Talking to the API server: authenticated GETs that return raw JSON bytes and streams.
 
-Configuration and authentication come from the official `kubernetes` package (its
-asyncio flavour, `kubernetes.aio`): in-cluster service account, a kubeconfig, and
-`--master` overriding the server address. Requests go through its aiohttp session with
-its auth headers and TLS context, but responses are never deserialised into its model
-classes: the bodies go straight to orjson and our decoder (FINDINGS: the client's models
+Where the server is and how to authenticate comes from `kubeconfig.py` (a kubeconfig
+file, the pod's service account, `--master` overriding the address); requests go
+through one aiohttp session. Responses are never deserialised into model classes: the
+bodies go straight to orjson and our decoder (FINDINGS: the official client's models
 cost ~10x the parse time and 4x the memory), and the list/watch loop is ours
-(`reflector.py`), because the client's Watch helper mishandles ERROR events.
+(`reflector.py`).
+
+A kubeconfig that needs more than kubeconfig.py reads (`exec` or `auth-provider`
+plugins, a proxy, impersonation) is loaded by the official `kubernetes` package
+(`kubernetes.aio`), imported only then, and its ApiClient makes the requests: its
+loaders run the plugins and refresh what they hand out.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from proxy.kube import kubeconfig
+from proxy.kube.kubeconfig import IN_CLUSTER_HOST_ENV, SERVICE_ACCOUNT_DIR, KubeconfigError
+
 log = logging.getLogger(__name__)
 
-IN_CLUSTER_HOST_ENV = "KUBERNETES_SERVICE_HOST"
-SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 class ConfigError(Exception):
@@ -126,54 +131,95 @@ class _AiohttpResponse:
 
 
 class KubeApi:
-    """`Api` backed by `kubernetes.aio`'s ApiClient (its auth, TLS and session)."""
+    """`Api` over one aiohttp session, configured by kubeconfig.py; or, for what only
+    the `kubernetes` package can configure, over its ApiClient (`via` says which)."""
 
-    def __init__(self, api_client: Any) -> None:
+    def __init__(self, connection: kubeconfig.Connection | None = None,
+                 api_client: Any = None) -> None:
+        self._conn = connection
         self._client = api_client
+        self._session: Any = None
+        self.via = "kubernetes package" if api_client is not None else "sliceproxy"
 
     @property
     def host(self) -> str:
+        if self._conn is not None:
+            return self._conn.server
         return str(self._client.configuration.host)
 
     @classmethod
     async def connect(cls, options: ClientOptions) -> KubeApi:
-        from kubernetes.aio import client as aio_client
-        from kubernetes.aio import config as aio_config
-
-        configuration = aio_client.Configuration()
         try:
             if options.kubeconfig:
-                await aio_config.load_kube_config(
-                    config_file=options.kubeconfig, context=options.context,
-                    client_configuration=configuration, persist_config=False)
-                source = f"kubeconfig {options.kubeconfig}"
+                conn = kubeconfig.load(options.kubeconfig, options.context)
+                if conn is None:
+                    return await cls._connect_with_kubernetes(options)
             elif os.environ.get(IN_CLUSTER_HOST_ENV):
                 # Unlike kube-proxy, which ignores the service account once --master is
                 # given, we keep its token and CA with --master: the override then only
                 # moves the address (e.g. to a load balancer in front of the API servers).
-                from kubernetes.aio.config.incluster_config import InClusterConfigLoader
-
-                sa = os.path.join(options.service_account_dir, "")
-                InClusterConfigLoader(token_filename=sa + "token",
-                                      cert_filename=sa + "ca.crt",
-                                      ).load_and_set(configuration)
-                source = "in-cluster service account"
+                conn = kubeconfig.in_cluster(options.service_account_dir)
             elif options.master:
-                source = "--master only"
+                conn = kubeconfig.Connection(options.master, "--master only")
             else:
                 raise ConfigError(
                     "no API server configured: pass --kubeconfig or --master, or run in a pod "
                     f"({IN_CLUSTER_HOST_ENV} is not set)")
-        except ConfigError:
-            raise
+        except KubeconfigError as exc:
+            raise ConfigError(f"cannot load API server configuration: {exc}") from exc
+        if options.master:
+            conn.server = options.master.rstrip("/")
+            if conn.server.startswith("https://") and conn.ssl is None:
+                conn.ssl = kubeconfig.default_context()
+        log.info("API server %s (from %s)", conn.server, conn.source)
+        return cls(conn)
+
+    async def get(self, path: str, query: Mapping[str, str], timeout: float) -> Response:
+        if self._conn is None:
+            return await self._get_with_kubernetes(path, query, timeout)
+        import aiohttp  # the agent's HTTP servers have loaded it already
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        conn = self._conn
+        raw = await self._session.get(
+            conn.server + path, params=dict(query),
+            headers={"Accept": "application/json", **conn.auth_headers()},
+            ssl=conn.ssl if conn.ssl is not None else True,
+            server_hostname=conn.tls_server_name,
+            timeout=aiohttp.ClientTimeout(total=timeout))
+        return _AiohttpResponse(raw)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+        if self._client is not None:
+            await self._client.close()
+
+    # --- the `kubernetes` package, for what kubeconfig.py leaves to it -------------------
+
+    @classmethod
+    async def _connect_with_kubernetes(cls, options: ClientOptions) -> KubeApi:
+        from kubernetes.aio import client as aio_client
+        from kubernetes.aio import config as aio_config
+
+        assert options.kubeconfig
+        configuration = aio_client.Configuration()
+        try:
+            await aio_config.load_kube_config(
+                config_file=options.kubeconfig, context=options.context,
+                client_configuration=configuration, persist_config=False)
         except Exception as exc:  # the config loaders raise a variety of types
             raise ConfigError(f"cannot load API server configuration: {exc}") from exc
         if options.master:
             _override_host(configuration, options.master.rstrip("/"))
-        log.info("API server %s (from %s)", configuration.host, source)
-        return cls(aio_client.ApiClient(configuration))
+        log.info("API server %s (from kubeconfig %s, loaded by the kubernetes package: it "
+                 "needs more than sliceproxy reads itself)", configuration.host,
+                 options.kubeconfig)
+        return cls(api_client=aio_client.ApiClient(configuration))
 
-    async def get(self, path: str, query: Mapping[str, str], timeout: float) -> Response:
+    async def _get_with_kubernetes(self, path: str, query: Mapping[str, str],
+                                   timeout: float) -> Response:
         method, url, headers, body, _ = await self._client.param_serialize(
             "GET", path, query_params=list(query.items()),
             header_params={"Accept": "application/json"}, auth_settings=["BearerToken"])
@@ -181,6 +227,3 @@ class KubeApi:
             method, url, header_params=headers, body=body,
             _request_timeout=timeout, _preload_content=False)
         return _AiohttpResponse(raw.response)
-
-    async def close(self) -> None:
-        await self._client.close()

@@ -1,15 +1,19 @@
-"""Client construction through the `kubernetes` package's loaders against the simulator
-served over TLS with a bearer token: in-cluster service account (environment variables,
-token and CA files), kubeconfig, and --master overriding either."""
+"""Client construction against the simulator served over TLS with a bearer token:
+in-cluster service account (environment variables, token and CA files), kubeconfig,
+--master overriding either (all read by proxy/kube/kubeconfig.py), and a kubeconfig
+with an exec credential plugin, left to the `kubernetes` package's loaders."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from proxy.kube.client import ClientOptions, ConfigError, KubeApi
 from proxy.kube.reflector import Reflector
@@ -127,7 +131,29 @@ def test_kubeconfig_with_tls_and_token(tls_sim: SimServer, tmp_path: Path,
     config = tls_sim.write_kubeconfig(tmp_path / "kubeconfig")
 
     async def main() -> None:
-        rec = await list_services(await KubeApi.connect(ClientOptions(kubeconfig=str(config))))
+        api = await KubeApi.connect(ClientOptions(kubeconfig=str(config)))
+        assert api.via == "sliceproxy"
+        rec = await list_services(api)
+        assert list(rec.keys("Service")) == [("default", "web")]
+
+    run(main)
+
+
+def test_an_exec_plugin_is_left_to_the_kubernetes_package(
+        tls_sim: SimServer, tmp_path: Path, no_in_cluster_env: None) -> None:
+    config = tls_sim.write_kubeconfig(tmp_path / "kubeconfig")
+    doc = yaml.safe_load(config.read_text())
+    credential = json.dumps({"apiVersion": "client.authentication.k8s.io/v1beta1",
+                             "kind": "ExecCredential", "status": {"token": TOKEN}})
+    doc["users"][0]["user"] = {"exec": {
+        "apiVersion": "client.authentication.k8s.io/v1beta1", "command": sys.executable,
+        "args": ["-c", f"print({credential!r})"], "interactiveMode": "Never"}}
+    config.write_text(yaml.safe_dump(doc))
+
+    async def main() -> None:
+        api = await KubeApi.connect(ClientOptions(kubeconfig=str(config)))
+        assert api.via == "kubernetes package"
+        rec = await list_services(api)
         assert list(rec.keys("Service")) == [("default", "web")]
 
     run(main)

@@ -157,8 +157,10 @@ def test_legacy_endpoints_need_exactly_the_one_resource_the_manifest_says_to_add
 def test_the_client_can_only_read() -> None:
     """No Events, no status writes: the only HTTP method the client sends is GET."""
     source = inspect.getsource(KubeApi)
+    # Its own session: only .get(); the kubernetes package's client: only "GET".
+    assert re.findall(r"_session\.(\w+)\(", source) == ["get", "close"]
     assert re.findall(r'param_serialize\(\s*"(\w+)"', source) == ["GET"]
-    assert source.count("call_api(") == 1
+    assert source.count("call_api(") == 1 and "aiohttp.request(" not in source
 
 
 def test_binding_ties_the_role_to_the_daemonsets_service_account() -> None:
