@@ -34,6 +34,7 @@ from proxy.agent.worker import Worker
 from proxy.config import Config, format_duration
 from proxy.dataplane.base import DataPlane, DataplaneOptions
 from proxy.dataplane.factory import make_dataplane
+from proxy.dataplane.heap import release_free_memory
 from proxy.kube.client import Api, ClientOptions, KubeApi
 from proxy.kube.ingest import EndpointsSource, apply_object, delete_object
 from proxy.kube.reflector import Backoff, ReflectorOptions, WatchEvent
@@ -250,6 +251,9 @@ class Agent:
                 fut.cancel()
         if stop.is_set():
             return
+        # The lists' parsed bodies are gone; hand their pages back before the first
+        # sync's own peak (heap.py).
+        release_free_memory()
         log.info("every watched resource has listed; running the first full sync",
                  extra={"service_ports_dirty": len(self.model.dirty),
                         "since_start": f"{self.clock() - self.started_at:.3f}s"})
