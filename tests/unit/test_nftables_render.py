@@ -251,7 +251,7 @@ def test_partial_script_touches_only_what_changed_and_counts_shared_elements() -
     assert f"delete element {T4} cluster-ips {{ 198.18.128.1 }}" in gone
     assert (f"delete element {T4} hairpin {{ 198.18.1.10 . 198.18.1.10, "
             "198.18.1.11 . 198.18.1.11 }") in gone
-    assert not state.kernel and not state.ports
+    assert not state.owners and not state.ports
 
 
 def test_full_script_deletes_what_our_tables_hold_that_nobody_wants() -> None:
