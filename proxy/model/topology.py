@@ -33,7 +33,7 @@ Topology, in order of precedence (the first that is present decides):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from proxy.model.snapshot import EndpointSet, MergedEndpoint, SelectedEndpoint, Topology
@@ -59,6 +59,17 @@ class NodeView:
 
     name: str
     zone: str | None = None
+
+
+@dataclass(slots=True)
+class SelectMemo:
+    """The `SelectedEndpoint`s of the last `categorize` of one service port, by endpoint
+    object (each held, so an id can never name another), and what every endpoint's
+    verdict depends on besides the endpoint itself (`params`). Next time, an endpoint
+    that is the very same object, under the same params, gets the same verdict object."""
+
+    params: tuple[object, ...] | None = None
+    selected: dict[int, SelectedEndpoint] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +131,9 @@ def categorize(
     port: ServicePort,
     node: NodeView,
     family: Family | None = None,
+    memo: SelectMemo | None = None,
 ) -> Selection:
+    """`memo`: reuse (and refresh) the verdicts of an earlier call for the same port."""
     uses_cluster, uses_local = traffic_uses(service, port, family)
     ready = [ep for ep in endpoints if ep.ready]
     fallback = [ep for ep in endpoints if not ep.ready and ep.serving and ep.terminating]
@@ -135,8 +148,16 @@ def categorize(
 
     local_ready = any(ep.ready and ep.node_name == node.name for ep in endpoints)
 
+    # Every input of an endpoint's verdict but the endpoint: the topology mode decides
+    # `keep` (with the node's name and zone) and the topology clause of the reason.
+    params = (uses_cluster, uses_local, topology.mode, cluster_fallback, local_ready, node)
+    known = memo.selected if memo is not None and memo.params == params else {}
     selected: list[SelectedEndpoint] = []
     for ep in endpoints:
+        hit = known.get(id(ep))
+        if hit is not None and hit.endpoint is ep:
+            selected.append(hit)
+            continue
         sets: set[EndpointSet] = set()
         parts: list[str] = []
         if uses_cluster:
@@ -150,6 +171,9 @@ def categorize(
                 sets.add(EndpointSet.LOCAL)
             parts.append(f"local: {why}")
         selected.append(SelectedEndpoint(ep, _frozen(sets), "; ".join(parts)))
+    if memo is not None:
+        memo.params = params
+        memo.selected = {id(s.endpoint): s for s in selected}
     return Selection(tuple(selected), topology, uses_cluster, uses_local)
 
 

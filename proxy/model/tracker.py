@@ -17,10 +17,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 from proxy.model import skips as why
-from proxy.model.merge import merge_port
+from proxy.model.merge import MergeMemo, merge_port
 from proxy.model.skips import Skip, clip, shown
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
-from proxy.model.topology import NodeView, categorize
+from proxy.model.topology import NodeView, SelectMemo, categorize
 from proxy.model.types import (
     EndpointSlice,
     Family,
@@ -44,6 +44,11 @@ Claim = tuple[IPAddress | None, Protocol, int]
 # Skip records kept per object; every skip is counted. A slice with 100,000 bad
 # endpoints costs ten records and a count, not 100,000 records in memory and the dump.
 RECORDS_PER_OBJECT = 10
+# Service ports with at least this many endpoint copies keep memos between resolutions
+# (merge.MergeMemo, topology.SelectMemo): one slice of a 10,000-endpoint service changed
+# costs a fraction of merging and selecting all of them again. Smaller ports are cheap
+# to redo, and memos for every one of them would cost memory for nothing.
+MEMO_MIN_ENDPOINTS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +160,7 @@ class ClusterModel:
         self._skip_seq = 0
         self._dirty: set[ServicePortKey] = set()
         self._state = DesiredState()
+        self._memos: dict[ServicePortKey, tuple[MergeMemo, SelectMemo]] = {}
 
     # --- inputs ----------------------------------------------------------------------
 
@@ -378,6 +384,9 @@ class ClusterModel:
             self.mark_all_dirty()
             self._dirty.update(self._state.ports)
         updates = {key: self.resolve_key(key) for key in self._dirty}
+        for key, value in updates.items():
+            if value is None:
+                self._memos.pop(key, None)
         self._dirty.clear()
         self._state = self._state.evolve(updates)
         return self._state
@@ -391,12 +400,19 @@ class ClusterModel:
             return None
         group = self._by_service.get((key.namespace, key.name), {})
         slices = [sl for sls in group.values() for sl in sls]
-        merged, conflicts = merge_port(slices, port.name, port.protocol, key.family)
+        memo: tuple[MergeMemo, SelectMemo] | None = None
+        if sum(len(sl.endpoints) for sl in slices) >= MEMO_MIN_ENDPOINTS:
+            memo = self._memos.setdefault(key, (MergeMemo(), SelectMemo()))
+        else:
+            self._memos.pop(key, None)
+        merged, conflicts = merge_port(slices, port.name, port.protocol, key.family,
+                                       memo[0] if memo else None)
         cluster_ips = tuple(ip for ip in service.cluster_ips if Family.of(ip) is key.family)
         lost = self._lost.get((key.namespace, key.name))
         if lost:
             service, port, cluster_ips = _without(lost, service, port, cluster_ips)
-        sel = categorize(merged, service, port, self._node, key.family)
+        sel = categorize(merged, service, port, self._node, key.family,
+                         memo[1] if memo else None)
         return ResolvedServicePort(
             key=key,
             service=service,

@@ -41,7 +41,7 @@ import enum
 import hashlib
 import re
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from proxy.dataplane.base import DataplaneOptions
@@ -396,16 +396,26 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortRules:
     if fw_chain and ext_chain:
         chains.append((fw_chain, _firewall_rules(name, ctx, ranges, lb_ips, ext_chain)))
     affinity = svc.affinity_timeout
-    # Each endpoint's text and chain name, computed once (hashing is most of the cost).
-    seps = {ep: (text, endpoint_chain(key, proto, text)) for ep in (*cluster_eps, *local_eps)
-            for text in (endpoint_text(ep),)}
+    # Each endpoint's text and chain name, computed once (hashing is most of the cost),
+    # by the endpoint object's id: the cluster and local sets hold the same objects, and
+    # hashing a MergedEndpoint (every field, the address in Python) for each endpoint
+    # cost a tenth of rendering a large service.
+    seps: dict[int, tuple[str, str]] = {}
+    by_text: dict[str, MergedEndpoint] = {}
+    for ep in (*cluster_eps, *local_eps):
+        if id(ep) not in seps:
+            text = endpoint_text(ep)
+            seps[id(ep)] = (text, endpoint_chain(key, proto, text))
+            by_text.setdefault(text, ep)
     for chain, eps in ((svc_chain, cluster_eps), (svl_chain, local_eps)):
         if chain:
             chains.append((chain, tuple(masq_rules.get(chain, ())) + _balance(
                 name, eps, seps, affinity, ctx)))
-    for ep, (text, sep) in sorted(seps.items(), key=lambda item: item[1][0]):
-        chains.append((sep, _endpoint_rules(name, proto, ep, text, sep,
-                                            affinity is not None, ctx)))
+    label = comment(name)
+    for text in sorted(by_text):
+        ep = by_text[text]
+        chains.append((seps[id(ep)][1], _endpoint_rules(label, proto, ep, text, seps[id(ep)][1],
+                                                        affinity is not None, ctx)))
 
     return PortRules(key, tuple(chains), tuple(dict.fromkeys(entries)))
 
@@ -447,25 +457,48 @@ def _firewall_rules(name: str, ctx: RenderContext, ranges: Sequence[IPNetwork],
 
 
 def _balance(name: str, eps: Sequence[MergedEndpoint],
-             seps: Mapping[MergedEndpoint, tuple[str, str]], affinity: int | None,
+             seps: Mapping[int, tuple[str, str]], affinity: int | None,
              ctx: RenderContext) -> tuple[str, ...]:
     """Affinity checks first, then one `statistic` jump per endpoint: endpoint i (of n)
     is taken with probability 1/(n-i) among what is left, the last one always."""
     ordered = sorted(eps, key=lambda ep: (ep.address.packed, ep.port))
-    targets = [seps[ep] for ep in ordered]
+    targets = [seps[id(ep)] for ep in ordered]
+    arrow = _arrow_comment(name)
+    labels = [arrow(text) for text, _ in targets]
     rules: list[str] = []
     if affinity is not None:
         seconds = affinity or DEFAULT_AFFINITY_TIMEOUT
         rules.extend(
-            f"{comment(f'{name} -> {text}')} -m recent --rcheck --seconds {seconds} --reap "
-            f"--name {chain} {_recent_mask(ctx)} -j {chain}" for text, chain in targets)
+            f"{label} -m recent --rcheck --seconds {seconds} --reap "
+            f"--name {chain} {_recent_mask(ctx)} -j {chain}"
+            for label, (_, chain) in zip(labels, targets, strict=True))
     n = len(targets)
-    for i, (text, chain) in enumerate(targets):
+    for i, (label, (_, chain)) in enumerate(zip(labels, targets, strict=True)):
         pick = ""
         if i < n - 1:
             pick = f" -m statistic --mode random --probability {probability(n - i)}"
-        rules.append(f"{comment(f'{name} -> {text}')}{pick} -j {chain}")
+        rules.append(f"{label}{pick} -j {chain}")
     return tuple(rules)
+
+
+def _arrow_comment(name: str) -> Callable[[str], str]:
+    """`text -> comment(f"{name} -> {text}")` for endpoint texts, computing the part
+    from `name` once. An endpoint text (`ip:port`, `[ip6]:port`) is printable ASCII
+    without quotes or backslashes, so, short of the length limit, quoting the whole
+    comment is quoting `name` and appending the text (tests pin this against comment)."""
+    safe = _safe(name)
+    head = safe.replace("\\", "\\\\").replace('"', '\\"').replace("'", "\\'")
+    room = COMMENT_MAX - len(safe) - len(" -> ")
+
+    def label(text: str) -> str:
+        if len(text) > room or not _PLAIN_ENDPOINT.fullmatch(text):
+            return comment(f"{name} -> {text}")
+        return f'-m comment --comment "{head} -> {text}"'
+    return label
+
+
+# What an endpoint text is made of (endpoint_text): quote() leaves it as it is.
+_PLAIN_ENDPOINT = re.compile(r"[0-9A-Za-z.:\[\]]+")
 
 
 def endpoint_text(ep: MergedEndpoint) -> str:
@@ -479,9 +512,9 @@ def _recent_mask(ctx: RenderContext) -> str:
     return f"--mask {mask} --rsource"
 
 
-def _endpoint_rules(name: str, proto: str, ep: MergedEndpoint, text: str, chain: str,
+def _endpoint_rules(label: str, proto: str, ep: MergedEndpoint, text: str, chain: str,
                     affinity: bool, ctx: RenderContext) -> tuple[str, ...]:
-    label = comment(name)
+    """`label`: the service port's comment (`comment(port_name)`), made once per port."""
     recent = f" -m recent --set --name {chain} {_recent_mask(ctx)}" if affinity else ""
     return (
         # A pod reaching itself through the service: masquerade so the reply comes back

@@ -378,25 +378,35 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1) -
                      for a in rsp.cluster_ips)
 
     affinity = svc.affinity_timeout
-    endpoints = {ep: endpoint_text(ep) for ep in (*cluster_eps, *local_eps)}
-    for ep in {*cluster_eps, *local_eps}:
-        element(HAIRPIN, f"{_text(ep.address)} . {_text(ep.address)}")
+    # Each endpoint's text, by the endpoint object's id: the cluster and local sets hold
+    # the same objects, and hashing a MergedEndpoint (all its fields, the address's hash
+    # in Python) for every endpoint was a third of rendering a large service.
+    texts: dict[int, str] = {}
+    for ep in (*cluster_eps, *local_eps):
+        if id(ep) not in texts:
+            texts[id(ep)] = endpoint_text(ep)
+            at = _text(ep.address)
+            element(HAIRPIN, f"{at} . {at}")
     label = comment(name)
-    ep_chains: dict[MergedEndpoint, str] = {}
+    ep_chains: dict[int, str] = {}
     if affinity is not None:
         seconds = affinity or DEFAULT_AFFINITY_TIMEOUT
-        for ep, text in sorted(endpoints.items(), key=lambda item: item[1]):
+        # One chain per endpoint text (equal endpoints share it), in text order.
+        by_text = {texts[id(ep)]: ep for ep in (*cluster_eps, *local_eps)}
+        chain_of: dict[str, str] = {}
+        for text in sorted(by_text):
             chain = endpoint_object("ep", key, proto, text)
+            chain_of[text] = chain
             aff = _affinity_set(chain)
-            ep_chains[ep] = chain
             sets.append((aff, f"type {_addr_type(family)}; flags dynamic,timeout; "
                               f"timeout {seconds}s;"))
             chains.append((chain, (f"update @{aff} {{ {ip} saddr }}",
                                    f"meta l4proto {proto} dnat to {text} {label}")))
+        ep_chains = {i: chain_of[text] for i, text in texts.items()}
     for policy_chain, eps in ((svc_chain, cluster_eps), (svl_chain, local_eps)):
         if policy_chain:
             first = masq if policy_chain == internal_chain else ()
-            chains.append((policy_chain, (*first, *_balance(ip, proto, eps, endpoints,
+            chains.append((policy_chain, (*first, *_balance(ip, proto, eps, texts,
                                                              ep_chains, label))))
     return PortObjects(key, table, tuple(chains),
                        tuple(Element(s, k, v, table if s in SHARD_SETS else TABLE)
@@ -436,22 +446,22 @@ def _firewall_rules(ip: str, ctx: RenderContext, ranges: Sequence[IPNetwork],
 
 
 def _balance(ip: str, proto: str, eps: Sequence[MergedEndpoint],
-             texts: Mapping[MergedEndpoint, str], ep_chains: Mapping[MergedEndpoint, str],
+             texts: Mapping[int, str], ep_chains: Mapping[int, str],
              label: str) -> tuple[str, ...]:
     """Affinity checks first, then endpoint i (of n) with probability 1/(n-i) among what
     is left, the last one always: uniform, like iptables' `statistic` cascade."""
     ordered = sorted(eps, key=lambda ep: (ep.address.packed, ep.port))
     rules: list[str] = []
     if ep_chains:
-        rules.extend(f"{ip} saddr @{_affinity_set(ep_chains[ep])} goto {ep_chains[ep]}"
+        rules.extend(f"{ip} saddr @{_affinity_set(ep_chains[id(ep)])} goto {ep_chains[id(ep)]}"
                      for ep in ordered)
     n = len(ordered)
     for i, ep in enumerate(ordered):
         pick = f"numgen random mod {n - i} 0 " if i < n - 1 else ""
         if ep_chains:
-            rules.append(f"{pick}goto {ep_chains[ep]}")
+            rules.append(f"{pick}goto {ep_chains[id(ep)]}")
         else:
-            rules.append(f"{pick}meta l4proto {proto} dnat to {texts[ep]} {label}")
+            rules.append(f"{pick}meta l4proto {proto} dnat to {texts[id(ep)]} {label}")
     return tuple(rules)
 
 

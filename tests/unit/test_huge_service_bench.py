@@ -1,0 +1,75 @@
+"""The one-service-many-endpoints benchmark keeps working (tiny; timings reported, never
+asserted). The iptables and nftables runs build a network namespace of their own, so
+they need root like the e2e tests."""
+
+from __future__ import annotations
+
+import subprocess
+
+import orjson
+import pytest
+
+from bench.huge_service import (
+    ENDPOINTS_PER_SLICE,
+    changes,
+    markdown,
+    pod_address,
+    run_plane,
+    slice_object,
+)
+from proxy.kube.decode import decode_endpoint_slice
+
+
+def test_slices_are_written_as_the_endpointslice_controller_writes_them() -> None:
+    obj = slice_object(1, 250)
+    assert obj["metadata"]["labels"] == {
+        "kubernetes.io/service-name": "huge",
+        "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}
+    [owner] = obj["metadata"]["ownerReferences"]
+    assert owner["kind"] == "Service" and owner["controller"] is True
+    assert len(obj["endpoints"]) == ENDPOINTS_PER_SLICE
+    assert obj["endpoints"][0]["targetRef"]["kind"] == "Pod"
+    assert len(slice_object(2, 250)["endpoints"]) == 50
+    sl, skips = decode_endpoint_slice(obj)
+    assert sl is not None and not skips
+    # 50,000 endpoints fit in the bench ranges without repeating an address.
+    assert len({pod_address(i) for i in range(0, 50_000, 7)}) == len(range(0, 50_000, 7))
+    assert pod_address(70_000).startswith("198.18.")
+
+
+def test_each_change_flips_one_endpoint_of_one_slice() -> None:
+    flips = []
+    for _n, raw in changes(250, 4):
+        obj = orjson.loads(raw)
+        flips.append(sum(not e["conditions"]["ready"] for e in obj["endpoints"]))
+    assert flips == [1, 0, 1, 0]
+
+
+@pytest.mark.parametrize("plane", ["model", "ipvs"])
+def test_pure_planes_run_small(plane: str) -> None:
+    result = run_plane(plane, 250, 4)
+    assert result["slices"] == 3 and result["changes"] == 4
+    assert result["model_ms"]["p50"] > 0 and result["decode_ms"]["p99"] > 0
+    if plane == "ipvs":
+        # One endpoint leaves (drained, weight 0) or comes back: one operation.
+        assert result["lines"]["p50"] == 1 and result["render_ms"]["p50"] > 0
+    assert plane in markdown([result])
+
+
+def host_tables() -> str:
+    return subprocess.run(["nft", "list", "tables"], capture_output=True, text=True,
+                          check=True).stdout
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("plane", ["iptables", "nftables"])
+def test_kernel_planes_run_small(plane: str) -> None:
+    before = host_tables()
+    result = run_plane(plane, 250, 4)
+    assert result["full_sync_lines"] > 250
+    # The service chain is rewritten whole (every endpoint of the service): about one
+    # line per ready endpoint, not the table.
+    assert 240 < result["lines"]["p50"] < 300, result["lines"]
+    assert result["apply_ms"]["p50"] > 0 and result["render_ms"]["p99"] > 0
+    assert plane in markdown([result])
+    assert host_tables() == before

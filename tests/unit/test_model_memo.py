@@ -1,0 +1,155 @@
+"""The memos a large service port keeps between resolutions (merge.MergeMemo,
+topology.SelectMemo) change nothing but the cost: every result equals the one computed
+from scratch, and an unchanged endpoint comes out as the very same object."""
+
+from __future__ import annotations
+
+from ipaddress import ip_address
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.kube.decode import decode_service
+from proxy.kube.ingest import EndpointsSource, apply_object
+from proxy.model import tracker
+from proxy.model.merge import MergeMemo, merge_port
+from proxy.model.topology import NodeView, SelectMemo, categorize
+from proxy.model.tracker import ClusterModel
+from proxy.model.types import Endpoint, EndpointSlice, Family, Protocol, ServicePortKey, SlicePort
+from tests.unit.builders import ep, eps_slice, node, service
+
+ADDRS = [ip_address(f"198.18.1.{i}") for i in range(1, 7)]
+
+endpoints_st = st.builds(
+    Endpoint,
+    address=st.sampled_from(ADDRS),
+    ready=st.booleans(),
+    serving=st.booleans(),
+    terminating=st.booleans(),
+    node_name=st.sampled_from([None, "node-a", "node-b"]),
+    zone=st.sampled_from([None, "zone-a", "zone-b"]),
+    zone_hints=st.sampled_from([(), ("zone-a",), ("zone-a", "zone-b")]),
+)
+
+
+@st.composite
+def slice_sets(draw: st.DrawFn) -> list[EndpointSlice]:
+    names = draw(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=4, unique=True))
+    return [
+        EndpointSlice(
+            namespace="ns", name=name, service_name="svc",
+            family=draw(st.sampled_from([Family.V4, Family.V4, Family.V6])),
+            ports=tuple(SlicePort(n, draw(st.sampled_from([Protocol.TCP, Protocol.UDP])), p)
+                        for n, p in draw(st.sampled_from([
+                            [("http", 8080)], [("http", 9090)], [("http", 8080), ("dns", 53)],
+                            [("http", 8080), ("http", 8081)]]))),
+            endpoints=tuple(draw(st.lists(endpoints_st, max_size=5))),
+        )
+        for name in names
+    ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(slice_sets(), min_size=1, max_size=4),
+       st.sampled_from([Protocol.TCP, Protocol.UDP]))
+def test_merge_with_a_memo_equals_merge_without(rounds: list[list[EndpointSlice]],
+                                                protocol: Protocol) -> None:
+    memo = MergeMemo()
+    kept: list[EndpointSlice] = []
+    for slices in rounds:
+        # Keep some slice objects from the round before, as the tracker does for slices
+        # that did not change, so the memo has something to reuse.
+        current = kept[:1] + slices
+        for port in ("http", "dns"):
+            assert merge_port(current, port, protocol, Family.V4, memo) \
+                == merge_port(current, port, protocol, Family.V4)
+        kept = slices
+
+
+def test_merge_memo_returns_the_same_objects_for_unchanged_slices() -> None:
+    a = EndpointSlice("ns", "a", "svc", Family.V4, (SlicePort("http", Protocol.TCP, 80),),
+                      (Endpoint(ADDRS[0]), Endpoint(ADDRS[1])))
+    b = EndpointSlice("ns", "b", "svc", Family.V4, (SlicePort("http", Protocol.TCP, 80),),
+                      (Endpoint(ADDRS[2]),))
+    memo = MergeMemo()
+    first, _ = merge_port([a, b], "http", Protocol.TCP, Family.V4, memo)
+    b2 = EndpointSlice("ns", "b", "svc", Family.V4, b.ports, (Endpoint(ADDRS[2], ready=False),))
+    second, _ = merge_port([a, b2], "http", Protocol.TCP, Family.V4, memo)
+    assert second[0] is first[0] and second[1] is first[1]
+    assert not second[2].ready
+    # Another protocol under the same port name: nothing of the memo is reused.
+    udp, _ = merge_port([a, b2], "http", Protocol.UDP, Family.V4, memo)
+    assert udp == ()
+
+
+def test_categorize_with_a_memo_equals_categorize_without() -> None:
+    slices = [EndpointSlice("ns", f"s{i}", "svc", Family.V4,
+                            (SlicePort("http", Protocol.TCP, 80),),
+                            tuple(Endpoint(ip_address(f"198.19.{i}.{j}"), ready=j % 3 != 0,
+                                           serving=j % 2 == 0, terminating=j % 3 == 0,
+                                           node_name=f"node-{j % 4}", zone=f"zone-{j % 2}")
+                                  for j in range(1, 40)))
+              for i in range(4)]
+    merge_memo, select_memo = MergeMemo(), SelectMemo()
+    for spec in ({}, {"internalTrafficPolicy": "Local"}, {"trafficDistribution": "PreferClose"},
+                 {"trafficDistribution": "PreferSameNode", "type": "NodePort",
+                  "externalTrafficPolicy": "Local"}):
+        for view in (NodeView("node-1", "zone-1"), NodeView("node-2", "zone-0"),
+                     NodeView("node-9")):
+            svc, _ = decode_service(service(**spec))
+            assert svc is not None
+            for drop in range(3):  # one slice changes each time: the rest is reused
+                current = slices[:drop] + slices[drop + 1:]
+                merged, _ = merge_port(current, "http", Protocol.TCP, Family.V4, merge_memo)
+                fresh = categorize(merge_port(current, "http", Protocol.TCP, Family.V4)[0],
+                                   svc, svc.ports[0], view, Family.V4)
+                memoed = categorize(merged, svc, svc.ports[0], view, Family.V4, select_memo)
+                assert memoed == fresh
+
+
+def _slice(index: int, not_ready: int | None = None, size: int = 100) -> dict[str, Any]:
+    return eps_slice(f"svc-{index:03d}", [
+        ep(f"198.19.{index}.{j}", node=f"node-{chr(97 + j % 3)}", zone=f"zone-{chr(97 + j % 2)}",
+           ready=j != not_ready)
+        for j in range(1, size + 1)])
+
+
+def test_a_large_service_resolves_as_a_fresh_model_would() -> None:
+    """One endpoint of a 600-endpoint service goes not ready and back, slice by slice;
+    after each change the memoed model's state equals a model built from scratch."""
+    objects: dict[str, dict[str, Any]] = {"svc": service(), "node": node()}
+    objects.update({f"s{i}": _slice(i) for i in range(6)})
+    model = ClusterModel("node-a")
+    for obj in objects.values():
+        apply_object(model, obj, EndpointsSource.ENDPOINT_SLICES)
+    before = model.resolve()
+    key = ServicePortKey("ns", "svc", "http", Family.V4)
+    assert key in model._memos
+    for step, (index, down) in enumerate([(2, 7), (2, None), (5, 100), (0, 1), (5, None)]):
+        objects[f"s{index}"] = _slice(index, down)
+        apply_object(model, objects[f"s{index}"], EndpointsSource.ENDPOINT_SLICES)
+        state = model.resolve()
+        assert state.changed == {key}, step
+        fresh = ClusterModel("node-a")
+        for obj in objects.values():
+            apply_object(fresh, obj, EndpointsSource.ENDPOINT_SLICES)
+        assert state.ports == fresh.resolve().ports
+        # Endpoints of slices that did not change are the objects resolved before.
+        old = {str(s.endpoint): s for s in before.ports[key].endpoints}
+        new = {str(s.endpoint): s for s in state.ports[key].endpoints}
+        untouched = "198.19.3.50:8080"
+        assert new[untouched] is old[untouched]
+        before = state
+    # The service gone: its memo goes with it.
+    model.delete_service("ns", "svc")
+    model.resolve()
+    assert key not in model._memos
+
+
+def test_small_ports_keep_no_memo() -> None:
+    model = ClusterModel("node-a")
+    for obj in (service(), node(), _slice(1, size=tracker.MEMO_MIN_ENDPOINTS - 1)):
+        apply_object(model, obj, EndpointsSource.ENDPOINT_SLICES)
+    model.resolve()
+    assert model._memos == {}
