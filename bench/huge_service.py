@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import signal
 import statistics
 import sys
 import time
@@ -292,6 +293,10 @@ def markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def _terminated(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--endpoints", type=int, nargs="+", default=[10_000])
@@ -300,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--changes", type=int, default=50)
     p.add_argument("--json", action="store_true", help="print JSON only")
     args = p.parse_args(argv)
+    # SIGTERM (a `timeout`, a killed job) unwinds like an exception, so the namespaces
+    # this bench made are removed on the way out.
+    signal.signal(signal.SIGTERM, _terminated)
     sizes = list(args.endpoints) + ([50_000] if args.huge else [])
     results = []
     for size in sizes:
