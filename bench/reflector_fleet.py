@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import platform
@@ -408,6 +409,8 @@ class Target:
     slice_group_version: str
     restart: Callable[[], None]
     describe: dict[str, Any] = field(default_factory=dict)
+    # GET path with this Accept header -> (status, body bytes); None: JSON only (the sim)
+    get_raw: Callable[[str, str], tuple[int, bytes]] | None = None
 
 
 def preload(target: Target, settings: Settings, nodes: int,
@@ -466,6 +469,17 @@ def real_target(cp: Any) -> Iterator[Target]:
             status, data, _ = api.request(method, path, body, content_type=ctype, timeout=60)
             return status, data
 
+        def get_raw(path: str, accept: str) -> tuple[int, bytes]:
+            conn = http.client.HTTPSConnection("127.0.0.1", cp.forwarder.port, timeout=120,
+                                               context=cp.ssl_context())
+            try:
+                conn.request("GET", path, headers={"Authorization": f"Bearer {cp.token}",
+                                                   "Accept": accept})
+                resp = conn.getresponse()
+                return resp.status, resp.read()
+            finally:
+                conn.close()
+
         v = cp.version()
         yield Target("real", pids, write, ("ip", "netns", "exec", ns),
                      str(cp.node_kubeconfig), "discovery.k8s.io/v1beta1",
@@ -474,7 +488,39 @@ def real_target(cp: Any) -> Iterator[Target]:
                                 f"({v.get('goVersion')}), etcd 3.4 in the same namespace "
                                 "(data on tmpfs)",
                       "agents_reach_it": "over a veth, https://198.18.96.1:6443, TLS, "
-                                         "bearer token (system:masters: APF-exempt)"})
+                                         "bearer token (system:masters: APF-exempt)"},
+                     get_raw)
+
+
+JSON = "application/json"
+PROTOBUF = "application/vnd.kubernetes.protobuf"
+
+
+def encodings(target: Target, settings: Settings, lists: int = 50) -> dict[str, Any]:
+    """What the encoding costs: `lists` watch-cache lists (resourceVersion=0) of every
+    Service and EndpointSlice, one after the other, as JSON (what sliceproxy asks for)
+    and as protobuf (kube-proxy's default content type): body bytes and the API
+    server's CPU seconds for each."""
+    assert target.get_raw is not None
+    gv = target.slice_group_version
+    paths = ["/api/v1/services?resourceVersion=0&limit=500",
+             f"/apis/{gv}/endpointslices?resourceVersion=0&limit=500"]
+    pid = target.pids()["apiserver"]
+    out: dict[str, Any] = {"lists": lists}
+    for name, accept in (("json", JSON), ("protobuf", PROTOBUF)):
+        sizes = []
+        for path in paths:
+            status, body = target.get_raw(path, accept)
+            if status != 200:
+                raise RuntimeError(f"GET {path} as {accept}: HTTP {status}")
+            sizes.append(len(body))
+        before = cpu_seconds(pid)
+        for _ in range(lists):
+            for path in paths:
+                target.get_raw(path, accept)
+        out[name] = {"bytes_services": sizes[0], "bytes_slices": sizes[1],
+                     "apiserver_cpu_s": round(cpu_seconds(pid) - before, 2)}
+    return out
 
 
 def delete_objects(target: Target, settings: Settings, nodes: int) -> None:
@@ -728,6 +774,13 @@ def markdown(result: Mapping[str, Any]) -> str:
             f"{etcd} | {st['all_synced_s']} | {st['bytes_per_agent']:,} | "
             f"{st['workers_cpu_s']} | {ch['apiserver']['cpu_s']} | {etcd_ch} | "
             f"{ch['bytes_per_agent_per_change']:,} | {ch['seconds_to_all_received']} |")
+    enc = result.get("encodings")
+    if enc:
+        lines += ["", f"{enc['lists']} watch-cache lists of all Services and all "
+                  "EndpointSlices, one after the other: "
+                  + "; ".join(f"{name} {enc[name]['bytes_services'] + enc[name]['bytes_slices']:,}"
+                              f" bytes per pair, API server CPU {enc[name]['apiserver_cpu_s']} s"
+                              for name in ("json", "protobuf"))]
     return "\n".join(lines)
 
 
@@ -794,7 +847,10 @@ def run_cli(settings: Settings, progress: Callable[[str], None] = _quiet) -> dic
     with ControlPlane(build()) as cp, real_target(cp) as target:
         progress(f"control plane up in namespace {cp.namespace}")
         seconds = preload(target, settings, nodes, progress)
-        return {**run(target, settings, progress), "preload_s": seconds}
+        result = {**run(target, settings, progress), "preload_s": seconds}
+        result["encodings"] = encodings(target, settings)
+        progress(f"encodings: {result['encodings']}")
+        return result
 
 
 def settings_for(size: str, **over: Any) -> Settings:
