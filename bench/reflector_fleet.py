@@ -709,6 +709,9 @@ def run_one(target: Target, settings: Settings, n: int, first_list: str,
             "workers_peak_rss_mib": round(sum(peak_start[k] for k in wpids)),
             "bytes_per_agent": round(statistics.mean(first_bytes)),
             "objects_per_agent": _objects(reports),
+            # failed lists or watches, retried (e.g. an answer not read within
+            # request_timeout while the server was busy): a list read twice
+            "reflector_errors": sum(r["errors"] for r in reports),
         },
         "churn": {**phase(s1, s2, peak_churn), **churn,
                   "workers_cpu_s": round(sum(w2[k]["cpu_s"] - w1[k]["cpu_s"]
