@@ -213,6 +213,10 @@ class NetlinkSocket:
         self._seq = self._seq % 0xFFFFFFFF + 1
         return self._seq
 
+    def next_seq(self) -> int:
+        """The number `reserve` would return first (if it does not wrap around)."""
+        return self._seq + 1
+
     def reserve(self, count: int) -> int:
         """The first of `count` consecutive sequence numbers for messages the caller
         frames itself (an nf_tables batch), never reused by this socket's own requests

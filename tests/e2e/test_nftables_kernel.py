@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from proxy.dataplane.base import ApplyError
 from proxy.dataplane.iptables import drift_watch
 from proxy.dataplane.nftables.runner import NftRunner
+from proxy.dataplane.nftables.transaction import Script
 from proxy.lab import Lab
 from proxy.lab.netns import entered
 from proxy.model.types import Family
@@ -228,6 +229,12 @@ def test_our_listener_hears_nothing_of_our_full_sync_and_foreign_changes_after_i
         plane.cleanup()
 
 
+def as_text(script: str | Script) -> str:
+    """A full sync's script is made as it is read (transaction.Script): join it to
+    append to it."""
+    return script if isinstance(script, str) else script.text()
+
+
 def test_a_refused_transaction_keeps_the_old_rules_and_the_retry_is_full(
         namespaces: Lab) -> None:
     ns = namespaces.node_ns
@@ -239,8 +246,8 @@ def test_a_refused_transaction_keeps_the_old_rules_and_the_retry_is_full(
         def run(self, text: str) -> None:
             super().run(text + (self.inject or ""))
 
-        def send(self, text: str, family: Family, tables: Collection[str]) -> None:
-            super().send(text + (self.inject or ""), family, tables)
+        def send(self, text: str | Script, family: Family, tables: Collection[str]) -> None:
+            super().send(as_text(text) + (self.inject or ""), family, tables)
 
     with entered(ns):
         runner = Sabotaged()
@@ -271,10 +278,10 @@ def test_a_full_sync_the_kernel_refuses_from_the_encoder_is_retried_through_nft(
     class EncoderRefused(NftRunner):
         sent = 0
 
-        def send(self, text: str, family: Family, tables: Collection[str]) -> None:
+        def send(self, text: str | Script, family: Family, tables: Collection[str]) -> None:
             self.sent += 1
             # What a wrong encoding looks like from here: the kernel refuses a line.
-            super().send(text + "add rule ip sliceproxy services jump no-such-chain\n"
+            super().send(as_text(text) + "add rule ip sliceproxy services jump no-such-chain\n"
                          if family is Family.V4 else text, family, tables)
 
     with entered(ns):

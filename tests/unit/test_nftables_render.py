@@ -20,7 +20,7 @@ from proxy.dataplane.nftables.render import (
     shard_of,
     shards_for,
 )
-from proxy.dataplane.nftables.transaction import full_script, partial_script
+from proxy.dataplane.nftables.transaction import full_lines, full_script, partial_script
 from proxy.model.snapshot import ResolvedServicePort
 from proxy.model.types import Family
 from tests.unit.builders import NODE, ep, eps_slice, node, resolve_one, service
@@ -266,3 +266,18 @@ def test_full_script_deletes_what_our_tables_hold_that_nobody_wants() -> None:
     assert lines[-4:] == [f"flush chain ip {S0} svc-OLD", f"delete chain ip {S0} svc-OLD",
                           f"delete set ip {S0} aff-OLD", "delete table ip sliceproxy-3"]
     assert f"flush map ip {S0} service-ips" in lines
+
+
+def test_a_full_script_made_as_it_is_read_is_the_same_every_time() -> None:
+    """The full sync encodes `full_lines` line by line (never the whole text at once);
+    nft's fallback joins it, an error message finds one line by its number."""
+    bases = [render_base(CIDR4), render_shard(CIDR4, S0)]
+    kernel = {"kernel_chains": [(S0, "svc-OLD")], "kernel_tables": ["sliceproxy", S0]}
+    text, _ = full_script(bases, {}, **kernel)  # type: ignore[arg-type]
+    script, _ = full_lines(bases, {}, **kernel)  # type: ignore[arg-type]
+    assert script.count is None
+    assert list(script.lines()) == text.splitlines() and script.count == len(text.splitlines())
+    assert script.text() == text
+    assert [script.line(n) for n in (1, len(text.splitlines()))] == \
+        [text.splitlines()[0], text.splitlines()[-1]]
+    assert script.line(len(text.splitlines()) + 1) == ""

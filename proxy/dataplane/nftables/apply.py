@@ -5,7 +5,8 @@ network namespace. Per family it keeps the `TableState` it last applied:
 
 - a full sync (the first one, `full=True`, after any failure, after drift, or when this
   node's addresses changed) reads back the names of what our table holds and rewrites
-  all of it in one transaction (transaction.full_script);
+  all of it in one transaction (transaction.full_lines: made line by line as it is
+  encoded, never held whole);
 - a partial sync renders only the service ports whose snapshot entry is not the very
   object applied last time (found in O(changes): `DesiredState.changed_since`), and
   sends only their chains and elements.
@@ -49,7 +50,12 @@ from proxy.dataplane.nftables.render import (
     table_family,
 )
 from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
-from proxy.dataplane.nftables.transaction import TableState, full_script, partial_script
+from proxy.dataplane.nftables.transaction import (
+    Script,
+    TableState,
+    full_lines,
+    partial_script,
+)
 from proxy.dataplane.nftables_probe import NFPROTO, nat_unsupported
 from proxy.model.snapshot import DesiredState
 from proxy.model.types import Family, IPAddress, ServicePortKey
@@ -143,6 +149,7 @@ class NftablesDataPlane:
             started = time.perf_counter()
             # O(changes) when `state` follows the last one applied (snapshot.py).
             changed = {k for k in state.changed_since(fam.last) if k.family is family}
+            text: str | Script
             try:
                 if is_full:
                     text, table = self._full(fam, state, ctx)
@@ -164,7 +171,7 @@ class NftablesDataPlane:
                 failure = failure or exc
                 continue
             elapsed = time.perf_counter() - started
-            lines = text.count("\n")
+            lines = text.count("\n") if isinstance(text, str) else text.count or 0
             any_full |= is_full
             apply_seconds += elapsed
             operations += lines
@@ -191,12 +198,12 @@ class NftablesDataPlane:
                           details=details)
 
     def _full(self, fam: _FamilyState, state: DesiredState,
-              ctx: RenderContext) -> tuple[str, TableState]:
+              ctx: RenderContext) -> tuple[Script, TableState]:
         tables, chains, sets = self._kernel_objects(fam)
         ports = {k: v for k, v in state.ports.items() if k.family is fam.family}
         shards = max(fam.shards, shards_for(len(ports)))
         bases = [render_base(ctx), *(render_shard(ctx, shard_table(i)) for i in range(shards))]
-        text, table = full_script(bases, {k: render_port(v, ctx, shards)
+        text, table = full_lines(bases, {k: render_port(v, ctx, shards)
                                           for k, v in ports.items()}, chains, sets, tables)
         fam.shards = shards
         return text, table
@@ -212,7 +219,7 @@ class NftablesDataPlane:
             raise ApplyError(f"cannot read back our {table_family(fam.family)} tables: "
                              f"{exc}") from exc
 
-    def _run(self, fam: _FamilyState, text: str, full: bool) -> str:
+    def _run(self, fam: _FamilyState, text: str | Script, full: bool) -> str:
         """Apply `text`; which applier took it: encoded into netlink here (module
         docstring), or nft for what the encoder does not speak."""
         try:
@@ -230,7 +237,7 @@ class NftablesDataPlane:
                             "with the same script", extra={
                                 "family": fam.family.label, "line": exc.line,
                                 "offending": exc.offending, "error": str(exc)[-500:]})
-            self.runner.run(text)
+            self.runner.run(text if isinstance(text, str) else text.text())
             return "nft"
         except NftError as exc:
             self._failed(fam, str(exc), exc.offending, full, exc.line)

@@ -52,6 +52,7 @@ from typing import Any
 from proxy.dataplane import processes
 from proxy.dataplane.netlink import NetlinkSocket
 from proxy.dataplane.nftables import wire
+from proxy.dataplane.nftables.transaction import Script
 from proxy.dataplane.nftables_probe import NETLINK_NETFILTER, NFNL_SUBSYS_NFTABLES
 from proxy.model.types import Family
 
@@ -237,18 +238,26 @@ class NftRunner:
                 raise
         return self._socket
 
-    def send(self, text: str, family: Family, tables: Collection[str]) -> None:
-        """Apply `text` as one transaction encoded here (wire.py), without nft and its
-        read-back cache. Raises wire.Unencodable, before touching the kernel, for a
-        script outside that dialect (then `run` it); NftError naming the first refused
-        line when the kernel refuses it."""
+    def send(self, script: str | Script, family: Family, tables: Collection[str]) -> None:
+        """Apply `script` (text, or a full script made as it is read) as one transaction
+        encoded here (wire.py), without nft and its read-back cache. Raises
+        wire.Unencodable, before touching the kernel, for a script outside that dialect
+        (then `run` it); NftError naming the first refused line when the kernel refuses
+        it."""
         self._check_home()
         with self._lock:
             try:
                 sock = self._netlink()
-                # One message per line, framed by the batch's begin and end.
-                first = sock.reserve(text.count("\n") + 3)
-                batch = wire.encode(text, family, tables, first)
+                # One message per line, framed by the batch's begin and end. The lines
+                # are counted as they are encoded: numbered from the socket's next
+                # sequence number, which is then taken (nothing else uses the socket
+                # meanwhile: we hold its lock); encoded again if it wrapped around.
+                while True:
+                    first = sock.next_seq()
+                    batch = wire.encode(script if isinstance(script, str) else script.lines(),
+                                        family, tables, first)
+                    if sock.reserve(len(batch.numbers) + 2) == first:
+                        break
                 if not batch.numbers:
                     return
                 refused = sock.first_refusal(
@@ -263,7 +272,8 @@ class NftRunner:
         if number is None:
             raise NftError(f"the kernel refused the batch: {os.strerror(code)}")
         raise NftError(f"line {number}: Could not process rule: {os.strerror(code)}",
-                       number, text.splitlines()[number - 1])
+                       number, script.splitlines()[number - 1] if isinstance(script, str)
+                       else script.line(number))
 
     def names(self, family: Family, tables: Collection[str]
               ) -> tuple[set[str], list[tuple[str, str]], dict[tuple[str, str], str]]:

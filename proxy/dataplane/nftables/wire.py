@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 from proxy.dataplane.netlink import (
@@ -300,8 +300,10 @@ def _lines(script: str) -> Iterator[str]:
         start = stop + 1
 
 
-def encode(script: str, family: Family, tables: Collection[str], first_seq: int) -> Batch:
-    """The batch for `script` (one statement per line) on `tables` of `family`; message
+def encode(script: str | Iterable[str], family: Family, tables: Collection[str],
+           first_seq: int) -> Batch:
+    """The batch for `script` (text, one statement per line, or the lines themselves)
+    on `tables` of `family`; message
     sequence numbers from `first_seq` on. The last message asks for an
     acknowledgement: the kernel answers a batch in order, so any refusal of an earlier
     line arrives before it. Raises Unencodable for anything outside the
@@ -317,7 +319,8 @@ def encode(script: str, family: Family, tables: Collection[str], first_seq: int)
     pages = [out]
     numbers: list[int] = []
     last = -1
-    for number, line in enumerate(_lines(script), start=1):
+    for number, line in enumerate(_lines(script) if isinstance(script, str) else script,
+                                  start=1):
         if not line:
             continue
         msg, flags, attrs = _line(family, tables, line, number)
