@@ -91,11 +91,18 @@ from tests.realcp.nodes import (
 from tests.realcp.rawapi import RawApi
 
 NODE = "node-a"
-# Pod IPs: they need not answer (nothing sends traffic), so they come from a range of
+# Pod IPs: they need not answer (nothing sends traffic), so they come from ranges of
 # their own rather than the lab's 200 backends. Inside 198.18.0.0/15, clear of the
 # lab (198.18.0-1.x), the control plane (198.18.96.0/24) and services (198.18.128/17):
-# 65,534 pods (10,000 services x 6).
-POD_NET = IPv4Network("198.19.0.0/16")
+# 97,534 addresses. Past that they repeat across services (10,000 x 10 needs 100,000),
+# never within one (the API server does not mind; the proxy pays the same per endpoint).
+POD_NETS = (IPv4Network("198.19.0.0/16"), IPv4Network("198.18.2.0/23"),
+            IPv4Network("198.18.4.0/22"), IPv4Network("198.18.8.0/21"),
+            IPv4Network("198.18.16.0/20"), IPv4Network("198.18.32.0/19"),
+            IPv4Network("198.18.64.0/19"), IPv4Network("198.18.97.0/24"),
+            IPv4Network("198.18.98.0/23"), IPv4Network("198.18.100.0/22"),
+            IPv4Network("198.18.104.0/21"), IPv4Network("198.18.112.0/20"))
+POD_ADDRESSES = [a for net in POD_NETS for a in net.hosts()]
 TARGET_PORT = 8080
 SLICES = "/apis/discovery.k8s.io/v1beta1/namespaces/{ns}/endpointslices"
 # The controller manager's client QPS (default 20, burst 30) would make writing the
@@ -137,8 +144,8 @@ class Settings:
     def check(self) -> None:
         if self.services < 1 or self.pods_per_service < 1 or self.changes < 1:
             raise ValueError("services, pods per service and changes must be positive")
-        if self.services * self.pods_per_service > POD_NET.num_addresses - 2:
-            raise ValueError(f"at most {POD_NET.num_addresses - 2} pods ({POD_NET})")
+        if self.pods_per_service > len(POD_ADDRESSES):
+            raise ValueError(f"at most {len(POD_ADDRESSES)} pods per service")
         if math.ceil(self.changes / 2) > self.services:
             raise ValueError("each pair of changes needs a service of its own")
         if not self.proxies or not set(self.proxies) <= set(PROXIES):
@@ -154,7 +161,7 @@ def pod_name(i: int, j: int) -> str:
 
 
 def pod_ip(settings: Settings, i: int, j: int) -> str:
-    return str(POD_NET.network_address + 1 + i * settings.pods_per_service + j)
+    return str(POD_ADDRESSES[(i * settings.pods_per_service + j) % len(POD_ADDRESSES)])
 
 
 # --- reading a node's nat table (in the calling thread's network namespace) -------------
