@@ -80,7 +80,7 @@ def namespace() -> Iterator[str]:
         _ip("-n", ns, "link", "set", "lo", "up")
         yield ns
     finally:
-        subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+        subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True)
 
 
 def _in(ns: str, argv: Sequence[str]) -> list[str]:
@@ -202,8 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--endpoints", type=int, default=10)
     ap.add_argument("--mode", default="nftables", choices=("iptables", "nftables"))
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--profile", type=Path, help="py-spy profile of the first run: .svg flame graph, .txt "
-                    "collapsed stacks, .json speedscope (py-spy must be installed)")
+    ap.add_argument("--profile", type=Path,
+                    help="py-spy profile of the first run: .svg flame graph, .txt collapsed "
+                    "stacks, .json speedscope (py-spy must be installed)")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--no-watch-cache", action="store_true",
                     help="the simulator pages the first lists (--watch-cache=false)")
