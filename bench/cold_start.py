@@ -195,6 +195,17 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def markdown(summary: dict[str, Any]) -> str:
+    runs = summary["runs"]
+    starts = ", ".join(f"{r['cold_start_s']:.2f}" for r in runs)
+    peaks = ", ".join(f"{r['peak_rss_mib'] or 0:.0f}" for r in runs)
+    return "\n".join([
+        "| services x endpoints | mode | cold start, median (runs) | peak RSS MiB (runs) |",
+        "|---|---|---|---|",
+        f"| {summary['services']:,} x {summary['endpoints']} | {summary['mode']} | "
+        f"{summary['cold_start_median_s']:.2f} s ({starts}) | {peaks} |"])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cold_start", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -265,6 +265,8 @@ def run_plane(name: str, endpoints: int, count: int) -> dict[str, Any]:
                                              rows["apply"] or [0.0] * len(rows["render"]),
                                              strict=True)]
         out["total_ms"] = summary(total)
+        # Every change's total, for the distribution plot of `python -m bench`.
+        out["total_ms"]["samples"] = [round(t * 1000.0, 3) for t in total]
     if rows["lines"]:
         out["lines"] = {"p50": int(statistics.median(rows["lines"])),
                         "max": int(max(rows["lines"]))}
