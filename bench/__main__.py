@@ -120,7 +120,9 @@ def run_scenario(scenario: Scenario, size: str, work: Path,
         began = time.monotonic()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
-        entry: dict[str, Any] = {"label": run.label, "command": " ".join(cmd[2:]),
+        # As a reader would type it: the JSON goes to a temporary file of ours.
+        shown = [*cmd[2:len(cmd) - (1 if scenario.json_to_stdout else 2)]]
+        entry: dict[str, Any] = {"label": run.label, "command": " ".join(shown),
                                  "seconds": round(time.monotonic() - began, 1)}
         try:
             if proc.returncode != 0:

@@ -1,0 +1,30 @@
+"""`python -m bench --size small` keeps working for the scenarios on the real control plane
+(each starts its own): the cold start and one change beside kube-proxy, and N agents on
+one API server; their tables and plots land in RESULTS.md. Nothing asserted on time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import __main__ as bench_main
+
+pytestmark = [pytest.mark.realcp, pytest.mark.root, pytest.mark.slow]
+
+
+def test_small_run_on_the_real_control_plane(tmp_path: Path) -> None:
+    status = bench_main.main(["--size", "small", "--only", "cold-start", "fleet",
+                              "--out", str(tmp_path)])
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert status == 0, text
+    saved = json.loads((tmp_path / "results-small.json").read_text())["results"]
+    (cold,) = saved["cold-start"]
+    for proxy in ("sliceproxy", "sliceproxy-nftables", "kube-proxy"):
+        assert cold["result"]["proxies"][proxy]["latency"]["missed"] == 0, proxy
+    (fleet,) = saved["fleet"]
+    assert all(r["start"]["apiserver"]["cpu_s"] > 0 for r in fleet["result"]["runs"])
+    assert "readiness write -> rule" in text and "first list" in text
+    for name in ("cold-start", "fleet"):
+        assert (tmp_path / "plots" / f"{name}-small.png").read_bytes()[:4] == b"\x89PNG"
