@@ -76,9 +76,11 @@ SCENARIOS = (
                               "--proxies", "sliceproxy-nftables", "sliceproxy")))}),
     Scenario("agent-start", "bench.cold_start", "The agent's cold start on the simulator", {
         "small": (Run("200 services x 5", ("--services", "200", "--endpoints", "5",
-                                          "--runs", "2")),),
-        "full": (Run("1,000 services x 10", ("--services", "1000", "--endpoints", "10")),
-                 Run("10,000 services x 10", ("--services", "10000", "--endpoints", "10")))}),
+                                          "--runs", "2", "--idle", "1")),),
+        "full": (Run("1,000 services x 10", ("--services", "1000", "--endpoints", "10",
+                                            "--idle", "10")),
+                 Run("10,000 services x 10", ("--services", "10000", "--endpoints", "10",
+                                             "--idle", "10")))}),
     Scenario("huge-service", "bench.huge_service", "One service, many endpoints", {
         "small": (Run("500 endpoints", ("--endpoints", "500", "--changes", "5",
                                         "--planes", "model", "nftables", "iptables")),),

@@ -129,8 +129,14 @@ def simulator(ns: str, manifest: Path, work: Path, watch_cache: bool) -> Iterato
         log.close()
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
-               profile: Path | None, timeout: float) -> dict[str, Any]:
+               profile: Path | None, timeout: float, idle: float = 0.0) -> dict[str, Any]:
     argv = [sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
             "--hostname-override", NODE, "--proxy-mode", mode,
             "--cluster-cidr", "198.19.0.0/16", "-v", "1"]
@@ -159,9 +165,18 @@ def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
                 timeline.append((round(time.monotonic() - began, 2), round(rss, 1)))
             time.sleep(0.05)
         agent = _agent_pid(proc.pid)
-        return {"cold_start_s": float(match.group(1)),
-                "peak_rss_mib": _status_mib(agent, "VmHWM") if agent else None,
-                "rss_timeline": timeline}
+        out = {"cold_start_s": float(match.group(1)),
+               "peak_rss_mib": _status_mib(agent, "VmHWM") if agent else None,
+               "rss_timeline": timeline}
+        if idle > 0 and agent:
+            # Nothing changes in the cluster now: what the agent spends doing nothing
+            # (timers, watch bookmarks), per second, after the first sync has settled.
+            time.sleep(1.0)
+            before = _cpu_seconds(agent)
+            time.sleep(idle)
+            out["idle_cpu_percent"] = round(100 * (_cpu_seconds(agent) - before) / idle, 2)
+            out["rss_after_mib"] = _status_mib(agent, "VmRSS")
+        return out
     finally:
         if profile is not None:  # py-spy writes its profile when its child ends
             agent = _agent_pid(proc.pid)
@@ -199,11 +214,13 @@ def markdown(summary: dict[str, Any]) -> str:
     runs = summary["runs"]
     starts = ", ".join(f"{r['cold_start_s']:.2f}" for r in runs)
     peaks = ", ".join(f"{r['peak_rss_mib'] or 0:.0f}" for r in runs)
+    idle = ", ".join(f"{r['idle_cpu_percent']}" for r in runs if "idle_cpu_percent" in r)
     return "\n".join([
-        "| services x endpoints | mode | cold start, median (runs) | peak RSS MiB (runs) |",
-        "|---|---|---|---|",
+        "| services x endpoints | mode | cold start, median (runs) | peak RSS MiB (runs) | "
+        "idle CPU % (runs) |",
+        "|---|---|---|---|---|",
         f"| {summary['services']:,} x {summary['endpoints']} | {summary['mode']} | "
-        f"{summary['cold_start_median_s']:.2f} s ({starts}) | {peaks} |"])
+        f"{summary['cold_start_median_s']:.2f} s ({starts}) | {peaks} | {idle or '-'} |"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -217,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="py-spy profile of the first run: .svg flame graph, .txt collapsed "
                     "stacks, .json speedscope (py-spy must be installed)")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--idle", type=float, default=0.0, metavar="SECONDS",
+                    help="after the first sync, measure the agent's CPU over this long")
     ap.add_argument("--no-watch-cache", action="store_true",
                     help="the simulator pages the first lists (--watch-cache=false)")
     ap.add_argument("--json", type=Path)
@@ -235,7 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                     not args.no_watch_cache) as kubeconfig:
             for run in range(args.runs):
                 profile = args.profile if run == 0 else None
-                result = start_once(ns, kubeconfig, args.mode, work, run, profile, args.timeout)
+                result = start_once(ns, kubeconfig, args.mode, work, run, profile, args.timeout,
+                                    args.idle)
                 print(f"run {run + 1}: cold start {result['cold_start_s']:.3f} s, peak RSS "
                       f"{result['peak_rss_mib'] or 0:.0f} MiB", flush=True)
                 results.append(result)

@@ -34,6 +34,7 @@ def test_small_run_writes_tables_and_plots(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "results-small.json").read_text())
     runs = saved["results"]["agent-start"][0]["result"]["runs"]
     assert len(runs) == 2 and all(r["cold_start_s"] > 0 and r["rss_timeline"] for r in runs)
+    assert all(r["idle_cpu_percent"] >= 0 and r["rss_after_mib"] > 0 for r in runs)
     # A second run replaces its section, and only it.
     assert bench_main.main(["--size", "small", "--only", "agent-start",
                             "--out", str(tmp_path)]) == 0
