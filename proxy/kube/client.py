@@ -180,7 +180,9 @@ class KubeApi:
         import aiohttp  # the agent's HTTP servers have loaded it already
 
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            # trust_env: HTTPS_PROXY/NO_PROXY from the environment, as client-go (and
+            # the kubernetes package's session before) honour them.
+            self._session = aiohttp.ClientSession(trust_env=True)
         conn = self._conn
         raw = await self._session.get(
             conn.server + path, params=dict(query),
