@@ -10,11 +10,15 @@ from pathlib import Path
 import pytest
 
 from bench import __main__ as bench_main
+from tests.realcp.build import Binaries
 
 pytestmark = [pytest.mark.realcp, pytest.mark.root, pytest.mark.slow]
 
 
-def test_small_run_on_the_real_control_plane(tmp_path: Path) -> None:
+def test_small_run_on_the_real_control_plane(realcp_binaries: Binaries,
+                                             tmp_path: Path) -> None:
+    # realcp_binaries: built (or found in the cache) once for the tier, before the
+    # scenarios' own control planes look for them.
     status = bench_main.main(["--size", "small", "--only", "cold-start", "fleet",
                               "--out", str(tmp_path)])
     text = (tmp_path / "RESULTS.md").read_text()
