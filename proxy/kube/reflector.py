@@ -80,6 +80,7 @@ import orjson
 from proxy.kube.client import Api, BodyTooLarge, Response, read_body
 from proxy.kube.identity import ObjectKey, decimal, meta_uid, meta_version, object_key, unkeyed_key
 from proxy.kube.identity import key as identify
+from proxy.kube.listsplit import Items
 from proxy.kube.resources import Resource
 from proxy.model.skips import shown
 
@@ -484,12 +485,14 @@ class Reflector:
                 query["continue"] = token  # no resourceVersion beside it: refused
             elif since:
                 query["resourceVersion"] = since
-            body = await self._get_json(query, opts.request_timeout)
+            listing = Items(await self._get_body(query, opts.request_timeout))
+            body = listing.head
             pages += 1
             items, meta = body.get("items"), body.get("metadata")
             if not isinstance(items, list | None) or not isinstance(meta, dict | None):
                 raise _BadList("a list whose items or metadata have the wrong type")
-            for item in items or ():
+            # One item parsed, decoded and dropped at a time (listsplit.py).
+            for item in listing:
                 if not isinstance(item, dict):
                     # Not an object: nothing to decode, no kind to record it under.
                     # Counted (stats, the dump's watch section) and logged below.
@@ -557,6 +560,12 @@ class Reflector:
         self.synced.set()
 
     async def _get_json(self, query: dict[str, str], timeout: float) -> dict[str, Any]:
+        body = orjson.loads(await self._get_body(query, timeout))
+        if not isinstance(body, dict):
+            raise _HttpError(200, "list response is not an object")
+        return body
+
+    async def _get_body(self, query: dict[str, str], timeout: float) -> bytearray:
         # The whole answer, body included, within the timeout: a body trickling forever
         # must not hold the loop. The client's own limit is a little later, so that ours
         # is the one that fires (and says what happened).
@@ -583,10 +592,7 @@ class Reflector:
             if not timer.expired():
                 raise
             raise TimeoutError(f"no whole answer within {timeout:g}s") from None
-        body = orjson.loads(data)
-        if not isinstance(body, dict):
-            raise _HttpError(resp.status, "list response is not an object")
-        return body
+        return data
 
     # --- watch -----------------------------------------------------------------------
 

@@ -1,0 +1,94 @@
+"""listsplit.Items: a list's items parsed one at a time give exactly what parsing the
+whole body gives, whatever the items hold (the cut sequence inside strings, nested
+objects shaped like items), and bodies not laid out as the API server writes them are
+parsed whole."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.kube.listsplit import ITEM_START, Items, NotAnObject
+
+TRICKY = ',{"metadata":{"name":"'
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-5, 5),
+                      st.sampled_from(["", "x", TRICKY, '"},{"metadata":{"name":"a"}}', "]}"]),
+                      st.text(max_size=5))
+json_value = st.recursive(
+    json_leaf,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.dictionaries(st.sampled_from(["metadata", "name", "items", "a", TRICKY]), inner,
+                        max_size=3),
+        # nested objects shaped like items: where a cut would be wrong
+        st.builds(lambda name, rest: {"metadata": {"name": name, **rest}},
+                  st.text(max_size=3), st.dictionaries(st.just("x"), inner, max_size=1))),
+    max_leaves=12)
+item = st.builds(lambda name, rest, body: {"metadata": {"name": name, **rest}, **body},
+                 st.text(max_size=6),
+                 st.dictionaries(st.sampled_from(["namespace", "labels"]), json_value,
+                                 max_size=2),
+                 st.dictionaries(st.sampled_from(["spec", "endpoints", "ports"]), json_value,
+                                 max_size=3))
+
+
+def _list(items: list[Any], **extra: Any) -> dict[str, Any]:
+    return {"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
+            "metadata": {"resourceVersion": "42", **extra}, "items": items}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(item, max_size=6), st.booleans())
+def test_items_one_by_one_equal_the_whole_parse(items: list[Any], newline: bool) -> None:
+    data = orjson.dumps(_list(items)) + (b"\n" if newline else b"")
+    listing = Items(data)
+    assert list(listing) == items
+    assert listing.head == {k: v for k, v in _list(items).items() if k != "items"}
+
+
+def test_real_shaped_items_are_parsed_one_at_a_time() -> None:
+    items = [{"metadata": {"name": f"s-{i}", "managedFields": [{"manager": "m"}]},
+              "endpoints": [{"addresses": ["198.19.0.1"], "targetRef": {"name": "p"}}]}
+             for i in range(3)]
+    listing = Items(orjson.dumps(_list(items, **{"continue": "tok"})))
+    assert list(listing) == items and listing.pieces == 3
+    assert listing.head["metadata"] == {"resourceVersion": "42", "continue": "tok"}
+
+
+def test_a_wrong_cut_falls_back_to_the_whole_body_after_the_good_items() -> None:
+    # The second item holds, in its structure (not in a string), the cut sequence.
+    items = [{"metadata": {"name": "a"}},
+             {"metadata": {"name": "b"}, "spec": [1, {"metadata": {"name": "inner"}}]},
+             {"metadata": {"name": "c"}}]
+    data = orjson.dumps(_list(items))
+    assert data.count(b"," + ITEM_START) == 3  # one of them is not an item boundary
+    listing = Items(data)
+    assert list(listing) == items and listing.pieces == 1
+
+
+@pytest.mark.parametrize("body", [
+    {"kind": "List", "metadata": {}},                       # no items
+    {"items": [{"metadata": {"name": "a"}}], "metadata": {}},  # items not last
+    {"kind": "List", "metadata": {}, "items": 5},           # items not a list
+    {"kind": "List", "items": [{"name": "a"}]},             # items not shaped as objects
+], ids=["no-items", "items-first", "items-not-a-list", "other-shape"])
+def test_other_layouts_are_parsed_whole(body: dict[str, Any]) -> None:
+    listing = Items(orjson.dumps(body))
+    got = list(listing)
+    assert listing.pieces == 0
+    want = body.get("items")
+    if isinstance(want, list):
+        assert got == want and "items" not in listing.head
+    else:
+        assert got == [] and listing.head == body  # the caller sees the wrong type
+
+
+def test_a_body_that_is_no_object_is_refused() -> None:
+    with pytest.raises(NotAnObject):
+        Items(b"[1, 2]")
+    with pytest.raises(orjson.JSONDecodeError):
+        Items(b'{"kind":"List","items":[{"metadata":{"name":"a"}}]')
