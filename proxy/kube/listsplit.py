@@ -70,7 +70,10 @@ class Items:
         """Every item after the first `done`, from the body parsed whole (a cut was
         wrong: see the module's docstring)."""
         whole = orjson.loads(self._data)
-        items = _items_of(whole) if isinstance(whole, dict) else []
+        if not isinstance(whole, dict):
+            raise NotAnObject("list response is not an object")
+        items = _items_of(whole)
+        self.head = whole  # the head cut from the body was not the list's own
         return items[done:]
 
 

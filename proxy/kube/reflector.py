@@ -522,12 +522,17 @@ class Reflector:
                 # resourceVersions alone can repeat across a storage loss (see above)
                 if old != now:
                     self._emit("ADDED" if old is None else "MODIFIED", key, item)
+            # Read again: had the items not been cut cleanly, the head is the whole
+            # body's now (listsplit.Items).
+            meta = listing.head.get("metadata")
+            if not isinstance(meta, dict | None):
+                raise _BadList("a list whose metadata has the wrong type")
             meta = meta or {}
             token = meta.get("continue") or None
             if token is not None and not isinstance(token, str):
                 raise _BadList(f"a continue token that is no string: {shown(token)}")
             if token is None:
-                list_rv = meta_version(body)
+                list_rv = meta_version(listing.head)
                 break
             if pages >= opts.max_list_pages:
                 raise _BadList(f"the list did not end after {pages} pages")

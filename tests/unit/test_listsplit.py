@@ -70,6 +70,15 @@ def test_a_wrong_cut_falls_back_to_the_whole_body_after_the_good_items() -> None
     assert list(listing) == items and listing.pieces == 1
 
 
+def test_a_head_cut_in_the_wrong_place_is_replaced_by_the_whole_bodys() -> None:
+    # A nested "items" before the list's own, itself shaped like a list of items.
+    body = {"x": {"a": 1, "items": [{"metadata": {"name": "a"}}]},
+            "metadata": {"resourceVersion": "5"}, "items": []}
+    listing = Items(orjson.dumps(body))
+    assert list(listing) == []
+    assert listing.head == {"x": body["x"], "metadata": {"resourceVersion": "5"}}
+
+
 @pytest.mark.parametrize("body", [
     {"kind": "List", "metadata": {}},                       # no items
     {"items": [{"metadata": {"name": "a"}}], "metadata": {}},  # items not last
