@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+from hypothesis import strategies as st
 
 from proxy.kube.ingest import EndpointsSource, apply_object
 from proxy.model.snapshot import ResolvedServicePort
 from proxy.model.tracker import ClusterModel
-from proxy.model.types import Family, ServicePortKey
+from proxy.model.types import Endpoint, Family, IPAddress, ServicePortKey
 
 NODE = "node-a"
 ZONE = "zone-a"
@@ -120,3 +123,18 @@ def resolve_one(
 
 def addrs(eps: Any) -> list[str]:
     return sorted(str(e) for e in eps)
+
+
+def endpoints_from(addresses: Sequence[IPAddress]) -> st.SearchStrategy[Endpoint]:
+    """Hypothesis: endpoints at one of `addresses`, every condition, node and zone
+    combination (the merge and memo properties draw slices of these)."""
+    return st.builds(
+        Endpoint,
+        address=st.sampled_from(list(addresses)),
+        ready=st.booleans(),
+        serving=st.booleans(),
+        terminating=st.booleans(),
+        node_name=st.sampled_from([None, "node-a", "node-b"]),
+        zone=st.sampled_from([None, "zone-a", "zone-b"]),
+        zone_hints=st.sampled_from([(), ("zone-a",), ("zone-a", "zone-b")]),
+    )

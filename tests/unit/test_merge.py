@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from proxy.kube.ingest import EndpointsSource
 from proxy.model.merge import merge_port
-from proxy.model.types import Endpoint, EndpointSlice, Family, Protocol, SlicePort
-from tests.unit.builders import addrs, ep, eps_slice, node, resolve_one, service
+from proxy.model.types import EndpointSlice, Family, Protocol, SlicePort
+from tests.unit.builders import addrs, endpoints_from, ep, eps_slice, node, resolve_one, service
 
 
 def test_duplicate_across_slices_collapses_to_the_ready_copy_and_is_reported() -> None:
@@ -124,17 +124,7 @@ def test_source_flag_decides_which_kind_is_read() -> None:
 # --- property: the merge does not depend on the order slices arrived in -------------------
 
 ADDRS = [ip_address(f"198.18.1.{i}") for i in range(1, 6)]
-
-endpoints_st = st.builds(
-    Endpoint,
-    address=st.sampled_from(ADDRS),
-    ready=st.booleans(),
-    serving=st.booleans(),
-    terminating=st.booleans(),
-    node_name=st.sampled_from([None, "node-a", "node-b"]),
-    zone=st.sampled_from([None, "zone-a", "zone-b"]),
-    zone_hints=st.sampled_from([(), ("zone-a",), ("zone-a", "zone-b")]),
-)
+endpoints_st = endpoints_from(ADDRS)
 
 
 @st.composite

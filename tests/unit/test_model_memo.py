@@ -17,20 +17,10 @@ from proxy.model.merge import MergeMemo, merge_port
 from proxy.model.topology import NodeView, SelectMemo, categorize
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import Endpoint, EndpointSlice, Family, Protocol, ServicePortKey, SlicePort
-from tests.unit.builders import ep, eps_slice, node, service
+from tests.unit.builders import endpoints_from, ep, eps_slice, node, service
 
 ADDRS = [ip_address(f"198.18.1.{i}") for i in range(1, 7)]
-
-endpoints_st = st.builds(
-    Endpoint,
-    address=st.sampled_from(ADDRS),
-    ready=st.booleans(),
-    serving=st.booleans(),
-    terminating=st.booleans(),
-    node_name=st.sampled_from([None, "node-a", "node-b"]),
-    zone=st.sampled_from([None, "zone-a", "zone-b"]),
-    zone_hints=st.sampled_from([(), ("zone-a",), ("zone-a", "zone-b")]),
-)
+endpoints_st = endpoints_from(ADDRS)
 
 
 @st.composite
