@@ -346,8 +346,23 @@ class ControlPlane:
         """Stop and start the API server (its watch cache starts over from etcd)."""
         self._stop_proc("kube-apiserver")
         self._start_apiserver()
+        self.ensure_controller_manager()
+
+    def ensure_controller_manager(self) -> None:
+        """Start the controller manager again if it exited, as the kubelet restarts a
+        static pod: v1.20's exits for good when the API server is away at a bad moment."""
+        proc = self._procs.get("kube-controller-manager")
+        if proc is not None and proc.popen.poll() is None:
+            return
+        if proc is not None:
+            log.warning("kube-controller-manager had exited; starting it again", extra={
+                "code": proc.popen.returncode, "log": str(proc.log), "tail": proc.tail(600)})
+            self._procs.pop("kube-controller-manager")
+        self._start_controller_manager()
 
     def _start_controller_manager(self) -> None:
+        logfile = self.workdir / "kube-controller-manager.log"
+        offset = logfile.stat().st_size if logfile.exists() else 0  # the log is appended to
         proc = self._spawn("kube-controller-manager", [
             str(self.bins.path("kube-controller-manager")),
             f"--kubeconfig={self.internal_kubeconfig}",
@@ -369,6 +384,17 @@ class ControlPlane:
                 conn.close()
 
         self._wait(proc, healthy, "/healthz 200")
+        # /healthz answers before the controllers run. Until they do, the controller
+        # manager reads the API's discovery, and an API server away then (a test's
+        # restart) makes it exit for good; past this line it only retries.
+        self._wait(proc, lambda: self._controllers_started(proc, offset),
+                   "every controller started")
+
+    def _controllers_started(self, proc: _Proc, offset: int) -> bool:
+        with proc.log.open("rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+        return all(f'Started "{name}"' in text for name in CONTROLLERS.split(","))
 
     def logs(self) -> dict[str, Path]:
         return {p.name: p.log for p in self._procs.values()}
