@@ -126,7 +126,8 @@ def _size(dp: IptablesDataPlane | NftablesDataPlane) -> tuple[int, int]:
     if isinstance(dp, NftablesDataPlane):
         table = dp._families[Family.V4].state
         assert table is not None
-        rules = sum(len(r) for p in table.ports.values() for _, r in p.chains)
+        rules = sum(line.startswith("add rule ") for key in table.ports
+                    for line in dp.applied_rules(key))
         base_rules = sum(len(r) for b in table.bases for _n, _b, r in b.chains)
         return rules + base_rules, len(table.chain_names())
     fam = dp._families[Family.V4]

@@ -91,6 +91,10 @@ def test_partial_syncs_end_where_a_full_sync_from_scratch_does(
     fresh = NodePlane(full_ns, mode="nftables", addresses=lambda: ADDRESSES, shards=4)
     fresh.sync(states[-1], full=True)
     assert listing(partial_ns) == listing(full_ns)
+    # The debug dump's rules (rendered again from the last snapshot) agree too.
+    for key in states[-1].ports:
+        assert plane.dp.applied_rules(key) == fresh.dp.applied_rules(key), key
+        assert plane.dp.applied_rules(key), key
     # ... and a full resync over what the partial syncs left changes nothing either.
     plane.sync(states[-1], full=True)
     assert listing(partial_ns) == listing(full_ns)

@@ -257,10 +257,14 @@ class NftablesDataPlane:
 
     def applied_rules(self, key: ServicePortKey) -> Sequence[str]:
         fam = self._families.get(key.family)
-        if fam is None or fam.state is None:
+        if fam is None or fam.state is None or fam.last is None or fam.context is None:
             return ()
-        objects = fam.state.ports.get(key)
-        return objects.lines(key.family) if objects is not None else ()
+        if key not in fam.state.ports or key not in fam.last.ports:
+            return ()
+        # The state keeps digests, not rules: render them again from what they were
+        # rendered from (pure, so the same text).
+        objects = render_port(fam.last.ports[key], fam.context, fam.state.shards)
+        return objects.lines(key.family)
 
     def housekeeping(self) -> None:
         """Nothing to do between syncs: affinity entries expire in the kernel."""
