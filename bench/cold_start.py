@@ -135,6 +135,13 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def plant_backend_hint(ns: str, backend: str) -> None:
+    """What kubelet does on a node: its KUBE-IPTABLES-HINT chain in the mangle table of
+    the iptables back end the node uses, which the agent's detection follows."""
+    subprocess.run(_in(ns, [f"iptables-{backend}", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT"]),
+                   check=True, capture_output=True)
+
+
 def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
                profile: Path | None, timeout: float, idle: float = 0.0) -> dict[str, Any]:
     argv = [sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
@@ -230,6 +237,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--endpoints", type=int, default=10)
     ap.add_argument("--mode", default="nftables", choices=("iptables", "nftables"))
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--iptables-backend", choices=("auto", "nft", "legacy"), default="auto",
+                    help="with --mode iptables: the back end the node's kubelet hint names "
+                    "(auto: none planted, the agent's own detection)")
     ap.add_argument("--profile", type=Path,
                     help="py-spy profile of the first run: .svg flame graph, .txt collapsed "
                     "stacks, .json speedscope (py-spy must be installed)")
@@ -252,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         manifest.write_bytes(json.dumps(cluster(args.services, args.endpoints)).encode())
         with namespace() as ns, simulator(ns, manifest, work,
                                                     not args.no_watch_cache) as kubeconfig:
+            if args.iptables_backend != "auto":
+                plant_backend_hint(ns, args.iptables_backend)
             for run in range(args.runs):
                 profile = args.profile if run == 0 else None
                 result = start_once(ns, kubeconfig, args.mode, work, run, profile, args.timeout,
@@ -261,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results.append(result)
     starts = sorted(r["cold_start_s"] for r in results)
     summary = {"services": args.services, "endpoints": args.endpoints, "mode": args.mode,
+               "iptables_backend": args.iptables_backend,
                "runs": results, "cold_start_median_s": starts[len(starts) // 2]}
     print(json.dumps(summary))
     if args.json:

@@ -140,6 +140,11 @@ class Settings:
     seed: int = 7
     cleanup_objects: bool = False  # delete Pods and Services at the end (shared cluster)
     proxies: tuple[str, ...] = PROXIES  # one alone: no competition for the CPU
+    # The iptables back end each node uses: "auto" leaves it to each proxy (sliceproxy's
+    # detection; kube-proxy runs `iptables` from PATH, Debian's being nft); "nft" or
+    # "legacy" plant kubelet's hint chain there and give kube-proxy that back end's tools,
+    # as kube-proxy's image's iptables-wrapper does.
+    iptables_backend: str = "auto"
 
     def check(self) -> None:
         if self.services < 1 or self.pods_per_service < 1 or self.changes < 1:
@@ -150,6 +155,8 @@ class Settings:
             raise ValueError("each pair of changes needs a service of its own")
         if not self.proxies or not set(self.proxies) <= set(PROXIES):
             raise ValueError(f"proxies: one or more of {PROXIES}")
+        if self.iptables_backend not in ("auto", *BACKENDS):
+            raise ValueError(f"iptables back end: auto or one of {BACKENDS}")
 
 
 def service_name(i: int) -> str:
@@ -741,12 +748,25 @@ def _wait_slices(api: RawApi, ns: str, want: Mapping[str, frozenset[str]],
 
 
 def _make_proxy(name: str, cp: ControlPlane, bins: Binaries, lab: Lab,
-                workdir: Path) -> NodeProxy:
+                workdir: Path, backend: str = "auto") -> NodeProxy:
+    if backend != "auto":
+        lab.exec(lab.node_ns, [f"iptables-{backend}", "-t", "mangle", "-N",
+                               "KUBE-IPTABLES-HINT"], check=True)
     if name != "kube-proxy":
         return Sliceproxy.make(lab, cp.node_kubeconfig, workdir, "endpointslices",
                                *PROXY_FLAGS.get(name, ()))
-    return KubeProxy.make(lab, bins.path("kube-proxy"), cp.node_kubeconfig, workdir,
-                          "endpointslices")
+    proxy = KubeProxy.make(lab, bins.path("kube-proxy"), cp.node_kubeconfig, workdir,
+                           "endpointslices")
+    if backend != "auto":
+        tools = workdir / f"iptables-{backend}-tools"
+        tools.mkdir(exist_ok=True)
+        for base in ("iptables", "ip6tables"):
+            for suffix in ("", "-save", "-restore"):
+                link = tools / f"{base}{suffix}"
+                if not link.exists():
+                    link.symlink_to(f"/usr/sbin/{base}-{backend}{suffix}")
+        proxy.env["PATH"] = f"{tools}:{proxy.env.get('PATH', '/usr/sbin:/usr/bin')}"
+    return proxy
 
 
 # Log lines that say what each proxy read and how it was tuned.
@@ -829,7 +849,8 @@ def run(cp: ControlPlane, bins: Binaries, settings: Settings, workdir: Path,
             lab = stack.enter_context(Lab([], node_name=NODE, ipv6=False))
             cp.attach(lab.node_ns)
             stack.callback(cp.detach, lab.node_ns)
-            side = Side(name, lab, _make_proxy(name, cp, bins, lab, workdir))
+            side = Side(name, lab, _make_proxy(name, cp, bins, lab, workdir,
+                                               settings.iptables_backend))
             sides.append(side)
             stack.callback(side.proxy.stop)
             side.proxy.start()
@@ -1101,6 +1122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--proxies", nargs="+", choices=PROXIES, default=list(d.proxies),
                    help="run only these (default both, side by side)")
+    p.add_argument("--iptables-backend", choices=("auto", *BACKENDS), default=d.iptables_backend,
+                   help="the iptables back end of every node (default: each proxy's own "
+                   "choice)")
     p.add_argument("--json", type=Path, help="write the full results here")
     p.add_argument("--keep-logs", type=Path,
                    help="a directory for the proxies' logs (kept); default: a temporary one")
@@ -1112,7 +1136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         services=args.services, pods_per_service=args.pods_per_service, changes=args.changes,
         poll_interval=args.poll_interval, spacing=args.spacing,
         change_deadline=args.change_deadline, setup_deadline=args.setup_deadline,
-        parallel=args.parallel, seed=args.seed, proxies=tuple(args.proxies))
+        parallel=args.parallel, seed=args.seed, proxies=tuple(args.proxies),
+        iptables_backend=args.iptables_backend)
     settings.check()
     signal.signal(signal.SIGTERM, _on_sigterm)
 
