@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from proxy.dataplane.nftables.render import BaseObjects, Element, PortObjects, table_family
+from proxy.dataplane.nftables.render import BaseObjects, PortObjects, table_family
 from proxy.model.types import Family, ServicePortKey
 
 # Elements per `add element` statement: one statement per element makes nft slower to
@@ -41,47 +41,75 @@ class Owners:
     """Element -> the ports that want it, with their values; the kernel holds the
     smallest owner's value (`held`), which is also what every script leaves there.
 
-    Most elements have one owner (a cluster IP, an endpoint's hairpin pair): that is a
-    (port, value) pair here, and a dict only once shared. A dict per element, and a
-    second map of what the kernel held, were 5 KB of the 8 KB kept per service port at
-    10,000 services x 10 endpoints."""
+    Most elements have one owner (a cluster IP, an endpoint's hairpin pair): that is the
+    port alone for a set's element, a (port, value) pair for a map's, and a dict only
+    once shared. A dict per element, and a second map of what the kernel held, were 5 KB
+    of the 8 KB kept per service port at 10,000 services x 10 endpoints."""
 
     __slots__ = ("_map",)
 
     def __init__(self) -> None:
-        self._map: dict[ElementKey, tuple[ServicePortKey, str] | dict[ServicePortKey, str]] = {}
+        self._map: dict[ElementKey, _Owned] = {}
 
     def __len__(self) -> int:
         return len(self._map)
 
     def add(self, element: ElementKey, port: ServicePortKey, value: str) -> None:
         cur = self._map.get(element)
-        if cur is None or (isinstance(cur, tuple) and cur[0] == port):
-            self._map[element] = (port, value)
-        elif isinstance(cur, tuple):
-            self._map[element] = {cur[0]: cur[1], port: value}
+        one = None if cur is None else _sole(cur)
+        if cur is None or (one is not None and one[0] == port):
+            self._map[element] = _owned(port, value)
+        elif one is not None:
+            self._map[element] = {one[0]: one[1], port: value}
         else:
+            assert isinstance(cur, dict)
             cur[port] = value
 
     def remove(self, element: ElementKey, port: ServicePortKey) -> None:
         cur = self._map.get(element)
-        if isinstance(cur, tuple):
-            if cur[0] == port:
+        if cur is None:
+            return
+        one = _sole(cur)
+        if one is not None:
+            if one[0] == port:
                 del self._map[element]
-        elif cur is not None:
+        else:
+            assert isinstance(cur, dict)
             cur.pop(port, None)
             if len(cur) == 1:
-                self._map[element] = next(iter(cur.items()))
+                self._map[element] = _owned(*next(iter(cur.items())))
 
     def held(self, element: ElementKey) -> str | None:
         cur = self._map.get(element)
-        if cur is None:
-            return None
-        return cur[1] if isinstance(cur, tuple) else cur[min(cur)]
+        return None if cur is None else _value(cur)
 
     def elements(self) -> Iterator[tuple[ElementKey, str]]:
         for element, cur in self._map.items():
-            yield element, cur[1] if isinstance(cur, tuple) else cur[min(cur)]
+            yield element, _value(cur)
+
+
+# One owner: the port (a set's element has no value), or (port, value); several: a dict.
+_Owned = ServicePortKey | tuple[ServicePortKey, str] | dict[ServicePortKey, str]
+
+
+def _owned(port: ServicePortKey, value: str) -> _Owned:
+    return (port, value) if value else port
+
+
+def _sole(cur: _Owned) -> tuple[ServicePortKey, str] | None:
+    if type(cur) is ServicePortKey:
+        return cur, ""
+    if isinstance(cur, dict):
+        return None
+    return cur  # type: ignore[return-value]
+
+
+def _value(cur: _Owned) -> str:
+    one = _sole(cur)
+    if one is not None:
+        return one[1]
+    assert isinstance(cur, dict)
+    return cur[min(cur)]
 
 
 def rules_digest(rules: tuple[str, ...]) -> int:
@@ -99,13 +127,23 @@ class KeptPort:
 
     table: str
     chains: tuple[tuple[str, int], ...]  # (name, rules_digest(rules)), in write order
-    elements: tuple[Element, ...]
+    # Its elements: the keys (the same tuples as the owners' map's keys, where they
+    # were first) and, apart, their values (a set's are "").
+    element_keys: tuple[ElementKey, ...]
+    element_values: tuple[str, ...]
     sets: tuple[tuple[str, str], ...]
 
     @classmethod
-    def of(cls, p: PortObjects) -> KeptPort:
+    def of(cls, p: PortObjects, elements: Mapping[ElementKey, str]) -> KeptPort:
         return cls(p.table, tuple((name, rules_digest(rules)) for name, rules in p.chains),
-                   p.elements, p.sets)
+                   tuple(elements), tuple(elements.values()), p.sets)
+
+    def elements(self) -> dict[ElementKey, str]:
+        return dict(zip(self.element_keys, self.element_values, strict=True))
+
+
+def element_map(p: PortObjects) -> dict[ElementKey, str]:
+    return {(e.table, e.set, e.key): e.value for e in p.elements}
 
 
 @dataclass
@@ -212,9 +250,10 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
     state = TableState(bases[0].family, tuple(bases))
     ordered = [(key, ports[key]) for key in sorted(ports)]
     for key, p in ordered:
-        state.ports[key] = KeptPort.of(p)
-        for e in p.elements:
-            state.owners.add((e.table, e.set, e.key), key, e.value)
+        elements = element_map(p)
+        state.ports[key] = KeptPort.of(p, elements)
+        for element, value in elements.items():
+            state.owners.add(element, key, value)
     for b in bases:
         for e in b.elements:
             state.owners.add((e.table, e.set, e.key), _BASE, e.value)
@@ -297,8 +336,8 @@ def partial_script(state: TableState,
             write_chains += [f"add rule {ip} {t} {name} {rule}" for rule in rules]
         gone_chains += [c for c in old_chains if c not in new_chains]
         gone_sets += [c for c in old_sets if c not in new_sets]
-        old_el = {(e.table, e.set, e.key): e.value for e in old.elements} if old else {}
-        new_el = {(e.table, e.set, e.key): e.value for e in new.elements} if new else {}
+        old_el = old.elements() if old else {}
+        new_el = element_map(new) if new else {}
         for k, v in old_el.items():
             if new_el.get(k) != v:
                 if k not in held_before:
@@ -312,7 +351,7 @@ def partial_script(state: TableState,
         if new is None:
             state.ports.pop(key, None)
         else:
-            state.ports[key] = KeptPort.of(new)
+            state.ports[key] = KeptPort.of(new, new_el)
     deletes: list[tuple[str, str, str]] = []
     adds: list[tuple[str, str, str]] = []
     for k in sorted(held_before):

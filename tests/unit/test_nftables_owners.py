@@ -1,0 +1,51 @@
+"""`Owners` (nftables/transaction.py) keeps an element's owners in three shapes (the port
+alone, a (port, value) pair, a dict once shared) to save memory; it must answer exactly
+as a plain element -> {port: value} map would, whatever the order of additions and
+removals: the kernel holds the smallest owner's value, and an element leaves with its
+last owner."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.dataplane.nftables.transaction import Owners
+from proxy.model.types import Family, ServicePortKey
+
+PORTS = [ServicePortKey("ns", f"s{i}", "", Family.V4) for i in range(3)]
+ELEMENTS = [("t", "hairpin", "198.18.0.1 . 198.18.0.1"), ("t", "services", "198.18.128.1")]
+VALUES = ["", "goto svc-a", "goto svc-b"]
+
+ops = st.lists(st.tuples(st.booleans(), st.sampled_from(ELEMENTS), st.sampled_from(PORTS),
+                         st.sampled_from(VALUES)), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_owners_answer_as_a_plain_map_would(operations: list[tuple[bool, tuple[str, str, str],
+                                                                    ServicePortKey, str]]) -> None:
+    owners = Owners()
+    plain: dict[tuple[str, str, str], dict[ServicePortKey, str]] = {}
+    for add, element, port, value in operations:
+        if add:
+            owners.add(element, port, value)
+            plain.setdefault(element, {})[port] = value
+        else:
+            owners.remove(element, port)
+            plain.get(element, {}).pop(port, None)
+            if not plain.get(element, True):
+                del plain[element]
+        for e in ELEMENTS:
+            wanted = plain.get(e)
+            assert owners.held(e) == (wanted[min(wanted)] if wanted else None)
+    assert dict(owners.elements()) == {e: m[min(m)] for e, m in plain.items()}
+    assert len(owners) == len(plain)
+
+
+def test_a_set_element_owned_once_is_the_port_alone_and_a_map_element_a_pair() -> None:
+    owners = Owners()
+    owners.add(ELEMENTS[0], PORTS[0], "")
+    owners.add(ELEMENTS[1], PORTS[0], "goto svc-a")
+    owners.add(ELEMENTS[1], PORTS[1], "goto svc-b")
+    owners.remove(ELEMENTS[1], PORTS[0])
+    assert owners._map == {ELEMENTS[0]: PORTS[0], ELEMENTS[1]: (PORTS[1], "goto svc-b")}
