@@ -93,21 +93,23 @@ def merge_port(
 
     merged: list[MergedEndpoint] = []
     conflicts: list[Conflict] = []
+    sources: dict[str, tuple[str]] = {}  # one (slice name,) per slice, not per endpoint
     for (address, port), found in sorted(copies.items(), key=lambda kv: (int(kv[0][0]), kv[0][1])):
         if len(found) == 1:
             slice_name, best = found[0]
-            merged.append(_single(address, port, slice_name, best))
+            one = sources.get(slice_name) or sources.setdefault(slice_name, (slice_name,))
+            merged.append(_single(address, port, one, best))
         else:
             merged.append(_merge_copies(address, port, found, conflicts))
     return tuple(merged), tuple(conflicts)
 
 
-def _single(address: IPAddress, port: int, slice_name: str, ep: Endpoint) -> MergedEndpoint:
-    """The endpoint as merged when `slice_name` is the only slice listing it."""
+def _single(address: IPAddress, port: int, source: tuple[str], ep: Endpoint) -> MergedEndpoint:
+    """The endpoint as merged when `source` names the only slice listing it."""
     return MergedEndpoint(
         address=address, port=port, ready=ep.ready, serving=ep.serving,
         terminating=ep.terminating, node_name=ep.node_name, zone=ep.zone,
-        zone_hints=ep.zone_hints, node_hints=ep.node_hints, sources=(slice_name,))
+        zone_hints=ep.zone_hints, node_hints=ep.node_hints, sources=source)
 
 
 def _merge_copies(address: IPAddress, port: int, found: list[tuple[str, Endpoint]],
@@ -143,7 +145,8 @@ def _merge_copies(address: IPAddress, port: int, found: list[tuple[str, Endpoint
 
 
 def _slice_entries(sl: EndpointSlice, port_name: str, protocol: Protocol) -> tuple[_Entry, ...]:
-    out = [((int(ep.address), sp.port), sl.name, ep, _single(ep.address, sp.port, sl.name, ep))
+    source = (sl.name,)
+    out = [((int(ep.address), sp.port), sl.name, ep, _single(ep.address, sp.port, source, ep))
            for sp in sl.ports if sp.name == port_name and sp.protocol is protocol
            for ep in sl.endpoints]
     out.sort(key=_by_key)

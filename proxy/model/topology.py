@@ -50,6 +50,10 @@ ANY = "*"
 _CLUSTER = frozenset({EndpointSet.CLUSTER})
 _LOCAL = frozenset({EndpointSet.LOCAL})
 _BOTH = _CLUSTER | _LOCAL
+# An endpoint's reason is one of a few texts (node and zone names aside): one object for
+# each, not one per endpoint (6 MiB of 100,000 equal strings at 10,000 services x 10).
+_REASONS: dict[str, str] = {}
+_REASONS_MAX = 4096
 _NONE: frozenset[EndpointSet] = frozenset()
 
 
@@ -170,7 +174,7 @@ def categorize(
             if in_local:
                 sets.add(EndpointSet.LOCAL)
             parts.append(f"local: {why}")
-        selected.append(SelectedEndpoint(ep, _frozen(sets), "; ".join(parts)))
+        selected.append(SelectedEndpoint(ep, _frozen(sets), _shared("; ".join(parts))))
     if memo is not None:
         memo.params = params
         memo.selected = {id(s.endpoint): s for s in selected}
@@ -217,6 +221,17 @@ def _local_verdict(ep: MergedEndpoint, node_name: str, local_ready: bool) -> tup
             return False, "terminating (ready local endpoints exist)"
         return True, "serving and terminating on this node, used because none is ready here"
     return False, _not_usable(ep)
+
+
+def _shared(reason: str) -> str:
+    """`reason`, or the equal text already made (a bounded table: the names in some
+    reasons are the cluster's)."""
+    got = _REASONS.get(reason)
+    if got is not None:
+        return got
+    if len(_REASONS) < _REASONS_MAX:
+        _REASONS[reason] = reason
+    return reason
 
 
 def _not_usable(ep: MergedEndpoint) -> str:
