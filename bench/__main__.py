@@ -18,6 +18,8 @@ Scenarios:
   agent-start    bench.cold_start: the agent alone on the simulator (RSS over time)
   huge-service   bench.huge_service: one service, 10,000 endpoints in 100 slices
   fleet          bench.reflector_fleet: N agents' watch layers on one real API server
+  rolling-update bench.rolling_update: every endpoint of a service replaced at 100/s with
+                 traffic flowing (both modes): failed connections, API -> kernel lag
 """
 
 from __future__ import annotations
@@ -90,6 +92,10 @@ SCENARIOS = (
     Scenario("fleet", "bench.reflector_fleet", "Many nodes, one API server", {
         "small": (Run("small", ("--server", "real", "--size", "small")),),
         "full": (Run("100, 500, 1,000 agents", ("--server", "real", "--size", "full")),)}),
+    Scenario("rolling-update", "bench.rolling_update", "A rolling update with traffic", {
+        "small": (Run("300 endpoints", ("--endpoints", "300")),),
+        "full": (Run("1,000 endpoints", ("--endpoints", "1000")),
+                 Run("10,000 endpoints", ("--endpoints", "10000")))}),
 )
 
 
@@ -191,6 +197,13 @@ def plot(scenario: str, runs: list[dict[str, Any]], path: Path) -> bool:
             ax.set_xlabel("one endpoint not ready / ready -> kernel (ms, log)")
         elif scenario == "fleet":
             drawn |= _fleet_plot(ax, res)
+        elif scenario == "rolling-update":
+            for row in res:
+                values = row["lag"]["samples_ms"]
+                _ecdf(ax, values, row["mode"])
+                drawn |= bool(values)
+            ax.set_xscale("log")
+            ax.set_xlabel("slice write -> its effect in the kernel, during the roll (ms, log)")
         ax.set_title(run["label"])
         if scenario not in {"agent-start", "fleet"}:
             ax.set_ylabel("fraction of changes")

@@ -9,6 +9,8 @@ Protocol (kept trivial so any client can use it):
   first line starting with `GET ` or `HEAD ` gets a minimal HTTP/1.0 response with the
   name as body, then the connection closes (so `curl http://VIP/` works in the demo).
 - UDP: every datagram is answered with `<name>\\n`.
+- TCP on a backend named `@addr` answers with the local address the connection reached
+  instead: one listener on 0.0.0.0 then tells which of many addresses answered.
 
 `python -m proxy.lab.echo --backend NAME=NS=IP[,IP...] ... --tcp 8080 --udp 8081`
 prints `ready` on stdout once every listener is bound, then serves until killed.
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from proxy.lab.netns import entered
 
 MAX_LINE = 4096
+LOCAL_ADDRESS = "@addr"
 
 
 @dataclass(slots=True)
@@ -81,6 +84,8 @@ class EchoServer:
         with contextlib.suppress(BlockingIOError, ConnectionAbortedError):
             conn, _ = listener.accept()
             conn.setblocking(False)
+            if name == LOCAL_ADDRESS:
+                name = str(conn.getsockname()[0])
             self.sel.register(conn, selectors.EVENT_READ, ("conn", _Conn(name)))
 
     def _datagram(self, sock: socket.socket, name: str) -> None:

@@ -155,6 +155,12 @@ class Lab:
             self.sysctl(name, "net.ipv6.conf.default.accept_dad", "0")
             self.sysctl(name, "net.ipv6.conf.all.accept_dad", "0")
 
+    def add_namespace(self, suffix: str) -> str:
+        """Another namespace of this lab (`<prefix>-<suffix>`), deleted with it."""
+        name = f"{self.prefix}-{suffix}"
+        self._netns(name)
+        return name
+
     def sysctl(self, ns: str, key: str, value: str) -> None:
         self.exec(ns, ["sysctl", "-qw", f"{key}={value}"], check=True)
 

@@ -1,0 +1,64 @@
+"""The rolling-update benchmark, small: the real agent on the simulator, every endpoint of
+a service replaced at 100 a second with traffic flowing. Only behaviour is asserted (no
+failed connection, every endpoint replaced, the kernel ending with exactly the new
+endpoints); the bench's timings are reported, never asserted here."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from bench.huge_service import ENDPOINTS_PER_SLICE
+from bench.rolling_update import READY, TERMINATING, Roll, Settings, markdown, run
+from proxy.lab.netns import NETNS_DIR
+
+pytestmark = pytest.mark.root
+
+
+def test_the_roll_replaces_every_pod_as_a_deployment_does() -> None:
+    roll = Roll(250, rate=100, ready_delay=0.3, grace=0.5, teardown=0.2)
+    seen: dict[int, list[tuple[bool, bool, bool] | None]] = {
+        p: [READY if p < 250 else None] for p in range(500)}
+    writes = []
+    for tick in range(roll.ticks):
+        writes += roll.step(tick)
+        state = roll.api_state()
+        for p in range(500):
+            if seen[p][-1] != state.get(p):
+                seen[p].append(state.get(p))
+        assert all(len(sl.endpoints) <= ENDPOINTS_PER_SLICE for sl in roll.slices)
+    # Old pods: ready, then terminating, then gone; new pods: absent, not ready, ready.
+    assert all(seen[p] == [READY, TERMINATING, None] for p in range(250))
+    assert all(seen[p] == [None, (False, False, False), READY] for p in range(250, 500))
+    assert set(roll.api_state()) == set(range(250, 500))
+    assert {w.op for w, _ in writes} <= {"POST", "PUT", "DELETE"}
+    made_ready = [p for w, _ in writes for p in w.adds]
+    made_terminating = [p for w, _ in writes for p in w.removes]
+    assert sorted(made_ready) == list(range(250, 500))
+    assert sorted(made_terminating) == list(range(250))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["nftables", "iptables"])
+def test_rolling_update_small(mode: str, tmp_path: Path) -> None:
+    def ours() -> set[str]:
+        return {n for n in os.listdir(NETNS_DIR) if n.startswith(f"spx-{os.getpid()}-")}
+
+    before = ours()
+    settings = Settings(endpoints=200, rate=100.0, mode=mode, traffic_rate=100.0)
+    try:
+        result = run(settings, tmp_path)
+    finally:
+        assert ours() == before, "the bench left namespaces behind"
+    traffic = result["traffic"]
+    assert traffic["connections"] > 0
+    assert traffic["failed"] == 0, traffic["failures"]
+    assert result["replaced"] == 200
+    assert result["api_exactly_new"]
+    assert result["kernel_exactly_new"], (result["kernel_old_left"],
+                                          result["kernel_new_missing"])
+    assert result["lag"]["never_seen"] == 0 and result["lag"]["flaps"] == 0
+    assert not result["agent"]["errors"]
+    assert mode in markdown([result])
