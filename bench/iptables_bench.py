@@ -51,8 +51,24 @@ APPLIERS: dict[str, tuple[Backend | None, str]] = {
 }
 
 
+ENDPOINTS_PER_SLICE = 100  # the EndpointSlice controller's default (the API allows 1,000)
+
+
+def _split(slice_obj: dict[str, Any]) -> list[dict[str, Any]]:
+    eps = slice_obj["endpoints"]
+    if len(eps) <= ENDPOINTS_PER_SLICE:
+        return [slice_obj]
+    name = slice_obj["metadata"]["name"]
+    return [{**slice_obj, "metadata": {**slice_obj["metadata"], "name": f"{name}-{k}"},
+             "endpoints": eps[i:i + ENDPOINTS_PER_SLICE]}
+            for k, i in enumerate(range(0, len(eps), ENDPOINTS_PER_SLICE))]
+
+
 def build(services: int, endpoints: int) -> tuple[ClusterModel, list[dict[str, Any]]]:
-    svc_objs, slice_objs = make_objects(services, endpoints)
+    """The model of `services` with `endpoints` each, in slices of at most 100 as the
+    controller writes them, and those slices' objects."""
+    svc_objs, whole = make_objects(services, endpoints)
+    slice_objs = [part for obj in whole for part in _split(obj)]
     model = ClusterModel(NODE)
     for obj in svc_objs:
         svc, _ = decode_service(obj)
