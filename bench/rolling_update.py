@@ -108,6 +108,9 @@ NFT_MAX_SHARDS = 64
 FIRST_SYNC = re.compile(r"first sync done")
 SYNC_LINE = re.compile(r'msg="(?:full )?sync done".*?\bduration=([0-9.]+)s')
 DNAT_NFT = re.compile(r"dnat (?:ip )?to ([0-9.]+):" + str(POD_PORT))
+# A large port balances through a slot map (nftables/render.py): its endpoints are there.
+DNAT_MAP_NFT = re.compile(r"dnat ip to numgen random mod \d+ map @(\S+)")
+SLOT_NFT = re.compile(r"\d+ : ([0-9.]+) \. " + str(POD_PORT) + r"\b")
 DNAT_IPT = re.compile(r"-> ([0-9.]+):" + str(POD_PORT) + r"\b")
 Obj = dict[str, Any]
 Conditions = tuple[bool, bool, bool]  # ready, serving, terminating
@@ -362,7 +365,7 @@ class KernelView:
                     table = f"{words[1]} {words[2]}"
                 elif words[:1] == ["chain"] and len(words) >= 2:
                     chain = words[1]
-                elif DNAT_NFT.search(line) and table and chain:
+                elif (DNAT_NFT.search(line) or DNAT_MAP_NFT.search(line)) and table and chain:
                     self.chain = ["nft", "list", "chain", *table.split(), chain]
                     return True
             return False
@@ -383,8 +386,13 @@ class KernelView:
         res = self._run(self.chain)
         if res.returncode != 0:
             return None
-        pattern = DNAT_NFT if self.mode == "nftables" else DNAT_IPT
-        return frozenset(pattern.findall(res.stdout))
+        if self.mode != "nftables":
+            return frozenset(DNAT_IPT.findall(res.stdout))
+        slot_map = DNAT_MAP_NFT.search(res.stdout)
+        if slot_map is None:
+            return frozenset(DNAT_NFT.findall(res.stdout))
+        res = self._run(["nft", "list", "map", *self.chain[3:5], slot_map[1]])
+        return frozenset(SLOT_NFT.findall(res.stdout)) if res.returncode == 0 else None
 
     def commit_tables(self) -> set[tuple[int, str]]:
         if self.mode == "nftables":

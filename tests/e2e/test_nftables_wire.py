@@ -70,6 +70,12 @@ add rule ip {t} svc drop
 add rule ip {t} ep update @aff-a {{ ip saddr }}
 add rule ip {t} ep return
 add rule ip {t} target accept
+add map ip {t} slots-a {{ typeof numgen random mod 1 : ip daddr . tcp dport; }}
+add chain ip {t} big
+add rule ip {t} big meta l4proto tcp dnat ip to numgen random mod 3 map @slots-a \
+comment "ns/big:http"
+add element ip {t} slots-a {{ 0 : 198.18.1.2 . 8080, 1 : 198.18.1.3 . 80, \
+2 : 198.18.1.4 . 80 }}
 add element ip {t} service-ips {{ 198.18.0.1 . tcp . 80 : goto svc, \
 198.18.0.2 . udp . 53 : drop, 198.18.0.3 . sctp . 9 : jump target }}
 add element ip {t} service-nodeports {{ tcp . 30080 : goto svc }}
@@ -103,6 +109,10 @@ add rule ip6 {t} svc update @aff-b {{ ip6 saddr }}
 add rule ip6 {t} svc numgen random mod 2 0 meta l4proto tcp dnat to [fd00::5]:8080 \
 comment "ns/v6:http"
 add rule ip6 {t} svc meta l4proto udp dnat to [fd00::6]:53
+add map ip6 {t} slots-b {{ typeof numgen random mod 1 : ip6 daddr . udp dport; }}
+add chain ip6 {t} big
+add rule ip6 {t} big meta l4proto udp dnat ip6 to numgen random mod 2 map @slots-b
+add element ip6 {t} slots-b {{ 0 : fd00::5 . 8080, 1 : fd00::6 . 53 }}
 add element ip6 {t} service-ips {{ fd00::1 . tcp . 80 : goto svc }}
 add element ip6 {t} hairpin {{ fd00::5 . fd00::5 }}
 add chain ip6 {t} nat-pre {{ type nat hook prerouting priority dstnat; policy accept; }}
@@ -128,6 +138,10 @@ delete chain ip {t} old
 delete set ip {t} aff-old
 flush map ip {t} service-nodeports
 flush set ip {t} cluster-ips
+delete element ip {t} slots-a {{ 2, 0 }}
+add element ip {t} slots-a {{ 0 : 198.18.1.9 . 80 }}
+flush chain ip {t} big
+add rule ip {t} big meta l4proto tcp dnat ip to numgen random mod 2 map @slots-a
 """,
     Family.V6: """
 delete element ip6 {t} service-ips {{ fd00::1 . tcp . 80 }}
@@ -135,6 +149,9 @@ flush chain ip6 {t} svc
 delete chain ip6 {t} svc
 delete set ip6 {t} aff-b
 flush set ip6 {t} hairpin
+flush chain ip6 {t} big
+delete chain ip6 {t} big
+delete map ip6 {t} slots-b
 """,
 }
 
@@ -226,6 +243,7 @@ def test_every_statement_reads_back_as_nft_writes_it(namespaces: Lab, family: Fa
             same_tables(ns, family)
             if template is STATEMENTS[family]:  # not vacuous: the rules are there
                 assert "dnat to" in nft(ns, "list", "table", fam, ENC)
+                assert "map @slots-" in nft(ns, "list", "table", fam, ENC)
                 assert "hook prerouting" in nft(ns, "list", "table", fam, ENC)
         with entered(ns):
             runner.send(f"delete table {fam} {ENC}\n", family, (ENC,))

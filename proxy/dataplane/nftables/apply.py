@@ -54,6 +54,7 @@ from proxy.dataplane.nftables.transaction import (
     Script,
     TableState,
     full_lines,
+    kept_slots,
     partial_script,
 )
 from proxy.dataplane.nftables_probe import NFPROTO, nat_unsupported
@@ -157,8 +158,9 @@ class NftablesDataPlane:
                     assert fam.state is not None
                     table = fam.state
                     text = partial_script(table, {
-                        k: render_port(ports[k], ctx, table.shards) if k in ports else None
-                        for k in changed})
+                        k: render_port(ports[k], ctx, table.shards,
+                                       kept_slots(table.ports.get(k)))
+                        if k in ports else None for k in changed})
                 render_seconds = time.perf_counter() - started
                 started = time.perf_counter()
                 # Nobody of ours listening while we write everything: the kernel then
@@ -263,7 +265,8 @@ class NftablesDataPlane:
             return ()
         # The state keeps digests, not rules: render them again from what they were
         # rendered from (pure, so the same text).
-        objects = render_port(fam.last.ports[key], fam.context, fam.state.shards)
+        objects = render_port(fam.last.ports[key], fam.context, fam.state.shards,
+                              kept_slots(fam.state.ports[key]))
         return objects.lines(key.family)
 
     def housekeeping(self) -> None:

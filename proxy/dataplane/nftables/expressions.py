@@ -12,6 +12,7 @@ The dialect, closed; anything else raises `Unencodable`:
                meta l4proto, th dport)
     statement: jump|goto <chain>;  drop;  accept;  return;  reject;
                dnat to <addr>:<port> | [<addr6>]:<port>;  update @<set> { ip|ip6 saddr };
+               dnat ip|ip6 to numgen random mod <n> map @<slot map>;
                masquerade fully-random;  meta mark set meta mark ^ <bits> (or |);
                <concatenation> vmap @<map>
 
@@ -165,10 +166,19 @@ def _fib_local(flag: int) -> bytes:
 
 
 @functools.cache
-def _nat(family: Family) -> bytes:
+def _nat(family: Family, port_reg: int = REG_2) -> bytes:
     return _expr("nat", nla(1, u32(NAT_DNAT)) + nla(2, u32(NFPROTO[family]))
-                 + nla(3, u32(REG_1)) + nla(5, u32(REG_2))
+                 + nla(3, u32(REG_1)) + nla(5, u32(port_reg))
                  + nla(7, u32(NAT_RANGE_PROTO_SPECIFIED)))
+
+
+@functools.lru_cache(maxsize=256)
+def _dnat_slot_map(family: Family, modulus: int, set_name: str) -> bytes:
+    """`dnat ip to numgen random mod <n> map @<slots>`: a slot into register 1, looked
+    up into the address (from register 1) and the port (the register slot after it)."""
+    ng = nla(1, u32(REG_1)) + nla(2, u32(modulus)) + nla(3, u32(NG_RANDOM)) + nla(4, u32(0))
+    return (_expr("numgen", ng) + _lookup(set_name, REG_1)
+            + _nat(family, register(ADDRESS_WIDTH[family] // 4)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -400,6 +410,15 @@ def rule_expressions(family: Family, tokens: list[str]) -> bytes:
             if how != "fully-random":
                 raise Unencodable(f"masquerade {how}")
             out.append(_MASQUERADE_FULLY_RANDOM)
+            final = True
+        elif word == "dnat" and i + 1 < n and tokens[i + 1] == ip:
+            _, _, to, ng, kind, mod, modulus, map_, set_ref = take(9)
+            if (to, ng, kind, mod, map_) != ("to", "numgen", "random", "mod", "map") \
+                    or not modulus.isdigit() or not 0 < int(modulus) <= 0xFFFFFFFF \
+                    or not set_ref.startswith("@"):
+                raise Unencodable(f"dnat {ip} {to} {ng} {kind} {mod} {modulus} {map_} "
+                                  f"{set_ref}")
+            out.append(_dnat_slot_map(family, int(modulus), set_ref[1:]))
             final = True
         elif word == "dnat":
             _, to, target = take(3)

@@ -16,8 +16,11 @@ Per family, one main table and K shard tables, holding nothing but ours:
                         meta l4proto . th dport vmap @service-nodeports
       svc-<h>       Cluster-policy endpoints: the masquerade mark for off-cluster clients
                     of the cluster IP, affinity, then one `numgen random mod k 0` DNAT
-                    rule per endpoint (1/n, 1/(n-1), ... the last always)
+                    rule per endpoint (1/n, 1/(n-1), ... the last always); from
+                    SLOT_MAP_MIN endpoints on (no affinity), one rule
+                    `dnat to numgen random mod n map @slots-svc-<h>` instead
       svl-<h>       Local-policy endpoints, the same shape
+      slots-svc-<h> slot (0..n-1) -> endpoint address . port, for a port that large
       ext-<h>       external traffic (NodePort, externalIP, LB IP) -> policy chain
       fw-<h>        loadBalancerSourceRanges in front of ext-<h>
       ep-<h>        one per endpoint, only with ClientIP affinity: remember, DNAT
@@ -36,6 +39,13 @@ Why no set per service: the kernel keeps a table's sets in a list, so a set per 
 makes a full load quadratic (10,000 services: 10.5 s with one anonymous numgen map per
 service, 2.9 s with these rules and no per-service set). Each dispatch is one
 verdict-map lookup instead of iptables' linear SPX-SERVICES walk.
+
+Why a slot map for large ports: a change to the cascade rewrites the whole chain (10,000
+endpoints: 10,000 rules, about 0.2 s of kernel time per change, every change of a rolling
+update). In the slot map an endpoint keeps its slot (`assign_slots`), so one endpoint
+gone or added changes one or two elements and the one rule that holds n. Small ports
+keep the cascade: a map is a set, and sets are what makes a large table slow to load.
+ClientIP affinity keeps it too: its per-endpoint checks are one rule per endpoint anyway.
 
 Hairpin (a pod reaching itself through its service) is one set of `addr . addr` pairs,
 looked up after DNAT in postrouting, instead of a chain per endpoint as upstream: the
@@ -90,6 +100,10 @@ SHARED_SETS = (SERVICE_IPS, SERVICE_NODEPORTS, UNSERVED, UNSERVED_NODEPORTS, CLU
 SHARD_SETS = (SERVICE_IPS, SERVICE_NODEPORTS)  # in each shard; the others in the main table
 SHARD_PORTS = 1000  # service ports per shard, about (module docstring)
 MAX_SHARDS = 64
+
+# Endpoints from which a policy chain balances through a slot map (module docstring).
+SLOT_MAP_MIN = 128
+SLOTS = "slots-"  # the slot maps' prefix: slots-<policy chain>
 
 MARK_FOR_MASQUERADE = "mark-for-masquerade"
 MASQ_UNLESS_POD = "masq-unless-pod"
@@ -160,7 +174,8 @@ class PortObjects:
         ip = table_family(family)
         t = f"{ip} {self.table}"
         out = [f"add element {ip} {e.table} {e.set} {{ {e.text()} }}" for e in self.elements]
-        out += [f"add set {t} {name} {{ {body} }}" for name, body in self.sets]
+        out += [f"add {'map' if ' : ' in body else 'set'} {t} {name} {{ {body} }}"
+                for name, body in self.sets]
         for name, rules in self.chains:
             out.append(f"add chain {t} {name}")
             out.extend(f"add rule {t} {name} {rule}" for rule in rules)
@@ -304,9 +319,11 @@ _text = address_text
 # --- one service port ------------------------------------------------------------------------
 
 
-def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1) -> PortObjects:
+def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,
+                slots: Mapping[str, Mapping[str, int]] | None = None) -> PortObjects:
     """The chains and elements of one service port (the iptables renderer's semantics),
-    in its shard of `shards`."""
+    in its shard of `shards`. `slots`: what the kernel's slot maps hold of this port
+    (map -> endpoint -> slot), so that endpoints keep their slots (`assign_slots`)."""
     key, svc, sp = rsp.key, rsp.service, rsp.port
     table = shard_of(key, shards)
     name = port_name(key)
@@ -403,15 +420,48 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1) -
             chains.append((chain, (f"update @{aff} {{ {ip} saddr }}",
                                    f"meta l4proto {proto} dnat to {text} {label}")))
         ep_chains = {i: chain_of[text] for i, text in texts.items()}
+    slot_elements: list[Element] = []
     for policy_chain, eps in ((svc_chain, cluster_eps), (svl_chain, local_eps)):
-        if policy_chain:
-            first = masq if policy_chain == internal_chain else ()
+        if not policy_chain:
+            continue
+        first = masq if policy_chain == internal_chain else ()
+        if ep_chains or len(eps) < SLOT_MAP_MIN:
             chains.append((policy_chain, (*first, *_balance(ip, proto, eps, texts,
                                                              ep_chains, label))))
+            continue
+        slot_map = SLOTS + policy_chain
+        ordered = sorted(eps, key=lambda ep: (ep.address.packed, ep.port))
+        values = list(dict.fromkeys(f"{_text(ep.address)} . {ep.port}" for ep in ordered))
+        assigned = assign_slots(values, (slots or {}).get(slot_map, {}))
+        sets.append((slot_map, f"typeof numgen random mod 1 : {ip} daddr . {proto} dport;"))
+        slot_elements += [Element(slot_map, str(i), v, table) for i, v in enumerate(assigned)]
+        chains.append((policy_chain, (*first, f"meta l4proto {proto} dnat {ip} to numgen "
+                                              f"random mod {len(assigned)} map @{slot_map} "
+                                              f"{label}")))
     return PortObjects(key, table, tuple(chains),
-                       tuple(Element(s, k, v, table if s in SHARD_SETS else TABLE)
-                             for (s, k), v in sorted(elements.items())),
+                       (*(Element(s, k, v, table if s in SHARD_SETS else TABLE)
+                          for (s, k), v in sorted(elements.items())), *slot_elements),
                        tuple(sets))
+
+
+def assign_slots(values: Sequence[str], previous: Mapping[str, int]) -> list[str]:
+    """Slot -> value for the distinct `values`, slots 0..n-1 all used (numgen picks any
+    of them): a value keeps its previous slot while that is below n; the others fill
+    the free slots in order. So an endpoint gone moves one other (the one in the last
+    slot, into its place), and one added takes the new last slot."""
+    n = len(values)
+    slots: list[str | None] = [None] * n
+    homeless = []
+    for v in values:
+        s = previous.get(v)
+        if s is not None and s < n and slots[s] is None:
+            slots[s] = v
+        else:
+            homeless.append(v)
+    free = (i for i, v in enumerate(slots) if v is None)
+    for v, i in zip(homeless, free, strict=True):
+        slots[i] = v
+    return [v for v in slots if v is not None]  # all of them: n values, n slots
 
 
 def _external_rules(ip: str, ctx: RenderContext, external_local: bool, svc_chain: str | None,

@@ -5,7 +5,8 @@ A full script rewrites everything we own in one transaction: every chain declare
 flushed and refilled (so no rule can point at a chain not yet there), every shared set
 and map flushed and refilled, and whatever our tables hold that nobody wants any more
 deleted last (whole tables, when the shards were more). Affinity sets are declared,
-never flushed: a resync keeps who goes where.
+never flushed: a resync keeps who goes where. Slot maps are flushed and refilled, as a
+slot may hold another endpoint in the kernel than in the script.
 
 A partial script touches only the service ports that changed: chains whose rules differ
 are flushed and refilled, new ones added, gone ones deleted; elements are added and
@@ -26,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from proxy.dataplane.nftables.render import BaseObjects, PortObjects, table_family
+from proxy.dataplane.nftables.render import SLOTS, BaseObjects, PortObjects, table_family
 from proxy.model.types import Family, ServicePortKey
 
 # Elements per `add element` statement: one statement per element makes nft slower to
@@ -140,6 +141,18 @@ class KeptPort:
 
     def elements(self) -> dict[ElementKey, str]:
         return dict(zip(self.element_keys, self.element_values, strict=True))
+
+
+def kept_slots(kept: KeptPort | None) -> dict[str, dict[str, int]]:
+    """What the kernel's slot maps hold of a port (map -> endpoint -> slot): what
+    render_port needs to keep each endpoint where it is."""
+    if kept is None or not any(name.startswith(SLOTS) for name, _ in kept.sets):
+        return {}
+    out: dict[str, dict[str, int]] = {}
+    for (_table, name, key), v in zip(kept.element_keys, kept.element_values, strict=True):
+        if name.startswith(SLOTS):
+            out.setdefault(name, {})[v] = int(key)
+    return out
 
 
 def element_map(p: PortObjects) -> dict[ElementKey, str]:
@@ -289,6 +302,10 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
         for b in state.bases:
             for name, body in b.sets:
                 yield f"flush {'map' if _is_map(body) else 'set'} {ip} {b.table} {name}"
+        for _key, p in ordered:  # slot maps too (affinity sets keep who goes where)
+            for name, body in p.sets:
+                if _is_map(body):
+                    yield f"flush map {ip} {p.table} {name}"
         yield from _element_lines("add", ip, ((k[0], k[1], _text(k, v))
                                               for k, v in state.owners.elements()))
         for t, name in stale_chains:
@@ -313,7 +330,7 @@ def partial_script(state: TableState,
     add_chains: list[str] = []
     write_chains: list[str] = []
     gone_chains: list[Named] = []
-    gone_sets: list[Named] = []
+    gone_sets: list[tuple[Named, str]] = []  # with their declaration bodies
     # What the kernel held of each element this script touches, before it did.
     held_before: dict[ElementKey, str | None] = {}
     for key in sorted(updates):
@@ -335,7 +352,7 @@ def partial_script(state: TableState,
                 write_chains.append(f"flush chain {ip} {t} {name}")
             write_chains += [f"add rule {ip} {t} {name} {rule}" for rule in rules]
         gone_chains += [c for c in old_chains if c not in new_chains]
-        gone_sets += [c for c in old_sets if c not in new_sets]
+        gone_sets += [(c, b) for c, b in old_sets.items() if c not in new_sets]
         old_el = old.elements() if old else {}
         new_el = element_map(new) if new else {}
         for k, v in old_el.items():
@@ -367,6 +384,7 @@ def partial_script(state: TableState,
     lines += _element_lines("add", ip, adds)
     lines += [f"flush chain {ip} {t} {name}" for t, name in gone_chains]
     lines += [f"delete chain {ip} {t} {name}" for t, name in gone_chains]
-    lines += [f"delete set {ip} {t} {name}" for t, name in gone_sets]
+    lines += [f"delete {'map' if _is_map(body) else 'set'} {ip} {t} {name}"
+              for (t, name), body in gone_sets]
     return "\n".join(lines) + "\n" if lines else ""
 

@@ -18,7 +18,9 @@ to nft instead: nothing is ever half-encoded. What is encoded here (rules: expre
     add set <t> <name> { type <key>; }      (an address, or a concatenation)
     add set <t> <name> { type ipv4_addr|ipv6_addr; flags dynamic,timeout; timeout <n>s; }
     add map <t> <name> { type <key> : verdict; }
+    add map <t> <name> { typeof numgen random mod 1 : ip|ip6 daddr . <proto> dport; }
     add|delete element <t> <set> { <key> [: goto|jump <chain> | drop | accept], ... }
+    add|delete element <t> <slot map> { <slot> [: <addr> . <port>], ... }
     add rule <t> <chain> <rule> [comment "<text>"]
 
 Equivalence with nft's own encoding is tested against the kernel: each shape added
@@ -29,6 +31,7 @@ The wire format is include/uapi/linux/netfilter/nf_tables.h.
 
 from __future__ import annotations
 
+import re
 import socket
 import struct
 from collections.abc import Collection, Iterable, Iterator
@@ -72,7 +75,7 @@ CHAIN_TABLE, CHAIN_NAME, CHAIN_HOOK, CHAIN_POLICY, CHAIN_TYPE = 1, 3, 4, 5, 7
 HOOK_NUMBER, HOOK_PRIORITY = 1, 2
 RULE_TABLE, RULE_CHAIN = 1, 2
 SET_TABLE, SET_NAME, SET_FLAGS, SET_KEY_TYPE, SET_KEY_LEN = 1, 2, 3, 4, 5
-SET_DATA_TYPE, SET_ID, SET_TIMEOUT, SET_USERDATA = 6, 10, 11, 13
+SET_DATA_TYPE, SET_DATA_LEN, SET_ID, SET_TIMEOUT, SET_USERDATA = 6, 7, 10, 11, 13
 ELEMS_TABLE, ELEMS_SET, ELEMS_LIST = 1, 2, 3
 ELEM_KEY, ELEM_DATA = 1, 2
 SET_F_MAP, SET_F_TIMEOUT, SET_F_EVAL = 0x8, 0x10, 0x20
@@ -88,6 +91,25 @@ TYPE_BITS = 6
 _KEY_BIG_ENDIAN = b"\x00\x04" + struct.pack("=I", 2)
 _CONCAT_KEY = bytes.fromhex("000400000000030800040d0000000100")
 _VERDICT_MAP = bytes.fromhex("000400000000010400000000030800040d0000000100060400000000")
+# A slot map (render.py): `typeof numgen random mod 1 : ip|ip6 daddr . tcp|udp|sctp
+# dport`, whose user data describes those expressions (nft's own bytes, read back from
+# maps it made: they differ by the address's header and the protocol's); its key is
+# nft's plain integer (type 4). `th dport` would do for every protocol, but nft 1.0.6
+# then refuses, as conflicting, any later rule naming the protocol beside the map.
+TYPE_INTEGER = 4
+_SLOT_MAP_HEAD = "000401000000010400000000031a0004170000000112000401000000010401000000020400000" \
+    "000043400040d000000012c0014000407000000010c0004"
+_SLOT_MAP_FAMILY = {Family.V4: "0c00000001040c00000001", Family.V6: "0d00000001040900000001"}
+_SLOT_MAP_TAIL = "14000407000000010c0004{proto:02x}000000010402000000060400000000"
+_SLOT_MAP_PROTO = {"tcp": 0x08, "udp": 0x06, "sctp": 0x0A}  # nft's protocol descriptions
+_SLOT_MAP_BODY = re.compile(r"typeof numgen random mod 1 : (ip6?) daddr \. (tcp|udp|sctp) dport")
+
+
+def _slot_map_userdata(family: Family, proto: str) -> bytes:
+    return bytes.fromhex(_SLOT_MAP_HEAD + _SLOT_MAP_FAMILY[family]
+                         + _SLOT_MAP_TAIL.format(proto=_SLOT_MAP_PROTO[proto]))
+
+
 # Base chains: netfilter's hooks and nft's named priorities.
 HOOKS = {"prerouting": 0, "input": 1, "forward": 2, "output": 3, "postrouting": 4}
 PRIORITIES = {"dstnat": -100, "srcnat": 100, "filter": 0}
@@ -141,7 +163,16 @@ def _element_key(family: Family, text: str) -> bytes:
 
 def _element(family: Family, text: str) -> bytes:
     key, sep, data = text.partition(" : ")
-    attrs = value(ELEM_KEY, _element_key(family, key.strip()))
+    key = key.strip()
+    if key.isdigit():  # a lone number is a slot map's key: numgen's host-order u32
+        slot = int(key)
+        if slot > 0xFFFFFFFF:
+            raise Unencodable(f"slot {key}")
+        attrs = value(ELEM_KEY, struct.pack("=I", slot))
+        if sep:
+            attrs += value(ELEM_DATA, _element_key(family, data.strip()))
+        return nested(LIST_ELEM, attrs)
+    attrs = value(ELEM_KEY, _element_key(family, key))
     if sep:
         verb, _, chain = data.strip().partition(" ")
         if verb not in VERDICTS or bool(chain) != (verb in ("jump", "goto")):
@@ -165,10 +196,19 @@ def _key_type(text: str) -> tuple[int, int, bool]:
 
 
 def _set_body(body: str, is_map: bool) -> bytes:
-    """Our three shapes: `type <key>;` (a set of addresses or of concatenations),
-    `type <key> : verdict;` (a verdict map), and the affinity sets' `type <address>;
-    flags dynamic,timeout; timeout <n>s;`."""
+    """Our four shapes: `type <key>;` (a set of addresses or of concatenations),
+    `type <key> : verdict;` (a verdict map), the affinity sets' `type <address>;
+    flags dynamic,timeout; timeout <n>s;`, and the slot maps' typeof."""
     parts = [p.strip() for p in body.strip().rstrip(";").split(";")]
+    slot_map = _SLOT_MAP_BODY.fullmatch(parts[0]) if len(parts) == 1 and is_map else None
+    if slot_map is not None:
+        family = Family.V4 if slot_map[1] == "ip" else Family.V6
+        addr = "ipv4_addr" if family is Family.V4 else "ipv6_addr"
+        data_type, data_len, _ = _key_type(f"{addr} . inet_service")
+        return (nla(SET_FLAGS, u32(SET_F_MAP)) + nla(SET_KEY_TYPE, u32(TYPE_INTEGER))
+                + nla(SET_KEY_LEN, u32(4)) + nla(SET_DATA_TYPE, u32(data_type))
+                + nla(SET_DATA_LEN, u32(data_len))
+                + nla(SET_USERDATA, _slot_map_userdata(family, slot_map[2])))
     if not parts[0].startswith("type "):
         raise Unencodable(f"set {{ {body} }}")
     key, sep, data = parts[0].removeprefix("type ").partition(" : ")
