@@ -39,9 +39,9 @@ from tests.unit.test_nftables_render import CIDR4, S0
 @given(st.lists(st.integers(0, 40), unique=True), st.lists(st.integers(0, 40), unique=True))
 def test_slots_are_dense_and_nothing_moves_that_need_not(before: list[int],
                                                         after: list[int]) -> None:
-    old = assign_slots([str(v) for v in before], {})
+    old = assign_slots([str(v) for v in before], ())
     previous = {v: i for i, v in enumerate(old)}
-    new = assign_slots([str(v) for v in after], previous)
+    new = assign_slots([str(v) for v in after], old)
     # Every value once, in slots 0..n-1 (numgen picks any of them).
     assert sorted(new) == sorted(str(v) for v in after)
     # A value keeps its slot while that slot still exists ...
@@ -54,8 +54,8 @@ def test_slots_are_dense_and_nothing_moves_that_need_not(before: list[int],
 
 
 def test_an_endpoint_gone_moves_the_last_one_into_its_slot() -> None:
-    assert assign_slots(["a", "b", "d"], {"a": 0, "b": 1, "c": 2, "d": 3}) == ["a", "b", "d"]
-    assert assign_slots(["a", "c", "d"], {"a": 0, "b": 1, "c": 2, "d": 3}) == ["a", "d", "c"]
+    assert assign_slots(["a", "b", "d"], "abcd") == ["a", "b", "d"]
+    assert assign_slots(["a", "c", "d"], "abcd") == ["a", "d", "c"]
 
 
 # --- rendering and transactions ------------------------------------------------------------

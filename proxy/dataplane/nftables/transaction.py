@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from proxy.dataplane.nftables.render import SLOTS, BaseObjects, PortObjects, table_family
+from proxy.dataplane.nftables.render import BaseObjects, PortObjects, table_family
 from proxy.model.types import Family, ServicePortKey
 
 # Elements per `add element` statement: one statement per element makes nft slower to
@@ -133,26 +133,21 @@ class KeptPort:
     element_keys: tuple[ElementKey, ...]
     element_values: tuple[str, ...]
     sets: tuple[tuple[str, str], ...]
+    slots: tuple[tuple[str, tuple[str, ...]], ...]  # PortObjects.slots (the same tuples)
 
     @classmethod
     def of(cls, p: PortObjects, elements: Mapping[ElementKey, str]) -> KeptPort:
         return cls(p.table, tuple((name, rules_digest(rules)) for name, rules in p.chains),
-                   tuple(elements), tuple(elements.values()), p.sets)
+                   tuple(elements), tuple(elements.values()), p.sets, p.slots)
 
     def elements(self) -> dict[ElementKey, str]:
         return dict(zip(self.element_keys, self.element_values, strict=True))
 
 
-def kept_slots(kept: KeptPort | None) -> dict[str, dict[str, int]]:
-    """What the kernel's slot maps hold of a port (map -> endpoint -> slot): what
-    render_port needs to keep each endpoint where it is."""
-    if kept is None or not any(name.startswith(SLOTS) for name, _ in kept.sets):
-        return {}
-    out: dict[str, dict[str, int]] = {}
-    for (_table, name, key), v in zip(kept.element_keys, kept.element_values, strict=True):
-        if name.startswith(SLOTS):
-            out.setdefault(name, {})[v] = int(key)
-    return out
+def kept_slots(kept: KeptPort | None) -> dict[str, tuple[str, ...]]:
+    """What the kernel's slot maps hold of a port (map -> endpoints in slot order):
+    what render_port needs to keep each endpoint where it is."""
+    return dict(kept.slots) if kept is not None else {}
 
 
 def element_map(p: PortObjects) -> dict[ElementKey, str]:
