@@ -131,6 +131,7 @@ class Settings:
     connect_timeout: float = 1.0
     before: float = 1.0  # traffic before the roll
     after: float = 3.0  # and after the last address is removed
+    min_sync_period: str = ""  # the agent's --min-sync-period ("": its default, 1s)
     settle_timeout: float = 120.0  # last write -> kernel exact, at most
     start_timeout: float = 600.0
 
@@ -726,6 +727,7 @@ def run(settings: Settings, workdir: Path,
                            "traffic_rate": settings.traffic_rate,
                            "ready_delay_s": settings.ready_delay, "grace_s": settings.grace,
                            "teardown_s": settings.teardown,
+                           "min_sync_period": settings.min_sync_period or "1s (default)",
                            "slices_before": len(roll.slices)}
     (workdir / "cluster.json").write_text(json.dumps(manifest(roll)))
     (workdir / "kubeconfig").unlink(missing_ok=True)  # the simulator writes it when up
@@ -756,6 +758,8 @@ def _with_agent(lab: Lab, pods: str, api: Api, kubeconfig: Path, roll: Roll,
     argv = [sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
             "--hostname-override", NODE, "--proxy-mode", settings.mode,
             "--cluster-cidr", POD_CIDR, "-v", "2"]
+    if settings.min_sync_period:
+        argv += ["--min-sync-period", settings.min_sync_period]
     with log_path.open("wb") as log:
         proc = lab.popen(lab.node_ns, argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -904,6 +908,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="seconds from terminating to deleted")
     ap.add_argument("--teardown", type=float, default=1.0,
                     help="seconds from deleted to the address removed")
+    ap.add_argument("--min-sync-period", default="",
+                    help="the agent's --min-sync-period (default: the agent's, 1s)")
     ap.add_argument("--out", "--json", dest="out", type=Path, help="write the JSON here")
     ap.add_argument("--keep-logs", type=Path, metavar="DIR")
     args = ap.parse_args(argv)
@@ -912,7 +918,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for mode in args.mode:
         settings = Settings(endpoints=args.endpoints, rate=args.rate, mode=mode,
                             ready_delay=args.ready_delay, grace=args.grace,
-                            teardown=args.teardown, traffic_rate=args.traffic_rate)
+                            teardown=args.teardown, traffic_rate=args.traffic_rate,
+                            min_sync_period=args.min_sync_period)
         with tempfile.TemporaryDirectory(prefix="spx-roll-") as tmp:
             work = args.keep_logs or Path(tmp)
             work.mkdir(parents=True, exist_ok=True)
