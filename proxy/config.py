@@ -1,5 +1,6 @@
 """The agent's configuration: flags (kube-proxy's names where the meaning is the same),
-an optional YAML `--config` file with the same keys, and validation that names the flag.
+an optional YAML `--config` file with the same keys or kube-proxy's own
+KubeProxyConfiguration (kubeproxy_config.py), and validation that names the flag.
 
 Precedence: defaults < config file < command-line flags.
 """
@@ -17,6 +18,12 @@ from typing import Any
 import yaml
 
 from proxy.kube.ingest import EndpointsSource
+from proxy.kubeproxy_config import (
+    KubeProxyConfigError,
+    from_configmap,
+    is_kube_proxy_config,
+    translate,
+)
 from proxy.model.types import IPNetwork
 
 
@@ -107,6 +114,9 @@ class Config:
     cleanup: bool = False
     verbosity: int = 0
     uvloop: bool = True
+    # Fields of a KubeProxyConfiguration file sliceproxy does not implement, as
+    # `path=value` (kubeproxy_config.py): named in one warning at start.
+    ignored_settings: tuple[str, ...] = ()
 
     @property
     def node_name(self) -> str:
@@ -143,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = p.add_argument
     add("--config", metavar="FILE", help="YAML file with any of these flags as keys "
-        "(e.g. min-sync-period: 250ms); flags given on the command line win")
+        "(e.g. min-sync-period: 250ms), or kube-proxy's KubeProxyConfiguration "
+        "(kubeproxy.config.k8s.io/v1alpha1, or kubeadm's kube-proxy ConfigMap holding "
+        "it); flags given on the command line win")
     add("--kubeconfig", help="kubeconfig file (default: in-cluster service account)")
     add("--master", help="API server address, overriding the kubeconfig's")
     add("--hostname-override", help="this node's name (default: the host name)")
@@ -208,6 +220,23 @@ def _load_file(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"--config: {path} must hold a mapping of flag names to values")
+    try:
+        upstream = from_configmap(data) or (data if is_kube_proxy_config(data) else None)
+        if upstream is not None:
+            values, ignored, origin = translate(upstream)
+    except KubeProxyConfigError as exc:
+        raise ConfigError(f"--config: {path}: {exc}") from None
+    if upstream is not None:
+        try:  # the file's own values, so that an error names the file's field
+            from_values(values)
+        except ConfigError as exc:
+            message = str(exc)  # the flags it names, as the file's fields
+            for dest, field in sorted(origin.items(), key=lambda kv: -len(_flag(kv[0]))):
+                message = re.sub(rf"(?<![\w-]){re.escape(_flag(dest))}(?![\w-])", field,
+                                 message)
+            raise ConfigError(f"--config: {path}: {message}") from None
+        values["ignored_settings"] = ignored
+        return values
     known = {a.dest for a in build_parser()._actions} - {"help", "config"}
     out: dict[str, Any] = {}
     for key, value in data.items():
@@ -263,6 +292,8 @@ def from_values(values: dict[str, Any]) -> Config:
                     if value not in IPVS_SCHEDULERS:
                         raise ValueError(f"must be one of {', '.join(IPVS_SCHEDULERS)}")
                     kw[dest] = value
+                case "ignored_settings":
+                    kw[dest] = tuple(value)
                 case "v":
                     level = int(value)
                     if not 0 <= level <= 9:

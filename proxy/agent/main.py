@@ -74,6 +74,13 @@ async def _collect_after_first_sync(agent: Agent) -> None:
         _GC.end(f"no first sync within {PAUSE_LIMIT:g}s")
 
 
+def warn_ignored_settings(config: Config) -> None:
+    """One warning naming what a KubeProxyConfiguration asked that sliceproxy does not do."""
+    if config.ignored_settings:
+        log.warning("kube-proxy configuration fields that sliceproxy does not implement "
+                    "are ignored", extra={"fields": list(config.ignored_settings)})
+
+
 def run(config: Config, **agent_kwargs: Any) -> int:
     """`python -m proxy [flags]`: run until SIGTERM/SIGINT."""
     _GC.begin()
@@ -82,6 +89,7 @@ def run(config: Config, **agent_kwargs: Any) -> int:
     log.info("sliceproxy starting", extra={
         "node": config.node_name, "mode": config.proxy_mode,
         "event_loop": "uvloop" if factory is not None else "asyncio", "pid": os.getpid()})
+    warn_ignored_settings(config)
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(_serve(config, agent_kwargs))
 

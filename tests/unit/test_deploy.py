@@ -265,3 +265,77 @@ def test_kubectl_dry_run_accepts_it(tmp_path: Path) -> None:
         "clusterrole.rbac.authorization.k8s.io/sliceproxy",
         "clusterrolebinding.rbac.authorization.k8s.io/sliceproxy",
         "configmap/sliceproxy", "daemonset.apps/sliceproxy"])
+
+
+# --- deploy/kubeadm/daemonset.yaml: the same agent, from kubeadm's kube-proxy ConfigMap ----
+
+KUBEADM_MANIFEST = ROOT / "deploy" / "kubeadm" / "daemonset.yaml"
+
+
+def kubeadm_daemonset() -> dict[str, Any]:
+    (ds,) = [d for d in yaml.safe_load_all(KUBEADM_MANIFEST.read_text()) if d]
+    assert ds["kind"] == "DaemonSet"
+    return ds
+
+
+def test_kubeadm_variant_is_the_same_container_on_kubeadms_account_and_configmap() -> None:
+    ds = kubeadm_daemonset()
+    pod = ds["spec"]["template"]["spec"]
+    assert ds["metadata"]["namespace"] == "kube-system"  # where kubeadm's ConfigMap is
+    assert pod["serviceAccountName"] == "kube-proxy"
+    (c,) = pod["containers"]
+    ours = container()
+
+    def without_config(spec: dict[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in spec.items() if k not in ("args", "volumeMounts")}
+        out["args"] = [a for a in spec["args"] if not a.startswith("--config=")]
+        out["volumeMounts"] = [m for m in spec["volumeMounts"]
+                               if m["name"] not in ("config", "kube-proxy")]
+        return out
+
+    # Everything but where the configuration comes from, so the two cannot drift apart.
+    assert without_config(c) == without_config(ours)
+    main_pod = documents()["DaemonSet"]["spec"]["template"]["spec"]
+    assert {k: v for k, v in pod.items() if k not in ("containers", "volumes",
+                                                       "serviceAccountName")} == \
+        {k: v for k, v in main_pod.items() if k not in ("containers", "volumes",
+                                                         "serviceAccountName")}
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "kube-proxy"]
+    assert volume["configMap"]["name"] == "kube-proxy"
+
+
+def test_kubeadm_variant_reads_kubeadms_configmap_as_mounted(tmp_path: Path) -> None:
+    """The ConfigMap's keys become files in the mount: the args' --config names one of
+    them, and the configuration's kubeconfig the other."""
+    from tests.unit.test_kubeproxy_config import KUBEADM_CONFIGMAP
+
+    (c,) = kubeadm_daemonset()["spec"]["template"]["spec"]["containers"]
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "kube-proxy"]
+    cm = yaml.safe_load(KUBEADM_CONFIGMAP.read_text())
+    mounted = tmp_path / mount["mountPath"].lstrip("/")
+    mounted.mkdir(parents=True)
+    for key, text in cm["data"].items():
+        (mounted / key).write_text(text)
+    args = [a.replace("$(NODE_NAME)", "node-1") for a in c["args"]]
+    (flag,) = [a for a in args if a.startswith("--config=")]
+    path = flag.removeprefix("--config=")
+    assert path.startswith(mount["mountPath"] + "/")
+    cfg = parse_args([f"--config={tmp_path / path.lstrip('/')}",
+                      *(a for a in args if a != flag)])
+    assert cfg.node_name == "node-1" and cfg.proxy_mode == "iptables"
+    assert cfg.kubeconfig is not None
+    assert Path(cfg.kubeconfig).parent == Path(mount["mountPath"])
+    assert Path(cfg.kubeconfig).name in cm["data"]
+    assert cfg.ignored_settings == ()
+
+
+def test_kubectl_dry_run_accepts_the_kubeadm_variant(tmp_path: Path) -> None:
+    with SimServer() as sim:
+        kubeconfig = sim.write_kubeconfig(tmp_path / "kubeconfig")
+        proc = subprocess.run(
+            [str(KUBECTL), f"--kubeconfig={kubeconfig}", f"--cache-dir={tmp_path / 'cache'}",
+             "create", "--dry-run=client", "--validate=false", "-f", str(KUBEADM_MANIFEST),
+             "-o", "name"],
+            capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["daemonset.apps/sliceproxy"]

@@ -1,0 +1,152 @@
+"""`--config` with kube-proxy's own KubeProxyConfiguration: the file kube-proxy v1.20.2
+writes for its defaults, and kubeadm's kube-proxy ConfigMap, become sliceproxy's
+settings; what sliceproxy does not implement is named once at start; a bad value stops
+the agent naming the file's field."""
+
+from __future__ import annotations
+
+import logging
+from ipaddress import ip_network
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from proxy.agent.main import warn_ignored_settings
+from proxy.config import ConfigError, parse_args
+from proxy.kube.ingest import EndpointsSource
+
+FIXTURES = Path(__file__).parent / "fixtures"
+KUBE_PROXY_DEFAULTS = FIXTURES / "kube-proxy-v1.20.2-defaults.yaml"
+KUBEADM_CONFIGMAP = FIXTURES / "kubeadm-kube-proxy-configmap.yaml"
+
+
+def kubeadm_config() -> dict[str, Any]:
+    cm = yaml.safe_load(KUBEADM_CONFIGMAP.read_text())
+    doc = yaml.safe_load(cm["data"]["config.conf"])
+    assert isinstance(doc, dict)
+    return doc
+
+
+def write(tmp_path: Path, doc: dict[str, Any]) -> str:
+    path = tmp_path / "config.conf"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+def test_kube_proxys_own_defaults_are_honoured_and_the_rest_named() -> None:
+    cfg = parse_args(["--config", str(KUBE_PROXY_DEFAULTS)])
+    assert cfg.proxy_mode == "iptables"  # mode "" is iptables on Linux
+    assert (cfg.min_sync_period, cfg.sync_period) == (1.0, 30.0)  # iptables.*
+    assert cfg.healthz_bind_address == ("0.0.0.0", 10256)
+    assert cfg.metrics_bind_address == ("127.0.0.1", 10249)
+    assert not cfg.masquerade_all and cfg.cluster_cidr == () and cfg.kubeconfig is None
+    # Upstream's defaults for what sliceproxy leaves alone: named, with their values.
+    # bindAddress 0.0.0.0 and masqueradeBit 14 are what sliceproxy does: not named;
+    # winkernel and the userspace proxy's fields are ignored by kube-proxy here too.
+    assert cfg.ignored_settings == (
+        "clientConnection.burst=10",
+        "clientConnection.contentType=application/vnd.kubernetes.protobuf",
+        "clientConnection.qps=5", "configSyncPeriod=15m0s", "conntrack.maxPerCore=32768",
+        "conntrack.min=131072", "conntrack.tcpCloseWaitTimeout=1h0m0s",
+        "conntrack.tcpEstablishedTimeout=24h0m0s", "oomScoreAdj=-999")
+
+
+def test_kubeadms_configmap_is_read_whole_and_its_zeros_mean_the_defaults() -> None:
+    cfg = parse_args(["--config", str(KUBEADM_CONFIGMAP)])
+    assert cfg.kubeconfig == "/var/lib/kube-proxy/kubeconfig.conf"
+    assert cfg.cluster_cidr == (ip_network("198.18.0.0/16"),)
+    assert cfg.proxy_mode == "iptables" and cfg.ipvs_scheduler == "rr"
+    assert (cfg.min_sync_period, cfg.sync_period) == (1.0, 3600.0)  # "0s": our defaults
+    assert cfg.healthz_bind_address == ("0.0.0.0", 10256)
+    assert cfg.ignored_settings == ()  # kubeadm sets nothing sliceproxy leaves alone
+
+
+def test_every_honoured_field_means_what_it_means_to_kube_proxy(tmp_path: Path) -> None:
+    doc = kubeadm_config()
+    doc.update(mode="ipvs", hostnameOverride="node-7", clusterCIDR="198.18.0.0/16,fd00::/64",
+               healthzBindAddress="127.0.0.1:10266", metricsBindAddress="0.0.0.0:10259",
+               nodePortAddresses=["198.18.5.0/24"])
+    doc["ipvs"].update(scheduler="wlc", minSyncPeriod="250ms", syncPeriod="45s")
+    doc["iptables"].update(masqueradeAll=True, syncPeriod="5m")  # ipvs masquerades by it
+    cfg = parse_args(["--config", write(tmp_path, doc)])
+    assert (cfg.proxy_mode, cfg.ipvs_scheduler, cfg.node_name) == ("ipvs", "wlc", "node-7")
+    assert (cfg.min_sync_period, cfg.sync_period) == (0.25, 45.0)  # the mode's section
+    assert cfg.masquerade_all
+    assert cfg.cluster_cidr == (ip_network("198.18.0.0/16"), ip_network("fd00::/64"))
+    assert cfg.healthz_bind_address == ("127.0.0.1", 10266)
+    assert cfg.metrics_bind_address == ("0.0.0.0", 10259)
+    assert cfg.nodeport_addresses == (ip_network("198.18.5.0/24"),)
+    assert cfg.endpoints_source is EndpointsSource.ENDPOINT_SLICES
+    # nftables mode reads its own section (kube-proxy 1.29+), verbosity from logging.
+    doc.update(mode="nftables", nftables={"masqueradeAll": False, "minSyncPeriod": "2s",
+                                          "syncPeriod": "1h"}, logging={"verbosity": 3})
+    cfg = parse_args(["--config", write(tmp_path, doc)])
+    assert (cfg.proxy_mode, cfg.min_sync_period, cfg.sync_period) == ("nftables", 2.0, 3600.0)
+    assert not cfg.masquerade_all and cfg.verbosity == 3
+
+
+def test_flags_on_the_command_line_win_over_the_file() -> None:
+    cfg = parse_args(["--config", str(KUBEADM_CONFIGMAP), "--proxy-mode", "nftables",
+                      "--min-sync-period", "100ms", "--hostname-override", "n1"])
+    assert (cfg.proxy_mode, cfg.min_sync_period, cfg.node_name) == ("nftables", 0.1, "n1")
+    assert cfg.kubeconfig == "/var/lib/kube-proxy/kubeconfig.conf"  # the rest: the file's
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"mode": "userspace"}, "mode: 'userspace' is not a mode sliceproxy has"),
+    ({"iptables": {"masqueradAll": True}}, "iptables.masqueradAll: not a field of"),
+    ({"proxyMode": "ipvs"}, "proxyMode: not a field of KubeProxyConfiguration"),
+    ({"iptables": {"syncPeriod": "5 minutes"}},
+     "iptables.syncPeriod: invalid value '5 minutes': invalid duration"),
+    ({"iptables": {"minSyncPeriod": "5m", "syncPeriod": "30s"}},
+     "iptables.minSyncPeriod (5m) must not exceed iptables.syncPeriod (30s)"),
+    ({"clusterCIDR": "198.18.0.0/16,nope"}, "clusterCIDR: 'nope' is not a CIDR"),
+    ({"healthzBindAddress": "198.18.0.1:99999"}, "healthzBindAddress: port 99999"),
+    ({"ipvs": {"scheduler": "fastest"}}, "ipvs.scheduler: invalid value 'fastest'"),
+    ({"nodePortAddresses": ["primary"]}, "nodePortAddresses: 'primary' is not supported"),
+    ({"apiVersion": "kubeproxy.config.k8s.io/v1alpha2"}, "apiVersion: "),
+    ({"logging": {"verbosity": "loud"}}, "logging.verbosity: invalid value 'loud'"),
+])
+def test_a_bad_value_stops_the_agent_naming_the_files_field(
+        tmp_path: Path, change: dict[str, Any], message: str) -> None:
+    doc = kubeadm_config()
+    for key, value in change.items():
+        doc[key] = {**doc[key], **value} if isinstance(doc.get(key), dict) else value
+    path = write(tmp_path, doc)
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--config", path])
+    assert str(err.value).startswith(f"--config: {path}: ")
+    assert message in str(err.value)
+
+
+def test_a_configmap_without_the_kube_proxy_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "cm.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "ConfigMap",
+                                    "metadata": {"name": "x"}, "data": {"other": "1"}}))
+    with pytest.raises(ConfigError, match=r'data\.config\.conf: this ConfigMap has no'):
+        parse_args(["--config", str(path)])
+
+
+def test_what_is_not_implemented_is_named_in_one_warning_at_start(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    doc = kubeadm_config()
+    doc["ipvs"]["strictARP"] = True
+    doc["featureGates"] = {"TopologyAwareHints": True}
+    doc["iptables"]["masqueradeBit"] = 15
+    doc["winkernel"]["enableDSR"] = True  # Windows: kube-proxy on Linux ignores it too
+    cfg = parse_args(["--config", write(tmp_path, doc)])
+    assert cfg.ignored_settings == ("featureGates={TopologyAwareHints: True}",
+                                    "iptables.masqueradeBit=15", "ipvs.strictARP=True")
+    with caplog.at_level(logging.WARNING, logger="proxy"):
+        warn_ignored_settings(cfg)
+    (record,) = caplog.records
+    assert record.getMessage() == ("kube-proxy configuration fields that sliceproxy does "
+                                   "not implement are ignored")
+    assert record.__dict__["fields"] == list(cfg.ignored_settings)
+    caplog.clear()
+    warn_ignored_settings(parse_args(["--config", str(KUBEADM_CONFIGMAP)]))
+    assert not caplog.records
+    # The debug dump shows them with the rest of the configuration.
+    assert cfg.as_dict()["ignored-settings"] == list(cfg.ignored_settings)
