@@ -24,7 +24,7 @@ JOB = "sliceproxy"
 
 # Series Prometheus itself adds to every target.
 SCRAPE_SERIES = frozenset({"up", "scrape_duration_seconds", "scrape_samples_scraped"})
-_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"),
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"),
              "summary": ("", "_count", "_sum"), "gauge": ("",), "unknown": ("",)}
 _KEYWORDS = frozenset({"and", "or", "unless", "bool", "by", "without", "on", "ignoring",
                        "group_left", "group_right", "offset", "inf", "nan"})
@@ -40,9 +40,9 @@ def exported_names() -> frozenset[str]:
     metrics = AgentMetrics()
     metrics.watch_model(lambda: None)
     metrics.watch_reflectors(lambda: [])
-    names = set()
+    names: set[str] = set()
     for family in metrics.registry.collect():
-        names.update(family.name + suffix for suffix in _SUFFIXES[family.type])
+        names.update(family.name + suffix for suffix in SUFFIXES[family.type])
     return frozenset(names)
 
 
