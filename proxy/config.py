@@ -113,6 +113,7 @@ class Config:
     iptables_applier: str = "restore"
     cleanup: bool = False
     verbosity: int = 0
+    logging_format: str = "text"
     uvloop: bool = True
     # Fields of a KubeProxyConfiguration file sliceproxy does not implement, as
     # `path=value` (kubeproxy_config.py): named in one warning at start.
@@ -142,6 +143,7 @@ class Config:
 
 PROXY_MODES = ("iptables", "ipvs", "nftables")
 IPTABLES_APPLIERS = ("restore", "iptc")
+LOGGING_FORMATS = ("text", "json")
 IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq", "mh")
 
 
@@ -191,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--cleanup", action="store_true", default=None,
         help="remove every rule sliceproxy owns and exit")
     add("-v", "--v", dest="v", metavar="N", help="log verbosity (0-9, as kube-proxy's -v)")
+    add("--logging-format", metavar="FORMAT",
+        help="text (default: key=value lines) or json (one object per line, Kubernetes' "
+             "keys); docs/logging.md")
     add("--no-uvloop", action="store_true", default=None,
         help="use the standard asyncio event loop instead of uvloop")
     return p
@@ -287,6 +292,10 @@ def from_values(values: dict[str, Any]) -> Config:
                 case "iptables_applier":
                     if value not in IPTABLES_APPLIERS:
                         raise ValueError(f"must be one of {', '.join(IPTABLES_APPLIERS)}")
+                    kw[dest] = value
+                case "logging_format":
+                    if value not in LOGGING_FORMATS:
+                        raise ValueError(f"must be one of {', '.join(LOGGING_FORMATS)}")
                     kw[dest] = value
                 case "ipvs_scheduler":
                     if value not in IPVS_SCHEDULERS:

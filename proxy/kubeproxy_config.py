@@ -7,7 +7,7 @@ Every field of the file is one of three kinds, and none is dropped without a wor
 
 - honoured: it means what it means to kube-proxy (mode, clusterCIDR, bind addresses,
   the mode's sync periods, masqueradeAll, nodePortAddresses, the IPVS scheduler,
-  hostnameOverride, clientConnection.kubeconfig, logging.verbosity);
+  hostnameOverride, clientConnection.kubeconfig, logging.verbosity and format);
 - not implemented: sliceproxy does not do it (conntrack sysctls, the OOM score, client
   rate limits, feature gates, ...). Where the value is upstream's zero or asks for what
   sliceproxy does anyway (masqueradeBit 14, bindAddress 0.0.0.0) nothing is said;
@@ -81,7 +81,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "ipvs.tcpTimeout": (),
     "ipvs.tcpFinTimeout": (),
     "ipvs.udpTimeout": (),
-    "logging.format": ("text",),
     "logging.flushFrequency": (),
     "logging.vmodule": (),
     "logging.options": (),
@@ -97,7 +96,7 @@ HONOURED = {"apiVersion", "kind", "mode", "clusterCIDR", "hostnameOverride",
             "iptables.masqueradeAll", "iptables.syncPeriod", "iptables.minSyncPeriod",
             "ipvs.scheduler", "ipvs.syncPeriod", "ipvs.minSyncPeriod",
             "nftables.masqueradeAll", "nftables.syncPeriod", "nftables.minSyncPeriod",
-            "logging.verbosity"}
+            "logging.verbosity", "logging.format"}
 SECTIONS = ("clientConnection", "iptables", "ipvs", "nftables", "conntrack", "detectLocal",
             "logging")
 
@@ -181,6 +180,7 @@ def translate(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str], dict[s
     take("clientConnection.kubeconfig", "kubeconfig")
     take("ipvs.scheduler", "ipvs_scheduler")
     take("logging.verbosity", "v", int)
+    take("logging.format", "logging_format")
     addresses = fields.get("nodePortAddresses")
     if not _zero(addresses):
         if not isinstance(addresses, list):

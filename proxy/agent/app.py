@@ -210,8 +210,9 @@ class Agent:
                 break
             except Exception as exc:
                 delay = backoff.next()
-                log.warning("EndpointSlice API discovery failed: %s; retrying in %.1fs",
-                            exc, delay, extra={"api_server": self.api.host})
+                log.warning("EndpointSlice API discovery failed; retrying",
+                            extra={"api_server": self.api.host, "error": str(exc),
+                                   "retry_in": round(delay, 2)})
                 await _wait(stop, delay)
         if self.endpoints_resource is not None:
             log.info("using EndpointSlice API %s", self.endpoints_resource.group_version,

@@ -1,8 +1,13 @@
-"""Structured logs: one `key=value` line per record (logfmt), with kube-proxy's -v levels.
+"""Structured logs: one `key=value` line per record (logfmt), or one JSON object per line
+with `--logging-format json` (upstream's flag), with kube-proxy's -v levels.
 
-Code logs with the standard `logging` calls and puts the facts in `extra={...}`; this
-formatter prints every extra field after the message, so an operator can grep
-`service=demo/web` or feed the lines to a log pipeline without a custom parser.
+Code logs with the standard `logging` calls and puts the facts in `extra={...}`; both
+formatters print every extra field beside the message, so an operator can grep
+`service=demo/web` or feed the lines to a log pipeline without a custom parser. The
+JSON lines use the keys of Kubernetes' own JSON format (`ts`: seconds since the epoch,
+`msg`, `v`: the verbosity of an info line, `err`: an exception's text) plus `level`
+and `logger`, as the text lines have them. The messages and keys an operator may alert
+on are listed in docs/logging.md.
 
 Verbosity follows klog: `-v 0` shows INFO and above; a message logged at `V(n)` (the
 level INFO - n, e.g. `log.log(V(2), ...)`) shows from `-v n` up. At `-v 9` everything,
@@ -12,6 +17,7 @@ below `-v 6` because their INFO lines are noise for an operator.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -60,10 +66,33 @@ class LogfmtFormatter(logging.Formatter):
         return line
 
 
-def setup(verbosity: int, stream: TextIO | None = None) -> None:
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line; values JSON cannot hold are written as text."""
+
+    _OWN = ("ts", "level", "logger", "msg", "v", "err", "stacktrace")
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {"ts": round(record.created, 6),
+                               "level": _level_name(record.levelno),
+                               "logger": record.name, "msg": record.getMessage()}
+        if record.levelno <= logging.INFO:
+            out["v"] = min(logging.INFO - record.levelno, 9)
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD and not key.startswith("_"):
+                out[key if key not in self._OWN else f"{key}_"] = value
+        if record.exc_info and record.exc_info[1] is not None:
+            out["err"] = f"{type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
+            out["stacktrace"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str, ensure_ascii=False)
+
+
+FORMATS = {"text": LogfmtFormatter, "json": JsonFormatter}
+
+
+def setup(verbosity: int, stream: TextIO | None = None, fmt: str = "text") -> None:
     """Configure the root logger for the agent (called once, at start)."""
     handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(LogfmtFormatter())
+    handler.setFormatter(FORMATS[fmt]())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

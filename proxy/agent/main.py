@@ -54,7 +54,7 @@ async def _serve(config: Config, agent_kwargs: dict[str, Any]) -> int:
     try:
         await agent.run(stop)
     except StartupError as exc:
-        log.error("cannot start: %s", exc)
+        log.error("cannot start", extra={"error": str(exc)})
         return EXIT_FAILED
     except Exception:
         log.exception("the agent failed")
@@ -84,7 +84,7 @@ def warn_ignored_settings(config: Config) -> None:
 def run(config: Config, **agent_kwargs: Any) -> int:
     """`python -m proxy [flags]`: run until SIGTERM/SIGINT."""
     _GC.begin()
-    logs.setup(config.verbosity)
+    logs.setup(config.verbosity, fmt=config.logging_format)
     factory = _loop_factory(config.uvloop)
     log.info("sliceproxy starting", extra={
         "node": config.node_name, "mode": config.proxy_mode,
@@ -97,7 +97,7 @@ def run(config: Config, **agent_kwargs: Any) -> int:
 def cleanup(config: Config) -> int:
     """`--cleanup`: remove every rule sliceproxy owns in this network namespace, for the
     chosen mode and (best effort) the other one, and exit. Needs no API server."""
-    logs.setup(config.verbosity)
+    logs.setup(config.verbosity, fmt=config.logging_format)
     options = dataplane_options(config)
     status = EXIT_OK
     for mode in [config.proxy_mode, *(m for m in PLANES if m != config.proxy_mode)]:

@@ -325,7 +325,8 @@ class SyncRunner:
                     m.iptables_partial_restore_failures.inc()
             if exc.offending:
                 extra["offending"] = exc.offending
-            log.error("sync failed, the previous rules stay in place: %s", exc, extra=extra)
+            log.error("sync failed; the previous rules stay in place",
+                      extra={**extra, "error": str(exc)})
             message = str(exc)
         else:
             log.error("sync failed with an unexpected error; the previous rules stay in "

@@ -54,8 +54,9 @@ def _record(model: ClusterModel, kind: str, namespace: str, name: str,
             skips: Sequence[Skip]) -> None:
     if model.set_skips(kind, namespace, name, skips) and skips:
         counts = Counter(s.reason for s in skips)
-        log.warning("input skipped: %s", skips[0], extra={
-            "kind": kind, "skipped": ", ".join(f"{r} x{n}" for r, n in sorted(counts.items()))})
+        log.warning("input skipped", extra={
+            "kind": kind, "object": f"{namespace}/{name}", "first": str(skips[0]),
+            "skipped": ", ".join(f"{r} x{n}" for r, n in sorted(counts.items()))})
 
 
 def apply_object(

@@ -399,10 +399,11 @@ class Reflector:
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"
                 at_least = (exc.retry_after or 0.0) if isinstance(exc, _HttpError) else 0.0
                 delay = self.stats.retry_delay = self._backoff.next(at_least)
-                log.warning("%s %s failed: %s; retrying in %.2fs",
-                            "list" if listing else "watch",
-                            self.resource, self.stats.last_error, delay,
-                            extra={"resource": str(self.resource),
+                log.warning("API request failed; retrying",
+                            extra={"request": "list" if listing else "watch",
+                                   "resource": str(self.resource),
+                                   "error": self.stats.last_error,
+                                   "retry_in": round(delay, 2),
                                    "retry_after": at_least or None})
                 await asyncio.sleep(delay)
 

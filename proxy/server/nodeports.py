@@ -127,8 +127,9 @@ class HealthCheckPorts:
                     self._services[ref] = await self._open(ref, port)
                 except OSError as exc:
                     # As upstream: log and carry on; the next update tries again.
-                    log.error("cannot open health check node port: %s", exc,
-                              extra={"service": f"{ref[0]}/{ref[1]}", "port": port})
+                    log.error("cannot open health check node port",
+                              extra={"service": f"{ref[0]}/{ref[1]}", "port": port,
+                                     "error": str(exc)})
                     continue
                 log.info("opened health check node port",
                          extra={"service": f"{ref[0]}/{ref[1]}", "port": port})

@@ -108,7 +108,7 @@ def test_an_agent_started_during_an_outage_retries_at_the_watch_cap(
     caplog.set_level(logging.WARNING, logger="proxy.agent.app")
 
     def delays() -> list[float]:
-        return [float(r.getMessage().rsplit("retrying in ", 1)[1].rstrip("s"))
+        return [float(r.__dict__["retry_in"])
                 for r in caplog.records
                 if r.getMessage().startswith("EndpointSlice API discovery failed")]
 

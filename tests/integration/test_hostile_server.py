@@ -38,6 +38,7 @@ import pytest
 import yaml
 from aiohttp import web
 
+from proxy.agent.logs import LogfmtFormatter
 from proxy.kube.client import ClientOptions, KubeApi
 from proxy.kube.reflector import YIELD_EVERY, Reflector, ReflectorOptions, WatchEvent
 from proxy.kube.resources import SERVICES
@@ -265,8 +266,13 @@ class Harness:
 
 
 def logged(caplog: pytest.LogCaptureFixture, fragment: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name == "proxy.kube.reflector" and fragment in r.getMessage()]
+    """The reflector's lines holding `fragment`, as the agent prints them (message and
+    keys: a failed request's error is a key, not part of the message)."""
+    lines = [LINE.format(r) for r in caplog.records if r.name == "proxy.kube.reflector"]
+    return [line for line in lines if fragment in line]
+
+
+LINE = LogfmtFormatter()
 
 
 def bounded(main: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
@@ -504,7 +510,8 @@ def test_a_list_body_without_end_is_given_up_and_retried_under_16MiB(
             stats = h.reflector.stats
             failed = logged(caplog, said)
             assert failed and len(failed) <= stats.errors, (failed, stats)
-            assert "list services.v1 failed" in failed[0], failed
+            assert 'msg="API request failed; retrying" request=list resource=services.v1' \
+                in failed[0], failed
             await h.synced()
             await h.converged()
             print(f"\nlist body ({said}): peak {peak[0] / MiB:.1f} MiB, "

@@ -81,10 +81,11 @@ def test_every_honoured_field_means_what_it_means_to_kube_proxy(tmp_path: Path) 
     assert cfg.endpoints_source is EndpointsSource.ENDPOINT_SLICES
     # nftables mode reads its own section (kube-proxy 1.29+), verbosity from logging.
     doc.update(mode="nftables", nftables={"masqueradeAll": False, "minSyncPeriod": "2s",
-                                          "syncPeriod": "1h"}, logging={"verbosity": 3})
+                                          "syncPeriod": "1h"},
+               logging={"verbosity": 3, "format": "json"})
     cfg = parse_args(["--config", write(tmp_path, doc)])
     assert (cfg.proxy_mode, cfg.min_sync_period, cfg.sync_period) == ("nftables", 2.0, 3600.0)
-    assert not cfg.masquerade_all and cfg.verbosity == 3
+    assert not cfg.masquerade_all and cfg.verbosity == 3 and cfg.logging_format == "json"
 
 
 def test_flags_on_the_command_line_win_over_the_file() -> None:
@@ -108,6 +109,7 @@ def test_flags_on_the_command_line_win_over_the_file() -> None:
     ({"nodePortAddresses": ["primary"]}, "nodePortAddresses: 'primary' is not supported"),
     ({"apiVersion": "kubeproxy.config.k8s.io/v1alpha2"}, "apiVersion: "),
     ({"logging": {"verbosity": "loud"}}, "logging.verbosity: invalid value 'loud'"),
+    ({"logging": {"format": "yaml"}}, "logging.format: invalid value 'yaml': must be one of"),
 ])
 def test_a_bad_value_stops_the_agent_naming_the_files_field(
         tmp_path: Path, change: dict[str, Any], message: str) -> None:

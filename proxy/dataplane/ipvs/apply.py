@@ -108,7 +108,7 @@ class _Run:
 
     def fail(self, what: str, exc: BaseException, **extra: Any) -> None:
         self.failures.append((what, str(exc)))
-        log.error("IPVS data plane operation failed: %s: %s", what, exc,
+        log.error("IPVS data plane operation failed",
                   extra={"operation": what, "error": str(exc), **extra})
 
 
