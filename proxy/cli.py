@@ -3,6 +3,7 @@
     python -m proxy [flags]            run the agent (kube-proxy's flags; --help lists them)
     python -m proxy --cleanup [flags]  remove sliceproxy's rules from this node and exit
     python -m proxy explain ...        offline: what would happen to these objects, and why
+    python -m proxy dump [ADDRESS]     ask a running agent (its /debug/dump)
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
         from proxy.explain import main as explain_main
 
         return explain_main(args[1:])
+    if args and args[0] == "dump":
+        from proxy.dumpcmd import main as dump_main
+
+        return dump_main(args[1:])
     try:
         config = parse_args(args)
     except ConfigError as exc:

@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m proxy",
         description="sliceproxy: a Kubernetes service proxy (iptables or IPVS).",
-        epilog="Other commands: python -m proxy explain --help",
+        epilog="Other commands: python -m proxy explain --help; python -m proxy dump --help",
     )
     add = p.add_argument
     add("--config", metavar="FILE", help="YAML file with any of these flags as keys "

@@ -2,8 +2,12 @@
 
 Reads Services, EndpointSlices (or Endpoints), and Nodes from files or stdin, exactly as
 `kubectl get svc,endpointslices,nodes -A -o yaml` prints them, runs them through the same
-decode -> model -> selection path as the agent, and prints JSON: the node, every service
-port in the debug dump's shape, and everything that was skipped with its reason.
+decode -> model -> selection path as the agent, and prints the node, every service port
+in the debug dump's shape, and everything that was skipped with its reason: a table on a
+terminal (proxy/termview.py), JSON otherwise or with `-o json` (the stable contract).
+
+`python -m proxy dump [ADDRESS]` asks a running agent instead: its /debug/dump, shown
+the same way.
 """
 
 from __future__ import annotations
@@ -40,7 +44,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="treat services labelled with this service-proxy-name as ours")
     p.add_argument("--service", metavar="NAMESPACE/NAME",
                    help="only show this service")
+    add_output(p)
     return p
+
+
+def add_output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", choices=("table", "json"),
+                   help="table (default on a terminal) or json (default otherwise: the "
+                        "stable shape scripts read)")
+
+
+def write(doc: dict[str, Any], output: str | None) -> None:
+    """`doc` as JSON, or as the table a person reads (the default on a terminal)."""
+    if (output or ("table" if sys.stdout.isatty() else "json")) == "table":
+        from proxy.termview import render
+
+        sys.stdout.write(render(doc))
+        return
+    json.dump(doc, sys.stdout, indent=2)
+    sys.stdout.write("\n")
 
 
 def _labels(raw: str) -> dict[str, str]:
@@ -53,11 +75,12 @@ def _labels(raw: str) -> dict[str, str]:
     return out
 
 
-def _read(paths: list[str]) -> list[dict[str, Any]]:
+def _read(paths: list[str], stdin: str | None = None) -> list[dict[str, Any]]:
     objects: list[dict[str, Any]] = []
     files = [p for p in paths if p != "-"]
     if not paths or "-" in paths:
-        objects.extend(parse_documents(sys.stdin.read(), "<stdin>"))
+        text = sys.stdin.read() if stdin is None else stdin
+        objects.extend(parse_documents(text, "<stdin>"))
     objects.extend(load_paths(files))
     return objects
 
@@ -93,11 +116,16 @@ def explain(
     }
 
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str], stdin: str | None = None, prog: str | None = None) -> int:
+    """`stdin`: the input to read instead of the process's stdin (the kubectl plugin
+    passes what `kubectl get` printed)."""
+    parser = build_parser()
+    if prog:
+        parser.prog = prog
+    args = parser.parse_args(argv)
     try:
         labels = _labels(args.node_labels)
-        objects = _read(list(args.files) + list(args.filename))
+        objects = _read(list(args.files) + list(args.filename), stdin)
     except (ManifestError, ValueError) as exc:
         print(f"explain: {exc}", file=sys.stderr)
         return 2
@@ -113,6 +141,5 @@ def main(argv: list[str]) -> int:
     result = explain(objects, node_name=node, node_labels=labels,
                      source=EndpointsSource(args.endpoints_source),
                      proxy_name=args.service_proxy_name, service=args.service)
-    json.dump(result, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    write(result, args.output)
     return 0
