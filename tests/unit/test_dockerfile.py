@@ -141,3 +141,8 @@ def test_the_wheel_built_from_the_context_runs_the_entrypoint(tmp_path: Path) ->
                            "--service", "demo/web"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0 and '"demo/web"' in proc.stdout, proc.stderr
+    # The commands the package installs beside the entrypoint (docs/image.md).
+    (entry_points,) = site.glob("sliceproxy-*.dist-info/entry_points.txt")
+    scripts = entry_points.read_text()
+    assert "sliceproxy = proxy.cli:main" in scripts
+    assert "kubectl-sliceproxy = proxy.kubectl_plugin:main" in scripts
