@@ -1,4 +1,4 @@
-"""Build kube-apiserver, kube-controller-manager and kube-proxy v1.20.2 from Debian's source.
+"""Build kube-apiserver, -controller-manager, kube-proxy and kubeadm v1.20.2 from Debian's source.
 
 No registry ships these binaries; Debian bookworm ships the whole upstream v1.20.2 tree
 (with vendor/) as the source package ``kubernetes``. This module installs what the build
@@ -34,7 +34,8 @@ log = logging.getLogger("realcp.build")
 
 SOURCE_PACKAGE = "kubernetes"
 UPSTREAM_VERSION = "v1.20.2"
-BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-proxy")
+# kubeadm: for the configuration files it writes (tests/realcp/test_kube_proxy_config.py).
+BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-proxy", "kubeadm")
 # etcd-client brings etcdctl (compaction in the conformance tests); rsync is used by
 # upstream's build scripts; make runs them.
 APT_PACKAGES = ("golang-1.19-go", "rsync", "etcd-server", "etcd-client", "make", "dpkg-dev",
@@ -302,7 +303,8 @@ def build(*, force: bool = False) -> Binaries:
 
 
 def _check_version(binary: Path) -> None:
-    out = _run([str(binary), "--version"])
+    flags = ["version", "-o", "short"] if binary.name == "kubeadm" else ["--version"]
+    out = _run([str(binary), *flags])
     if UPSTREAM_VERSION not in out:
         raise BuildError(f"{binary} --version says {out.strip()!r}, expected {UPSTREAM_VERSION}")
 

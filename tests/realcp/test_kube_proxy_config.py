@@ -1,5 +1,6 @@
-"""sliceproxy's `--config` against kube-proxy v1.20.2 itself (the binary this tier builds):
-the defaults file in tests/unit/fixtures is what kube-proxy writes; kube-proxy accepts
+"""sliceproxy's `--config` against kube-proxy and kubeadm v1.20.2 themselves (the binaries
+this tier builds): the defaults file in tests/unit/fixtures is what kube-proxy writes, the
+kubeadm ConfigMap's configuration what kubeadm writes; kube-proxy accepts
 the kubeadm-shaped files the unit tests use; and kube-proxy's loading and defaulting of
 a file (`--write-config-to` writes the configuration as it loaded it) changes none of
 the settings sliceproxy reads from it, but those left at zero, which take each proxy's
@@ -32,6 +33,21 @@ def kube_proxy_writes(bins: Binaries, out: Path, config: Path | None = None) -> 
     doc = yaml.safe_load(out.read_text())
     assert isinstance(doc, dict)
     return doc
+
+
+def test_the_kubeadm_fixture_is_what_kubeadm_writes(realcp_binaries: Binaries) -> None:
+    """kubeadm v1.20.2's own KubeProxyConfiguration (what `kubeadm init` uploads into the
+    kube-proxy ConfigMap's config.conf) is the fixture's, but for clusterCIDR, which
+    kubeadm takes from the ClusterConfiguration's podSubnet (empty by default)."""
+    res = subprocess.run([str(realcp_binaries.path("kubeadm")), "config", "print",
+                          "init-defaults", "--component-configs", "KubeProxyConfiguration"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (written,) = [d for d in yaml.safe_load_all(res.stdout)
+                  if d and d.get("kind") == "KubeProxyConfiguration"]
+    fixture = kubeadm_config()
+    assert written.pop("clusterCIDR") == "" and fixture.pop("clusterCIDR")
+    assert written == fixture
 
 
 def honoured(cfg: Config) -> Config:
