@@ -249,18 +249,24 @@ def test_probes_hit_the_agents_health_server(tmp_path: Path) -> None:
                              documents()["DaemonSet"]["spec"]["template"]["spec"]["volumes"]}
 
 
-def test_kubectl_dry_run_accepts_it(tmp_path: Path) -> None:
+def kubectl_dry_run(manifest: Path, tmp_path: Path) -> list[str]:
+    """What the real kubectl would create from `manifest` (`-o name`), checked against the
+    simulator's discovery."""
     if not KUBECTL.exists():
         pytest.fail("/usr/bin/kubectl (v1.32) is expected on this machine image")
     with SimServer() as sim:
         kubeconfig = sim.write_kubeconfig(tmp_path / "kubeconfig")
         proc = subprocess.run(
             [str(KUBECTL), f"--kubeconfig={kubeconfig}", f"--cache-dir={tmp_path / 'cache'}",
-             "create", "--dry-run=client", "--validate=false", "-f", str(MANIFEST),
+             "create", "--dry-run=client", "--validate=false", "-f", str(manifest),
              "-o", "name"],
             capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
-    assert sorted(proc.stdout.split()) == sorted([
+    return proc.stdout.split()
+
+
+def test_kubectl_dry_run_accepts_it(tmp_path: Path) -> None:
+    assert sorted(kubectl_dry_run(MANIFEST, tmp_path)) == sorted([
         "namespace/sliceproxy", "serviceaccount/sliceproxy",
         "clusterrole.rbac.authorization.k8s.io/sliceproxy",
         "clusterrolebinding.rbac.authorization.k8s.io/sliceproxy",
@@ -330,12 +336,4 @@ def test_kubeadm_variant_reads_kubeadms_configmap_as_mounted(tmp_path: Path) -> 
 
 
 def test_kubectl_dry_run_accepts_the_kubeadm_variant(tmp_path: Path) -> None:
-    with SimServer() as sim:
-        kubeconfig = sim.write_kubeconfig(tmp_path / "kubeconfig")
-        proc = subprocess.run(
-            [str(KUBECTL), f"--kubeconfig={kubeconfig}", f"--cache-dir={tmp_path / 'cache'}",
-             "create", "--dry-run=client", "--validate=false", "-f", str(KUBEADM_MANIFEST),
-             "-o", "name"],
-            capture_output=True, text=True, timeout=60, check=False)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["daemonset.apps/sliceproxy"]
+    assert kubectl_dry_run(KUBEADM_MANIFEST, tmp_path) == ["daemonset.apps/sliceproxy"]
