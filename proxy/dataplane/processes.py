@@ -13,10 +13,14 @@ in each transaction's NEWGEN announcement. That is:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
+import tempfile
 import threading
 from collections import Counter, deque
+from collections.abc import Iterable
 
 # Restores at 10,000 services take seconds (minutes for a full iptables-nft restore,
 # see FINDINGS); a hung binary must still not hang the agent forever.
@@ -50,21 +54,54 @@ def forget_thread(tid: int) -> None:
             del _threads[tid]
 
 
-def run_recorded(cmd: list[str], text: str,
+def run_recorded(cmd: list[str], text: str | Iterable[bytes],
                  timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess[str]:
-    """subprocess.run(cmd, input=text), noting the child's pid before it can commit.
+    """Run `cmd` with `text` on its stdin, noting the child's pid before it can commit.
+
+    `text` may come in pieces made as they are written (a full iptables sync at 10,000
+    services is 46 MB of input, which then never exists whole, nor twice as str and
+    bytes). Output goes to unnamed files, not pipes: nothing has to read it while we
+    write. A child that stops reading (it refused a line and exited) ends the writing;
+    its exit status says why.
 
     Raises OSError when `cmd` cannot start and subprocess.TimeoutExpired (the child
     killed) after `timeout` seconds.
     """
-    with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as proc:
-        with _lock:
-            _children.append(proc.pid)
-        try:
-            out, err = proc.communicate(text, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    pieces = [text.encode()] if isinstance(text, str) else text
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err) as proc:
+            with _lock:
+                _children.append(proc.pid)
+            expired = threading.Event()
+
+            def expire() -> None:
+                expired.set()
+                proc.kill()
+
+            killer = threading.Timer(timeout, expire)
+            killer.start()
+            try:
+                _feed(proc, pieces)
+                proc.wait()
+            finally:
+                killer.cancel()
+            if expired.is_set() and proc.returncode == -signal.SIGKILL:
+                raise subprocess.TimeoutExpired(cmd, timeout)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode,
+                                           out.read().decode(errors="replace"),
+                                           err.read().decode(errors="replace"))
+
+
+def _feed(proc: subprocess.Popen[bytes], pieces: Iterable[bytes]) -> None:
+    assert proc.stdin is not None
+    try:
+        for piece in pieces:
+            proc.stdin.write(piece)
+        proc.stdin.close()
+    except BrokenPipeError:
+        # It stopped reading: its exit status and stderr say why. Closing again drops
+        # what is still buffered (Popen's exit would raise on flushing it).
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.close()

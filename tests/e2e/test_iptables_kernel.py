@@ -13,12 +13,14 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from proxy.dataplane.iptables.ruleset import ours, parse_save
+from proxy.dataplane.iptables.render import Table
+from proxy.dataplane.iptables.ruleset import RestoreText, ours, parse_save
 from proxy.dataplane.iptables.runner import (
     Backend,
     IptablesRunner,
     RestoreError,
     detect_backend,
+    encoded,
 )
 from proxy.dataplane.nftables_probe import SCRATCH_TABLE, chain_type_unsupported, nat_unsupported
 from proxy.lab import Lab
@@ -124,7 +126,7 @@ def test_partial_sync_gives_the_rules_of_a_full_sync_in_the_kernel(
             assert ruleset is not None
             ours_in_kernel = {(t, c): r for t, chains in kernel.items()
                               for c, r in chains.items() if ours(c)}
-            assert ours_in_kernel == ruleset.chains()
+            assert ours_in_kernel == {k: list(r) for k, r in ruleset.chains().items()}
     report = plane.sync(b)
     assert not report.full
 
@@ -211,6 +213,30 @@ def test_restore_refusal_names_the_line(namespaces: Lab, backend: Backend) -> No
         assert refused.value.line == 3
         assert refused.value.offending == "-A SPX-TEST -m nosuchmatch -j RETURN"
         assert "SPX-TEST" not in runner.save("nat")  # nothing of it was committed
+
+
+@pytest.mark.parametrize("backend", [Backend.LEGACY, Backend.NFT], ids=["legacy", "nft"])
+def test_streamed_restore_refused_midway_names_the_line(namespaces: Lab,
+                                                         backend: Backend) -> None:
+    """A full sync's text goes to iptables-restore in pieces made as they are written;
+    one refused in the middle (the binary stops reading, the rest cannot be written)
+    is still reported with its line, and nothing of it is committed."""
+    good = [f"-s 198.18.{i // 250}.{1 + i % 250}/32 -j RETURN" for i in range(20_000)]
+    text = RestoreText()
+    text.write_chain(Table.NAT, "SPX-BEFORE", good)
+    text.write_chain(Table.NAT, "SPX-TEST", ["-m nosuchmatch -j RETURN"])
+    text.write_chain(Table.NAT, "SPX-AFTER", good)
+    assert sum(len(piece) for piece in encoded(text)) > 1 << 20  # more than one piece
+    with entered(namespaces.node_ns):
+        runner = IptablesRunner(Family.V4, backend)
+        with pytest.raises(RestoreError) as refused:
+            runner.restore(text)
+        # *nat, three declarations, SPX-BEFORE's rules, then the refused one.
+        assert refused.value.line == 1 + 3 + len(good) + 1
+        assert refused.value.offending == "-A SPX-TEST -m nosuchmatch -j RETURN"
+        assert "SPX-" not in runner.save("nat")
+        runner.restore(text.render().replace("-m nosuchmatch ", ""))  # the same, accepted
+        assert runner.save("nat").count("-A SPX-AFTER ") == len(good)
 
 
 def test_backend_detection_follows_the_rules_already_there(namespaces: Lab) -> None:

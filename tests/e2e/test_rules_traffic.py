@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from proxy.dataplane.base import ApplyError
-from proxy.dataplane.iptables.runner import Backend, IptablesRunner
+from proxy.dataplane.iptables.runner import Backend, IptablesRunner, RestoreInput, whole
 from proxy.lab import BackendSpec, Lab
 from proxy.lab.netns import entered
 from proxy.model.types import Family
@@ -303,7 +303,9 @@ class SabotagedRunner(IptablesRunner):
 
     inject: str | None = None
 
-    def restore(self, text: str, *, noflush: bool = True, counters: bool = False) -> None:
+    def restore(self, script: RestoreInput, *, noflush: bool = True,
+                counters: bool = False) -> None:
+        text = whole(script)
         if self.inject and "*nat\n" in text:
             head, tail = text.split("*nat\n", 1)
             nat, rest = tail.split("COMMIT\n", 1)

@@ -160,7 +160,7 @@ def test_partial_sync_from_a_gives_exactly_the_full_sync_of_b(
     assert kernels == scratch  # every table, chain and rule, in order
     # What the data plane believes it applied is what the kernel holds.
     for family in (Family.V4, Family.V6):
-        believed = {c: r for (t, c), r in dp._families[family].ruleset.chains().items()  # type: ignore[union-attr]
+        believed = {c: list(r) for (t, c), r in dp._families[family].ruleset.chains().items()  # type: ignore[union-attr]
                     if t is Table.NAT}
         assert believed == ours_only(kernels)[family][Table.NAT]
 

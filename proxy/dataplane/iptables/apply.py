@@ -38,11 +38,18 @@ from proxy.dataplane.iptables.render import (
     render_base,
     render_port,
 )
-from proxy.dataplane.iptables.ruleset import Ruleset, cleanup_restore, ours, parse_save
+from proxy.dataplane.iptables.ruleset import (
+    RestoreText,
+    Ruleset,
+    cleanup_restore,
+    ours,
+    parse_save,
+)
 from proxy.dataplane.iptables.runner import (
     Backend,
     IptablesRunner,
     RestoreError,
+    RestoreInput,
     RunnerError,
     binary,
     started_here,
@@ -76,7 +83,8 @@ class Runner(Protocol):
     restore_cmd: str
     save_cmd: str
 
-    def restore(self, text: str, *, noflush: bool = True, counters: bool = False) -> None: ...
+    def restore(self, text: RestoreInput, *, noflush: bool = True,
+                counters: bool = False) -> None: ...
 
     def save(self, table: str | None = None) -> str: ...
 
@@ -221,7 +229,7 @@ class IptablesDataPlane:
                 else:
                     assert fam.ruleset is not None
                     text, ruleset = self._partial(fam.ruleset, ports, changed, ctx)
-                    texts = [text] if text else []
+                    texts = [text] if text.operations() else []
                 render_seconds = time.perf_counter() - started
                 started = time.perf_counter()
                 # Our listener deaf to a full sync: the kernel then writes no announcement
@@ -241,7 +249,7 @@ class IptablesDataPlane:
                 failure = failure or exc
                 continue
             elapsed = time.perf_counter() - started
-            lines = sum(text.count("\n") for text in texts)
+            lines = sum(text.line_count() for text in texts)
             any_full |= is_full
             apply_seconds += elapsed
             operations += lines
@@ -267,7 +275,7 @@ class IptablesDataPlane:
         return report
 
     def _full(self, fam: _FamilyState, state: DesiredState,
-              ctx: RenderContext) -> tuple[list[str], Ruleset]:
+              ctx: RenderContext) -> tuple[list[RestoreText], Ruleset]:
         ruleset = Ruleset(render_base(ctx), {k: render_port(v, ctx)
                                              for k, v in state.ports.items()
                                              if k.family is ctx.family})
@@ -276,15 +284,14 @@ class IptablesDataPlane:
             batches = ruleset.full_restore_batches(kernel, NFT_CHAINS_PER_RESTORE)
         else:  # legacy rewrites the whole table per restore: one is cheapest
             batches = [ruleset.full_restore(kernel)]
-        texts = [t for t in (b.render() for b in batches) if t]
-        return texts, ruleset
+        return [b for b in batches if b.operations()], ruleset
 
     @staticmethod
     def _partial(applied: Ruleset, ports: Mapping[ServicePortKey, ResolvedServicePort],
-                 changed: set[ServicePortKey], ctx: RenderContext) -> tuple[str, Ruleset]:
+                 changed: set[ServicePortKey], ctx: RenderContext
+                 ) -> tuple[RestoreText, Ruleset]:
         updates = {k: (render_port(ports[k], ctx) if k in ports else None) for k in changed}
-        text, ruleset = applied.partial_restore(updates)
-        return text.render(), ruleset
+        return applied.partial_restore(updates)
 
     def _save(self, fam: _FamilyState) -> str:
         try:
@@ -293,7 +300,7 @@ class IptablesDataPlane:
             self._failed(fam, str(exc), None)
             raise ApplyError(f"{fam.runner.save_cmd} failed: {exc}") from exc
 
-    def _apply(self, fam: _FamilyState, text: str, full: bool) -> None:
+    def _apply(self, fam: _FamilyState, text: RestoreText, full: bool) -> None:
         try:
             fam.runner.restore(text)
         except RestoreError as exc:

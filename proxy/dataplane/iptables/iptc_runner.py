@@ -20,7 +20,13 @@ import shlex
 import shutil
 from typing import Any
 
-from proxy.dataplane.iptables.runner import Backend, IptablesRunner, RestoreError
+from proxy.dataplane.iptables.runner import (
+    Backend,
+    IptablesRunner,
+    RestoreError,
+    RestoreInput,
+    lines_of,
+)
 from proxy.model.types import Family
 
 
@@ -54,16 +60,16 @@ class IptcRunner(IptablesRunner):
         table.refresh()
         return table
 
-    def restore(self, text: str, *, noflush: bool = True, counters: bool = False) -> None:
+    def restore(self, text: RestoreInput, *, noflush: bool = True,
+                counters: bool = False) -> None:
         if not noflush:
             raise ValueError("the iptc applier only edits (--noflush semantics)")
         iptc = _iptc()
         table: Any = None
-        number = 0
-        lines = text.splitlines()
+        number, current = 0, None
         try:
-            for line in lines:
-                number += 1  # kept past the loop: the failing line's number
+            for line in lines_of(text):
+                number, current = number + 1, line  # kept past the loop: the failing line
                 if not line or line.startswith("#"):
                     continue
                 if line.startswith("*"):
@@ -83,9 +89,8 @@ class IptcRunner(IptablesRunner):
                 IndexError) as exc:
             if table is not None:
                 table.refresh()  # drop whatever this table had cached
-            offending = lines[number - 1] if 0 < number <= len(lines) else None
             raise RestoreError(f"python-iptables: line {number} failed: {exc}", number,
-                               offending) from exc
+                               current) from exc
 
     def _command(self, iptc: Any, table: Any, line: str) -> None:
         op, chain_name, *rest = line.split(" ", 2)

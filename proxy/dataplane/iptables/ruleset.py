@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from proxy.dataplane.iptables.render import (
@@ -94,38 +94,55 @@ def parse_save(text: str, our_rules: bool = True) -> Saved:
 
 @dataclass
 class RestoreText:
-    """iptables-restore input being built, one section per table."""
+    """iptables-restore input being built, one section per table. A chain's rules are
+    kept as the specs they were rendered as, and made into "-A" lines only as the text
+    is written (`lines`): at 10,000 services the whole text is 46 MB."""
 
     declare: dict[Table, list[str]] = field(default_factory=lambda: {t: [] for t in TABLE_ORDER})
     edits: dict[Table, list[str]] = field(default_factory=lambda: {t: [] for t in TABLE_ORDER})
-    rules: dict[Table, list[str]] = field(default_factory=lambda: {t: [] for t in TABLE_ORDER})
+    rules: dict[Table, list[tuple[str, Sequence[str]]]] = field(
+        default_factory=lambda: {t: [] for t in TABLE_ORDER})
     delete: dict[Table, list[str]] = field(default_factory=lambda: {t: [] for t in TABLE_ORDER})
 
-    def write_chain(self, table: Table, chain: str, specs: Iterable[str]) -> None:
+    def write_chain(self, table: Table, chain: str, specs: Sequence[str]) -> None:
         """Declaring a chain creates it, or flushes it if it exists."""
         self.declare[table].append(f":{chain} - [0:0]")
-        self.rules[table].extend(f"-A {chain} {spec}" for spec in specs)
+        if specs:
+            self.rules[table].append((chain, specs))
 
     def remove_chain(self, table: Table, chain: str) -> None:
         # Flushed first (declared), deleted last: by then nothing refers to it.
         self.declare[table].append(f":{chain} - [0:0]")
         self.delete[table].append(f"-X {chain}")
 
+    def _tables(self) -> list[Table]:
+        # A chain's rules come with its declaration: those three say whether a table has any.
+        return [t for t in TABLE_ORDER if self.declare[t] or self.edits[t] or self.delete[t]]
+
     def operations(self) -> int:
-        parts = (self.declare, self.edits, self.rules, self.delete)
-        return sum(len(part[t]) for part in parts for t in TABLE_ORDER)
+        return sum(len(self.declare[t]) + len(self.edits[t]) + len(self.delete[t])
+                   + sum(len(specs) for _, specs in self.rules[t]) for t in TABLE_ORDER)
+
+    def line_count(self) -> int:
+        """Lines of the text: the operations, and each table's header and COMMIT."""
+        return self.operations() + 2 * len(self._tables())
+
+    def lines(self) -> Iterator[str]:
+        """The text's lines, made one at a time."""
+        for table in self._tables():
+            yield f"*{table.value}"
+            yield from self.declare[table]
+            yield from self.edits[table]
+            for chain, specs in self.rules[table]:
+                head = f"-A {chain} "
+                for spec in specs:
+                    yield head + spec
+            yield from self.delete[table]
+            yield "COMMIT"
 
     def render(self) -> str:
-        """The text; "" when there is nothing to do."""
-        out: list[str] = []
-        for table in TABLE_ORDER:
-            body = (self.declare[table] + self.edits[table] + self.rules[table]
-                    + self.delete[table])
-            if body:
-                out.append(f"*{table.value}")
-                out.extend(body)
-                out.append("COMMIT")
-        return "\n".join(out) + "\n" if out else ""
+        """The text whole; "" when there is nothing to do."""
+        return "".join(f"{line}\n" for line in self.lines())
 
 
 class Ruleset:
@@ -150,18 +167,20 @@ class Ruleset:
 
     # --- what the kernel should hold --------------------------------------------------------
 
-    def chains(self) -> dict[tuple[Table, str], list[str]]:
-        """Every chain we own and its rules, in kernel order."""
-        out: dict[tuple[Table, str], list[str]] = {
+    def chains(self) -> dict[tuple[Table, str], Sequence[str]]:
+        """Every chain we own and its rules, in kernel order (a port's own chains are
+        its tuples, not copies: 110,000 of them at 10,000 services)."""
+        shared: dict[tuple[Table, str], list[str]] = {
             (table, name): list(rules) for table, name, rules in self.base.chains}
+        out: dict[tuple[Table, str], Sequence[str]] = dict(shared)
         for key in sorted(self.ports):
             rules = self.ports[key]
             for table, chain, spec in rules.entries:
-                out[(table, chain)].append(spec)
+                shared[(table, chain)].append(spec)
             for name, specs in rules.chains:
-                out[(Table.NAT, name)] = list(specs)
+                out[(Table.NAT, name)] = specs
         for table, chain, spec in self.base.tail:
-            out[(table, chain)].append(spec)
+            shared[(table, chain)].append(spec)
         return out
 
     def rule_count(self) -> int:

@@ -27,10 +27,13 @@ is used and the log says why.
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import re
 import shutil
 import subprocess
+from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 from proxy.dataplane import processes
 from proxy.dataplane.nftables_probe import nat_unsupported
@@ -135,15 +138,53 @@ def _detected(backend: Backend, why: str) -> Backend:
     return backend
 
 
-def parse_restore_error(stderr: str, text: str) -> tuple[int | None, str | None]:
+class Script(Protocol):
+    """iptables-restore input made line by line as it is written (ruleset.RestoreText):
+    a full sync at 10,000 services is 46 MB of text, never held whole."""
+
+    def lines(self) -> Iterable[str]: ...
+
+
+RestoreInput = str | Script
+
+
+def lines_of(text: RestoreInput) -> Iterable[str]:
+    return text.splitlines() if isinstance(text, str) else text.lines()
+
+
+def whole(text: RestoreInput) -> str:
+    """The input as one text, for the runners that need it so (simulated, iptc)."""
+    return text if isinstance(text, str) else "".join(f"{line}\n" for line in text.lines())
+
+
+def encoded(text: RestoreInput, size: int = 1 << 20) -> Iterator[bytes]:
+    """`text` as UTF-8 in pieces of about `size` bytes, each made when it is written."""
+    if isinstance(text, str):
+        yield text.encode()
+        return
+    piece: list[str] = []
+    length = 0
+    for line in text.lines():
+        piece.append(line)
+        length += len(line) + 1
+        if length >= size:
+            piece.append("")
+            yield "\n".join(piece).encode()
+            piece, length = [], 0
+    if piece:
+        piece.append("")
+        yield "\n".join(piece).encode()
+
+
+def parse_restore_error(stderr: str, text: RestoreInput) -> tuple[int | None, str | None]:
     """The input line iptables-restore blamed (1-based) and its text, if it said."""
     match = _FAILED_LINE.search(stderr)
     if match is None:
         return None, None
     number = int(match.group(1))
-    lines = text.splitlines()
-    offending = lines[number - 1] if 0 < number <= len(lines) else None
-    return number, offending
+    if number < 1:
+        return number, None
+    return number, next(itertools.islice(lines_of(text), number - 1, None), None)
 
 
 class IptablesRunner:
@@ -160,7 +201,8 @@ class IptablesRunner:
     def __repr__(self) -> str:
         return f"IptablesRunner({self.family.label}, {self.backend.value})"
 
-    def restore(self, text: str, *, noflush: bool = True, counters: bool = False) -> None:
+    def restore(self, text: RestoreInput, *, noflush: bool = True,
+                counters: bool = False) -> None:
         """Apply `text` atomically (one commit per table); raises RestoreError."""
         # The xtables lock (/run/xtables.lock) serialises us with other writers;
         # -w waits for it instead of failing at once. Whole seconds only.
@@ -170,7 +212,7 @@ class IptablesRunner:
         if counters:
             cmd.append("--counters")
         try:
-            result = run_recorded(cmd, text)
+            result = run_recorded(cmd, encoded(text))
         except (OSError, subprocess.SubprocessError) as exc:
             raise RestoreError(f"{self.restore_cmd}: {exc}") from exc
         if result.returncode != 0:

@@ -13,7 +13,7 @@ import shlex
 
 from proxy.dataplane.iptables.render import Table
 from proxy.dataplane.iptables.ruleset import BUILTIN_CHAINS, Saved, target_of
-from proxy.dataplane.iptables.runner import Backend, RestoreError
+from proxy.dataplane.iptables.runner import Backend, RestoreError, RestoreInput, whole
 from proxy.model.types import Family
 
 STANDARD_TARGETS = frozenset({
@@ -128,7 +128,9 @@ class SimulatedRunner:
         self.fail_on: str | None = None
         self.restores: list[str] = []
 
-    def restore(self, text: str, *, noflush: bool = True, counters: bool = False) -> None:
+    def restore(self, script: RestoreInput, *, noflush: bool = True,
+                counters: bool = False) -> None:
+        text = whole(script)
         self.restores.append(text)
         if self.fail_on is not None and self.fail_on in text:
             line = next(i for i, t in enumerate(text.splitlines(), 1) if self.fail_on in t)
