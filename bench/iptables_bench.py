@@ -148,7 +148,7 @@ def _size(dp: IptablesDataPlane | NftablesDataPlane) -> tuple[int, int]:
         return rules + base_rules, len(table.chain_names())
     fam = dp._families[Family.V4]
     assert fam.ruleset is not None
-    return fam.ruleset.rule_count(), len(fam.ruleset.chains())
+    return fam.ruleset.rule_count(), len(fam.ruleset.lengths())
 
 
 def _summary(runs: list[tuple[float, Any]]) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from typing import Any
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.iptables import render as ipt
 from proxy.dataplane.iptables import simulate
-from proxy.dataplane.iptables.ruleset import Ruleset
+from proxy.dataplane.iptables.ruleset import Wanted
 from proxy.dataplane.ipvs import render as ipvs
 from proxy.kube.ingest import EndpointsSource, apply_object
 from proxy.model.snapshot import DesiredState
@@ -85,7 +85,7 @@ def render_all(state: DesiredState) -> Rendered:
         ports = {k: ipt.render_port(r, ctx) for k, r in state.ports.items()
                  if k.family is family}
         out.iptables[family] = ports
-        out.restore[family] = Ruleset(ipt.render_base(ctx), ports).full_restore({}).render()
+        out.restore[family] = Wanted(ipt.render_base(ctx), ports).full_restore({}).render()
     out.ipvs = ipvs.render_all(state, ipvs.RenderContext.build(OPTIONS, NODE_IPS))
     # nftables: out.nftables = render_nftables(state) once its renderer exists.
     return out

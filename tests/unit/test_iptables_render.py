@@ -370,7 +370,7 @@ def test_hostile_names_reaching_the_renderer_stay_inside_one_safe_comment() -> N
     whose comments are within xt_comment's 255 bytes."""
     from dataclasses import replace
 
-    from proxy.dataplane.iptables.ruleset import Ruleset
+    from proxy.dataplane.iptables.ruleset import Wanted
     from tests.corpus import pipeline
 
     rsp = resolve(service(ports=({"name": "http", "port": 80, "nodePort": 30080},),
@@ -383,7 +383,7 @@ def test_hostile_names_reaching_the_renderer_stay_inside_one_safe_comment() -> N
                       port=replace(rsp.port, name=evil))
     ctx = CIDR4
     rules = render_port(hostile, ctx)
-    text = Ruleset(render_base(ctx), {hostile.key: rules}).full_restore({}).render()
+    text = Wanted(render_base(ctx), {hostile.key: rules}).full_restore({}).render()
     assert pipeline.restore_problems(text, Family.V4) == []
     assert "-A INPUT -j ACCEPT\n" not in text and "\x00" not in text
     for line in rules.lines():

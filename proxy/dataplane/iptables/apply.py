@@ -7,7 +7,7 @@ service ports it was rendered from:
 - a full sync (the first one, `full=True`, after any failure, or when this node's
   addresses changed) reads our chains back with iptables-save and rewrites all of them
   in one restore per family (on nf_tables, in batches of service ports, then one for
-  the rest: see `Ruleset.full_restore_batches`), deleting chains of ours nobody wants
+  the rest: see `Wanted.full_restore_batches`), deleting chains of ours nobody wants
   any more;
 - a partial sync renders only the service ports whose snapshot entry is not the very
   object applied last time, and writes only what differs (see `ruleset`).
@@ -41,6 +41,7 @@ from proxy.dataplane.iptables.render import (
 from proxy.dataplane.iptables.ruleset import (
     RestoreText,
     Ruleset,
+    Wanted,
     cleanup_restore,
     ours,
     parse_save,
@@ -276,15 +277,15 @@ class IptablesDataPlane:
 
     def _full(self, fam: _FamilyState, state: DesiredState,
               ctx: RenderContext) -> tuple[list[RestoreText], Ruleset]:
-        ruleset = Ruleset(render_base(ctx), {k: render_port(v, ctx)
-                                             for k, v in state.ports.items()
-                                             if k.family is ctx.family})
+        wanted = Wanted(render_base(ctx), {k: render_port(v, ctx)
+                                           for k, v in state.ports.items()
+                                           if k.family is ctx.family})
         kernel = parse_save(self._save(fam), our_rules=False)
         if fam.runner.backend is Backend.NFT:
-            batches = ruleset.full_restore_batches(kernel, NFT_CHAINS_PER_RESTORE)
+            batches = wanted.full_restore_batches(kernel, NFT_CHAINS_PER_RESTORE)
         else:  # legacy rewrites the whole table per restore: one is cheapest
-            batches = [ruleset.full_restore(kernel)]
-        return [b for b in batches if b.operations()], ruleset
+            batches = [wanted.full_restore(kernel)]
+        return [b for b in batches if b.operations()], wanted.kept()
 
     @staticmethod
     def _partial(applied: Ruleset, ports: Mapping[ServicePortKey, ResolvedServicePort],
@@ -323,10 +324,13 @@ class IptablesDataPlane:
 
     def applied_rules(self, key: ServicePortKey) -> Sequence[str]:
         fam = self._families.get(key.family)
-        if fam is None or fam.ruleset is None:
+        if fam is None or fam.ruleset is None or fam.last is None or fam.context is None:
             return ()
-        rules = fam.ruleset.ports.get(key)
-        return rules.lines() if rules is not None else ()
+        if key not in fam.ruleset.ports or key not in fam.last.ports:
+            return ()
+        # The ruleset keeps digests, not rules: render them again from what they were
+        # rendered from (pure, so the same text).
+        return render_port(fam.last.ports[key], fam.context).lines()
 
     def housekeeping(self) -> None:
         """Nothing to do between syncs for iptables."""

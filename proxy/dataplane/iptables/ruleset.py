@@ -1,18 +1,19 @@
 """What we have in the kernel for one family, and the iptables-restore text to change it
 (pure: no kernel access).
 
-A `Ruleset` is the record of our rules as last applied: the fixed part (`BaseRules`) and
-each service port's `PortRules`. From it:
+`Wanted` is our rules for one family as just rendered (the fixed part, `BaseRules`, and
+each service port's `PortRules`); a `Ruleset` is the record of them as last applied,
+each port kept as `KeptRules` (its own chains as digests, not text).
 
-- `full_restore` writes every chain we own from scratch (each declared chain is flushed
-  and refilled in the same transaction), deletes our chains the kernel still holds but we
-  no longer want, and repairs the jumps from the built-in chains; `full_restore_batches`
-  is the same in several transactions, for nf_tables (whose restore time grows with the
-  square of the chains in one);
-- `partial_restore` rewrites only the chains of changed service ports whose content
-  changed, deletes the chains they no longer need, and edits the shared dispatch chains
-  entry by entry (`-D` by rule spec, `-I` at a computed position), so the result is rule
-  for rule what a full sync would have written.
+- `Wanted.full_restore` writes every chain we own from scratch (each declared chain is
+  flushed and refilled in the same transaction), deletes our chains the kernel still
+  holds but we no longer want, and repairs the jumps from the built-in chains;
+  `full_restore_batches` is the same in several transactions, for nf_tables (whose
+  restore time grows with the square of the chains in one);
+- `Ruleset.partial_restore` rewrites only the chains of changed service ports whose
+  content changed, deletes the chains they no longer need, and edits the shared
+  dispatch chains entry by entry (`-D` by rule spec, `-I` at a computed position), so
+  the result is rule for rule what a full sync would have written.
 
 Dispatch-chain order. In every shared chain, entries are grouped by service port in key
 order, each port's entries in render order, and the "tail" entries (the NodePort
@@ -24,9 +25,10 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from proxy.dataplane.base import rules_digest
 from proxy.dataplane.iptables.render import (
     DISPATCH_CHAINS,
     PREFIX,
@@ -145,14 +147,43 @@ class RestoreText:
         return "".join(f"{line}\n" for line in self.lines())
 
 
+@dataclass(frozen=True, slots=True)
+class KeptRules:
+    """What the kernel holds of one service port, as later restores need it: its
+    dispatch entries whole (a `-D` names the rule) and its own chains as name, digest
+    and length. Their text is not kept (at 10,000 services x 10 endpoints it was 55 of
+    the 70 MiB kept); the debug dump renders it again from the last snapshot."""
+
+    chains: tuple[tuple[str, int, int], ...]  # (name, rules_digest(specs), len(specs))
+    entries: tuple[Entry, ...]
+
+    @classmethod
+    def of(cls, rules: PortRules) -> KeptRules:
+        return cls(tuple((name, rules_digest(specs), len(specs)) for name, specs in rules.chains),
+                   rules.entries)
+
+
+def _shared_chains(base: BaseRules, ports: Mapping[ServicePortKey, KeptRules | PortRules]
+                   ) -> dict[tuple[Table, str], list[str]]:
+    """Our fixed and dispatch chains and their rules, in kernel order."""
+    out = {(table, name): list(rules) for table, name, rules in base.chains}
+    for key in sorted(ports):
+        for table, chain, spec in ports[key].entries:
+            out[(table, chain)].append(spec)
+    for table, chain, spec in base.tail:
+        out[(table, chain)].append(spec)
+    return out
+
+
 class Ruleset:
-    """Our rules for one family, as last applied (or as wanted, before applying)."""
+    """Our rules for one family, as last applied: the fixed part whole, and each
+    service port as `KeptRules`."""
 
     __slots__ = ("_order", "base", "ports")
 
-    def __init__(self, base: BaseRules, ports: Mapping[ServicePortKey, PortRules]) -> None:
+    def __init__(self, base: BaseRules, ports: Mapping[ServicePortKey, KeptRules]) -> None:
         self.base = base
-        self.ports: dict[ServicePortKey, PortRules] = dict(ports)
+        self.ports: dict[ServicePortKey, KeptRules] = dict(ports)
         self._order = self._build_order()
 
     def _build_order(self) -> dict[tuple[Table, str], list[Owner]]:
@@ -167,24 +198,26 @@ class Ruleset:
 
     # --- what the kernel should hold --------------------------------------------------------
 
-    def chains(self) -> dict[tuple[Table, str], Sequence[str]]:
-        """Every chain we own and its rules, in kernel order (a port's own chains are
-        its tuples, not copies: 110,000 of them at 10,000 services)."""
-        shared: dict[tuple[Table, str], list[str]] = {
-            (table, name): list(rules) for table, name, rules in self.base.chains}
-        out: dict[tuple[Table, str], Sequence[str]] = dict(shared)
-        for key in sorted(self.ports):
-            rules = self.ports[key]
-            for table, chain, spec in rules.entries:
-                shared[(table, chain)].append(spec)
-            for name, specs in rules.chains:
-                out[(Table.NAT, name)] = specs
-        for table, chain, spec in self.base.tail:
-            shared[(table, chain)].append(spec)
+    def lengths(self) -> dict[tuple[Table, str], int]:
+        """Every chain we own and how many rules it holds."""
+        out = {tc: len(rules) for tc, rules in _shared_chains(self.base, self.ports).items()}
+        for kept in self.ports.values():
+            for name, _digest, count in kept.chains:
+                out[(Table.NAT, name)] = count
+        return out
+
+    def digests(self) -> dict[tuple[Table, str], int]:
+        """Every chain we own and `rules_digest` of its rules: equal to the digests of
+        the kernel's copy when iptables-save spells every rule as we wrote it."""
+        out = {tc: rules_digest(rules)
+               for tc, rules in _shared_chains(self.base, self.ports).items()}
+        for kept in self.ports.values():
+            for name, digest, _count in kept.chains:
+                out[(Table.NAT, name)] = digest
         return out
 
     def rule_count(self) -> int:
-        return sum(len(rules) for rules in self.chains().values()) + len(self.base.jumps)
+        return sum(self.lengths().values()) + len(self.base.jumps)
 
     # --- drift ------------------------------------------------------------------------------
 
@@ -198,14 +231,14 @@ class Ruleset:
         a chain, delete one, reload a firewall) always changes a count. At most `limit`
         differences are described, then how many more there were."""
         found: list[str] = []
-        wanted = self.chains()
-        for (table, chain), specs in wanted.items():
+        wanted = self.lengths()
+        for (table, chain), count in wanted.items():
             have = kernel.get(table, {}).get(chain)
             if have is None:
                 found.append(f"{table.value} chain {chain} is missing")
-            elif len(have) != len(specs):
+            elif len(have) != count:
                 found.append(f"{table.value} chain {chain} holds {len(have)} rules, "
-                             f"we wrote {len(specs)}")
+                             f"we wrote {count}")
         for table in TABLE_ORDER:
             found += [f"{table.value} chain {chain} is not in our rules"
                       for chain in kernel.get(table, {})
@@ -223,11 +256,96 @@ class Ruleset:
             found = [*found[:limit], f"and {len(found) - limit} more"]
         return found
 
-    # --- full sync --------------------------------------------------------------------------
+    # --- partial sync -----------------------------------------------------------------------
+
+    def partial_restore(
+        self, updates: Mapping[ServicePortKey, PortRules | None]
+    ) -> tuple[RestoreText, Ruleset]:
+        """The edits that turn this ruleset into this ruleset plus `updates` (None =
+        removed), and the resulting ruleset. `self` is left as it was."""
+        text = RestoreText()
+        ports = dict(self.ports)
+        order = {tc: list(owners) for tc, owners in self._order.items()}
+        for key in sorted(updates):
+            old, new = self.ports.get(key), updates[key]
+            kept = KeptRules.of(new) if new is not None else None
+            if old == kept:
+                continue
+            self._edit_chains(old, new, text)
+            self._edit_entries(key, old, kept, order, text)
+            if kept is None:
+                ports.pop(key, None)
+            else:
+                ports[key] = kept
+        result = Ruleset.__new__(Ruleset)
+        result.base, result.ports, result._order = self.base, ports, order
+        return text, result
+
+    @staticmethod
+    def _edit_chains(old: KeptRules | None, new: PortRules | None, text: RestoreText) -> None:
+        before = {name: (digest, count) for name, digest, count in old.chains} if old else {}
+        after = dict(new.chains) if new else {}
+        for name, specs in after.items():
+            if before.get(name) != (rules_digest(specs), len(specs)):
+                text.write_chain(Table.NAT, name, specs)
+        for name in before:
+            if name not in after:
+                text.remove_chain(Table.NAT, name)
+
+    @staticmethod
+    def _edit_entries(key: ServicePortKey, old: KeptRules | None, new: KeptRules | None,
+                      order: dict[tuple[Table, str], list[Owner]], text: RestoreText) -> None:
+        mine = owner(key)
+        for table, chain in DISPATCH_CHAINS:
+            before = _specs(old, table, chain)
+            after = _specs(new, table, chain)
+            if before == after:
+                continue
+            owners = order[(table, chain)]
+            start = bisect_left(owners, mine)
+            keep = set(before) & set(after)
+            if [s for s in before if s in keep] != [s for s in after if s in keep]:
+                keep = set()  # kept entries changed order: replace the whole block
+            edits = text.edits[table]
+            edits.extend(f"-D {chain} {s}" for s in before if s not in keep)
+            # Inserting in block order: everything ahead of entry j is in place by then.
+            edits.extend(f"-I {chain} {start + j + 1} {s}"
+                         for j, s in enumerate(after) if s not in keep)
+            owners[start:start + len(before)] = [mine] * len(after)
+
+
+def _specs(rules: KeptRules | None, table: Table, chain: str) -> list[str]:
+    if rules is None:
+        return []
+    return [spec for t, c, spec in rules.entries if t is table and c == chain]
+
+
+class Wanted:
+    """Our rules for one family as just rendered, text and all: what a full sync
+    writes, and once written, the `Ruleset` to keep (`kept`)."""
+
+    __slots__ = ("base", "ports")
+
+    def __init__(self, base: BaseRules, ports: Mapping[ServicePortKey, PortRules]) -> None:
+        self.base = base
+        self.ports: dict[ServicePortKey, PortRules] = dict(ports)
+
+    def kept(self) -> Ruleset:
+        return Ruleset(self.base, {k: KeptRules.of(r) for k, r in self.ports.items()})
+
+    def chains(self) -> dict[tuple[Table, str], Sequence[str]]:
+        """Every chain of ours and its rules, in kernel order (a port's own chains are
+        its tuples, not copies: 110,000 of them at 10,000 services)."""
+        out: dict[tuple[Table, str], Sequence[str]] = dict(_shared_chains(self.base,
+                                                                          self.ports))
+        for key in sorted(self.ports):
+            for name, specs in self.ports[key].chains:
+                out[(Table.NAT, name)] = specs
+        return out
 
     def full_restore(self, kernel: Saved,
                      written: frozenset[str] = frozenset()) -> RestoreText:
-        """Make the kernel hold exactly this ruleset, whatever of ours it holds now.
+        """Make the kernel hold exactly these rules, whatever of ours it holds now.
         `written`: nat chains of service ports already written by earlier batches."""
         text = RestoreText()
         wanted = self.chains()
@@ -294,68 +412,6 @@ class Ruleset:
             # Prepended, as upstream, so a later default-deny rule cannot shadow them.
             text.edits[table].extend(f"-I {chain} 1 {s}" for s in reversed(specs))
 
-    # --- partial sync -----------------------------------------------------------------------
-
-    def partial_restore(
-        self, updates: Mapping[ServicePortKey, PortRules | None]
-    ) -> tuple[RestoreText, Ruleset]:
-        """The edits that turn this ruleset into this ruleset plus `updates` (None =
-        removed), and the resulting ruleset. `self` is left as it was."""
-        text = RestoreText()
-        ports = dict(self.ports)
-        order = {tc: list(owners) for tc, owners in self._order.items()}
-        for key in sorted(updates):
-            old, new = self.ports.get(key), updates[key]
-            if old == new:
-                continue
-            self._edit_chains(old, new, text)
-            self._edit_entries(key, old, new, order, text)
-            if new is None:
-                ports.pop(key, None)
-            else:
-                ports[key] = new
-        result = Ruleset.__new__(Ruleset)
-        result.base, result.ports, result._order = self.base, ports, order
-        return text, result
-
-    @staticmethod
-    def _edit_chains(old: PortRules | None, new: PortRules | None, text: RestoreText) -> None:
-        before = dict(old.chains) if old else {}
-        after = dict(new.chains) if new else {}
-        for name, specs in after.items():
-            if before.get(name) != specs:
-                text.write_chain(Table.NAT, name, specs)
-        for name in before:
-            if name not in after:
-                text.remove_chain(Table.NAT, name)
-
-    @staticmethod
-    def _edit_entries(key: ServicePortKey, old: PortRules | None, new: PortRules | None,
-                      order: dict[tuple[Table, str], list[Owner]], text: RestoreText) -> None:
-        mine = owner(key)
-        for table, chain in DISPATCH_CHAINS:
-            before = _specs(old, table, chain)
-            after = _specs(new, table, chain)
-            if before == after:
-                continue
-            owners = order[(table, chain)]
-            start = bisect_left(owners, mine)
-            keep = set(before) & set(after)
-            if [s for s in before if s in keep] != [s for s in after if s in keep]:
-                keep = set()  # kept entries changed order: replace the whole block
-            edits = text.edits[table]
-            edits.extend(f"-D {chain} {s}" for s in before if s not in keep)
-            # Inserting in block order: everything ahead of entry j is in place by then.
-            edits.extend(f"-I {chain} {start + j + 1} {s}"
-                         for j, s in enumerate(after) if s not in keep)
-            owners[start:start + len(before)] = [mine] * len(after)
-
-
-def _specs(rules: PortRules | None, table: Table, chain: str) -> list[str]:
-    if rules is None:
-        return []
-    return [spec for t, c, spec in rules.entries if t is table and c == chain]
-
 
 def cleanup_restore(kernel: Saved, owned: Callable[[str], bool] = ours) -> RestoreText:
     """Remove every chain `owned` names (by default every chain of ours) and every rule
@@ -370,7 +426,3 @@ def cleanup_restore(kernel: Saved, owned: Callable[[str], bool] = ours) -> Resto
                 text.edits[table].extend(
                     f"-D {chain} {s}" for s in specs if owned(target_of(s) or ""))
     return text
-
-
-def entries_of(ports: Iterable[PortRules]) -> list[Entry]:
-    return [e for rules in ports for e in rules.entries]

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from proxy.dataplane.base import rules_digest
 from proxy.dataplane.nftables.render import BaseObjects, PortObjects, table_family
 from proxy.model.types import Family, ServicePortKey
 
@@ -111,13 +112,6 @@ def _value(cur: _Owned) -> str:
         return one[1]
     assert isinstance(cur, dict)
     return cur[min(cur)]
-
-
-def rules_digest(rules: tuple[str, ...]) -> int:
-    """Stands for a chain's rules in the kept state. 64 bits of SipHash over each rule,
-    mixed by the tuple's hash: two different rule lists of one chain name compare equal
-    with a chance of about 2^-64 per change."""
-    return hash(rules)
 
 
 @dataclass(frozen=True, slots=True)
