@@ -7,7 +7,7 @@ tests/e2e/test_iptables_kernel.py.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from ipaddress import ip_address, ip_network
 from typing import Any
 
@@ -19,7 +19,7 @@ from proxy.dataplane.base import ApplyError, DataplaneOptions, rules_digest
 from proxy.dataplane.iptables import IptablesDataPlane
 from proxy.dataplane.iptables.render import Table
 from proxy.dataplane.iptables.ruleset import Saved, ours, parse_save
-from proxy.dataplane.iptables.runner import Backend
+from proxy.dataplane.iptables.runner import Backend, RunnerError
 from proxy.dataplane.iptables.simulate import SimulatedRunner
 from proxy.kube.ingest import apply_object, delete_object
 from proxy.model.snapshot import DesiredState
@@ -339,3 +339,21 @@ def test_full_sync_repairs_our_jumps_and_leaves_others() -> None:
 def test_unknown_applier_is_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="restore, iptc"):
         IptablesDataPlane(OPTIONS, applier="netlink", runners={}, addresses=list)
+
+
+def test_a_failing_save_stops_a_full_sync_before_any_restore() -> None:
+    class Unreadable(SimulatedRunner):
+        def save_lines(self) -> Iterator[str]:
+            yield "*nat"
+            raise RunnerError("iptables-save exited 1: no table")
+
+    cluster = Cluster()
+    kernels = foreign()
+    runners = {f: Unreadable(f, kernels[f]) for f in (Family.V4, Family.V6)}
+    dp = IptablesDataPlane(OPTIONS, runners=runners, addresses=lambda: NODE_IPS,
+                           clear_conntrack=False)
+    before = copy.deepcopy(kernels)
+    with pytest.raises(ApplyError, match="no table"):
+        dp.sync(cluster.become(web("198.18.1.10")), full=True)
+    assert kernels == before and all(not r.restores for r in runners.values())
+    assert dp.failures == 2  # one per family: the other family is still tried

@@ -26,7 +26,7 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from proxy.dataplane import conntrack
@@ -41,6 +41,7 @@ from proxy.dataplane.iptables.render import (
 from proxy.dataplane.iptables.ruleset import (
     RestoreText,
     Ruleset,
+    Saved,
     Wanted,
     cleanup_restore,
     ours,
@@ -88,6 +89,8 @@ class Runner(Protocol):
                 counters: bool = False) -> None: ...
 
     def save(self, table: str | None = None) -> str: ...
+
+    def save_lines(self) -> Iterable[str]: ...
 
     def available(self) -> bool: ...
 
@@ -280,7 +283,7 @@ class IptablesDataPlane:
         wanted = Wanted(render_base(ctx), {k: render_port(v, ctx)
                                            for k, v in state.ports.items()
                                            if k.family is ctx.family})
-        kernel = parse_save(self._save(fam), our_rules=False)
+        kernel = self._saved(fam)
         if fam.runner.backend is Backend.NFT:
             batches = wanted.full_restore_batches(kernel, NFT_CHAINS_PER_RESTORE)
         else:  # legacy rewrites the whole table per restore: one is cheapest
@@ -294,9 +297,10 @@ class IptablesDataPlane:
         updates = {k: (render_port(ports[k], ctx) if k in ports else None) for k in changed}
         return applied.partial_restore(updates)
 
-    def _save(self, fam: _FamilyState) -> str:
+    def _saved(self, fam: _FamilyState) -> Saved:
+        """What the tables hold, our chains' rules skipped (read line by line)."""
         try:
-            return fam.runner.save()
+            return parse_save(fam.runner.save_lines(), our_rules=False)
         except RunnerError as exc:
             self._failed(fam, str(exc), None)
             raise ApplyError(f"{fam.runner.save_cmd} failed: {exc}") from exc

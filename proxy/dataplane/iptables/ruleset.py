@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from proxy.dataplane.base import rules_digest
@@ -65,7 +65,7 @@ def ours(chain: str) -> bool:
     return chain.startswith(PREFIX)
 
 
-def parse_save(text: str, our_rules: bool = True) -> Saved:
+def parse_save(text: str | Iterable[str], our_rules: bool = True) -> Saved:
     """The tables, chains (built-in ones included) and rules of iptables-save output.
 
     `our_rules=False` skips the rules inside our own chains (their names are kept):
@@ -74,7 +74,7 @@ def parse_save(text: str, our_rules: bool = True) -> Saved:
     saved: Saved = {}
     chains: dict[str, list[str]] | None = None
     skip = f"-A {PREFIX}"
-    for line in text.splitlines():
+    for line in text.splitlines() if isinstance(text, str) else text:
         if line.startswith("*"):
             try:
                 table = Table(line[1:].strip())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import shlex
+from collections.abc import Iterator
 
 from proxy.dataplane.iptables.render import Table
 from proxy.dataplane.iptables.ruleset import BUILTIN_CHAINS, Saved, target_of
@@ -144,6 +145,9 @@ class SimulatedRunner:
         if table is None:
             return save_text(self.kernel)
         return save_text({t: c for t, c in self.kernel.items() if t.value == table})
+
+    def save_lines(self) -> Iterator[str]:
+        yield from self.save().splitlines()
 
     def available(self) -> bool:
         return True
