@@ -372,7 +372,7 @@ class IptablesDataPlane:
                 continue  # its next sync is full already
             with self._writing:
                 try:
-                    kernel = parse_save(fam.runner.save())
+                    kernel = parse_save(fam.runner.save_lines())
                 except RunnerError as exc:
                     found.append(f"{family.label}: our rules could not be read: {exc}")
                     fam.ruleset = None

@@ -146,6 +146,8 @@ class Script(Protocol):
 
     def lines(self) -> Iterable[str]: ...
 
+    def render(self) -> str: ...
+
 
 RestoreInput = str | Script
 
@@ -156,7 +158,7 @@ def lines_of(text: RestoreInput) -> Iterable[str]:
 
 def whole(text: RestoreInput) -> str:
     """The input as one text, for the runners that need it so (simulated, iptc)."""
-    return text if isinstance(text, str) else "".join(f"{line}\n" for line in text.lines())
+    return text if isinstance(text, str) else text.render()
 
 
 def encoded(text: RestoreInput, size: int = 1 << 20) -> Iterator[bytes]:
