@@ -1,4 +1,5 @@
-"""Build kube-apiserver, -controller-manager, kube-proxy and kubeadm v1.20.2 from Debian's source.
+"""Build Kubernetes v1.20.2's binaries (control plane, kube-proxy, kubeadm, kubelet, ...)
+from Debian's source.
 
 No registry ships these binaries; Debian bookworm ships the whole upstream v1.20.2 tree
 (with vendor/) as the source package ``kubernetes``. This module installs what the build
@@ -34,8 +35,14 @@ log = logging.getLogger("realcp.build")
 
 SOURCE_PACKAGE = "kubernetes"
 UPSTREAM_VERSION = "v1.20.2"
-# kubeadm: for the configuration files it writes (tests/realcp/test_kube_proxy_config.py).
-BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-proxy", "kubeadm")
+# kubeadm: for the configuration files it writes (tests/realcp/test_kube_proxy_config.py);
+# kubelet and kube-scheduler: the real nodes of the cluster tier (tests/nodes/).
+BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-proxy", "kubeadm", "kubelet",
+            "kube-scheduler")
+# The pod sandbox's process, built from the tree's build/pause/linux/pause.c (a small C
+# program) with gcc -static: the sandbox image of the real nodes (nothing can be pulled).
+PAUSE = "pause"
+PAUSE_SOURCE = Path("build/pause/linux/pause.c")
 # etcd-client brings etcdctl (compaction in the conformance tests); rsync is used by
 # upstream's build scripts; make runs them.
 APT_PACKAGES = ("golang-1.19-go", "rsync", "etcd-server", "etcd-client", "make", "dpkg-dev",
@@ -45,7 +52,7 @@ DEBIAN_SOURCES = Path("/etc/apt/sources.list.d/debian.sources")
 DEB_SRC_FILE = Path("/etc/apt/sources.list.d/sliceproxy-deb-src.sources")
 MANIFEST = "manifest.json"
 # Bumped whenever the recipe (patches, flags) changes, so an old cache is not reused.
-RECIPE = 2
+RECIPE = 3
 # Vendored Go packages replaced before building, by Debian's packaged source. v1.20.2
 # vendors modern-go/reflect2 v1.0.1, which walks maps with the pre-Go-1.18 runtime
 # iterator layout: built with Go 1.19, kube-apiserver dies with SIGSEGV in mapiterinit
@@ -179,7 +186,7 @@ def cached(version: str) -> Binaries | None:
     except (OSError, ValueError):
         return None
     bin_dir = root / "bin"
-    for name in BINARIES:
+    for name in (*BINARIES, PAUSE):
         p = bin_dir / name
         if not p.is_file() or manifest.get("sha256", {}).get(name) != _sha256(p):
             log.warning("cache entry invalid", extra={"binary": str(p)})
@@ -286,6 +293,11 @@ def build(*, force: bool = False) -> Binaries:
             shutil.copy2(_find_output(tree, name), dst)
             hashes[name] = _sha256(dst)
             _check_version(dst)
+        pause = bin_dir / PAUSE
+        _run(["gcc", "-Os", "-static", "-Wall", "-Werror",
+              f"-DVERSION={UPSTREAM_VERSION}", "-o", str(pause), str(tree / PAUSE_SOURCE)],
+             logfile=logfile)
+        hashes[PAUSE] = _sha256(pause)
         elapsed = time.monotonic() - started
         # The manifest is written last and atomically: it is what marks the cache complete.
         tmp = root / (MANIFEST + ".tmp")
