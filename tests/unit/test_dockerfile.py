@@ -1,4 +1,5 @@
-"""The Dockerfile, without a Docker engine: every file it copies exists and survives
+"""The Dockerfile, without a Docker engine (tests/nodes builds the real image with buildah
+and runs it on real nodes): every file it copies exists and survives
 .dockerignore, the base and packages are what the data planes need, it runs unprivileged
 by default, and its build steps work: the wheel built from exactly the build context
 installs and runs `python -m proxy` (the entrypoint)."""
@@ -7,9 +8,11 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -109,7 +112,17 @@ def test_slim_base_tools_non_root_and_entrypoint() -> None:
     assert users and users[-1] not in ("0", "root")
     (entry,) = [json.loads(args) for word, args in steps if word == "ENTRYPOINT"]
     assert entry == ["python", "-m", "proxy"]
-    assert any("wheel" in args for word, args in steps if word == "RUN")
+    runs = [args for word, args in steps if word == "RUN"]
+    # Dependencies from pyproject.toml's own list first (a layer of their own), then the
+    # package without them: the image's code is what the build context holds.
+    (deps,) = [r for r in runs if "tomllib" in r]
+    script = re.search(r"-c '([^']*)'", deps)
+    assert script, deps
+    listed = subprocess.run([sys.executable, "-c", script.group(1)], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout.split("\n")
+    assert [d for d in listed if d] == tomllib.loads(
+        (ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any("pip install --no-cache-dir --no-deps ." in r for r in runs)
 
 
 @pytest.mark.slow
