@@ -107,6 +107,8 @@ def _override_host(configuration: Any, host: str) -> None:
 
 
 READ_CHUNK = 256 * 1024
+# The host name deploy/daemonset.yaml ships in `master`, for the operator to replace.
+MASTER_PLACEHOLDER = "API-SERVER-ADDRESS"
 
 
 class _AiohttpResponse:
@@ -168,9 +170,16 @@ class KubeApi:
         except KubeconfigError as exc:
             raise ConfigError(f"cannot load API server configuration: {exc}") from exc
         if options.master:
+            if MASTER_PLACEHOLDER in options.master:
+                raise ConfigError(
+                    f"--master: {options.master!r} is the shipped manifest's placeholder: set "
+                    "`master` in the sliceproxy ConfigMap to your API server's address as "
+                    "nodes reach it, e.g. https://192.0.2.10:6443 (docs/bootstrap.md)")
             conn.server = options.master.rstrip("/")
             if conn.server.startswith("https://") and conn.ssl is None:
                 conn.ssl = kubeconfig.default_context()
+            if conn.source != "--master only":
+                conn.source += ", address from --master"
         log.info("API server %s (from %s)", conn.server, conn.source)
         return cls(conn)
 

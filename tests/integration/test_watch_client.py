@@ -193,6 +193,26 @@ def test_master_overrides_the_in_cluster_address(tls_sim: SimServer, tmp_path: P
     run(main)
 
 
+def test_the_shipped_master_placeholder_says_what_to_set(
+        tmp_path: Path, cert: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    # deploy/daemonset.yaml ships `master: https://API-SERVER-ADDRESS:6443`: left as is,
+    # the agent stops at once naming the setting, instead of retrying a name that never
+    # resolves.
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "9")
+    sa = service_account(tmp_path, cert[0])
+
+    async def main() -> None:
+        with pytest.raises(ConfigError, match=r"placeholder: set `master` in the sliceproxy "
+                                              r"ConfigMap to your API server's address"):
+            await KubeApi.connect(ClientOptions(master="https://API-SERVER-ADDRESS:6443",
+                                                service_account_dir=str(sa)))
+
+    run(main)
+    shipped = (Path(__file__).resolve().parents[2] / "deploy/daemonset.yaml").read_text()
+    assert "master: https://API-SERVER-ADDRESS:6443" in shipped
+
+
 def test_master_alone_talks_to_an_open_server(no_in_cluster_env: None) -> None:
     with SimServer(objects=[service("web")]) as sim:
         async def main() -> None:
