@@ -13,7 +13,8 @@ Protocol (kept trivial so any client can use it):
   instead: one listener on 0.0.0.0 then tells which of many addresses answered.
 
 `python -m proxy.lab.echo --backend NAME=NS=IP[,IP...] ... --tcp 8080 --udp 8081`
-prints `ready` on stdout once every listener is bound, then serves until killed.
+prints `ready` on stdout once every listener is bound, then serves until killed. An empty
+NS listens where the process already is (a pod: `--backend $(POD_NAME)==0.0.0.0`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class EchoServer:
 
     def listen(self, name: str, ns: str, addresses: list[str], tcp: list[int],
                udp: list[int]) -> None:
-        with entered(ns):
+        with entered(ns) if ns else contextlib.nullcontext():
             for addr in addresses:
                 family = socket.AF_INET6 if ":" in addr else socket.AF_INET
                 for port in tcp:

@@ -25,12 +25,14 @@ def _setns(fd: int) -> None:
 
 
 def path(name: str) -> str:
-    return f"{NETNS_DIR}/{name}"
+    """A name under /run/netns, or a path as is (a process's /proc/PID/ns/net)."""
+    return name if name.startswith("/") else f"{NETNS_DIR}/{name}"
 
 
 @contextlib.contextmanager
 def entered(name: str) -> Iterator[None]:
-    """Run the block with this thread in network namespace `name`, then come back."""
+    """Run the block with this thread in network namespace `name` (see `path`), then
+    come back."""
     home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     try:
         target = os.open(path(name), os.O_RDONLY)
