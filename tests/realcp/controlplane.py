@@ -22,6 +22,11 @@
   ready=false/serving/terminating, as on every cluster since 1.22.
 * The API server's own periodic etcd compaction is off (`--etcd-compaction-interval=0`):
   tests compact when they mean to, so a 410 never arrives by accident.
+* `with_nodes=True` makes it a control plane for real kubelets (tests/nodes/): Node and
+  RBAC authorization, the ServiceAccount admission plugin and token controller (pods
+  get their service account's token and CA), privileged pods allowed, every default
+  controller (Deployments, DaemonSets, garbage collection ...), and kube-scheduler. Each
+  component and kubelet has its own identity (`identity_kubeconfig`).
 
 Everything (processes, namespace, veths, temporary files) goes away in `stop()`, which
 is safe to call after a partial start.
@@ -62,6 +67,7 @@ API_ADDR = IPv4Address("198.18.96.1")  # the bridge address in the cp namespace
 API_PORT = 6443
 ETCD_URL = "http://127.0.0.1:2379"
 KCM_HEALTHZ_PORT = 10252
+SCHEDULER_HEALTHZ_PORT = 10251
 SERVICE_CIDR = "198.18.128.0/17"  # the simulator's and the lab's default
 KUBERNETES_SERVICE_IP = "198.18.128.1"  # the first address: the `kubernetes` service
 BRIDGE = "spx-cpbr0"
@@ -124,6 +130,9 @@ class ControlPlane:
     # creates thousands of objects).
     controller_manager_flags: Sequence[str] = ()
     ready_timeout: float = 90.0
+    # A control plane for real kubelets (module docstring); node_names get identities.
+    with_nodes: bool = False
+    node_names: Sequence[str] = ()
 
     prefix: str = field(init=False)
     namespace: str = field(init=False)
@@ -178,7 +187,8 @@ class ControlPlane:
         self._make_namespace()
         self.pki = make_pki(
             self.workdir / "pki", ips=["127.0.0.1", str(API_ADDR), KUBERNETES_SERVICE_IP],
-            dns=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"])
+            dns=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"],
+            identities=self._identities())
         self._start_etcd()
         self.forwarder = NetnsForwarder(self.namespace, "127.0.0.1", API_PORT)
         self.forwarder.start()
@@ -190,12 +200,29 @@ class ControlPlane:
             self.workdir / "internal.kubeconfig", f"https://127.0.0.1:{API_PORT}")
         self._start_apiserver()
         self._start_controller_manager()
+        if self.with_nodes:
+            self._start_scheduler()
         log.info("control plane ready", extra={
             "namespace": self.namespace, "url": self.host_url,
             "seconds": round(time.monotonic() - started, 1)})
 
+    def _identities(self) -> dict[str, tuple[str, ...]]:
+        if not self.with_nodes:
+            return {}
+        out: dict[str, tuple[str, ...]] = {
+            "system:kube-controller-manager": (), "system:kube-scheduler": ()}
+        for name in self.node_names:
+            out[f"system:node:{name}"] = ("system:nodes",)
+        return out
+
+    def identity_kubeconfig(self, user: str, path: Path, *, internal: bool = False) -> Path:
+        """A kubeconfig for `user` (one of the identities), for a node namespace (the
+        bridge address) or, `internal`, inside the control plane's namespace."""
+        url = f"https://127.0.0.1:{API_PORT}" if internal else self.node_url
+        return self.pki.write_kubeconfig(path, url, user)
+
     def stop(self) -> None:
-        for name in ("kube-controller-manager", "kube-apiserver", "etcd"):
+        for name in ("kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"):
             self._stop_proc(name)
         if hasattr(self, "forwarder"):
             self.forwarder.stop()
@@ -322,13 +349,11 @@ class ControlPlane:
             f"--cert-dir={certs}",
             f"--tls-cert-file={p.server_cert}", f"--tls-private-key-file={p.server_key}",
             f"--token-auth-file={p.token_file}", "--anonymous-auth=false",
-            "--authorization-mode=AlwaysAllow",
+            *self._apiserver_node_flags(),
             "--service-account-issuer=https://kubernetes.default.svc",
             f"--service-account-key-file={p.sa_pub}",
             f"--service-account-signing-key-file={p.sa_key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
-            # No kubelet, no token controller: pods must not need a service-account token.
-            "--disable-admission-plugins=ServiceAccount",
             "--etcd-compaction-interval=0",
             "--profiling=false", FEATURE_GATES,
             *self.apiserver_flags,
@@ -338,6 +363,15 @@ class ControlPlane:
         # served by a resource's cache and blocks until it is filled.
         for path in WATCHED_PATHS:
             self._wait(proc, functools.partial(self._cache_ready, path), f"{path} watch cache")
+
+    def _apiserver_node_flags(self) -> list[str]:
+        if not self.with_nodes:
+            # No kubelet, no token controller: pods must not need a service-account token.
+            return ["--authorization-mode=AlwaysAllow",
+                    "--disable-admission-plugins=ServiceAccount"]
+        return ["--authorization-mode=Node,RBAC", "--allow-privileged=true",
+                "--kubelet-preferred-address-types=InternalIP",
+                "--enable-admission-plugins=NodeRestriction"]
 
     def _cache_ready(self, path: str) -> bool:
         return self._get_status(f"{path}?resourceVersion=0&limit=1") == 200
@@ -363,32 +397,56 @@ class ControlPlane:
     def _start_controller_manager(self) -> None:
         logfile = self.workdir / "kube-controller-manager.log"
         offset = logfile.stat().st_size if logfile.exists() else 0  # the log is appended to
+        if self.with_nodes:
+            kubeconfig = self.identity_kubeconfig(
+                "system:kube-controller-manager",
+                self.workdir / "controller-manager.kubeconfig", internal=True)
+            controllers = [
+                "--controllers=*", "--use-service-account-credentials=true",
+                f"--service-account-private-key-file={self.pki.sa_key}",
+                f"--root-ca-file={self.pki.ca_cert}"]
+        else:
+            kubeconfig = self.internal_kubeconfig
+            controllers = [f"--controllers={CONTROLLERS}",
+                           "--use-service-account-credentials=false"]
         proc = self._spawn("kube-controller-manager", [
             str(self.bins.path("kube-controller-manager")),
-            f"--kubeconfig={self.internal_kubeconfig}",
-            f"--controllers={CONTROLLERS}",
-            "--leader-elect=false", "--use-service-account-credentials=false",
+            f"--kubeconfig={kubeconfig}", *controllers, "--leader-elect=false",
             "--secure-port=0", f"--port={KCM_HEALTHZ_PORT}", "--address=127.0.0.1",
             "--profiling=false", FEATURE_GATES,
             *self.controller_manager_flags,
         ])
 
-        def healthy() -> bool:
-            conn = http.client.HTTPConnection("127.0.0.1", KCM_HEALTHZ_PORT, timeout=2)
-            with entered(self.namespace):
-                conn.connect()  # the socket is born in the cp namespace
-            try:
-                conn.request("GET", "/healthz")
-                return conn.getresponse().status == 200
-            finally:
-                conn.close()
-
-        self._wait(proc, healthy, "/healthz 200")
+        self._wait(proc, functools.partial(self._local_healthz, KCM_HEALTHZ_PORT),
+                   "/healthz 200")
         # /healthz answers before the controllers run. Until they do, the controller
         # manager reads the API's discovery, and an API server away then (a test's
         # restart) makes it exit for good; past this line it only retries.
         self._wait(proc, lambda: self._controllers_started(proc, offset),
                    "every controller started")
+
+    def _start_scheduler(self) -> None:
+        kubeconfig = self.identity_kubeconfig("system:kube-scheduler",
+                                              self.workdir / "scheduler.kubeconfig",
+                                              internal=True)
+        proc = self._spawn("kube-scheduler", [
+            str(self.bins.path("kube-scheduler")), f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--leader-elect=false", f"--port={SCHEDULER_HEALTHZ_PORT}", "--address=127.0.0.1",
+            "--secure-port=0", "--profiling=false"])
+        self._wait(proc, functools.partial(self._local_healthz, SCHEDULER_HEALTHZ_PORT),
+                   "/healthz 200")
+
+    def _local_healthz(self, port: int) -> bool:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        with entered(self.namespace):
+            conn.connect()  # the socket is born in the cp namespace
+        try:
+            conn.request("GET", "/healthz")
+            return conn.getresponse().status == 200
+        finally:
+            conn.close()
 
     def _controllers_started(self, proc: _Proc, offset: int) -> bool:
         with proc.log.open("rb") as f:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import base64
 import secrets
 import subprocess
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,27 +41,31 @@ class Pki:
     sa_pub: Path
     token: str  # bearer token of ADMIN_USER (system:masters)
     token_file: Path
+    # user -> bearer token, for the identities asked of make_pki (components, kubelets)
+    tokens: Mapping[str, str] = field(default_factory=dict)
 
-    def kubeconfig(self, server: str) -> dict[str, Any]:
+    def kubeconfig(self, server: str, user: str = ADMIN_USER) -> dict[str, Any]:
         ca = base64.b64encode(self.ca_cert.read_bytes()).decode()
+        token = self.token if user == ADMIN_USER else self.tokens[user]
         return {
             "apiVersion": "v1", "kind": "Config",
             "clusters": [{"name": "realcp", "cluster": {
                 "server": server, "certificate-authority-data": ca}}],
-            "users": [{"name": ADMIN_USER, "user": {"token": self.token}}],
-            "contexts": [{"name": "realcp", "context": {"cluster": "realcp",
-                                                         "user": ADMIN_USER}}],
+            "users": [{"name": user, "user": {"token": token}}],
+            "contexts": [{"name": "realcp", "context": {"cluster": "realcp", "user": user}}],
             "current-context": "realcp",
         }
 
-    def write_kubeconfig(self, path: Path, server: str) -> Path:
-        path.write_text(yaml.safe_dump(self.kubeconfig(server)), encoding="utf-8")
+    def write_kubeconfig(self, path: Path, server: str, user: str = ADMIN_USER) -> Path:
+        path.write_text(yaml.safe_dump(self.kubeconfig(server, user)), encoding="utf-8")
         path.chmod(0o600)
         return path
 
 
-def make_pki(directory: Path, ips: Sequence[str], dns: Sequence[str]) -> Pki:
-    """A CA, a serving certificate for `ips`/`dns`, a service-account key pair, a token."""
+def make_pki(directory: Path, ips: Sequence[str], dns: Sequence[str],
+             identities: Mapping[str, Sequence[str]] | None = None) -> Pki:
+    """A CA, a serving certificate for `ips`/`dns`, a service-account key pair, a token
+    for the admin and one for each of `identities` (user -> groups)."""
     directory.mkdir(parents=True, exist_ok=True)
     d = directory
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
@@ -80,7 +84,13 @@ def make_pki(directory: Path, ips: Sequence[str], dns: Sequence[str]) -> Pki:
     token = secrets.token_hex(24)
     token_file = d / "tokens.csv"
     # token,user,uid,"group1,group2": system:masters so that RBAC would not matter either.
-    token_file.write_text(f'{token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
+    lines = [f'{token},{ADMIN_USER},{ADMIN_USER},"system:masters"']
+    tokens = {}
+    for user, groups in (identities or {}).items():
+        tokens[user] = secrets.token_hex(24)
+        line = f"{tokens[user]},{user},{user}"
+        lines.append(f'{line},"{",".join(groups)}"' if groups else line)
+    token_file.write_text("\n".join(lines) + "\n")
     token_file.chmod(0o600)
     return Pki(d / "ca.crt", d / "server.crt", d / "server.key", d / "sa.key", d / "sa.pub",
-               token, token_file)
+               token, token_file, tokens)
