@@ -1,0 +1,242 @@
+"""A real Kubernetes v1.20.2 cluster on one machine: the real control plane
+(tests/realcp/) with kube-scheduler and every default controller, and real nodes
+(containerd + kubelet, tests/nodes/node.py) in two zones, running images built here.
+
+    cp ns: etcd, kube-apiserver 198.18.96.1:6443, controller manager, scheduler
+      spx-cpbr0 198.18.96.0/24 -- node-1 198.18.96.11  pods 198.18.64.0/24  zone-a
+                               -- node-2 198.18.96.12  pods 198.18.65.0/24  zone-a
+                               -- node-3 198.18.96.13  pods 198.18.66.0/24  zone-b
+                               -- outside 198.18.96.14 (a client that is no node)
+                               -- node-4 ... (add_node: a node joining later)
+    services 198.18.128.0/17 (the `kubernetes` Service is 198.18.128.1)
+
+Nodes have no service proxy: the test (or a person) applies one with kubectl, as on a
+cluster just made by kubeadm without its kube-proxy add-on. The images (sliceproxy's,
+built from the repo's Dockerfile, and the sandbox's pause) are imported into each node's
+containerd; nothing is pulled. `close()` tears everything down, and puts back the host
+sysctls kubelet changes at start (FINDINGS.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from proxy.lab.topology import delete_namespace, ip
+from tests.debian import CACHE_ROOT, locked
+from tests.nodes import images as imgs
+from tests.nodes.node import Node, NodeSpec, pod_range, sweep_stale
+from tests.realcp.build import PAUSE, Binaries
+from tests.realcp.controlplane import API_ADDR, API_PORT, ControlPlane
+from tests.realcp.rawapi import RawApi
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NODES = (NodeSpec("node-1", "zone-a", 0), NodeSpec("node-2", "zone-a", 1),
+                 NodeSpec("node-3", "zone-b", 2))
+SPARE_NODES = (NodeSpec("node-4", "zone-b", 3),)  # identities ready for nodes that join
+CLUSTER_CIDR = "198.18.64.0/19"
+# Host-wide sysctls kubelet v1.20 sets at start (setupKernelTunables).
+KUBELET_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic",
+                   "kernel/panic_on_oops", "kernel/keys/root_maxkeys",
+                   "kernel/keys/root_maxbytes")
+KUBECTL_PACKAGE = "kubernetes-client"  # Debian's kubectl, v1.20.2 like the server
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def kubectl_binary() -> Path:
+    """Debian's kubectl v1.20.2 (the server's version), unpacked into the cache, not
+    installed: the machine's own /usr/bin/kubectl is left alone."""
+    root = CACHE_ROOT / "kubectl"
+    binary = root / "usr" / "bin" / "kubectl"
+    with locked(CACHE_ROOT / "kubectl.lock"):
+        if not binary.exists():
+            root.mkdir(parents=True, exist_ok=True)
+            for old in root.glob("*.deb"):
+                old.unlink()
+            subprocess.run(["apt-get", "download", KUBECTL_PACKAGE], cwd=root, check=True,
+                           capture_output=True, timeout=300)
+            (deb,) = root.glob("*.deb")
+            subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True,
+                           capture_output=True, timeout=300)
+    return binary
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, what: str,
+               interval: float = 0.2) -> float:
+    """Poll `pred` until true; the seconds it took. Raises ClusterError after `timeout`."""
+    started = time.monotonic()
+    while not pred():
+        if time.monotonic() - started > timeout:
+            raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+    return time.monotonic() - started
+
+
+@dataclass
+class NodeCluster:
+    bins: Binaries
+    workdir: Path
+    specs: Sequence[NodeSpec] = DEFAULT_NODES
+    spare: Sequence[NodeSpec] = SPARE_NODES
+    cp: ControlPlane = field(init=False)
+    nodes: dict[str, Node] = field(init=False, default_factory=dict)
+    outside: str = field(init=False, default="")  # a client namespace that is no node
+    image: imgs.Image = field(init=False)
+    pause: imgs.Image = field(init=False)
+    kubectl_path: Path = field(init=False)
+    kubeconfig: Path = field(init=False)  # the admin's, for the host (forwarder)
+    timings: dict[str, float] = field(init=False, default_factory=dict)
+    _sysctls: dict[str, str] = field(init=False, default_factory=dict)
+
+    @property
+    def api(self) -> RawApi:
+        return RawApi(self.cp.host_url, token=self.cp.token, context=self.cp.ssl_context())
+
+    @property
+    def api_url(self) -> str:
+        """The API server as nodes reach it: what an operator writes in `master`."""
+        return f"https://{API_ADDR}:{API_PORT}"
+
+    def __enter__(self) -> NodeCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        sweep_stale()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        imgs.ensure_tools()
+        self.kubectl_path = kubectl_binary()
+        started = time.monotonic()
+        self.image = imgs.build_sliceproxy()
+        self.pause = imgs.build_pause(self.bins.path(PAUSE))
+        self.timings["images"] = time.monotonic() - started
+        for key in KUBELET_SYSCTLS:
+            with contextlib.suppress(OSError):
+                self._sysctls[key] = Path("/proc/sys", key).read_text().strip()
+        started = time.monotonic()
+        self.cp = ControlPlane(self.bins, with_nodes=True,
+                               node_names=[s.name for s in (*self.specs, *self.spare)])
+        self.cp.start()
+        self.kubeconfig = self.cp.host_kubeconfig
+        self.timings["control_plane"] = time.monotonic() - started
+        started = time.monotonic()
+        # Made one by one (addresses, routes), started together (the image import into
+        # each containerd is most of a node's start).
+        made = [self._make_node(spec) for spec in self.specs]
+        with ThreadPoolExecutor(len(made)) as pool:
+            for future in [pool.submit(self._start_node, n) for n in made]:
+                future.result()
+        self.outside = f"{self.cp.prefix}-outside"
+        ip("netns", "add", self.outside)
+        ip("-n", self.outside, "link", "set", "lo", "up")
+        self.cp.attach(self.outside)
+        for node in self.nodes.values():
+            self.wait_node_ready(node.name)
+        self.timings["nodes_ready"] = time.monotonic() - started
+
+    def add_node(self, spec: NodeSpec, *, wait: bool = True) -> Node:
+        """Make a node and start its containerd and kubelet; with `wait`, until Ready."""
+        node = self._make_node(spec)
+        self._start_node(node)
+        if wait:
+            self.wait_node_ready(spec.name)
+        return node
+
+    def _start_node(self, node: Node) -> None:
+        node.start([self.pause.archive, self.image.archive])
+
+    def _make_node(self, spec: NodeSpec) -> Node:
+        node = Node(spec, self.cp.prefix, self.workdir / spec.name,
+                    self.cp.identity_kubeconfig(f"system:node:{spec.name}",
+                                                self.workdir / f"{spec.name}.kubeconfig"),
+                    self.bins.path("kubelet"), self.pause.ref)
+        self.nodes[spec.name] = node
+        node.make_namespace()
+        node.address = self.cp.attach(node.netns)
+        # Every node (and the control plane, answering pods that reach the API server
+        # through the `kubernetes` Service) routes each node's pod range to that node.
+        for other in self.nodes.values():
+            if other is not node:
+                other.route_to(node)
+                node.route_to(other)
+        ip("-n", self.cp.namespace, "route", "replace", str(pod_range(spec.index)), "via",
+           str(node.address))
+        return node
+
+    def node_status(self, name: str) -> dict[str, Any] | None:
+        status, body = self.api.get(f"/api/v1/nodes/{name}")
+        return body if status == 200 else None
+
+    def wait_node_ready(self, name: str, timeout: float = 120.0) -> float:
+        def ready() -> bool:
+            node = self.nodes[name]
+            for daemon in ("containerd", "kubelet"):
+                proc = node._procs.get(daemon)
+                if proc is not None and proc.poll() is not None:
+                    raise ClusterError(f"{name}: {daemon} exited ({proc.returncode}):\n"
+                                       f"{node.log_tail(daemon)}")
+            body = self.node_status(name)
+            conds = (body or {}).get("status", {}).get("conditions") or []
+            return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+        try:
+            return wait_until(ready, timeout, f"node {name} Ready")
+        except ClusterError as exc:
+            raise ClusterError(f"{exc}; kubelet log:\n"
+                               f"{self.nodes[name].log_tail('kubelet')}") from None
+
+    def close(self) -> None:
+        for node in self.nodes.values():
+            node.stop()
+        self.nodes.clear()
+        if self.outside:
+            delete_namespace(self.outside)
+            self.outside = ""
+        if hasattr(self, "cp"):
+            self.cp.stop()
+        for key, value in self._sysctls.items():
+            with contextlib.suppress(OSError):
+                Path("/proc/sys", key).write_text(value)
+
+    # --- kubectl ------------------------------------------------------------------------
+
+    def kubectl(self, *args: str, stdin: str | None = None, check: bool = True,
+                timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run([str(self.kubectl_path), f"--kubeconfig={self.kubeconfig}",
+                               *args], input=stdin, capture_output=True, text=True,
+                              check=False, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise ClusterError(f"kubectl {' '.join(args)} exited {proc.returncode}: "
+                               f"{proc.stderr.strip()}")
+        return proc
+
+    def get_json(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", "-o", "json", *args).stdout)
+
+    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self.get_json("pods", "-n", namespace, "-l",
+                                                    selector)["items"]
+        return items
+
+    def pod_netns(self, pod: dict[str, Any]) -> str:
+        """The pod's network namespace, to send traffic from it (probe.ask takes a path)."""
+        return self.nodes[pod["spec"]["nodeName"]].pod_netns(pod["metadata"]["uid"])

@@ -1,0 +1,245 @@
+"""The images the real nodes run, built here with buildah: nothing can be pulled.
+
+* `debian:bookworm-slim` (the Dockerfile's base) stands in for the registry's image: a
+  minbase root file system made by mmdebstrap from Debian's own packages, with the same
+  path excludes the official slim image uses (docs, man pages, locales), imported under
+  the name the Dockerfile asks for. `--pull-never` then builds from it.
+* sliceproxy's image: `buildah bud` of the repo's own `Dockerfile` and build context, as
+  an operator builds it. The build's RUN steps reach Debian's mirror and PyPI through the
+  host's network; the host's CA bundle and a pip.conf naming it are mounted into those
+  steps only, for machines whose HTTPS goes through an intercepting proxy (these do).
+* the pod sandbox (`pause`): the static binary built from the Kubernetes tree
+  (tests/realcp/build.py), alone in an image.
+
+Everything lives in buildah's own storage under the cache (outside the clone), so layers
+are reused between runs; an image is exported once per content digest as a
+docker-archive that `ctr images import` reads.
+
+    python -m tests.nodes.images      # build (or reuse) every image; print sizes and times
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.debian import CACHE_ROOT, locked
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+CACHE = CACHE_ROOT / "images"
+STORAGE = ("--root", str(CACHE / "storage"), "--runroot", str(CACHE / "run"),
+           "--storage-driver", "overlay")
+BASE_REF = "docker.io/library/debian:bookworm-slim"
+SLICEPROXY_REPO = "localhost/sliceproxy"
+PAUSE_REF = "localhost/pause:3.4.1"
+APT_PACKAGES = ("buildah", "mmdebstrap", "containerd", "runc", "containernetworking-plugins")
+# What the official slim images leave out (debuerreotype's --slim list).
+SLIM_EXCLUDES = ("/usr/share/doc/*", "/usr/share/man/*", "/usr/share/info/*",
+                 "/usr/share/locale/*", "/usr/share/lintian/*", "/usr/share/linda/*",
+                 "/usr/share/groff/*")
+SLIM_INCLUDES = ("/usr/share/doc/*/copyright", "/usr/share/locale/locale.alias")
+HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
+# Where the build steps see it: not under /etc/ssl, which packages installed there own.
+BUILD_CA = "/spx-lab/ca.crt"
+
+
+class ImageError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Image:
+    ref: str  # e.g. localhost/sliceproxy:3f2a...
+    archive: Path  # docker-archive for `ctr images import`
+    size: str  # uncompressed, as buildah reports it
+    build_seconds: float  # this call's build (0 when the export was cached)
+    built_now: bool
+
+
+def _run(cmd: Sequence[str], *, timeout: float = 1800,
+         env: dict[str, str] | None = None) -> str:
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, check=False,
+                          timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise ImageError(f"{' '.join(cmd)} exited {proc.returncode}:\n"
+                         f"{(proc.stdout + proc.stderr)[-3000:]}")
+    return proc.stdout
+
+
+def buildah(*args: str, timeout: float = 1800) -> str:
+    return _run(["buildah", *STORAGE, *args], timeout=timeout)
+
+
+def ensure_tools() -> None:
+    """Install the builder and node packages (Debian's) if missing."""
+    from tests.debian import dpkg_installed
+
+    missing = [p for p in APT_PACKAGES if not dpkg_installed(p)]
+    if not missing:
+        return
+    with locked(CACHE_ROOT / "apt.lock"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        _run(["apt-get", "update", "-qq"], env=env)
+        _run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing], env=env)
+
+
+def _exists(ref: str) -> bool:
+    proc = subprocess.run(["buildah", *STORAGE, "inspect", "--type", "image", ref],
+                          capture_output=True, check=False)
+    return proc.returncode == 0
+
+
+def size_of(ref: str) -> str:
+    """The image's size as buildah reports it (uncompressed, e.g. "409 MB")."""
+    out = json.loads(buildah("images", "--json", ref))
+    return str(out[0]["size"])
+
+
+def base_image() -> float:
+    """Make `debian:bookworm-slim` from Debian's packages unless it is there; seconds spent."""
+    if _exists(BASE_REF):
+        return 0.0
+    started = time.monotonic()
+    tar = CACHE / "bookworm-slim.tar"
+    opts = [f"--dpkgopt=path-exclude={p}" for p in SLIM_EXCLUDES]
+    opts += [f"--dpkgopt=path-include={p}" for p in SLIM_INCLUDES]
+    _run(["mmdebstrap", "--variant=minbase", "--format=tar", "--quiet",
+          "--hook-dir=/usr/share/mmdebstrap/hooks/merged-usr", *opts, "bookworm", str(tar)])
+    ctr = buildah("from", "scratch").strip()
+    try:
+        buildah("add", ctr, str(tar), "/")
+        buildah("config", "--cmd", "bash", "--env",
+                "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", ctr)
+        buildah("commit", "--quiet", ctr, BASE_REF)
+    finally:
+        buildah("rm", ctr)
+        tar.unlink(missing_ok=True)
+    return time.monotonic() - started
+
+
+def context_digest(root: Path = ROOT) -> str:
+    """A digest of what `buildah bud` sends: the Dockerfile and its build context."""
+    h = hashlib.sha256()
+    files = [root / "Dockerfile", root / ".dockerignore", root / "pyproject.toml",
+             root / "README.md", *sorted((root / "proxy").rglob("*"))]
+    for f in files:
+        if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc":
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _export(ref: str, name: str) -> Path:
+    archive = CACHE / "archives" / f"{name}.tar"
+    if not archive.exists():
+        archive.parent.mkdir(parents=True, exist_ok=True)
+        tmp = archive.with_suffix(".tmp")
+        tmp.unlink(missing_ok=True)
+        buildah("push", "--quiet", ref, f"docker-archive:{tmp}:{ref}")
+        tmp.replace(archive)
+    return archive
+
+
+def build_sliceproxy(root: Path = ROOT, tag: str | None = None, *,
+                     layers: bool = True) -> Image:
+    """The image of the repo's Dockerfile, tagged with its context digest by default."""
+    tag = tag or context_digest(root)
+    ref = f"{SLICEPROXY_REPO}:{tag}"
+    with locked(CACHE / "build.lock"):
+        base_image()
+        built, seconds = False, 0.0
+        if not _exists(ref):
+            pipconf = CACHE / "pip.conf"
+            pipconf.write_text(f"[global]\ncert = {BUILD_CA}\n")
+            started = time.monotonic()
+            buildah("bud", "--quiet", "--pull-never", "--network", "host",
+                    f"--layers={'true' if layers else 'false'}",
+                    "-v", f"{HOST_CA}:{BUILD_CA}:ro", "-v", f"{pipconf}:/etc/pip.conf:ro",
+                    "-t", ref, "-f", str(root / "Dockerfile"), str(root))
+            seconds, built = time.monotonic() - started, True
+        archive = _export(ref, f"sliceproxy-{tag}")
+        return Image(ref, archive, size_of(ref), seconds, built)
+
+
+def retag(image: Image, suffix: str) -> Image:
+    """The same image under the tag `<tag>-<suffix>` (a new image reference to roll to)."""
+    ref = f"{image.ref}-{suffix}"
+    with locked(CACHE / "build.lock"):
+        if not _exists(ref):
+            buildah("tag", image.ref, ref)
+        archive = _export(ref, ref.rsplit("/", 1)[-1].replace(":", "-"))
+    return Image(ref, archive, image.size, 0.0, False)
+
+
+def build_pause(pause_binary: Path) -> Image:
+    """The pod sandbox image: the static pause binary, alone."""
+    digest = hashlib.sha256(pause_binary.read_bytes()).hexdigest()[:16]
+    with locked(CACHE / "build.lock"):
+        built, seconds = False, 0.0
+        stamp = CACHE / f"pause-{digest}.built"
+        if not (_exists(PAUSE_REF) and stamp.exists()):
+            started = time.monotonic()
+            ctr = buildah("from", "scratch").strip()
+            try:
+                buildah("copy", "--chmod", "0755", ctr, str(pause_binary), "/pause")
+                buildah("config", "--entrypoint", '["/pause"]', "--user", "65535:65535", ctr)
+                buildah("commit", "--quiet", "--rm", ctr, PAUSE_REF)
+            except ImageError:
+                subprocess.run(["buildah", *STORAGE, "rm", ctr], capture_output=True,
+                               check=False)
+                raise
+            (CACHE / "archives" / f"pause-{digest}.tar").unlink(missing_ok=True)
+            stamp.write_text("")
+            seconds, built = time.monotonic() - started, True
+        archive = _export(PAUSE_REF, f"pause-{digest}")
+        return Image(PAUSE_REF, archive, size_of(PAUSE_REF), seconds, built)
+
+
+def forget(ref: str) -> None:
+    """Remove an image and its exported archive (a cold-build measurement)."""
+    subprocess.run(["buildah", *STORAGE, "rmi", "-f", ref], capture_output=True, check=False)
+    for archive in (CACHE / "archives").glob("*.tar"):
+        if ref.rsplit(":", 1)[-1] in archive.name:
+            archive.unlink()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    from tests.realcp.build import PAUSE, build
+
+    parser = argparse.ArgumentParser(prog="python -m tests.nodes.images")
+    parser.add_argument("--cold", action="store_true",
+                        help="drop the cached layers first (measures a cold build)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    ensure_tools()
+    if args.cold:
+        shutil.rmtree(CACHE / "archives", ignore_errors=True)
+        subprocess.run(["buildah", *STORAGE, "rmi", "-a", "-f"], capture_output=True,
+                       check=False)
+    started = time.monotonic()
+    base = base_image()
+    image = build_sliceproxy()
+    pause = build_pause(build().path(PAUSE))
+    for img in (image, pause):
+        print(f"{img.ref}: {img.size} ({img.archive.stat().st_size / 2**20:.0f} MiB archive), "
+              f"built in {img.build_seconds:.1f}s"
+              f"{'' if img.built_now else ' (cached)'}; {img.archive}")
+    print(f"base {BASE_REF}: {size_of(BASE_REF)}, made in {base:.1f}s; "
+          f"total {time.monotonic() - started:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
