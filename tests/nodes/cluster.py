@@ -48,7 +48,8 @@ CLUSTER_CIDR = "198.18.64.0/19"
 KUBELET_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic",
                    "kernel/panic_on_oops", "kernel/keys/root_maxkeys",
                    "kernel/keys/root_maxbytes")
-KUBECTL_PACKAGE = "kubernetes-client"  # Debian's kubectl, v1.20.2 like the server
+KUBECTL_PACKAGE = "kubernetes-client"
+LIB_MODULES = Path("/lib/modules")  # Debian's kubectl, v1.20.2 like the server
 
 
 class ClusterError(RuntimeError):
@@ -90,15 +91,20 @@ class NodeCluster:
     workdir: Path
     specs: Sequence[NodeSpec] = DEFAULT_NODES
     spare: Sequence[NodeSpec] = SPARE_NODES
+    # Also import kube-proxy v1.20.2's image (localhost/kube-proxy:v1.20.2) into every
+    # node, for kubeadm's kube-proxy add-on (tests/nodes/kubeadm.py).
+    with_kube_proxy: bool = False
     cp: ControlPlane = field(init=False)
     nodes: dict[str, Node] = field(init=False, default_factory=dict)
     outside: str = field(init=False, default="")  # a client namespace that is no node
     image: imgs.Image = field(init=False)
     pause: imgs.Image = field(init=False)
+    kube_proxy: imgs.Image | None = field(init=False, default=None)
     kubectl_path: Path = field(init=False)
     kubeconfig: Path = field(init=False)  # the admin's, for the host (forwarder)
     timings: dict[str, float] = field(init=False, default_factory=dict)
     _sysctls: dict[str, str] = field(init=False, default_factory=dict)
+    _made_lib_modules: bool = field(init=False, default=False)
 
     @property
     def api(self) -> RawApi:
@@ -128,7 +134,14 @@ class NodeCluster:
         started = time.monotonic()
         self.image = imgs.build_sliceproxy()
         self.pause = imgs.build_pause(self.bins.path(PAUSE))
+        if self.with_kube_proxy:
+            self.kube_proxy = imgs.build_kube_proxy(self.bins.path("kube-proxy"))
         self.timings["images"] = time.monotonic() - started
+        # Every real node has it, and kube-proxy's DaemonSet mounts it (hostPath); this
+        # machine's kernel has no modules directory at all.
+        if not LIB_MODULES.exists():
+            LIB_MODULES.mkdir(parents=True)
+            self._made_lib_modules = True
         for key in KUBELET_SYSCTLS:
             with contextlib.suppress(OSError):
                 self._sysctls[key] = Path("/proc/sys", key).read_text().strip()
@@ -162,7 +175,8 @@ class NodeCluster:
         return node
 
     def _start_node(self, node: Node) -> None:
-        node.start([self.pause.archive, self.image.archive])
+        images = [self.pause, self.image, *([self.kube_proxy] if self.kube_proxy else [])]
+        node.start([i.archive for i in images])
 
     def _make_node(self, spec: NodeSpec) -> Node:
         node = Node(spec, self.cp.prefix, self.workdir / spec.name,
@@ -216,6 +230,10 @@ class NodeCluster:
         for key, value in self._sysctls.items():
             with contextlib.suppress(OSError):
                 Path("/proc/sys", key).write_text(value)
+        if self._made_lib_modules:
+            with contextlib.suppress(OSError):
+                LIB_MODULES.rmdir()
+            self._made_lib_modules = False
 
     # --- kubectl ------------------------------------------------------------------------
 

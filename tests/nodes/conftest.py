@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,8 +26,9 @@ LONG = bool(os.environ.get("SLICEPROXY_NODES_LONG"))
 report: list[str] = []
 
 
-@pytest.fixture(scope="session")
-def node_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeCluster]:
+@contextmanager
+def started_cluster(workdir: Path, **options: Any) -> Iterator[NodeCluster]:
+    """A cluster for one module (each module starts from nodes no proxy ran on)."""
     if os.geteuid() != 0:
         pytest.skip("real nodes run in network namespaces and need root (CI runs as root)")
     try:
@@ -32,7 +36,7 @@ def node_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeClust
     except BuildError as exc:
         pytest.fail(f"building Kubernetes v1.20.2 from Debian's source failed: {exc}",
                     pytrace=False)
-    cluster = NodeCluster(bins, tmp_path_factory.mktemp("nodes"))
+    cluster = NodeCluster(bins, workdir, **options)
     try:
         cluster.start()
     except (ClusterError, ControlPlaneError, ImageError, NodeError) as exc:
@@ -42,14 +46,22 @@ def node_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeClust
         cluster.close()
         raise
     img = cluster.image
-    report.append(f"image {img.ref}: {img.size}, "
-                  + (f"built in {img.build_seconds:.0f}s" if img.built_now else "cached"))
+    line = (f"image {img.ref}: {img.size}, "
+            + (f"built in {img.build_seconds:.0f}s" if img.built_now else "cached"))
+    if line not in report:
+        report.append(line)
     report.append("cluster up: " + ", ".join(f"{k} {v:.1f}s"
                                              for k, v in cluster.timings.items()))
     try:
         yield cluster
     finally:
         cluster.close()
+
+
+@pytest.fixture(scope="module")
+def node_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeCluster]:
+    with started_cluster(tmp_path_factory.mktemp("nodes")) as cluster:
+        yield cluster
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

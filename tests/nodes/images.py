@@ -10,6 +10,9 @@
   steps only, for machines whose HTTPS goes through an intercepting proxy (these do).
 * the pod sandbox (`pause`): the static binary built from the Kubernetes tree
   (tests/realcp/build.py), alone in an image.
+* kube-proxy v1.20.2 as kubeadm runs it (`<repository>/kube-proxy:v1.20.2`): upstream's
+  image is Debian with iptables, conntrack and ipset beside the binary; this one is the
+  same on `debian:bookworm-slim`, with the binary from the same source build.
 
 Everything lives in buildah's own storage under the cache (outside the clone), so layers
 are reused between runs; an image is exported once per content digest as a
@@ -43,6 +46,9 @@ STORAGE = ("--root", str(CACHE / "storage"), "--runroot", str(CACHE / "run"),
 BASE_REF = "docker.io/library/debian:bookworm-slim"
 SLICEPROXY_REPO = "localhost/sliceproxy"
 PAUSE_REF = "localhost/pause:3.4.1"
+# kubeadm names it <imageRepository>/kube-proxy:<version>; the lab's repository is this.
+IMAGE_REPOSITORY = "localhost"
+KUBE_PROXY_REF = f"{IMAGE_REPOSITORY}/kube-proxy:v1.20.2"
 APT_PACKAGES = ("buildah", "mmdebstrap", "containerd", "runc", "containernetworking-plugins")
 # What the official slim images leave out (debuerreotype's --slim list).
 SLIM_EXCLUDES = ("/usr/share/doc/*", "/usr/share/man/*", "/usr/share/info/*",
@@ -205,6 +211,35 @@ def build_pause(pause_binary: Path) -> Image:
         return Image(PAUSE_REF, archive, size_of(PAUSE_REF), seconds, built)
 
 
+def build_kube_proxy(binary: Path) -> Image:
+    """kube-proxy's image: the binary on debian:bookworm-slim with the tools it calls."""
+    digest = hashlib.sha256(binary.read_bytes()).hexdigest()[:16]
+    with locked(CACHE / "build.lock"):
+        base_image()
+        built, seconds = False, 0.0
+        stamp = CACHE / f"kube-proxy-{digest}.built"
+        if not (_exists(KUBE_PROXY_REF) and stamp.exists()):
+            started = time.monotonic()
+            ctr = buildah("from", "--pull-never", BASE_REF).strip()
+            try:
+                buildah("run", "--network", "host", ctr, "--", "sh", "-c",
+                        "apt-get update -qq && apt-get install -y -qq --no-install-recommends "
+                        "iptables conntrack ipset kmod >/dev/null && rm -rf /var/lib/apt/lists/*")
+                buildah("copy", "--chmod", "0755", ctr, str(binary),
+                        "/usr/local/bin/kube-proxy")
+                buildah("config", "--entrypoint", '["/usr/local/bin/kube-proxy"]', ctr)
+                buildah("commit", "--quiet", "--rm", ctr, KUBE_PROXY_REF)
+            except ImageError:
+                subprocess.run(["buildah", *STORAGE, "rm", ctr], capture_output=True,
+                               check=False)
+                raise
+            (CACHE / "archives" / f"kube-proxy-{digest}.tar").unlink(missing_ok=True)
+            stamp.write_text("")
+            seconds, built = time.monotonic() - started, True
+        archive = _export(KUBE_PROXY_REF, f"kube-proxy-{digest}")
+        return Image(KUBE_PROXY_REF, archive, size_of(KUBE_PROXY_REF), seconds, built)
+
+
 def forget(ref: str) -> None:
     """Remove an image and its exported archive (a cold-build measurement)."""
     subprocess.run(["buildah", *STORAGE, "rmi", "-f", ref], capture_output=True, check=False)
@@ -232,7 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = base_image()
     image = build_sliceproxy()
     pause = build_pause(build().path(PAUSE))
-    for img in (image, pause):
+    kube_proxy = build_kube_proxy(build().path("kube-proxy"))
+    for img in (image, pause, kube_proxy):
         print(f"{img.ref}: {img.size} ({img.archive.stat().st_size / 2**20:.0f} MiB archive), "
               f"built in {img.build_seconds:.1f}s"
               f"{'' if img.built_now else ' (cached)'}; {img.archive}")

@@ -14,131 +14,62 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
-from proxy.lab import probe
 from tests.nodes import workload as wl
-from tests.nodes.cluster import ClusterError, NodeCluster, wait_until
-from tests.nodes.conftest import LONG, report
+from tests.nodes.cluster import NodeCluster, wait_until
+from tests.nodes.conftest import report
 from tests.nodes.images import retag
 from tests.nodes.node import NodeSpec
+from tests.nodes.scenario import Workload, asks, eventually_served, ready, rollout_status
+from tests.nodes.traffic import Clients
 from tests.realcp.controlplane import KUBERNETES_SERVICE_IP
 from tests.realcp.nodes import http_get
 
 pytestmark = [pytest.mark.nodes, pytest.mark.root, pytest.mark.slow]
 
 DS_NS, DS_NAME = "sliceproxy", "sliceproxy"
-CONVERGE = 60.0
-ASKS = 60 if LONG else 20  # fresh connections per client and check
-
-
-@dataclass
-class Deployed:
-    cluster: NodeCluster
-    apply_to_ready: float
-    echo: dict[str, str] = field(default_factory=dict)  # pod name -> node
-    clients: dict[str, str] = field(default_factory=dict)  # node -> netns path
-    ips: dict[str, str] = field(default_factory=dict)  # service -> cluster IP
-
-    def agents(self) -> list[dict[str, Any]]:
-        return self.cluster.pods(DS_NS, "app.kubernetes.io/name=sliceproxy")
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    statuses = pod.get("status", {}).get("containerStatuses") or []
-    return bool(statuses) and all(s.get("ready") for s in statuses)
 
 
 def rollout(cluster: NodeCluster, timeout: float = 180) -> None:
-    cluster.kubectl("-n", DS_NS, "rollout", "status", f"ds/{DS_NAME}",
-                    f"--timeout={int(timeout)}s", timeout=timeout + 30)
+    rollout_status(cluster, DS_NS, f"ds/{DS_NAME}", timeout)
+
+
+def agents(cluster: NodeCluster) -> list[dict[str, Any]]:
+    return cluster.pods(DS_NS, "app.kubernetes.io/name=sliceproxy")
 
 
 @pytest.fixture(scope="module")
-def deployed(node_cluster: NodeCluster) -> Iterator[Deployed]:
+def deployed(node_cluster: NodeCluster) -> Iterator[Workload]:
     c = node_cluster
     manifest = wl.shipped_daemonset(c.image.ref, c.api_url)
     started = time.monotonic()
     c.kubectl("apply", "-f", "-", stdin=manifest)
     rollout(c)
-    d = Deployed(c, time.monotonic() - started)
-    report.append(f"kubectl apply -> every agent Ready: {d.apply_to_ready:.1f}s")
-    yield d
+    report.append(f"kubectl apply -> every agent Ready: {time.monotonic() - started:.1f}s")
+    yield Workload(c)
     c.kubectl("delete", "-f", "-", "--wait=false", stdin=manifest, check=False)
 
 
 @pytest.fixture(scope="module")
-def workload(deployed: Deployed) -> Deployed:
-    c = deployed.cluster
-    replicas = 2 * len(c.nodes)
-    c.kubectl("apply", "-f", "-", stdin=wl.as_list(
-        wl.namespace(), wl.echo_deployment(c.image.ref, replicas), *wl.services(),
-        *(wl.client_pod(n, c.pause.ref) for n in c.nodes)))
-    c.kubectl("-n", wl.NAMESPACE, "rollout", "status", f"deploy/{wl.APP}", "--timeout=180s",
-              timeout=210)
-    wait_until(lambda: all(_ready(p) for p in c.pods(wl.NAMESPACE, "app=client"))
-               and len(c.pods(wl.NAMESPACE, "app=client")) == len(c.nodes), 120,
-               "client pods Running")
-    refresh(deployed)
+def workload(deployed: Workload) -> Workload:
+    deployed.deploy()
     return deployed
-
-
-def refresh(d: Deployed) -> None:
-    c = d.cluster
-    d.echo = {p["metadata"]["name"]: p["spec"]["nodeName"]
-              for p in c.pods(wl.NAMESPACE, "app=echo") if _ready(p)}
-    d.clients = {p["spec"]["nodeName"]: c.pod_netns(p)
-                 for p in c.pods(wl.NAMESPACE, "app=client") if _ready(p)}
-    for svc in c.get_json("services", "-n", wl.NAMESPACE)["items"]:
-        d.ips[svc["metadata"]["name"]] = svc["spec"]["clusterIP"]
-
-
-def asks(netns: str, ip: str, port: int, proto: str = "tcp",
-         count: int = ASKS) -> Counter[str]:
-    return probe.ask(netns, ip, port, proto, count=count, timeout=2.0)
-
-
-def eventually_served(netns: str, ip: str, port: int, want: set[str], proto: str = "tcp",
-                      what: str = "") -> Counter[str]:
-    """Poll until rounds of fresh connections are all answered by pods of `want` and,
-    over those rounds, every pod of `want` has answered (the agent may still be syncing
-    the newest endpoints). Returns the answers of those rounds; fails with the last."""
-    last: Counter[str] = Counter()
-    seen: Counter[str] = Counter()
-
-    def ok() -> bool:
-        nonlocal last
-        last = asks(netns, ip, port, proto)
-        if not set(last) <= want:
-            seen.clear()
-            return False
-        seen.update(last)
-        return set(seen) == want
-
-    try:
-        wait_until(ok, CONVERGE, what or f"{ip}:{port}/{proto}", interval=0.2)
-    except ClusterError as exc:
-        raise AssertionError(f"{exc}: answered {dict(last)} (so far {dict(seen)}), want "
-                             f"every one of {sorted(want)} and nothing else") from None
-    return seen
 
 
 # --- the agents ---------------------------------------------------------------------------
 
 
-def test_one_ready_agent_per_node_on_its_service_account(deployed: Deployed) -> None:
+def test_one_ready_agent_per_node_on_its_service_account(deployed: Workload) -> None:
     c = deployed.cluster
-    agents = deployed.agents()
-    assert sorted(p["spec"]["nodeName"] for p in agents) == sorted(c.nodes)
-    for pod in agents:
-        assert _ready(pod), pod["status"]
+    running = agents(c)
+    assert sorted(p["spec"]["nodeName"] for p in running) == sorted(c.nodes)
+    for pod in running:
+        assert ready(pod), pod["status"]
         (status,) = pod["status"]["containerStatuses"]
         assert status["restartCount"] == 0, status
         assert status["image"].endswith(c.image.ref.split("/", 1)[1])
@@ -154,9 +85,9 @@ def test_one_ready_agent_per_node_on_its_service_account(deployed: Deployed) -> 
         assert "level=error" not in logs and "forbidden" not in logs.lower(), logs
 
 
-def test_metrics_and_dump_on_every_node(deployed: Deployed) -> None:
+def test_metrics_and_dump_on_every_node(deployed: Workload) -> None:
     c = deployed.cluster
-    for pod in deployed.agents():
+    for pod in agents(deployed.cluster):
         node = c.nodes[pod["spec"]["nodeName"]]
         # /metrics stays on the node's loopback (the ConfigMap's metrics-bind-address).
         status, body = http_get(node.netns, "127.0.0.1", 10249, "/metrics")
@@ -176,17 +107,13 @@ def test_metrics_and_dump_on_every_node(deployed: Deployed) -> None:
 # --- traffic from real pods ---------------------------------------------------------------
 
 
-def test_cluster_ip_tcp_and_udp_from_pods_on_every_node(workload: Deployed) -> None:
-    d = workload
-    assert len(d.echo) == 2 * len(d.cluster.nodes)
+def test_cluster_ip_tcp_and_udp_from_pods_on_every_node(workload: Workload) -> None:
+    assert len(workload.echo) == 2 * len(workload.cluster.nodes)
     # Every pod of the Deployment answers, on every node, and nothing else does.
-    for node, netns in sorted(d.clients.items()):
-        for proto, port in (("tcp", 80), ("udp", 81)):
-            eventually_served(netns, d.ips["echo"], port, set(d.echo), proto,
-                              f"echo {proto} from a pod on {node}")
+    workload.check_cluster_ip("iptables mode")
 
 
-def test_node_port_from_outside_the_cluster_to_every_node(workload: Deployed) -> None:
+def test_node_port_from_outside_the_cluster_to_every_node(workload: Workload) -> None:
     d = workload
     for node in d.cluster.nodes.values():
         eventually_served(d.cluster.outside, str(node.address), wl.NODE_PORT, set(d.echo),
@@ -194,7 +121,7 @@ def test_node_port_from_outside_the_cluster_to_every_node(workload: Deployed) ->
 
 
 def test_external_traffic_policy_local_answers_only_with_local_pods(
-        workload: Deployed) -> None:
+        workload: Workload) -> None:
     d = workload
     for node in d.cluster.nodes.values():
         local = {p for p, n in d.echo.items() if n == node.name}
@@ -203,7 +130,7 @@ def test_external_traffic_policy_local_answers_only_with_local_pods(
                           what=f"Local NodePort on {node.name}")
 
 
-def test_topology_preference_keeps_traffic_on_the_node(workload: Deployed) -> None:
+def test_topology_preference_keeps_traffic_on_the_node(workload: Workload) -> None:
     d = workload
     for node, netns in d.clients.items():
         local = {p for p, n in d.echo.items() if n == node}
@@ -212,7 +139,7 @@ def test_topology_preference_keeps_traffic_on_the_node(workload: Deployed) -> No
 
 
 def test_a_pod_reaches_the_api_server_through_the_kubernetes_service(
-        workload: Deployed) -> None:
+        workload: Workload) -> None:
     c = workload.cluster
     pod = next(iter(workload.echo))
     # The pod's own service account token and CA, at the address the kubelet gave it
@@ -234,7 +161,7 @@ def test_a_pod_reaches_the_api_server_through_the_kubernetes_service(
 # --- a node with no rules of anyone -------------------------------------------------------
 
 
-def test_a_fourth_node_without_any_rules_serves_within_30s(workload: Deployed) -> None:
+def test_a_fourth_node_without_any_rules_serves_within_30s(workload: Workload) -> None:
     c = workload.cluster
     spec = NodeSpec("node-4", "zone-b", 3)
     node = c.add_node(spec, wait=False)
@@ -246,7 +173,7 @@ def test_a_fourth_node_without_any_rules_serves_within_30s(workload: Deployed) -
 
     def served() -> bool:
         pods = [p for p in c.pods(wl.NAMESPACE, "app=client")
-                if p["spec"]["nodeName"] == spec.name and _ready(p)]
+                if p["spec"]["nodeName"] == spec.name and ready(p)]
         if not pods:
             return False
         got = asks(c.pod_netns(pods[0]), workload.ips["echo"], 80, count=3)
@@ -260,9 +187,9 @@ def test_a_fourth_node_without_any_rules_serves_within_30s(workload: Deployed) -
     assert since_kubelet <= 30.0, f"{since_kubelet:.1f}s from kubelet start to traffic"
 
     def agent_ready() -> bool:
-        agents = [p for p in workload.agents() if p["spec"]["nodeName"] == spec.name]
-        assert len(agents) <= 1, agents
-        return bool(agents) and _ready(agents[0])
+        mine = [p for p in agents(c) if p["spec"]["nodeName"] == spec.name]
+        assert len(mine) <= 1, mine
+        return bool(mine) and ready(mine[0])
 
     # Ready follows through its readiness probe (every 5 s in the shipped manifest).
     wait_until(agent_ready, 60, "the new node's agent Ready")
@@ -273,97 +200,49 @@ def test_a_fourth_node_without_any_rules_serves_within_30s(workload: Deployed) -
 # --- a rollout with traffic flowing -------------------------------------------------------
 
 
-class Clients:
-    """Each client pod opens fresh TCP connections to the ClusterIP back to back and
-    holds one long-lived connection, asked every round; counts what failed."""
-
-    def __init__(self, d: Deployed) -> None:
-        self.d = d
-        self.stop = threading.Event()
-        self.attempts = 0
-        self.failures: list[tuple[float, str, str]] = []
-        self.broken_long: list[str] = []
-        self.threads = [threading.Thread(target=self._run, args=(n, ns), daemon=True)
-                        for n, ns in d.clients.items()]
-
-    def _run(self, node: str, netns: str) -> None:
-        ip = self.d.ips["echo"]
-        names = set(self.d.echo)
-        flow = probe.Flow(netns, ip, 80)
-        first = flow.ask()
-        try:
-            while not self.stop.is_set():
-                answer = probe.ask_once(netns, ip, 80, timeout=2.0)
-                self.attempts += 1
-                if answer not in names:
-                    self.failures.append((time.monotonic(), node, answer))
-                try:
-                    if flow.ask() != first:
-                        self.broken_long.append(f"{node}: moved")
-                        return
-                except OSError as exc:
-                    self.broken_long.append(f"{node}: {exc}")
-                    return
-                time.sleep(0.02)  # pacing of the load, not synchronisation
-        finally:
-            flow.close()
-
-    def __enter__(self) -> Clients:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(30)
-
-
-def test_a_rollout_to_a_new_image_drops_no_connection(workload: Deployed) -> None:
+def test_a_rollout_to_a_new_image_drops_no_connection(workload: Workload) -> None:
     c = workload.cluster
-    refresh(workload)
+    workload.refresh()
     # The same build under a new name: what a rollout replaces is the pods.
-    new_ref = retag(c.image, "rollout").ref
+    new = retag(c.image, "rollout")
     for node in c.nodes.values():
-        node.import_image(retag(c.image, "rollout").archive)
-    before = {p["metadata"]["uid"] for p in workload.agents()}
-    with Clients(workload) as clients:
+        node.import_image(new.archive)
+    before = {p["metadata"]["uid"] for p in agents(c)}
+    with Clients(workload.clients, workload.ips["echo"], set(workload.echo)) as clients:
         started = time.monotonic()
-        c.kubectl("-n", DS_NS, "set", "image", f"ds/{DS_NAME}", f"sliceproxy={new_ref}")
+        c.kubectl("-n", DS_NS, "set", "image", f"ds/{DS_NAME}", f"sliceproxy={new.ref}")
         rollout(c, timeout=300)
         took = time.monotonic() - started
         # Keep the clients going a little after the last agent is Ready.
         wait_until(lambda: time.monotonic() - started > took + 3, 10, "traffic after")
-    agents = workload.agents()
-    assert not before & {p["metadata"]["uid"] for p in agents}
-    assert all(p["spec"]["containers"][0]["image"] == new_ref for p in agents)
-    report.append(f"rollout to a new image over {len(agents)} nodes: {took:.1f}s, "
-                  f"{clients.attempts} connections, {len(clients.failures)} failed, "
-                  f"{len(clients.broken_long)} long-lived broken")
-    assert clients.attempts > 50
-    assert clients.failures == [], clients.failures[:10]
-    assert clients.broken_long == []
+    after = agents(c)
+    assert not before & {p["metadata"]["uid"] for p in after}
+    assert all(p["spec"]["containers"][0]["image"] == new.ref for p in after)
+    t = clients.tally
+    report.append(f"rollout to a new image over {len(after)} nodes: {took:.1f}s, "
+                  f"{t.summary()}")
+    assert t.attempts > 50
+    assert t.failures == [], t.failures[:10]
+    assert t.broken_long == []
+    assert t.udp_moved == [] and t.udp_unanswered == 0
 
 
 # --- nftables mode ------------------------------------------------------------------------
 
 
-def test_nftables_mode_by_the_configmap(workload: Deployed) -> None:
+def test_nftables_mode_by_the_configmap(workload: Workload) -> None:
     c = workload.cluster
-    ref = workload.agents()[0]["spec"]["containers"][0]["image"]
+    ref = agents(workload.cluster)[0]["spec"]["containers"][0]["image"]
     c.kubectl("apply", "-f", "-", stdin=wl.shipped_daemonset(ref, c.api_url, "nftables"))
     c.kubectl("-n", DS_NS, "rollout", "restart", f"ds/{DS_NAME}")
     rollout(c, timeout=300)
-    refresh(workload)
+    workload.refresh()
     for node in c.nodes.values():
         tables = node.exec(["nft", "list", "tables"]).stdout
         assert "ip sliceproxy" in tables, tables
         nat = node.exec(["iptables-save", "-t", "nat"]).stdout
         assert "SPX-" not in nat, "the iptables mode's chains were not cleaned up"
-    for name, netns in sorted(workload.clients.items()):
-        for proto, port in (("tcp", 80), ("udp", 81)):
-            eventually_served(netns, workload.ips["echo"], port, set(workload.echo), proto,
-                              f"echo {proto} from {name} in nftables mode")
+    workload.check_cluster_ip("nftables mode")
     for node in c.nodes.values():
         eventually_served(c.outside, str(node.address), wl.NODE_PORT, set(workload.echo),
                           what=f"NodePort on {node.name} in nftables mode")

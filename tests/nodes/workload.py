@@ -15,6 +15,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 DAEMONSET = ROOT / "deploy" / "daemonset.yaml"
+KUBEADM_DAEMONSET = ROOT / "deploy" / "kubeadm" / "daemonset.yaml"
+KUBE_PROXY_CLEANUP = ROOT / "deploy" / "migrate" / "kube-proxy-cleanup.yaml"
+SLICEPROXY_CLEANUP = ROOT / "deploy" / "migrate" / "sliceproxy-cleanup.yaml"
+SHIPPED_KUBE_PROXY_IMAGE = "image: KUBE-PROXY-IMAGE"
 SHIPPED_IMAGE = "image: sliceproxy:0.1.0"
 SHIPPED_MASTER = "master: https://API-SERVER-ADDRESS:6443"
 SHIPPED_MODE = "proxy-mode: iptables"
@@ -43,6 +47,27 @@ def shipped_daemonset(image: str, master: str, mode: str = "iptables") -> str:
     if mode != "iptables":
         text = _replace_once(text, SHIPPED_MODE, f"proxy-mode: {mode}")
     return text
+
+
+def kubeadm_daemonset(image: str) -> str:
+    """deploy/kubeadm/daemonset.yaml with the image set (it reads the rest, the API
+    server's address included, from kubeadm's kube-proxy ConfigMap)."""
+    return _replace_once(KUBEADM_DAEMONSET.read_text(), SHIPPED_IMAGE, f"image: {image}")
+
+
+def kube_proxy_cleanup(kube_proxy_image: str, image: str) -> str:
+    """deploy/migrate/kube-proxy-cleanup.yaml with its two images set."""
+    text = _replace_once(KUBE_PROXY_CLEANUP.read_text(), SHIPPED_KUBE_PROXY_IMAGE,
+                         f"image: {kube_proxy_image}")
+    return _replace_once(text, SHIPPED_IMAGE, f"image: {image}")
+
+
+def sliceproxy_cleanup(image: str) -> str:
+    """deploy/migrate/sliceproxy-cleanup.yaml with sliceproxy's image set (twice)."""
+    text = SLICEPROXY_CLEANUP.read_text()
+    if text.count(SHIPPED_IMAGE) != 2:
+        raise AssertionError(f"{SLICEPROXY_CLEANUP} should name the image twice")
+    return text.replace(SHIPPED_IMAGE, f"image: {image}")
 
 
 def namespace() -> Obj:

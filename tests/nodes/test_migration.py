@@ -1,0 +1,111 @@
+"""From kube-proxy to sliceproxy and back, on a cluster whose kube-proxy v1.20.2 was
+installed by kubeadm itself, with clients on every node busy throughout: the procedure of
+docs/migrate.md, step by step, with kubectl and the manifests under deploy/.
+
+Measured for each direction (tests/nodes/traffic.py): fresh connections attempted and
+failed with the longest failure window, long-lived TCP connections broken, UDP flows
+answered by another pod afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.nodes import workload as wl
+from tests.nodes.cluster import NodeCluster, wait_until
+from tests.nodes.conftest import report, started_cluster
+from tests.nodes.kubeadm import install_kube_proxy
+from tests.nodes.scenario import Workload, rollout_status
+from tests.nodes.traffic import Clients, Tally
+
+pytestmark = [pytest.mark.nodes, pytest.mark.root, pytest.mark.slow]
+
+SYSTEM = "kube-system"
+SETTLE = 3.0  # seconds of traffic kept after a switch completes, to catch late failures
+
+
+@pytest.fixture(scope="module")
+def kubeadm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeCluster]:
+    with started_cluster(tmp_path_factory.mktemp("kubeadm"), with_kube_proxy=True) as c:
+        yield c
+
+
+def gone(cluster: NodeCluster, selector: str) -> None:
+    wait_until(lambda: not cluster.pods(SYSTEM, selector), 120, f"pods {selector} gone")
+
+
+def run_once_on_every_node(cluster: NodeCluster, manifest: str, name: str) -> None:
+    """Apply a cleanup DaemonSet, wait until it has run on every node, delete it."""
+    cluster.kubectl("apply", "-f", "-", stdin=manifest)
+    rollout_status(cluster, SYSTEM, f"ds/{name}")
+    cluster.kubectl("delete", "-f", "-", stdin=manifest)
+
+
+def nat_rules(cluster: NodeCluster) -> dict[str, str]:
+    return {n.name: n.exec(["iptables-save", "-t", "nat"]).stdout + n.exec(
+        ["nft", "list", "tables"]).stdout for n in cluster.nodes.values()}
+
+
+def keep_going(since: float) -> None:
+    """The clients' load goes on for SETTLE seconds more (a measurement window)."""
+    wait_until(lambda: time.monotonic() - since > SETTLE, SETTLE + 5, "traffic after")
+
+
+def check(tally: Tally, what: str) -> None:
+    report.append(f"{what}: {tally.summary()}")
+    assert tally.attempts > 50, tally.summary()
+    assert tally.failures == [], f"{what}: {tally.failures[:10]}"
+    assert tally.broken_long == [], f"{what}: {tally.broken_long}"
+
+
+def test_kube_proxy_to_sliceproxy_and_back_with_traffic(kubeadm_cluster: NodeCluster,
+                                                        tmp_path: Path) -> None:
+    c = kubeadm_cluster
+    assert c.kube_proxy is not None
+    install_kube_proxy(c, tmp_path)
+    rollout_status(c, SYSTEM, "ds/kube-proxy")
+    w = Workload(c)
+    w.deploy()
+    w.check_cluster_ip("kube-proxy")
+    assert all("KUBE-SERVICES" in r for r in nat_rules(c).values())
+
+    # To sliceproxy (docs/migrate.md). The two cannot run side by side on a node (both
+    # serve :10256 and :10249): 1. kube-proxy's DaemonSet deleted: its rules stay and keep
+    # serving; 2. sliceproxy from kubeadm's ConfigMap; 3. kube-proxy's rules removed.
+    with Clients(w.clients, w.ips["echo"], set(w.echo)) as there:
+        started = time.monotonic()
+        c.kubectl("-n", SYSTEM, "delete", "daemonset", "kube-proxy")
+        gone(c, "k8s-app=kube-proxy")
+        c.kubectl("apply", "-f", "-", stdin=wl.kubeadm_daemonset(c.image.ref))
+        rollout_status(c, SYSTEM, "ds/sliceproxy")
+        run_once_on_every_node(c, wl.kube_proxy_cleanup(c.kube_proxy.ref, c.image.ref),
+                               "kube-proxy-cleanup")
+        took = time.monotonic() - started
+        keep_going(time.monotonic())
+    rules = nat_rules(c)
+    assert not [n for n, r in rules.items() if "KUBE-SERVICES" in r or "KUBE-SVC-" in r]
+    assert all("SPX-SERVICES" in r for r in rules.values())
+    w.check_cluster_ip("after the switch to sliceproxy")
+    report.append(f"kube-proxy -> sliceproxy took {took:.1f}s")
+    check(there.tally, "kube-proxy -> sliceproxy")
+
+    # And back: sliceproxy deleted (its rules stay), kube-proxy again by kubeadm's phase,
+    # sliceproxy's rules removed.
+    with Clients(w.clients, w.ips["echo"], set(w.echo)) as back:
+        started = time.monotonic()
+        c.kubectl("-n", SYSTEM, "delete", "daemonset", "sliceproxy")
+        gone(c, "app.kubernetes.io/name=sliceproxy")
+        install_kube_proxy(c, tmp_path)
+        rollout_status(c, SYSTEM, "ds/kube-proxy")
+        run_once_on_every_node(c, wl.sliceproxy_cleanup(c.image.ref), "sliceproxy-cleanup")
+        took = time.monotonic() - started
+        keep_going(time.monotonic())
+    rules = nat_rules(c)
+    assert not [n for n, r in rules.items() if "SPX-" in r or "sliceproxy" in r]
+    w.check_cluster_ip("back on kube-proxy")
+    report.append(f"sliceproxy -> kube-proxy took {took:.1f}s")
+    check(back.tally, "sliceproxy -> kube-proxy")

@@ -1,0 +1,128 @@
+"""Clients in real pods, kept busy while the cluster changes under them: on each client
+pod, back-to-back fresh TCP connections to a ClusterIP, one long-lived TCP connection and
+one UDP flow (one socket, so one source port), each asked once per round. What failed is
+recorded with when and where, so a test can say how many and the longest window.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from proxy.lab import probe
+from proxy.lab.netns import entered
+
+ROUND_PAUSE = 0.02  # pacing of the load between rounds (not synchronisation)
+
+
+@dataclass
+class Tally:
+    attempts: int = 0
+    failures: list[tuple[float, str, str]] = field(default_factory=list)  # when, node, what
+    broken_long: list[str] = field(default_factory=list)  # long-lived TCP broken
+    udp_moved: list[str] = field(default_factory=list)  # a UDP flow answered by another pod
+    udp_unanswered: int = 0
+    udp_rounds: int = 0
+
+    def longest_failure_window(self) -> float:
+        """The longest run of consecutive failed fresh connections, in seconds (per node),
+        counted from the first failure to the last of the run."""
+        longest = 0.0
+        by_node: dict[str, list[float]] = {}
+        for when, node, _ in self.failures:
+            by_node.setdefault(node, []).append(when)
+        for times in by_node.values():
+            start = prev = times[0]
+            for t in times[1:]:
+                if t - prev > 1.0:
+                    start = t
+                prev = t
+                longest = max(longest, prev - start)
+        return longest
+
+    def summary(self) -> str:
+        return (f"{self.attempts} connections, {len(self.failures)} failed (longest window "
+                f"{self.longest_failure_window():.1f}s), {len(self.broken_long)} long-lived "
+                f"broken, {len(self.udp_moved)} UDP flows moved, {self.udp_unanswered} of "
+                f"{self.udp_rounds} UDP datagrams unanswered")
+
+
+class UdpFlow:
+    """One UDP socket from a pod to a service port: every datagram from the same port."""
+
+    def __init__(self, netns: str, ip: str, port: int, timeout: float = 2.0) -> None:
+        with entered(netns):
+            self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect((ip, port))
+
+    def ask(self) -> str | None:
+        """The answering pod's name, or None if nothing answered in time."""
+        self.sock.send(b"who\n")
+        try:
+            return self.sock.recv(512).split(b"\n", 1)[0].decode()
+        except (TimeoutError, OSError):
+            return None
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Clients:
+    """One thread per client pod (node -> netns path), each doing rounds until stopped."""
+
+    def __init__(self, clients: dict[str, str], ip: str, names: set[str],
+                 tcp_port: int = 80, udp_port: int = 81) -> None:
+        self.clients, self.ip, self.names = clients, ip, names
+        self.tcp_port, self.udp_port = tcp_port, udp_port
+        self.tally = Tally()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(n, ns), daemon=True)
+                         for n, ns in clients.items()]
+
+    def _run(self, node: str, netns: str) -> None:
+        t = self.tally
+        flow = probe.Flow(netns, self.ip, self.tcp_port)
+        udp = UdpFlow(netns, self.ip, self.udp_port)
+        long_alive = True
+        try:
+            udp_pod = udp.ask()
+            while not self._stop.is_set():
+                answer = probe.ask_once(netns, self.ip, self.tcp_port, timeout=2.0)
+                got = udp.ask()
+                with self._lock:
+                    t.attempts += 1
+                    if answer not in self.names:
+                        t.failures.append((time.monotonic(), node, answer))
+                    t.udp_rounds += 1
+                    if got is None:
+                        t.udp_unanswered += 1
+                    elif udp_pod is None:
+                        udp_pod = got
+                    elif got != udp_pod:
+                        t.udp_moved.append(f"{node}: {udp_pod} -> {got}")
+                        udp_pod = got
+                if long_alive:
+                    try:
+                        flow.ask()
+                    except OSError as exc:
+                        long_alive = False
+                        with self._lock:
+                            t.broken_long.append(f"{node}: {exc}")
+                time.sleep(ROUND_PAUSE)
+        finally:
+            flow.close()
+            udp.close()
+
+    def __enter__(self) -> Clients:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(30)
