@@ -22,9 +22,15 @@ RUN /opt/sliceproxy/bin/python -c 'import tomllib; print("\n".join(tomllib.load(
  && /opt/sliceproxy/bin/pip install --no-cache-dir -r /tmp/requirements.txt
 COPY proxy ./proxy
 # pip compiles every module to bytecode as it installs (the root file system is read-only
-# at run time); pip and setuptools themselves are not needed there.
+# at run time); pip and setuptools themselves are not needed there. Size (docs/image.md):
+# the extension modules lose their debug symbols, and the `kubernetes` package its
+# bytecode (52 MB): it is imported only for kubeconfigs with exec or auth-provider
+# plugins, never in the DaemonSet, which reads its service account directly.
 RUN /opt/sliceproxy/bin/pip install --no-cache-dir --no-deps . \
- && /opt/sliceproxy/bin/python -m pip uninstall -q -y pip setuptools
+ && /opt/sliceproxy/bin/python -m pip uninstall -q -y pip setuptools \
+ && find /opt/sliceproxy -name '*.so' -exec strip --strip-unneeded {} + \
+ && find /opt/sliceproxy/lib/python3*/site-packages/kubernetes -name __pycache__ -prune \
+      -exec rm -rf {} +
 
 FROM debian:bookworm-slim
 # python3 runs the virtual environment built above (same Debian Python, same path).

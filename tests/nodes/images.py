@@ -255,14 +255,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m tests.nodes.images")
     parser.add_argument("--cold", action="store_true",
-                        help="drop the cached layers first (measures a cold build)")
+                        help="drop every image and layer first, the base too (a cold build)")
+    parser.add_argument("--rebuild", action="store_true",
+                        help="drop sliceproxy's image but keep the layers (a cached build)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
+    logging.basicConfig(level=logging.WARNING)
     ensure_tools()
     if args.cold:
         shutil.rmtree(CACHE / "archives", ignore_errors=True)
         subprocess.run(["buildah", *STORAGE, "rmi", "-a", "-f"], capture_output=True,
                        check=False)
+    if args.rebuild:
+        forget(f"{SLICEPROXY_REPO}:{context_digest()}")
     started = time.monotonic()
     base = base_image()
     image = build_sliceproxy()
