@@ -33,7 +33,7 @@ from typing import Any
 from proxy.lab.topology import delete_namespace, ip
 from tests.debian import CACHE_ROOT, locked
 from tests.nodes import images as imgs
-from tests.nodes.node import Node, NodeSpec, pod_range, sweep_stale
+from tests.nodes.node import PRIVATE_DIRS, Node, NodeSpec, pod_range, sweep_stale
 from tests.realcp.build import PAUSE, Binaries
 from tests.realcp.controlplane import API_ADDR, API_PORT, ControlPlane
 from tests.realcp.rawapi import RawApi
@@ -104,7 +104,7 @@ class NodeCluster:
     kubeconfig: Path = field(init=False)  # the admin's, for the host (forwarder)
     timings: dict[str, float] = field(init=False, default_factory=dict)
     _sysctls: dict[str, str] = field(init=False, default_factory=dict)
-    _made_lib_modules: bool = field(init=False, default=False)
+    _made_dirs: list[Path] = field(init=False, default_factory=list)
 
     @property
     def api(self) -> RawApi:
@@ -137,11 +137,13 @@ class NodeCluster:
         if self.with_kube_proxy:
             self.kube_proxy = imgs.build_kube_proxy(self.bins.path("kube-proxy"))
         self.timings["images"] = time.monotonic() - started
-        # Every real node has it, and kube-proxy's DaemonSet mounts it (hostPath); this
-        # machine's kernel has no modules directory at all.
-        if not LIB_MODULES.exists():
-            LIB_MODULES.mkdir(parents=True)
-            self._made_lib_modules = True
+        # The nodes mount their own copies over PRIVATE_DIRS, which must exist; and every
+        # real node has /lib/modules, which kube-proxy's DaemonSet mounts (hostPath), where
+        # this machine's kernel has none. Whichever this makes, close() removes.
+        for d in (*map(Path, PRIVATE_DIRS), LIB_MODULES):
+            if not d.exists():
+                d.mkdir(parents=True)
+                self._made_dirs.append(d)
         for key in KUBELET_SYSCTLS:
             with contextlib.suppress(OSError):
                 self._sysctls[key] = Path("/proc/sys", key).read_text().strip()
@@ -230,10 +232,10 @@ class NodeCluster:
         for key, value in self._sysctls.items():
             with contextlib.suppress(OSError):
                 Path("/proc/sys", key).write_text(value)
-        if self._made_lib_modules:
+        for d in reversed(self._made_dirs):
             with contextlib.suppress(OSError):
-                LIB_MODULES.rmdir()
-            self._made_lib_modules = False
+                d.rmdir()  # only if still empty: another cluster may be using it
+        self._made_dirs.clear()
 
     # --- kubectl ------------------------------------------------------------------------
 

@@ -169,6 +169,7 @@ def build_sliceproxy(root: Path = ROOT, tag: str | None = None, *,
             pipconf.write_text(f"[global]\ncert = {BUILD_CA}\n")
             started = time.monotonic()
             buildah("bud", "--quiet", "--pull-never", "--network", "host",
+                    f"--cni-config-dir={CACHE / 'cni'}",
                     f"--layers={'true' if layers else 'false'}",
                     "-v", f"{HOST_CA}:{BUILD_CA}:ro", "-v", f"{pipconf}:/etc/pip.conf:ro",
                     "-t", ref, "-f", str(root / "Dockerfile"), str(root))

@@ -44,8 +44,11 @@ CONTROLLERS = ("cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blki
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CNI_BIN = Path("/usr/lib/cni")
 POD_RANGES = IPv4Network("198.18.64.0/19")  # node i: 198.18.(64+i).0/24
-# Host paths every kubelet or CNI plugin writes to whatever its flags: one per node.
-PRIVATE_DIRS = ("/var/log/pods", "/var/log/containers", "/var/lib/cni")
+# Host paths a kubelet, containerd's shims and runc, or a CNI plugin write to whatever
+# their flags say (pod logs, runc's state, v1.20's seccomp root, the CNI cache): one per
+# node, gone with the node's mount namespace (nothing piles up on the host).
+PRIVATE_DIRS = ("/var/log/pods", "/var/log/containers", "/var/lib/cni", "/run/containerd",
+                "/var/lib/kubelet")
 _STALE = re.compile(r"^(spx-(\d+)-[0-9a-f]+-.+?)(-daemons)?$")
 
 

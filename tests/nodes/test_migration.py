@@ -17,7 +17,7 @@ import pytest
 
 from tests.nodes import workload as wl
 from tests.nodes.cluster import NodeCluster, wait_until
-from tests.nodes.conftest import report, started_cluster
+from tests.nodes.conftest import LONG, report, started_cluster
 from tests.nodes.kubeadm import install_kube_proxy
 from tests.nodes.scenario import Workload, rollout_status
 from tests.nodes.traffic import Clients, Tally
@@ -25,7 +25,8 @@ from tests.nodes.traffic import Clients, Tally
 pytestmark = [pytest.mark.nodes, pytest.mark.root, pytest.mark.slow]
 
 SYSTEM = "kube-system"
-SETTLE = 3.0  # seconds of traffic kept after a switch completes, to catch late failures
+# Seconds of traffic kept after a switch completes, to catch late failures.
+SETTLE = 30.0 if LONG else 3.0
 
 
 @pytest.fixture(scope="module")

@@ -233,12 +233,19 @@ def test_a_rollout_to_a_new_image_drops_no_connection(workload: Workload) -> Non
 # --- nftables mode ------------------------------------------------------------------------
 
 
-def test_nftables_mode_by_the_configmap(workload: Workload) -> None:
+def test_nftables_mode_and_json_logs_by_the_configmap(workload: Workload) -> None:
     c = workload.cluster
     ref = agents(workload.cluster)[0]["spec"]["containers"][0]["image"]
-    c.kubectl("apply", "-f", "-", stdin=wl.shipped_daemonset(ref, c.api_url, "nftables"))
+    c.kubectl("apply", "-f", "-", stdin=wl.shipped_daemonset(ref, c.api_url, "nftables",
+                                                             json_logs=True))
     c.kubectl("-n", DS_NS, "rollout", "restart", f"ds/{DS_NAME}")
     rollout(c, timeout=300)
+    for pod in agents(c):
+        lines = c.kubectl("-n", DS_NS, "logs", pod["metadata"]["name"]).stdout.splitlines()
+        records = [json.loads(line) for line in lines]  # every line one JSON object
+        first = [r for r in records if r["msg"].startswith("first sync done")]
+        assert len(first) == 1 and first[0]["level"] == "info", records[:5]
+        assert any(r.get("mode") == "nftables" for r in records)
     workload.refresh()
     for node in c.nodes.values():
         tables = node.exec(["nft", "list", "tables"]).stdout

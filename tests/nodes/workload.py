@@ -22,6 +22,7 @@ SHIPPED_KUBE_PROXY_IMAGE = "image: KUBE-PROXY-IMAGE"
 SHIPPED_IMAGE = "image: sliceproxy:0.1.0"
 SHIPPED_MASTER = "master: https://API-SERVER-ADDRESS:6443"
 SHIPPED_MODE = "proxy-mode: iptables"
+SHIPPED_JSON_LOGS = "# logging-format: json"
 NAMESPACE = "lab"
 APP = "echo"
 TCP_PORT, UDP_PORT = 8080, 8081
@@ -37,15 +38,18 @@ def _replace_once(text: str, old: str, new: str) -> str:
     return text.replace(old, new)
 
 
-def shipped_daemonset(image: str, master: str, mode: str = "iptables") -> str:
+def shipped_daemonset(image: str, master: str, mode: str = "iptables",
+                      json_logs: bool = False) -> str:
     """deploy/daemonset.yaml as an operator applies it: the image and the API server's
-    address set (the two things its header says to set); `mode` as the ConfigMap's
-    comment says to switch."""
+    address set (the two things its header says to set); `mode` and JSON logs as the
+    ConfigMap's comments say to switch them."""
     text = DAEMONSET.read_text()
     text = _replace_once(text, SHIPPED_IMAGE, f"image: {image}")
     text = _replace_once(text, SHIPPED_MASTER, f"master: {master}")
     if mode != "iptables":
         text = _replace_once(text, SHIPPED_MODE, f"proxy-mode: {mode}")
+    if json_logs:
+        text = _replace_once(text, SHIPPED_JSON_LOGS, SHIPPED_JSON_LOGS.lstrip("# "))
     return text
 
 
