@@ -78,7 +78,8 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return result
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (the sweeps' test for a killed run)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -103,7 +104,7 @@ def sweep_stale() -> list[str]:
     names = os.listdir(NETNS_DIR) if os.path.isdir(NETNS_DIR) else []
     for name in names:
         match = _NAME.match(name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             delete_namespace(name)
             removed.append(name)
     return removed

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 
-from proxy.lab.topology import delete_namespace, ip
+from proxy.lab.topology import delete_namespace, ip, pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +58,6 @@ class NodeError(RuntimeError):
 
 def pod_range(index: int) -> IPv4Network:
     return IPv4Network(f"{POD_RANGES.network_address + 256 * index}/24")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def cgroup_pids(name: str) -> set[int]:
@@ -120,7 +110,7 @@ def sweep_stale() -> list[str]:
     pids_root = CGROUP_ROOT / "pids"
     for d in pids_root.iterdir() if pids_root.is_dir() else ():
         m = _STALE.match(d.name)
-        if m and not _pid_alive(int(m.group(2))):
+        if m and not pid_alive(int(m.group(2))):
             kill_cgroup(d.name)
             removed.append(d.name)
     return removed

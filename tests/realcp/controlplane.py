@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.lab.netns import entered
-from proxy.lab.topology import delete_namespace, ip, sweep_stale
+from proxy.lab.topology import delete_namespace, ip, pid_alive, sweep_stale
 from tests.realcp.build import Binaries
 from tests.realcp.forward import NetnsForwarder
 from tests.realcp.pki import Pki, make_pki
@@ -90,18 +90,8 @@ def _sweep_stale_dirs() -> None:
     for base in (Path(tempfile.gettempdir()), SHM):
         for d in base.glob(f"{WORKDIR_PREFIX}*") if base.is_dir() else ():
             m = _STALE.match(d.name)
-            if m and not _pid_alive(int(m.group(1))):
+            if m and not pid_alive(int(m.group(1))):
                 shutil.rmtree(d, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class ControlPlaneError(RuntimeError):
