@@ -45,13 +45,14 @@ def _running() -> int | None:
 def _hold(nodes: int) -> int:
     """The background process: start the cluster, write its info, wait for SIGTERM."""
     from tests.nodes.cluster import DEFAULT_NODES, SPARE_NODES, NodeCluster
+    from tests.nodes.kubeadm import kubeadm_config
     from tests.nodes.workload import shipped_daemonset
     from tests.realcp.build import build
 
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     specs = (*DEFAULT_NODES, *SPARE_NODES)[:nodes]
-    cluster = NodeCluster(build(), STATE / "work", specs)
+    cluster = NodeCluster(build(), STATE / "work", specs, with_kube_proxy=True)
     try:
         cluster.start()
         kubeconfig = STATE / "kubeconfig"
@@ -59,10 +60,13 @@ def _hold(nodes: int) -> int:
         kubeconfig.chmod(0o600)
         (STATE / "sliceproxy.yaml").write_text(
             shipped_daemonset(cluster.image.ref, cluster.api_url))
+        (STATE / "kubeadm.yaml").write_text(kubeadm_config())
         INFO.write_text(json.dumps({
             "kubeconfig": str(kubeconfig), "kubectl": str(cluster.kubectl_path),
             "image": cluster.image.ref, "api_server": cluster.api_url,
             "manifest": str(STATE / "sliceproxy.yaml"),
+            "kubeadm": str(cluster.bins.path("kubeadm")),
+            "kubeadm_config": str(STATE / "kubeadm.yaml"),
             "nodes": {n.name: {"address": str(n.address), "zone": n.spec.zone,
                                "netns": n.netns} for n in cluster.nodes.values()},
             "outside_netns": cluster.outside,
@@ -111,10 +115,15 @@ kubeconfig: {info['kubeconfig']}   (any kubectl; the server's own v1.20.2: {info
 
   export KUBECONFIG={info['kubeconfig']}
   {kubectl} get nodes -o wide
-  # sliceproxy as shipped, with the image and the API server's address set for this cluster
-  # (deploy/daemonset.yaml with `image: {info['image']}` and `master: {info['api_server']}`):
-  {kubectl} apply -f {info['manifest']}
+  # sliceproxy as shipped, with the API server's address set for this cluster: the image
+  # built from this checkout is on every node as sliceproxy:0.1.0 (and {info['image']})
+  sed 's|https://API-SERVER-ADDRESS:6443|{info['api_server']}|' deploy/daemonset.yaml \\
+    | {kubectl} apply -f -
+  # (the same, written out: {info['manifest']})
   {kubectl} -n sliceproxy rollout status ds/sliceproxy
+  # or kube-proxy v1.20.2 as kubeadm installs it, to try docs/migrate.md:
+  {info['kubeadm']} init phase addon kube-proxy \\
+    --config {info['kubeadm_config']} --kubeconfig {info['kubeconfig']}
   # a shell in a node's network namespace (iptables-save, nft list ruleset, curl a ClusterIP):
   nsenter --net=/run/netns/{next(iter(info['nodes'].values()))['netns']} bash
 

@@ -48,8 +48,9 @@ CLUSTER_CIDR = "198.18.64.0/19"
 KUBELET_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic",
                    "kernel/panic_on_oops", "kernel/keys/root_maxkeys",
                    "kernel/keys/root_maxbytes")
-KUBECTL_PACKAGE = "kubernetes-client"
-LIB_MODULES = Path("/lib/modules")  # Debian's kubectl, v1.20.2 like the server
+KUBECTL_PACKAGE = "kubernetes-client"  # Debian's kubectl, v1.20.2 like the server
+LIB_MODULES = Path("/lib/modules")
+SHIPPED_IMAGE_REF = "docker.io/library/sliceproxy:0.1.0"  # `image: sliceproxy:0.1.0`
 
 
 class ClusterError(RuntimeError):
@@ -179,6 +180,9 @@ class NodeCluster:
     def _start_node(self, node: Node) -> None:
         images = [self.pause, self.image, *([self.kube_proxy] if self.kube_proxy else [])]
         node.start([i.archive for i in images])
+        # Also under the name the manifests ship with, so that a person trying them by
+        # hand (./run cluster) needs to set only the API server's address.
+        node.ctr("images", "tag", "--force", self.image.ref, SHIPPED_IMAGE_REF)
 
     def _make_node(self, spec: NodeSpec) -> Node:
         node = Node(spec, self.cp.prefix, self.workdir / spec.name,
