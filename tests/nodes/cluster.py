@@ -208,12 +208,8 @@ class NodeCluster:
 
     def wait_node_ready(self, name: str, timeout: float = 120.0) -> float:
         def ready() -> bool:
-            node = self.nodes[name]
-            for daemon in ("containerd", "kubelet"):
-                proc = node._procs.get(daemon)
-                if proc is not None and proc.poll() is not None:
-                    raise ClusterError(f"{name}: {daemon} exited ({proc.returncode}):\n"
-                                       f"{node.log_tail(daemon)}")
+            if (dead := self.nodes[name].exited()) is not None:
+                raise ClusterError(f"{name}: {dead}")
             body = self.node_status(name)
             conds = (body or {}).get("status", {}).get("conditions") or []
             return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)

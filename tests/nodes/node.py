@@ -30,7 +30,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
@@ -233,14 +233,21 @@ class Node:
         self._procs[name] = proc
         return proc
 
+    def exited(self) -> str | None:
+        """Which of containerd and kubelet has exited, with its code and log; or None."""
+        for name in ("containerd", "kubelet"):
+            proc = self._procs.get(name)
+            if proc is not None and proc.poll() is not None:
+                return f"{name} exited ({proc.returncode}):\n{self.log_tail(name)}"
+        return None
+
     def log_tail(self, name: str, chars: int = 3000) -> str:
         try:
             return (self.workdir / f"{name}.log").read_text(errors="replace")[-chars:]
         except OSError:
             return ""
 
-    def _wait(self, name: str, check: object, what: str, timeout: float) -> None:
-        assert callable(check)
+    def _wait(self, name: str, check: Callable[[], bool], what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not check():
             proc = self._procs.get(name)
