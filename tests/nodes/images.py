@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,57 +188,53 @@ def retag(image: Image, suffix: str) -> Image:
     return Image(ref, archive, image.size, 0.0, False)
 
 
-def build_pause(pause_binary: Path) -> Image:
-    """The pod sandbox image: the static pause binary, alone."""
-    digest = hashlib.sha256(pause_binary.read_bytes()).hexdigest()[:16]
+def _built_from(base: str, ref: str, key: str, steps: Callable[[str], None]) -> Image:
+    """Image `ref` made from `base` by `steps` (buildah calls on a working container),
+    unless it was already made for this `key` (e.g. a binary's digest)."""
     with locked(CACHE / "build.lock"):
+        if base == BASE_REF:
+            base_image()
         built, seconds = False, 0.0
-        stamp = CACHE / f"pause-{digest}.built"
-        if not (_exists(PAUSE_REF) and stamp.exists()):
+        stamp = CACHE / f"{key}.built"
+        if not (_exists(ref) and stamp.exists()):
             started = time.monotonic()
-            ctr = buildah("from", "scratch").strip()
+            ctr = buildah("from", "--pull-never", base).strip()
             try:
-                buildah("copy", "--chmod", "0755", ctr, str(pause_binary), "/pause")
-                buildah("config", "--entrypoint", '["/pause"]', "--user", "65535:65535", ctr)
-                buildah("commit", "--quiet", "--rm", ctr, PAUSE_REF)
+                steps(ctr)
+                buildah("commit", "--quiet", "--rm", ctr, ref)
             except ImageError:
                 subprocess.run(["buildah", *STORAGE, "rm", ctr], capture_output=True,
                                check=False)
                 raise
-            (CACHE / "archives" / f"pause-{digest}.tar").unlink(missing_ok=True)
+            (CACHE / "archives" / f"{key}.tar").unlink(missing_ok=True)
             stamp.write_text("")
             seconds, built = time.monotonic() - started, True
-        archive = _export(PAUSE_REF, f"pause-{digest}")
-        return Image(PAUSE_REF, archive, size_of(PAUSE_REF), seconds, built)
+        return Image(ref, _export(ref, key), size_of(ref), seconds, built)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def build_pause(pause_binary: Path) -> Image:
+    """The pod sandbox image: the static pause binary, alone."""
+    def steps(ctr: str) -> None:
+        buildah("copy", "--chmod", "0755", ctr, str(pause_binary), "/pause")
+        buildah("config", "--entrypoint", '["/pause"]', "--user", "65535:65535", ctr)
+
+    return _built_from("scratch", PAUSE_REF, f"pause-{_digest(pause_binary)}", steps)
 
 
 def build_kube_proxy(binary: Path) -> Image:
     """kube-proxy's image: the binary on debian:bookworm-slim with the tools it calls."""
-    digest = hashlib.sha256(binary.read_bytes()).hexdigest()[:16]
-    with locked(CACHE / "build.lock"):
-        base_image()
-        built, seconds = False, 0.0
-        stamp = CACHE / f"kube-proxy-{digest}.built"
-        if not (_exists(KUBE_PROXY_REF) and stamp.exists()):
-            started = time.monotonic()
-            ctr = buildah("from", "--pull-never", BASE_REF).strip()
-            try:
-                buildah("run", "--network", "host", ctr, "--", "sh", "-c",
-                        "apt-get update -qq && apt-get install -y -qq --no-install-recommends "
-                        "iptables conntrack ipset kmod >/dev/null && rm -rf /var/lib/apt/lists/*")
-                buildah("copy", "--chmod", "0755", ctr, str(binary),
-                        "/usr/local/bin/kube-proxy")
-                buildah("config", "--entrypoint", '["/usr/local/bin/kube-proxy"]', ctr)
-                buildah("commit", "--quiet", "--rm", ctr, KUBE_PROXY_REF)
-            except ImageError:
-                subprocess.run(["buildah", *STORAGE, "rm", ctr], capture_output=True,
-                               check=False)
-                raise
-            (CACHE / "archives" / f"kube-proxy-{digest}.tar").unlink(missing_ok=True)
-            stamp.write_text("")
-            seconds, built = time.monotonic() - started, True
-        archive = _export(KUBE_PROXY_REF, f"kube-proxy-{digest}")
-        return Image(KUBE_PROXY_REF, archive, size_of(KUBE_PROXY_REF), seconds, built)
+    def steps(ctr: str) -> None:
+        buildah("run", "--network", "host", ctr, "--", "sh", "-c",
+                "apt-get update -qq && apt-get install -y -qq --no-install-recommends "
+                "iptables conntrack ipset kmod >/dev/null && rm -rf /var/lib/apt/lists/*")
+        buildah("copy", "--chmod", "0755", ctr, str(binary), "/usr/local/bin/kube-proxy")
+        buildah("config", "--entrypoint", '["/usr/local/bin/kube-proxy"]', ctr)
+
+    return _built_from(BASE_REF, KUBE_PROXY_REF, f"kube-proxy-{_digest(binary)}", steps)
 
 
 def forget(ref: str) -> None:
