@@ -24,7 +24,7 @@ import json
 import logging
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +35,7 @@ from tests.debian import CACHE_ROOT, locked
 from tests.nodes import images as imgs
 from tests.nodes.node import PRIVATE_DIRS, Node, NodeSpec, pod_range, sweep_stale
 from tests.realcp.build import PAUSE, Binaries
+from tests.realcp.clusters import wait
 from tests.realcp.controlplane import API_ADDR, API_PORT, ControlPlane
 from tests.realcp.rawapi import RawApi
 
@@ -73,17 +74,6 @@ def kubectl_binary() -> Path:
             subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True,
                            capture_output=True, timeout=300)
     return binary
-
-
-def wait_until(pred: Callable[[], bool], timeout: float, what: str,
-               interval: float = 0.2) -> float:
-    """Poll `pred` until true; the seconds it took. Raises ClusterError after `timeout`."""
-    started = time.monotonic()
-    while not pred():
-        if time.monotonic() - started > timeout:
-            raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-    return time.monotonic() - started
 
 
 @dataclass
@@ -215,8 +205,8 @@ class NodeCluster:
             return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
         try:
-            return wait_until(ready, timeout, f"node {name} Ready")
-        except ClusterError as exc:
+            return wait(ready, timeout, f"node {name} Ready", interval=0.2)
+        except AssertionError as exc:
             raise ClusterError(f"{exc}; kubelet log:\n"
                                f"{self.nodes[name].log_tail('kubelet')}") from None
 

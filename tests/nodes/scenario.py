@@ -11,8 +11,9 @@ from typing import Any
 
 from proxy.lab import probe
 from tests.nodes import workload as wl
-from tests.nodes.cluster import ClusterError, NodeCluster, wait_until
+from tests.nodes.cluster import ClusterError, NodeCluster
 from tests.nodes.conftest import LONG
+from tests.realcp.clusters import wait
 
 CONVERGE = 60.0
 ASKS = 60 if LONG else 20  # fresh connections per client and check
@@ -62,7 +63,7 @@ class Workload:
             pods = c.pods(wl.NAMESPACE, "app=client")
             return len(pods) == len(c.nodes) and all(ready(p) for p in pods)
 
-        wait_until(clients_ready, 120, "client pods Running")
+        wait(clients_ready, 120, "client pods Running", interval=0.2)
         self.refresh()
 
     def refresh(self) -> None:
@@ -105,8 +106,8 @@ def eventually_served(netns: str, ip: str, port: int, want: set[str], proto: str
         return set(seen) == want
 
     try:
-        wait_until(ok, CONVERGE, what or f"{ip}:{port}/{proto}", interval=0.2)
-    except ClusterError as exc:
+        wait(ok, CONVERGE, what or f"{ip}:{port}/{proto}", interval=0.2)
+    except AssertionError as exc:
         raise AssertionError(f"{exc}: answered {dict(last)} (so far {dict(seen)}), want "
                              f"every one of {sorted(want)} and nothing else") from None
     return seen

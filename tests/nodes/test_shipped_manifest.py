@@ -21,12 +21,13 @@ from typing import Any
 import pytest
 
 from tests.nodes import workload as wl
-from tests.nodes.cluster import SHIPPED_IMAGE_REF, NodeCluster, wait_until
+from tests.nodes.cluster import SHIPPED_IMAGE_REF, NodeCluster
 from tests.nodes.conftest import report
 from tests.nodes.images import retag
 from tests.nodes.node import NodeSpec
 from tests.nodes.scenario import Workload, asks, eventually_served, ready, rollout_status
 from tests.nodes.traffic import Clients
+from tests.realcp.clusters import wait
 from tests.realcp.controlplane import KUBERNETES_SERVICE_IP
 from tests.realcp.nodes import http_get
 
@@ -181,8 +182,8 @@ def test_a_fourth_node_without_any_rules_serves_within_30s(workload: Workload) -
         got = asks(c.pod_netns(pods[0]), workload.ips["echo"], 80, count=3)
         return set(got) <= set(workload.echo)
 
-    took = wait_until(served, 120, "a pod on the new node served through a ClusterIP",
-                      interval=0.5)
+    took = wait(served, 120, "a pod on the new node served through a ClusterIP",
+                interval=0.5)
     since_kubelet = time.monotonic() - node.kubelet_started
     report.append(f"fourth node: kubelet start -> its pod served {since_kubelet:.1f}s "
                   f"({took:.1f}s after the node was made)")
@@ -194,7 +195,7 @@ def test_a_fourth_node_without_any_rules_serves_within_30s(workload: Workload) -
         return bool(mine) and ready(mine[0])
 
     # Ready follows through its readiness probe (every 5 s in the shipped manifest).
-    wait_until(agent_ready, 60, "the new node's agent Ready")
+    wait(agent_ready, 60, "the new node's agent Ready", interval=0.5)
     report.append(f"fourth node: its agent Ready {time.monotonic() - node.kubelet_started:.1f}s"
                   " after kubelet start")
 
@@ -215,8 +216,8 @@ def test_a_rollout_to_a_new_image_drops_no_connection(workload: Workload) -> Non
         c.kubectl("-n", DS_NS, "set", "image", f"ds/{DS_NAME}", f"sliceproxy={new.ref}")
         rollout(c, timeout=300)
         took = time.monotonic() - started
-        # Keep the clients going a little after the last agent is Ready.
-        wait_until(lambda: time.monotonic() - started > took + 3, 10, "traffic after")
+        # Traffic after the last agent is Ready, so late failures are counted too.
+        clients.more_rounds(50)
     after = agents(c)
     assert not before & {p["metadata"]["uid"] for p in after}
     assert all(p["spec"]["containers"][0]["image"] == new.ref for p in after)
@@ -226,10 +227,11 @@ def test_a_rollout_to_a_new_image_drops_no_connection(workload: Workload) -> Non
     assert t.attempts > 50
     assert t.failures == [], t.failures[:10]
     assert t.broken_long == []
-    # Reported, not asserted: each new agent clears the conntrack entries of every UDP
-    # service at its first sync, so UDP flows are balanced afresh (issue 28's defect,
-    # shared with kube-proxy, kubernetes issue 122740).
-    assert t.udp_unanswered == 0
+    # UDP flows moved are reported, not asserted: each new agent clears the conntrack
+    # entries of every UDP service at its first sync, so UDP flows are balanced afresh
+    # (issue 28's defect, shared with kube-proxy, kubernetes issue 122740), and a
+    # datagram in flight then can lose its reply: at most one per flow.
+    assert t.udp_unanswered <= len(workload.clients), t.summary()
 
 
 # --- nftables mode ------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from proxy.lab import probe
 from proxy.lab.netns import entered
+from tests.realcp.clusters import wait
 
 ROUND_PAUSE = 0.02  # pacing of the load between rounds (not synchronisation)
 
@@ -80,6 +81,7 @@ class Clients:
         self.tally = Tally()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._rounds = dict.fromkeys(clients, 0)  # node -> rounds done
         self._threads = [threading.Thread(target=self._run, args=(n, ns), daemon=True)
                          for n, ns in clients.items()]
 
@@ -112,10 +114,26 @@ class Clients:
                         long_alive = False
                         with self._lock:
                             t.broken_long.append(f"{node}: {exc}")
+                with self._lock:
+                    self._rounds[node] += 1
                 time.sleep(ROUND_PAUSE)
         finally:
             flow.close()
             udp.close()
+
+    def more_rounds(self, n: int, timeout: float = 120.0) -> None:
+        """Return once every client has done `n` more rounds (traffic after a change,
+        so that late failures are counted); fails if a client stopped."""
+        with self._lock:
+            want = {node: done + n for node, done in self._rounds.items()}
+
+        def done() -> bool:
+            dead = [t.name for t in self._threads if not t.is_alive()]
+            assert not dead, f"client threads ended early: {dead}"
+            with self._lock:
+                return all(self._rounds[node] >= count for node, count in want.items())
+
+        wait(done, timeout, f"{n} more rounds from every client", interval=0.05)
 
     def __enter__(self) -> Clients:
         for thread in self._threads:

@@ -162,10 +162,12 @@ async def eventually(pred: Callable[[], bool], timeout: float, what: str) -> Non
         await asyncio.sleep(0.05)
 
 
-def wait(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    """`eventually` for synchronous tests."""
-    deadline = time.monotonic() + timeout
+def wait(pred: Callable[[], bool], timeout: float, what: str,
+         interval: float = 0.05) -> float:
+    """`eventually` for synchronous tests; returns the seconds it took."""
+    started = time.monotonic()
     while not pred():
-        if time.monotonic() > deadline:
+        if time.monotonic() - started > timeout:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(interval)
+    return time.monotonic() - started
