@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import pytest
 
 from proxy.dataplane import processes
-from proxy.dataplane.nftables.runner import NftError, NftRunner, parse_error, unavailable
+from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
 from proxy.dataplane.nftables_events import NFNLGRP_NFTABLES, Transaction, TransactionReader
 from proxy.lab.netns import entered
 
@@ -117,22 +117,6 @@ SERVICE = (f"add table ip {TABLE}\n"
            f"add rule ip {TABLE} svc-ab numgen random mod 2 0 meta l4proto tcp "
            "dnat to 198.19.0.1:8080\n"
            f"add rule ip {TABLE} svc-ab meta l4proto tcp dnat to 198.19.0.2:8080\n")
-
-
-def test_parse_error_names_the_line_and_trims() -> None:
-    text = "add table ip t\nadd chain ip t a\nadd rule ip t a bogus\n"
-    err = parse_error("/dev/stdin:3:17-21: Error: syntax error, unexpected string\n"
-                      "add rule ip t a bogus\n                ^^^^^\n", text)
-    assert (str(err), err.line, err.offending) == (
-        "line 3: syntax error, unexpected string", 3, "add rule ip t a bogus")
-    many = "".join(f"/dev/stdin:{n}:1-3: Error: Could not process rule: No such file or "
-                   f"directory\nadd\n^^^\n" for n in range(2, 10))
-    err = parse_error(many, text)
-    assert err.line == 2 and str(err).endswith("and 3 more errors")
-    assert str(err).count("Could not process rule") == 5
-    err = parse_error("Error: No such file or directory\nlist table ip x\n          ^\n", "x")
-    assert (str(err), err.line, err.offending) == ("No such file or directory", None, None)
-    assert str(parse_error("", "x")) == "nft failed and said nothing"
 
 
 @pytest.mark.root
