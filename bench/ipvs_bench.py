@@ -5,7 +5,7 @@ costs, in a real Linux kernel (the kernel lab's: QEMU with Debian's kernel by de
         --json ipvs-bench.json
 
 The host kernel has no IPVS, so each size boots a kernel through the kernel tests'
-harness (tests/kernel/harness.py) and runs bench/ipvs_guest.py inside, which says what is
+harness (labs/kernel/harness.py) and runs bench/ipvs_guest.py inside, which says what is
 measured: for N TCP virtual servers with M masqueraded real servers each, programming
 them all, dumping the whole table, swapping one service's real server, and putting N
 addresses on a dummy interface and dumping them, with pyroute2 (one call per object, as
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.ipvs_workload import Workload
-from tests.kernel.harness import DEFAULT_MEMORY_MB, run_in_kernel
+from labs.kernel.harness import DEFAULT_MEMORY_MB, run_in_kernel
 
 GUEST = Path(__file__).resolve().parent / "ipvs_guest.py"
 DEFAULT_TIMEOUT = 600.0  # per boot; the guest's own deadline is a little shorter

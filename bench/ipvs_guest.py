@@ -1,5 +1,5 @@
 """The IPVS benchmark's measurements, INSIDE the kernel lab's guest: started by bench/ipvs_bench.py
-through tests/kernel/harness.py. Never run it on the host: it makes and deletes network
+through labs/kernel/harness.py. Never run it on the host: it makes and deletes network
 namespaces and needs IPVS.
 
     python bench/ipvs_guest.py --services N --endpoints M --repeat R [--swaps S] [--partials P]
@@ -19,7 +19,7 @@ the model: a full sync into the empty kernel (its table must be the expected one
 full resync with nothing to change, and P one-endpoint partial syncs (reported apart when
 the endpoint is on this node, which also changes ipset entries).
 
-Writes the samples' medians and every check's outcome with tests.kernel.guest.write_result.
+Writes the samples' medians and every check's outcome with labs.kernel.guest.write_result.
 """
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ from typing import Any, TypeVar
 from bench.iptables_bench import build, change_one
 from bench.ipvs_clients import Client, Ours, Pyroute2, encode_program
 from bench.ipvs_workload import SPARE, Table, Workload, differences, digest, summary
+from labs.kernel.guest import write_result
 from proxy.dataplane.base import DataplaneOptions
-from proxy.dataplane.iptables.runner import Backend
 from proxy.dataplane.ipvs.apply import IpvsDataPlane
 from proxy.dataplane.ipvs.render import DUMMY_INTERFACE
+from proxy.dataplane.xtables.restore_runner import Backend
 from proxy.lab.netns import entered
 from proxy.model.types import Family
-from tests.kernel.guest import write_result
 
 T = TypeVar("T")
 CLIENTS = ("pyroute2", "ours")

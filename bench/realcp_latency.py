@@ -4,7 +4,7 @@ upstream kube-proxy v1.20.2.
     sudo .venv/bin/python -m bench.realcp_latency --services 1000 --changes 20 --json out.json
 
 Starts the real-control-plane tier's kube-apiserver and kube-controller-manager v1.20.2
-(built from Debian's source, tests/realcp/build.py), creates N Services each selecting
+(built from Debian's source, labs/realcp/build.py), creates N Services each selecting
 its own Pods (made ready by patching their status; no kubelet; the Pods' IPs need not
 answer, nothing sends traffic), lets the real EndpointSlice and Endpoints controllers
 write their objects, then starts sliceproxy in iptables mode, sliceproxy in nftables
@@ -71,15 +71,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import urlencode
 
-from proxy.dataplane.iptables.drift_watch import NftablesListener
-from proxy.dataplane.iptables.ruleset import target_of
-from proxy.lab import Lab
-from proxy.lab.netns import entered
-from proxy.lab.topology import NODE_LAN4
-from tests.realcp.build import Binaries, build
-from tests.realcp.clusters import service, services_path
-from tests.realcp.controlplane import ControlPlane
-from tests.realcp.nodes import (
+from labs.realcp.build import Binaries, build
+from labs.realcp.clusters import service, services_path
+from labs.realcp.controlplane import ControlPlane
+from labs.realcp.nodes import (
     ROOT,
     KubeProxy,
     NodeProxy,
@@ -88,7 +83,12 @@ from tests.realcp.nodes import (
     ensure_node,
     pod_status,
 )
-from tests.realcp.rawapi import RawApi
+from labs.realcp.rawapi import RawApi
+from proxy.dataplane.common.drift_watch import NftablesListener
+from proxy.dataplane.iptables.ruleset import target_of
+from proxy.lab import Lab
+from proxy.lab.netns import entered
+from proxy.lab.topology import NODE_LAN4
 
 NODE = "node-a"
 # Pod IPs: they need not answer (nothing sends traffic), so they come from ranges of

@@ -447,8 +447,8 @@ def preload(target: Target, settings: Settings, nodes: int,
 def real_target(cp: Any) -> Iterator[Target]:
     """A running tests/realcp ControlPlane as a target, with a network namespace of its
     own for the agents, linked to the control plane's (removed on the way out)."""
+    from labs.realcp.rawapi import RawApi
     from proxy.lab.topology import delete_namespace, ip
-    from tests.realcp.rawapi import RawApi
 
     api = RawApi(cp.host_url, token=cp.token, context=cp.ssl_context())
     with contextlib.ExitStack() as stack:
@@ -539,7 +539,7 @@ def sim_target(settings: Settings, nodes: int,
                progress: Callable[[str], None]) -> Iterator[Target]:
     """The simulator in a process of its own, started afresh by `restart` with the
     cluster's objects loaded from a manifest (no writes needed)."""
-    from tests.realcp.rawapi import RawApi
+    from labs.realcp.rawapi import RawApi
 
     gv = "discovery.k8s.io/v1"  # converted to v1beta1 by --api-level 1.20
     with tempfile.TemporaryDirectory(prefix="sliceproxy-fleet-") as d:
@@ -844,8 +844,8 @@ def run_cli(settings: Settings, progress: Callable[[str], None] = _quiet) -> dic
     if settings.server == "sim":
         with sim_target(settings, nodes, progress) as target:
             return run(target, settings, progress)
-    from tests.realcp.build import build
-    from tests.realcp.controlplane import ControlPlane
+    from labs.realcp.build import build
+    from labs.realcp.controlplane import ControlPlane
 
     with ControlPlane(build()) as cp, real_target(cp) as target:
         progress(f"control plane up in namespace {cp.namespace}")

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.kernel.harness import BOOTS, DEFAULT_TIMEOUT, KernelResult, run_in_kernel
+from labs.kernel.harness import BOOTS, DEFAULT_TIMEOUT, KernelResult, run_in_kernel
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.kernel.harness import KernelResult, run_in_kernel
+from labs.kernel.harness import KernelResult, run_in_kernel
 
 SCENARIOS = Path(__file__).parent / "scenarios"
 RUNNER = SCENARIOS / "run.py"

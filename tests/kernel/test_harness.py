@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from labs.kernel.debian_kernel import DebianKernel, KernelError
+from labs.kernel.harness import DEFAULT_MODULES, KernelResult, run_in_kernel
+from labs.kernel.qemu import QemuGuest, lab_guest
 from tests.kernel.conftest import KernelRunner
-from tests.kernel.debian_kernel import DebianKernel
-from tests.kernel.harness import DEFAULT_MODULES, KernelError, KernelResult, run_in_kernel
-from tests.kernel.qemu import QemuGuest, lab_guest
 
 PROBE = Path(__file__).parent / "scripts" / "probe.py"
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from labs.kernel.harness import KernelResult
 from tests.faults.conftest import FaultRecord
-from tests.kernel.harness import KernelResult
 from tests.kernel.ipvs_host import scenario_module
 
 run, test_scenario = scenario_module("scenario_faults.py")

@@ -6,7 +6,7 @@ own. The guest loads `sctp` (the backends' and the client's sockets) and `xt_sct
 
 from __future__ import annotations
 
-from tests.kernel.harness import DEFAULT_MODULES
+from labs.kernel.harness import DEFAULT_MODULES
 from tests.kernel.ipvs_host import scenario_module
 
 run, test_scenario = scenario_module("scenario_sctp.py",

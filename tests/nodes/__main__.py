@@ -25,8 +25,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from proxy.lab.poll import TimedOut, wait
 
 STATE = Path(os.environ.get("SLICEPROXY_CLUSTER_STATE", "/run/sliceproxy-cluster"))
 PIDFILE, INFO, LOG = STATE / "pid", STATE / "cluster.json", STATE / "cluster.log"
@@ -44,10 +45,10 @@ def _running() -> int | None:
 
 def _hold(nodes: int) -> int:
     """The background process: start the cluster, write its info, wait for SIGTERM."""
+    from labs.realcp.build import build
     from tests.nodes.cluster import DEFAULT_NODES, SPARE_NODES, NodeCluster
     from tests.nodes.kubeadm import kubeadm_config
     from tests.nodes.workload import shipped_daemonset
-    from tests.realcp.build import build
 
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -91,15 +92,15 @@ def up(nodes: int) -> int:
                                 start_new_session=True)
     PIDFILE.write_text(str(proc.pid))
     print(f"starting a {nodes}-node Kubernetes v1.20.2 cluster (log: {LOG}) ...", flush=True)
-    deadline = time.monotonic() + UP_TIMEOUT
-    while not INFO.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            print(LOG.read_text(errors="replace")[-4000:], file=sys.stderr)
-            print("the cluster did not come up", file=sys.stderr)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGTERM)
-            return 1
-        time.sleep(1)
+    with contextlib.suppress(TimedOut):  # judged below, by the file it writes when up
+        wait(lambda: INFO.exists() or proc.poll() is not None, UP_TIMEOUT, "the cluster",
+             interval=1.0)
+    if not INFO.exists():
+        print(LOG.read_text(errors="replace")[-4000:], file=sys.stderr)
+        print("the cluster did not come up", file=sys.stderr)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+        return 1
     return status()
 
 
@@ -137,12 +138,11 @@ def down() -> int:
         print("no cluster is up")
         return 0
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 120
-    while _running() is not None:
-        if time.monotonic() > deadline:
-            print(f"pid {pid} did not stop; see {LOG}", file=sys.stderr)
-            return 1
-        time.sleep(0.5)
+    try:
+        wait(lambda: _running() is None, 120, f"pid {pid} to stop", interval=0.5)
+    except TimedOut:
+        print(f"pid {pid} did not stop; see {LOG}", file=sys.stderr)
+        return 1
     PIDFILE.unlink(missing_ok=True)
     print("cluster down")
     return 0

@@ -30,14 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from labs.debian import CACHE_ROOT, locked
+from labs.realcp.build import PAUSE, Binaries
+from labs.realcp.controlplane import API_ADDR, API_PORT, ControlPlane
+from labs.realcp.rawapi import RawApi
+from proxy.lab.poll import waited
 from proxy.lab.topology import delete_namespace, ip
-from tests.debian import CACHE_ROOT, locked
 from tests.nodes import images as imgs
 from tests.nodes.node import PRIVATE_DIRS, Node, NodeSpec, pod_range, sweep_stale
-from tests.realcp.build import PAUSE, Binaries
-from tests.realcp.clusters import wait
-from tests.realcp.controlplane import API_ADDR, API_PORT, ControlPlane
-from tests.realcp.rawapi import RawApi
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class NodeCluster:
             return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
         try:
-            return wait(ready, timeout, f"node {name} Ready", interval=0.2)
+            return waited(ready, timeout, f"node {name} Ready", interval=0.2)
         except AssertionError as exc:
             raise ClusterError(f"{exc}; kubelet log:\n"
                                f"{self.nodes[name].log_tail('kubelet')}") from None

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
+from labs.realcp.build import BuildError, build
+from labs.realcp.controlplane import ControlPlaneError
 from tests.nodes.cluster import ClusterError, NodeCluster
 from tests.nodes.images import ImageError
 from tests.nodes.node import NodeError
-from tests.realcp.build import BuildError, build
-from tests.realcp.controlplane import ControlPlaneError
 
 LONG = bool(os.environ.get("SLICEPROXY_NODES_LONG"))
 report: list[str] = []

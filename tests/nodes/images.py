@@ -9,7 +9,7 @@
   host's network; the host's CA bundle and a pip.conf naming it are mounted into those
   steps only, for machines whose HTTPS goes through an intercepting proxy (these do).
 * the pod sandbox (`pause`): the static binary built from the Kubernetes tree
-  (tests/realcp/build.py), alone in an image.
+  (labs/realcp/build.py), alone in an image.
 * kube-proxy v1.20.2 as kubeadm runs it (`<repository>/kube-proxy:v1.20.2`): upstream's
   image is Debian with iptables, conntrack and ipset beside the binary; this one is the
   same on `debian:bookworm-slim`, with the binary from the same source build.
@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.debian import CACHE_ROOT, locked
+from labs.debian import CACHE_ROOT, locked
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def buildah(*args: str, timeout: float = 1800) -> str:
 
 def ensure_tools() -> None:
     """Install the builder and node packages (Debian's) if missing."""
-    from tests.debian import dpkg_installed
+    from labs.debian import dpkg_installed
 
     missing = [p for p in APT_PACKAGES if not dpkg_installed(p)]
     if not missing:
@@ -248,7 +248,7 @@ def forget(ref: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
-    from tests.realcp.build import PAUSE, build
+    from labs.realcp.build import PAUSE, build
 
     parser = argparse.ArgumentParser(prog="python -m tests.nodes.images")
     parser.add_argument("--cold", action="store_true",

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import yaml
 
+from labs.realcp.controlplane import API_ADDR, API_PORT, SERVICE_CIDR
 from tests.nodes.cluster import CLUSTER_CIDR, NodeCluster
 from tests.nodes.images import IMAGE_REPOSITORY
-from tests.realcp.controlplane import API_ADDR, API_PORT, SERVICE_CIDR
 
 
 def kubeadm_config() -> str:

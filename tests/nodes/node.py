@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 
+from proxy.lab.poll import TimedOut, wait
 from proxy.lab.topology import delete_namespace, ip, pid_alive
 
 log = logging.getLogger(__name__)
@@ -75,14 +76,18 @@ def cgroup_pids(name: str) -> set[int]:
 def kill_cgroup(name: str, timeout: float = 15.0) -> None:
     """SIGKILL everything in cgroup `name` (every controller) until it is empty, then
     remove its directories, deepest first."""
-    deadline = time.monotonic() + timeout
-    while pids := cgroup_pids(name):
+    def emptied() -> bool:
+        pids = cgroup_pids(name)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        if time.monotonic() > deadline:
-            raise NodeError(f"cgroup {name} still has processes {sorted(pids)}")
-        time.sleep(0.05)
+        return not pids
+
+    try:
+        wait(emptied, timeout, f"cgroup {name} to empty", interval=0.05)
+    except TimedOut:
+        raise NodeError(f"cgroup {name} still has processes "
+                        f"{sorted(cgroup_pids(name))}") from None
     for controller in CONTROLLERS:
         top = CGROUP_ROOT / controller / name
         if not top.is_dir():
@@ -248,16 +253,20 @@ class Node:
             return ""
 
     def _wait(self, name: str, check: Callable[[], bool], what: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
+        def ready() -> bool:
+            if check():
+                return True
             proc = self._procs.get(name)
             if proc is not None and proc.poll() is not None:
                 raise NodeError(f"{self.name}: {name} exited ({proc.returncode}) before "
                                 f"{what}:\n{self.log_tail(name)}")
-            if time.monotonic() > deadline:
-                raise NodeError(f"{self.name}: no {what} within {timeout:.0f}s:\n"
-                                f"{self.log_tail(name)}")
-            time.sleep(0.1)
+            return False
+
+        try:
+            wait(ready, timeout, what, interval=0.1)
+        except TimedOut:
+            raise NodeError(f"{self.name}: no {what} within {timeout:.0f}s:\n"
+                            f"{self.log_tail(name)}") from None
 
     # --- containerd ---------------------------------------------------------------------
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.lab import probe
+from proxy.lab.poll import wait
 from tests.nodes import workload as wl
 from tests.nodes.cluster import ClusterError, NodeCluster
 from tests.nodes.conftest import LONG
-from tests.realcp.clusters import wait
 
 CONVERGE = 60.0
 ASKS = 60 if LONG else 20  # fresh connections per client and check

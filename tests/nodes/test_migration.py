@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from proxy.lab.poll import wait
 from tests.nodes import workload as wl
 from tests.nodes.cluster import NodeCluster
 from tests.nodes.conftest import LONG, report, started_cluster
 from tests.nodes.kubeadm import install_kube_proxy
 from tests.nodes.scenario import Workload, rollout_status
 from tests.nodes.traffic import Clients, Tally
-from tests.realcp.clusters import wait
 
 pytestmark = [pytest.mark.nodes, pytest.mark.root, pytest.mark.slow]
 
@@ -38,7 +38,7 @@ def kubeadm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeCl
 
 
 def gone(cluster: NodeCluster, selector: str) -> None:
-    wait(lambda: not cluster.pods(SYSTEM, selector), 120, f"pods {selector} gone", 0.2)
+    wait(lambda: not cluster.pods(SYSTEM, selector), 120, f"pods {selector} gone", interval=0.2)
 
 
 def run_once_on_every_node(cluster: NodeCluster, manifest: str, name: str) -> None:

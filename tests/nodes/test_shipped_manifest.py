@@ -20,6 +20,9 @@ from typing import Any
 
 import pytest
 
+from labs.realcp.controlplane import KUBERNETES_SERVICE_IP
+from labs.realcp.nodes import http_get
+from proxy.lab.poll import wait, waited
 from tests.nodes import workload as wl
 from tests.nodes.cluster import SHIPPED_IMAGE_REF, NodeCluster
 from tests.nodes.conftest import report
@@ -27,9 +30,6 @@ from tests.nodes.images import retag
 from tests.nodes.node import NodeSpec
 from tests.nodes.scenario import Workload, asks, eventually_served, ready, rollout_status
 from tests.nodes.traffic import Clients
-from tests.realcp.clusters import wait
-from tests.realcp.controlplane import KUBERNETES_SERVICE_IP
-from tests.realcp.nodes import http_get
 
 pytestmark = [pytest.mark.nodes, pytest.mark.root, pytest.mark.slow]
 
@@ -182,7 +182,7 @@ def test_a_fourth_node_without_any_rules_serves_within_30s(workload: Workload) -
         got = asks(c.pod_netns(pods[0]), workload.ips["echo"], 80, count=3)
         return set(got) <= set(workload.echo)
 
-    took = wait(served, 120, "a pod on the new node served through a ClusterIP",
+    took = waited(served, 120, "a pod on the new node served through a ClusterIP",
                 interval=0.5)
     since_kubelet = time.monotonic() - node.kubelet_started
     report.append(f"fourth node: kubelet start -> its pod served {since_kubelet:.1f}s "

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from proxy.lab import probe
 from proxy.lab.netns import entered
-from tests.realcp.clusters import wait
+from proxy.lab.poll import wait
 
 ROUND_PAUSE = 0.02  # pacing of the load between rounds (not synchronisation)
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from labs.realcp.build import Binaries, BuildError, build
+from labs.realcp.clusters import Cluster
+from labs.realcp.controlplane import ControlPlane, ControlPlaneError
+from labs.realcp.rawapi import RawApi
 from proxy.sim import SimServer
-from tests.realcp.build import Binaries, BuildError, build
-from tests.realcp.clusters import Cluster
-from tests.realcp.controlplane import ControlPlane, ControlPlaneError
-from tests.realcp.rawapi import RawApi
 
 _report: list[str] = []
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import __main__ as bench_main
-from tests.realcp.build import Binaries
+from labs.realcp.build import Binaries
 
 pytestmark = [pytest.mark.realcp, pytest.mark.root, pytest.mark.slow]
 

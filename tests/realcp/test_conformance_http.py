@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.realcp.clusters import Cluster, service, services_path
+from labs.realcp.clusters import Cluster, service, services_path
 
 pytestmark = [pytest.mark.realcp, pytest.mark.root]
 

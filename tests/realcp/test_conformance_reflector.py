@@ -13,6 +13,15 @@ from typing import Any
 
 import pytest
 
+from labs.realcp.clusters import (
+    Cluster,
+    Ep,
+    GatedApi,
+    endpoint_slice,
+    service,
+    services_path,
+    slices_path,
+)
 from proxy.kube.client import ClientOptions, KubeApi
 from proxy.kube.decode import decode_endpoint_slice
 from proxy.kube.ingest import EndpointsSource
@@ -25,17 +34,8 @@ from proxy.kube.resources import (
     Resource,
 )
 from proxy.kube.watch import ClusterWatch, endpoint_slice_resource
+from proxy.lab.poll import eventually
 from proxy.model.types import EndpointSlice
-from tests.realcp.clusters import (
-    Cluster,
-    Ep,
-    GatedApi,
-    endpoint_slice,
-    eventually,
-    service,
-    services_path,
-    slices_path,
-)
 
 pytestmark = [pytest.mark.realcp, pytest.mark.root]
 

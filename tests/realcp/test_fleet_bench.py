@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from bench.reflector_fleet import delete_objects, markdown, preload, real_target, run, settings_for
-from tests.realcp.build import Binaries
-from tests.realcp.controlplane import ControlPlane
+from labs.realcp.build import Binaries
+from labs.realcp.controlplane import ControlPlane
 
 pytestmark = [pytest.mark.realcp, pytest.mark.root, pytest.mark.slow]
 

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
+from labs.realcp.build import Binaries
 from proxy.config import Config, ConfigError, parse_args
-from tests.realcp.build import Binaries
 from tests.unit.test_kubeproxy_config import KUBE_PROXY_DEFAULTS, kubeadm_config
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from bench.realcp_latency import PROXIES, Settings, markdown, run
-from tests.realcp.build import Binaries
-from tests.realcp.controlplane import ControlPlane
+from labs.realcp.build import Binaries
+from labs.realcp.controlplane import ControlPlane
 
 pytestmark = [pytest.mark.realcp, pytest.mark.root, pytest.mark.slow]
 

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy.lab import BackendSpec, Lab
-from tests.realcp.clusters import service, services_path, wait
-from tests.realcp.controlplane import ControlPlane
-from tests.realcp.nodes import (
+from labs.realcp.clusters import service, services_path
+from labs.realcp.controlplane import ControlPlane
+from labs.realcp.nodes import (
     Sliceproxy,
     Workload,
     dnat_targets,
@@ -22,7 +21,9 @@ from tests.realcp.nodes import (
     nat_rules,
     slice_ips,
 )
-from tests.realcp.rawapi import RawApi
+from labs.realcp.rawapi import RawApi
+from proxy.lab import BackendSpec, Lab
+from proxy.lab.poll import wait
 
 pytestmark = [pytest.mark.realcp, pytest.mark.root, pytest.mark.slow]
 

@@ -19,11 +19,12 @@ from typing import Any
 
 import pytest
 
+from labs.realcp.clusters import service, services_path
+from labs.realcp.controlplane import ControlPlane
+from labs.realcp.nodes import KubeProxy, NodeProxy, Sliceproxy, Workload, ensure_node, slice_ips
+from labs.realcp.rawapi import RawApi
 from proxy.lab import BackendSpec, Lab
-from tests.realcp.clusters import service, services_path, wait
-from tests.realcp.controlplane import ControlPlane
-from tests.realcp.nodes import KubeProxy, NodeProxy, Sliceproxy, Workload, ensure_node, slice_ips
-from tests.realcp.rawapi import RawApi
+from proxy.lab.poll import wait
 
 pytestmark = [pytest.mark.realcp, pytest.mark.root, pytest.mark.slow]
 

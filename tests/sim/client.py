@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
+from labs.realcp.rawapi import WatchStream
+
 Obj = dict[str, Any]
 
 
@@ -86,45 +88,6 @@ class Api:
             yield WatchStream(resp)
         finally:
             conn.close()
-
-
-class WatchStream:
-    def __init__(self, resp: http.client.HTTPResponse) -> None:
-        self.resp = resp
-        self.status = resp.status
-
-    def next(self) -> Obj | None:
-        """The next event, or None at the end of the stream (read timeout raises)."""
-        line = self.resp.readline()
-        if not line:
-            return None
-        event: Obj = json.loads(line)
-        return event
-
-    def take(self, count: int) -> list[Obj]:
-        out: list[Obj] = []
-        for _ in range(count):
-            ev = self.next()
-            assert ev is not None, f"stream ended after {out}"
-            out.append(ev)
-        return out
-
-    def until(self, pred: Callable[[Obj], bool], limit: int = 1000) -> list[Obj]:
-        """Events up to and including the first that satisfies pred."""
-        out: list[Obj] = []
-        for _ in range(limit):
-            ev = self.next()
-            assert ev is not None, f"stream ended before the awaited event; saw {out}"
-            out.append(ev)
-            if pred(ev):
-                return out
-        raise AssertionError("awaited event never came")
-
-    def rest(self) -> list[Obj]:
-        out = []
-        while (ev := self.next()) is not None:
-            out.append(ev)
-        return out
 
 
 def wait_for(pred: Callable[[], bool], what: str = "condition", timeout: float = 5.0,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.kernel.debian_kernel import depends_on, entry_name, keep_set
-from tests.kernel.qemu import _is_static, newc_archive, ordered_modules
+from labs.kernel.debian_kernel import depends_on, entry_name, keep_set
+from labs.kernel.qemu import _is_static, newc_archive, ordered_modules
 
 SHOW = """Package: linux-image-amd64
 Source: linux-signed-amd64 (6.1.192+2)

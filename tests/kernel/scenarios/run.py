@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.kernel.guest import write_result
+from labs.kernel.guest import write_result
 
 HERE = Path(__file__).resolve().parent
 

@@ -23,9 +23,10 @@ from typing import Any, Protocol
 import pytest
 
 from proxy.dataplane.base import SyncReport
-from proxy.dataplane.iptables.runner import Backend
+from proxy.dataplane.xtables.restore_runner import Backend
 from proxy.lab import Lab
 from proxy.lab.netns import entered
+from proxy.lab.poll import wait
 from proxy.model.snapshot import DesiredState
 from tests.e2e.conftest import Cluster, NodePlane
 from tests.kernel.ipvs_guest import NodeThread, read_kernel
@@ -149,14 +150,16 @@ def ask(ns: str, ip: str, port: int, count: int,
 
 def wait_for_answer(ns: str, ip: str, port: int, want: set[str]) -> str:
     """Poll until one association is answered by a backend in `want`."""
-    end = time.monotonic() + READY_DEADLINE
-    while True:
-        got = ask_once(ns, ip, port)
-        if got in want:
-            return got
-        if time.monotonic() > end:
-            raise AssertionError(f"no SCTP answer from {sorted(want)} at {ip}:{port} "
-                                 f"within {READY_DEADLINE} s; last: {got}")
+    last = ""
+
+    def answered() -> str | None:
+        nonlocal last
+        last = ask_once(ns, ip, port)
+        return last if last in want else None
+
+    # No pause between tries: each association waits up to ANSWER_TIMEOUT itself.
+    return wait(answered, READY_DEADLINE, f"an SCTP answer from {sorted(want)} at {ip}:{port}",
+                interval=0.0, detail=lambda: f"last: {last}")
 
 
 class Plane(Protocol):

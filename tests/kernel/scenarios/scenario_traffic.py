@@ -21,6 +21,7 @@ from proxy.dataplane.base import ApplyError
 from proxy.dataplane.ipvs.kernel import IpvsTable
 from proxy.lab import Lab
 from proxy.lab.netns import entered
+from proxy.lab.poll import wait
 from tests.kernel.ipvs_guest import Cluster, NodeThread, options, read_kernel, rendered_view
 from tests.unit.builders import ep, eps_slice, service
 
@@ -67,17 +68,6 @@ def reply_destinations(node: NodeThread, port: int) -> Counter[str]:
         if len(dsts) == 2:
             seen[dsts[1]] += 1
     return seen
-
-
-def wait_until(check: Any, what: str, deadline: float = 20.0, interval: float = 0.2) -> Any:
-    end = time.monotonic() + deadline
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline}s waiting for {what}")
-        time.sleep(interval)  # polling interval, bounded by the deadline above
 
 
 def test_cluster_ip_reaches_ready_backends_only(lab: Lab, node: NodeThread,
@@ -136,7 +126,8 @@ def test_endpoint_removal_and_drain_timeout(lab: Lab, node: NodeThread,
         node.housekeeping()
         return f"{b2}:8080" not in dests(node, f"TCP {vip}:80")
 
-    wait_until(gone, "the drained real server to be deleted after the drain timeout")
+    wait(gone, 20.0, "the drained real server to be deleted after the drain timeout",
+         interval=0.2)
     # Its earlier connections were still in TIME_WAIT: only the timeout let it go.
     assert time.monotonic() - removed >= 2.0
 
@@ -170,7 +161,7 @@ def test_weight_zero_draining_keeps_an_established_connection(
         return rs not in dests(node, f"TCP {vip}:80")
 
     # Well before the 120 s drain timeout: deleted because no connection is left.
-    wait_until(gone, "the idle real server to be deleted", deadline=30.0, interval=0.5)
+    wait(gone, 30.0, "the idle real server to be deleted", interval=0.5)
     assert lab.ask(c, vip, 80, count=4) == {other: 4}
 
 

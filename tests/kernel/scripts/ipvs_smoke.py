@@ -34,7 +34,7 @@ from typing import Any
 
 from pyroute2 import IPVS, IPRoute, IPVSDest, IPVSService, netns
 
-from tests.kernel.guest import write_result
+from labs.kernel.guest import write_result
 
 VIP = "198.18.100.10"
 VIP_PORT = 80

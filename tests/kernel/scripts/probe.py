@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from tests.kernel.guest import write_result
+from labs.kernel.guest import write_result
 
 IFF_UP = 1
 

@@ -23,10 +23,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
+from labs.realcp.rawapi import RawApi
 from proxy.lab import Lab
 from proxy.lab.netns import entered
-from tests.realcp.clusters import wait
-from tests.realcp.rawapi import RawApi
+from proxy.lab.poll import wait
 
 ROOT = Path(__file__).resolve().parents[2]
 POD_CIDR = "198.18.1.0/24"
@@ -191,7 +191,8 @@ class NodeProxy:
             self.check_alive()
             return self.get("/healthz", HEALTHZ_PORT)[0] == 200
 
-        wait(healthy, timeout, f"{self.name} to become healthy (log:\n{self.log_tail()})")
+        wait(healthy, timeout, f"{self.name} to become healthy",
+             detail=lambda: f"log:\n{self.log_tail()}")
         return time.monotonic() - self.started
 
     def stop(self, timeout: float = 20.0) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-log = logging.getLogger("tests.debian")
+log = logging.getLogger("labs.debian")
 
 CACHE_ROOT = Path(os.environ.get("SLICEPROXY_CACHE", "/var/cache/sliceproxy"))
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from labs.realcp.rawapi import RawApi
 from proxy.kube.client import Api, Response
-from tests.realcp.rawapi import RawApi
 
 Obj = dict[str, Any]
 # Slices written by the tests carry a manager of their own, so that the real
@@ -151,23 +150,3 @@ class GatedApi:
 
     def lists(self) -> list[dict[str, str]]:
         return [q for _, q in self.requests if not q.get("watch")]
-
-
-async def eventually(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll `pred` on the event loop until true; fail with `what` after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-def wait(pred: Callable[[], bool], timeout: float, what: str,
-         interval: float = 0.05) -> float:
-    """`eventually` for synchronous tests; returns the seconds it took."""
-    started = time.monotonic()
-    while not pred():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-    return time.monotonic() - started

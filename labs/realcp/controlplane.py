@@ -54,11 +54,12 @@ from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 from typing import Any
 
+from labs.realcp.build import Binaries
+from labs.realcp.forward import NetnsForwarder
+from labs.realcp.pki import Pki, make_pki
 from proxy.lab.netns import entered
+from proxy.lab.poll import TimedOut, wait
 from proxy.lab.topology import delete_namespace, ip, pid_alive, sweep_stale
-from tests.realcp.build import Binaries
-from tests.realcp.forward import NetnsForwarder
-from tests.realcp.pki import Pki, make_pki
 
 log = logging.getLogger(__name__)
 
@@ -294,23 +295,26 @@ class ControlPlane:
             proc.popen.wait(timeout=10)
 
     def _wait(self, proc: _Proc, check: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + self.ready_timeout
         last_err = ""
-        while True:
+
+        def ready() -> bool:
+            nonlocal last_err
             if proc.popen.poll() is not None:
                 raise ControlPlaneError(
                     f"{proc.name} exited with {proc.popen.returncode} before {what}; "
                     f"log {proc.log}:\n{proc.tail()}")
             try:
-                if check():
-                    return
+                return check()
             except (OSError, http.client.HTTPException, ValueError) as exc:
                 last_err = f"{type(exc).__name__}: {exc}"
-            if time.monotonic() > deadline:
-                raise ControlPlaneError(
-                    f"{proc.name}: no {what} within {self.ready_timeout:.0f}s (last error: "
-                    f"{last_err or 'not ready'}); log {proc.log}:\n{proc.tail()}")
-            time.sleep(0.2)
+                return False
+
+        try:
+            wait(ready, self.ready_timeout, what, interval=0.2)
+        except TimedOut:
+            raise ControlPlaneError(
+                f"{proc.name}: no {what} within {self.ready_timeout:.0f}s (last error: "
+                f"{last_err or 'not ready'}); log {proc.log}:\n{proc.tail()}") from None
 
     def _start_etcd(self) -> None:
         base = SHM if SHM.is_dir() else self.workdir

@@ -1,6 +1,6 @@
 """Debian's own amd64 kernel for the kernel lab: downloaded, never installed, and cached.
 
-    python -m tests.kernel.debian_kernel      # fetch (or reuse) it and say where it is
+    python -m labs.kernel.debian_kernel      # fetch (or reuse) it and say where it is
 
 The host's kernel has no IPVS, so the lab boots Debian 12's generic amd64 kernel under
 QEMU (the ``cloud`` flavour has no 9p, which the guest needs to see the host's files).
@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.debian import CACHE_ROOT, locked
+from labs.debian import CACHE_ROOT, locked
 
-log = logging.getLogger("tests.kernel.debian_kernel")
+log = logging.getLogger("labs.kernel.debian_kernel")
 
 META_PACKAGE = "linux-image-amd64"
 KERNEL_CACHE = CACHE_ROOT / "kernel"
@@ -186,9 +186,9 @@ def fetch(package: str, version: str) -> DebianKernel:
         root.rename(final)  # complete, manifest included, or not there at all
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    kernel = load(final)
-    assert kernel is not None, final
-    return kernel
+    loaded = load(final)
+    assert loaded is not None, final
+    return loaded
 
 
 def ensure() -> DebianKernel:

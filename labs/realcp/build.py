@@ -7,7 +7,7 @@ needs, fetches that source package and runs upstream's Makefile once, caching th
 OUTSIDE the clone (CI uses a fresh clone on the same machine), keyed by the source package
 version. A second run only checks the cache. Two concurrent runs serialise on a file lock.
 
-    python -m tests.realcp.build          # build (or reuse) and print the bin directory
+    python -m labs.realcp.build          # build (or reuse) and print the bin directory
 
 Failures raise BuildError with the log's tail; the log stays in the cache directory.
 """
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.debian import CACHE_ROOT, dpkg_installed, locked
+from labs.debian import CACHE_ROOT, dpkg_installed, locked
 
 log = logging.getLogger("realcp.build")
 
@@ -322,7 +322,7 @@ def _check_version(binary: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.realcp.build", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m labs.realcp.build", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     args = parser.parse_args(argv)

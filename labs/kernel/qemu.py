@@ -29,7 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.kernel.debian_kernel import DebianKernel, KernelError, ensure
+from labs.kernel.debian_kernel import DebianKernel, KernelError, ensure
+from proxy.lab.poll import TimedOut, wait
 
 QEMU = "qemu-system-x86_64"
 BUSYBOX = Path("/bin/busybox")
@@ -47,7 +48,7 @@ INITRAMFS_MODULES = ("virtio_pci", "9pnet_virtio", "9p")
 NINEP = "trans=virtio,version=9p2000.L,msize=512000"
 
 INIT = f"""#!/bin/busybox sh
-# PID 1 of the kernel lab's initramfs (tests/kernel/qemu.py).
+# PID 1 of the kernel lab's initramfs (labs/kernel/qemu.py).
 bb=/bin/busybox
 fail() {{ echo "sliceproxy-initramfs: $*"; $bb reboot -f; }}
 $bb mount -t proc proc /proc
@@ -90,15 +91,19 @@ def _group_members(pgid: int) -> list[int]:
 
 def kill_group(pgid: int, grace: float = 10.0) -> None:
     """SIGKILL the process group the kernel ran in and wait until it is gone."""
-    deadline = time.monotonic() + grace
-    while _group_members(pgid):
+    def gone() -> bool:
+        if not _group_members(pgid):
+            return True
         try:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
-            return
-        if time.monotonic() > deadline:
-            raise KernelError(f"kernel processes {_group_members(pgid)} survived SIGKILL")
-        time.sleep(0.02)  # polling interval, bounded by the deadline above
+            return True
+        return False
+
+    try:
+        wait(gone, grace, f"process group {pgid} to go", interval=0.02)
+    except TimedOut:
+        raise KernelError(f"kernel processes {_group_members(pgid)} survived SIGKILL") from None
 
 
 def ordered_modules(modules_dep: str, targets: tuple[str, ...]) -> list[str]:
@@ -177,7 +182,7 @@ def _accel_from_env() -> str:
 
 
 class QemuGuest:
-    """Boots the lab's kernel: what `tests.kernel.harness.run_in_kernel` runs."""
+    """Boots the lab's kernel: what `labs.kernel.harness.run_in_kernel` runs."""
 
     def __init__(self, kernel: DebianKernel, accel: str | None = None,
                  kvm_device: Path = Path("/dev/kvm")) -> None:
