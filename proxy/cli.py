@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from proxy.config import ConfigError, parse_args
+from proxy.config.options import ConfigError, parse_args
 
 EXIT_USAGE = 2
 

@@ -31,7 +31,7 @@ from proxy.agent.changes import ChangeLog
 from proxy.agent.logs import V
 from proxy.agent.runner import SyncRunner
 from proxy.agent.worker import Worker
-from proxy.config import Config, format_duration
+from proxy.config.options import Config, format_duration
 from proxy.dataplane.base import DataPlane, DataplaneOptions
 from proxy.dataplane.factory import make_dataplane
 from proxy.dataplane.heap import release_free_memory

@@ -12,7 +12,7 @@ from typing import Any
 from proxy.agent import logs
 from proxy.agent.app import Agent, StartupError, dataplane_options
 from proxy.agent.startup_gc import PAUSE_LIMIT, StartupPause
-from proxy.config import Config
+from proxy.config.options import Config
 from proxy.dataplane.factory import PLANES, DataplaneUnavailable, make_dataplane
 
 log = logging.getLogger("proxy.agent")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.agent.app import Agent
-from proxy.config import Config, parse_args
+from proxy.config.options import Config, parse_args
 from proxy.dataplane.base import ApplyError, SyncReport
 from proxy.kube.reflector import ReflectorOptions
 from proxy.model.snapshot import DesiredState

@@ -68,7 +68,7 @@ import pytest
 import uvloop
 
 from proxy.agent.app import Agent
-from proxy.config import parse_args
+from proxy.config.options import parse_args
 from proxy.kube.ingest import EndpointsSource, apply_object
 from proxy.kube.reflector import Reflector, ReflectorOptions, WatchEvent
 from proxy.kube.resources import SERVICES

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from labs.realcp.build import Binaries
-from proxy.config import Config, ConfigError, parse_args
+from proxy.config.options import Config, ConfigError, parse_args
 from tests.unit.test_kubeproxy_config import KUBE_PROXY_DEFAULTS, kubeadm_config
 
 

@@ -52,7 +52,7 @@ def test_unreadable_kubeconfig_fails_to_start_with_a_message(tmp_path: Path) -> 
     code = (
         "import sys\n"
         "from proxy.agent.main import run\n"
-        "from proxy.config import parse_args\n"
+        "from proxy.config.options import parse_args\n"
         "from tests.integration.agent_harness import FakeDataPlane\n"
         "cfg = parse_args(sys.argv[1:])\n"
         "sys.exit(run(cfg, dataplane_factory=FakeDataPlane))\n"

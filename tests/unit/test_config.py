@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import ConfigError, format_duration, parse_args, parse_duration
+from proxy.config.options import ConfigError, format_duration, parse_args, parse_duration
 from proxy.kube.ingest import EndpointsSource
 
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from proxy.agent.app import Agent
-from proxy.config import Config, parse_args
+from proxy.config.options import Config, parse_args
 from proxy.kube.client import ClientOptions, KubeApi, Response
 from proxy.sim import SimServer
 from tests.integration.agent_harness import FakeDataPlane

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from proxy.agent.main import warn_ignored_settings
-from proxy.config import ConfigError, parse_args
+from proxy.config.options import ConfigError, parse_args
 from proxy.kube.ingest import EndpointsSource
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -124,7 +124,7 @@ def test_the_agent_logs_json_from_its_first_line(tmp_path: Path) -> None:
     data plane: nothing touched on the host), with --logging-format json."""
     code = ("import sys\n"
             "from proxy.agent.main import run\n"
-            "from proxy.config import parse_args\n"
+            "from proxy.config.options import parse_args\n"
             "from tests.integration.agent_harness import FakeDataPlane\n"
             "sys.exit(run(parse_args(sys.argv[1:]), dataplane_factory=FakeDataPlane))\n")
     proc = subprocess.run(

@@ -128,7 +128,7 @@ def test_agent_serves_the_dump_only_when_the_flag_allows() -> None:
     import socket
 
     from proxy.agent.app import Agent
-    from proxy.config import parse_args
+    from proxy.config.options import parse_args
 
     def free_port() -> int:
         with socket.socket() as s:

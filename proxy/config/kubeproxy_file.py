@@ -17,7 +17,7 @@ Every field of the file is one of three kinds, and none is dropped without a wor
 
 A value sliceproxy cannot honour safely (a proxy mode it lacks, `nodePortAddresses:
 [primary]`), a malformed one, or a field kube-proxy does not have stops the agent,
-naming the field (config.ConfigError, raised by the caller with the file's name).
+naming the field (options.ConfigError, raised by the caller with the file's name).
 """
 
 from __future__ import annotations

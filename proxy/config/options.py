@@ -1,6 +1,6 @@
 """The agent's configuration: flags (kube-proxy's names where the meaning is the same),
 an optional YAML `--config` file with the same keys or kube-proxy's own
-KubeProxyConfiguration (kubeproxy_config.py), and validation that names the flag.
+KubeProxyConfiguration (kubeproxy_file.py), and validation that names the flag.
 
 Precedence: defaults < config file < command-line flags.
 """
@@ -17,13 +17,13 @@ from typing import Any
 
 import yaml
 
-from proxy.kube.ingest import EndpointsSource
-from proxy.kubeproxy_config import (
+from proxy.config.kubeproxy_file import (
     KubeProxyConfigError,
     from_configmap,
     is_kube_proxy_config,
     translate,
 )
+from proxy.kube.ingest import EndpointsSource
 from proxy.model.types import IPNetwork
 
 
@@ -116,7 +116,7 @@ class Config:
     logging_format: str = "text"
     uvloop: bool = True
     # Fields of a KubeProxyConfiguration file sliceproxy does not implement, as
-    # `path=value` (kubeproxy_config.py): named in one warning at start.
+    # `path=value` (kubeproxy_file.py): named in one warning at start.
     ignored_settings: tuple[str, ...] = ()
 
     @property
