@@ -40,13 +40,13 @@ from proxy.kube.ingest import EndpointsSource, apply_object, delete_object
 from proxy.kube.reflector import Backoff, ReflectorOptions, WatchEvent
 from proxy.kube.resources import ENDPOINTS, Resource
 from proxy.kube.watch import ClusterWatch, endpoint_slice_resource
-from proxy.metrics import AgentMetrics
 from proxy.model.snapshot import DesiredState
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import LABEL_SERVICE_NAME, ServicePortKey
 from proxy.server.dump import build_dump, selected_keys
 from proxy.server.health import ProxyHealth, node_eligible
 from proxy.server.http import health_app, metrics_app, serve
+from proxy.server.metrics import AgentMetrics
 from proxy.server.nodeports import HealthCheckPorts, LocalEndpointTracker
 
 log = logging.getLogger(__name__)

@@ -24,11 +24,11 @@ from proxy.agent.logs import V
 from proxy.agent.schedule import SyncSchedule, Trigger
 from proxy.agent.worker import Worker
 from proxy.dataplane.base import ApplyError, DataPlane, SyncReport
-from proxy.metrics import AgentMetrics
 from proxy.model.snapshot import DesiredState
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import ServicePortKey
 from proxy.server.health import ProxyHealth
+from proxy.server.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 

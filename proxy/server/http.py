@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from proxy.metrics import CONTENT_TYPE, AgentMetrics
 from proxy.server.health import ProxyHealth, go_time
+from proxy.server.metrics import CONTENT_TYPE, AgentMetrics
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.kube.reflector import ReflectorStats
 from proxy.kube.resources import SERVICES
-from proxy.metrics import AgentMetrics
+from proxy.server.metrics import AgentMetrics
 from tests.unit.builders import ep, eps_slice, model_of, service
 
 UPSTREAM = {

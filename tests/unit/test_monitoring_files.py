@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy.metrics import AgentMetrics
+from proxy.server.metrics import AgentMetrics
 
 MONITORING = Path(__file__).resolve().parents[2] / "deploy" / "monitoring"
 RULES = MONITORING / "sliceproxy-rules.yaml"

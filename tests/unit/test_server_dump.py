@@ -13,12 +13,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from proxy.explain import explain
 from proxy.kube.ingest import EndpointsSource, apply_object
 from proxy.manifests import load_paths
-from proxy.metrics import AgentMetrics
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import ServicePortKey
 from proxy.model.view import service_port_view
 from proxy.server.dump import build_dump
 from proxy.server.http import DUMP_DISABLED, metrics_app
+from proxy.server.metrics import AgentMetrics
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy.metrics import AgentMetrics
 from proxy.server.health import ProxyHealth, go_time, node_eligible
 from proxy.server.http import health_app
+from proxy.server.metrics import AgentMetrics
 
 
 class Clock:

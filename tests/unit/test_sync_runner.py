@@ -15,9 +15,9 @@ from proxy.agent.changes import ChangeLog
 from proxy.agent.runner import SyncRunner
 from proxy.agent.worker import Worker
 from proxy.kube.ingest import apply_object
-from proxy.metrics import AgentMetrics
 from proxy.model.tracker import ClusterModel
 from proxy.server.health import ProxyHealth
+from proxy.server.metrics import AgentMetrics
 from tests.integration.agent_harness import FakeDataPlane
 from tests.unit.builders import ep, eps_slice, service
 
