@@ -30,9 +30,9 @@ from ipaddress import ip_address
 from pathlib import Path
 from typing import Any, TypeVar
 
+from proxy.kube.manifests import load_paths
 from proxy.lab import BackendSpec, Lab
 from proxy.lab.netns import entered
-from proxy.manifests import load_paths
 from proxy.sim import SimServer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from proxy.kube.ingest import EndpointsSource, apply_object
-from proxy.manifests import ManifestError, load_paths, parse_documents
+from proxy.kube.manifests import ManifestError, load_paths, parse_documents
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import Node
 from proxy.model.view import node_view, service_port_view

@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 
-from proxy.manifests import ManifestError, load_paths
+from proxy.kube.manifests import ManifestError, load_paths
 from proxy.sim.errors import ApiError
 from proxy.sim.harness import SimServer
 from proxy.sim.resources import API_LEVELS, LATEST

@@ -19,7 +19,7 @@ import pytest
 
 from proxy.explain import explain
 from proxy.kube.ingest import EndpointsSource
-from proxy.manifests import load_paths
+from proxy.kube.manifests import load_paths
 from proxy.sim import SimServer
 from tests.integration.agent_harness import AgentThread, running_agent, wait_until
 

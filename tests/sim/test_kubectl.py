@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.manifests import load_paths
+from proxy.kube.manifests import load_paths
 from proxy.sim import SimServer
 from tests.sim.test_cli import run_sim
 

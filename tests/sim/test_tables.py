@@ -20,7 +20,7 @@ from urllib.parse import urlencode, urlsplit
 
 import pytest
 
-from proxy.manifests import load_paths
+from proxy.kube.manifests import load_paths
 from proxy.sim import SimServer
 from proxy.sim.errors import ApiError
 from proxy.sim.tables import (

@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.explain import explain
 from proxy.kube.ingest import EndpointsSource, apply_object
-from proxy.manifests import load_paths
+from proxy.kube.manifests import load_paths
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import ServicePortKey
 from proxy.model.view import service_port_view
