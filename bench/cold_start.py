@@ -34,7 +34,9 @@ from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT, agent_pid, cpu_seconds, in_namespace, simulator, size_mib, stop
+from proxy.lab.poll import TimedOut, wait
+
 POD_BASE = IPv4Address("198.19.0.1")
 POD_ADDRESSES = 65_000
 NODE = "node-a"
@@ -83,63 +85,11 @@ def namespace() -> Iterator[str]:
         subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True)
 
 
-def _in(ns: str, argv: Sequence[str]) -> list[str]:
-    return ["ip", "netns", "exec", ns, *argv]
-
-
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _status_mib(pid: int, field: str) -> float | None:
-    """VmRSS, VmHWM (peak RSS)... of a process, in MiB."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-@contextmanager
-def simulator(ns: str, manifest: Path, work: Path, watch_cache: bool) -> Iterator[Path]:
-    kubeconfig = work / "kubeconfig"
-    log = (work / "sim.log").open("wb")
-    proc = subprocess.Popen(_in(ns, [sys.executable, "-m", "proxy.sim", "--listen",
-                                     "127.0.0.1:0", "--kubeconfig-out", str(kubeconfig),
-                                     "--history", "1000", "-f", str(manifest),
-                                     *(() if watch_cache else ("--no-watch-cache",))]),
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    try:
-        deadline = time.monotonic() + 600
-        while not kubeconfig.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the simulator did not start: {work / 'sim.log'}")
-            time.sleep(0.1)
-        yield kubeconfig
-    finally:
-        _stop(proc)
-        log.close()
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def plant_backend_hint(ns: str, backend: str) -> None:
     """What kubelet does on a node: its KUBE-IPTABLES-HINT chain in the mangle table of
     the iptables back end the node uses, which the agent's detection follows."""
-    subprocess.run(_in(ns, [f"iptables-{backend}", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT"]),
-                   check=True, capture_output=True)
+    subprocess.run(in_namespace(ns, [f"iptables-{backend}", "-t", "mangle", "-N",
+                                     "KUBE-IPTABLES-HINT"]), check=True, capture_output=True)
 
 
 def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
@@ -153,68 +103,50 @@ def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
                 "--subprocesses", "--format", fmt, "--output", str(profile), "--", *argv]
     log_path = work / f"agent-{run}.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(_in(ns, argv), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc = subprocess.Popen(in_namespace(ns, argv), stdout=log, stderr=subprocess.STDOUT,
+                                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     began = time.monotonic()
     timeline: list[tuple[float, float]] = []  # (seconds since start, RSS MiB)
     try:
-        deadline = began + timeout
-        agent = None
-        while True:
-            match = FIRST_SYNC.search(log_path.read_text(errors="replace"))
-            if match:
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
+        agent: int | None = None
+
+        def first_sync() -> re.Match[str] | None:
+            """The log's first-sync line; meanwhile the RSS timeline is sampled."""
+            nonlocal agent
+            if match := FIRST_SYNC.search(log_path.read_text(errors="replace")):
+                return match
+            if proc.poll() is not None:
                 raise RuntimeError(f"no first sync: {log_path}")
-            agent = agent or _agent_pid(proc.pid)
-            rss = _status_mib(agent, "VmRSS") if agent else None
+            agent = agent or agent_pid(proc.pid)
+            rss = size_mib(agent, "VmRSS") if agent else None
             if rss is not None:
                 timeline.append((round(time.monotonic() - began, 2), round(rss, 1)))
-            time.sleep(0.05)
-        agent = _agent_pid(proc.pid)
+            return None
+
+        try:
+            match = wait(first_sync, timeout, "the first sync", interval=0.05)
+        except TimedOut:
+            raise RuntimeError(f"no first sync: {log_path}") from None
+        agent = agent_pid(proc.pid)
         out = {"cold_start_s": float(match.group(1)),
-               "peak_rss_mib": _status_mib(agent, "VmHWM") if agent else None,
+               "peak_rss_mib": size_mib(agent, "VmHWM") if agent else None,
                "rss_timeline": timeline}
         if idle > 0 and agent:
             # Nothing changes in the cluster now: what the agent spends doing nothing
             # (timers, watch bookmarks), per second, after the first sync has settled.
             time.sleep(1.0)
-            before = _cpu_seconds(agent)
+            before = cpu_seconds(agent)
             time.sleep(idle)
-            out["idle_cpu_percent"] = round(100 * (_cpu_seconds(agent) - before) / idle, 2)
-            out["rss_after_mib"] = _status_mib(agent, "VmRSS")
+            out["idle_cpu_percent"] = round(100 * (cpu_seconds(agent) - before) / idle, 2)
+            out["rss_after_mib"] = size_mib(agent, "VmRSS")
         return out
     finally:
         if profile is not None:  # py-spy writes its profile when its child ends
-            agent = _agent_pid(proc.pid)
+            agent = agent_pid(proc.pid)
             if agent:
                 os.kill(agent, signal.SIGTERM)
             proc.wait(120)
-        _stop(proc)
-
-
-def _agent_pid(root: int) -> int | None:
-    """The python process running `-m proxy` under `ip netns exec` (and py-spy)."""
-    for pid in [root, *_descendants(root)]:
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"proxy" in cmd and b"-m" in cmd and not cmd[0].endswith(b"py-spy"):
-            return pid
-    return None
-
-
-def _descendants(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            kids = (task / "children").read_text().split()
-        except OSError:
-            continue
-        for kid in map(int, kids):
-            out += [kid, *_descendants(kid)]
-    return out
+        stop(proc)
 
 
 def markdown(summary: dict[str, Any]) -> str:

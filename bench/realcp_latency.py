@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import urlencode
 
+from bench.common import cpu_times, status_mib
 from labs.realcp.build import Binaries, build
 from labs.realcp.clusters import service, services_path
 from labs.realcp.controlplane import ControlPlane
@@ -85,7 +86,7 @@ from labs.realcp.nodes import (
 )
 from labs.realcp.rawapi import RawApi
 from proxy.dataplane.common.drift_watch import NftablesListener
-from proxy.dataplane.iptables.ruleset import target_of
+from proxy.dataplane.xtables.saved import target_of
 from proxy.lab import Lab
 from proxy.lab.netns import entered
 from proxy.lab.topology import NODE_LAN4
@@ -508,24 +509,17 @@ class Side:
         return found
 
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
 def cpu_seconds(pid: int) -> dict[str, float]:
     """CPU time of a process and of its reaped children (the iptables binaries it ran)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    utime, stime, cutime, cstime = (int(x) / CLOCK_TICKS for x in fields[11:15])
-    return {"self": round(utime + stime, 2), "children": round(cutime + cstime, 2)}
+    own, children = cpu_times(pid)
+    return {"self": round(own, 2), "children": round(children, 2)}
+
+
+_MEMORY = {"VmHWM": "peak_rss", "VmRSS": "rss"}
 
 
 def memory_mib(pid: int) -> dict[str, float]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out["rss" if key == "VmRSS" else "peak_rss"] = round(int(value.split()[0]) / 1024,
-                                                                 1)
-    return out
+    return {_MEMORY[k]: round(v, 1) for k, v in status_mib(pid).items() if k in _MEMORY}
 
 
 def scrape(proxy: NodeProxy) -> dict[str, float]:

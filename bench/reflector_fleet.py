@@ -59,15 +59,14 @@ from ipaddress import IPv4Network
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
+from bench.common import ROOT, cpu_seconds, status_mib
 from proxy.kube.client import Api, Response
 from proxy.kube.reflector import WatchEvent
 from proxy.kube.watch import ClusterWatch
 
-ROOT = Path(__file__).resolve().parent.parent
 POD_NET = IPv4Network("198.19.0.0/16")  # endpoint addresses: never sent traffic
 NAMESPACE = "fleet"
 MANAGER = "sliceproxy-bench.example.com"  # the EndpointSlice controller leaves these alone
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SAMPLE_EVERY = 0.2  # seconds between /proc samples of the servers' RSS
 SIZES: dict[str, dict[str, Any]] = {
     "small": {"agents": (5,), "services": 20, "endpoints": 3, "changes": 5, "rate": 5.0},
@@ -158,18 +157,6 @@ def node_obj(i: int) -> Obj:
 # --- /proc ------------------------------------------------------------------------------
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-def status_mib(pid: int, key: str) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 class Sampler:
     """RSS of some processes every SAMPLE_EVERY seconds, in a thread: the peak of each."""
 
@@ -183,7 +170,7 @@ class Sampler:
         while True:
             for name, pid in self.pids.items():
                 with contextlib.suppress(OSError):
-                    self.peak[name] = max(self.peak[name], status_mib(pid, "VmRSS"))
+                    self.peak[name] = max(self.peak[name], status_mib(pid).get("VmRSS", 0.0))
             if self._stop.wait(SAMPLE_EVERY):
                 return
 
@@ -199,8 +186,9 @@ class Sampler:
 def snapshot(pids: Mapping[str, int]) -> dict[str, dict[str, float]]:
     out = {}
     for name, pid in pids.items():
-        out[name] = {"cpu_s": cpu_seconds(pid), "rss_mib": status_mib(pid, "VmRSS"),
-                     "hwm_mib": status_mib(pid, "VmHWM")}
+        cpu, sizes = cpu_seconds(pid), status_mib(pid)
+        out[name] = {"cpu_s": cpu, "rss_mib": sizes.get("VmRSS", 0.0),
+                     "hwm_mib": sizes.get("VmHWM", 0.0)}
     return out
 
 

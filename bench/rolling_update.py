@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.cold_start import _agent_pid, _cpu_seconds, _status_mib, simulator
+from bench.common import ROOT, agent_pid, cpu_times, simulator, size_mib
 from bench.huge_service import (
     ENDPOINTS_PER_SLICE,
     NAMESPACE,
@@ -85,14 +85,13 @@ from bench.huge_service import (
     service_object,
     slice_object,
 )
-from proxy.dataplane.iptables.drift_watch import NftablesListener
+from proxy.dataplane.common.drift_watch import NftablesListener
 from proxy.lab import Lab
 from proxy.lab.echo import LOCAL_ADDRESS
 from proxy.lab.netns import entered
 from proxy.lab.probe import ask_once
 from proxy.lab.topology import ip
 
-ROOT = Path(__file__).resolve().parents[1]
 MODES = ("nftables", "iptables")
 NODE = "node-a"
 TICK = 0.1
@@ -587,9 +586,8 @@ def manifest(roll: Roll) -> list[Obj]:
 
 def _cpu(pid: int) -> dict[str, float]:
     """CPU seconds of a process, and of the children it has waited for (iptables-restore)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return {"self": _cpu_seconds(pid), "children": (int(fields[13]) + int(fields[14])) / tick}
+    own, children = cpu_times(pid)
+    return {"self": own, "children": children}
 
 
 def _syncs(log: Path, start: int) -> list[float]:
@@ -776,7 +774,7 @@ def _with_agent(lab: Lab, pods: str, api: Api, kubeconfig: Path, roll: Roll,
         if time.monotonic() > deadline:
             raise RuntimeError(f"no first sync: {log_path}")
         time.sleep(0.05)
-    agent = _agent_pid(proc.pid) or proc.pid
+    agent = agent_pid(proc.pid) or proc.pid
     view = KernelView(lab.node_ns, settings.mode)
     while not view.locate():
         alive()
@@ -804,7 +802,7 @@ def _roll(lab: Lab, pods: str, api: Api, roll: Roll, settings: Settings, watch: 
     traffic = Traffic(lab.client_ns, settings.traffic_rate, settings.connect_timeout,
                       count=math.ceil(settings.traffic_rate * (span + settings.settle_timeout)))
     log_offset = log_path.stat().st_size
-    rss_before = _status_mib(agent, "VmRSS")
+    rss_before = size_mib(agent, "VmRSS")
     traffic.start()
     try:
         time.sleep(settings.before)  # traffic on the old endpoints first (a pace, not a sync)
@@ -850,7 +848,7 @@ def _roll(lab: Lab, pods: str, api: Api, roll: Roll, settings: Settings, watch: 
             "cpu_s": round(cpu_self + cpu_children, 2),
             "cpu_self_s": round(cpu_self, 2), "cpu_children_s": round(cpu_children, 2),
             "cpu_percent": round(100 * (cpu_self + cpu_children) / max(roll_s, 1e-9), 1),
-            "rss_before_mib": rss_before, "peak_rss_mib": _status_mib(agent, "VmHWM"),
+            "rss_before_mib": rss_before, "peak_rss_mib": size_mib(agent, "VmHWM"),
             "syncs": len(syncs), "sync_ms": _ms(syncs), "errors": errors},
         # (seconds since the roll began, old endpoints, new endpoints) at each change
         "kernel_timeline": [
