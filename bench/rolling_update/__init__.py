@@ -1,0 +1,60 @@
+"""A rolling update of a whole service with traffic flowing: failed connections, the lag
+between the API and the kernel, the agent's CPU and memory.
+
+    sudo .venv/bin/python -m bench.rolling_update                        # 1,000, both modes
+    sudo .venv/bin/python -m bench.rolling_update --endpoints 10000 --mode nftables
+    flock /tmp/spx-heavy.lock .venv/bin/python -m bench.rolling_update --endpoints 10000
+
+The set-up, every part of it in network namespaces of a lab (`proxy.lab`) made for the
+run and removed after it (also on SIGTERM):
+
+- node: the simulator (`python -m proxy.sim`, its own process, as bench/cold_start.py
+  starts it) and the real agent (`python -m proxy --proxy-mode MODE`, cold_start's
+  flags, `-v 2` so that it logs every sync);
+- pods: one namespace behind a veth from the node (198.18.2.0/24; the node routes
+  198.19.0.0/16 there), every pod's address a /32 on its end of the veth, and ONE
+  listener on 0.0.0.0:8080 (`proxy.lab.echo` answering with the address reached), so
+  every endpoint really accepts connections, and stops doing so once its address goes;
+- client: short TCP connections to the ClusterIP (`proxy.lab.probe.ask_once`: connect,
+  one line, the answer) at `--traffic-rate` a second, from a little before the roll to
+  a little after it; each one's outcome (the pod that answered, or refused, reset,
+  timeout) is kept with its time.
+
+One ClusterIP service (`bench/huge`, TCP 80 -> 8080, bench/huge_service.py's objects)
+with N ready endpoints in slices of 100, as the EndpointSlice controller writes them.
+The roll, as a Deployment's (maxSurge) does it, through the simulator's HTTP API, in
+ticks of 100 ms, `--rate` endpoints replaced a second: each tick, `rate/10` new pods get
+fresh addresses (added in the pods namespace first) and appear not ready; `--ready-delay`
+later they are ready; one tick after that, as many old pods go terminating (ready=false,
+serving=true, terminating=true); `--grace` later they are deleted (their endpoints leave
+the slices) and `--teardown` after that delete their addresses are removed (as a kubelet
+tears a sandbox down): by then the proxy must long have stopped sending them new
+connections. The slices are kept as the controller keeps them: changed endpoints are
+updated in place, gone ones removed, new ones placed first in slices written this tick
+anyway, then in the fullest slice that takes them all, else in new slices; an emptied
+slice is deleted. Each slice a tick changes is written once (PUT, POST or DELETE), over
+one kept-alive connection.
+
+The lag of a write: from the moment it was sent to the kernel holding its effect (the
+endpoints it made ready among the service's DNAT targets, those it made terminating no
+longer). The kernel is read (the service's chain: `nft list chain`, or `iptables -t nat
+-S`) each time nf_tables announces a transaction on the agent's tables (heard on netlink
+in the node's namespace, as bench/realcp_latency.py does), and a change is dated by the
+announcement that preceded the read that first showed it; on legacy iptables (no
+announcements) the chain is polled every 100 ms and dated by the read. Writes that change
+nothing the kernel holds (a pod appearing not ready, a terminating pod deleted) have no
+lag. Reported: p50/p99/max over every write of the roll and over its last 10%
+("end"), and the convergence: from the last write that changes what the kernel should
+hold to the kernel holding exactly the new endpoints. The agent's CPU (its own and its
+children's, iptables-restore) from /proc over the roll, its peak RSS (VmHWM), its syncs
+from its log. Timings are reported, never asserted. Needs root.
+"""
+
+from __future__ import annotations
+
+from bench.rolling_update.cli import main
+from bench.rolling_update.measure import run
+from bench.rolling_update.report import markdown
+from bench.rolling_update.workload import READY, TERMINATING, Roll, Settings
+
+__all__ = ["READY", "Roll", "Settings", "TERMINATING", "main", "markdown", "run"]
