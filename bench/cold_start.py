@@ -8,7 +8,7 @@ network namespace made for the run (removed afterwards, its rules with it). The 
 own figure is what it logs with "first sync done" (`since_start`: from the process's
 start, imports included, to the first sync's commit), and its peak RSS (VmHWM) at that
 moment. The simulator is not the real API server: its lists cost it more CPU (Python),
-which the agent does not pay for; `bench/realcp_latency.py` measures the same start on
+which the agent does not pay for; `bench/realcp_latency/` measures the same start on
 kube-apiserver v1.20.2. Needs root.
 
 Pod addresses come from 198.19.0.0/16; past 65,000 endpoints they repeat across

@@ -39,7 +39,7 @@ The lag of a write: from the moment it was sent to the kernel holding its effect
 endpoints it made ready among the service's DNAT targets, those it made terminating no
 longer). The kernel is read (the service's chain: `nft list chain`, or `iptables -t nat
 -S`) each time nf_tables announces a transaction on the agent's tables (heard on netlink
-in the node's namespace, as bench/realcp_latency.py does), and a change is dated by the
+in the node's namespace, as bench/realcp_latency/ does), and a change is dated by the
 announcement that preceded the read that first showed it; on legacy iptables (no
 announcements) the chain is polled every 100 ms and dated by the read. Writes that change
 nothing the kernel holds (a pod appearing not ready, a terminating pod deleted) have no

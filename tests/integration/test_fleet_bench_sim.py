@@ -1,4 +1,4 @@
-"""The fleet benchmark (bench/reflector_fleet.py) keeps working against the simulator,
+"""The fleet benchmark (bench/reflector_fleet/) keeps working against the simulator,
 run tiny: it completes and its results are sane and non-empty. Never timing."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fleet benchmark (bench/reflector_fleet.py) keeps working on a real API server:
+"""The fleet benchmark (bench/reflector_fleet/) keeps working on a real API server:
 run tiny (both first-list modes), it completes and its results are sane and non-empty.
 Never timing. On a control plane of its own: the bench restarts the API server before
 each run, and the session's kube-controller-manager can lose its leader lease meanwhile

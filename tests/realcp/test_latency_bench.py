@@ -1,4 +1,4 @@
-"""The programming-latency benchmark (bench/realcp_latency.py) keeps working: run tiny on
+"""The programming-latency benchmark (bench/realcp_latency/) keeps working: run tiny on
 the tier's session control plane. Only that every proxy (sliceproxy in iptables and in
 nftables mode, kube-proxy) programmed every change is asserted, never how long it took."""
 
