@@ -1,6 +1,6 @@
 import sys
 
-from proxy.cli import main
+from proxy.cmd.cli import main
 
 try:
     sys.exit(main())

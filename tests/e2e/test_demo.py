@@ -19,7 +19,7 @@ pytestmark = pytest.mark.root
 
 def test_demo_shows_traffic_following_the_agents_decisions() -> None:
     began = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "proxy.demo"], cwd=ROOT, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "proxy.cmd.demo"], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "NO_COLOR": "1"})
     out, err = proc.communicate(timeout=120)

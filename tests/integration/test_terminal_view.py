@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from proxy.explain import explain
+from proxy.cmd.explain import explain
 from proxy.kube.ingest import EndpointsSource
 from proxy.kube.manifests import load_paths
 from proxy.sim import SimServer

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from proxy.agent import logs
-from proxy.cli import main
+from proxy.cmd.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 

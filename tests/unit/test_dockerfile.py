@@ -157,5 +157,5 @@ def test_the_wheel_built_from_the_context_runs_the_entrypoint(tmp_path: Path) ->
     # The commands the package installs beside the entrypoint (docs/image.md).
     (entry_points,) = site.glob("sliceproxy-*.dist-info/entry_points.txt")
     scripts = entry_points.read_text()
-    assert "sliceproxy = proxy.cli:main" in scripts
-    assert "kubectl-sliceproxy = proxy.kubectl_plugin:main" in scripts
+    assert "sliceproxy = proxy.cmd.cli:main" in scripts
+    assert "kubectl-sliceproxy = proxy.cmd.kubectl_plugin:main" in scripts

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy.explain import explain
+from proxy.cmd.explain import explain
 from proxy.kube.ingest import EndpointsSource, apply_object
 from proxy.kube.manifests import load_paths
 from proxy.model.tracker import ClusterModel

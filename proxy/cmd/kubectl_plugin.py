@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import sys
 
-from proxy import dumpcmd, explain
+from proxy.cmd import dump_client, explain
 
 PROG = "kubectl sliceproxy"
 # What kubectl needs to know which cluster: taken out of explain's arguments.
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "explain":
         return _explain(rest)
     if command == "dump":
-        return dumpcmd.main(rest, prog=f"{PROG} dump")
+        return dump_client.main(rest, prog=f"{PROG} dump")
     print(f"{PROG}: unknown command {command!r} (explain, dump; --help)", file=sys.stderr)
     return 2
 

@@ -15,7 +15,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from proxy.explain import add_output, write
+from proxy.cmd.explain import add_output, write
 
 DEFAULT_ADDRESS = "127.0.0.1:10249"
 TIMEOUT = 10.0

@@ -4,7 +4,7 @@ Reads Services, EndpointSlices (or Endpoints), and Nodes from files or stdin, ex
 `kubectl get svc,endpointslices,nodes -A -o yaml` prints them, runs them through the same
 decode -> model -> selection path as the agent, and prints the node, every service port
 in the debug dump's shape, and everything that was skipped with its reason: a table on a
-terminal (proxy/termview.py), JSON otherwise or with `-o json` (the stable contract).
+terminal (termview.py), JSON otherwise or with `-o json` (the stable contract).
 
 `python -m proxy dump [ADDRESS]` asks a running agent instead: its /debug/dump, shown
 the same way.
@@ -57,7 +57,7 @@ def add_output(p: argparse.ArgumentParser) -> None:
 def write(doc: dict[str, Any], output: str | None) -> None:
     """`doc` as JSON, or as the table a person reads (the default on a terminal)."""
     if (output or ("table" if sys.stdout.isatty() else "json")) == "table":
-        from proxy.termview import render
+        from proxy.cmd.termview import render
 
         sys.stdout.write(render(doc))
         return

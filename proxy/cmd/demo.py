@@ -35,7 +35,7 @@ from proxy.lab import BackendSpec, Lab
 from proxy.lab.netns import entered
 from proxy.sim import SimServer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 FIRST_POD = 10  # the lab gives backend i the address 198.18.1.(10 + i)
 HEALTHZ, METRICS = 10256, 10249

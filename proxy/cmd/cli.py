@@ -18,11 +18,11 @@ EXIT_USAGE = 2
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "explain":
-        from proxy.explain import main as explain_main
+        from proxy.cmd.explain import main as explain_main
 
         return explain_main(args[1:])
     if args and args[0] == "dump":
-        from proxy.dumpcmd import main as dump_main
+        from proxy.cmd.dump_client import main as dump_main
 
         return dump_main(args[1:])
     try:
