@@ -43,6 +43,7 @@ from bench.rolling_update.workload import (
     Write,
 )
 from proxy.lab import Lab
+from proxy.lab.poll import TimedOut, wait
 
 # --- one run ---------------------------------------------------------------------------------
 
@@ -206,20 +207,32 @@ def _with_agent(lab: Lab, pods: str, api: Api, kubeconfig: Path, roll: Roll,
             tail = log_path.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"the agent exited {proc.returncode}:\n{tail}")
 
+    def first_sync() -> bool:
+        if FIRST_SYNC.search(log_path.read_text(errors="replace")):
+            return True
+        alive()
+        return False
+
     began = time.monotonic()
     deadline = began + settings.start_timeout
-    while not FIRST_SYNC.search(log_path.read_text(errors="replace")):
-        alive()
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no first sync: {log_path}")
-        time.sleep(0.05)
+    try:
+        wait(first_sync, settings.start_timeout, "the first sync", interval=0.05)
+    except TimedOut:
+        raise RuntimeError(f"no first sync: {log_path}") from None
     agent = agent_pid(proc.pid) or proc.pid
     view = KernelView(lab.node_ns, settings.mode)
-    while not view.locate():
+
+    def located() -> bool:
+        if view.locate():
+            return True
         alive()
-        if time.monotonic() > deadline:
-            raise RuntimeError("the service's chain never appeared")
-        time.sleep(0.05)
+        return False
+
+    try:  # what is left of the same start deadline
+        wait(located, max(0.0, deadline - time.monotonic()), "the service's chain",
+             interval=0.05)
+    except TimedOut:
+        raise RuntimeError("the service's chain never appeared") from None
     watch = KernelWatch(view)
     watch.start()
     try:
