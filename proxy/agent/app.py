@@ -29,7 +29,7 @@ from aiohttp import web
 
 from proxy.agent.changes import ChangeLog
 from proxy.agent.logs import V
-from proxy.agent.runner import SyncRunner
+from proxy.agent.sync_loop import SyncRunner
 from proxy.agent.worker import Worker
 from proxy.config.options import Config, format_duration
 from proxy.dataplane.base import DataPlane, DataplaneOptions

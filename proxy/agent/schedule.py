@@ -11,7 +11,7 @@ Semantics (upstream `pkg/util/async/bounded_frequency_runner.go`, with kube-prox
 - after a failed sync, a retry is due after a delay (the runner's backoff).
 
 Time is passed in by the caller (seconds on a monotonic clock), so the rules are tested
-without sleeping. The async loop around it lives in `runner.py`.
+without sleeping. The async loop around it lives in `sync_loop.py`.
 """
 
 from __future__ import annotations

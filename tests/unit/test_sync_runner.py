@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from proxy.agent.changes import ChangeLog
-from proxy.agent.runner import SyncRunner
+from proxy.agent.sync_loop import SyncRunner
 from proxy.agent.worker import Worker
 from proxy.kube.ingest import apply_object
 from proxy.model.tracker import ClusterModel
