@@ -33,8 +33,8 @@ from proxy.agent.sync_loop import SyncRunner
 from proxy.agent.worker import Worker
 from proxy.config.options import Config, format_duration
 from proxy.dataplane.base import DataPlane, DataplaneOptions
+from proxy.dataplane.common.heap import release_free_memory
 from proxy.dataplane.factory import make_dataplane
-from proxy.dataplane.heap import release_free_memory
 from proxy.kube.client import Api, ClientOptions, KubeApi
 from proxy.kube.ingest import EndpointsSource, apply_object, delete_object
 from proxy.kube.reflector import Backoff, ReflectorOptions, WatchEvent

@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.dataplane.base import DataplaneOptions
-from proxy.dataplane.netlink import NetlinkSocket, nla
-from proxy.dataplane.nftables_probe import NETLINK_NETFILTER, NFNL_SUBSYS_NFTABLES, NFPROTO
+from proxy.dataplane.common.netlink import NetlinkSocket, nla
+from proxy.dataplane.common.nfnetlink import NETLINK_NETFILTER, NFNL_SUBSYS_NFTABLES, NFPROTO
 from proxy.model.types import Family
 
 log = logging.getLogger(__name__)
@@ -287,7 +287,7 @@ def _chains_removed(done: Sequence[tuple[Any, int]]) -> str:
 
 
 def _clean_iptables(mode: str, options: DataplaneOptions) -> str:
-    from proxy.dataplane.iptables.apply import cleanup_runners, remove_chains
+    from proxy.dataplane.xtables.cleanup import cleanup_runners, remove_chains
 
     removed = _chains_removed(remove_chains(cleanup_runners(options.families), swept(mode)))
     return removed + (f"; {IPVS_PREFIX}* kept" if mode == "ipvs" else "")
@@ -306,7 +306,7 @@ def ipvs_in_kernel() -> bool:
 
 def _clean_ipvs(found: Found, options: DataplaneOptions,
                 in_kernel: Callable[[], bool] = ipvs_in_kernel) -> str:
-    from proxy.dataplane.iptables.apply import cleanup_runners, remove_chains
+    from proxy.dataplane.xtables.cleanup import cleanup_runners, remove_chains
 
     if not found.dummy and not in_kernel():
         # Only chains: without IPVS in the kernel there are no virtual servers either
@@ -314,8 +314,8 @@ def _clean_ipvs(found: Found, options: DataplaneOptions,
         done = remove_chains(cleanup_runners(options.families),
                              lambda chain: chain_mode(chain) == "ipvs")
         return _chains_removed(done) + "; IPVS is not in this kernel"
-    from proxy.dataplane.iptables.runner import Backend
     from proxy.dataplane.ipvs.apply import IpvsDataPlane
+    from proxy.dataplane.xtables.restore_runner import Backend
 
     # Its chains' back end, when the probes saw them in one; else the plane detects it.
     seen = {c.backend for c in found.chains if chain_mode(c.name) == "ipvs"}

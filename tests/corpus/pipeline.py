@@ -33,10 +33,11 @@ from itertools import pairwise
 from typing import Any
 
 from proxy.dataplane.base import DataplaneOptions
+from proxy.dataplane.common.context import context_for
 from proxy.dataplane.iptables import render as ipt
-from proxy.dataplane.iptables import simulate
 from proxy.dataplane.iptables.ruleset import Wanted
 from proxy.dataplane.ipvs import render as ipvs
+from proxy.dataplane.xtables import simulate
 from proxy.kube.ingest import EndpointsSource, apply_object
 from proxy.model.snapshot import DesiredState
 from proxy.model.tracker import ClusterModel
@@ -81,7 +82,7 @@ def build_model(objects: Iterable[Any],
 def render_all(state: DesiredState) -> Rendered:
     out = Rendered(state)
     for family in (Family.V4, Family.V6):
-        ctx = ipt.context_for(family, OPTIONS, NODE_IPS)
+        ctx = context_for(family, OPTIONS, NODE_IPS)
         ports = {k: ipt.render_port(r, ctx) for k, r in state.ports.items()
                  if k.family is family}
         out.iptables[family] = ports

@@ -12,8 +12,8 @@ import pytest
 
 from proxy.dataplane.base import DataplaneOptions, SyncReport
 from proxy.dataplane.iptables import IptablesDataPlane
-from proxy.dataplane.iptables.runner import Backend
 from proxy.dataplane.nftables import NftablesDataPlane
+from proxy.dataplane.xtables.restore_runner import Backend
 from proxy.kube.ingest import apply_object, delete_object
 from proxy.lab.netns import entered
 from proxy.model.snapshot import DesiredState

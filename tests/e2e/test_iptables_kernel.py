@@ -14,16 +14,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from proxy.dataplane.base import rules_digest
-from proxy.dataplane.iptables.render import Table
-from proxy.dataplane.iptables.ruleset import RestoreText, ours, parse_save
-from proxy.dataplane.iptables.runner import (
+from proxy.dataplane.common.nfnetlink import SCRATCH_TABLE, chain_type_unsupported, nat_unsupported
+from proxy.dataplane.xtables.restore_runner import (
     Backend,
     IptablesRunner,
     RestoreError,
     detect_backend,
     encoded,
 )
-from proxy.dataplane.nftables_probe import SCRATCH_TABLE, chain_type_unsupported, nat_unsupported
+from proxy.dataplane.xtables.saved import RestoreText, Table, ours, parse_save
 from proxy.lab import Lab
 from proxy.lab.netns import entered
 from proxy.model.types import Family

@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 import pytest
 
-from proxy.dataplane import processes
+from proxy.dataplane.common import processes
+from proxy.dataplane.common.nft_events import NFNLGRP_NFTABLES, Transaction, TransactionReader
 from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
-from proxy.dataplane.nftables_events import NFNLGRP_NFTABLES, Transaction, TransactionReader
 from proxy.lab.netns import entered
 
 T = TypeVar("T")

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from proxy.dataplane.base import ApplyError
-from proxy.dataplane.iptables import drift_watch
+from proxy.dataplane.common import drift_watch
 from proxy.dataplane.nftables import render
 from proxy.dataplane.nftables.render import SLOTS
 from proxy.dataplane.nftables.runner import NftRunner

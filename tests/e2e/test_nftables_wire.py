@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from proxy.dataplane.netlink import NetlinkSocket, Reply, nla
+from proxy.dataplane.common.netlink import NetlinkSocket, Reply, nla
+from proxy.dataplane.common.nfnetlink import NETLINK_NETFILTER, NFNL_SUBSYS_NFTABLES, NFPROTO
 from proxy.dataplane.nftables.runner import NftError, NftRunner
-from proxy.dataplane.nftables_probe import NETLINK_NETFILTER, NFNL_SUBSYS_NFTABLES, NFPROTO
 from proxy.lab import Lab
 from proxy.lab.netns import entered
 from proxy.model.types import Family

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from proxy.dataplane.base import ApplyError
-from proxy.dataplane.iptables.runner import Backend, IptablesRunner, RestoreInput, whole
+from proxy.dataplane.xtables.restore_runner import Backend, IptablesRunner, RestoreInput, whole
 from proxy.lab import BackendSpec, Lab
 from proxy.lab.netns import entered
 from proxy.model.types import Family

@@ -22,7 +22,6 @@ from ipaddress import IPv4Network, IPv6Network, ip_address
 from typing import Any, TypeVar
 
 from proxy.dataplane.base import DataplaneOptions
-from proxy.dataplane.iptables.runner import Backend
 from proxy.dataplane.ipvs.apply import IpvsDataPlane
 from proxy.dataplane.ipvs.kernel import IpvsTable, Links
 from proxy.dataplane.ipvs.netfilter import parse_ipset_save
@@ -36,6 +35,7 @@ from proxy.dataplane.ipvs.render import (
     set_name,
     usable_node_address,
 )
+from proxy.dataplane.xtables.restore_runner import Backend
 from proxy.kube.ingest import apply_object, delete_object
 from proxy.lab.netns import CLONE_NEWNET
 from proxy.lab.netns import path as netns_path

@@ -13,10 +13,11 @@ from ipaddress import ip_network
 import pytest
 
 from proxy.dataplane.base import DataplaneOptions
-from proxy.dataplane.iptables.runner import Backend, IptablesRunner
 from proxy.dataplane.ipvs.kernel import Ipsets
 from proxy.dataplane.ipvs.netfilter import JUMPS, cleanup_text, ipset_replace, restore_text
 from proxy.dataplane.ipvs.render import SET_PREFIX, SetEntry, SetRole
+from proxy.dataplane.xtables.restore_runner import Backend, IptablesRunner
+from proxy.dataplane.xtables.saved import parse_save
 from proxy.lab.netns import entered
 from proxy.model.types import Family
 
@@ -56,15 +57,14 @@ def test_rules_and_sets_in_a_real_kernel(netns: str, backend: Backend) -> None:
                 pytest.skip(f"{runner.restore_cmd} not usable here")
             runner.restore("*nat\n:OTHER - [0:0]\n-A PREROUTING -j OTHER\nCOMMIT\n")
             for _ in range(2):  # a full sync, then another
-                saved = {t: runner.save(t) for t in ("nat", "filter")}
-                runner.restore(restore_text(family, OPTIONS, saved))
+                runner.restore(restore_text(family, OPTIONS, parse_save(runner.save())))
             text = runner.save()
             for jump in JUMPS:
                 assert sum(1 for line in text.splitlines()
                            if line.startswith(f"-A {jump.chain} ")
                            and line.endswith(f"-j {jump.target}")) == 1, (jump, text)
             assert "--match-set SPX-IPVS" in text
-            runner.restore(cleanup_text({t: runner.save(t) for t in ("nat", "filter")}))
+            runner.restore(cleanup_text(parse_save(runner.save())))
             after = runner.save()
             assert "SPX-IPVS" not in after, after
             assert "-A PREROUTING -j OTHER" in after

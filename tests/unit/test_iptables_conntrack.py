@@ -1,12 +1,12 @@
 """Which conntrack entries go stale when a service port changes (pure part of
-proxy.dataplane.conntrack; the kernel part is exercised in tests/e2e)."""
+proxy.dataplane.common.conntrack; the kernel part is exercised in tests/e2e)."""
 
 from __future__ import annotations
 
 from ipaddress import ip_address
 from typing import Any
 
-from proxy.dataplane.conntrack import StaleFlows, _matches, stale_flows
+from proxy.dataplane.common.conntrack import StaleFlows, _matches, stale_flows
 from proxy.model.snapshot import ResolvedServicePort
 from proxy.model.types import Family, Protocol
 from tests.unit.builders import NODE, ep, eps_slice, node, resolve_one, service

@@ -11,12 +11,9 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from proxy.dataplane.iptables import IptablesDataPlane
-from proxy.dataplane.iptables.drift_watch import LegacyCanary
-from proxy.dataplane.iptables.render import Table
-from proxy.dataplane.iptables.ruleset import Saved
-from proxy.dataplane.netlink import frame, nla
-from proxy.dataplane.nftables_events import (
+from proxy.dataplane.common.drift_watch import LegacyCanary
+from proxy.dataplane.common.netlink import frame, nla
+from proxy.dataplane.common.nft_events import (
     NFNL_SUBSYS_NFTABLES,
     NFT_MSG_NEWGEN,
     NFTA_GEN_PROC_NAME,
@@ -24,6 +21,8 @@ from proxy.dataplane.nftables_events import (
     Transaction,
     TransactionReader,
 )
+from proxy.dataplane.iptables import IptablesDataPlane
+from proxy.dataplane.xtables.saved import Saved, Table
 from proxy.model.types import Family
 from tests.unit.builders import ep, eps_slice, service
 from tests.unit.test_iptables_sync import Cluster, foreign, plane

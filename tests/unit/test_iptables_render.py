@@ -11,10 +11,8 @@ from ipaddress import ip_address, ip_network
 from typing import Any
 
 from proxy.dataplane.base import DataplaneOptions
+from proxy.dataplane.common.context import RenderContext, context_for
 from proxy.dataplane.iptables.render import (
-    RenderContext,
-    Table,
-    context_for,
     endpoint_chain,
     port_chain,
     probability,
@@ -22,6 +20,7 @@ from proxy.dataplane.iptables.render import (
     render_base,
     render_port,
 )
+from proxy.dataplane.xtables.saved import Table
 from proxy.model.snapshot import ResolvedServicePort
 from proxy.model.types import Family, ServicePortKey
 from tests.unit.builders import NODE, ep, eps_slice, node, resolve_one, service

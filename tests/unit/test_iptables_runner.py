@@ -7,15 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from proxy.dataplane.iptables.render import Table
-from proxy.dataplane.iptables.ruleset import RestoreText
-from proxy.dataplane.iptables.runner import (
+from proxy.dataplane.xtables.restore_runner import (
     Backend,
     IptablesRunner,
     RunnerError,
     binary,
     parse_restore_error,
 )
+from proxy.dataplane.xtables.saved import RestoreText, Table
 from proxy.model.types import Family
 
 TEXT = "*nat\n:SPX-X - [0:0]\n-A SPX-X -j NOPE\nCOMMIT\n"

@@ -17,10 +17,9 @@ from hypothesis import strategies as st
 
 from proxy.dataplane.base import ApplyError, DataplaneOptions, rules_digest
 from proxy.dataplane.iptables import IptablesDataPlane
-from proxy.dataplane.iptables.render import Table
-from proxy.dataplane.iptables.ruleset import Saved, ours, parse_save
-from proxy.dataplane.iptables.runner import Backend, RunnerError
-from proxy.dataplane.iptables.simulate import SimulatedRunner
+from proxy.dataplane.xtables.restore_runner import Backend, RunnerError
+from proxy.dataplane.xtables.saved import Saved, Table, ours, parse_save
+from proxy.dataplane.xtables.simulate import SimulatedRunner
 from proxy.kube.ingest import apply_object, delete_object
 from proxy.model.snapshot import DesiredState
 from proxy.model.tracker import ClusterModel

@@ -12,11 +12,12 @@ from ipaddress import ip_address, ip_network
 import pytest
 
 from proxy.dataplane.base import DataplaneOptions
-from proxy.dataplane.iptables.simulate import SimulatedRunner
+from proxy.dataplane.common.netlink import Reply, nla
+from proxy.dataplane.common.rtnetlink import RTM_DELADDR, RTM_NEWADDR, address_body
 from proxy.dataplane.ipvs.drift import IFF_UP, RTM_DELLINK, RTM_NEWLINK, link_change
-from proxy.dataplane.ipvs.netfilter import differences, restore_text, split_tables
-from proxy.dataplane.ipvs.netlink import RTM_DELADDR, RTM_NEWADDR, address_body
-from proxy.dataplane.netlink import Reply, nla
+from proxy.dataplane.ipvs.netfilter import differences, restore_text
+from proxy.dataplane.xtables.saved import Table, parse_save
+from proxy.dataplane.xtables.simulate import SimulatedRunner
 from proxy.model.types import Family
 
 NAME, INDEX, OURS = "spx-ipvs0", 7, 4242
@@ -82,14 +83,13 @@ def written(extra: str = "") -> SimulatedRunner:
 
 def test_what_we_wrote_has_no_differences_others_rules_alongside() -> None:
     runner = written("*nat\n:OTHER - [0:0]\n-A PREROUTING -j OTHER\nCOMMIT\n")
-    assert differences(Family.V4, OPTIONS, split_tables(runner.save())) == []
+    assert differences(Family.V4, OPTIONS, parse_save(runner.save())) == []
 
 
 def test_a_flushed_table_a_deleted_chain_and_a_lost_jump_are_differences() -> None:
-    saved = split_tables(written().save())
+    saved = parse_save(written().save())
     # `iptables -t nat -F`: every rule of the table gone, the chains stay.
-    saved["nat"] = "".join(f"{line}\n" for line in saved["nat"].splitlines()
-                           if not line.startswith("-A "))
+    saved[Table.NAT] = {chain: [] for chain in saved[Table.NAT]}
     found = differences(Family.V4, OPTIONS, saved)
     assert "nat chain SPX-IPVS-SERVICES holds 0 rules, we wrote 4" in found
     assert found[-1].startswith("and ") and len(found) == 6
@@ -97,7 +97,7 @@ def test_a_flushed_table_a_deleted_chain_and_a_lost_jump_are_differences() -> No
     runner = written()
     runner.restore("*filter\n-D FORWARD -m comment --comment \"sliceproxy ipvs forward\" "
                    "-j SPX-IPVS-FORWARD\n:SPX-IPVS-FORWARD - [0:0]\n-X SPX-IPVS-FORWARD\nCOMMIT\n")
-    assert differences(Family.V4, OPTIONS, split_tables(runner.save())) == [
+    assert differences(Family.V4, OPTIONS, parse_save(runner.save())) == [
         "filter chain SPX-IPVS-FORWARD is missing",
         "filter FORWARD has no jump to SPX-IPVS-FORWARD"]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from ipaddress import ip_network
 
 from proxy.dataplane.base import DataplaneOptions
-from proxy.dataplane.iptables.simulate import SimulatedRunner
 from proxy.dataplane.ipvs.netfilter import (
     JUMPS,
     cleanup_text,
@@ -19,9 +18,10 @@ from proxy.dataplane.ipvs.netfilter import (
     iptables_rules,
     parse_ipset_save,
     restore_text,
-    split_tables,
 )
 from proxy.dataplane.ipvs.render import SetEntry, SetRole
+from proxy.dataplane.xtables.saved import parse_save
+from proxy.dataplane.xtables.simulate import SimulatedRunner
 from proxy.model.types import Family
 
 CIDRS = (ip_network("198.18.1.0/24"), ip_network("198.18.64.0/18"),
@@ -101,8 +101,7 @@ def test_restore_adds_each_jump_once_and_cleanup_removes_everything() -> None:
     runner.restore("*nat\n:OTHER - [0:0]\n-A PREROUTING -j OTHER\n-A OTHER -j RETURN\n"
                    "COMMIT\n*filter\n-A INPUT -j ACCEPT\nCOMMIT\n")
     for _ in range(3):
-        saved = {t: runner.save(t) for t in ("nat", "filter")}
-        runner.restore(restore_text(Family.V4, options, saved))
+        runner.restore(restore_text(Family.V4, options, parse_save(runner.save())))
     saved_text = runner.save()
     for jump in JUMPS:
         assert saved_text.count(f"-A {jump.chain} {jump.spec()}") == 1, jump
@@ -113,14 +112,12 @@ def test_restore_adds_each_jump_once_and_cleanup_removes_everything() -> None:
     pre = [line for line in nat if line.startswith("-A PREROUTING")]
     assert pre[0].endswith("-j SPX-IPVS-SERVICES") and pre[1] == "-A PREROUTING -j OTHER"
 
-    assert set(split_tables(runner.save())) == {"nat", "filter"}
-    assert split_tables(runner.save())["nat"] == runner.save("nat")
-    text = cleanup_text(split_tables(runner.save()))
+    text = cleanup_text(parse_save(runner.save()))
     runner.restore(text)
     after = runner.save()
     assert "SPX-IPVS" not in after
     assert "-A PREROUTING -j OTHER" in after and "-A INPUT -j ACCEPT" in after
-    assert cleanup_text({t: runner.save(t) for t in ("nat", "filter")}) == ""
+    assert cleanup_text(parse_save(runner.save())) == ""
 
 
 def test_ipset_replace_swaps_every_set_of_every_family() -> None:

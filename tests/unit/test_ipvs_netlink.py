@@ -9,6 +9,7 @@ from ipaddress import ip_address
 
 from pyroute2.netlink.generic import ipvs as p2
 
+from proxy.dataplane.common.netlink import NLMSG_ERROR, replies
 from proxy.dataplane.ipvs.diff import FWD_MASQ, Op, OpKind
 from proxy.dataplane.ipvs.netlink import (
     CMD_DEL_DEST,
@@ -22,7 +23,6 @@ from proxy.dataplane.ipvs.netlink import (
     request,
 )
 from proxy.dataplane.ipvs.render import FLAG_PERSISTENT, RsKey, VirtualServer, VsKey, VsKind
-from proxy.dataplane.netlink import NLMSG_ERROR, replies
 from proxy.model.types import Protocol
 
 V4 = VsKey(Protocol.TCP, ip_address("198.18.128.10"), 80)
@@ -127,7 +127,7 @@ def test_acknowledgements_carry_the_errno() -> None:
 def test_address_messages_match_pyroute2s_codec() -> None:
     from pyroute2.netlink.rtnl.ifaddrmsg import ifaddrmsg
 
-    from proxy.dataplane.ipvs.netlink import IFA_F_NODAD, address_body, decode_address
+    from proxy.dataplane.common.rtnetlink import IFA_F_NODAD, address_body, decode_address
 
     for address in (ip_address("198.18.128.10"), ip_address("fd00:198:18::10")):
         body = address_body(7, address)

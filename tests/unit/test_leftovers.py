@@ -11,8 +11,8 @@ import pytest
 
 from proxy.dataplane import leftovers
 from proxy.dataplane.base import DataplaneOptions
-from proxy.dataplane.iptables.ruleset import cleanup_restore, parse_save
 from proxy.dataplane.leftovers import Chain, Found, chain_mode, clean, swept
+from proxy.dataplane.xtables.saved import cleanup_restore, parse_save
 from proxy.model.types import Family
 
 OPTIONS = DataplaneOptions("node-a")
@@ -187,7 +187,7 @@ def test_a_failed_probe_or_clean_up_is_a_warning_and_the_rest_still_runs(
 
 def test_ipvs_chains_without_ipvs_in_the_kernel_go_without_the_ipvs_plane(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from proxy.dataplane.iptables import apply
+    from proxy.dataplane.xtables import cleanup
 
     seen: list[list[str]] = []
 
@@ -196,8 +196,8 @@ def test_ipvs_chains_without_ipvs_in_the_kernel_go_without_the_ipvs_plane(
         seen.append([c for c in ("SPX-SERVICES", "SPX-IPVS-INPUT", "KUBE-X") if owned(c)])
         return []
 
-    monkeypatch.setattr(apply, "remove_chains", remove_chains)
-    monkeypatch.setattr(apply, "cleanup_runners", lambda families: [])
+    monkeypatch.setattr(cleanup, "remove_chains", remove_chains)
+    monkeypatch.setattr(cleanup, "cleanup_runners", lambda families: [])
     found = Found(chains=[Chain("nft", Family.V4, "SPX-IPVS-SERVICES")])
     said = leftovers._clean_ipvs(found, OPTIONS, in_kernel=lambda: False)
     assert seen == [["SPX-IPVS-INPUT"]]

@@ -10,8 +10,8 @@ import pytest
 from pyroute2.netlink.nfnetlink import nfgen_msg
 from pyroute2.netlink.nfnetlink.nftsocket import nft_chain_msg, nft_table_msg
 
-from proxy.dataplane.netlink import HEADER, NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST
-from proxy.dataplane.nftables_probe import (
+from proxy.dataplane.common.netlink import HEADER, NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST
+from proxy.dataplane.common.nfnetlink import (
     NFNL_MSG_BATCH_BEGIN,
     NFNL_MSG_BATCH_END,
     NFNL_SUBSYS_NFTABLES,

@@ -10,7 +10,7 @@ from dataclasses import replace
 from ipaddress import ip_address, ip_network
 from typing import Any
 
-from proxy.dataplane.iptables.render import RenderContext
+from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.nftables.render import (
     endpoint_object,
     port_chain,

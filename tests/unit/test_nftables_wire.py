@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.dataplane.iptables.render import RenderContext
-from proxy.dataplane.netlink import replies
+from proxy.dataplane.common.context import RenderContext
+from proxy.dataplane.common.netlink import replies
 from proxy.dataplane.nftables.expressions import Unencodable
 from proxy.dataplane.nftables.render import (
     TABLE,

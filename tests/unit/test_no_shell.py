@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.dataplane.iptables.render import RenderContext, render_port
+from proxy.dataplane.common.context import RenderContext
+from proxy.dataplane.iptables.render import render_port
 from proxy.model.types import Family
 from tests.unit import builders
 from tests.unit.builders import ep, eps_slice, model_of, service
@@ -84,7 +85,7 @@ def test_programs_are_run_with_argument_lists() -> None:
                     ("subprocess", "run"), ("subprocess", "Popen"),
                     ("asyncio", "create_subprocess_exec")):
                 calls.append((path.name, node))
-    assert {name for name, _ in calls} >= {"runner.py", "kernel.py", "nodeports.py"}
+    assert {name for name, _ in calls} >= {"restore_runner.py", "kernel.py", "nodeports.py"}
     for name, call in calls:
         if _dotted(call.func)[-1] == "create_subprocess_exec":
             continue

@@ -12,6 +12,7 @@ import itertools
 import re
 from typing import Any
 
+from proxy.dataplane.common.context import context_for
 from proxy.dataplane.iptables import render as ipt
 from proxy.dataplane.ipvs import render as ipvs
 from proxy.dataplane.ipvs.index import Delta, RenderIndex
@@ -45,7 +46,7 @@ def key(name: str) -> ServicePortKey:
 def dispatch_owners(state: Any, dest: str) -> dict[str, list[str]]:
     """iptables: per dispatch chain, which ports' entries match `dest` (`-d IP/32 ...
     --dport N`, or `--dport N` in the NodePort chains), in kernel order."""
-    ctx = ipt.context_for(Family.V4, pipeline.OPTIONS, pipeline.NODE_IPS)
+    ctx = context_for(Family.V4, pipeline.OPTIONS, pipeline.NODE_IPS)
     ports = {k: ipt.render_port(r, ctx) for k, r in state.ports.items() if k.family is Family.V4}
     out: dict[str, list[str]] = {}
     for k in sorted(ports):

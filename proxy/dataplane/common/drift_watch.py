@@ -26,8 +26,8 @@ import threading
 from collections.abc import Callable, Collection, Iterable
 from typing import Protocol
 
-from proxy.dataplane.netlink import MulticastListener
-from proxy.dataplane.nftables_events import NFNLGRP_NFTABLES, TransactionReader
+from proxy.dataplane.common.netlink import MulticastListener
+from proxy.dataplane.common.nft_events import NFNLGRP_NFTABLES, TransactionReader
 from proxy.model.types import Family
 
 NETLINK_NETFILTER = 12

@@ -21,7 +21,7 @@ import socket
 import struct
 from contextlib import closing
 
-from proxy.dataplane.netlink import (
+from proxy.dataplane.common.netlink import (
     NLM_F_ACK,
     NLM_F_CREATE,
     NLM_F_REQUEST,

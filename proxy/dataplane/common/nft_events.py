@@ -19,8 +19,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from proxy.dataplane.netlink import HEADER as _HEADER
-from proxy.dataplane.netlink import NLA_TYPE_MASK, parse_attrs
+from proxy.dataplane.common.netlink import HEADER as _HEADER
+from proxy.dataplane.common.netlink import NLA_TYPE_MASK, parse_attrs
 
 NFNLGRP_NFTABLES = 7
 NFNL_SUBSYS_NFTABLES = 10

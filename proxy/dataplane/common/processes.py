@@ -1,6 +1,6 @@
 """Who commits our netfilter transactions: the child programs we run, and our own threads.
 
-The nf_tables drift listeners (proxy/dataplane/iptables/drift_watch.py and the IPVS
+The nf_tables drift listeners (proxy/dataplane/common/drift_watch.py and the IPVS
 data plane's) tell our own commits from anyone else's by the committer the kernel names
 in each transaction's NEWGEN announcement. That is:
 - for a child (iptables-restore, `nft -f -`): its process id, so each child's pid is

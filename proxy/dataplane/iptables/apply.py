@@ -23,40 +23,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from proxy.dataplane import conntrack
 from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
-from proxy.dataplane.iptables.drift_watch import LegacyCanary, NftablesListener, Notify
-from proxy.dataplane.iptables.render import (
-    RenderContext,
-    context_for,
-    render_base,
-    render_port,
-)
-from proxy.dataplane.iptables.ruleset import (
-    RestoreText,
-    Ruleset,
-    Saved,
-    Wanted,
-    cleanup_restore,
-    ours,
-    parse_save,
-)
-from proxy.dataplane.iptables.runner import (
+from proxy.dataplane.common import conntrack
+from proxy.dataplane.common.context import RenderContext, context_for
+from proxy.dataplane.common.drift_watch import LegacyCanary, NftablesListener, Notify
+from proxy.dataplane.common.nfnetlink import NFPROTO
+from proxy.dataplane.common.rtnetlink import node_addresses
+from proxy.dataplane.iptables.render import render_base, render_port
+from proxy.dataplane.iptables.ruleset import Ruleset, Wanted
+from proxy.dataplane.xtables.cleanup import cleanup_runners, remove_chains
+from proxy.dataplane.xtables.restore_runner import (
     Backend,
     IptablesRunner,
     RestoreError,
-    RestoreInput,
+    Runner,
     RunnerError,
-    binary,
     started_here,
 )
-from proxy.dataplane.nftables_probe import NFPROTO
+from proxy.dataplane.xtables.saved import RestoreText, Saved, parse_save
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
 from proxy.model.types import Family, IPAddress, ServicePortKey
 
@@ -77,24 +66,6 @@ NFT_CHAINS_PER_RESTORE = 4000
 CANARY_INTERVAL = 2.0
 
 
-class Runner(Protocol):
-    """What the data plane needs of `IptablesRunner` (a simulated one fits too)."""
-
-    family: Family
-    backend: Backend
-    restore_cmd: str
-    save_cmd: str
-
-    def restore(self, text: RestoreInput, *, noflush: bool = True,
-                counters: bool = False) -> None: ...
-
-    def save(self, table: str | None = None) -> str: ...
-
-    def save_lines(self) -> Iterable[str]: ...
-
-    def available(self) -> bool: ...
-
-
 class _FamilyState:
     """What one family's tables hold, as far as we know."""
 
@@ -105,50 +76,6 @@ class _FamilyState:
         # The snapshot the ruleset was last rendered from (kept after a failure: what
         # conntrack cleanup compares against is what traffic last saw).
         self.last: DesiredState | None = None
-
-
-def node_addresses() -> list[IPAddress]:
-    """Every address on this network namespace's interfaces. Asked on every sync, so
-    read with our own rtnetlink dump: pyroute2's IPRoute took 2.7 ms per call (its
-    asyncio loop and parser), a tenth of a one-service sync at 10,000 services."""
-    from proxy.dataplane.ipvs.netlink import RouteSocket
-
-    sock = RouteSocket()
-    try:
-        found = {address for _index, address in sock.addresses()}
-    finally:
-        sock.close()
-    return sorted(found, key=lambda ip: (ip.version, ip.packed))
-
-
-def cleanup_runners(families: Sequence[Family]) -> list[Runner]:
-    """A runner for each family and back end whose binaries exist (no detection)."""
-    return [IptablesRunner(family, backend) for family in families for backend in Backend
-            if shutil.which(binary(family, backend, "save"))
-            and shutil.which(binary(family, backend, "restore"))]
-
-
-def remove_chains(runners: Sequence[Runner], owned: Callable[[str], bool] = ours
-                  ) -> list[tuple[Runner, int]]:
-    """Remove the chains `owned` names (every `SPX-` chain by default), and every rule
-    jumping to one, through each runner (ruleset.cleanup_restore); nothing else. The
-    runners that removed something, with how many chains. A back end whose save fails
-    is skipped (unusable here: nothing of ours in it); a refused restore raises
-    RestoreError."""
-    done = []
-    for runner in runners:
-        # Plain save only: asking legacy for a table (as `available` does) would
-        # create it, and iptables-save would then differ from before.
-        try:
-            saved = runner.save()
-        except RunnerError:
-            continue
-        text = cleanup_restore(parse_save(saved), owned)
-        rendered = text.render()
-        if rendered:
-            runner.restore(rendered)
-            done.append((runner, sum(len(text.delete[t]) for t in text.delete)))
-    return done
 
 
 class IptablesDataPlane:

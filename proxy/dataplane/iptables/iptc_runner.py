@@ -20,7 +20,7 @@ import shlex
 import shutil
 from typing import Any
 
-from proxy.dataplane.iptables.runner import (
+from proxy.dataplane.xtables.restore_runner import (
     Backend,
     IptablesRunner,
     RestoreError,

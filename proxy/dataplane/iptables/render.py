@@ -37,15 +37,14 @@ Differences from upstream, on purpose (docs/upstream-differences.md says why):
 
 from __future__ import annotations
 
-import enum
-import hashlib
 import re
-import socket
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from proxy.dataplane.base import DataplaneOptions
-from proxy.dataplane.paths import plan, sorted_nets
+from proxy.dataplane.common.context import RenderContext
+from proxy.dataplane.common.naming import MASQ_BIT, address_text, name_hash, port_name
+from proxy.dataplane.common.paths import plan, sorted_nets
+from proxy.dataplane.xtables.saved import PREFIX, Table
 from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
 from proxy.model.types import (
     DEFAULT_AFFINITY_TIMEOUT,
@@ -55,7 +54,6 @@ from proxy.model.types import (
     ServicePortKey,
 )
 
-PREFIX = "SPX-"
 SERVICES = "SPX-SERVICES"
 NODEPORTS = "SPX-NODEPORTS"
 EXTERNAL_SERVICES = "SPX-EXTERNAL-SERVICES"
@@ -66,14 +64,7 @@ MARK_MASQ = "SPX-MARK-MASQ"
 # Marks for masquerade unless the source is in a cluster CIDR (only with several CIDRs
 # in a family: one fits in the rule itself, as upstream writes it).
 MASQ_UNLESS_POD = "SPX-MASQ-UNLESS-POD"
-# Upstream's masquerade bit (--iptables-masquerade-bit 14): a CNI that knows what
-# kube-proxy's mark means reads ours the same way.
-MASQ_MARK = "0x4000"
-
-
-class Table(enum.Enum):
-    NAT = "nat"
-    FILTER = "filter"
+MASQ_MARK = f"{MASQ_BIT:#x}"
 
 
 # (table, chain, rule spec): one rule in a chain shared by all service ports.
@@ -124,49 +115,7 @@ class BaseRules:
     tail: tuple[Entry, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class RenderContext:
-    """The options as they apply to one family, plus this node's addresses."""
-
-    family: Family
-    masquerade_all: bool = False
-    local_cidrs: tuple[IPNetwork, ...] = ()  # --cluster-cidr of this family: pods
-    # Node addresses that accept NodePorts; None: every local address (addrtype LOCAL).
-    nodeport_ips: tuple[IPAddress, ...] | None = None
-    # Every address of this node in this family (LB source ranges that contain one
-    # also admit traffic the node sends to its own LB IPs, as upstream).
-    node_ips: tuple[IPAddress, ...] = ()
-
-    @property
-    def host_mask(self) -> str:
-        return "/32" if self.family is Family.V4 else "/128"
-
-
-def context_for(family: Family, options: DataplaneOptions,
-                node_ips: Sequence[IPAddress] = ()) -> RenderContext:
-    """The per-family view of the options; `node_ips` are this node's addresses."""
-    mine = tuple(ip for ip in node_ips if Family.of(ip) is family)
-    cidrs = [c for c in options.cluster_cidrs if Family.of(c) is family]
-    npa = [c for c in options.nodeport_addresses if Family.of(c) is family]
-    # As upstream: no CIDR of this family, or a match-everything one, means "all".
-    match_all = not npa or any(c.prefixlen == 0 for c in npa)
-    nodeport_ips = None if match_all else tuple(
-        ip for ip in mine if not ip.is_loopback and any(ip in c for c in npa))
-    return RenderContext(family, options.masquerade_all, tuple(cidrs), nodeport_ips, mine)
-
-
 # --- names and small helpers ---------------------------------------------------------------
-
-
-def name_hash(*parts: str) -> str:
-    # 64 bits of SHA-256 in hex (upstream uses base32, but base64.b32encode is a Python
-    # loop: a third of a full render's time).
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16].upper()
-
-
-def port_name(key: ServicePortKey) -> str:
-    """`ns/name:port` (`ns/name` for an unnamed port), upstream's comment spelling."""
-    return f"{key.namespace}/{key.name}:{key.port}" if key.port else f"{key.namespace}/{key.name}"
 
 
 def port_chain(kind: str, key: ServicePortKey, protocol: str) -> str:
@@ -217,17 +166,6 @@ def probability(n: int) -> str:
     (a 31-bit fraction, "%.11f")."""
     stored = round(float(f"{1.0 / n:.10f}") * 0x80000000)
     return f"{stored / 0x80000000:.11f}"
-
-
-def address_text(ip: IPAddress) -> str:
-    """str() of an address; an IPv4 one formatted by the C library, 2.3x faster than
-    ipaddress's own (a full render formats every endpoint address several times).
-    IPv6 stays with ipaddress: inet_ntop writes IPv4-mapped addresses differently.
-    Not cached: an LRU cache of every endpoint's text held 14 MiB at 10,000 services x
-    10 endpoints to save 0.08 us a call (about 25 ms of a full render)."""
-    if ip.version == 4:
-        return socket.inet_ntop(socket.AF_INET, ip.packed)
-    return str(ip)
 
 
 _text = address_text

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from ipaddress import ip_address
 from typing import Any
 
-from proxy.dataplane import conntrack
 from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
-from proxy.dataplane.iptables.drift_watch import LegacyCanary, NftablesListener
-from proxy.dataplane.iptables.runner import Backend, IptablesRunner, RunnerError, started_here
+from proxy.dataplane.common import conntrack
+from proxy.dataplane.common.drift_watch import LegacyCanary, NftablesListener
+from proxy.dataplane.common.nfnetlink import NFPROTO
 from proxy.dataplane.ipvs.diff import (
     KernelDest,
     KernelService,
@@ -49,7 +49,6 @@ from proxy.dataplane.ipvs.netfilter import (
     ipset_update,
     parse_ipset_save,
     restore_text,
-    split_tables,
 )
 from proxy.dataplane.ipvs.render import (
     DUMMY_INTERFACE,
@@ -68,7 +67,13 @@ from proxy.dataplane.ipvs.render import (
     set_name,
     usable_node_address,
 )
-from proxy.dataplane.nftables_probe import NFPROTO
+from proxy.dataplane.xtables.restore_runner import (
+    Backend,
+    IptablesRunner,
+    RunnerError,
+    started_here,
+)
+from proxy.dataplane.xtables.saved import parse_save
 from proxy.model.snapshot import DesiredState
 from proxy.model.types import Family, IPAddress, Protocol, ServicePortKey
 
@@ -336,7 +341,7 @@ class IpvsDataPlane:
         for family, runner in h.runners.items():
             with self._writing:
                 try:
-                    saved = split_tables(runner.save())
+                    saved = parse_save(runner.save())
                 except RunnerError as exc:
                     found.append(f"{family.label}: our iptables rules could not be read: {exc}")
                     continue
@@ -432,7 +437,7 @@ class IpvsDataPlane:
         for family, runner in h.runners.items():
             try:
                 with self._writing:
-                    text = cleanup_text(split_tables(runner.save()))
+                    text = cleanup_text(parse_save(runner.save()))
                     if text:
                         runner.restore(text, noflush=True)
                         run.iptables_lines += text.count("\n")
@@ -685,7 +690,7 @@ class IpvsDataPlane:
         for family, runner in h.runners.items():
             try:
                 with self._writing:
-                    text = restore_text(family, self.options, split_tables(runner.save()))
+                    text = restore_text(family, self.options, parse_save(runner.save()))
                     try:
                         runner.restore(text, noflush=True)
                     finally:

@@ -24,11 +24,15 @@ import struct
 from collections.abc import Callable
 from ipaddress import IPv4Address, IPv6Address
 
-from proxy.dataplane.ipvs.netlink import RTM_DELADDR, RTM_NEWADDR, decode_address
+from proxy.dataplane.common.netlink import MulticastListener, Reply, parse_attrs, replies
+from proxy.dataplane.common.rtnetlink import (
+    NETLINK_ROUTE,
+    RTM_DELADDR,
+    RTM_NEWADDR,
+    decode_address,
+)
 from proxy.dataplane.ipvs.render import usable_node_address
-from proxy.dataplane.netlink import MulticastListener, Reply, parse_attrs, replies
 
-NETLINK_ROUTE = 0
 # Legacy multicast group bits of rtnetlink (bind's groups mask): links, IPv4 and IPv6
 # interface addresses.
 RTMGRP_LINK, RTMGRP_IPV4_IFADDR, RTMGRP_IPV6_IFADDR = 0x1, 0x10, 0x100

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from pyroute2 import IPRoute
 
+from proxy.dataplane.common.netlink import NetlinkError, nested
+from proxy.dataplane.common.rtnetlink import RouteSocket
 from proxy.dataplane.ipvs.diff import KernelDest, KernelService, Op
 from proxy.dataplane.ipvs.netlink import (
     ATTR_DEST,
@@ -26,14 +28,12 @@ from proxy.dataplane.ipvs.netlink import (
     CMD_GET_DEST,
     CMD_GET_SERVICE,
     IpvsSocket,
-    RouteSocket,
     decode_dest,
     decode_service,
     request,
     service_key_attrs,
 )
 from proxy.dataplane.ipvs.render import RsKey, VsKey
-from proxy.dataplane.netlink import NetlinkError, nested
 from proxy.model.types import Family, IPAddress
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from proxy.dataplane.base import DataplaneOptions
+from proxy.dataplane.common.naming import MASQ_BIT
 from proxy.dataplane.ipvs.render import SET_TYPES, SetEntry, SetRole, set_name
+from proxy.dataplane.xtables.saved import Saved, Table, cleanup_restore
 from proxy.model.types import Family
 
 CHAIN_PREFIX = "SPX-IPVS-"
@@ -38,9 +40,9 @@ INSIDE_ONLY_CHAIN = "SPX-IPVS-INSIDE-ONLY"
 SOURCE_RANGES_CHAIN = "SPX-IPVS-SOURCE-RANGES"
 FORWARD_CHAIN = "SPX-IPVS-FORWARD"
 
-# kube-proxy's default masquerade bit (--iptables-masquerade-bit 14): a packet either
-# proxy marked is masqueraded by whichever POSTROUTING chain sees it first.
-MASQ_MARK = "0x4000"
+# A packet either proxy (or a mode of ours) marked is masqueraded by whichever
+# POSTROUTING chain sees it first.
+MASQ_MARK = f"{MASQ_BIT:#x}"
 
 # Sets are created with room to grow; `create -exist` must repeat the same parameters.
 SET_MAXELEM = 262144
@@ -139,11 +141,10 @@ def iptables_rules(family: Family, options: DataplaneOptions) -> dict[str, list[
     return {"nat": nat, "filter": filt}
 
 
-def restore_text(family: Family, options: DataplaneOptions,
-                 saved: dict[str, str]) -> str:
+def restore_text(family: Family, options: DataplaneOptions, saved: Saved) -> str:
     """iptables-restore --noflush input: (re)write our chains, add missing jumps.
 
-    `saved` maps a table name to its current `iptables-save` text, to tell which jumps
+    `saved` is the family's tables as they are now (`parse_save`), to tell which jumps
     already exist (a jump in a built-in chain cannot be flushed, only added once).
     Declaring our chains flushes them in --noflush mode; built-in chains are untouched.
     """
@@ -153,35 +154,21 @@ def restore_text(family: Family, options: DataplaneOptions,
         out.append(f"*{table}")
         out.extend(f":{chain} - [0:0]" for chain in CHAINS[table])
         for jump in JUMPS:
-            if jump.table == table and not has_jump(saved.get(table, ""), jump):
+            if jump.table == table and not has_jump(saved, jump):
                 out.append(f"-I {jump.chain} 1 {jump.spec()}")
         out.extend(rules[table])
         out.append("COMMIT")
     return "\n".join(out) + "\n"
 
 
-def split_tables(saved: str) -> dict[str, str]:
-    """`iptables-save` output of every table -> table name -> that table's text (one
-    save per family instead of one per table: fewer processes on every full sync)."""
-    out: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in saved.splitlines():
-        if line.startswith("*"):
-            current = out.setdefault(line[1:].strip(), [])
-        if current is not None:
-            current.append(line)
-    return {table: "\n".join(lines) + "\n" for table, lines in out.items()}
+def has_jump(saved: Saved, jump: Jump) -> bool:
+    specs = saved.get(Table(jump.table), {}).get(jump.chain, [])
+    return any(spec.split()[-2:] == ["-j", jump.target] for spec in specs)
 
 
-def has_jump(saved: str, jump: Jump) -> bool:
-    prefix = f"-A {jump.chain} "
-    return any(line.startswith(prefix) and line.split()[-2:] == ["-j", jump.target]
-               for line in saved.splitlines())
-
-
-def differences(family: Family, options: DataplaneOptions, saved: dict[str, str],
+def differences(family: Family, options: DataplaneOptions, saved: Saved,
                 limit: int = 5) -> list[str]:
-    """How our chains and jumps in `saved` (`split_tables` of one family's save) differ
+    """How our chains and jumps in `saved` (one family's tables, `parse_save`) differ
     from what `restore_text` writes: a chain missing or holding another number of rules,
     a jump from a built-in chain missing. [] when they agree. Counts, not text, as the
     iptables plane's check (`Ruleset.differences`): iptables-save prints rules in its
@@ -190,49 +177,28 @@ def differences(family: Family, options: DataplaneOptions, saved: dict[str, str]
     found: list[str] = []
     rules = iptables_rules(family, options)
     for table, chains in CHAINS.items():
-        text = saved.get(table, "")
-        declared = {line.split()[0][1:] for line in text.splitlines()
-                    if line.startswith(":")}
-        held: dict[str, int] = {}
-        for line in text.splitlines():
-            if line.startswith("-A "):
-                chain = line.split(maxsplit=2)[1]
-                held[chain] = held.get(chain, 0) + 1
+        held = saved.get(Table(table), {})
         wanted: dict[str, int] = dict.fromkeys(chains, 0)
         for line in rules[table]:
             chain = line.split(maxsplit=2)[1]
             wanted[chain] = wanted.get(chain, 0) + 1
         for chain, count in wanted.items():
-            if chain not in declared:
+            if chain not in held:
                 found.append(f"{table} chain {chain} is missing")
-            elif held.get(chain, 0) != count:
-                found.append(f"{table} chain {chain} holds {held.get(chain, 0)} rules, "
+            elif len(held[chain]) != count:
+                found.append(f"{table} chain {chain} holds {len(held[chain])} rules, "
                              f"we wrote {count}")
         found += [f"{table} {jump.chain} has no jump to {jump.target}" for jump in JUMPS
-                  if jump.table == table and not has_jump(text, jump)]
+                  if jump.table == table and not has_jump(saved, jump)]
     if len(found) > limit:
         found = [*found[:limit], f"and {len(found) - limit} more"]
     return found
 
 
-def cleanup_text(saved: dict[str, str]) -> str:
-    """iptables-restore --noflush input removing our jumps and chains; empty if none."""
-    out = []
-    for table in ("nat", "filter"):
-        text = saved.get(table, "")
-        present = {line.split()[0][1:] for line in text.splitlines() if line.startswith(":")}
-        lines = []
-        for line in text.splitlines():
-            parts = line.split()
-            if (line.startswith("-A ") and not parts[1].startswith(CHAIN_PREFIX)
-                    and parts[-2:-1] == ["-j"] and parts[-1].startswith(CHAIN_PREFIX)):
-                lines.append("-D" + line[2:])
-        ours = [c for c in sorted(present) if c.startswith(CHAIN_PREFIX)]
-        lines += [f":{c} - [0:0]" for c in ours]  # flush first: chains may reference each other
-        lines += [f"-X {c}" for c in ours]
-        if lines:
-            out += [f"*{table}", *lines, "COMMIT"]
-    return "\n".join(out) + "\n" if out else ""
+def cleanup_text(saved: Saved) -> str:
+    """iptables-restore --noflush input removing our chains and the jumps to them (the
+    shared x_tables clean-up, limited to this mode's chains); "" if there are none."""
+    return cleanup_restore(saved, lambda chain: chain.startswith(CHAIN_PREFIX)).render()
 
 
 # --- ipsets ----------------------------------------------------------------------------

@@ -22,21 +22,9 @@ import socket
 import struct
 import sys
 from collections.abc import Sequence
-from ipaddress import IPv4Address, IPv6Address, ip_address
 
-from proxy.dataplane.ipvs.diff import FWD_MASQ, KernelDest, KernelService, Op, OpKind
-from proxy.dataplane.ipvs.render import (
-    FLAG_HASHED,
-    IPPROTO,
-    PROTOCOL_OF,
-    RsKey,
-    VirtualServer,
-    VsKey,
-)
-from proxy.dataplane.netlink import (
+from proxy.dataplane.common.netlink import (
     NLM_F_ACK,
-    NLM_F_CREATE,
-    NLM_F_EXCL,
     NLM_F_REQUEST,
     NLMSG_ERROR,
     NetlinkError,
@@ -45,6 +33,16 @@ from proxy.dataplane.netlink import (
     nested,
     nla,
     parse_attrs,
+)
+from proxy.dataplane.common.rtnetlink import address_of
+from proxy.dataplane.ipvs.diff import FWD_MASQ, KernelDest, KernelService, Op, OpKind
+from proxy.dataplane.ipvs.render import (
+    FLAG_HASHED,
+    IPPROTO,
+    PROTOCOL_OF,
+    RsKey,
+    VirtualServer,
+    VsKey,
 )
 from proxy.model.types import Family
 
@@ -145,11 +143,6 @@ def _int(raw: bytes | None) -> int:
     return int.from_bytes(raw[:4] if len(raw) >= 4 else raw, sys.byteorder)
 
 
-def _addr(raw: bytes, af: int) -> IPv4Address | IPv6Address:
-    # The kernel sends a 16-byte union for both families.
-    return ip_address(raw[:4] if af == socket.AF_INET else raw[:16])
-
-
 def decode_service(attrs: bytes) -> KernelService | None:
     """A service from a GET_SERVICE reply's nested attribute; None for fwmark services."""
     a = parse_attrs(attrs)
@@ -159,7 +152,7 @@ def decode_service(attrs: bytes) -> KernelService | None:
     if proto not in PROTOCOL_OF:
         return None
     af = _int(a.get(SVC_AF))
-    key = VsKey(PROTOCOL_OF[proto], _addr(a[SVC_ADDR], af),
+    key = VsKey(PROTOCOL_OF[proto], address_of(a[SVC_ADDR], af),
                 struct.unpack("!H", a[SVC_PORT][:2])[0])
     flags = struct.unpack("=I", a[SVC_FLAGS][:4])[0] if SVC_FLAGS in a else 0
     return KernelService(
@@ -175,44 +168,13 @@ def decode_dest(attrs: bytes, default_af: int) -> tuple[RsKey, KernelDest] | Non
     if DEST_ADDR not in a or DEST_PORT not in a:
         return None
     af = _int(a.get(DEST_ADDR_FAMILY)) or default_af
-    rs = RsKey(_addr(a[DEST_ADDR], af), struct.unpack("!H", a[DEST_PORT][:2])[0])
+    rs = RsKey(address_of(a[DEST_ADDR], af), struct.unpack("!H", a[DEST_PORT][:2])[0])
     return rs, KernelDest(
         weight=_int(a.get(DEST_WEIGHT)),
         fwd_method=_int(a.get(DEST_FWD_METHOD)) & 0x7,  # the low bits are the method
         active=_int(a.get(DEST_ACTIVE_CONNS)),
         inactive=_int(a.get(DEST_INACT_CONNS)),
     )
-
-
-# --- addresses (rtnetlink, pure) --------------------------------------------------------
-
-NETLINK_ROUTE = 0
-RTM_NEWADDR, RTM_DELADDR, RTM_GETADDR = 20, 21, 22
-IFA_ADDRESS, IFA_LOCAL = 1, 2
-IFA_F_NODAD = 0x02
-_IFADDR = struct.Struct("=BBBBI")  # ifaddrmsg: family, prefixlen, flags, scope, index
-
-
-def address_body(index: int, address: IPv4Address | IPv6Address) -> bytes:
-    """An ifaddrmsg for `address`/max on interface `index` (no duplicate address detection:
-    a service address is ours alone)."""
-    family = socket.AF_INET if address.version == 4 else socket.AF_INET6
-    attrs = nla(IFA_ADDRESS, address.packed)
-    if address.version == 4:
-        attrs = nla(IFA_LOCAL, address.packed) + attrs
-    return _IFADDR.pack(family, address.max_prefixlen, IFA_F_NODAD, 0, index) + attrs
-
-
-def decode_address(payload: bytes) -> tuple[int, IPv4Address | IPv6Address] | None:
-    """(interface index, address) of an RTM_NEWADDR message."""
-    if len(payload) < _IFADDR.size:
-        return None
-    family, _plen, _flags, _scope, index = _IFADDR.unpack_from(payload)
-    attrs = parse_attrs(payload[_IFADDR.size:])
-    raw = attrs.get(IFA_LOCAL) or attrs.get(IFA_ADDRESS)
-    if raw is None or family not in (socket.AF_INET, socket.AF_INET6):
-        return None
-    return index, _addr(raw, family)
 
 
 # --- sockets ---------------------------------------------------------------------------
@@ -256,38 +218,3 @@ class IpvsSocket(NetlinkSocket):
         """A dump request: the top-level attributes of every reply."""
         body = GENL.pack(cmd, IPVS_GENL_VERSION, 0) + attrs
         return [reply.attrs(GENL.size) for reply in self.dump_raw(self.family_id, body)]
-
-
-class RouteSocket(NetlinkSocket):
-    """rtnetlink, for interface addresses: pyroute2 needs ~0.3 ms to parse each address
-    message and ~4 ms to add one (measured on the host; 10,000 service addresses are a
-    3 s dump and a 43 s first sync); these are plain structs."""
-
-    def __init__(self) -> None:
-        super().__init__(NETLINK_ROUTE)
-
-    @property
-    def port_id(self) -> int:
-        """This socket's netlink port id: the kernel announces the changes it requests
-        (RTM_NEWADDR, RTM_DELADDR to the address groups) under it."""
-        port: int = self._sock.getsockname()[0]
-        return port
-
-    def addresses(self) -> list[tuple[int, IPv4Address | IPv6Address]]:
-        """(interface index, address) of every address of every interface."""
-        out = []
-        for family in (socket.AF_INET, socket.AF_INET6):
-            for reply in self.dump_raw(RTM_GETADDR, _IFADDR.pack(family, 0, 0, 0, 0)):
-                found = decode_address(reply.payload)
-                if found is not None:
-                    out.append(found)
-        return out
-
-    def change_addresses(self, index: int, add: Sequence[IPv4Address | IPv6Address],
-                         remove: Sequence[IPv4Address | IPv6Address]) -> list[int]:
-        """Add then remove host addresses on interface `index`; one errno each, in order
-        (EEXIST for an address already there, EADDRNOTAVAIL for one already gone)."""
-        requests = [(RTM_NEWADDR, NLM_F_CREATE | NLM_F_EXCL, address_body(index, a))
-                    for a in add]
-        requests += [(RTM_DELADDR, 0, address_body(index, a)) for a in remove]
-        return self.execute_raw(requests)

@@ -32,11 +32,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from proxy.dataplane import conntrack, heap
 from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
-from proxy.dataplane.iptables.apply import node_addresses
-from proxy.dataplane.iptables.drift_watch import LOST, NftablesListener
-from proxy.dataplane.iptables.render import RenderContext, context_for
+from proxy.dataplane.common import conntrack, heap
+from proxy.dataplane.common.context import RenderContext, context_for
+from proxy.dataplane.common.drift_watch import LOST, NftablesListener
+from proxy.dataplane.common.nfnetlink import NFPROTO, nat_unsupported
+from proxy.dataplane.common.rtnetlink import node_addresses
 from proxy.dataplane.nftables.expressions import Unencodable
 from proxy.dataplane.nftables.render import (
     MAX_SHARDS,
@@ -57,7 +58,6 @@ from proxy.dataplane.nftables.transaction import (
     kept_slots,
     partial_script,
 )
-from proxy.dataplane.nftables_probe import NFPROTO, nat_unsupported
 from proxy.model.snapshot import DesiredState
 from proxy.model.types import Family, IPAddress, ServicePortKey
 

@@ -28,8 +28,8 @@ import functools
 import socket
 import struct
 
-from proxy.dataplane.netlink import nested, nla
-from proxy.dataplane.nftables_probe import NFPROTO
+from proxy.dataplane.common.netlink import nested, nla
+from proxy.dataplane.common.nfnetlink import NFPROTO
 from proxy.model.types import Family
 
 # Verdicts (netfilter's NF_DROP/NF_ACCEPT, nf_tables' own negative codes).

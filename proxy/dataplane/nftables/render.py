@@ -68,13 +68,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from proxy.dataplane.iptables.render import (
-    RenderContext,
-    address_text,
-    name_hash,
-    port_name,
-)
-from proxy.dataplane.paths import plan, sorted_nets
+from proxy.dataplane.common.context import RenderContext
+from proxy.dataplane.common.naming import MASQ_BIT, address_text, name_hash, port_name
+from proxy.dataplane.common.paths import plan, sorted_nets
 from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
 from proxy.model.types import (
     DEFAULT_AFFINITY_TIMEOUT,
@@ -85,7 +81,7 @@ from proxy.model.types import (
 )
 
 TABLE = "sliceproxy"
-MASQ_MARK = "0x00004000"  # upstream's masquerade bit, as in the iptables mode
+MASQ_MARK = f"{MASQ_BIT:#010x}"  # as nft prints it
 
 # Sets and maps every port adds elements to (the base declares them).
 SERVICE_IPS = "service-ips"

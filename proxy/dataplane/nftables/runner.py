@@ -19,7 +19,7 @@ differently (measured, nft 1.0.6, a service = a chain and 10 dnat rules):
 - `nft -f -` as a child for scripts over `subprocess_above` bytes: that memory goes
   with the child (394 MiB there; the caller grew 8 MiB, the script's own text), and
   the full load is no slower (2.5 s against 2.8 s in-process). The child's pid is
-  recorded (proxy/dataplane/processes.py) so the drift listener knows the commit is
+  recorded (proxy/dataplane/common/processes.py) so the drift listener knows the commit is
   ours.
 
 Both run in the network namespace of the calling thread: a child is forked into it,
@@ -49,11 +49,11 @@ import threading
 from collections.abc import Collection
 from typing import Any
 
-from proxy.dataplane import processes
-from proxy.dataplane.netlink import NetlinkSocket
+from proxy.dataplane.common import processes
+from proxy.dataplane.common.netlink import NetlinkSocket
+from proxy.dataplane.common.nfnetlink import NETLINK_NETFILTER, NFNL_SUBSYS_NFTABLES
 from proxy.dataplane.nftables import wire
 from proxy.dataplane.nftables.transaction import Script
-from proxy.dataplane.nftables_probe import NETLINK_NETFILTER, NFNL_SUBSYS_NFTABLES
 from proxy.model.types import Family
 
 LIBRARY = "libnftables.so.1"

@@ -37,7 +37,7 @@ import struct
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
-from proxy.dataplane.netlink import (
+from proxy.dataplane.common.netlink import (
     NLM_F_ACK,
     NLM_F_CREATE,
     NLM_F_REQUEST,
@@ -46,6 +46,8 @@ from proxy.dataplane.netlink import (
     nla,
     parse_attrs,
 )
+from proxy.dataplane.common.nfnetlink import NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END, NFPROTO
+from proxy.dataplane.common.nfnetlink import NFNL_SUBSYS_NFTABLES as SUBSYS
 from proxy.dataplane.nftables.expressions import (
     LIST_ELEM,
     PROTOCOLS,
@@ -60,8 +62,6 @@ from proxy.dataplane.nftables.expressions import (
     value,
     verdict,
 )
-from proxy.dataplane.nftables_probe import NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END, NFPROTO
-from proxy.dataplane.nftables_probe import NFNL_SUBSYS_NFTABLES as SUBSYS
 from proxy.model.types import Family
 
 NLM_F_APPEND = 0x800

@@ -20,7 +20,7 @@ follows upstream (kubernetes-sigs/iptables-wrappers, which kube-proxy's image us
 Whatever picked nft, it must be able to do NAT: a kernel may have nf_tables without its
 nat chain type (Debian's user-mode Linux does), where the nat table still lists but every
 restore that creates a nat chain fails. A probe that changes nothing
-(proxy/dataplane/nftables_probe.py) asks the kernel; if nf_tables cannot do NAT, legacy
+(proxy/dataplane/common/nfnetlink.py) asks the kernel; if nf_tables cannot do NAT, legacy
 is used and the log says why.
 """
 
@@ -37,9 +37,9 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
-from proxy.dataplane import processes
-from proxy.dataplane.nftables_probe import nat_unsupported
-from proxy.dataplane.processes import RUN_TIMEOUT, run_recorded
+from proxy.dataplane.common import processes
+from proxy.dataplane.common.nfnetlink import nat_unsupported
+from proxy.dataplane.common.processes import RUN_TIMEOUT, run_recorded
 from proxy.model.types import Family
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ _FAILED_LINE = re.compile(r"line:? (\d+)(?: failed)?")
 
 def started_here(pid: int) -> bool:
     """`pid` is this process, one of its committing threads or a recent child (the
-    drift listeners' test; it lives in proxy/dataplane/processes.py)."""
+    drift listeners' test; it lives in proxy/dataplane/common/processes.py)."""
     return processes.started_here(pid)
 
 
@@ -189,6 +189,24 @@ def parse_restore_error(stderr: str, text: RestoreInput) -> tuple[int | None, st
     if number < 1:
         return number, None
     return number, next(itertools.islice(lines_of(text), number - 1, None), None)
+
+
+class Runner(Protocol):
+    """What the data plane needs of `IptablesRunner` (a simulated one fits too)."""
+
+    family: Family
+    backend: Backend
+    restore_cmd: str
+    save_cmd: str
+
+    def restore(self, text: RestoreInput, *, noflush: bool = True,
+                counters: bool = False) -> None: ...
+
+    def save(self, table: str | None = None) -> str: ...
+
+    def save_lines(self) -> Iterable[str]: ...
+
+    def available(self) -> bool: ...
 
 
 class IptablesRunner:

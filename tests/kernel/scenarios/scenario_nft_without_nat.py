@@ -13,8 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from proxy.dataplane.iptables.runner import Backend, IptablesRunner, RestoreError, detect_backend
-from proxy.dataplane.nftables_probe import nat_unsupported
+from proxy.dataplane.common.nfnetlink import nat_unsupported
+from proxy.dataplane.xtables.restore_runner import (
+    Backend,
+    IptablesRunner,
+    RestoreError,
+    detect_backend,
+)
 from proxy.lab import Lab
 from proxy.lab.netns import entered
 from proxy.model.types import Family
@@ -33,7 +38,7 @@ VIP = "198.18.128.50"
 
 def test_the_probe_sees_what_the_restore_would_hit(lab: Lab,
                                                    caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="proxy.dataplane.iptables.runner")
+    caplog.set_level(logging.INFO, logger="proxy.dataplane.xtables.restore_runner")
     with entered(lab.node_ns):
         flavour = subprocess.run(["iptables", "-V"], capture_output=True, text=True,
                                  check=True).stdout

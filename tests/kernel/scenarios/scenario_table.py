@@ -19,11 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.dataplane.base import ApplyError
-from proxy.dataplane.iptables.runner import Backend, binary
 from proxy.dataplane.ipvs.diff import Op, OpKind
 from proxy.dataplane.ipvs.kernel import IpvsTable
 from proxy.dataplane.ipvs.netfilter import JUMPS
 from proxy.dataplane.ipvs.render import VirtualServer, VsKey, VsKind
+from proxy.dataplane.xtables.restore_runner import Backend, binary
 from proxy.lab import Lab
 from proxy.model.types import Family, Protocol
 from tests.kernel.ipvs_guest import (

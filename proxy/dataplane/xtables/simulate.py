@@ -12,9 +12,8 @@ import copy
 import shlex
 from collections.abc import Iterator
 
-from proxy.dataplane.iptables.render import Table
-from proxy.dataplane.iptables.ruleset import BUILTIN_CHAINS, Saved, target_of
-from proxy.dataplane.iptables.runner import Backend, RestoreError, RestoreInput, whole
+from proxy.dataplane.xtables.restore_runner import Backend, RestoreError, RestoreInput, whole
+from proxy.dataplane.xtables.saved import BUILTIN_CHAINS, Saved, Table, target_of
 from proxy.model.types import Family
 
 STANDARD_TARGETS = frozenset({

@@ -1,0 +1,53 @@
+"""What rendering needs besides the service port: the options as they apply to one family,
+and this node's addresses. One rule for `--nodeport-addresses`, used by every mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from proxy.dataplane.base import DataplaneOptions
+from proxy.model.types import Family, IPAddress, IPNetwork
+
+
+@dataclass(frozen=True, slots=True)
+class RenderContext:
+    """The options as they apply to one family, plus this node's addresses."""
+
+    family: Family
+    masquerade_all: bool = False
+    local_cidrs: tuple[IPNetwork, ...] = ()  # --cluster-cidr of this family: pods
+    # Node addresses that accept NodePorts; None: every local address (addrtype LOCAL).
+    nodeport_ips: tuple[IPAddress, ...] | None = None
+    # Every address of this node in this family (LB source ranges that contain one
+    # also admit traffic the node sends to its own LB IPs, as upstream).
+    node_ips: tuple[IPAddress, ...] = ()
+
+    @property
+    def host_mask(self) -> str:
+        return "/32" if self.family is Family.V4 else "/128"
+
+
+def nodeport_selection(family: Family, cidrs: Iterable[IPNetwork],
+                       node_ips: Iterable[IPAddress]) -> tuple[IPAddress, ...] | None:
+    """The node addresses of `family` that accept NodePort traffic under
+    --nodeport-addresses `cidrs`; None means every address of the family.
+
+    As upstream: no CIDR of this family, or a match-everything one, means "all" (a list
+    of IPv6 CIDRs says nothing about IPv4). Loopback addresses never serve NodePorts
+    (upstream's --iptables-localhost-nodeports=false)."""
+    mine = [c for c in cidrs if Family.of(c) is family]
+    if not mine or any(c.prefixlen == 0 for c in mine):
+        return None
+    return tuple(ip for ip in node_ips if Family.of(ip) is family and not ip.is_loopback
+                 and any(ip in c for c in mine))
+
+
+def context_for(family: Family, options: DataplaneOptions,
+                node_ips: Sequence[IPAddress] = ()) -> RenderContext:
+    """The per-family view of the options; `node_ips` are this node's addresses."""
+    mine = tuple(ip for ip in node_ips if Family.of(ip) is family)
+    cidrs = [c for c in options.cluster_cidrs if Family.of(c) is family]
+    nodeport_ips = nodeport_selection(family, options.nodeport_addresses, mine)
+    return RenderContext(family, options.masquerade_all, tuple(cidrs), nodeport_ips, mine)

@@ -1,0 +1,36 @@
+"""Names and spellings every rule-based mode shares: chain-name hashes, upstream's port
+spelling, fast address text, and the masquerade mark.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+
+from proxy.model.types import IPAddress, ServicePortKey
+
+# Upstream's masquerade bit (--iptables-masquerade-bit 14): a CNI that knows what
+# kube-proxy's mark means reads ours the same way. Each mode spells it as its tool prints.
+MASQ_BIT = 0x4000
+
+
+def name_hash(*parts: str) -> str:
+    # 64 bits of SHA-256 in hex (upstream uses base32, but base64.b32encode is a Python
+    # loop: a third of a full render's time).
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16].upper()
+
+
+def port_name(key: ServicePortKey) -> str:
+    """`ns/name:port` (`ns/name` for an unnamed port), upstream's comment spelling."""
+    return f"{key.namespace}/{key.name}:{key.port}" if key.port else f"{key.namespace}/{key.name}"
+
+
+def address_text(ip: IPAddress) -> str:
+    """str() of an address; an IPv4 one formatted by the C library, 2.3x faster than
+    ipaddress's own (a full render formats every endpoint address several times).
+    IPv6 stays with ipaddress: inet_ntop writes IPv4-mapped addresses differently.
+    Not cached: an LRU cache of every endpoint's text held 14 MiB at 10,000 services x
+    10 endpoints to save 0.08 us a call (about 25 ms of a full render)."""
+    if ip.version == 4:
+        return socket.inet_ntop(socket.AF_INET, ip.packed)
+    return str(ip)

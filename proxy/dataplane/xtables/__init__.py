@@ -1,0 +1,4 @@
+"""x_tables through its tools, shared by the modes that write iptables rules (iptables,
+and IPVS for its few fixed chains): `restore_runner` runs iptables-save/-restore on the
+host's back end, `saved` reads and writes their text, `cleanup` removes our chains.
+"""
