@@ -19,6 +19,7 @@ Both call `notify(reason)` from their own thread; the sync runner takes it from 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import socket
@@ -26,11 +27,12 @@ import threading
 from collections.abc import Callable, Collection, Iterable
 from typing import Protocol
 
+from proxy.dataplane.common import processes
 from proxy.dataplane.common.netlink import MulticastListener
+from proxy.dataplane.common.nfnetlink import NETLINK_NETFILTER, NFPROTO
 from proxy.dataplane.common.nft_events import NFNLGRP_NFTABLES, TransactionReader
 from proxy.model.types import Family
 
-NETLINK_NETFILTER = 12
 # Room for a burst of notifications: a full sync at 10,000 services announces ~300,000
 # objects. Overflowing costs one check (the lost messages might have been someone else's).
 LISTEN_BUFFER = 8 << 20
@@ -167,3 +169,44 @@ class LegacyCanary:
 
 def _entries(summary: tuple[int, int] | None) -> str:
     return "no table" if summary is None else str(summary[0])
+
+
+# Seconds between looks at the legacy tables' summaries: a foreign flush is noticed
+# within this, at the cost of one getsockopt per table.
+CANARY_INTERVAL = 2.0
+XTABLES = ("nat", "filter")
+
+
+def watch_xtables(families: Iterable[Family], nft: bool, notify: Notify,
+                  busy: threading.Lock) -> NftablesListener | LegacyCanary:
+    """Start watching the nat and filter tables of `families`, where the iptables and
+    IPVS modes keep their rules: nf_tables announcements on the nf_tables back end
+    (`nft`), else the legacy canary, baselined now (under `busy`, which the data plane
+    holds while it writes)."""
+    families = tuple(families)
+    watch: NftablesListener | LegacyCanary
+    if nft:
+        watch = NftablesListener({(NFPROTO[f], t) for f in families for t in XTABLES},
+                                 processes.started_here, notify)
+    else:
+        watch = LegacyCanary([(f, t) for f in families for t in XTABLES], notify, busy,
+                             CANARY_INTERVAL)
+        with busy:
+            watch.rebaseline()
+    watch.start()
+    return watch
+
+
+def how_xtables_are_watched(nft: bool) -> str:
+    """For the log line saying how drift is noticed."""
+    return ("nf_tables announcements" if nft
+            else f"legacy table summaries every {CANARY_INTERVAL:g}s")
+
+
+def deaf_while(watch: NftablesListener | LegacyCanary | None,
+               full: bool) -> contextlib.AbstractContextManager[object]:
+    """Our nf_tables listener deaf while a full sync writes: the kernel then announces
+    nothing of it to us (netlink.MulticastListener.deaf)."""
+    if full and isinstance(watch, NftablesListener):
+        return watch.deaf()
+    return contextlib.nullcontext()

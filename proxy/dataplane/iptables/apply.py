@@ -21,18 +21,19 @@ the next sync is full.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
-from proxy.dataplane.common import conntrack
-from proxy.dataplane.common.context import RenderContext, context_for
-from proxy.dataplane.common.drift_watch import LegacyCanary, NftablesListener, Notify
-from proxy.dataplane.common.nfnetlink import NFPROTO
+from proxy.dataplane.base import ApplyError, DataplaneOptions
+from proxy.dataplane.common.context import RenderContext
+from proxy.dataplane.common.drift_watch import (
+    LegacyCanary,
+    Notify,
+    how_xtables_are_watched,
+    watch_xtables,
+)
+from proxy.dataplane.common.family_sync import FamilyState, FamilySyncPlane, Written
 from proxy.dataplane.common.rtnetlink import node_addresses
 from proxy.dataplane.iptables.render import render_base, render_port
 from proxy.dataplane.iptables.ruleset import Ruleset, Wanted
@@ -43,7 +44,6 @@ from proxy.dataplane.xtables.restore_runner import (
     RestoreError,
     Runner,
     RunnerError,
-    started_here,
 )
 from proxy.dataplane.xtables.saved import RestoreText, Saved, parse_save
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
@@ -61,27 +61,27 @@ APPLIERS = ("restore", "iptc")
 # service port has 2-5): iptables-nft-restore's time grows with the square of the chains
 # in one transaction. bench/iptables_bench: 10,000 services in one restore 256 s.
 NFT_CHAINS_PER_RESTORE = 4000
-# Seconds between looks at the legacy tables' summaries (drift_watch.LegacyCanary): a
-# foreign flush is noticed within this, at the cost of one getsockopt per table.
-CANARY_INTERVAL = 2.0
 
 
-class _FamilyState:
-    """What one family's tables hold, as far as we know."""
+class _FamilyState(FamilyState):
+    """What one family's tables hold, as far as we know (`kept`: its Ruleset)."""
 
     def __init__(self, runner: Runner) -> None:
+        super().__init__(runner.family)
         self.runner = runner
-        self.ruleset: Ruleset | None = None  # None: unknown, the next sync is full
-        self.context: RenderContext | None = None
-        # The snapshot the ruleset was last rendered from (kept after a failure: what
-        # conntrack cleanup compares against is what traffic last saw).
-        self.last: DesiredState | None = None
+
+    @property
+    def ruleset(self) -> Ruleset | None:
+        kept: Ruleset | None = self.kept
+        return kept
 
 
-class IptablesDataPlane:
+class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
     """`runners` and `addresses` replace the real binaries and the netlink address dump
     (a `simulate.SimulatedRunner` for pure tests); `clear_conntrack=False` skips
     conntrack cleanup (with simulated runners there is no kernel to clean)."""
+
+    mode = "iptables"
 
     def __init__(self, options: DataplaneOptions, *, applier: str | None = None,
                  backend: Backend | None = None, lock_wait: float = 5.0,
@@ -92,12 +92,9 @@ class IptablesDataPlane:
         if applier not in APPLIERS:
             raise ValueError(f"unknown iptables applier {applier!r}; supported: "
                              f"{', '.join(APPLIERS)}")
-        self.options = options
+        super().__init__(options, clear_conntrack, addresses or node_addresses)
         self.applier = applier
-        self.clear_conntrack = clear_conntrack
-        self._addresses = addresses or node_addresses
         self._injected = runners is not None
-        self._families: dict[Family, _FamilyState] = {}
         for family in options.families:
             runner: Runner
             if runners is not None:
@@ -113,10 +110,6 @@ class IptablesDataPlane:
                 log.warning("iptables family unavailable; not programming it", extra={
                     "family": family.label, "binary": runner.restore_cmd})
         self.backend = backend
-        self.failures = 0  # applies refused since start (a metric's source)
-        # Held while we write, so the legacy canary never reports our own restores.
-        self._writing = threading.Lock()
-        self._watch: NftablesListener | LegacyCanary | None = None
 
     def _runner(self, family: Family, backend: Backend | None, lock_wait: float) -> Runner:
         runner = IptablesRunner(family, backend, lock_wait)
@@ -129,84 +122,13 @@ class IptablesDataPlane:
 
         return IptcRunner(family, runner.backend, lock_wait)
 
-    @property
-    def mode(self) -> str:
-        return "iptables"
+    # --- sync: render and write (the loop is FamilySyncPlane's) -----------------------------
 
-    @property
-    def families(self) -> tuple[Family, ...]:
-        return tuple(self._families)
+    def _report_details(self) -> dict[str, Any]:
+        return {"backend": self.backend.value if self.backend else None}
 
-    # --- sync -------------------------------------------------------------------------------
-
-    def sync(self, state: DesiredState, full: bool = False) -> SyncReport:
-        node_ips = self._addresses()
-        written: list[ServicePortKey] = []
-        removed: list[ServicePortKey] = []
-        flows: list[conntrack.StaleFlows] = []
-        operations, apply_seconds, any_full = 0, 0.0, False
-        failure: ApplyError | None = None
-        details: dict[str, Any] = {"backend": self.backend.value if self.backend else None}
-        ports = state.ports
-        for family, fam in self._families.items():
-            ctx = context_for(family, self.options, node_ips)
-            is_full = full or fam.ruleset is None or ctx != fam.context
-            started = time.perf_counter()
-            # O(changes) when `state` follows the last one applied (snapshot.py).
-            changed = {k for k in state.changed_since(fam.last) if k.family is family}
-            try:
-                if is_full:
-                    texts, ruleset = self._full(fam, state, ctx)
-                else:
-                    assert fam.ruleset is not None
-                    text, ruleset = self._partial(fam.ruleset, ports, changed, ctx)
-                    texts = [text] if text.operations() else []
-                render_seconds = time.perf_counter() - started
-                started = time.perf_counter()
-                # Our listener deaf to a full sync: the kernel then writes no announcement
-                # of each rule for us (netlink.MulticastListener.deaf).
-                deaf = (self._watch.deaf() if is_full and isinstance(self._watch,
-                                                                     NftablesListener)
-                        else contextlib.nullcontext())
-                with self._writing, deaf:
-                    try:
-                        for text in texts:
-                            self._apply(fam, text, is_full)
-                    finally:
-                        if isinstance(self._watch, LegacyCanary):
-                            self._watch.rebaseline()
-            except ApplyError as exc:
-                # The other family may still be fine: finish it, then report this one.
-                failure = failure or exc
-                continue
-            elapsed = time.perf_counter() - started
-            lines = sum(text.line_count() for text in texts)
-            any_full |= is_full
-            apply_seconds += elapsed
-            operations += lines
-            flows += conntrack.stale_flows_between(fam.last.ports if fam.last else {},
-                                                   ports, changed)
-            written += [k for k in changed if k in ports]
-            removed += [k for k in changed if k not in ports]
-            fam.ruleset, fam.context, fam.last = ruleset, ctx, state
-            details[family.label] = {"full": is_full, "lines": lines, "restores": len(texts),
-                                     "render_seconds": round(render_seconds, 6),
-                                     "apply_seconds": round(elapsed, 6)}
-        cleared = conntrack.clear_after_sync(flows) if self.clear_conntrack else 0
-        if failure is not None:
-            raise failure
-        report = SyncReport(full=any_full, written=tuple(sorted(written)),
-                            removed=tuple(sorted(removed)), operations=operations,
-                            apply_seconds=apply_seconds, conntrack_cleared=cleared,
-                            details=details)
-        log.info("iptables sync applied", extra={
-            "full": any_full, "written": len(written), "removed": len(removed),
-            "lines": operations, "apply_seconds": round(apply_seconds, 4),
-            "conntrack_cleared": cleared})
-        return report
-
-    def _full(self, fam: _FamilyState, state: DesiredState,
-              ctx: RenderContext) -> tuple[list[RestoreText], Ruleset]:
+    def _render_full(self, fam: _FamilyState, state: DesiredState,
+                     ctx: RenderContext) -> tuple[list[RestoreText], Ruleset]:
         wanted = Wanted(render_base(ctx), {k: render_port(v, ctx)
                                            for k, v in state.ports.items()
                                            if k.family is ctx.family})
@@ -217,54 +139,61 @@ class IptablesDataPlane:
             batches = [wanted.full_restore(kernel)]
         return [b for b in batches if b.operations()], wanted.kept()
 
-    @staticmethod
-    def _partial(applied: Ruleset, ports: Mapping[ServicePortKey, ResolvedServicePort],
-                 changed: set[ServicePortKey], ctx: RenderContext
-                 ) -> tuple[RestoreText, Ruleset]:
+    def _render_partial(self, fam: _FamilyState,
+                        ports: Mapping[ServicePortKey, ResolvedServicePort],
+                        changed: set[ServicePortKey], ctx: RenderContext
+                        ) -> tuple[list[RestoreText], Ruleset]:
+        applied: Ruleset = fam.kept
         updates = {k: (render_port(ports[k], ctx) if k in ports else None) for k in changed}
-        return applied.partial_restore(updates)
+        text, ruleset = applied.partial_restore(updates)
+        return ([text] if text.operations() else []), ruleset
+
+    def _write(self, fam: _FamilyState, texts: list[RestoreText], full: bool) -> Written:
+        with self._writing:
+            try:
+                for text in texts:
+                    self._apply(fam, text, full)
+            finally:
+                if isinstance(self._watch, LegacyCanary):
+                    self._watch.rebaseline()
+        return Written(sum(text.line_count() for text in texts), {"restores": len(texts)})
 
     def _saved(self, fam: _FamilyState) -> Saved:
         """What the tables hold, our chains' rules skipped (read line by line)."""
         try:
             return parse_save(fam.runner.save_lines(), our_rules=False)
         except RunnerError as exc:
-            self._failed(fam, str(exc), None)
+            self._failed_apply(fam, str(exc), None)
             raise ApplyError(f"{fam.runner.save_cmd} failed: {exc}") from exc
 
     def _apply(self, fam: _FamilyState, text: RestoreText, full: bool) -> None:
         try:
             fam.runner.restore(text)
         except RestoreError as exc:
-            self._failed(fam, str(exc), exc.offending, exc.line, full)
+            self._failed_apply(fam, str(exc), exc.offending, exc.line, full)
             # nf_tables reports some errors (a jump to a missing chain) only at COMMIT,
             # so the binary's own words go in the message too.
             said = str(exc).split(": ", 1)[-1].splitlines()[0] if str(exc) else ""
             raise ApplyError(f"{fam.runner.restore_cmd} refused line {exc.line} "
                              f"({exc.offending!r}): {said}", offending=exc.offending) from exc
 
-    def _failed(self, fam: _FamilyState, error: str, offending: str | None,
-                line: int | None = None, full: bool = True) -> None:
-        self.failures += 1
-        fam.ruleset = None  # what the kernel holds is no longer certain: next sync is full
+    def _failed_apply(self, fam: _FamilyState, error: str, offending: str | None,
+                      line: int | None = None, full: bool = True) -> None:
+        self._failed(fam)
         log.error("iptables apply failed; previous rules stay, next sync is full", extra={
-            "family": fam.runner.family.label, "binary": fam.runner.restore_cmd,
-            "full": full, "line": line, "offending": offending, "error": error[-2000:]})
+            "family": fam.family.label, "binary": fam.runner.restore_cmd, "full": full,
+            "line": line, "offending": offending, "error": error[-2000:]})
 
     # --- the rest of the contract -------------------------------------------------------------
 
     def applied_rules(self, key: ServicePortKey) -> Sequence[str]:
         fam = self._families.get(key.family)
-        if fam is None or fam.ruleset is None or fam.last is None or fam.context is None:
-            return ()
-        if key not in fam.ruleset.ports or key not in fam.last.ports:
+        applied = fam.applied(key) if fam is not None else None
+        if applied is None:
             return ()
         # The ruleset keeps digests, not rules: render them again from what they were
         # rendered from (pure, so the same text).
-        return render_port(fam.last.ports[key], fam.context).lines()
-
-    def housekeeping(self) -> None:
-        """Nothing to do between syncs for iptables."""
+        return render_port(*applied).lines()
 
     # --- drift: someone else changed our rules ----------------------------------------------
 
@@ -274,42 +203,32 @@ class IptablesDataPlane:
         legacy canary (see drift_watch). Then `check_drift` tells whether they did."""
         if self._injected or self._watch is not None or not self._families:
             return
-        tables = ("nat", "filter")
-        if self.backend is Backend.NFT:
-            self._watch = NftablesListener(
-                {(NFPROTO[f], t) for f in self._families for t in tables}, started_here,
-                notify)
-        else:
-            self._watch = LegacyCanary([(f, t) for f in self._families for t in tables],
-                                       notify, self._writing, CANARY_INTERVAL)
-            with self._writing:
-                self._watch.rebaseline()
-        self._watch.start()
+        nft = self.backend is Backend.NFT
+        self._watch = watch_xtables(self._families, nft, notify, self._writing)
         log.info("watching for changes to our rules by other processes", extra={
             "backend": self.backend.value if self.backend else None,
-            "how": "nf_tables announcements" if self.backend is Backend.NFT
-                   else f"legacy table summaries every {CANARY_INTERVAL:g}s"})
+            "how": how_xtables_are_watched(nft)})
 
     def check_drift(self) -> list[str]:
         """How our rules in the kernel differ from what we last applied ([] when they
         agree); a family that differs is rewritten whole at the next sync."""
         found: list[str] = []
         for family, fam in self._families.items():
-            if fam.ruleset is None:
+            if fam.kept is None:
                 continue  # its next sync is full already
             with self._writing:
                 try:
                     kernel = parse_save(fam.runner.save_lines())
                 except RunnerError as exc:
                     found.append(f"{family.label}: our rules could not be read: {exc}")
-                    fam.ruleset = None
+                    fam.kept = None
                     continue
                 finally:
                     if isinstance(self._watch, LegacyCanary):
                         self._watch.rebaseline()
-            differences = fam.ruleset.differences(kernel)
+            differences = fam.kept.differences(kernel)
             if differences:
-                fam.ruleset = None
+                fam.kept = None
                 found += [f"{family.label}: {d}" for d in differences]
         return found
 
@@ -321,11 +240,4 @@ class IptablesDataPlane:
         for runner, _chains in remove_chains(runners):
             log.info("removed sliceproxy's iptables rules", extra={
                 "family": runner.family.label, "backend": runner.backend.value})
-        for fam in self._families.values():
-            fam.ruleset, fam.context, fam.last = None, None, None
-
-    def close(self) -> None:
-        """Stop watching for drift; runners are processes, netlink sockets are per call."""
-        if self._watch is not None:
-            self._watch.stop()
-            self._watch = None
+        self._forget_all()

@@ -28,8 +28,12 @@ from typing import Any
 
 from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
 from proxy.dataplane.common import conntrack
-from proxy.dataplane.common.drift_watch import LegacyCanary, NftablesListener
-from proxy.dataplane.common.nfnetlink import NFPROTO
+from proxy.dataplane.common.drift_watch import (
+    LegacyCanary,
+    NftablesListener,
+    how_xtables_are_watched,
+    watch_xtables,
+)
 from proxy.dataplane.ipvs.diff import (
     KernelDest,
     KernelService,
@@ -71,7 +75,6 @@ from proxy.dataplane.xtables.restore_runner import (
     Backend,
     IptablesRunner,
     RunnerError,
-    started_here,
 )
 from proxy.dataplane.xtables.saved import parse_save
 from proxy.model.snapshot import DesiredState
@@ -79,8 +82,6 @@ from proxy.model.types import Family, IPAddress, Protocol, ServicePortKey
 
 log = logging.getLogger(__name__)
 
-# Seconds between looks at the legacy tables' summaries (as the iptables plane's).
-CANARY_INTERVAL = 2.0
 DRIFT_LIMIT = 8  # differences described by one check, then how many more
 
 
@@ -307,25 +308,16 @@ class IpvsDataPlane:
         watches: list[NftablesListener | LegacyCanary | LinkListener] = [LinkListener(
             self._dummy_name, lambda: self._dummy_index, lambda port: port == rt_port,
             notify)]
-        tables = ("nat", "filter")
+        watches[0].start()
         backend = next(iter(h.runners.values())).backend if h.runners else None
-        if backend is Backend.NFT:
-            watches.append(NftablesListener({(NFPROTO[f], t) for f in h.runners for t in tables},
-                                            started_here, notify))
-        elif backend is not None:
-            canary = LegacyCanary([(f, t) for f in h.runners for t in tables], notify,
-                                  self._writing, CANARY_INTERVAL)
-            with self._writing:
-                canary.rebaseline()
-            watches.append(canary)
-        for watch in watches:
-            watch.start()
+        if backend is not None:
+            watches.append(watch_xtables(h.runners, backend is Backend.NFT, notify,
+                                         self._writing))
         self._watches = watches
         log.info("watching for changes to our rules by other processes", extra={
             "backend": backend.value if backend else None,
             "how": ["rtnetlink announcements (dummy interface and its addresses)",
-                    "nf_tables announcements" if backend is Backend.NFT
-                    else f"legacy table summaries every {CANARY_INTERVAL:g}s"],
+                    how_xtables_are_watched(backend is Backend.NFT)],
             "not_watched": "the IPVS table (repaired at the full resync)"})
 
     def check_drift(self) -> list[str]:

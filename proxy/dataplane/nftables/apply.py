@@ -25,17 +25,15 @@ sliceproxy` and their shards; nothing outside them is ever touched.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
-from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
-from proxy.dataplane.common import conntrack, heap
-from proxy.dataplane.common.context import RenderContext, context_for
+from proxy.dataplane.base import ApplyError, DataplaneOptions
+from proxy.dataplane.common import heap
+from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.drift_watch import LOST, NftablesListener
+from proxy.dataplane.common.family_sync import FamilyState, FamilySyncPlane, Written
 from proxy.dataplane.common.nfnetlink import NFPROTO, nat_unsupported
 from proxy.dataplane.common.rtnetlink import node_addresses
 from proxy.dataplane.nftables.expressions import Unencodable
@@ -58,7 +56,7 @@ from proxy.dataplane.nftables.transaction import (
     kept_slots,
     partial_script,
 )
-from proxy.model.snapshot import DesiredState
+from proxy.model.snapshot import DesiredState, ResolvedServicePort
 from proxy.model.types import Family, IPAddress, ServicePortKey
 
 log = logging.getLogger(__name__)
@@ -69,17 +67,19 @@ class NftablesUnavailable(Exception):
     """This host cannot run the nftables mode (tools or kernel support missing)."""
 
 
-class _FamilyState:
+class _FamilyState(FamilyState):
+    """One family's tables as far as we know (`kept`: its TableState)."""
+
     def __init__(self, family: Family, shards: int) -> None:
-        self.family = family
-        self.state: TableState | None = None  # None: unknown, the next sync is full
-        self.context: RenderContext | None = None
+        super().__init__(family)
         # Shard tables (render.py): set by each full sync, only ever grown while running
         # (shrinking would move every port for nothing).
         self.shards = shards
-        # The snapshot this family's state was last rendered from (kept after a failure:
-        # what conntrack cleanup compares against is what traffic last saw).
-        self.last: DesiredState | None = None
+
+    @property
+    def state(self) -> TableState | None:
+        kept: TableState | None = self.kept
+        return kept
 
     @property
     def tables(self) -> str:
@@ -87,10 +87,12 @@ class _FamilyState:
         return f"{table_family(self.family)} {TABLE} and {TABLE}-0..{self.shards - 1}"
 
 
-class NftablesDataPlane:
+class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
     """`runner` and `addresses` replace libnftables/nft and the netlink address dump in
     tests; `probe=False` skips the kernel's NAT check (done by the caller); `shards`
     is the least number of shard tables (more as the service ports need them)."""
+
+    mode = "nftables"
 
     def __init__(self, options: DataplaneOptions, *, runner: NftRunner | None = None,
                  addresses: Callable[[], Sequence[IPAddress]] | None = None,
@@ -102,11 +104,8 @@ class NftablesDataPlane:
         if why:
             raise NftablesUnavailable(f"{why}; install Debian's nftables package or use "
                                       "--proxy-mode iptables")
-        self.options = options
+        super().__init__(options, clear_conntrack, addresses or node_addresses)
         self.runner = runner or NftRunner()
-        self.clear_conntrack = clear_conntrack
-        self._addresses = addresses or node_addresses
-        self._families: dict[Family, _FamilyState] = {}
         refused: list[str] = []
         for family in options.families:
             reason = nat_unsupported(family) if probe else None
@@ -120,87 +119,31 @@ class NftablesDataPlane:
             raise NftablesUnavailable(
                 f"this kernel's nf_tables cannot do NAT ({'; '.join(refused) or 'no family'})"
                 "; load nft_chain_nat or use --proxy-mode iptables or ipvs")
-        self.failures = 0  # transactions refused since start (a metric's source)
-        self._watch: NftablesListener | None = None
         self._foreign: list[str] = []  # foreign transactions on our tables, not yet checked
         self._foreign_lock = threading.Lock()
 
-    @property
-    def mode(self) -> str:
-        return "nftables"
+    # --- sync: render and write (the loop is FamilySyncPlane's) -----------------------------
 
-    @property
-    def families(self) -> tuple[Family, ...]:
-        return tuple(self._families)
+    def _render_partial(self, fam: _FamilyState,
+                        ports: Mapping[ServicePortKey, ResolvedServicePort],
+                        changed: set[ServicePortKey], ctx: RenderContext
+                        ) -> tuple[str, TableState]:
+        table: TableState = fam.kept
+        return partial_script(table, {
+            k: render_port(ports[k], ctx, table.shards, kept_slots(table.ports.get(k)))
+            if k in ports else None for k in changed}), table
 
-    # --- sync -------------------------------------------------------------------------------
+    def _write(self, fam: _FamilyState, text: str | Script, full: bool) -> Written:
+        applier = self._run(fam, text, full) if text else "none"
+        lines = text.count("\n") if isinstance(text, str) else text.count or 0
+        return Written(lines, {"applier": applier})
 
-    def sync(self, state: DesiredState, full: bool = False) -> SyncReport:
-        node_ips = self._addresses()
-        written: list[ServicePortKey] = []
-        removed: list[ServicePortKey] = []
-        flows: list[conntrack.StaleFlows] = []
-        operations, apply_seconds, any_full = 0, 0.0, False
-        failure: ApplyError | None = None
-        details: dict[str, Any] = {}
-        ports = state.ports
-        for family, fam in self._families.items():
-            ctx = context_for(family, self.options, node_ips)
-            is_full = full or fam.state is None or ctx != fam.context
-            started = time.perf_counter()
-            # O(changes) when `state` follows the last one applied (snapshot.py).
-            changed = {k for k in state.changed_since(fam.last) if k.family is family}
-            text: str | Script
-            try:
-                if is_full:
-                    text, table = self._full(fam, state, ctx)
-                else:
-                    assert fam.state is not None
-                    table = fam.state
-                    text = partial_script(table, {
-                        k: render_port(ports[k], ctx, table.shards,
-                                       kept_slots(table.ports.get(k)))
-                        if k in ports else None for k in changed})
-                render_seconds = time.perf_counter() - started
-                started = time.perf_counter()
-                # Nobody of ours listening while we write everything: the kernel then
-                # announces nothing to us (netlink.MulticastListener.deaf).
-                with (self._watch.deaf() if is_full and self._watch is not None
-                      else contextlib.nullcontext()):
-                    applier = self._run(fam, text, is_full) if text else "none"
-            except ApplyError as exc:
-                # The other family may still be fine: finish it, then report this one.
-                failure = failure or exc
-                continue
-            elapsed = time.perf_counter() - started
-            lines = text.count("\n") if isinstance(text, str) else text.count or 0
-            any_full |= is_full
-            apply_seconds += elapsed
-            operations += lines
-            flows += conntrack.stale_flows_between(fam.last.ports if fam.last else {},
-                                                   ports, changed)
-            written += [k for k in changed if k in ports]
-            removed += [k for k in changed if k not in ports]
-            fam.state, fam.context, fam.last = table, ctx, state
-            details[family.label] = {"full": is_full, "lines": lines, "applier": applier,
-                                     "render_seconds": round(render_seconds, 6),
-                                     "apply_seconds": round(elapsed, 6)}
-        cleared = conntrack.clear_after_sync(flows) if self.clear_conntrack else 0
-        if any_full:  # the script and batch were tens of MB: give the heap back
+    def _after_sync(self, full: bool) -> None:
+        if full:  # the script and batch were tens of MB: give the heap back
             heap.release_free_memory()
-        if failure is not None:
-            raise failure
-        log.info("nftables sync applied", extra={
-            "full": any_full, "written": len(written), "removed": len(removed),
-            "lines": operations, "apply_seconds": round(apply_seconds, 4),
-            "conntrack_cleared": cleared})
-        return SyncReport(full=any_full, written=tuple(sorted(written)),
-                          removed=tuple(sorted(removed)), operations=operations,
-                          apply_seconds=apply_seconds, conntrack_cleared=cleared,
-                          details=details)
 
-    def _full(self, fam: _FamilyState, state: DesiredState,
-              ctx: RenderContext) -> tuple[Script, TableState]:
+    def _render_full(self, fam: _FamilyState, state: DesiredState,
+                     ctx: RenderContext) -> tuple[Script, TableState]:
         tables, chains, sets = self._kernel_objects(fam)
         ports = {k: v for k, v in state.ports.items() if k.family is fam.family}
         shards = max(fam.shards, shards_for(len(ports)))
@@ -217,7 +160,7 @@ class NftablesDataPlane:
         try:
             return self.runner.names(fam.family, OUR_TABLES)
         except NftError as exc:
-            self._failed(fam, str(exc), None, True)
+            self._failed_transaction(fam, str(exc), None, True)
             raise ApplyError(f"cannot read back our {table_family(fam.family)} tables: "
                              f"{exc}") from exc
 
@@ -242,15 +185,14 @@ class NftablesDataPlane:
             self.runner.run(text if isinstance(text, str) else text.text())
             return "nft"
         except NftError as exc:
-            self._failed(fam, str(exc), exc.offending, full, exc.line)
+            self._failed_transaction(fam, str(exc), exc.offending, full, exc.line)
             raise ApplyError(f"nf_tables refused the {'full' if full else 'partial'} "
                              f"transaction on {fam.tables}: {exc}",
                              offending=exc.offending) from exc
 
-    def _failed(self, fam: _FamilyState, error: str, offending: str | None, full: bool,
-                line: int | None = None) -> None:
-        self.failures += 1
-        fam.state = None  # what the kernel holds is no longer certain: next sync is full
+    def _failed_transaction(self, fam: _FamilyState, error: str, offending: str | None,
+                            full: bool, line: int | None = None) -> None:
+        self._failed(fam)
         log.error("nftables transaction failed; previous rules stay, next sync is full",
                   extra={"family": fam.family.label, "tables": fam.tables, "full": full,
                          "line": line, "offending": offending, "error": error[-2000:]})
@@ -259,18 +201,14 @@ class NftablesDataPlane:
 
     def applied_rules(self, key: ServicePortKey) -> Sequence[str]:
         fam = self._families.get(key.family)
-        if fam is None or fam.state is None or fam.last is None or fam.context is None:
-            return ()
-        if key not in fam.state.ports or key not in fam.last.ports:
+        applied = fam.applied(key) if fam is not None else None
+        if fam is None or fam.state is None or applied is None:
             return ()
         # The state keeps digests, not rules: render them again from what they were
         # rendered from (pure, so the same text).
-        objects = render_port(fam.last.ports[key], fam.context, fam.state.shards,
-                              kept_slots(fam.state.ports[key]))
+        rsp, ctx = applied
+        objects = render_port(rsp, ctx, fam.state.shards, kept_slots(fam.state.ports[key]))
         return objects.lines(key.family)
-
-    def housekeeping(self) -> None:
-        """Nothing to do between syncs: affinity entries expire in the kernel."""
 
     def watch_drift(self, notify: Callable[[str], None]) -> None:
         """Listen to nf_tables' announcements; a transaction on one of our tables that we
@@ -283,10 +221,10 @@ class NftablesDataPlane:
                 self._foreign.append(reason)
             notify(reason)
 
-        self._watch = NftablesListener({(NFPROTO[f], t) for f in self._families
-                                        for t in OUR_TABLES},
-                                       self.runner.started_here, foreign)
-        self._watch.start()
+        watch = NftablesListener({(NFPROTO[f], t) for f in self._families for t in OUR_TABLES},
+                                 self.runner.started_here, foreign)
+        watch.start()
+        self._watch = watch
         log.info("watching for changes to our tables by other processes",
                  extra={"how": "nf_tables announcements",
                         "tables": [f"{table_family(f)} {TABLE}, {TABLE}-0..{MAX_SHARDS - 1}"
@@ -323,7 +261,7 @@ class NftablesDataPlane:
                                  + (f" and {len(names) - 5} more" if len(names) > 5 else ""))
         if found:
             for fam in self._families.values():
-                fam.state = None
+                fam.kept = None
         return found
 
     def cleanup(self) -> None:
@@ -335,12 +273,10 @@ class NftablesDataPlane:
                                     for t in our_tables()))
             log.info("removed sliceproxy's nftables tables",
                      extra={"tables": f"{ip} {TABLE}, {ip} {TABLE}-*"})
+        self._forget_all()
         for fam in self._families.values():
-            fam.state, fam.context, fam.last = None, None, None
             fam.shards = self.min_shards
 
     def close(self) -> None:
-        if self._watch is not None:
-            self._watch.stop()
-            self._watch = None
+        super().close()
         self.runner.close()

@@ -37,7 +37,6 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
-from proxy.dataplane.common import processes
 from proxy.dataplane.common.nfnetlink import nat_unsupported
 from proxy.dataplane.common.processes import RUN_TIMEOUT, run_recorded
 from proxy.model.types import Family
@@ -48,12 +47,6 @@ _KUBELET_CHAINS = re.compile(r"^:(KUBE-IPTABLES-HINT|KUBE-KUBELET-CANARY) ", re.
 # "iptables-restore: line 4 failed" (either back end) or, for errors found while
 # parsing a rule, "Error occurred at line: 3".
 _FAILED_LINE = re.compile(r"line:? (\d+)(?: failed)?")
-
-
-def started_here(pid: int) -> bool:
-    """`pid` is this process, one of its committing threads or a recent child (the
-    drift listeners' test; it lives in proxy/dataplane/common/processes.py)."""
-    return processes.started_here(pid)
 
 
 class Backend(enum.Enum):

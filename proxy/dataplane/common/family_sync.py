@@ -1,0 +1,200 @@
+"""The sync of the rule-based planes (iptables, nftables): one loop over the families,
+each mode supplying how to render and how to write.
+
+Per family, a sync is full (the first one, when asked, after any failure, or when this
+node's addresses changed the render context) or partial (only the service ports whose
+snapshot entry is not the very object applied last time, found in O(changes):
+`DesiredState.changed_since`). A family whose write fails keeps its previous rules and
+forgets what it applied, so its next sync is full; the other family is still synced,
+then the first failure is raised. Conntrack entries made stale by what was applied are
+cleared once, after every family.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
+from proxy.dataplane.common import conntrack
+from proxy.dataplane.common.context import RenderContext, context_for
+from proxy.dataplane.common.drift_watch import LegacyCanary, NftablesListener, deaf_while
+from proxy.model.snapshot import DesiredState, ResolvedServicePort
+from proxy.model.types import Family, IPAddress, ServicePortKey
+
+
+class Kept(Protocol):
+    """What a mode keeps of what it applied (iptables' Ruleset, nftables' TableState)."""
+
+    @property
+    def ports(self) -> Mapping[ServicePortKey, Any]: ...
+
+
+class FamilyState:
+    """What one family's rules are, as far as we know."""
+
+    def __init__(self, family: Family) -> None:
+        self.family = family
+        self.kept: Any = None  # the mode's Kept; None: unknown, the next sync is full
+        self.context: RenderContext | None = None
+        # The snapshot the kept state was last rendered from (kept after a failure: what
+        # conntrack cleanup compares against is what traffic last saw).
+        self.last: DesiredState | None = None
+
+    def forget(self) -> None:
+        self.kept, self.context, self.last = None, None, None
+
+    def applied(self, key: ServicePortKey) -> tuple[ResolvedServicePort, RenderContext] | None:
+        """The service port as last applied and the context it was rendered in, if its
+        rules are in the kernel."""
+        if self.kept is None or self.last is None or self.context is None:
+            return None
+        if key not in self.kept.ports or key not in self.last.ports:
+            return None
+        return self.last.ports[key], self.context
+
+
+@dataclass(slots=True)
+class Written:
+    """What one family's write did: its size and the mode's own details for the report."""
+
+    lines: int
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Totals:
+    written: list[ServicePortKey] = field(default_factory=list)
+    removed: list[ServicePortKey] = field(default_factory=list)
+    flows: list[conntrack.StaleFlows] = field(default_factory=list)
+    operations: int = 0
+    apply_seconds: float = 0.0
+    full: bool = False
+
+
+S = TypeVar("S", bound=FamilyState)
+
+
+class FamilySyncPlane(ABC, Generic[S]):
+    """The shared part of the iptables and nftables data planes (base.DataPlane)."""
+
+    mode: ClassVar[str]
+
+    def __init__(self, options: DataplaneOptions, clear_conntrack: bool,
+                 addresses: Callable[[], Sequence[IPAddress]]) -> None:
+        self.options = options
+        self.clear_conntrack = clear_conntrack
+        self._addresses = addresses
+        self._families: dict[Family, S] = {}
+        # The mode's own logger: operators filter on it (docs/logging.md).
+        self._log = logging.getLogger(type(self).__module__)
+        self.failures = 0  # applies refused since start (a metric's source)
+        # Held while we write, so the legacy canary never reports our own writes.
+        self._writing = threading.Lock()
+        self._watch: NftablesListener | LegacyCanary | None = None
+
+    @property
+    def families(self) -> tuple[Family, ...]:
+        return tuple(self._families)
+
+    # --- what each mode supplies ----------------------------------------------------------
+
+    @abstractmethod
+    def _render_full(self, fam: S, state: DesiredState, ctx: RenderContext) -> tuple[Any, Any]:
+        """(what to write, the Kept it leaves) for every service port of the family."""
+
+    @abstractmethod
+    def _render_partial(self, fam: S, ports: Mapping[ServicePortKey, ResolvedServicePort],
+                        changed: set[ServicePortKey], ctx: RenderContext) -> tuple[Any, Any]:
+        """(what to write, the Kept it leaves) for the `changed` ports only."""
+
+    @abstractmethod
+    def _write(self, fam: S, payload: Any, full: bool) -> Written:
+        """Send `payload` to the kernel; ApplyError (after `_failed`) if refused."""
+
+    def _report_details(self) -> dict[str, Any]:
+        """The report's details before any family's (iptables: its back end)."""
+        return {}
+
+    def _after_sync(self, full: bool) -> None:
+        """After every family, before a failure is raised."""
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def sync(self, state: DesiredState, full: bool = False) -> SyncReport:
+        node_ips = self._addresses()
+        totals = _Totals()
+        failure: ApplyError | None = None
+        details = self._report_details()
+        for family, fam in self._families.items():
+            try:
+                details[family.label] = self._sync_family(fam, state, full, node_ips, totals)
+            except ApplyError as exc:
+                # The other family may still be fine: finish it, then report this one.
+                failure = failure or exc
+        cleared = conntrack.clear_after_sync(totals.flows) if self.clear_conntrack else 0
+        self._after_sync(totals.full)
+        if failure is not None:
+            raise failure
+        self._log.info(f"{self.mode} sync applied", extra={
+            "full": totals.full, "written": len(totals.written),
+            "removed": len(totals.removed), "lines": totals.operations,
+            "apply_seconds": round(totals.apply_seconds, 4), "conntrack_cleared": cleared})
+        return SyncReport(full=totals.full, written=tuple(sorted(totals.written)),
+                          removed=tuple(sorted(totals.removed)), operations=totals.operations,
+                          apply_seconds=totals.apply_seconds, conntrack_cleared=cleared,
+                          details=details)
+
+    def _sync_family(self, fam: S, state: DesiredState, full: bool,
+                     node_ips: Sequence[IPAddress], totals: _Totals) -> dict[str, Any]:
+        ctx = context_for(fam.family, self.options, node_ips)
+        is_full = full or fam.kept is None or ctx != fam.context
+        started = time.perf_counter()
+        ports = state.ports
+        # O(changes) when `state` follows the last one applied (snapshot.py).
+        changed = {k for k in state.changed_since(fam.last) if k.family is fam.family}
+        if is_full:
+            payload, kept = self._render_full(fam, state, ctx)
+        else:
+            payload, kept = self._render_partial(fam, ports, changed, ctx)
+        render_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        with deaf_while(self._watch, is_full):
+            written = self._write(fam, payload, is_full)
+        elapsed = time.perf_counter() - started
+        totals.full |= is_full
+        totals.apply_seconds += elapsed
+        totals.operations += written.lines
+        totals.flows += conntrack.stale_flows_between(fam.last.ports if fam.last else {},
+                                                      ports, changed)
+        totals.written += [k for k in changed if k in ports]
+        totals.removed += [k for k in changed if k not in ports]
+        fam.kept, fam.context, fam.last = kept, ctx, state
+        return {"full": is_full, "lines": written.lines, **written.details,
+                "render_seconds": round(render_seconds, 6), "apply_seconds": round(elapsed, 6)}
+
+    def _failed(self, fam: S) -> None:
+        """A write or read-back failed: the kernel's rules are no longer certain, so the
+        family's next sync is full (the mode logs why, in its own words)."""
+        self.failures += 1
+        fam.kept = None
+
+    # --- the rest of the contract shared by both -------------------------------------------
+
+    def housekeeping(self) -> None:
+        """Nothing to do between syncs: affinity entries expire in the kernel."""
+
+    def _forget_all(self) -> None:
+        for fam in self._families.values():
+            fam.forget()
+
+    def close(self) -> None:
+        """Stop watching for drift."""
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
