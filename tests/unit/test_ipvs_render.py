@@ -21,7 +21,6 @@ from proxy.dataplane.ipvs.render import (
     ipset_nets,
     render_all,
     render_port,
-    select_nodeport_addresses,
     set_name,
 )
 from proxy.model.types import Family
@@ -106,12 +105,17 @@ def test_node_port_on_every_usable_node_address_masqueraded() -> None:
 
 
 def test_nodeport_addresses_select_node_addresses() -> None:
-    assert select_nodeport_addresses(NODE_ADDRESSES, [ip_network("198.18.0.0/24")]) == (
-        IPv4Address("198.18.0.1"),)
     assert [str(a) for a in ctx().nodeport_addresses] == ["198.18.0.1", "198.18.1.1",
                                                           "fd00:18::1"]
+    c = ctx(nodeport_addresses=(ip_network("198.18.0.0/24"),))
+    # IPv4 restricted; no IPv6 CIDR given, so every IPv6 address, as upstream.
+    assert [str(a) for a in c.nodeport_addresses] == ["198.18.0.1", "fd00:18::1"]
     c = ctx(nodeport_addresses=(ip_network("fd00:18::/64"),))
-    assert c.nodeport_addresses == (IPv6Address("fd00:18::1"),)
+    assert c.nodeport_addresses == (IPv4Address("198.18.0.1"), IPv4Address("198.18.1.1"),
+                                    IPv6Address("fd00:18::1"))
+    c = ctx(nodeport_addresses=(ip_network("fd00:99::/64"),))
+    # An IPv6 CIDR that holds no node address: no IPv6 NodePort, IPv4 ones untouched.
+    assert [str(a) for a in c.nodeport_addresses] == ["198.18.0.1", "198.18.1.1"]
 
 
 def test_external_ips_bound_unless_a_node_address_and_local_policy_not_masqueraded() -> None:

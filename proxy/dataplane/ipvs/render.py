@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import enum
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from ipaddress import IPv6Address
 from typing import NamedTuple
 
 from proxy.dataplane.base import DataplaneOptions
+from proxy.dataplane.common.context import nodeport_selection
 from proxy.model.snapshot import DesiredState, MergedEndpoint, ResolvedServicePort
 from proxy.model.types import (
     Family,
@@ -184,7 +185,8 @@ class RenderContext:
     `node_addresses` are the node's own addresses (every interface but our dummy one,
     no loopback, no IPv6 link-local): an externalIP or load-balancer IP that is one of
     them is not put on the dummy interface. `nodeport_addresses` are those that accept
-    NodePort traffic (--nodeport-addresses; all node addresses when it is empty).
+    NodePort traffic (--nodeport-addresses; every address of a family it names no CIDR
+    of, as in the other modes and upstream).
     """
 
     node_name: str
@@ -199,7 +201,9 @@ class RenderContext:
             node_name=options.node_name,
             scheduler=options.ipvs_scheduler or "rr",
             node_addresses=usable,
-            nodeport_addresses=select_nodeport_addresses(usable, options.nodeport_addresses),
+            nodeport_addresses=tuple(sorted(
+                (a for family in Family
+                 for a in _nodeport_addresses(family, options, usable)), key=address_order)),
         )
 
 
@@ -210,13 +214,12 @@ def usable_node_address(address: IPAddress) -> bool:
     return not (isinstance(address, IPv6Address) and address.is_link_local)
 
 
-def select_nodeport_addresses(
-    addresses: Iterable[IPAddress], cidrs: Sequence[IPNetwork]
-) -> tuple[IPAddress, ...]:
-    """The node addresses that accept NodePort traffic: all, or those inside `cidrs`."""
-    chosen = (a for a in addresses if not cidrs or any(
-        a.version == c.version and a in c for c in cidrs))
-    return tuple(sorted(chosen, key=address_order))
+def _nodeport_addresses(family: Family, options: DataplaneOptions,
+                        usable: Iterable[IPAddress]) -> Iterable[IPAddress]:
+    """This family's node addresses that accept NodePort traffic, by the rule every mode
+    shares (common.context.nodeport_selection: no CIDR of the family means all)."""
+    selected = nodeport_selection(family, options.nodeport_addresses, usable)
+    return [a for a in usable if Family.of(a) is family] if selected is None else selected
 
 
 def address_order(address: IPAddress) -> tuple[int, int]:

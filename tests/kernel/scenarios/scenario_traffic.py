@@ -198,6 +198,24 @@ def test_nodeport_addresses_restricts_the_virtual_servers(
     assert lab.ask(lab.client_ns, lab.node_ip4, 30081, count=3) == {"web-1": 3}
 
 
+def test_nodeport_addresses_of_one_family_leave_the_other_whole(
+        lab: Lab, node: NodeThread, cluster: Cluster) -> None:
+    """Only an IPv6 CIDR given: IPv4 NodePorts stay on every IPv4 node address (no CIDR
+    of a family means all of it, as upstream and the other modes)."""
+    from ipaddress import ip_network
+
+    node.start_plane(options(nodeport_addresses=(ip_network(f"{lab.node_ip6}/128"),)))
+    node.sync(cluster.apply(
+        service("npv6", ips=("198.18.128.16", "fd00:198:18::16"),
+                ports=(dict(HTTP, nodePort=30082),), type="NodePort"),
+        *slices(lab, "npv6", {"web-1": local()}, ipv6=True)))
+    have = {k for k in read_kernel(node).services if k.endswith(":30082")}
+    assert f"TCP {lab.node_ip4}:30082" in have and "TCP 198.18.1.1:30082" in have, have
+    assert [k for k in have if "[" in k] == [f"TCP [{lab.node_ip6}]:30082"], have
+    assert lab.ask(lab.client_ns, lab.node_ip4, 30082, count=3) == {"web-1": 3}
+    assert lab.ask(lab.client_ns, lab.node_ip6, 30082, count=3) == {"web-1": 3}
+
+
 def test_client_ip_affinity(lab: Lab, node: NodeThread, cluster: Cluster) -> None:
     vip, c = "198.18.128.15", lab.client_ns
     members = {"web-1": local(), "web-2": local(), "web-3": local()}
