@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from proxy.kube.manifests import load_paths
-from proxy.lab import BackendSpec, Lab
+from proxy.lab import BackendSpec, Lab, poll
 from proxy.lab.netns import entered
 from proxy.sim import SimServer
 
@@ -112,14 +112,11 @@ def http_get(ns: str, host: str, port: int, path: str) -> tuple[int, bytes]:
 
 
 def wait(cond: Callable[[], T | None], seconds: float, what: str) -> T:
-    end = time.monotonic() + seconds
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise DemoError(f"gave up after {seconds:g}s waiting for {what}")
-        time.sleep(0.02)
+    """`poll.wait`, failing as the demo does: a DemoError, not a test's AssertionError."""
+    try:
+        return poll.wait(cond, seconds, what, interval=0.02)
+    except poll.TimedOut:
+        raise DemoError(f"gave up after {seconds:g}s waiting for {what}") from None
 
 
 MODES = ("iptables", "nftables")  # IPVS needs a kernel with it, which a host may lack

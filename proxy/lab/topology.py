@@ -28,7 +28,6 @@ import select
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from pathlib import Path
 from typing import Any
 
-from proxy.lab import probe
+from proxy.lab import poll, probe
 from proxy.lab.netns import NETNS_DIR
 
 log = logging.getLogger(__name__)
@@ -270,14 +269,18 @@ class Lab:
                  count: int = 10, deadline: float = 15.0) -> Counter[str]:
         """Poll until `count` connections are answered only by backends in `want` and by
         every one of them; returns the last answer (raises LabError on the deadline)."""
-        end = time.monotonic() + deadline
-        while True:
-            got = self.ask(ns, ip, port, proto, count, timeout=0.5)
-            if set(got) == want:
-                return got
-            if time.monotonic() > end:
-                raise LabError(f"{ip}:{port}/{proto} from {ns}: wanted answers from "
-                               f"{sorted(want)}, last got {dict(got)}")
+        last: Counter[str] = Counter()
+
+        def settled() -> tuple[Counter[str]] | None:  # a tuple: truthy even if empty
+            nonlocal last
+            last = self.ask(ns, ip, port, proto, count, timeout=0.5)
+            return (last,) if set(last) == want else None
+
+        try:  # no pause between rounds: each round of asks takes its own time
+            return poll.wait(settled, deadline, interval=0)[0]
+        except poll.TimedOut:
+            raise LabError(f"{ip}:{port}/{proto} from {ns}: wanted answers from "
+                           f"{sorted(want)}, last got {dict(last)}") from None
 
 
 def _repo_root() -> str:

@@ -19,12 +19,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from proxy.lab import Lab
 from proxy.lab.netns import entered
+from proxy.lab.poll import wait as wait_for  # the name the e2e, fault and kernel tiers use
 from proxy.sim import SimServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,19 +67,6 @@ def http_get(ns: str, host: str, port: int, path: str,
         return 0, b""
     finally:
         conn.close()
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str,
-             interval: float = 0.05) -> Any:
-    """Poll until `cond` is truthy (its value is returned); fail with `what`."""
-    end = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 class AgentProcess:

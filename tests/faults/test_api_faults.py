@@ -15,6 +15,7 @@ import pytest
 
 from proxy.lab import Lab
 from proxy.lab.netns import entered
+from proxy.lab.poll import wait
 from proxy.lab.probe import ask_once
 from proxy.sim import SimServer
 from tests.e2e.agent_support import endpoint, endpoint_slice, service
@@ -41,12 +42,9 @@ def add_probe(node: FaultNode, index: int) -> str:
 
 def answered(lab: Lab, ip: str, deadline: float) -> float:
     """Poll until `ip`:80 is answered by web-1; when (monotonic)."""
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        if ask_once(lab.client_ns, ip, 80, timeout=0.3) == "web-1":
-            return time.monotonic()
-        time.sleep(0.05)
-    raise AssertionError(f"{ip}:80 not answered by web-1 within {deadline}s")
+    wait(lambda: ask_once(lab.client_ns, ip, 80, timeout=0.3) == "web-1", deadline,
+         f"{ip}:80 to be answered by web-1")
+    return time.monotonic()
 
 
 @pytest.fixture

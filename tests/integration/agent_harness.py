@@ -15,15 +15,18 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from proxy.agent.app import Agent
 from proxy.config.options import Config, parse_args
 from proxy.dataplane.base import ApplyError, SyncReport
 from proxy.kube.reflector import ReflectorOptions
+from proxy.lab.poll import wait
 from proxy.model.snapshot import DesiredState
 from proxy.model.types import ServicePortKey, format_endpoint
 from proxy.sim import SimServer
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -154,16 +157,10 @@ class AgentThread:
             self.loop.close()
 
 
-def wait_until(cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    """Poll `cond` until it returns something truthy (no fixed sleeps)."""
-    end = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
+def wait_until(cond: Callable[[], T | None], timeout: float = 10.0,
+               what: str = "condition") -> T:
+    """The project's `wait` (returns what `cond` returned) with this tier's defaults."""
+    return wait(cond, timeout, what, interval=0.02)
 
 
 FAST_WATCH = ReflectorOptions(min_watch_timeout=30, backoff_initial=0.05, backoff_max=0.5)

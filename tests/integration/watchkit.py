@@ -17,6 +17,7 @@ import uvloop
 
 from proxy.kube.client import Api, ClientOptions, KubeApi, Response
 from proxy.kube.reflector import ObjectKey, ReflectorOptions, WatchEvent
+from proxy.lab import poll
 from proxy.sim import SimServer
 
 T = TypeVar("T")
@@ -41,14 +42,9 @@ def run(main: Callable[[], Awaitable[T]], loop: str = "uvloop") -> T:
 
 async def eventually(pred: Callable[[], bool], timeout: float = 15.0,
                      what: str = "condition", detail: Callable[[], object] | None = None) -> None:
-    """Poll until pred() holds, failing after `timeout` seconds (never a bare sleep)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not pred():
-        if loop.time() > deadline:
-            extra = f": {detail()}" if detail is not None else ""
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}{extra}")
-        await asyncio.sleep(0.01)
+    """Poll until pred() holds, failing after `timeout` seconds (never a bare sleep): the
+    project's `eventually` with this tier's defaults."""
+    await poll.eventually(pred, timeout, what, interval=0.01, detail=detail)
 
 
 async def connect(sim: SimServer, tmp: Path) -> KubeApi:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 from labs.realcp.rawapi import WatchStream
+from proxy.lab.poll import wait
 
 Obj = dict[str, Any]
 
@@ -92,14 +92,10 @@ class Api:
 
 def wait_for(pred: Callable[[], bool], what: str = "condition", timeout: float = 5.0,
              detail: Callable[[], object] | None = None) -> None:
-    """Poll with a deadline (never a bare sleep as synchronisation); `detail` says what
-    the failure message should show of the state at the deadline."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            extra = f": {detail()}" if detail is not None else ""
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}{extra}")
-        time.sleep(0.01)
+    """The project's `wait` with this tier's defaults (a simulator answers within ms, so
+    5 s and a 10 ms poll); `detail` says what the failure message should show of the
+    state at the deadline."""
+    wait(pred, timeout, what, interval=0.01, detail=detail)
 
 
 SVC = "/api/v1/namespaces/default/services"

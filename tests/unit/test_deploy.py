@@ -19,6 +19,7 @@ import yaml
 from proxy.agent.app import Agent
 from proxy.config.options import Config, parse_args
 from proxy.kube.client import ClientOptions, KubeApi, Response
+from proxy.lab.poll import eventually
 from proxy.sim import SimServer
 from tests.integration.agent_harness import FakeDataPlane
 
@@ -116,11 +117,16 @@ def requests_of_a_real_run(tmp_path: Path, *extra: str) -> list[tuple[str, dict[
         async def go() -> None:
             stop = asyncio.Event()
             run = asyncio.create_task(agent.run(stop))
-            async with asyncio.timeout(30):
-                while agent.watch is None or {p for p, q in api.requests if "watch" in q} \
-                        != {r.resource.path for r in agent.watch.reflectors}:
-                    assert not run.done(), run
-                    await asyncio.sleep(0.02)
+
+            def watching_all() -> bool:
+                assert not run.done(), run
+                if agent.watch is None:
+                    return False
+                watched = {p for p, q in api.requests if "watch" in q}
+                return watched == {r.resource.path for r in agent.watch.reflectors}
+
+            await eventually(watching_all, 30, "a watch on every resource listed",
+                             interval=0.02)
             stop.set()
             await run
 
