@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.naming import MASQ_BIT, address_text, name_hash, port_name
-from proxy.dataplane.common.paths import plan, sorted_nets
+from proxy.dataplane.common.paths import PortPlan, plan, sorted_nets
 from proxy.dataplane.xtables.saved import PREFIX, Table
 from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
 from proxy.model.types import (
@@ -246,116 +246,110 @@ def render_base(ctx: RenderContext) -> BaseRules:
 
 def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortRules:
     """The chains and dispatch entries of one service port (upstream's per-service loop)."""
-    key, svc, sp = rsp.key, rsp.service, rsp.port
+    key = rsp.key
     name = port_name(key)
-    proto = sp.protocol.value.lower()
-    pmatch = f"-p {proto}"
-    dport = f"-m {proto} --dport {sp.port}"
-    family = key.family
+    proto = rsp.port.protocol.value.lower()
     p = plan(rsp, lambda kind: port_chain(kind.upper(), key, proto))
-    external_ips, lb_ips, ranges = p.external_ips, p.lb_ips, p.ranges
-    cluster_eps, local_eps, has_endpoints = p.cluster_eps, p.local_eps, p.has_endpoints
-    svc_chain, svl_chain, internal_chain = p.svc, p.svl, p.internal
-    external_local, external_policy_chain = p.external_local, p.external_policy
-    ext_chain, fw_chain = p.ext, p.fw
-
-    if not has_endpoints:
-        internal_target = external_target = "REJECT --reject-with " + (
-            "icmp-port-unreachable" if family is Family.V4 else "icmp6-port-unreachable")
-        internal_why = external_why = f"{name} has no endpoints"
-    else:
-        internal_target = external_target = "DROP"
-        internal_why = external_why = f"{name} has no local endpoints"
-
-    entries: list[Entry] = []
+    entries = _dispatch_entries(rsp, p, ctx, name, proto)
     chains: list[tuple[str, tuple[str, ...]]] = []
-
-    # Cluster IPs.
-    for ip in rsp.cluster_ips:
-        dest = f"-d {_cidr(ip, ctx)} {pmatch}"
-        if internal_chain:
-            entries.append((Table.NAT, SERVICES,
-                            f"{dest} {comment(f'{name} cluster IP')} {dport} -j {internal_chain}"))
-        else:
-            entries.append((Table.FILTER, SERVICES,
-                            f"{dest} {comment(internal_why)} {dport} -j {internal_target}"))
-
-    # externalIPs and load-balancer IPs.
-    lb_target = fw_chain or ext_chain
-    for ips, label, target in ((external_ips, "external IP", ext_chain),
-                               (lb_ips, "loadbalancer IP", lb_target)):
-        for ip in ips:
-            dest = f"-d {_cidr(ip, ctx)} {pmatch}"
-            if target:
-                entries.append((Table.NAT, SERVICES,
-                                f"{dest} {comment(f'{name} {label}')} {dport} -j {target}"))
-            if not external_policy_chain or not has_endpoints:
-                entries.append((Table.FILTER, EXTERNAL_SERVICES,
-                                f"{dest} {comment(external_why)} {dport} -j {external_target}"))
-    if fw_chain:
-        why = f"{name} traffic not accepted by {fw_chain}"
-        entries.extend((Table.FILTER, FIREWALL,
-                        f"-d {_cidr(ip, ctx)} {pmatch} {comment(why)} {dport} -j DROP")
-                       for ip in lb_ips)
-
-    # NodePort and the health-check node port.
-    if sp.node_port:
-        nport = f"-m {proto} --dport {sp.node_port}"
-        if ext_chain:
-            entries.append((Table.NAT, NODEPORTS,
-                            f"{pmatch} {comment(name)} {nport} -j {ext_chain}"))
-        if not external_policy_chain or not has_endpoints:
-            entries.append((Table.FILTER, EXTERNAL_SERVICES,
-                            f"{pmatch} {comment(external_why)} -m addrtype --dst-type LOCAL "
-                            f"{nport} -j {external_target}"))
-    if svc.health_check_node_port:
-        entries.append((Table.FILTER, NODEPORTS,
-                        f"-p tcp {comment(f'{name} health check node port')} "
-                        f"-m tcp --dport {svc.health_check_node_port} -j ACCEPT"))
-
-    # The policy chains. The cluster-IP masquerade rule goes first in the internal chain.
-    masq_rules: dict[str, list[str]] = {}
-    if internal_chain and (ctx.masquerade_all or ctx.local_cidrs):
-        # Off-cluster clients of a cluster IP (a static route to the service range via
-        # any node) may be answered from another node: masquerade them.
-        source, target = "", MARK_MASQ
-        if not ctx.masquerade_all:
-            if len(ctx.local_cidrs) == 1:
-                source = f"! -s {ctx.local_cidrs[0]} "
-            else:
-                target = MASQ_UNLESS_POD
-        masq_rules[internal_chain] = [
-            f"{source}-d {_cidr(ip, ctx)} {pmatch} {comment(f'{name} cluster IP')} {dport} "
-            f"-j {target}" for ip in rsp.cluster_ips]
-
-    if ext_chain:
-        chains.append((ext_chain, _external_rules(
-            name, ctx, external_local, svc_chain, external_policy_chain)))
-    if fw_chain and ext_chain:
-        chains.append((fw_chain, _firewall_rules(name, ctx, ranges, lb_ips, ext_chain)))
-    affinity = svc.affinity_timeout
+    if p.ext:
+        chains.append((p.ext, _external_rules(name, ctx, p.external_local, p.svc,
+                                              p.external_policy)))
+    if p.fw and p.ext:
+        chains.append((p.fw, _firewall_rules(name, ctx, p.ranges, p.lb_ips, p.ext)))
+    affinity = rsp.service.affinity_timeout
     # Each endpoint's text and chain name, computed once (hashing is most of the cost),
     # by the endpoint object's id: the cluster and local sets hold the same objects, and
     # hashing a MergedEndpoint (every field, the address in Python) for each endpoint
     # cost a tenth of rendering a large service.
     seps: dict[int, tuple[str, str]] = {}
     by_text: dict[str, MergedEndpoint] = {}
-    for ep in (*cluster_eps, *local_eps):
+    for ep in (*p.cluster_eps, *p.local_eps):
         if id(ep) not in seps:
             text = endpoint_text(ep)
             seps[id(ep)] = (text, endpoint_chain(key, proto, text))
             by_text.setdefault(text, ep)
-    for chain, eps in ((svc_chain, cluster_eps), (svl_chain, local_eps)):
+    # The cluster-IP masquerade rules go first in the internal chain.
+    masq = _cluster_masquerade(rsp, ctx, name, proto) if p.internal else ()
+    for chain, eps in ((p.svc, p.cluster_eps), (p.svl, p.local_eps)):
         if chain:
-            chains.append((chain, tuple(masq_rules.get(chain, ())) + _balance(
-                name, eps, seps, affinity, ctx)))
+            first = masq if chain == p.internal else ()
+            chains.append((chain, first + _balance(name, eps, seps, affinity, ctx)))
     label = comment(name)
     for text in sorted(by_text):
         ep = by_text[text]
         chains.append((seps[id(ep)][1], _endpoint_rules(label, proto, ep, text, seps[id(ep)][1],
                                                         affinity is not None, ctx)))
-
     return PortRules(key, tuple(chains), tuple(dict.fromkeys(entries)))
+
+
+def _dispatch_entries(rsp: ResolvedServicePort, p: PortPlan, ctx: RenderContext, name: str,
+                      proto: str) -> list[Entry]:
+    """The port's rules in the shared dispatch chains: each address (and the NodePort)
+    to its chain, or to what happens when nothing serves it; the health-check port."""
+    sp = rsp.port
+    pmatch, dport = f"-p {proto}", f"-m {proto} --dport {sp.port}"
+    if not p.has_endpoints:
+        unserved = "REJECT --reject-with " + (
+            "icmp-port-unreachable" if rsp.key.family is Family.V4 else "icmp6-port-unreachable")
+        why = f"{name} has no endpoints"
+    else:
+        unserved, why = "DROP", f"{name} has no local endpoints"
+    entries: list[Entry] = []
+    for ip in rsp.cluster_ips:
+        dest = f"-d {_cidr(ip, ctx)} {pmatch}"
+        if p.internal:
+            entries.append((Table.NAT, SERVICES,
+                            f"{dest} {comment(f'{name} cluster IP')} {dport} -j {p.internal}"))
+        else:
+            entries.append((Table.FILTER, SERVICES,
+                            f"{dest} {comment(why)} {dport} -j {unserved}"))
+    external_unserved = not p.external_policy or not p.has_endpoints
+    for ips, label, target in ((p.external_ips, "external IP", p.ext),
+                               (p.lb_ips, "loadbalancer IP", p.fw or p.ext)):
+        for ip in ips:
+            dest = f"-d {_cidr(ip, ctx)} {pmatch}"
+            if target:
+                entries.append((Table.NAT, SERVICES,
+                                f"{dest} {comment(f'{name} {label}')} {dport} -j {target}"))
+            if external_unserved:
+                entries.append((Table.FILTER, EXTERNAL_SERVICES,
+                                f"{dest} {comment(why)} {dport} -j {unserved}"))
+    if p.fw:
+        refused = f"{name} traffic not accepted by {p.fw}"
+        entries.extend((Table.FILTER, FIREWALL,
+                        f"-d {_cidr(ip, ctx)} {pmatch} {comment(refused)} {dport} -j DROP")
+                       for ip in p.lb_ips)
+    if sp.node_port:
+        nport = f"-m {proto} --dport {sp.node_port}"
+        if p.ext:
+            entries.append((Table.NAT, NODEPORTS,
+                            f"{pmatch} {comment(name)} {nport} -j {p.ext}"))
+        if external_unserved:
+            entries.append((Table.FILTER, EXTERNAL_SERVICES,
+                            f"{pmatch} {comment(why)} -m addrtype --dst-type LOCAL "
+                            f"{nport} -j {unserved}"))
+    if rsp.service.health_check_node_port:
+        entries.append((Table.FILTER, NODEPORTS,
+                        f"-p tcp {comment(f'{name} health check node port')} "
+                        f"-m tcp --dport {rsp.service.health_check_node_port} -j ACCEPT"))
+    return entries
+
+
+def _cluster_masquerade(rsp: ResolvedServicePort, ctx: RenderContext, name: str,
+                        proto: str) -> tuple[str, ...]:
+    """Off-cluster clients of a cluster IP (a static route to the service range via any
+    node) may be answered from another node: the rules that mark them for masquerade."""
+    if not (ctx.masquerade_all or ctx.local_cidrs):
+        return ()
+    source, target = "", MARK_MASQ
+    if not ctx.masquerade_all:
+        if len(ctx.local_cidrs) == 1:
+            source = f"! -s {ctx.local_cidrs[0]} "
+        else:
+            target = MASQ_UNLESS_POD
+    return tuple(f"{source}-d {_cidr(ip, ctx)} -p {proto} {comment(f'{name} cluster IP')} "
+                 f"-m {proto} --dport {rsp.port.port} -j {target}" for ip in rsp.cluster_ips)
 
 
 def _external_rules(name: str, ctx: RenderContext, external_local: bool, svc_chain: str | None,

@@ -246,48 +246,16 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortRules:
     """The kernel objects for one service port in one family. Pure."""
     service, port, family = rsp.service, rsp.port, rsp.key.family
     protocol = port.protocol
-    flags, timeout = 0, 0
-    if service.affinity_timeout is not None:
-        flags, timeout = FLAG_PERSISTENT, service.affinity_timeout
-    if ctx.scheduler == "mh":
-        flags |= FLAG_SCHED2
-
     internal_local = service.internal_traffic_policy is TrafficPolicy.LOCAL
     external_local = service.external_traffic_policy is TrafficPolicy.LOCAL
-    # A Local policy without a local endpoint drops traffic only when endpoints exist
-    # elsewhere; with none at all the (empty) virtual server refuses it, as upstream.
-    any_endpoints = rsp.has_any_endpoints
     servers: list[VirtualServer] = []
     entries: set[SetEntry] = set()
     addresses: set[IPAddress] = set()
 
-    def add(kind: VsKind, address: IPAddress, vport: int, local: bool) -> VirtualServer:
-        chosen = _endpoints(rsp, local)
-        # External traffic with policy Local and no local endpoint: pods and the node
-        # get the cluster set (upstream's short-circuit); outside traffic is filtered.
-        inside_only = local and kind is not VsKind.CLUSTER_IP and not chosen and any_endpoints
-        if inside_only:
-            chosen = rsp.cluster_endpoints
-        reals = _real_servers(chosen)
-        vs = VirtualServer(
-            key=VsKey(protocol, address, vport), kind=kind, scheduler=ctx.scheduler,
-            flags=flags, timeout=timeout, real_servers=reals,
-            endpoint_set="local" if local and not inside_only else "cluster",
-            drop=local and not reals and any_endpoints,
-            inside_only=inside_only,
-        )
+    def add(kind: VsKind, address: IPAddress, vport: int, local: bool) -> None:
+        vs = _virtual_server(rsp, ctx, VsKey(protocol, address, vport), kind, local)
         servers.append(vs)
-        entry = ip_port(address, protocol, vport)
-        entries.add(SetEntry(SetRole.SERVICES, family, entry))
-        if vs.drop:
-            entries.add(SetEntry(SetRole.DROP, family, entry))
-        if vs.inside_only:
-            entries.add(SetEntry(SetRole.INSIDE_ONLY, family, entry))
-        if kind is not VsKind.CLUSTER_IP and not local:
-            # Traffic from outside may come back through another node: masquerade, as
-            # upstream does for every Cluster-policy external address.
-            entries.add(SetEntry(SetRole.EXTERNAL_MASQ, family, entry))
-        return vs
+        entries.update(_server_entries(vs, family, local))
 
     for ip in rsp.cluster_ips:
         add(VsKind.CLUSTER_IP, ip, port.port, internal_local)
@@ -301,13 +269,7 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortRules:
         add(VsKind.LOAD_BALANCER, ip, port.port, external_local)
         if ip not in ctx.node_addresses:
             addresses.add(ip)
-        ranges = [c for c in service.load_balancer_source_ranges if Family.of(c) is family]
-        if ranges:
-            entries.add(SetEntry(SetRole.FIREWALL, family, ip_port(ip, protocol, port.port)))
-            for cidr in ranges:
-                for net in ipset_nets(cidr):
-                    entries.add(SetEntry(SetRole.FIREWALL_ALLOW, family,
-                                         f"{ip_port(ip, protocol, port.port)},{net}"))
+        entries.update(_source_range_entries(rsp, ip))
     if port.node_port:
         for ip in _of_family(ctx.nodeport_addresses, family):
             add(VsKind.NODE_PORT, ip, port.node_port, external_local)
@@ -327,6 +289,62 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortRules:
         addresses=tuple(sorted(addresses, key=address_order)),
         entries=frozenset(entries),
     )
+
+
+def _virtual_server(rsp: ResolvedServicePort, ctx: RenderContext, key: VsKey, kind: VsKind,
+                    local: bool) -> VirtualServer:
+    """One address's virtual server; `local`: its traffic policy is Local."""
+    flags, timeout = 0, 0
+    if rsp.service.affinity_timeout is not None:
+        flags, timeout = FLAG_PERSISTENT, rsp.service.affinity_timeout
+    if ctx.scheduler == "mh":
+        flags |= FLAG_SCHED2
+    # A Local policy without a local endpoint drops traffic only when endpoints exist
+    # elsewhere; with none at all the (empty) virtual server refuses it, as upstream.
+    any_endpoints = rsp.has_any_endpoints
+    chosen = _endpoints(rsp, local)
+    # External traffic with policy Local and no local endpoint: pods and the node get
+    # the cluster set (upstream's short-circuit); outside traffic is filtered.
+    inside_only = local and kind is not VsKind.CLUSTER_IP and not chosen and any_endpoints
+    if inside_only:
+        chosen = rsp.cluster_endpoints
+    reals = _real_servers(chosen)
+    return VirtualServer(
+        key=key, kind=kind, scheduler=ctx.scheduler, flags=flags, timeout=timeout,
+        real_servers=reals,
+        endpoint_set="local" if local and not inside_only else "cluster",
+        drop=local and not reals and any_endpoints,
+        inside_only=inside_only,
+    )
+
+
+def _server_entries(vs: VirtualServer, family: Family, local: bool) -> set[SetEntry]:
+    """The ipset entries that drive the fixed iptables rules for one virtual server."""
+    entry = ip_port(vs.key.address, vs.key.protocol, vs.key.port)
+    out = {SetEntry(SetRole.SERVICES, family, entry)}
+    if vs.drop:
+        out.add(SetEntry(SetRole.DROP, family, entry))
+    if vs.inside_only:
+        out.add(SetEntry(SetRole.INSIDE_ONLY, family, entry))
+    if vs.kind is not VsKind.CLUSTER_IP and not local:
+        # Traffic from outside may come back through another node: masquerade, as
+        # upstream does for every Cluster-policy external address.
+        out.add(SetEntry(SetRole.EXTERNAL_MASQ, family, entry))
+    return out
+
+
+def _source_range_entries(rsp: ResolvedServicePort, lb_ip: IPAddress) -> set[SetEntry]:
+    """loadBalancerSourceRanges of this family: the LB address:port is filtered, and
+    each range is allowed through."""
+    family, protocol, port = rsp.key.family, rsp.port.protocol, rsp.port.port
+    ranges = [c for c in rsp.service.load_balancer_source_ranges if Family.of(c) is family]
+    if not ranges:
+        return set()
+    target = ip_port(lb_ip, protocol, port)
+    out = {SetEntry(SetRole.FIREWALL, family, target)}
+    out.update(SetEntry(SetRole.FIREWALL_ALLOW, family, f"{target},{net}")
+               for cidr in ranges for net in ipset_nets(cidr))
+    return out
 
 
 def ipset_nets(cidr: IPNetwork) -> tuple[IPNetwork, ...]:

@@ -322,124 +322,158 @@ def _concatenation(family: Family, tokens: list[str], i: int) -> tuple[int, byte
 # --- one rule ----------------------------------------------------------------------------------
 
 
-def rule_expressions(family: Family, tokens: list[str]) -> bytes:
-    """NFTA_RULE_EXPRESSIONS for one rule's tokens (without a comment)."""
-    ip = "ip" if family is Family.V4 else "ip6"
-    out: list[bytes] = []
-    i = 0
-    n = len(tokens)
+class _Cursor:
+    """One rule's tokens, read front to back."""
 
-    def take(count: int) -> list[str]:
-        nonlocal i
-        if i + count > n:
-            raise Unencodable(f"{' '.join(tokens[i:])!r} ends too soon")
-        got = tokens[i:i + count]
-        i += count
+    def __init__(self, tokens: list[str]) -> None:
+        self.tokens, self.i = tokens, 0
+
+    def more(self) -> bool:
+        return self.i < len(self.tokens)
+
+    def at(self, offset: int) -> str | None:
+        """The token `offset` places ahead, if there is one."""
+        k = self.i + offset
+        return self.tokens[k] if k < len(self.tokens) else None
+
+    def rest(self) -> str:
+        return " ".join(self.tokens[self.i:])
+
+    def take(self, count: int) -> list[str]:
+        if self.i + count > len(self.tokens):
+            raise Unencodable(f"{self.rest()!r} ends too soon")
+        got = self.tokens[self.i:self.i + count]
+        self.i += count
         return got
 
+
+def rule_expressions(family: Family, tokens: list[str]) -> bytes:
+    """NFTA_RULE_EXPRESSIONS for one rule's tokens (without a comment): matches, then at
+    most one verdict or statement that ends the rule."""
+    cur = _Cursor(tokens)
+    out: list[bytes] = []
     final = False
-    while i < n:
+    while cur.more():
         if final:
-            raise Unencodable(f"{' '.join(tokens[i:])!r} after the verdict")
-        word = tokens[i]
-        concat = _concatenation(family, tokens, i) if i + 2 < n and tokens[i + 2] == "." \
-            else None
-        if concat is not None:
-            i, loads = concat
-            target = take(1)[0]
-            if target == "vmap":
-                set_ref = take(1)[0]
-                if not set_ref.startswith("@"):
-                    raise Unencodable(f"vmap {set_ref}")
-                out += [loads, _lookup(set_ref[1:], REG_VERDICT)]
-                final = True
-            elif target.startswith("@"):
-                out += [loads, _lookup(target[1:])]
-            else:
-                raise Unencodable(f"a concatenation compared with {target!r}")
-        elif word == ip and i + 1 < n and tokens[i + 1] in ("saddr", "daddr"):
-            _, field, operand = take(3)
-            op = CMP_EQ
-            if operand == "!=":
-                op, operand = CMP_NEQ, take(1)[0]
-            out.append(_address_match(family, field, op, operand))
-        elif word in PROTOCOLS and i + 1 < n and tokens[i + 1] == "dport":
-            proto, _, port_text = take(3)
-            out += [_protocol_match(protocol(proto)), payload(BASE_TRANSPORT, 2, 2),
-                    cmp(CMP_EQ, port(port_text))]
-        elif word == "meta" and i + 2 < n and tokens[i + 1] == "mark":
-            out.append(_mark(take(6 if tokens[i + 2] == "&" else 7)))
-        elif word == "meta":
-            _, key, proto = take(3)
-            if key != "l4proto":
-                raise Unencodable(f"meta {key}")
-            out.append(_protocol_match(protocol(proto)))
-        elif word == "ct":
-            _, key, what = take(3)
-            if (key, what) == ("state", "new"):
-                load, bits = _ct_load(CT_STATE), CT_STATE_NEW
-            elif (key, what) == ("status", "dnat"):
-                load, bits = _ct_load(CT_STATUS), IPS_DST_NAT
-            else:
-                raise Unencodable(f"ct {key} {what}")
-            out += [load, _bitwise(4, _HOST_U32.pack(bits), bytes(4)),
-                    cmp(CMP_NEQ, bytes(4))]
-        elif word == "fib":
-            _, field, kw, what = take(4)
-            if field not in ("saddr", "daddr") or kw != "type" or what != "local":
-                raise Unencodable(f"fib {field} {kw} {what}")
-            out.append(_fib_local(FIB_F_SADDR if field == "saddr" else FIB_F_DADDR))
-        elif word == "numgen":
-            _, kind, mod, modulus, start = take(5)
-            if kind != "random" or mod != "mod" or not modulus.isdigit() or start != "0":
-                raise Unencodable(f"numgen {kind} {mod} {modulus} {start}")
-            out.append(_numgen(int(modulus)))
-        elif word in ("jump", "goto"):
-            verb, chain = take(2)
-            out.append(_immediate_verdict(verb, chain))
-            final = True
-        elif word in ("drop", "accept", "return"):
-            out.append(_immediate_verdict(take(1)[0]))
-            final = True
-        elif word == "reject":
-            take(1)
-            out.append(_reject(family))
-            final = True
-        elif word == "masquerade":
-            _, how = take(2)
-            if how != "fully-random":
-                raise Unencodable(f"masquerade {how}")
-            out.append(_MASQUERADE_FULLY_RANDOM)
-            final = True
-        elif word == "dnat" and i + 1 < n and tokens[i + 1] == ip:
-            _, _, to, ng, kind, mod, modulus, map_, set_ref = take(9)
-            if (to, ng, kind, mod, map_) != ("to", "numgen", "random", "mod", "map") \
-                    or not modulus.isdigit() or not 0 < int(modulus) <= 0xFFFFFFFF \
-                    or not set_ref.startswith("@"):
-                raise Unencodable(f"dnat {ip} {to} {ng} {kind} {mod} {modulus} {map_} "
-                                  f"{set_ref}")
-            out.append(_dnat_slot_map(family, int(modulus), set_ref[1:]))
-            final = True
-        elif word == "dnat":
-            _, to, target = take(3)
-            if to != "to":
-                raise Unencodable(f"dnat {to}")
-            out.append(_dnat(family, target))
-            final = True
-        elif word == "update":
-            _, set_ref, open_, proto, field, close = take(6)
-            if (not set_ref.startswith("@") or (open_, close) != ("{", "}") or proto != ip
-                    or field != "saddr"):
-                raise Unencodable(f"update {set_ref} {open_} {proto} {field} {close}")
-            dynset = (nla(4, u32(REG_1)) + nla(3, u32(DYNSET_OP_UPDATE))
-                      + string(1, set_ref[1:]))
-            out += [payload(BASE_NETWORK, ADDRESS_OFFSETS[family]["saddr"],
-                            ADDRESS_WIDTH[family]), _expr("dynset", dynset)]
-        else:
-            raise Unencodable(f"{word!r}")
+            raise Unencodable(f"{cur.rest()!r} after the verdict")
+        found = _concatenation_lookup(family, cur)
+        if found is None:
+            matched = _match(family, cur)
+            found = (matched, False) if matched is not None else _statement(family, cur)
+        exprs, final = found
+        out += exprs
     if not out:
         raise Unencodable("an empty rule")
     return nested(RULE_EXPRESSIONS, b"".join(out))
+
+
+def _concatenation_lookup(family: Family, cur: _Cursor) -> tuple[list[bytes], bool] | None:
+    """`a . b [. c] @set` (a match) or `a . b [. c] vmap @map` (the verdict, last) at the
+    cursor: the loads into consecutive registers, then the lookup; None if no
+    concatenation starts there."""
+    found = _concatenation(family, cur.tokens, cur.i) if cur.at(2) == "." else None
+    if found is None:
+        return None
+    cur.i, loads = found
+    target = cur.take(1)[0]
+    if target == "vmap":
+        set_ref = cur.take(1)[0]
+        if not set_ref.startswith("@"):
+            raise Unencodable(f"vmap {set_ref}")
+        return [loads, _lookup(set_ref[1:], REG_VERDICT)], True
+    if target.startswith("@"):
+        return [loads, _lookup(target[1:])], False
+    raise Unencodable(f"a concatenation compared with {target!r}")
+
+
+def _match(family: Family, cur: _Cursor) -> list[bytes] | None:
+    """The expressions of the match at the cursor; None if a statement is there."""
+    ip, word = _ip(family), cur.at(0)
+    if word == ip and cur.at(1) in ("saddr", "daddr"):
+        _, field, operand = cur.take(3)
+        op = CMP_EQ
+        if operand == "!=":
+            op, operand = CMP_NEQ, cur.take(1)[0]
+        return [_address_match(family, field, op, operand)]
+    if word in PROTOCOLS and cur.at(1) == "dport":
+        proto, _, port_text = cur.take(3)
+        return [_protocol_match(protocol(proto)), payload(BASE_TRANSPORT, 2, 2),
+                cmp(CMP_EQ, port(port_text))]
+    if word == "meta" and cur.at(1) == "mark":
+        return [_mark(cur.take(6 if cur.at(2) == "&" else 7))]
+    if word == "meta":
+        _, key, proto = cur.take(3)
+        if key != "l4proto":
+            raise Unencodable(f"meta {key}")
+        return [_protocol_match(protocol(proto))]
+    if word == "ct":
+        return _ct_match(cur.take(3))
+    if word == "fib":
+        _, field, kw, what = cur.take(4)
+        if field not in ("saddr", "daddr") or kw != "type" or what != "local":
+            raise Unencodable(f"fib {field} {kw} {what}")
+        return [_fib_local(FIB_F_SADDR if field == "saddr" else FIB_F_DADDR)]
+    if word == "numgen":
+        _, kind, mod, modulus, start = cur.take(5)
+        if kind != "random" or mod != "mod" or not modulus.isdigit() or start != "0":
+            raise Unencodable(f"numgen {kind} {mod} {modulus} {start}")
+        return [_numgen(int(modulus))]
+    return None
+
+
+def _ct_match(words: list[str]) -> list[bytes]:
+    _, key, what = words
+    if (key, what) == ("state", "new"):
+        load, bits = _ct_load(CT_STATE), CT_STATE_NEW
+    elif (key, what) == ("status", "dnat"):
+        load, bits = _ct_load(CT_STATUS), IPS_DST_NAT
+    else:
+        raise Unencodable(f"ct {key} {what}")
+    return [load, _bitwise(4, _HOST_U32.pack(bits), bytes(4)), cmp(CMP_NEQ, bytes(4))]
+
+
+def _ip(family: Family) -> str:
+    return "ip" if family is Family.V4 else "ip6"
+
+
+def _statement(family: Family, cur: _Cursor) -> tuple[list[bytes], bool]:
+    """The statement at the cursor, and whether it ends the rule (a verdict or NAT)."""
+    ip, word = _ip(family), cur.at(0)
+    if word in ("jump", "goto"):
+        verb, chain = cur.take(2)
+        return [_immediate_verdict(verb, chain)], True
+    if word in ("drop", "accept", "return"):
+        return [_immediate_verdict(cur.take(1)[0])], True
+    if word == "reject":
+        cur.take(1)
+        return [_reject(family)], True
+    if word == "masquerade":
+        _, how = cur.take(2)
+        if how != "fully-random":
+            raise Unencodable(f"masquerade {how}")
+        return [_MASQUERADE_FULLY_RANDOM], True
+    if word == "dnat" and cur.at(1) == ip:
+        _, _, to, ng, kind, mod, modulus, map_, set_ref = cur.take(9)
+        if (to, ng, kind, mod, map_) != ("to", "numgen", "random", "mod", "map") \
+                or not modulus.isdigit() or not 0 < int(modulus) <= 0xFFFFFFFF \
+                or not set_ref.startswith("@"):
+            raise Unencodable(f"dnat {ip} {to} {ng} {kind} {mod} {modulus} {map_} "
+                              f"{set_ref}")
+        return [_dnat_slot_map(family, int(modulus), set_ref[1:])], True
+    if word == "dnat":
+        _, to, target = cur.take(3)
+        if to != "to":
+            raise Unencodable(f"dnat {to}")
+        return [_dnat(family, target)], True
+    if word == "update":
+        _, set_ref, open_, proto, field, close = cur.take(6)
+        if (not set_ref.startswith("@") or (open_, close) != ("{", "}") or proto != ip
+                or field != "saddr"):
+            raise Unencodable(f"update {set_ref} {open_} {proto} {field} {close}")
+        dynset = nla(4, u32(REG_1)) + nla(3, u32(DYNSET_OP_UPDATE)) + string(1, set_ref[1:])
+        return [payload(BASE_NETWORK, ADDRESS_OFFSETS[family]["saddr"], ADDRESS_WIDTH[family]),
+                _expr("dynset", dynset)], False
+    raise Unencodable(f"{word!r}")
 
 
 _SET_MARK = _expr("meta", nla(2, u32(META_MARK)) + nla(3, u32(REG_1)))

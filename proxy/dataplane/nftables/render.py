@@ -70,7 +70,7 @@ from typing import NamedTuple
 
 from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.naming import MASQ_BIT, address_text, name_hash, port_name
-from proxy.dataplane.common.paths import plan, sorted_nets
+from proxy.dataplane.common.paths import PortPlan, plan, sorted_nets
 from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
 from proxy.model.types import (
     DEFAULT_AFFINITY_TIMEOUT,
@@ -319,135 +319,171 @@ _text = address_text
 # --- one service port ------------------------------------------------------------------------
 
 
+@dataclass(slots=True)
+class _PortBuild:
+    """One port's objects as `render_port` collects them, in kernel write order."""
+
+    key: ServicePortKey
+    table: str
+    ip: str  # "ip" or "ip6"
+    proto: str  # "tcp", "udp", "sctp"
+    elements: dict[tuple[str, str], str] = field(default_factory=dict)
+    chains: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    sets: list[tuple[str, str]] = field(default_factory=list)
+    slot_elements: list[Element] = field(default_factory=list)
+    slot_values: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+
+    def element(self, set_name: str, k: str, value: str = "") -> None:
+        self.elements.setdefault((set_name, k), value)
+
+    def objects(self) -> PortObjects:
+        return PortObjects(
+            self.key, self.table, tuple(self.chains),
+            (*(Element(s, k, v, self.table if s in SHARD_SETS else TABLE)
+               for (s, k), v in sorted(self.elements.items())), *self.slot_elements),
+            tuple(self.sets), tuple(self.slot_values))
+
+
 def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,
                 slots: Mapping[str, Sequence[str]] | None = None) -> PortObjects:
     """The chains and elements of one service port (the iptables renderer's semantics),
     in its shard of `shards`. `slots`: what the kernel's slot maps hold of this port
     (map -> endpoints in slot order), so that endpoints keep their slots
     (`assign_slots`)."""
-    key, svc, sp = rsp.key, rsp.service, rsp.port
-    table = shard_of(key, shards)
-    name = port_name(key)
-    proto = sp.protocol.value.lower()
-    family = key.family
-    ip = table_family(family)
+    key = rsp.key
+    proto = rsp.port.protocol.value.lower()
+    build = _PortBuild(key, shard_of(key, shards), table_family(key.family), proto)
     p = plan(rsp, lambda kind: port_chain(kind, key, proto))
-    external_ips, lb_ips, ranges = p.external_ips, p.lb_ips, p.ranges
-    cluster_eps, local_eps, has_endpoints = p.cluster_eps, p.local_eps, p.has_endpoints
-    svc_chain, svl_chain, internal_chain = p.svc, p.svl, p.internal
-    external_local, external_policy_chain = p.external_local, p.external_policy
-    ext_chain, fw_chain = p.ext, p.fw
+    _dispatch(build, rsp, p)
+    if p.ext:
+        build.chains.append((p.ext, _external_rules(build.ip, ctx, p.external_local, p.svc,
+                                                    p.external_policy)))
+    if p.fw and p.ext:
+        build.chains.append((p.fw, _firewall_rules(build.ip, ctx, p.ranges, p.lb_ips, p.ext)))
+    texts, addrs = _endpoint_texts(build, (*p.cluster_eps, *p.local_eps), key.family)
+    label = comment(port_name(key))
+    ep_chains = _affinity_chains(build, rsp.service.affinity_timeout, texts, label)
+    masq = _cluster_masquerade(rsp, ctx, build.ip, proto) if p.internal else ()
+    for policy_chain, eps in ((p.svc, p.cluster_eps), (p.svl, p.local_eps)):
+        if policy_chain:
+            first = masq if policy_chain == p.internal else ()
+            _policy_chain(build, policy_chain, eps, first, (texts, addrs, ep_chains), label,
+                          slots)
+    return build.objects()
+
+
+def _dispatch(build: _PortBuild, rsp: ResolvedServicePort, p: PortPlan) -> None:
+    """The port's entries in the shared verdict maps: each address (and the NodePort)
+    to its chain, or to what happens when nothing serves it."""
+    port, proto = rsp.port, build.proto
     # Traffic nat did not capture: rejected when nothing serves the port anywhere,
     # dropped when only the policy keeps it from the endpoints that exist.
-    unserved = REJECT_VERDICT if not has_endpoints else DROP_VERDICT
+    unserved = REJECT_VERDICT if not p.has_endpoints else DROP_VERDICT
 
-    elements: dict[tuple[str, str], str] = {}
-
-    def element(set_name: str, k: str, value: str = "") -> None:
-        elements.setdefault((set_name, k), value)
-
-    def dest(a: IPAddress, port: int) -> str:
-        return f"{_text(a)} . {proto} . {port}"
+    def dest(a: IPAddress) -> str:
+        return f"{_text(a)} . {proto} . {port.port}"
 
     for a in rsp.cluster_ips:
-        element(CLUSTER_IPS, _text(a))
-        if internal_chain:
-            element(SERVICE_IPS, dest(a, sp.port), f"goto {internal_chain}")
+        build.element(CLUSTER_IPS, _text(a))
+        if p.internal:
+            build.element(SERVICE_IPS, dest(a), f"goto {p.internal}")
         else:
-            element(UNSERVED, dest(a, sp.port), unserved)
-
-    lb_target = fw_chain or ext_chain
-    external_unserved = not external_policy_chain or not has_endpoints
-    for ips, target in ((external_ips, ext_chain), (lb_ips, lb_target)):
+            build.element(UNSERVED, dest(a), unserved)
+    external_unserved = not p.external_policy or not p.has_endpoints
+    for ips, target in ((p.external_ips, p.ext), (p.lb_ips, p.fw or p.ext)):
         for a in ips:
             if target:
-                element(SERVICE_IPS, dest(a, sp.port), f"goto {target}")
+                build.element(SERVICE_IPS, dest(a), f"goto {target}")
             if external_unserved:
-                element(UNSERVED, dest(a, sp.port), unserved)
-    if fw_chain:
+                build.element(UNSERVED, dest(a), unserved)
+    if p.fw:
         # Allowed sources were DNATed by fw-<h>; what still has the LB IP was refused.
-        for a in lb_ips:
-            element(UNSERVED, dest(a, sp.port), DROP_VERDICT)
-    if sp.node_port:
-        nport = f"{proto} . {sp.node_port}"
-        if ext_chain:
-            element(SERVICE_NODEPORTS, nport, f"goto {ext_chain}")
+        for a in p.lb_ips:
+            build.element(UNSERVED, dest(a), DROP_VERDICT)
+    if port.node_port:
+        nport = f"{proto} . {port.node_port}"
+        if p.ext:
+            build.element(SERVICE_NODEPORTS, nport, f"goto {p.ext}")
         if external_unserved:
-            element(UNSERVED_NODEPORTS, nport, unserved)
+            build.element(UNSERVED_NODEPORTS, nport, unserved)
 
-    chains: list[tuple[str, tuple[str, ...]]] = []
-    sets: list[tuple[str, str]] = []
-    if ext_chain:
-        chains.append((ext_chain, _external_rules(ip, ctx, external_local, svc_chain,
-                                                  external_policy_chain)))
-    if fw_chain and ext_chain:
-        chains.append((fw_chain, _firewall_rules(ip, ctx, ranges, lb_ips, ext_chain)))
 
-    # Off-cluster clients of a cluster IP may be answered from another node: masquerade.
-    masq: tuple[str, ...] = ()
-    if internal_chain and (ctx.masquerade_all or ctx.local_cidrs):
-        source, target = "", MARK_FOR_MASQUERADE
-        if not ctx.masquerade_all:
-            if len(ctx.local_cidrs) == 1:
-                source = f"{ip} saddr != {ctx.local_cidrs[0]} "
-            else:
-                target = MASQ_UNLESS_POD
-        masq = tuple(f"{ip} daddr {_text(a)} {proto} dport {sp.port} {source}jump {target}"
-                     for a in rsp.cluster_ips)
+def _cluster_masquerade(rsp: ResolvedServicePort, ctx: RenderContext, ip: str,
+                        proto: str) -> tuple[str, ...]:
+    """Off-cluster clients of a cluster IP may be answered from another node: the rules,
+    first in the internal path's chain, that mark them for masquerade."""
+    if not (ctx.masquerade_all or ctx.local_cidrs):
+        return ()
+    source, target = "", MARK_FOR_MASQUERADE
+    if not ctx.masquerade_all:
+        if len(ctx.local_cidrs) == 1:
+            source = f"{ip} saddr != {ctx.local_cidrs[0]} "
+        else:
+            target = MASQ_UNLESS_POD
+    return tuple(f"{ip} daddr {_text(a)} {proto} dport {rsp.port.port} {source}jump {target}"
+                 for a in rsp.cluster_ips)
 
-    affinity = svc.affinity_timeout
-    # Each endpoint's text, by the endpoint object's id: the cluster and local sets hold
-    # the same objects, and hashing a MergedEndpoint (all its fields, the address's hash
-    # in Python) for every endpoint was a third of rendering a large service.
-    texts: dict[int, str] = {}  # address:port (the DNAT targets)
-    addrs: dict[int, str] = {}  # the address alone
+
+def _endpoint_texts(build: _PortBuild, eps: Sequence[MergedEndpoint],
+                    family: Family) -> tuple[dict[int, str], dict[int, str]]:
+    """Each endpoint's DNAT target (address:port) and address, by the endpoint object's
+    id, and its hairpin element. By id: the cluster and local sets hold the same objects,
+    and hashing a MergedEndpoint (all its fields, the address's hash in Python) for every
+    endpoint was a third of rendering a large service."""
+    texts: dict[int, str] = {}
+    addrs: dict[int, str] = {}
     v6 = family is Family.V6
-    for ep in (*cluster_eps, *local_eps):
+    for ep in eps:
         if id(ep) not in addrs:
             at = addrs[id(ep)] = _text(ep.address)
             texts[id(ep)] = f"[{at}]:{ep.port}" if v6 else f"{at}:{ep.port}"
-            element(HAIRPIN, f"{at} . {at}")
-    label = comment(name)
-    ep_chains: dict[int, str] = {}
-    if affinity is not None:
-        seconds = affinity or DEFAULT_AFFINITY_TIMEOUT
-        # One chain per endpoint text (equal endpoints share it), in text order.
-        by_text = {texts[id(ep)]: ep for ep in (*cluster_eps, *local_eps)}
-        chain_of: dict[str, str] = {}
-        for text in sorted(by_text):
-            chain = endpoint_object("ep", key, proto, text)
-            chain_of[text] = chain
-            aff = _affinity_set(chain)
-            sets.append((aff, f"type {_addr_type(family)}; flags dynamic,timeout; "
-                              f"timeout {seconds}s;"))
-            chains.append((chain, (f"update @{aff} {{ {ip} saddr }}",
-                                   f"meta l4proto {proto} dnat to {text} {label}")))
-        ep_chains = {i: chain_of[text] for i, text in texts.items()}
-    slot_elements: list[Element] = []
-    slot_values: list[tuple[str, tuple[str, ...]]] = []
-    for policy_chain, eps in ((svc_chain, cluster_eps), (svl_chain, local_eps)):
-        if not policy_chain:
-            continue
-        first = masq if policy_chain == internal_chain else ()
-        if ep_chains or len(eps) < SLOT_MAP_MIN:
-            chains.append((policy_chain, (*first, *_balance(ip, proto, eps, texts,
-                                                             ep_chains, label))))
-            continue
-        slot_map = SLOTS + policy_chain
-        # In the model's order (merge sorts them): only endpoints without a slot yet
-        # are placed by it.
-        values = list(dict.fromkeys(f"{addrs[id(ep)]} . {ep.port}" for ep in eps))
-        assigned = assign_slots(values, (slots or {}).get(slot_map, ()))
-        slot_values.append((slot_map, tuple(assigned)))
-        sets.append((slot_map, f"typeof numgen random mod 1 : {ip} daddr . {proto} dport;"))
-        slot_elements += [Element(slot_map, str(i), v, table) for i, v in enumerate(assigned)]
-        chains.append((policy_chain, (*first, f"meta l4proto {proto} dnat {ip} to numgen "
-                                              f"random mod {len(assigned)} map @{slot_map} "
-                                              f"{label}")))
-    return PortObjects(key, table, tuple(chains),
-                       (*(Element(s, k, v, table if s in SHARD_SETS else TABLE)
-                          for (s, k), v in sorted(elements.items())), *slot_elements),
-                       tuple(sets), tuple(slot_values))
+            build.element(HAIRPIN, f"{at} . {at}")
+    return texts, addrs
+
+
+def _affinity_chains(build: _PortBuild, affinity: int | None, texts: Mapping[int, str],
+                     label: str) -> dict[int, str]:
+    """With ClientIP affinity: one chain and one timeout set per endpoint text (equal
+    endpoints share them), in text order; the chain of each endpoint, by id."""
+    if affinity is None:
+        return {}
+    seconds = affinity or DEFAULT_AFFINITY_TIMEOUT
+    address_type = _addr_type(build.key.family)
+    chain_of: dict[str, str] = {}
+    for text in sorted(set(texts.values())):
+        chain = chain_of[text] = endpoint_object("ep", build.key, build.proto, text)
+        aff = _affinity_set(chain)
+        build.sets.append((aff, f"type {address_type}; flags dynamic,timeout; "
+                                f"timeout {seconds}s;"))
+        build.chains.append((chain, (f"update @{aff} {{ {build.ip} saddr }}",
+                                     f"meta l4proto {build.proto} dnat to {text} {label}")))
+    return {i: chain_of[text] for i, text in texts.items()}
+
+
+def _policy_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
+                  first: tuple[str, ...],
+                  spelled: tuple[Mapping[int, str], Mapping[int, str], Mapping[int, str]],
+                  label: str, slots: Mapping[str, Sequence[str]] | None) -> None:
+    """A path's chain: `first` (cluster-IP masquerade), then the endpoints, as a cascade
+    (affinity, or few endpoints) or one numgen lookup in a slot map (`assign_slots`)."""
+    texts, addrs, ep_chains = spelled
+    ip, proto = build.ip, build.proto
+    if ep_chains or len(eps) < SLOT_MAP_MIN:
+        build.chains.append((chain, (*first, *_balance(ip, proto, eps, texts, ep_chains,
+                                                        label))))
+        return
+    slot_map = SLOTS + chain
+    # In the model's order (merge sorts them): only endpoints without a slot yet are
+    # placed by it.
+    values = list(dict.fromkeys(f"{addrs[id(ep)]} . {ep.port}" for ep in eps))
+    assigned = assign_slots(values, (slots or {}).get(slot_map, ()))
+    build.slot_values.append((slot_map, tuple(assigned)))
+    build.sets.append((slot_map, f"typeof numgen random mod 1 : {ip} daddr . {proto} dport;"))
+    build.slot_elements += [Element(slot_map, str(i), v, build.table)
+                            for i, v in enumerate(assigned)]
+    build.chains.append((chain, (*first, f"meta l4proto {proto} dnat {ip} to numgen "
+                                         f"random mod {len(assigned)} map @{slot_map} "
+                                         f"{label}")))
 
 
 def assign_slots(values: Sequence[str], before: Sequence[str]) -> list[str]:
