@@ -179,10 +179,10 @@ def namespace() -> Iterator[str]:
 
 def _plane(name: str, options: DataplaneOptions) -> Any:
     if name == "nftables":
-        from proxy.dataplane.nftables import NftablesDataPlane
+        from proxy.dataplane.nftables.apply import NftablesDataPlane
 
         return NftablesDataPlane(options, clear_conntrack=False)
-    from proxy.dataplane.iptables import IptablesDataPlane
+    from proxy.dataplane.iptables.apply import IptablesDataPlane
 
     return IptablesDataPlane(options, clear_conntrack=False)
 

@@ -31,8 +31,8 @@ from typing import Any
 
 from bench.model_bench import make_objects
 from proxy.dataplane.base import DataplaneOptions
-from proxy.dataplane.iptables import IptablesDataPlane
-from proxy.dataplane.nftables import NftablesDataPlane
+from proxy.dataplane.iptables.apply import IptablesDataPlane
+from proxy.dataplane.nftables.apply import NftablesDataPlane
 from proxy.dataplane.xtables.restore_runner import Backend
 from proxy.kube.decode import decode_endpoint_slice, decode_service
 from proxy.lab import Lab

@@ -34,8 +34,8 @@ from unittest import mock
 
 from bench.iptables_bench import NODE, build
 from proxy.dataplane.base import DataplaneOptions
-from proxy.dataplane.nftables import NftablesDataPlane
 from proxy.dataplane.nftables import apply as nft_apply
+from proxy.dataplane.nftables.apply import NftablesDataPlane
 from proxy.kube.decode import decode_endpoint_slice
 from proxy.lab import BackendSpec, Lab
 from proxy.lab.netns import entered

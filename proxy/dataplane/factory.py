@@ -11,9 +11,9 @@ from proxy.dataplane.base import DataPlane, DataplaneOptions
 
 # mode -> (module, class); each class takes DataplaneOptions.
 PLANES = {
-    "iptables": ("proxy.dataplane.iptables", "IptablesDataPlane"),
-    "ipvs": ("proxy.dataplane.ipvs", "IpvsDataPlane"),
-    "nftables": ("proxy.dataplane.nftables", "NftablesDataPlane"),
+    "iptables": ("proxy.dataplane.iptables.apply", "IptablesDataPlane"),
+    "ipvs": ("proxy.dataplane.ipvs.apply", "IpvsDataPlane"),
+    "nftables": ("proxy.dataplane.nftables.apply", "NftablesDataPlane"),
 }
 
 

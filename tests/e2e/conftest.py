@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from proxy.dataplane.base import DataplaneOptions, SyncReport
-from proxy.dataplane.iptables import IptablesDataPlane
-from proxy.dataplane.nftables import NftablesDataPlane
+from proxy.dataplane.iptables.apply import IptablesDataPlane
+from proxy.dataplane.nftables.apply import NftablesDataPlane
 from proxy.dataplane.xtables.restore_runner import Backend
 from proxy.kube.ingest import apply_object, delete_object
 from proxy.lab.netns import entered

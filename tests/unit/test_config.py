@@ -111,7 +111,7 @@ def test_healthz_threshold_flag_and_file(tmp_path: Path) -> None:
 
 def test_iptables_applier_reaches_the_data_plane() -> None:
     from proxy.agent.app import dataplane_options
-    from proxy.dataplane.iptables import IptablesDataPlane
+    from proxy.dataplane.iptables.apply import IptablesDataPlane
 
     assert parse_args(["--hostname-override", "n"]).iptables_applier == "restore"
     options = dataplane_options(parse_args(["--hostname-override", "n",

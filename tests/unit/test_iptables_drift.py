@@ -21,7 +21,7 @@ from proxy.dataplane.common.nft_events import (
     Transaction,
     TransactionReader,
 )
-from proxy.dataplane.iptables import IptablesDataPlane
+from proxy.dataplane.iptables.apply import IptablesDataPlane
 from proxy.dataplane.xtables.saved import Saved, Table
 from proxy.model.types import Family
 from tests.unit.builders import ep, eps_slice, service

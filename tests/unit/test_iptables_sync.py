@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.dataplane.base import ApplyError, DataplaneOptions, rules_digest
-from proxy.dataplane.iptables import IptablesDataPlane
+from proxy.dataplane.iptables.apply import IptablesDataPlane
 from proxy.dataplane.xtables.restore_runner import Backend, RunnerError
 from proxy.dataplane.xtables.saved import Saved, Table, ours, parse_save
 from proxy.dataplane.xtables.simulate import SimulatedRunner

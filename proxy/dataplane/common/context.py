@@ -4,7 +4,7 @@ and this node's addresses. One rule for `--nodeport-addresses`, used by every mo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from proxy.dataplane.base import DataplaneOptions
@@ -27,6 +27,23 @@ class RenderContext:
     @property
     def host_mask(self) -> str:
         return "/32" if self.family is Family.V4 else "/128"
+
+
+def cluster_ip_masquerade(ctx: RenderContext, except_pods: Callable[[IPNetwork], str],
+                          unless_pod_chain: str, mark_chain: str) -> tuple[str, str] | None:
+    """(source match, target) of the rules marking off-cluster clients of a cluster IP
+    for masquerade (they may be answered from another node), in a mode's words: all but
+    one pod CIDR's, matched in the rule itself (`except_pods(cidr)`, as upstream writes
+    it), or all but several CIDRs', through the mode's `unless_pod_chain`, or all
+    (--masquerade-all). None: nothing to mark (no --cluster-cidr of this family and no
+    --masquerade-all: pods cannot be told from the outside)."""
+    if ctx.masquerade_all:
+        return "", mark_chain
+    if not ctx.local_cidrs:
+        return None
+    if len(ctx.local_cidrs) == 1:
+        return except_pods(ctx.local_cidrs[0]), mark_chain
+    return "", unless_pod_chain
 
 
 def nodeport_selection(family: Family, cidrs: Iterable[IPNetwork],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
+from collections.abc import Iterable, Iterator
 
 from proxy.model.types import IPAddress, ServicePortKey
 
@@ -23,6 +24,15 @@ def name_hash(*parts: str) -> str:
 def port_name(key: ServicePortKey) -> str:
     """`ns/name:port` (`ns/name` for an unnamed port), upstream's comment spelling."""
     return f"{key.namespace}/{key.name}:{key.port}" if key.port else f"{key.namespace}/{key.name}"
+
+
+def chain_lines(chains: Iterable[tuple[str, Iterable[str]]], create: str,
+                append: str) -> Iterator[str]:
+    """A port's own chains as copy-pasteable lines for the debug dump, in each mode's
+    tool's words: `{create} NAME`, then `{append} NAME RULE` for each rule."""
+    for name, rules in chains:
+        yield f"{create} {name}"
+        yield from (f"{append} {name} {rule}" for rule in rules)
 
 
 def address_text(ip: IPAddress) -> str:

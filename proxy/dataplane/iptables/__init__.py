@@ -1,6 +1,6 @@
-"""The iptables data plane: `render` (pure), `ruleset` (pure restore text), `runner`
-(the binaries), `apply` (the DataPlane)."""
+"""The iptables data plane (`--proxy-mode iptables`): `render` (pure: a service port's
+chains), `ruleset` (pure: what we applied and the restore text to change it), `apply`
+(the DataPlane, through xtables' runners), `iptc_runner` (python-iptables, legacy only).
 
-from proxy.dataplane.iptables.apply import IptablesDataPlane
-
-__all__ = ["IptablesDataPlane"]
+Nothing is imported here: importing a pure module loads no kernel-facing code.
+"""

@@ -41,8 +41,14 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from proxy.dataplane.common.context import RenderContext
-from proxy.dataplane.common.naming import MASQ_BIT, address_text, name_hash, port_name
+from proxy.dataplane.common.context import RenderContext, cluster_ip_masquerade
+from proxy.dataplane.common.naming import (
+    MASQ_BIT,
+    address_text,
+    chain_lines,
+    name_hash,
+    port_name,
+)
 from proxy.dataplane.common.paths import PortPlan, plan, sorted_nets
 from proxy.dataplane.xtables.saved import PREFIX, Table
 from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
@@ -94,10 +100,7 @@ class PortRules:
     def lines(self) -> list[str]:
         """Readable, copy-pasteable lines (`-t nat -A CHAIN spec`) for the debug dump."""
         out = [f"-t {table.value} -A {chain} {spec}" for table, chain, spec in self.entries]
-        for name, rules in self.chains:
-            out.append(f"-t nat -N {name}")
-            out.extend(f"-t nat -A {name} {spec}" for spec in rules)
-        return out
+        return [*out, *chain_lines(self.chains, "-t nat -N", "-t nat -A")]
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,14 +343,10 @@ def _cluster_masquerade(rsp: ResolvedServicePort, ctx: RenderContext, name: str,
                         proto: str) -> tuple[str, ...]:
     """Off-cluster clients of a cluster IP (a static route to the service range via any
     node) may be answered from another node: the rules that mark them for masquerade."""
-    if not (ctx.masquerade_all or ctx.local_cidrs):
+    masq = cluster_ip_masquerade(ctx, lambda pods: f"! -s {pods} ", MASQ_UNLESS_POD, MARK_MASQ)
+    if masq is None:
         return ()
-    source, target = "", MARK_MASQ
-    if not ctx.masquerade_all:
-        if len(ctx.local_cidrs) == 1:
-            source = f"! -s {ctx.local_cidrs[0]} "
-        else:
-            target = MASQ_UNLESS_POD
+    source, target = masq
     return tuple(f"{source}-d {_cidr(ip, ctx)} -p {proto} {comment(f'{name} cluster IP')} "
                  f"-m {proto} --dport {rsp.port.port} -j {target}" for ip in rsp.cluster_ips)
 

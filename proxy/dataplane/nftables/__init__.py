@@ -1,23 +1,8 @@
 """The native nftables data plane (`--proxy-mode nftables`): our own `ip sliceproxy` and
-`ip6 sliceproxy` tables, verdict-map dispatch, one chain per service port.
+`ip6 sliceproxy` tables, verdict-map dispatch, one chain per service port. `render` and
+`transaction` are pure; `expressions` and `wire` encode rules into netlink; `runner`
+talks to the kernel (and to nft for what the encoder does not speak); `apply` is the
+DataPlane.
 
-`NftablesDataPlane` is imported lazily so that the pure modules (render, transaction)
-load without libnftables.
+Nothing is imported here: the pure modules load without libnftables or netlink.
 """
-
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from proxy.dataplane.nftables.apply import NftablesDataPlane
-
-__all__ = ["NftablesDataPlane"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "NftablesDataPlane":
-        from proxy.dataplane.nftables.apply import NftablesDataPlane
-
-        return NftablesDataPlane
-    raise AttributeError(name)

@@ -68,8 +68,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from proxy.dataplane.common.context import RenderContext
-from proxy.dataplane.common.naming import MASQ_BIT, address_text, name_hash, port_name
+from proxy.dataplane.common import naming
+from proxy.dataplane.common.context import RenderContext, cluster_ip_masquerade
+from proxy.dataplane.common.naming import address_text, name_hash, port_name
 from proxy.dataplane.common.paths import PortPlan, plan, sorted_nets
 from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
 from proxy.model.types import (
@@ -81,7 +82,7 @@ from proxy.model.types import (
 )
 
 TABLE = "sliceproxy"
-MASQ_MARK = f"{MASQ_BIT:#010x}"  # as nft prints it
+MASQ_MARK = f"{naming.MASQ_BIT:#010x}"  # as nft prints it
 
 # Sets and maps every port adds elements to (the base declares them).
 SERVICE_IPS = "service-ips"
@@ -176,10 +177,7 @@ class PortObjects:
         out = [f"add element {ip} {e.table} {e.set} {{ {e.text()} }}" for e in self.elements]
         out += [f"add {'map' if ' : ' in body else 'set'} {t} {name} {{ {body} }}"
                 for name, body in self.sets]
-        for name, rules in self.chains:
-            out.append(f"add chain {t} {name}")
-            out.extend(f"add rule {t} {name} {rule}" for rule in rules)
-        return out
+        return [*out, *naming.chain_lines(self.chains, f"add chain {t}", f"add rule {t}")]
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,14 +410,11 @@ def _cluster_masquerade(rsp: ResolvedServicePort, ctx: RenderContext, ip: str,
                         proto: str) -> tuple[str, ...]:
     """Off-cluster clients of a cluster IP may be answered from another node: the rules,
     first in the internal path's chain, that mark them for masquerade."""
-    if not (ctx.masquerade_all or ctx.local_cidrs):
+    masq = cluster_ip_masquerade(ctx, lambda pods: f"{ip} saddr != {pods} ", MASQ_UNLESS_POD,
+                                 MARK_FOR_MASQUERADE)
+    if masq is None:
         return ()
-    source, target = "", MARK_FOR_MASQUERADE
-    if not ctx.masquerade_all:
-        if len(ctx.local_cidrs) == 1:
-            source = f"{ip} saddr != {ctx.local_cidrs[0]} "
-        else:
-            target = MASQ_UNLESS_POD
+    source, target = masq
     return tuple(f"{ip} daddr {_text(a)} {proto} dport {rsp.port.port} {source}jump {target}"
                  for a in rsp.cluster_ips)
 
