@@ -353,24 +353,24 @@ def _intern(value: str) -> str:
     return sys.intern(value)
 
 
-def _node_name(ctx: _Ctx, value: Any, where: str) -> str | None:
-    if value is None or value == "":
+def _selector_value(
+    valid: Callable[[str], bool], reason: str, what: str, wanted: str,
+) -> Callable[[_Ctx, Any, str], str | None]:
+    """A check for a value that only steers selection (a node name, a zone): the value,
+    shared, when valid; else None, with a record unless there is none ("" or absent)."""
+    def check(ctx: _Ctx, value: Any, where: str) -> str | None:
+        if isinstance(value, str) and valid(value):
+            return _intern(value)
+        if value is not None and value != "":
+            ctx.skip(reason, f"{what} {shown(value)} is not {wanted}", where)
         return None
-    if isinstance(value, str) and dns_subdomain(value):
-        return _intern(value)
-    ctx.skip(why.INVALID_NAME, f"node name {shown(value)} is not a valid DNS subdomain; "
-             "treated as on no node", where)
-    return None
+    return check
 
 
-def _zone(ctx: _Ctx, value: Any, where: str) -> str | None:
-    if value is None or value == "":
-        return None
-    if isinstance(value, str) and label_value(value):
-        return _intern(value)
-    ctx.skip(why.INVALID_VALUE, f"zone {shown(value)} is not a valid label value; "
-             "treated as in no zone", where)
-    return None
+_node_name = _selector_value(dns_subdomain, why.INVALID_NAME, "node name",
+                             "a valid DNS subdomain; treated as on no node")
+_zone = _selector_value(label_value, why.INVALID_VALUE, "zone",
+                        "a valid label value; treated as in no zone")
 
 
 # --- Service -------------------------------------------------------------------------
@@ -396,9 +396,39 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
     raw_ips = _list(raw_ips, "spec.clusterIPs")
     headless = any(ip == "None" for ip in raw_ips)
     cluster_ips = () if headless else _cluster_ips(ctx, raw_ips)
-
+    # The order of these calls is the order of their records (ctx.skips).
     ports = _service_ports(ctx, _list(spec.get("ports"), "spec.ports"))
+    lb_ips = _load_balancer_ips(ctx, status, cluster_ips)
+    ranges = _source_ranges(ctx, spec)
+    affinity = _affinity(ctx, spec)
+    hc_port = _health_check_node_port(ctx, spec)
+    external_ips = _external_ips(ctx, spec, cluster_ips, lb_ips)
 
+    return Service(
+        namespace=ctx.namespace,
+        name=ctx.name,
+        type=svc_type,
+        cluster_ips=cluster_ips,
+        ports=ports,
+        headless=headless,
+        external_ips=external_ips,
+        load_balancer_ips=lb_ips,
+        load_balancer_source_ranges=ranges,
+        affinity_timeout=affinity,
+        internal_traffic_policy=_policy(ctx, spec, "internalTrafficPolicy"),
+        external_traffic_policy=_policy(ctx, spec, "externalTrafficPolicy"),
+        health_check_node_port=hc_port,
+        traffic_distribution=_traffic_distribution(ctx, spec.get("trafficDistribution")),
+        topology_mode=_topology_mode(ctx, annotations),
+        topology_preference=_preference(ctx, annotations.get(ANNOTATION_TOPOLOGY_PREFERENCE)),
+        proxy_name=labels.get(LABEL_SERVICE_PROXY_NAME),
+        uid=clip(str(meta.get("uid") or "")),
+        resource_version=clip(str(meta.get("resourceVersion") or "")),
+    )
+
+
+def _load_balancer_ips(ctx: _Ctx, status: dict[str, Any],
+                       cluster_ips: tuple[IPAddress, ...]) -> tuple[IPAddress, ...]:
     lb_ips: list[IPAddress] = []
     load_balancer = _dict(status.get("loadBalancer"), "status.loadBalancer")
     ingress = _list(load_balancer.get("ingress"), "status.loadBalancer.ingress")
@@ -415,14 +445,20 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
         if (ip is not None and _not_again(ctx, ip, cluster_ips, "cluster", where)
                 and ip not in lb_ips):
             lb_ips.append(ip)
+    return tuple(lb_ips)
 
+
+def _source_ranges(ctx: _Ctx, spec: dict[str, Any]) -> tuple[IPNetwork, ...]:
     ranges: list[IPNetwork] = []
     for i, raw in enumerate(_list(spec.get("loadBalancerSourceRanges"), "sourceRanges")):
         net = _cidr(ctx, raw, f"spec.loadBalancerSourceRanges[{i}]")
         if net is not None and net not in ranges:
             ranges.append(net)
+    return tuple(ranges)
 
-    affinity: int | None = None
+
+def _affinity(ctx: _Ctx, spec: dict[str, Any]) -> int | None:
+    """The ClientIP affinity timeout in seconds, or None for no affinity."""
     raw_affinity = spec.get("sessionAffinity")
     if raw_affinity == "ClientIP":
         cfg = _dict(_dict(spec.get("sessionAffinityConfig"), "sessionAffinityConfig")
@@ -433,16 +469,23 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
                      f"using {DEFAULT_AFFINITY_TIMEOUT}",
                      "spec.sessionAffinityConfig.clientIP.timeoutSeconds")
             timeout = DEFAULT_AFFINITY_TIMEOUT
-        affinity = timeout
-    elif raw_affinity not in (None, "", "None"):
+        return timeout
+    if raw_affinity not in (None, "", "None"):
         ctx.skip(why.INVALID_VALUE, f"{shown(raw_affinity)} is not None or ClientIP; "
                  "no affinity", "spec.sessionAffinity")
+    return None
 
+
+def _health_check_node_port(ctx: _Ctx, spec: dict[str, Any]) -> int:
     hc_port = spec.get("healthCheckNodePort") or 0
     if hc_port and _port_number(hc_port) is None:
         ctx.skip(why.INVALID_PORT, f"{shown(hc_port)} is not a port", "spec.healthCheckNodePort")
         hc_port = 0
+    return int(hc_port)
 
+
+def _external_ips(ctx: _Ctx, spec: dict[str, Any], cluster_ips: tuple[IPAddress, ...],
+                  lb_ips: tuple[IPAddress, ...]) -> tuple[IPAddress, ...]:
     external_ips: list[IPAddress] = []
     for i, raw in enumerate(_list(spec.get("externalIPs"), "spec.externalIPs")):
         where = f"spec.externalIPs[{i}]"
@@ -451,28 +494,7 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
                 and _not_again(ctx, ip, lb_ips, "load-balancer", where)
                 and ip not in external_ips):
             external_ips.append(ip)
-
-    return Service(
-        namespace=ctx.namespace,
-        name=ctx.name,
-        type=svc_type,
-        cluster_ips=cluster_ips,
-        ports=ports,
-        headless=headless,
-        external_ips=tuple(external_ips),
-        load_balancer_ips=tuple(lb_ips),
-        load_balancer_source_ranges=tuple(ranges),
-        affinity_timeout=affinity,
-        internal_traffic_policy=_policy(ctx, spec, "internalTrafficPolicy"),
-        external_traffic_policy=_policy(ctx, spec, "externalTrafficPolicy"),
-        health_check_node_port=hc_port,
-        traffic_distribution=_traffic_distribution(ctx, spec.get("trafficDistribution")),
-        topology_mode=_topology_mode(ctx, annotations),
-        topology_preference=_preference(ctx, annotations.get(ANNOTATION_TOPOLOGY_PREFERENCE)),
-        proxy_name=labels.get(LABEL_SERVICE_PROXY_NAME),
-        uid=clip(str(meta.get("uid") or "")),
-        resource_version=clip(str(meta.get("resourceVersion") or "")),
-    )
+    return tuple(external_ips)
 
 
 def _cluster_ips(ctx: _Ctx, raw: list[Any]) -> tuple[IPAddress, ...]:
@@ -533,9 +555,11 @@ def _service_ports(ctx: _Ctx, raw_ports: list[Any]) -> tuple[ServicePort, ...]:
     return tuple(ports)
 
 
-def _named_port(ctx: _Ctx, raw: dict[str, Any], where: str,
-                ) -> tuple[str, Protocol, int] | None:
+def _named_port(ctx: _Ctx, raw: Any, where: str) -> tuple[str, Protocol, int] | None:
     """Name, protocol and number: what service ports and endpoint ports share."""
+    if not isinstance(raw, dict):
+        ctx.skip(why.MALFORMED, "port is not an object", where)
+        return None
     name = _port_name(ctx, raw, where)
     if name is None:
         return None
@@ -554,9 +578,6 @@ def _named_port(ctx: _Ctx, raw: dict[str, Any], where: str,
 
 
 def _service_port(ctx: _Ctx, raw: Any, where: str) -> ServicePort | None:
-    if not isinstance(raw, dict):
-        ctx.skip(why.MALFORMED, "port is not an object", where)
-        return None
     named = _named_port(ctx, raw, where)
     if named is None:
         return None
@@ -679,9 +700,6 @@ def _slice_body(ctx: _Ctx, obj: dict[str, Any]) -> EndpointSlice | None:
 
 def _endpoint_port(ctx: _Ctx, raw: Any, where: str, have: list[SlicePort]) -> SlicePort | None:
     """A port of a slice or of an Endpoints subset (each name once, as validation says)."""
-    if not isinstance(raw, dict):
-        ctx.skip(why.MALFORMED, "port is not an object", where)
-        return None
     named = _named_port(ctx, raw, where)
     if named is None:
         return None
