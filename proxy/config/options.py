@@ -150,7 +150,7 @@ IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed",
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m proxy",
-        description="sliceproxy: a Kubernetes service proxy (iptables or IPVS).",
+        description="sliceproxy: a Kubernetes service proxy (iptables, nftables or IPVS).",
         epilog="Other commands: python -m proxy explain --help; python -m proxy dump --help",
     )
     add = p.add_argument

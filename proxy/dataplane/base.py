@@ -1,4 +1,4 @@
-"""The contract between the agent and a data plane (iptables or IPVS).
+"""The contract between the agent and a data plane (iptables, nftables or IPVS).
 
 The agent owns one data plane and calls it from one dedicated worker thread (never
 from the event loop): data planes are plain blocking code, and pyroute2's netlink
@@ -77,7 +77,7 @@ class ApplyError(Exception):
 class DataPlane(Protocol):
     @property
     def mode(self) -> str:
-        """"iptables" or "ipvs"."""
+        """"iptables", "nftables" or "ipvs"."""
         ...
 
     def sync(self, state: DesiredState, full: bool = False) -> SyncReport:

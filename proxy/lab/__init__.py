@@ -1,6 +1,6 @@
 """A test bed of network namespaces: a node (where the agent and its rules live), a
 client outside it, and backend pods answering with their names. Used by the e2e tests,
-the kernel (user-mode Linux) tests and the demo; never touches the host's namespace.
+the kernel-lab (QEMU) tests and the demo; never touches the host's namespace.
 """
 
 from proxy.lab.topology import Backend, BackendSpec, Lab, LabError, sweep_stale

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Reason codes: stable strings, part of the explain/debug-dump contract (the README lists
+# Reason codes: stable strings, part of the explain/debug-dump contract (docs/explain.md lists
 # them). Add freely; never rename or remove one.
 MALFORMED = "malformed"  # not an object, or a field of the wrong type
 MISSING_FIELD = "missing-field"

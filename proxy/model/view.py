@@ -1,5 +1,5 @@
 """The JSON shape of a resolved service port: `python -m proxy explain` prints it and the
-agent's `/debug/dump` serves it. It is a stable contract (documented in the README):
+agent's `/debug/dump` serves it. It is a stable contract (documented in docs/explain.md):
 add fields freely, never rename or remove one.
 """
 

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 # "restore": the iptables-restore binary of the host's back end (the default).
 # "iptc": python-iptables for IPv4 on legacy hosts (IPv6 still goes through
 # ip6tables-legacy-restore: python-iptables 1.2 cannot load the IPv6 DNAT and
-# MASQUERADE extensions of iptables 1.8.9). Slower; see iptc_runner and the README.
+# MASQUERADE extensions of iptables 1.8.9). Slower; see iptc_runner and docs/speed.md.
 APPLIERS = ("restore", "iptc")
 
 # A full sync on nf_tables declares at most about this many chains per restore (a

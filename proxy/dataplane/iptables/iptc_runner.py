@@ -10,7 +10,7 @@ the cache, so the table keeps its previous rules, as with iptables-restore. Read
 
 Why it is not the default: libiptc, like legacy iptables-restore, replaces the whole
 table on every commit, and building each rule through python-iptables costs Python
-and ctypes work per attribute: see the README's iptables table for the numbers. It
+and ctypes work per attribute: see docs/speed.md's iptables table for the numbers. It
 cannot program nf_tables at all.
 """
 
