@@ -100,6 +100,8 @@ class RsKey(NamedTuple):
 
 
 class VsKind(enum.Enum):
+    """Which of the service's addresses a virtual server is on (its policy follows)."""
+
     CLUSTER_IP = "cluster-ip"
     EXTERNAL_IP = "external-ip"
     LOAD_BALANCER = "load-balancer"
