@@ -487,56 +487,54 @@ class Reflector:
             elif since:
                 query["resourceVersion"] = since
             listing = Items(await self._get_body(query, opts.request_timeout))
-            body = listing.head
             pages += 1
-            items, meta = body.get("items"), body.get("metadata")
-            if not isinstance(items, list | None) or not isinstance(meta, dict | None):
-                raise _BadList("a list whose items or metadata have the wrong type")
-            # One item parsed, decoded and dropped at a time (listsplit.py).
-            for item in listing:
-                if not isinstance(item, dict):
-                    # Not an object: nothing to decode, no kind to record it under.
-                    # Counted (stats, the dump's watch section) and logged below.
-                    unkeyed.note(f"an item {shown(item)}, not an object")
-                    self.stats.unkeyed += 1
-                    continue
-                # List items carry no kind/apiVersion; the decoder needs both.
-                item.setdefault("kind", self.resource.kind)
-                item.setdefault("apiVersion", self.resource.api_version)
-                key = identify(item)
-                if key is None:
-                    # Passed on all the same, under a key of its own, so the decoder
-                    # records why it is skipped; identical ones are one object.
-                    key = self._unkeyed(item)
-                    unkeyed.note(_why_unkeyed(item))
-                    if key in seen:
-                        continue
-                # A list is one consistent snapshot: an object twice means pages that
-                # overlap or loop (and a list that would never end).
-                elif key in seen:
-                    raise _BadList(f"the list repeated {key[0]}/{key[1]} (page {pages})")
-                seen.add(key)
-                if len(seen) > opts.max_list_items:
-                    raise _BadList(f"the list passed {opts.max_list_items} objects")
-                old = self._objects.get(key)
-                self._objects[key] = now = (meta_version(item), meta_uid(item))
-                # resourceVersions alone can repeat across a storage loss (see above)
-                if old != now:
-                    self._emit("ADDED" if old is None else "MODIFIED", key, item)
-            # Read again: had the items not been cut cleanly, the head is the whole
-            # body's now (listsplit.Items).
-            meta = listing.head.get("metadata")
-            if not isinstance(meta, dict | None):
-                raise _BadList("a list whose metadata has the wrong type")
-            meta = meta or {}
-            token = meta.get("continue") or None
-            if token is not None and not isinstance(token, str):
-                raise _BadList(f"a continue token that is no string: {shown(token)}")
+            self._list_page(listing, seen, unkeyed, pages)
+            token = _continue_token(listing)
             if token is None:
-                list_rv = meta_version(listing.head)
                 break
             if pages >= opts.max_list_pages:
                 raise _BadList(f"the list did not end after {pages} pages")
+        self._list_done(seen, unkeyed, meta_version(listing.head), since, pages)
+
+    def _list_page(self, listing: Items, seen: set[ObjectKey], unkeyed: _Tally,
+                   pages: int) -> None:
+        """Pass on what one page of a list added or changed; `seen` gathers the keys."""
+        body = listing.head
+        items, meta = body.get("items"), body.get("metadata")
+        if not isinstance(items, list | None) or not isinstance(meta, dict | None):
+            raise _BadList("a list whose items or metadata have the wrong type")
+        # One item parsed, decoded and dropped at a time (listsplit.py).
+        for item in listing:
+            if not isinstance(item, dict):
+                # Not an object: nothing to decode, no kind to record it under.
+                # Counted (stats, the dump's watch section) and logged below.
+                unkeyed.note(f"an item {shown(item)}, not an object")
+                self.stats.unkeyed += 1
+                continue
+            key, named = self._key(item)
+            if not named:
+                # Passed on all the same, under a key of its own, so the decoder
+                # records why it is skipped; identical ones are one object.
+                unkeyed.note(_why_unkeyed(item))
+                if key in seen:
+                    continue
+            # A list is one consistent snapshot: an object twice means pages that
+            # overlap or loop (and a list that would never end).
+            elif key in seen:
+                raise _BadList(f"the list repeated {key[0]}/{key[1]} (page {pages})")
+            seen.add(key)
+            if len(seen) > self.options.max_list_items:
+                raise _BadList(f"the list passed {self.options.max_list_items} objects")
+            old = self._objects.get(key)
+            self._objects[key] = now = (meta_version(item), meta_uid(item))
+            # resourceVersions alone can repeat across a storage loss (see above)
+            if old != now:
+                self._emit("ADDED" if old is None else "MODIFIED", key, item)
+
+    def _list_done(self, seen: set[ObjectKey], unkeyed: _Tally, list_rv: str,
+                   since: str, pages: int) -> None:
+        """After a list's last page: what it no longer holds is deleted; the revision it
+        was read at is ours."""
         for key in [k for k in self._objects if k not in seen]:
             del self._objects[key]
             self._emit("DELETED", key, None)
@@ -682,17 +680,11 @@ class Reflector:
             self._stream.bookmarks += 1
             self.resource_version = rv or self.resource_version
             return
-        # As in a list, so an object gets one key whichever way it came.
-        obj.setdefault("kind", self.resource.kind)
-        obj.setdefault("apiVersion", self.resource.api_version)
-        found = identify(obj)
-        if found is None:
-            key = self._unkeyed(obj)
+        key, named = self._key(obj)
+        if not named:
             log.warning("%s event of %s without a usable namespace/name (%s): passed on "
                         "as %s to be recorded as skipped", kind, self.resource,
                         _why_unkeyed(obj), key[1], extra=self._extra(object=key[1]))
-        else:
-            key = found
         if kind == "DELETED":
             self._objects.pop(key, None)
         else:
@@ -765,10 +757,18 @@ class Reflector:
                       self.options.max_line_bytes,
                       extra=self._extra(object=_identify(head)))
 
-    def _unkeyed(self, obj: dict[str, Any]) -> ObjectKey:
-        """The key of an object without a usable name, counted."""
-        self.stats.unkeyed += 1
-        return unkeyed_key(obj)
+    def _key(self, obj: dict[str, Any]) -> tuple[ObjectKey, bool]:
+        """The key an object of a list or a watch is kept under (one key whichever way
+        it came), and whether it is the object's own namespace and name. One without a
+        usable name gets a key of its own, counted. List items carry no kind/apiVersion;
+        the decoder needs both."""
+        obj.setdefault("kind", self.resource.kind)
+        obj.setdefault("apiVersion", self.resource.api_version)
+        found = identify(obj)
+        if found is None:
+            self.stats.unkeyed += 1
+            return unkeyed_key(obj), False
+        return found, True
 
     def _emit(self, kind: str, key: ObjectKey, obj: dict[str, Any] | None) -> None:
         self.stats.events += 1
@@ -789,6 +789,19 @@ class _Tally:
     def note(self, why: str) -> None:
         self.count += 1
         self.first = self.first or why
+
+
+def _continue_token(listing: Items) -> str | None:
+    """The token for a list's next page; None after the last."""
+    # Read from the head after the items: had they not been cut cleanly, the head is the
+    # whole body's now (listsplit.Items).
+    meta = listing.head.get("metadata")
+    if not isinstance(meta, dict | None):
+        raise _BadList("a list whose metadata has the wrong type")
+    token = (meta or {}).get("continue") or None
+    if token is not None and not isinstance(token, str):
+        raise _BadList(f"a continue token that is no string: {shown(token)}")
+    return token
 
 
 def _why_unkeyed(obj: dict[str, Any]) -> str:
