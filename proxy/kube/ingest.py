@@ -15,11 +15,12 @@ from __future__ import annotations
 import enum
 import logging
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from proxy.kube import identity
 from proxy.kube.decode import (
+    Decoded,
     decode_endpoint_slice,
     decode_endpoints,
     decode_node,
@@ -30,6 +31,8 @@ from proxy.model.skips import Skip
 from proxy.model.tracker import ClusterModel
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class EndpointsSource(enum.Enum):
@@ -69,19 +72,11 @@ def apply_object(
     kind = obj.get("kind")
     namespace, name = _name(obj)
     if kind == "Service":
-        svc, skips = decode_service(obj)
-        _record(model, kind, namespace, name, skips)
-        if svc is None:
-            model.delete_service(namespace, name)
-        else:
-            model.apply_service(svc)
+        _replace(model, kind, namespace, name, decode_service(obj),
+                 model.apply_service, model.delete_service)
     elif kind == "EndpointSlice" and source is EndpointsSource.ENDPOINT_SLICES:
-        sl, skips = decode_endpoint_slice(obj)
-        _record(model, kind, namespace, name, skips)
-        if sl is None:
-            model.delete_slice(namespace, name)
-        else:
-            model.apply_slice(sl)
+        _replace(model, kind, namespace, name, decode_endpoint_slice(obj),
+                 model.apply_slice, model.delete_slice)
     elif kind == "Endpoints" and source is EndpointsSource.ENDPOINTS:
         slices, skips = decode_endpoints(obj)
         _record(model, kind, namespace, name, skips)
@@ -94,6 +89,19 @@ def apply_object(
     else:
         return False
     return True
+
+
+def _replace(model: ClusterModel, kind: str, namespace: str, name: str,
+             decoded: Decoded[T], apply: Callable[[T], None],
+             delete: Callable[[str, str], None]) -> None:
+    """Record what decoding skipped, then apply the object, or delete it when it did not
+    decode (module docstring)."""
+    value, skips = decoded
+    _record(model, kind, namespace, name, skips)
+    if value is None:
+        delete(namespace, name)
+    else:
+        apply(value)
 
 
 def delete_object(model: ClusterModel, kind: str, namespace: str, name: str) -> None:
