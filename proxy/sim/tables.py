@@ -129,6 +129,17 @@ def include_object(value: str | None) -> str:
 # ---- formatting helpers --------------------------------------------------------------
 
 
+# apimachinery's HumanDuration, step by step: (unit, its seconds, the next smaller unit
+# and its seconds, below how many units the smaller one is shown too ("2m5s"), below how
+# many the unit alone is shown).
+_DURATION_STEPS = (
+    ("m", 60, "s", 1, 10, 3 * 60),
+    ("h", 3600, "m", 60, 8, 48),
+    ("d", 86400, "h", 3600, 8, 365 * 2),
+    ("y", 86400 * 365, "d", 86400, 8, None),
+)
+
+
 def human_duration(seconds: float) -> str:
     """apimachinery's duration.HumanDuration: ~2-3 significant figures."""
     whole = int(seconds)  # Go truncates toward zero
@@ -138,28 +149,14 @@ def human_duration(seconds: float) -> str:
         return "0s"
     if whole < 120:
         return f"{whole}s"
-    minutes = whole // 60
-    if minutes < 10:
-        s = whole % 60
-        return f"{minutes}m" if s == 0 else f"{minutes}m{s}s"
-    if minutes < 180:
-        return f"{minutes}m"
-    hours = whole // 3600
-    if hours < 8:
-        m = minutes % 60
-        return f"{hours}h" if m == 0 else f"{hours}h{m}m"
-    if hours < 48:
-        return f"{hours}h"
-    if hours < 24 * 8:
-        h = hours % 24
-        return f"{hours // 24}d" if h == 0 else f"{hours // 24}d{h}h"
-    if hours < 24 * 365 * 2:
-        return f"{hours // 24}d"
-    if hours < 24 * 365 * 8:
-        dy = (hours // 24) % 365
-        years = hours // 24 // 365
-        return f"{years}y" if dy == 0 else f"{years}y{dy}d"
-    return f"{hours // 24 // 365}y"
+    for unit, size, smaller, smaller_size, with_smaller, alone in _DURATION_STEPS:
+        count = whole // size
+        if count < with_smaller:
+            rest = whole // smaller_size % (size // smaller_size)
+            return f"{count}{unit}" if rest == 0 else f"{count}{unit}{rest}{smaller}"
+        if alone is None or count < alone:
+            return f"{count}{unit}"
+    raise AssertionError("unreachable: the last step has no bound")
 
 
 def age(obj: Mapping[str, Any], now: datetime) -> str:
