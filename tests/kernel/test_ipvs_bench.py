@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ipvs_bench import failed_checks, markdown, run
+from bench.ipvs.run import failed_checks, markdown, run
 
 pytestmark = [pytest.mark.kernel, pytest.mark.slow]
 

@@ -1,8 +1,8 @@
-"""The IPVS benchmark's measurements, INSIDE the kernel lab's guest: started by bench/ipvs_bench.py
+"""The IPVS benchmark's measurements, INSIDE the kernel lab's guest: started by bench/ipvs/run.py
 through labs/kernel/harness.py. Never run it on the host: it makes and deletes network
 namespaces and needs IPVS.
 
-    python bench/ipvs_guest.py --services N --endpoints M --repeat R [--swaps S] [--partials P]
+    python bench/ipvs/guest.py --services N --endpoints M --repeat R [--swaps S] [--partials P]
 
 Each round, for each client (pyroute2 and ours; the order alternates between rounds so
 that drift in the machine's load falls on both), in a fresh network namespace:
@@ -40,8 +40,8 @@ from functools import partial
 from typing import Any, TypeVar
 
 from bench.iptables_bench import build, change_one
-from bench.ipvs_clients import Client, Ours, Pyroute2, encode_program
-from bench.ipvs_workload import SPARE, Table, Workload, differences, digest, summary
+from bench.ipvs.clients import Client, Ours, Pyroute2, encode_program
+from bench.ipvs.workload import SPARE, Table, Workload, differences, digest, summary
 from labs.kernel.guest import write_result
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.ipvs.apply import IpvsDataPlane

@@ -1,5 +1,5 @@
 """The IPVS benchmark's workload, and kernel tables in a form both clients can be compared
-in (pure; bench/ipvs_bench.py explains the benchmark).
+in (pure; bench/ipvs/run.py explains the benchmark).
 
 N TCP virtual servers, each with M masqueraded real servers at weight 1, scheduler rr,
 with exactly the addresses `bench.model_bench.make_objects` gives its services and

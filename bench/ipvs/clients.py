@@ -3,7 +3,7 @@ IPVS and IPRoute APIs used as FINDINGS describes (one call per object), and ours
 (`proxy.dataplane.ipvs.kernel`: IpvsTable and Links, the exact calls the data plane
 makes, requests batched many to a datagram).
 
-Kernel-touching: only for bench/ipvs_guest.py inside user-mode Linux. Each client opens
+Kernel-touching: only for bench/ipvs/guest.py inside the kernel lab. Each client opens
 its sockets in the calling thread's network namespace, and must be used from that thread.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from pyroute2 import IPVS, IPRoute, IPVSDest, IPVSService
 
-from bench.ipvs_workload import Dest, Service, Table
+from bench.ipvs.workload import Dest, Service, Table
 from proxy.dataplane.ipvs.diff import FWD_MASQ, Op, OpKind
 from proxy.dataplane.ipvs.kernel import IpvsTable, Links
 from proxy.dataplane.ipvs.netlink import request

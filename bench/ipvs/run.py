@@ -1,11 +1,11 @@
 """IPVS benchmark: pyroute2 against our own netlink client, and what a data-plane sync
 costs, in a real Linux kernel (the kernel lab's: QEMU with Debian's kernel by default).
 
-    sudo .venv/bin/python -m bench.ipvs_bench --services 100 1000 --endpoints 3 --repeat 3 \\
+    sudo .venv/bin/python -m bench.ipvs --services 100 1000 --endpoints 3 --repeat 3 \\
         --json ipvs-bench.json
 
 The host kernel has no IPVS, so each size boots a kernel through the kernel tests'
-harness (labs/kernel/harness.py) and runs bench/ipvs_guest.py inside, which says what is
+harness (labs/kernel/harness.py) and runs bench/ipvs/guest.py inside, which says what is
 measured: for N TCP virtual servers with M masqueraded real servers each, programming
 them all, dumping the whole table, swapping one service's real server, and putting N
 addresses on a dummy interface and dumping them, with pyroute2 (one call per object, as
@@ -30,10 +30,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.ipvs_workload import Workload
+from bench.ipvs.workload import Workload
 from labs.kernel.harness import DEFAULT_MEMORY_MB, run_in_kernel
 
-GUEST = Path(__file__).resolve().parent / "ipvs_guest.py"
+GUEST = Path(__file__).resolve().parent / "guest.py"
 DEFAULT_TIMEOUT = 600.0  # per boot; the guest's own deadline is a little shorter
 
 # (operation, label); {n} is the number of services, {objects} virtual + real servers.
@@ -136,7 +136,8 @@ def _ratio(x: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.ipvs",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--services", type=int, nargs="+", default=[100, 1000],
                    help="sizes to measure, one kernel boot each")
     p.add_argument("--endpoints", type=int, default=3, help="real servers per service")
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--partials", type=int, default=10, help="partial syncs per round")
     p.add_argument("--no-dataplane", action="store_true", help="skip the IpvsDataPlane syncs")
     p.add_argument("--fresh-allocator", action="store_true",
-                   help="measure in a fresh process's allocator state (see ipvs_guest.py)")
+                   help="measure in a fresh process's allocator state (see guest.py)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help="seconds per kernel boot, all rounds included")
     p.add_argument("--memory-mb", type=int, default=DEFAULT_MEMORY_MB,
@@ -176,6 +177,3 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(results))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
