@@ -98,18 +98,21 @@ def merge_port(
         if len(found) == 1:
             slice_name, best = found[0]
             one = sources.get(slice_name) or sources.setdefault(slice_name, (slice_name,))
-            merged.append(_single(address, port, one, best))
+            merged.append(_as_merged(address, port, one, best))
         else:
             merged.append(_merge_copies(address, port, found, conflicts))
     return tuple(merged), tuple(conflicts)
 
 
-def _single(address: IPAddress, port: int, source: tuple[str], ep: Endpoint) -> MergedEndpoint:
-    """The endpoint as merged when `source` names the only slice listing it."""
+def _as_merged(address: IPAddress, port: int, sources: tuple[str, ...], ep: Endpoint,
+               conflict: bool = False) -> MergedEndpoint:
+    """The copy `ep` as the merged endpoint, listed by the slices `sources` (the only
+    one, or several whose chosen copy it is; `conflict`: their copies disagree)."""
     return MergedEndpoint(
         address=address, port=port, ready=ep.ready, serving=ep.serving,
         terminating=ep.terminating, node_name=ep.node_name, zone=ep.zone,
-        zone_hints=ep.zone_hints, node_hints=ep.node_hints, sources=source)
+        zone_hints=ep.zone_hints, node_hints=ep.node_hints, sources=sources,
+        conflict=conflict)
 
 
 def _merge_copies(address: IPAddress, port: int, found: list[tuple[str, Endpoint]],
@@ -129,24 +132,12 @@ def _merge_copies(address: IPAddress, port: int, found: list[tuple[str, Endpoint
             fields=tuple(f.replace("node_name", "node") for f in differing),
             chosen=slice_name,
         ))
-    return MergedEndpoint(
-        address=address,
-        port=port,
-        ready=best.ready,
-        serving=best.serving,
-        terminating=best.terminating,
-        node_name=best.node_name,
-        zone=best.zone,
-        zone_hints=best.zone_hints,
-        node_hints=best.node_hints,
-        sources=sources,
-        conflict=conflict,
-    )
+    return _as_merged(address, port, sources, best, conflict)
 
 
 def _slice_entries(sl: EndpointSlice, port_name: str, protocol: Protocol) -> tuple[_Entry, ...]:
     source = (sl.name,)
-    out = [((int(ep.address), sp.port), sl.name, ep, _single(ep.address, sp.port, source, ep))
+    out = [((int(ep.address), sp.port), sl.name, ep, _as_merged(ep.address, sp.port, source, ep))
            for sp in sl.ports if sp.name == port_name and sp.protocol is protocol
            for ep in sl.endpoints]
     out.sort(key=_by_key)
