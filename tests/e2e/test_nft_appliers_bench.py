@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from bench.nft_appliers import APPLIERS, TABLE, markdown, run_one
+from bench.nftables.appliers import APPLIERS, TABLE, markdown, run_one
 
 pytestmark = pytest.mark.root
 

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from bench.nft_conn_cost import markdown, run
+from bench.nftables.conn_cost import markdown, run
 
 pytestmark = pytest.mark.root
 

@@ -1,6 +1,6 @@
 """Which way to program nf_tables natively (issue 14): the appliers that exist, by numbers.
 
-    sudo .venv/bin/python -m bench.nft_appliers --sizes 1000 10000 --changes 20
+    sudo .venv/bin/python -m bench.nftables.appliers --sizes 1000 10000 --changes 20
 
 Appliers:
 - `nft -f -`: Debian's `nft`, one subprocess per transaction, the ruleset as text;

@@ -16,7 +16,7 @@ mode with its K shards, and the same with every service port in one table (K = 1
 Configurations alternate round by round, and medians are reported: the machine's
 noise moves every configuration alike.
 
-    python -m bench.nft_conn_cost --services 10000 --connections 2000 --rounds 3
+    python -m bench.nftables.conn_cost --services 10000 --connections 2000 --rounds 3
 """
 
 from __future__ import annotations
