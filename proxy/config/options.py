@@ -145,6 +145,9 @@ PROXY_MODES = ("iptables", "ipvs", "nftables")
 IPTABLES_APPLIERS = ("restore", "iptc")
 LOGGING_FORMATS = ("text", "json")
 IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq", "mh")
+# The settings that take one of a few words.
+_CHOICES = {"proxy_mode": PROXY_MODES, "iptables_applier": IPTABLES_APPLIERS,
+            "logging_format": LOGGING_FORMATS, "ipvs_scheduler": IPVS_SCHEDULERS}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,9 +276,9 @@ def from_values(values: dict[str, Any]) -> Config:
             match dest:
                 case "kubeconfig" | "master" | "hostname_override" | "service_proxy_name":
                     kw[dest] = str(value) if value is not None else None
-                case "proxy_mode":
-                    if value not in PROXY_MODES:
-                        raise ValueError(f"must be one of {', '.join(PROXY_MODES)}")
+                case "proxy_mode" | "iptables_applier" | "logging_format" | "ipvs_scheduler":
+                    if value not in _CHOICES[dest]:
+                        raise ValueError(f"must be one of {', '.join(_CHOICES[dest])}")
                     kw[dest] = value
                 case "endpoints_source":
                     kw[dest] = EndpointsSource(value)
@@ -289,18 +292,6 @@ def from_values(values: dict[str, Any]) -> Config:
                     kw["uvloop"] = not _bool(value)
                 case "healthz_bind_address" | "metrics_bind_address":
                     kw[dest] = parse_bind_address(str(value), flag)
-                case "iptables_applier":
-                    if value not in IPTABLES_APPLIERS:
-                        raise ValueError(f"must be one of {', '.join(IPTABLES_APPLIERS)}")
-                    kw[dest] = value
-                case "logging_format":
-                    if value not in LOGGING_FORMATS:
-                        raise ValueError(f"must be one of {', '.join(LOGGING_FORMATS)}")
-                    kw[dest] = value
-                case "ipvs_scheduler":
-                    if value not in IPVS_SCHEDULERS:
-                        raise ValueError(f"must be one of {', '.join(IPVS_SCHEDULERS)}")
-                    kw[dest] = value
                 case "ignored_settings":
                     kw[dest] = tuple(value)
                 case "v":
