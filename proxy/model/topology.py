@@ -305,28 +305,22 @@ def _by_preference(
             _keep_all
     for key in keys:
         if key == LABEL_HOSTNAME:
-            count = sum(1 for ep in ready if ep.node_name == node.name)
-            if count:
-                return Topology("prefer-node", requested,
-                                f"{key}: {count} ready endpoint(s) on node {node.name}"), \
-                    _on_node(node)
-            notes.append(f"{key}: none ready on node {node.name}")
+            mode, keep, where = "prefer-node", _on_node(node), f"on node {node.name}"
         elif key == LABEL_ZONE:
-            zone = node.zone
-            if zone is None:
+            if node.zone is None:
                 notes.append(f"{key}: this node has no zone label")
                 continue
-            count = sum(1 for ep in ready if ep.zone == zone)
-            if count:
-                return Topology("prefer-zone", requested,
-                                f"{key}: {count} ready endpoint(s) in zone {zone}"), \
-                    _in_zone(zone)
-            notes.append(f"{key}: none ready in zone {zone}")
+            mode, keep, where = "prefer-zone", _in_zone(node.zone), f"in zone {node.zone}"
         elif key == ANY:
             notes.append("*: any endpoint")
             return Topology("cluster", requested, "; ".join(notes)), _keep_all
         else:
             notes.append(f"{key}: unsupported key, ignored")
+            continue
+        count = sum(1 for ep in ready if keep(ep))
+        if count:
+            return Topology(mode, requested, f"{key}: {count} ready endpoint(s) {where}"), keep
+        notes.append(f"{key}: none ready {where}")
     notes.append("no key matched; falling back to the whole cluster")
     return Topology("cluster", requested, "; ".join(notes)), _keep_all
 
