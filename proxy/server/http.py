@@ -14,8 +14,9 @@ import logging
 from typing import Any, Protocol
 
 from aiohttp import web
+from prometheus_client import Counter
 
-from proxy.server.health import ProxyHealth, go_time
+from proxy.server.health import HealthStatus, ProxyHealth, go_time
 from proxy.server.metrics import CONTENT_TYPE, AgentMetrics
 
 log = logging.getLogger(__name__)
@@ -31,29 +32,31 @@ class DumpSource(Protocol):
 def health_app(health: ProxyHealth, metrics: AgentMetrics) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         st = health.status()
-        code = 200 if st.ready else 503
-        metrics.healthz.labels(str(code)).inc()
-        # Upstream reports lastUpdated = currentTime while healthy (older clients read it
-        # as "the last time the sync loop ran").
-        last = st.current_time if st.ready else st.last_updated
-        text = (f'{{"lastUpdated": {json.dumps(go_time(last))},'
-                f'"currentTime": {json.dumps(go_time(st.current_time))}, '
-                f'"nodeEligible": {"true" if st.node_eligible else "false"}}}')
-        return web.Response(body=text.encode(), status=code, headers=JSON_HEADERS)
+        eligible = "true" if st.node_eligible else "false"
+        return _health_answer(st, st.ready, metrics.healthz, f', "nodeEligible": {eligible}')
 
     async def livez(_: web.Request) -> web.Response:
         st = health.status()
-        code = 200 if st.healthy else 503
-        metrics.livez.labels(str(code)).inc()
-        last = st.current_time if st.healthy else st.last_updated
-        text = (f'{{"lastUpdated": {json.dumps(go_time(last))},'
-                f'"currentTime": {json.dumps(go_time(st.current_time))}}}')
-        return web.Response(body=text.encode(), status=code, headers=JSON_HEADERS)
+        return _health_answer(st, st.healthy, metrics.livez)
 
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/livez", livez)
     return app
+
+
+def _health_answer(st: HealthStatus, ok: bool, answers: Counter, more: str = "",
+                   ) -> web.Response:
+    """Upstream's body for /healthz and /livez (`more`: fields after currentTime), 200
+    when `ok`, else 503; counted in `answers` by code."""
+    code = 200 if ok else 503
+    answers.labels(str(code)).inc()
+    # Upstream reports lastUpdated = currentTime while healthy (older clients read it
+    # as "the last time the sync loop ran").
+    last = st.current_time if ok else st.last_updated
+    text = (f'{{"lastUpdated": {json.dumps(go_time(last))},'
+            f'"currentTime": {json.dumps(go_time(st.current_time))}{more}}}')
+    return web.Response(body=text.encode(), status=code, headers=JSON_HEADERS)
 
 
 DUMP_DISABLED = "the debug dump is disabled (--debug-dump=false)"
