@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from proxy.sim.errors import Cause
@@ -91,6 +92,18 @@ def _port_range(path: str, value: Any, lowest: int = 1) -> list[Cause]:
     if isinstance(value, bool) or not isinstance(value, int) or not lowest <= value <= 65535:
         return [invalid(path, value, f"must be between {lowest} and 65535, inclusive")]
     return []
+
+
+def _objects(out: list[Cause], items: list[Any],
+             where: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(path, item) for each object in `items`; anything else is a cause, added to `out`
+    in its turn."""
+    for i, item in enumerate(items):
+        path = f"{where}[{i}]"
+        if isinstance(item, dict):
+            yield path, item
+        else:
+            out.append(invalid(path, item, "must be an object"))
 
 
 def _name_causes(rt: ResourceType, name: Any) -> list[Cause]:
@@ -179,11 +192,7 @@ def _service(spec: dict[str, Any]) -> list[Cause]:
         out.append(required("spec.ports"))
     names: set[str] = set()
     seen: set[tuple[Any, Any]] = set()
-    for i, port in enumerate(ports):
-        path = f"spec.ports[{i}]"
-        if not isinstance(port, dict):
-            out.append(invalid(path, port, "must be an object"))
-            continue
+    for path, port in _objects(out, ports, "spec.ports"):
         name = port.get("name", "")
         if len(ports) > 1 and not name:
             out.append(required(f"{path}.name"))
@@ -242,11 +251,7 @@ def _endpoint_slice(obj: dict[str, Any]) -> list[Cause]:
         return [*out, invalid("endpoints", endpoints, "must be a list")]
     if len(endpoints) > 1000:
         out.append(too_many("endpoints", len(endpoints), 1000))
-    for i, ep in enumerate(endpoints):
-        path = f"endpoints[{i}]"
-        if not isinstance(ep, dict):
-            out.append(invalid(path, ep, "must be an object"))
-            continue
+    for path, ep in _objects(out, endpoints, "endpoints"):
         addrs = ep.get("addresses") or []
         if not addrs:
             out.append(required(f"{path}.addresses", "must contain at least 1 address"))
@@ -278,11 +283,7 @@ def _endpoint_slice(obj: dict[str, Any]) -> list[Cause]:
     if len(ports) > 20000:
         out.append(too_many("ports", len(ports), 20000))
     names: set[str] = set()
-    for i, port in enumerate(ports):
-        path = f"ports[{i}]"
-        if not isinstance(port, dict):
-            out.append(invalid(path, port, "must be an object"))
-            continue
+    for path, port in _objects(out, ports, "ports"):
         name = port.get("name") or ""
         if name and (not isinstance(name, str) or not _DNS1123_LABEL.match(name)):
             out.append(invalid(f"{path}.name", name, DNS1123_LABEL_MSG))
@@ -302,11 +303,7 @@ def _endpoints(obj: dict[str, Any]) -> list[Cause]:
     subsets = obj.get("subsets") or []
     if not isinstance(subsets, list):
         return [invalid("subsets", subsets, "must be a list")]
-    for i, subset in enumerate(subsets):
-        path = f"subsets[{i}]"
-        if not isinstance(subset, dict):
-            out.append(invalid(path, subset, "must be an object"))
-            continue
+    for path, subset in _objects(out, subsets, "subsets"):
         addresses = subset.get("addresses") or []
         not_ready = subset.get("notReadyAddresses") or []
         if not addresses and not not_ready:
@@ -328,11 +325,8 @@ def _endpoints(obj: dict[str, Any]) -> list[Cause]:
                     out.append(invalid(ipath, value, "may not be in the link-local range "
                                        "(169.254.0.0/16, fe80::/10)"))
         ports = subset.get("ports") or []
-        for j, port in enumerate(ports if isinstance(ports, list) else []):
-            ppath = f"{path}.ports[{j}]"
-            if not isinstance(port, dict):
-                out.append(invalid(ppath, port, "must be an object"))
-                continue
+        for ppath, port in _objects(out, ports if isinstance(ports, list) else [],
+                                    f"{path}.ports"):
             if len(ports) > 1 and not port.get("name"):
                 out.append(required(f"{ppath}.name"))
             out += _port_range(f"{ppath}.port", port.get("port"))
