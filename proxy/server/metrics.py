@@ -46,68 +46,79 @@ class AgentMetrics:
         # kube-proxy exports no *_created series; they would only double the output.
         disable_created_metrics()  # type: ignore[no-untyped-call]
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.sync_duration = Histogram(
+
+        # Each metric below: its attribute, name and help, in the order of the output.
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = SYNC_BUCKETS,
+                      ) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, registry=r)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        self.sync_duration = histogram(
             "kubeproxy_sync_proxy_rules_duration_seconds",
-            "SyncProxyRules latency in seconds (resolve + render + apply)",
-            buckets=SYNC_BUCKETS, registry=r)
-        self.sync_full_duration = Histogram(
+            "SyncProxyRules latency in seconds (resolve + render + apply)")
+        self.sync_full_duration = histogram(
             "kubeproxy_sync_full_proxy_rules_duration_seconds",
-            "Latency of full syncs in seconds", buckets=SYNC_BUCKETS, registry=r)
-        self.sync_partial_duration = Histogram(
+            "Latency of full syncs in seconds")
+        self.sync_partial_duration = histogram(
             "kubeproxy_sync_partial_proxy_rules_duration_seconds",
-            "Latency of partial syncs in seconds", buckets=SYNC_BUCKETS, registry=r)
-        self.network_programming = Histogram(
+            "Latency of partial syncs in seconds")
+        self.network_programming = histogram(
             "kubeproxy_network_programming_duration_seconds",
             "Time from a change's arrival at the agent to its rules being applied",
-            buckets=PROGRAMMING_BUCKETS, registry=r)
-        self.last_sync = Gauge(
+            PROGRAMMING_BUCKETS)
+        self.last_sync = gauge(
             "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
-            "The last time proxy rules were successfully synced", registry=r)
-        self.last_queued = Gauge(
+            "The last time proxy rules were successfully synced")
+        self.last_queued = gauge(
             "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
-            "The last time a sync of proxy rules was queued", registry=r)
-        self.endpoint_changes_pending = Gauge(
+            "The last time a sync of proxy rules was queued")
+        self.endpoint_changes_pending = gauge(
             "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
-            "Services with endpoint changes not yet synced", registry=r)
-        self.service_changes_pending = Gauge(
+            "Services with endpoint changes not yet synced")
+        self.service_changes_pending = gauge(
             "kubeproxy_sync_proxy_rules_service_changes_pending",
-            "Services with changes not yet synced", registry=r)
-        self.endpoint_changes = Counter(
+            "Services with changes not yet synced")
+        self.endpoint_changes = counter(
             "kubeproxy_sync_proxy_rules_endpoint_changes",
-            "Endpoint (EndpointSlice or Endpoints) events received", registry=r)
-        self.service_changes = Counter(
+            "Endpoint (EndpointSlice or Endpoints) events received")
+        self.service_changes = counter(
             "kubeproxy_sync_proxy_rules_service_changes",
-            "Service events received", registry=r)
-        self.iptables_restore_failures = Counter(
+            "Service events received")
+        self.iptables_restore_failures = counter(
             "kubeproxy_sync_proxy_rules_iptables_restore_failures",
-            "iptables-restore failures (iptables mode)", registry=r)
-        self.iptables_partial_restore_failures = Counter(
+            "iptables-restore failures (iptables mode)")
+        self.iptables_partial_restore_failures = counter(
             "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures",
-            "iptables-restore failures of partial syncs (iptables mode)", registry=r)
-        self.healthz = Counter(
-            "kubeproxy_proxy_healthz", "/healthz answers by HTTP code", ["code"], registry=r)
-        self.livez = Counter(
-            "kubeproxy_proxy_livez", "/livez answers by HTTP code", ["code"], registry=r)
-        self.syncs = Counter(
-            "sliceproxy_syncs", "Syncs by kind (full, partial) and result (ok, error)",
-            ["kind", "result"], registry=r)
-        self.apply_failures = Counter(
+            "iptables-restore failures of partial syncs (iptables mode)")
+        self.healthz = counter(
+            "kubeproxy_proxy_healthz",
+            "/healthz answers by HTTP code", ("code",))
+        self.livez = counter(
+            "kubeproxy_proxy_livez",
+            "/livez answers by HTTP code", ("code",))
+        self.syncs = counter(
+            "sliceproxy_syncs",
+            "Syncs by kind (full, partial) and result (ok, error)", ("kind", "result"))
+        self.apply_failures = counter(
             "sliceproxy_sync_apply_failures",
-            "Syncs whose apply the kernel refused, by proxy mode", ["mode"], registry=r)
-        self.conntrack_cleared = Counter(
+            "Syncs whose apply the kernel refused, by proxy mode", ("mode",))
+        self.conntrack_cleared = counter(
             "sliceproxy_conntrack_entries_cleared",
-            "Stale UDP/SCTP conntrack entries cleared after syncs", registry=r)
-        self.drift_checks = Counter(
+            "Stale UDP/SCTP conntrack entries cleared after syncs")
+        self.drift_checks = counter(
             "sliceproxy_rules_drift_checks",
-            "Checks of our rules after another process changed the tables they live in",
-            registry=r)
-        self.drift_repairs = Counter(
+            "Checks of our rules after another process changed the tables they live in")
+        self.drift_repairs = counter(
             "sliceproxy_rules_drift_repairs",
-            "Full syncs run because another process had changed or removed our rules",
-            registry=r)
-        self.first_sync = Gauge(
+            "Full syncs run because another process had changed or removed our rules")
+        self.first_sync = gauge(
             "sliceproxy_first_sync_seconds",
-            "Seconds from process start to the first successful sync", registry=r)
+            "Seconds from process start to the first successful sync")
 
     def watch_model(self, model: Callable[[], ClusterModel | None]) -> None:
         self.registry.register(ModelCollector(model))
