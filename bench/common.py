@@ -1,23 +1,33 @@
 """What the benchmarks share: the repository's root, a process's figures from /proc (CPU
-seconds, sizes such as RSS, its descendants) and the cluster simulator run in a lab
-network namespace."""
+seconds, sizes such as RSS, its descendants), the cluster simulator run in a lab
+network namespace, the synthetic cluster of N services that several scenarios program,
+and how a step is timed, a lab node made and results printed."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
+import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from ipaddress import IPv4Address
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from proxy.kube.decode import decode_endpoint_slice, decode_service
+from proxy.lab import Lab
 from proxy.lab.poll import TimedOut, wait
+from proxy.model.snapshot import DesiredState
+from proxy.model.tracker import ClusterModel
 
 ROOT = Path(__file__).resolve().parents[1]
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+T = TypeVar("T")
 
 
 # --- /proc --------------------------------------------------------------------------------
@@ -119,3 +129,121 @@ def simulator(ns: str, manifest: Path, work: Path, watch_cache: bool) -> Iterato
     finally:
         stop(proc)
         log.close()
+
+
+# --- the synthetic cluster ----------------------------------------------------------------
+# N services of one TCP port (80 -> 8080) with M ready endpoints each: the model
+# benchmark decodes and resolves it; iptables_bench, nftables/conn_cost and the IPVS
+# guest program it. Addresses stay in the benchmarking range 198.18.0.0/15 (they repeat
+# past its size, which the model does not mind: they belong to different services).
+
+NODE = "node-0"  # the node the model is resolved for
+SERVICE_BASE = IPv4Address("198.18.128.0")
+POD_BASE = IPv4Address("198.19.0.0")
+ENDPOINTS_PER_SLICE = 100  # the EndpointSlice controller's default (the API allows 1,000)
+
+Objects = list[dict[str, Any]]
+
+
+def make_objects(services: int, endpoints: int) -> tuple[Objects, Objects]:
+    svcs, slices = [], []
+    for i in range(services):
+        name = f"svc-{i}"
+        svcs.append({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": "bench", "resourceVersion": str(i)},
+            "spec": {
+                "clusterIP": str(SERVICE_BASE + i % 32768),
+                "ports": [{"name": "http", "port": 80, "protocol": "TCP"}],
+            },
+        })
+        base = i * endpoints
+        slices.append({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": f"{name}-x", "namespace": "bench",
+                         "labels": {"kubernetes.io/service-name": name}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": [
+                {"addresses": [str(POD_BASE + (base + j) % 65536)],
+                 "conditions": {"ready": True, "serving": True, "terminating": False},
+                 "nodeName": f"node-{(base + j) % 50}",
+                 "zone": f"zone-{(base + j) % 3}"}
+                for j in range(endpoints)
+            ],
+        })
+    return svcs, slices
+
+
+def _split(slice_obj: dict[str, Any]) -> list[dict[str, Any]]:
+    eps = slice_obj["endpoints"]
+    if len(eps) <= ENDPOINTS_PER_SLICE:
+        return [slice_obj]
+    name = slice_obj["metadata"]["name"]
+    return [{**slice_obj, "metadata": {**slice_obj["metadata"], "name": f"{name}-{k}"},
+             "endpoints": eps[i:i + ENDPOINTS_PER_SLICE]}
+            for k, i in enumerate(range(0, len(eps), ENDPOINTS_PER_SLICE))]
+
+
+def cluster_model(services: int, endpoints: int) -> tuple[ClusterModel, list[dict[str, Any]]]:
+    """The model of `services` with `endpoints` each, in slices of at most 100 as the
+    controller writes them, and those slices' objects."""
+    svc_objs, whole = make_objects(services, endpoints)
+    slice_objs = [part for obj in whole for part in _split(obj)]
+    model = ClusterModel(NODE)
+    for obj in svc_objs:
+        svc, _ = decode_service(obj)
+        assert svc is not None
+        model.apply_service(svc)
+    for obj in slice_objs:
+        sl, _ = decode_endpoint_slice(obj)
+        assert sl is not None
+        model.apply_slice(sl)
+    model.resolve()
+    return model, slice_objs
+
+
+def change_one(model: ClusterModel, slice_obj: dict[str, Any], round_: int) -> DesiredState:
+    """Replace the first endpoint of one service with a fresh address."""
+    changed = json.loads(json.dumps(slice_obj))
+    changed["endpoints"][0]["addresses"] = [f"198.18.127.{round_ % 250 + 1}"]
+    sl, _ = decode_endpoint_slice(changed)
+    assert sl is not None
+    model.apply_slice(sl)
+    state = model.resolve()
+    assert len(state.changed) == 1
+    return state
+
+
+# --- timing, a lab node, results -----------------------------------------------------------
+
+
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
+    """Seconds `fn` took, and what it returned."""
+    gc.collect()  # a collection owed by the previous step is not this step's cost
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+@contextmanager
+def node_namespace() -> Iterator[str]:
+    """A network namespace of our own (the lab's node, never the host's), removed on the
+    way out."""
+    with Lab([], ipv6=False) as lab:
+        yield lab.node_ns
+
+
+def print_results(runs: Iterable[dict[str, Any]],
+                  markdown: Callable[[list[dict[str, Any]]], str], *, as_json: bool) -> None:
+    """Take each run's result as it comes (a JSON line on stderr, unless the output is
+    JSON), then print them all: as JSON, or as the scenario's Markdown table."""
+    results = []
+    for result in runs:
+        results.append(result)
+        if not as_json:
+            print(json.dumps(result), file=sys.stderr, flush=True)
+    if as_json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(markdown(results))

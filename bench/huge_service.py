@@ -25,18 +25,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import signal
 import statistics
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from ipaddress import IPv4Address
 from typing import Any
 
 import orjson
 
+from bench.common import ENDPOINTS_PER_SLICE, node_namespace, print_results
 from proxy.dataplane.base import DataplaneOptions
 from proxy.kube.decode import decode_endpoint_slice, decode_service
 from proxy.model.snapshot import DesiredState
@@ -48,7 +47,6 @@ NAMESPACE = "bench"
 SERVICE = "huge"
 SERVICE_IP = "198.18.255.1"
 SERVICE_UID = "5e1ec7ed-0000-4000-8000-000000000001"
-ENDPOINTS_PER_SLICE = 100
 NODES = 200
 ZONES = 3
 PLANES = ("model", "iptables", "nftables", "ipvs")
@@ -168,15 +166,6 @@ def summary(values: list[float], scale: float = 1000.0, digits: int = 3) -> dict
             "p99": round(pct(values, 0.99) * scale, digits)}
 
 
-@contextmanager
-def namespace() -> Iterator[str]:
-    """A network namespace of our own (the lab's node), removed on the way out."""
-    from proxy.lab import Lab
-
-    with Lab([], ipv6=False) as lab:
-        yield lab.node_ns
-
-
 def _plane(name: str, options: DataplaneOptions) -> Any:
     if name == "nftables":
         from proxy.dataplane.nftables.apply import NftablesDataPlane
@@ -192,7 +181,7 @@ def _kernel_step(name: str, model: ClusterModel, endpoints: int, count: int,
     from proxy.lab.netns import entered
 
     options = DataplaneOptions(NODE, families=(Family.V4,))
-    with namespace() as ns, entered(ns):
+    with node_namespace() as ns, entered(ns):
         dp = _plane(name, options)
         start = time.perf_counter()
         report = dp.sync(model.state, full=True)
@@ -311,17 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     # this bench made are removed on the way out.
     signal.signal(signal.SIGTERM, _terminated)
     sizes = list(args.endpoints) + ([50_000] if args.huge else [])
-    results = []
-    for size in sizes:
-        for plane in args.planes:
-            result = run_plane(plane, size, args.changes)
-            results.append(result)
-            if not args.json:
-                print(json.dumps(result), file=sys.stderr, flush=True)
-    if args.json:
-        print(json.dumps(results, indent=2))
-    else:
-        print(markdown(results))
+    print_results((run_plane(plane, size, args.changes)
+                   for size in sizes for plane in args.planes), markdown, as_json=args.json)
     return 0
 
 

@@ -20,28 +20,18 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
-import json
 import statistics
 import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from bench.model_bench import make_objects
+from bench.common import NODE, change_one, cluster_model, node_namespace, print_results, timed
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.iptables.apply import IptablesDataPlane
 from proxy.dataplane.nftables.apply import NftablesDataPlane
 from proxy.dataplane.xtables.restore_runner import Backend
-from proxy.kube.decode import decode_endpoint_slice, decode_service
-from proxy.lab import Lab
 from proxy.lab.netns import entered
-from proxy.model.snapshot import DesiredState
-from proxy.model.tracker import ClusterModel
 from proxy.model.types import Family
 
-NODE = "node-0"
 # name -> (back end, applier)
 APPLIERS: dict[str, tuple[Backend | None, str]] = {
     "legacy-restore": (Backend.LEGACY, "restore"),
@@ -51,70 +41,14 @@ APPLIERS: dict[str, tuple[Backend | None, str]] = {
 }
 
 
-ENDPOINTS_PER_SLICE = 100  # the EndpointSlice controller's default (the API allows 1,000)
-
-
-def _split(slice_obj: dict[str, Any]) -> list[dict[str, Any]]:
-    eps = slice_obj["endpoints"]
-    if len(eps) <= ENDPOINTS_PER_SLICE:
-        return [slice_obj]
-    name = slice_obj["metadata"]["name"]
-    return [{**slice_obj, "metadata": {**slice_obj["metadata"], "name": f"{name}-{k}"},
-             "endpoints": eps[i:i + ENDPOINTS_PER_SLICE]}
-            for k, i in enumerate(range(0, len(eps), ENDPOINTS_PER_SLICE))]
-
-
-def build(services: int, endpoints: int) -> tuple[ClusterModel, list[dict[str, Any]]]:
-    """The model of `services` with `endpoints` each, in slices of at most 100 as the
-    controller writes them, and those slices' objects."""
-    svc_objs, whole = make_objects(services, endpoints)
-    slice_objs = [part for obj in whole for part in _split(obj)]
-    model = ClusterModel(NODE)
-    for obj in svc_objs:
-        svc, _ = decode_service(obj)
-        assert svc is not None
-        model.apply_service(svc)
-    for obj in slice_objs:
-        sl, _ = decode_endpoint_slice(obj)
-        assert sl is not None
-        model.apply_slice(sl)
-    model.resolve()
-    return model, slice_objs
-
-
-def change_one(model: ClusterModel, slice_obj: dict[str, Any], round_: int) -> DesiredState:
-    """Replace the first endpoint of one service with a fresh address."""
-    changed = json.loads(json.dumps(slice_obj))
-    changed["endpoints"][0]["addresses"] = [f"198.18.127.{round_ % 250 + 1}"]
-    sl, _ = decode_endpoint_slice(changed)
-    assert sl is not None
-    model.apply_slice(sl)
-    state = model.resolve()
-    assert len(state.changed) == 1
-    return state
-
-
-@contextmanager
-def namespace() -> Iterator[str]:
-    with Lab([], ipv6=False) as lab:
-        yield lab.node_ns
-
-
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    gc.collect()
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
-
-
 def run_one(name: str, services: int, endpoints: int, repeat: int,
             full: bool = True) -> dict[str, Any]:
     backend, applier = APPLIERS[name]
-    model, slices = build(services, endpoints)
+    model, slices = cluster_model(services, endpoints)
     options = DataplaneOptions(NODE, families=(Family.V4,))
     out: dict[str, Any] = {"applier": name, "services": services,
                            "endpoints_per_service": endpoints}
-    with namespace() as ns, entered(ns):
+    with node_namespace() as ns, entered(ns):
         dp: IptablesDataPlane | NftablesDataPlane
         if applier == "nftables":
             dp = NftablesDataPlane(options, clear_conntrack=False)
@@ -189,18 +123,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip the full resync above this many services (slow back ends)")
     p.add_argument("--json", action="store_true", help="print JSON only")
     args = p.parse_args(argv)
-    results = []
-    for size in args.sizes:
-        for name in args.appliers:
-            result = run_one(name, size, args.endpoints, args.repeat,
-                             full=size <= args.no_resync_above)
-            results.append(result)
-            if not args.json:
-                print(json.dumps(result), file=sys.stderr, flush=True)
-    if args.json:
-        print(json.dumps(results, indent=2))
-    else:
-        print(markdown(results))
+    print_results((run_one(name, size, args.endpoints, args.repeat,
+                           full=size <= args.no_resync_above)
+                   for size in args.sizes for name in args.appliers),
+                  markdown, as_json=args.json)
     return 0
 
 

@@ -16,53 +16,14 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable
-from ipaddress import IPv4Address
 from typing import Any
 
 import orjson
 
+from bench.common import NODE, make_objects
 from proxy.kube.decode import decode_endpoint_slice, decode_service
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import EndpointSlice, Service
-
-NODE = "node-0"
-# Addresses stay in the benchmarking range 198.18.0.0/15 (they repeat past its size,
-# which the model does not mind: they belong to different services).
-SERVICE_BASE = IPv4Address("198.18.128.0")
-POD_BASE = IPv4Address("198.19.0.0")
-
-
-Objects = list[dict[str, Any]]
-
-
-def make_objects(services: int, endpoints: int) -> tuple[Objects, Objects]:
-    svcs, slices = [], []
-    for i in range(services):
-        name = f"svc-{i}"
-        svcs.append({
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": name, "namespace": "bench", "resourceVersion": str(i)},
-            "spec": {
-                "clusterIP": str(SERVICE_BASE + i % 32768),
-                "ports": [{"name": "http", "port": 80, "protocol": "TCP"}],
-            },
-        })
-        base = i * endpoints
-        slices.append({
-            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": f"{name}-x", "namespace": "bench",
-                         "labels": {"kubernetes.io/service-name": name}},
-            "addressType": "IPv4",
-            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
-            "endpoints": [
-                {"addresses": [str(POD_BASE + (base + j) % 65536)],
-                 "conditions": {"ready": True, "serving": True, "terminating": False},
-                 "nodeName": f"node-{(base + j) % 50}",
-                 "zone": f"zone-{(base + j) % 3}"}
-                for j in range(endpoints)
-            ],
-        })
-    return svcs, slices
 
 
 def timed(fn: Callable[[], Any], repeat: int) -> tuple[list[float], Any]:

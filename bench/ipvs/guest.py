@@ -25,7 +25,6 @@ Writes the samples' medians and every check's outcome with labs.kernel.guest.wri
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.metadata
 import os
 import platform
@@ -33,13 +32,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
-from bench.iptables_bench import build, change_one
+from bench.common import NODE, change_one, cluster_model, timed
 from bench.ipvs.clients import Client, Ours, Pyroute2, encode_program
 from bench.ipvs.workload import SPARE, Table, Workload, differences, digest, summary
 from labs.kernel.guest import write_result
@@ -50,10 +49,8 @@ from proxy.dataplane.xtables.restore_runner import Backend
 from proxy.lab.netns import entered
 from proxy.model.types import Family
 
-T = TypeVar("T")
 CLIENTS = ("pyroute2", "ours")
 DUMMY = "spx-bench0"  # the dummy interface the raw clients put addresses on
-NODE = "node-0"  # bench.iptables_bench.build's node
 COMMAND_TIMEOUT = 120.0
 
 
@@ -77,13 +74,6 @@ class Recorder:
 
 def log(text: str) -> None:
     print(f"[{time.monotonic():9.2f}] {text}", file=sys.stderr, flush=True)
-
-
-def timed(fn: Callable[[], T]) -> tuple[float, T]:
-    gc.collect()  # a collection owed by the previous step is not this step's cost
-    start = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - start, out
 
 
 def sh(*cmd: str, check: bool = True) -> None:
@@ -184,7 +174,7 @@ def clients_round(w: Workload, writer_name: str, swaps: int, rec: Recorder) -> N
 
 def dataplane_round(w: Workload, partials: int, rec: Recorder) -> None:
     """The whole IPVS data plane, fed the same services through the model."""
-    model, slices = build(w.services, w.endpoints)
+    model, slices = cluster_model(w.services, w.endpoints)
     plane = IpvsDataPlane(DataplaneOptions(NODE, families=(Family.V4,)),
                           iptables_backend=Backend.LEGACY)
     reader = Ours(DUMMY_INTERFACE)

@@ -2,7 +2,7 @@
 in (pure; bench/ipvs/run.py explains the benchmark).
 
 N TCP virtual servers, each with M masqueraded real servers at weight 1, scheduler rr,
-with exactly the addresses `bench.model_bench.make_objects` gives its services and
+with exactly the addresses `bench.common.make_objects` gives its services and
 endpoints (service i: SERVICE_BASE + i, port 80; its endpoints POD_BASE + i*M + j, port
 8080). So the raw clients and the whole IPVS data plane, fed that model, must build the
 very same table, and the benchmark checks that they do.
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ipaddress import IPv4Address
 from typing import Any
 
-from bench.model_bench import POD_BASE, SERVICE_BASE
+from bench.common import POD_BASE, SERVICE_BASE
 from proxy.dataplane.ipvs.diff import FWD_MASQ
 from proxy.dataplane.ipvs.render import WEIGHT, RsKey, VirtualServer, VsKey, VsKind
 from proxy.model.types import Protocol

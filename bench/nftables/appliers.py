@@ -26,17 +26,16 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gc
 import json
 import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
-from proxy.lab import Lab
+from bench.common import node_namespace, timed
 from proxy.lab.netns import entered
 
 TABLE = "spxbench"
@@ -122,23 +121,10 @@ def pyroute2_chains(services: int) -> None:
 
 
 @contextmanager
-def namespace() -> Iterator[str]:
-    with Lab([], ipv6=False) as lab:
-        yield lab.node_ns
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    gc.collect()
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-@contextmanager
 def applier_in_namespace(applier: str) -> Iterator[NftCommand | Libnftables]:
     """A fresh namespace, entered, and the applier made inside it: libnftables opens its
     netlink socket when its context is made, in the namespace of that moment."""
-    with namespace() as ns, entered(ns):
+    with node_namespace() as ns, entered(ns):
         runner = NftCommand() if applier == "nft -f" else Libnftables()
         try:
             yield runner
@@ -150,18 +136,21 @@ def applier_in_namespace(applier: str) -> Iterator[NftCommand | Libnftables]:
 def run_one(applier: str, services: int, changes: int) -> dict[str, Any]:
     out: dict[str, Any] = {"applier": applier, "services": services}
     if applier == "pyroute2":
-        with namespace() as ns, entered(ns):
-            out["chains_s"] = round(timed(lambda: pyroute2_chains(services)), 4)
+        with node_namespace() as ns, entered(ns):
+            out["chains_s"] = round(timed(lambda: pyroute2_chains(services))[0], 4)
             out["chains_made"] = _chains_here()
         return out
     with applier_in_namespace(applier) as runner:
-        out["chains_s"] = round(timed(lambda: runner.run(chains_text(services))), 4)
+        out["chains_s"] = round(timed(lambda: runner.run(chains_text(services)))[0], 4)
         out["chains_made"] = _chains_here()
     with applier_in_namespace(applier) as runner:
         text = full_text(services)
-        out["full_s"] = round(timed(lambda: runner.run(text)), 4)
-        times = [timed(lambda k=k: runner.run(change_text(k * 7 % services, k + 1)))
-                 for k in range(changes)]
+        out["full_s"] = round(timed(lambda: runner.run(text))[0], 4)
+
+        def change(k: int) -> None:
+            runner.run(change_text(k * 7 % services, k + 1))
+
+        times = [timed(partial(change, k))[0] for k in range(changes)]
         out["change_ms"] = {"median": round(statistics.median(times) * 1000, 2),
                             "max": round(max(times) * 1000, 2), "n": len(times)}
         out["last_change"] = _chain_text(f"svc-{(changes - 1) * 7 % services}")

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from typing import Any
 from unittest import mock
 
-from bench.iptables_bench import NODE, build
+from bench.common import NODE, cluster_model
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.nftables import apply as nft_apply
 from proxy.dataplane.nftables.apply import NftablesDataPlane
@@ -61,7 +61,7 @@ def connect_times(ns: str, ip: str, port: int, count: int) -> list[float]:
 
 def desired(services: int, backend: str) -> tuple[DesiredState, str]:
     """N services; the first one's endpoint is the lab's backend. (state, its VIP)."""
-    model, slices = build(services, 1)
+    model, slices = cluster_model(services, 1)
     probe = dict(slices[0])
     probe["endpoints"] = [{"addresses": [backend], "nodeName": NODE,
                            "conditions": {"ready": True, "serving": True,

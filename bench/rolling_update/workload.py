@@ -6,8 +6,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.common import ENDPOINTS_PER_SLICE
 from bench.huge_service import (
-    ENDPOINTS_PER_SLICE,
     NAMESPACE,
     SERVICE,
     endpoint_object,

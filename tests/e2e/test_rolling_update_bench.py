@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.huge_service import ENDPOINTS_PER_SLICE
+from bench.common import ENDPOINTS_PER_SLICE
 from bench.rolling_update import READY, TERMINATING, Roll, Settings, markdown, run
 from proxy.lab.netns import NETNS_DIR
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from bench.common import ENDPOINTS_PER_SLICE
 from bench.huge_service import (
-    ENDPOINTS_PER_SLICE,
     changes,
     markdown,
     pod_address,
