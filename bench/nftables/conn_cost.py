@@ -36,6 +36,7 @@ from bench.common import NODE, cluster_model
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.nftables import apply as nft_apply
 from proxy.dataplane.nftables.apply import NftablesDataPlane
+from proxy.dataplane.nftables.render import shards_for
 from proxy.kube.decode import decode_endpoint_slice
 from proxy.lab import BackendSpec, Lab
 from proxy.lab.netns import entered
@@ -85,7 +86,7 @@ def programmed(ns: str, state: DesiredState, shards: int | None) -> Iterator[int
     options = DataplaneOptions(NODE, families=(Family.V4,))
     with entered(ns), mock.patch.object(
             nft_apply, "shards_for",
-            (lambda n: 1) if shards == 1 else nft_apply.shards_for):
+            (lambda n: 1) if shards == 1 else shards_for):
         dp = NftablesDataPlane(options, clear_conntrack=False)
         dp.sync(state, full=True)
         count = dp._families[Family.V4].shards
@@ -119,11 +120,11 @@ def run(services: int, connections: int, rounds: int) -> dict[str, Any]:
                             connect_times(lab.client_ns, ip, port, connections))
     out: dict[str, Any] = {"services": services, "connections": connections,
                            "rounds": rounds, "configs": {}}
-    for name, paths in results.items():
+    for name, samples in results.items():
         out["configs"][name] = {"shards": shard_counts[name], **{
             path: {"median_us": round(statistics.median(v), 1),
                    "p90_us": round(statistics.quantiles(v, n=10)[-1], 1), "n": len(v)}
-            for path, v in paths.items()}}
+            for path, v in samples.items()}}
     return out
 
 
