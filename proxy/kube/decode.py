@@ -411,9 +411,9 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
         cluster_ips=cluster_ips,
         ports=ports,
         headless=headless,
-        external_ips=external_ips,
-        load_balancer_ips=lb_ips,
-        load_balancer_source_ranges=ranges,
+        external_ips=tuple(external_ips),
+        load_balancer_ips=tuple(lb_ips),
+        load_balancer_source_ranges=tuple(ranges),
         affinity_timeout=affinity,
         internal_traffic_policy=_policy(ctx, spec, "internalTrafficPolicy"),
         external_traffic_policy=_policy(ctx, spec, "externalTrafficPolicy"),
@@ -428,7 +428,7 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
 
 
 def _load_balancer_ips(ctx: _Ctx, status: dict[str, Any],
-                       cluster_ips: tuple[IPAddress, ...]) -> tuple[IPAddress, ...]:
+                       cluster_ips: tuple[IPAddress, ...]) -> list[IPAddress]:
     lb_ips: list[IPAddress] = []
     load_balancer = _dict(status.get("loadBalancer"), "status.loadBalancer")
     ingress = _list(load_balancer.get("ingress"), "status.loadBalancer.ingress")
@@ -445,16 +445,16 @@ def _load_balancer_ips(ctx: _Ctx, status: dict[str, Any],
         if (ip is not None and _not_again(ctx, ip, cluster_ips, "cluster", where)
                 and ip not in lb_ips):
             lb_ips.append(ip)
-    return tuple(lb_ips)
+    return lb_ips
 
 
-def _source_ranges(ctx: _Ctx, spec: dict[str, Any]) -> tuple[IPNetwork, ...]:
+def _source_ranges(ctx: _Ctx, spec: dict[str, Any]) -> list[IPNetwork]:
     ranges: list[IPNetwork] = []
     for i, raw in enumerate(_list(spec.get("loadBalancerSourceRanges"), "sourceRanges")):
         net = _cidr(ctx, raw, f"spec.loadBalancerSourceRanges[{i}]")
         if net is not None and net not in ranges:
             ranges.append(net)
-    return tuple(ranges)
+    return ranges
 
 
 def _affinity(ctx: _Ctx, spec: dict[str, Any]) -> int | None:
@@ -485,7 +485,7 @@ def _health_check_node_port(ctx: _Ctx, spec: dict[str, Any]) -> int:
 
 
 def _external_ips(ctx: _Ctx, spec: dict[str, Any], cluster_ips: tuple[IPAddress, ...],
-                  lb_ips: tuple[IPAddress, ...]) -> tuple[IPAddress, ...]:
+                  lb_ips: list[IPAddress]) -> list[IPAddress]:
     external_ips: list[IPAddress] = []
     for i, raw in enumerate(_list(spec.get("externalIPs"), "spec.externalIPs")):
         where = f"spec.externalIPs[{i}]"
@@ -494,7 +494,7 @@ def _external_ips(ctx: _Ctx, spec: dict[str, Any], cluster_ips: tuple[IPAddress,
                 and _not_again(ctx, ip, lb_ips, "load-balancer", where)
                 and ip not in external_ips):
             external_ips.append(ip)
-    return tuple(external_ips)
+    return external_ips
 
 
 def _cluster_ips(ctx: _Ctx, raw: list[Any]) -> tuple[IPAddress, ...]:
