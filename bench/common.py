@@ -234,6 +234,10 @@ def node_namespace() -> Iterator[str]:
         yield lab.node_ns
 
 
+def quiet(_: str) -> None:
+    """A progress callback that says nothing."""
+
+
 def print_results(runs: Iterable[dict[str, Any]],
                   markdown: Callable[[list[dict[str, Any]]], str], *, as_json: bool) -> None:
     """Take each run's result as it comes (a JSON line on stderr, unless the output is

@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench.common import quiet
 from bench.realcp_latency.measure import Commits, commit_tables, summary, wait_initial, watch_rule
 from bench.realcp_latency.nat import _run
 from bench.realcp_latency.proxies import (
@@ -34,7 +35,6 @@ from bench.realcp_latency.settings import (
     Settings,
     pod_ip,
     pod_name,
-    quiet,
     service_name,
 )
 from bench.realcp_latency.watch import SliceWatch, Writer, ready_addresses

@@ -40,10 +40,6 @@ INITIAL_POLL = 0.25  # seconds between checks of the initial sync
 Obj = dict[str, Any]
 
 
-def quiet(_: str) -> None:
-    pass
-
-
 @dataclass(frozen=True, slots=True)
 class Settings:
     services: int = 1000

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from bench import reflector_fleet as package  # its docstring is the command's help
+from bench.common import quiet
 from bench.reflector_fleet.measure import run
 from bench.reflector_fleet.report import markdown
 from bench.reflector_fleet.servers import encodings, preload, real_target, sim_target
 from bench.reflector_fleet.worker import WorkerSpec, worker_main
-from bench.reflector_fleet.workload import SIZES, Settings, quiet
+from bench.reflector_fleet.workload import SIZES, Settings
 
 
 def _on_sigterm(signum: int, frame: object) -> NoReturn:

@@ -13,11 +13,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT
+from bench.common import ROOT, quiet
 from bench.reflector_fleet.sampling import Sampler, snapshot
 from bench.reflector_fleet.servers import Target
 from bench.reflector_fleet.worker import Worker, WorkerSpec
-from bench.reflector_fleet.workload import NAMESPACE, Obj, Settings, quiet, slice_endpoints
+from bench.reflector_fleet.workload import NAMESPACE, Obj, Settings, slice_endpoints
 
 # --- one run: N agents, one first-list mode -----------------------------------------------
 

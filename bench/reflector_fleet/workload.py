@@ -18,10 +18,6 @@ SIZES: dict[str, dict[str, Any]] = {
 Obj = dict[str, Any]
 
 
-def quiet(_: str) -> None:
-    pass
-
-
 @dataclass(frozen=True, slots=True)
 class Settings:
     server: str = "real"  # "real" (kube-apiserver v1.20.2) or "sim"
