@@ -398,7 +398,8 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
     cluster_ips = () if headless else _cluster_ips(ctx, raw_ips)
     # The order of these calls is the order of their records (ctx.skips).
     ports = _service_ports(ctx, _list(spec.get("ports"), "spec.ports"))
-    lb_ips = _load_balancer_ips(ctx, status, cluster_ips)
+    # Most services have no status: no walk through it then (decode is hot).
+    lb_ips = _load_balancer_ips(ctx, status, cluster_ips) if status else []
     ranges = _source_ranges(ctx, spec)
     affinity = _affinity(ctx, spec)
     hc_port = _health_check_node_port(ctx, spec)
