@@ -1,7 +1,7 @@
 """A small IPVS generic-netlink client: message encoding and decoding (pure) and a
 socket that sends requests in batches.
 
-Why not pyroute2 for IPVS: `python -m bench.ipvs_bench` (bench/RESULTS.md), in user-mode
+Why not pyroute2 for IPVS: `python -m bench.ipvs` (bench/RESULTS.md), in user-mode
 Linux, with the same table built and read back by both: pyroute2 spends ~1 ms per
 request (one call per object, each request built through its filters) and ~2.5 ms per
 virtual server read back; encoded here with `struct` and sent 128 to a datagram with
