@@ -26,7 +26,7 @@ with its own memo), cost little. The result equals the one computed without a me
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import itemgetter
 
 from proxy.model.snapshot import Conflict, MergedEndpoint
@@ -105,14 +105,13 @@ def merge_port(
 
 
 def _as_merged(address: IPAddress, port: int, sources: tuple[str, ...], ep: Endpoint,
-               conflict: bool = False) -> MergedEndpoint:
+               ) -> MergedEndpoint:
     """The copy `ep` as the merged endpoint, listed by the slices `sources` (the only
-    one, or several whose chosen copy it is; `conflict`: their copies disagree)."""
+    one, or several whose chosen copy it is)."""
     return MergedEndpoint(
         address=address, port=port, ready=ep.ready, serving=ep.serving,
         terminating=ep.terminating, node_name=ep.node_name, zone=ep.zone,
-        zone_hints=ep.zone_hints, node_hints=ep.node_hints, sources=sources,
-        conflict=conflict)
+        zone_hints=ep.zone_hints, node_hints=ep.node_hints, sources=sources)
 
 
 def _merge_copies(address: IPAddress, port: int, found: list[tuple[str, Endpoint]],
@@ -132,7 +131,9 @@ def _merge_copies(address: IPAddress, port: int, found: list[tuple[str, Endpoint
             fields=tuple(f.replace("node_name", "node") for f in differing),
             chosen=slice_name,
         ))
-    return _as_merged(address, port, sources, best, conflict)
+    merged = _as_merged(address, port, sources, best)
+    # Not an argument of _as_merged: that is the hot path, where there is no conflict.
+    return replace(merged, conflict=True) if conflict else merged
 
 
 def _slice_entries(sl: EndpointSlice, port_name: str, protocol: Protocol) -> tuple[_Entry, ...]:
