@@ -1,7 +1,7 @@
 """The agent's two HTTP servers (aiohttp).
 
 - health (default 0.0.0.0:10256): `/healthz` and `/livez`, kube-proxy's meaning and
-  JSON body (see proxy/agent/health.py), for probes and cloud load balancers;
+  JSON body (see proxy/server/health.py), for probes and cloud load balancers;
 - metrics (default 127.0.0.1:10249): `/metrics` (Prometheus text) and `/debug/dump`
   (JSON; `?service=ns/name` narrows it). Local by default: the dump shows the cluster;
   `--debug-dump=false` turns the dump off and leaves /metrics (docs/security.md).

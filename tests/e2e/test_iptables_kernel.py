@@ -259,7 +259,7 @@ def test_backend_detection_follows_the_rules_already_there(namespaces: Lab) -> N
     assert plain is (Backend.LEGACY if "(legacy)" in flavour else Backend.NFT)
 
 
-def test_nftables_probe_asks_the_kernel_and_leaves_nothing(namespaces: Lab) -> None:
+def test_nfnetlink_asks_the_kernel_and_leaves_nothing(namespaces: Lab) -> None:
     ns = namespaces.client_ns
     wipe(ns)
 

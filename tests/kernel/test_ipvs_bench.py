@@ -1,4 +1,4 @@
-"""The IPVS benchmark keeps working (bench/ipvs (python -m bench.ipvs)): tiny and one round, in the kernel
+"""The IPVS benchmark keeps working (python -m bench.ipvs): tiny and one round, in the kernel
 lab. Its timings are reported, never asserted; what is asserted is that pyroute2, our
 client and the data plane built, and read back, the very same table, so the benchmark
 compares like with like."""

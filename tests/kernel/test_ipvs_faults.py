@@ -12,7 +12,7 @@ import pytest
 
 from labs.kernel.harness import KernelResult
 from tests.faults.conftest import FaultRecord
-from tests.kernel.ipvs_host import scenario_module
+from tests.kernel.scenario_host import scenario_module
 
 run, test_scenario = scenario_module("scenario_faults.py")
 

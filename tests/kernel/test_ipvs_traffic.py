@@ -3,6 +3,6 @@ scenario of scenarios/scenario_traffic.py; each scenario is reported here on its
 
 from __future__ import annotations
 
-from tests.kernel.ipvs_host import scenario_module
+from tests.kernel.scenario_host import scenario_module
 
 run, test_scenario = scenario_module("scenario_traffic.py")

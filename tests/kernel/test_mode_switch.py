@@ -4,6 +4,6 @@ each scenario is reported here on its own."""
 
 from __future__ import annotations
 
-from tests.kernel.ipvs_host import scenario_module
+from tests.kernel.scenario_host import scenario_module
 
 run, test_scenario = scenario_module("scenario_mode_switch.py")

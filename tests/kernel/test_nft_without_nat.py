@@ -4,7 +4,7 @@ scenarios/scenario_nft_without_nat.py; each scenario is reported here on its own
 
 from __future__ import annotations
 
-from tests.kernel.ipvs_host import scenario_module
+from tests.kernel.scenario_host import scenario_module
 
 run, test_scenario = scenario_module("scenario_nft_without_nat.py",
                                      deny_modules=("nft_chain_nat",))

@@ -7,7 +7,7 @@ own. The guest loads `sctp` (the backends' and the client's sockets) and `xt_sct
 from __future__ import annotations
 
 from labs.kernel.harness import DEFAULT_MODULES
-from tests.kernel.ipvs_host import scenario_module
+from tests.kernel.scenario_host import scenario_module
 
 run, test_scenario = scenario_module("scenario_sctp.py",
                                      modules=(*DEFAULT_MODULES, "sctp", "xt_sctp"))

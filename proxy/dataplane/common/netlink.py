@@ -1,7 +1,8 @@
 """Netlink, the parts every client of ours shares: message and attribute encoding and
 decoding (pure), a socket that sends acknowledged requests in batches and reads dumps,
-and a thread listening to a multicast group. The protocol families on top: IPVS and
-rtnetlink (proxy/dataplane/ipvs/netlink.py), nf_tables (proxy/dataplane/common/nfnetlink.py).
+and a thread listening to a multicast group. The protocol families on top: rtnetlink
+(common/rtnetlink.py), nfnetlink (common/nfnetlink.py, common/nft_events.py, and
+nftables/wire.py for our rules), IPVS's generic netlink (ipvs/netlink.py).
 """
 
 from __future__ import annotations

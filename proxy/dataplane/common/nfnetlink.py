@@ -1,4 +1,7 @@
-"""Can this kernel's nf_tables do NAT? Asked in one transaction that changes nothing.
+"""nfnetlink's constants for nf_tables (subsystem, batch framing, NFPROTO families; the
+encoder in nftables/wire.py and the drift listeners use them), and the one question we
+ask with them here: can this kernel's nf_tables do NAT? Asked in one transaction that
+changes nothing.
 
 iptables' nf_tables back end (Debian's default `iptables`) writes the nat table as
 nf_tables chains of type "nat" (module nft_chain_nat). A kernel may have nf_tables without

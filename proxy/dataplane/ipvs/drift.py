@@ -5,7 +5,7 @@ kernel allows, and a report only asks for a check (`IpvsDataPlane.check_drift`),
 reads back and compares; only a real difference costs a full sync:
 
 - its few iptables rules: the iptables plane's watchers, shared (`NftablesListener` on
-  nf_tables, `LegacyCanary` on legacy x_tables; see iptables/drift_watch.py);
+  nf_tables, `LegacyCanary` on legacy x_tables; see common/drift_watch.py);
 - its dummy interface and the service addresses on it: `LinkListener` below, on
   rtnetlink's link and address multicast groups (an address deleted or added by someone
   else, the interface deleted, renamed or set down). The kernel announces an address

@@ -19,7 +19,7 @@ import pytest
 from proxy.lab import BackendSpec, Lab
 from proxy.sim import SimServer
 from tests.e2e.agent_support import namespace_object, node_object, start_sim
-from tests.kernel.ipvs_guest import Cluster, NodeThread
+from tests.kernel.scenario_guest import Cluster, NodeThread
 
 BACKENDS = ("web-1", "web-2", "web-3")
 

@@ -42,7 +42,7 @@ from tests.e2e.agent_support import (
     service,
     wait_for,
 )
-from tests.kernel.ipvs_guest import KernelView, NodeThread, read_kernel
+from tests.kernel.scenario_guest import KernelView, NodeThread, read_kernel
 
 BACKENDS = {"web-1": "node-a", "web-2": "node-b", "web-3": "node-b"}
 NAMES = set(BACKENDS)

@@ -23,7 +23,7 @@ from tests.e2e.agent_support import (
     run_cli,
     service,
 )
-from tests.kernel.ipvs_guest import NodeThread, read_kernel
+from tests.kernel.scenario_guest import NodeThread, read_kernel
 from tests.kernel.scenarios.scenario_agent import leftovers
 
 HTTP: tuple[PortSpec, ...] = (("http", 80, 8080, "TCP"),)

@@ -29,7 +29,7 @@ from proxy.lab.netns import entered
 from proxy.lab.poll import wait
 from proxy.model.snapshot import DesiredState
 from tests.e2e.conftest import Cluster, NodePlane
-from tests.kernel.ipvs_guest import NodeThread, read_kernel
+from tests.kernel.scenario_guest import NodeThread, read_kernel
 from tests.unit.builders import ep, eps_slice, service
 
 SCTP_PORT = 8082  # what the backends listen on (the lab's TCP and UDP are 8080, 8081)

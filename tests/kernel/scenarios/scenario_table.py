@@ -26,7 +26,7 @@ from proxy.dataplane.ipvs.render import VirtualServer, VsKey, VsKind
 from proxy.dataplane.xtables.restore_runner import Backend, binary
 from proxy.lab import Lab
 from proxy.model.types import Family, Protocol
-from tests.kernel.ipvs_guest import (
+from tests.kernel.scenario_guest import (
     Cluster,
     NodeThread,
     as_ipvsadm,

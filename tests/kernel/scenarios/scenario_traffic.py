@@ -22,7 +22,7 @@ from proxy.dataplane.ipvs.kernel import IpvsTable
 from proxy.lab import Lab
 from proxy.lab.netns import entered
 from proxy.lab.poll import wait
-from tests.kernel.ipvs_guest import Cluster, NodeThread, options, read_kernel, rendered_view
+from tests.kernel.scenario_guest import Cluster, NodeThread, options, read_kernel, rendered_view
 from tests.unit.builders import ep, eps_slice, service
 
 HTTP = {"name": "http", "port": 80, "protocol": "TCP"}
