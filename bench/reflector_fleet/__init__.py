@@ -11,7 +11,7 @@ selector), with its own client (`KubeApi`: its own aiohttp session, TLS handshak
 connections) and a handler that only counts events. The agents run in worker processes
 (`--workers`, an asyncio loop each); against the real server they run in a network
 namespace of their own, linked to the control plane's over a veth (the control plane of
-tests/realcp: kube-apiserver and etcd v1.20.2); against the simulator (`python -m
+labs/realcp: kube-apiserver and etcd v1.20.2); against the simulator (`python -m
 proxy.sim`, its own process) on the host's loopback.
 
 The cluster is preloaded: `--services` Services (no selector: no controller touches

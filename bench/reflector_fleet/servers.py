@@ -79,7 +79,7 @@ def preload(target: Target, settings: Settings, nodes: int,
 
 @contextlib.contextmanager
 def real_target(cp: Any) -> Iterator[Target]:
-    """A running tests/realcp ControlPlane as a target, with a network namespace of its
+    """A running labs/realcp ControlPlane as a target, with a network namespace of its
     own for the agents, linked to the control plane's (removed on the way out)."""
     from labs.realcp.rawapi import RawApi
     from proxy.lab.topology import delete_namespace, ip

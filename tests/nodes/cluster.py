@@ -1,5 +1,5 @@
 """A real Kubernetes v1.20.2 cluster on one machine: the real control plane
-(tests/realcp/) with kube-scheduler and every default controller, and real nodes
+(labs/realcp/) with kube-scheduler and every default controller, and real nodes
 (containerd + kubelet, tests/nodes/node.py) in two zones, running images built here.
 
     cp ns: etcd, kube-apiserver 198.18.96.1:6443, controller manager, scheduler

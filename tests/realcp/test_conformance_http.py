@@ -1,7 +1,7 @@
 """What a client sees on the wire, the same test code against the simulator and the real
 v1.20.2 API server: status codes, Status bodies, list and watch-event shapes, 410 after
 compaction, bookmarks, selectors and paging. Where the two differed, the simulator was
-wrong (see the tier's notes in tests/realcp/NOTES.md)."""
+wrong and was fixed (the commits that touch proxy/sim/ say where)."""
 
 from __future__ import annotations
 
