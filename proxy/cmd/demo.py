@@ -277,60 +277,75 @@ def run(mode: str = "iptables") -> None:
                 if svc["service"] != "demo/web" or svc["port"] == "http":
                     explain_service(svc)
 
-            step("Changing demo/web in the simulator: web-2 stops being ready, "
-                 "web-3 becomes ready")
-            web = next(o for o in objects if o["kind"] == "EndpointSlice"
-                       and o["metadata"]["name"] == "web-abc12")
-            for ep in web["endpoints"]:
-                ep["conditions"]["ready"] = ep["addresses"][0] != "198.18.1.12"
-            synced = len(dump["syncs"])
-            changed_at = time.monotonic()
-            sim.apply(web)
-            record = wait(lambda: (d := agent.dump()["syncs"]) and len(d) > synced and d[0],
-                          15, "the agent's sync")
-            applied_after = time.monotonic() - changed_at
-            print(f"  sync: trigger {record['trigger']}, "
-                  f"{'full' if record['full'] else 'partial'}, changed "
-                  f"{', '.join(record['changed'])}; {record['operations']} {mode} "
-                  f"lines in {record['duration_seconds'] * 1000:.0f} ms "
-                  f"({applied_after * 1000:.0f} ms after the change was written)")
-            web_http = agent.dump("demo/web")["services"]
-            rules = next(s["applied_rules"] for s in web_http if s["port"] == "http")
-            print(dim("  rules now applied for demo/web:http (first lines):"))
-            for line in rules[:6]:
-                print(dim(f"    {line}"))
-            got = lab.ask(lab.client_ns, "198.18.128.10", 80, count=ASKS)
-            good = set(got) == {"web-1", "web-3"}
-            ok &= good
-            print(f"  {'demo/web:http':<22} 198.18.128.10:80/TCP  {bars(got)}  "
-                  f"{dim('ok' if good else 'UNEXPECTED')}")
-
-            m = agent.metrics()
-            syncs = m.get("kubeproxy_sync_proxy_rules_duration_seconds_count", 0)
-            total = m.get("kubeproxy_sync_proxy_rules_duration_seconds_sum", 0)
-            step("A few of its metrics (/metrics on 127.0.0.1:10249)")
-            print(f"  kubeproxy_sync_proxy_rules_duration_seconds: {syncs:.0f} syncs, "
-                  f"{total / max(syncs, 1) * 1000:.0f} ms on average")
-            print("  sliceproxy_endpoint_conflicts: "
-                  f"{m.get('sliceproxy_endpoint_conflicts', 0):.0f}   "
-                  "sliceproxy_service_ports: "
-                  f"{m.get('sliceproxy_service_ports', 0):.0f}")
-
-            step("Stopping: SIGTERM leaves the rules in place, --cleanup removes them")
-            stopped = agent.stop()
-            left = our_rules(lab)
-            print(f"  agent stopped in {stopped:.1f}s; {left} rules still serving traffic")
-            cleanup = lab.exec(lab.node_ns, [sys.executable, "-m", "proxy", "--cleanup",
-                                             "--hostname-override", lab.node_name],
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
-            if cleanup.returncode != 0:
-                raise DemoError(f"--cleanup failed: {cleanup.stderr[-1000:]}")
-            print(f"  python -m proxy --cleanup: {our_rules(lab)} rules left")
+            ok &= show_a_change(lab, sim, agent, objects, dump, mode)
+            show_metrics(agent)
+            stop_and_clean(lab, agent)
     print(f"\n{bold('Done')} in {time.monotonic() - began:.0f}s; the lab's namespaces are "
           "gone. Next: .venv/bin/python -m proxy explain examples/  (the same decisions, "
           "offline)")
     if not ok:
         raise DemoError("some answers did not match the agent's decisions (see above)")
+
+
+def show_a_change(lab: Lab, sim: SimServer, agent: Agent, objects: list[dict[str, Any]],
+                  dump: dict[str, Any], mode: str) -> bool:
+    """One endpoint change written to the simulator, followed to the kernel and the
+    traffic; whether the answers matched."""
+    step("Changing demo/web in the simulator: web-2 stops being ready, "
+         "web-3 becomes ready")
+    web = next(o for o in objects if o["kind"] == "EndpointSlice"
+               and o["metadata"]["name"] == "web-abc12")
+    for ep in web["endpoints"]:
+        ep["conditions"]["ready"] = ep["addresses"][0] != "198.18.1.12"
+    synced = len(dump["syncs"])
+    changed_at = time.monotonic()
+    sim.apply(web)
+    record = wait(lambda: (d := agent.dump()["syncs"]) and len(d) > synced and d[0],
+                  15, "the agent's sync")
+    applied_after = time.monotonic() - changed_at
+    print(f"  sync: trigger {record['trigger']}, "
+          f"{'full' if record['full'] else 'partial'}, changed "
+          f"{', '.join(record['changed'])}; {record['operations']} {mode} "
+          f"lines in {record['duration_seconds'] * 1000:.0f} ms "
+          f"({applied_after * 1000:.0f} ms after the change was written)")
+    web_http = agent.dump("demo/web")["services"]
+    rules = next(s["applied_rules"] for s in web_http if s["port"] == "http")
+    print(dim("  rules now applied for demo/web:http (first lines):"))
+    for line in rules[:6]:
+        print(dim(f"    {line}"))
+    got = lab.ask(lab.client_ns, "198.18.128.10", 80, count=ASKS)
+    good = set(got) == {"web-1", "web-3"}
+    print(f"  {'demo/web:http':<22} 198.18.128.10:80/TCP  {bars(got)}  "
+          f"{dim('ok' if good else 'UNEXPECTED')}")
+    return good
+
+
+def show_metrics(agent: Agent) -> None:
+    """A few of the agent's metrics, as an operator would read them."""
+    m = agent.metrics()
+    syncs = m.get("kubeproxy_sync_proxy_rules_duration_seconds_count", 0)
+    total = m.get("kubeproxy_sync_proxy_rules_duration_seconds_sum", 0)
+    step("A few of its metrics (/metrics on 127.0.0.1:10249)")
+    print(f"  kubeproxy_sync_proxy_rules_duration_seconds: {syncs:.0f} syncs, "
+          f"{total / max(syncs, 1) * 1000:.0f} ms on average")
+    print("  sliceproxy_endpoint_conflicts: "
+          f"{m.get('sliceproxy_endpoint_conflicts', 0):.0f}   "
+          "sliceproxy_service_ports: "
+          f"{m.get('sliceproxy_service_ports', 0):.0f}")
+
+
+def stop_and_clean(lab: Lab, agent: Agent) -> None:
+    """SIGTERM leaves the rules serving; --cleanup removes them."""
+    step("Stopping: SIGTERM leaves the rules in place, --cleanup removes them")
+    stopped = agent.stop()
+    left = our_rules(lab)
+    print(f"  agent stopped in {stopped:.1f}s; {left} rules still serving traffic")
+    cleanup = lab.exec(lab.node_ns, [sys.executable, "-m", "proxy", "--cleanup",
+                                     "--hostname-override", lab.node_name],
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if cleanup.returncode != 0:
+        raise DemoError(f"--cleanup failed: {cleanup.stderr[-1000:]}")
+    print(f"  python -m proxy --cleanup: {our_rules(lab)} rules left")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,11 @@
 """Fixtures for the real-control-plane tier.
 
 `control_plane` (session): builds kube-apiserver, kube-controller-manager, kube-proxy and
-kubeadm v1.20.2 from Debian's source on first use (cached outside the clone; see labs/realcp/build.py), then
-starts etcd, the API server and the controller manager in a network namespace of their
-own (see labs/realcp/controlplane.py). A failed build or start FAILS every test of the tier: it is
-never skipped, except when not running as root (like every namespace test).
+kubeadm v1.20.2 from Debian's source on first use (cached outside the clone; see
+labs/realcp/build.py), then starts etcd, the API server and the controller manager in a
+network namespace of their own (see labs/realcp/controlplane.py). A failed build or
+start FAILS every test of the tier: it is never skipped, except when not running as root
+(like every namespace test).
 
 `cluster` (per test, parametrized "sim" and "real"): the same conformance code against
 the simulator and the real server.
