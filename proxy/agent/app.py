@@ -29,7 +29,7 @@ from aiohttp import web
 
 from proxy.agent.changes import ChangeLog
 from proxy.agent.logs import V
-from proxy.agent.sync_loop import SyncRunner
+from proxy.agent.sync_loop import SyncLoop
 from proxy.agent.worker import Worker
 from proxy.config.options import Config, format_duration
 from proxy.dataplane.base import DataPlane, DataplaneOptions
@@ -122,7 +122,7 @@ class Agent:
         self.dataplane: DataPlane | None = None
         self.api: Api | None = None
         self.watch: ClusterWatch | None = None
-        self.runner: SyncRunner | None = None
+        self.runner: SyncLoop | None = None
         self.endpoints_resource: Resource | None = None
         self.hc_ports = HealthCheckPorts(lambda: self.health.status().healthy,
                                          config.nodeport_addresses)
@@ -221,7 +221,7 @@ class Agent:
     def _start_watch(self) -> None:
         assert self.api is not None and self.endpoints_resource is not None
         assert self.dataplane is not None
-        self.runner = SyncRunner(
+        self.runner = SyncLoop(
             self.model, self.dataplane, self.worker,
             min_sync_period=self.config.min_sync_period,
             sync_period=self.config.sync_period,

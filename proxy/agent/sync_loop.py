@@ -83,7 +83,7 @@ def _refs(keys: Iterable[ServicePortKey]) -> set[tuple[str, str]]:
     return {(k.namespace, k.name) for k in keys}
 
 
-class SyncRunner:
+class SyncLoop:
     def __init__(
         self,
         model: ClusterModel,

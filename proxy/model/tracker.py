@@ -18,9 +18,9 @@ from dataclasses import dataclass, field, replace
 
 from proxy.model import skips as why
 from proxy.model.merge import MergeMemo, merge_port
+from proxy.model.selection import NodeView, SelectMemo, categorize
 from proxy.model.skips import Skip, clip, shown
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
-from proxy.model.topology import NodeView, SelectMemo, categorize
 from proxy.model.types import (
     EndpointSlice,
     Family,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from proxy.model.selection import NodeView, routes
 from proxy.model.snapshot import EndpointSet, ResolvedServicePort, SelectedEndpoint
-from proxy.model.topology import NodeView, routes
 from proxy.model.types import Node, format_endpoint
 
 

@@ -19,7 +19,7 @@ import orjson
 import yaml
 from aiohttp import web
 
-from proxy.sim import discovery, errors, tables
+from proxy.sim import discovery, errors, printing
 from proxy.sim.errors import ApiError
 from proxy.sim.faults import Faults
 from proxy.sim.patch import apply_patch
@@ -243,7 +243,7 @@ class SimApp:
         method = request.method
         # Accept decides between the object and a Table (kubectl get), as upstream's
         # negotiation does before any handler work; a bad Accept is 406 first.
-        table = tables.negotiate(request.headers.get("Accept")) if method == "GET" else None
+        table = printing.negotiate(request.headers.get("Accept")) if method == "GET" else None
         if t.name is None:
             if method == "GET":
                 if _flag(q.get("watch")):
@@ -263,9 +263,9 @@ class SimApp:
         if method == "GET":
             obj = self.store.get(t.rt, t.namespace, name)
             if table is not None:
-                return _json(tables.object_table(
+                return _json(printing.object_table(
                     t.rt.kind, obj, version=table, level=self.surface.level,
-                    include=tables.include_object(q.get("includeObject"))))
+                    include=printing.include_object(q.get("includeObject"))))
             return _json(obj)
         if method == "PUT":
             body = await self._body(request)
@@ -299,8 +299,8 @@ class SimApp:
         body = _list_body(t.rt, result.items, result.resource_version,
                           result.continue_token, result.remaining)
         if table is not None:
-            body = tables.table(t.rt.kind, result.items, body["metadata"], version=table,
-                                include=tables.include_object(q.get("includeObject")),
+            body = printing.table(t.rt.kind, result.items, body["metadata"], version=table,
+                                include=printing.include_object(q.get("includeObject")),
                                 level=self.surface.level)
         return _json(body)
 
@@ -324,7 +324,7 @@ class SimApp:
                      table: str | None = None) -> web.StreamResponse:
         q = request.query
         # Table watches: each event's object becomes a one-row Table (upstream does this).
-        rows = tables.WatchTables(t.rt.kind, table, tables.include_object(
+        rows = printing.WatchTables(t.rt.kind, table, printing.include_object(
             q.get("includeObject")), self.surface.level) if table is not None else None
         timeout = self.watch_timeout
         if q.get("timeoutSeconds"):

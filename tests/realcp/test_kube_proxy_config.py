@@ -20,7 +20,7 @@ import yaml
 
 from labs.realcp.build import Binaries
 from proxy.config.options import Config, ConfigError, parse_args
-from tests.unit.test_kubeproxy_config import KUBE_PROXY_DEFAULTS, kubeadm_config
+from tests.unit.test_kubeproxy_file import KUBE_PROXY_DEFAULTS, kubeadm_config
 
 
 def kube_proxy_writes(bins: Binaries, out: Path, config: Path | None = None) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import pytest
 from proxy.kube.manifests import load_paths
 from proxy.sim import SimServer
 from proxy.sim.errors import ApiError
-from proxy.sim.tables import (
+from proxy.sim.printing import (
     WatchTables,
     columns,
     endpoint_slice_cells,

@@ -319,7 +319,7 @@ def test_kubeadm_variant_is_the_same_container_on_kubeadms_account_and_configmap
 def test_kubeadm_variant_reads_kubeadms_configmap_as_mounted(tmp_path: Path) -> None:
     """The ConfigMap's keys become files in the mount: the args' --config names one of
     them, and the configuration's kubeconfig the other."""
-    from tests.unit.test_kubeproxy_config import KUBEADM_CONFIGMAP
+    from tests.unit.test_kubeproxy_file import KUBEADM_CONFIGMAP
 
     (c,) = kubeadm_daemonset()["spec"]["template"]["spec"]["containers"]
     (mount,) = [m for m in c["volumeMounts"] if m["name"] == "kube-proxy"]

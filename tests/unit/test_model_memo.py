@@ -14,7 +14,7 @@ from proxy.kube.decode import decode_service
 from proxy.kube.ingest import EndpointsSource, apply_object
 from proxy.model import tracker
 from proxy.model.merge import MergeMemo, merge_port
-from proxy.model.topology import NodeView, SelectMemo, categorize
+from proxy.model.selection import NodeView, SelectMemo, categorize
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import Endpoint, EndpointSlice, Family, Protocol, ServicePortKey, SlicePort
 from tests.unit.builders import endpoints_from, ep, eps_slice, node, service

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from proxy.agent.changes import ChangeLog
-from proxy.agent.sync_loop import SyncRunner
+from proxy.agent.sync_loop import SyncLoop
 from proxy.agent.worker import Worker
 from proxy.kube.ingest import apply_object
 from proxy.model.tracker import ClusterModel
@@ -40,7 +40,7 @@ class Bench:
         self.health = ProxyHealth(60.0, clock=self.clock)
         self.changes = ChangeLog(self.clock)
         self.synced: list[Any] = []
-        self.runner = SyncRunner(
+        self.runner = SyncLoop(
             self.model, self.dp, self.worker, min_sync_period=min_sync,
             sync_period=sync_period, metrics=self.metrics, health=self.health,
             changes=self.changes, clock=self.clock, wall=lambda: 1.7e9 + self.clock.now,
