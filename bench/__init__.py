@@ -4,7 +4,7 @@ into bench/RESULTS.md. Nothing is asserted on time.
 
 Scale scenarios (`python -m bench --only NAME`):
   realcp_latency/   cold-start: the real API server, sliceproxy beside kube-proxy
-  cold_start.py     agent-start: the agent alone on the simulator
+  agent_start.py    agent-start: the agent alone on the simulator
   huge_service.py   huge-service: one service, many endpoints
   reflector_fleet/  fleet: many agents' watch layers on one API server
   rolling_update/   rolling-update: every endpoint replaced, with traffic

@@ -15,7 +15,7 @@ Scenarios:
   cold-start     bench.realcp_latency: kube-apiserver v1.20.2 and its real controllers;
                  sliceproxy (iptables, nftables) and kube-proxy v1.20.2 side by side:
                  process start -> every rule, RSS, one endpoint change API -> kernel
-  agent-start    bench.cold_start: the agent alone on the simulator (RSS over time)
+  agent-start    bench.agent_start: the agent alone on the simulator (RSS over time)
   huge-service   bench.huge_service: one service, 10,000 endpoints in 100 slices
   fleet          bench.reflector_fleet: N agents' watch layers on one real API server
   rolling-update bench.rolling_update: every endpoint of a service replaced at 100/s with
@@ -76,7 +76,7 @@ SCENARIOS = (
                               "--services", "10000", "--pods-per-service", "10",
                               "--changes", "20", "--setup-deadline", "2400",
                               "--proxies", "sliceproxy-nftables", "sliceproxy")))}),
-    Scenario("agent-start", "bench.cold_start", "The agent's cold start on the simulator", {
+    Scenario("agent-start", "bench.agent_start", "The agent's cold start on the simulator", {
         "small": (Run("200 services x 5", ("--services", "200", "--endpoints", "5",
                                           "--runs", "2", "--idle", "1")),),
         "full": (Run("1,000 services x 10", ("--services", "1000", "--endpoints", "10",

@@ -8,8 +8,8 @@ between the API and the kernel, the agent's CPU and memory.
 The set-up, every part of it in network namespaces of a lab (`proxy.lab`) made for the
 run and removed after it (also on SIGTERM):
 
-- node: the simulator (`python -m proxy.sim`, its own process, as bench/cold_start.py
-  starts it) and the real agent (`python -m proxy --proxy-mode MODE`, cold_start's
+- node: the simulator (`python -m proxy.sim`, its own process, as bench/agent_start.py
+  starts it) and the real agent (`python -m proxy --proxy-mode MODE`, agent_start's
   flags, `-v 2` so that it logs every sync);
 - pods: one namespace behind a veth from the node (198.18.2.0/24; the node routes
   198.19.0.0/16 there), every pod's address a /32 on its end of the veth, and ONE

@@ -4,7 +4,7 @@ Loading a cluster is millions of allocations that all stay alive (decoded object
 model, the first render). Python's collector runs whenever allocations outnumber frees by
 700, and its older generations rescan everything that survived so far, so the start cost
 grows with the cluster and found nothing to free: at 10,000 services x 10 endpoints
-(bench/cold_start.py) 2,562 collections took 1.8 s of a 6.2 s cold start, single gen-2
+(bench/agent_start.py) 2,562 collections took 1.8 s of a 6.2 s cold start, single gen-2
 passes up to 0.35 s. (Reference counting still frees everything else at once; only
 reference cycles wait for the collector, and loading makes few.)
 

@@ -45,7 +45,7 @@ def test_small_run_writes_tables_and_plots(tmp_path: Path) -> None:
 
 def test_a_failing_scenario_is_reported_and_the_status_says_so(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    broken = bench_main.Scenario("agent-start", "bench.cold_start", "broken", {
+    broken = bench_main.Scenario("agent-start", "bench.agent_start", "broken", {
         "small": (bench_main.Run("no services", ("--services", "0")),)})
     monkeypatch.setattr(bench_main, "SCENARIOS", (broken,))
     assert bench_main.main(["--size", "small", "--out", str(tmp_path)]) == 1

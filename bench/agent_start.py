@@ -1,7 +1,7 @@
 """The agent's cold start on the simulator: process start -> rules for every service.
 
-    python -m bench.cold_start --services 1000 --endpoints 10 --mode nftables --runs 3
-    python -m bench.cold_start --services 10000 --profile /tmp/cold.svg   (py-spy)
+    python -m bench.agent_start --services 1000 --endpoints 10 --mode nftables --runs 3
+    python -m bench.agent_start --services 10000 --profile /tmp/cold.svg   (py-spy)
 
 The simulator (`python -m proxy.sim`, its own process) and the agent both run in a
 network namespace made for the run (removed afterwards, its rules with it). The agent's
@@ -163,7 +163,7 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.cold_start", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench.agent_start", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--services", type=int, default=1000)
     ap.add_argument("--endpoints", type=int, default=10)
