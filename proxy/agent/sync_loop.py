@@ -214,7 +214,8 @@ class SyncLoop:
 
     async def _housekeeping(self) -> None:
         try:
-            await self.worker.call(self.dataplane.housekeeping)
+            deleted = await self.worker.call(self.dataplane.housekeeping)
+            self.metrics.count_conntrack(deleted or {})
         except Exception:
             log.exception("data plane housekeeping failed", extra={"mode": self.dataplane.mode})
 
@@ -255,8 +256,7 @@ class SyncLoop:
         (m.sync_full_duration if full else m.sync_partial_duration).observe(duration)
         m.syncs.labels(kind, "ok").inc()
         m.last_sync.set(self._wall())
-        if report.conntrack_cleared:
-            m.conntrack_cleared.inc(report.conntrack_cleared)
+        m.count_conntrack(report.conntrack_deleted)
         if trigger is not Trigger.INITIAL:
             # Start-up is not programming latency: its changes are the initial list.
             touched = _refs(self._unapplied)

@@ -13,7 +13,7 @@ because the next sync still compares against what is really in the kernel's rule
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -57,8 +57,10 @@ class SyncReport:
     operations: int = 0
     # Seconds spent in the kernel-facing step alone (restore binary, netlink calls).
     apply_seconds: float = 0.0
-    # Stale conntrack entries cleared after the apply.
+    # Stale conntrack entries cleared after the apply, and the same by reason
+    # (conntrack.py's after a change, conntrack_reconcile.py's after a first or full sync).
     conntrack_cleared: int = 0
+    conntrack_deleted: dict[str, int] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
 
 
@@ -93,8 +95,10 @@ class DataPlane(Protocol):
         last successful sync (iptables rules, or IPVS virtual/real servers)."""
         ...
 
-    def housekeeping(self) -> None:
-        """Periodic work between syncs (IPVS: delete drained real servers). Cheap."""
+    def housekeeping(self) -> Mapping[str, int] | None:
+        """Periodic work between syncs (IPVS: delete drained real servers; iptables and
+        nftables: reconcile conntrack with the rules, every CONNTRACK_RECONCILE_PERIOD).
+        Returns the conntrack entries it deleted, by reason, if any."""
         ...
 
     def watch_drift(self, notify: Callable[[str], None]) -> None:

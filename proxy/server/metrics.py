@@ -9,7 +9,7 @@ are read at scrape time by collectors instead of being counted twice.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import fields
 
 from prometheus_client import (
@@ -109,7 +109,12 @@ class AgentMetrics:
             "Syncs whose apply the kernel refused, by proxy mode", ("mode",))
         self.conntrack_cleared = counter(
             "sliceproxy_conntrack_entries_cleared",
-            "Stale UDP/SCTP conntrack entries cleared after syncs")
+            "Stale UDP/SCTP conntrack entries deleted (after syncs and by the reconcile)")
+        self.conntrack_deleted = counter(
+            "sliceproxy_conntrack_entries_deleted",
+            "Stale UDP/SCTP conntrack entries deleted, by reason: endpoint-gone and "
+            "first-endpoint after a change, stale-dnat and missing-dnat by the reconcile",
+            ("reason",))
         self.drift_checks = counter(
             "sliceproxy_rules_drift_checks",
             "Checks of our rules after another process changed the tables they live in")
@@ -119,6 +124,13 @@ class AgentMetrics:
         self.first_sync = gauge(
             "sliceproxy_first_sync_seconds",
             "Seconds from process start to the first successful sync")
+
+    def count_conntrack(self, deleted: Mapping[str, int]) -> None:
+        """Conntrack entries a sync or a reconcile deleted, by reason."""
+        for reason, count in deleted.items():
+            if count:
+                self.conntrack_deleted.labels(reason).inc(count)
+                self.conntrack_cleared.inc(count)
 
     def watch_model(self, model: Callable[[], ClusterModel | None]) -> None:
         self.registry.register(ModelCollector(model))

@@ -32,6 +32,7 @@ OURS = {
     "sliceproxy_syncs": "counter",
     "sliceproxy_sync_apply_failures": "counter",
     "sliceproxy_conntrack_entries_cleared": "counter",
+    "sliceproxy_conntrack_entries_deleted": "counter",
     "sliceproxy_first_sync_seconds": "gauge",
     "sliceproxy_skipped_objects": "gauge",
     "sliceproxy_endpoint_conflicts": "gauge",

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from ipaddress import ip_address
 from typing import Any
 
+from proxy.dataplane.common.naming import port_name
 from proxy.model.snapshot import ResolvedServicePort
 from proxy.model.types import Family, IPAddress, Protocol, ServicePortKey
 
@@ -49,7 +50,7 @@ class StaleFlows:
     reason: str = ""
 
 
-def _used(rsp: ResolvedServicePort | None) -> set[tuple[IPAddress, int]]:
+def used_endpoints(rsp: ResolvedServicePort | None) -> set[tuple[IPAddress, int]]:
     """Endpoints that receive some traffic of this service port."""
     if rsp is None:
         return set()
@@ -67,25 +68,21 @@ def _frontends(rsp: ResolvedServicePort) -> list[tuple[IPAddress | None, int]]:
     return out
 
 
-def _name(key: ServicePortKey) -> str:
-    return f"{key.namespace}/{key.name}:{key.port}" if key.port else f"{key.namespace}/{key.name}"
-
-
 def stale_flows(old: ResolvedServicePort | None,
                 new: ResolvedServicePort | None) -> list[StaleFlows]:
     """What to clear when one service port goes from `old` to `new` (None: absent)."""
     out: list[StaleFlows] = []
     if old is not None and old.port.protocol in IPPROTO:
         same_protocol = new is not None and new.port.protocol is old.port.protocol
-        gone = _used(old) - (_used(new) if same_protocol else set())
+        gone = used_endpoints(old) - (used_endpoints(new) if same_protocol else set())
         for address, port in sorted(gone, key=lambda e: (e[0].packed, e[1])):
-            out += [StaleFlows(_name(old.key), old.key.family, old.port.protocol, dst, dport,
+            out += [StaleFlows(port_name(old.key), old.key.family, old.port.protocol, dst, dport,
                                address, port, "endpoint gone")
                     for dst, dport in _frontends(old)]
-    if new is not None and new.port.protocol is Protocol.UDP and _used(new):
-        had = old is not None and old.port.protocol is Protocol.UDP and bool(_used(old))
+    if new is not None and new.port.protocol is Protocol.UDP and used_endpoints(new):
+        had = old is not None and old.port.protocol is Protocol.UDP and bool(used_endpoints(old))
         if not had:
-            out += [StaleFlows(_name(new.key), new.key.family, Protocol.UDP, dst, dport,
+            out += [StaleFlows(port_name(new.key), new.key.family, Protocol.UDP, dst, dport,
                                reason="first endpoint")
                     for dst, dport in _frontends(new)]
     return out
@@ -122,17 +119,17 @@ def _tuple(nla: Any) -> tuple[str | None, int | None, str | None, int | None]:
             proto.get_attr("CTA_PROTO_DST_PORT"))
 
 
-def clear(flows: Iterable[StaleFlows]) -> int:
-    """Delete the conntrack entries `flows` describe; returns how many went."""
+def clear(flows: Iterable[StaleFlows]) -> dict[str, int]:
+    """Delete the conntrack entries `flows` describe; how many went, by reason."""
     wanted: dict[tuple[Family, Protocol], dict[int, list[StaleFlows]]] = {}
     for flow in flows:
         wanted.setdefault((flow.family, flow.protocol), {}).setdefault(flow.dport, []).append(flow)
     if not wanted:
-        return 0
+        return {}
     from pyroute2 import Conntrack  # netlink only when there is work
     from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
-    cleared = 0
+    cleared: dict[str, int] = {}
     for (family, protocol), by_port in wanted.items():
         af = socket.AF_INET if family is Family.V4 else socket.AF_INET6
         number = IPPROTO[protocol]
@@ -164,7 +161,8 @@ def clear(flows: Iterable[StaleFlows]) -> int:
                 except OSError as exc:  # expired meanwhile: nothing to do
                     log.debug("conntrack delete failed", extra={"error": str(exc)})
                     continue
-                cleared += 1
+                reason = hit.reason.replace(" ", "-")
+                cleared[reason] = cleared.get(reason, 0) + 1
                 log.info("cleared stale conntrack entry", extra={
                     "service": hit.service, "reason": hit.reason, "protocol": protocol.value,
                     "client": f"{saddr}:{sport}", "destination": f"{daddr}:{dport}",
@@ -172,13 +170,13 @@ def clear(flows: Iterable[StaleFlows]) -> int:
     return cleared
 
 
-def clear_after_sync(flows: list[StaleFlows]) -> int:
+def clear_after_sync(flows: list[StaleFlows]) -> dict[str, int]:
     """`clear`, for a sync whose rules are already in: a failure is logged, never raised
-    (the next change or resync clears again)."""
+    (the next change, resync or reconcile clears again)."""
     if not flows:
-        return 0
+        return {}
     try:
         return clear(flows)
     except Exception as exc:
         log.warning("conntrack cleanup failed", extra={"error": str(exc), "flows": len(flows)})
-        return 0
+        return {}

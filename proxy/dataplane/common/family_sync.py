@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
-from proxy.dataplane.common import conntrack
+from proxy.dataplane.common import conntrack, conntrack_reconcile
 from proxy.dataplane.common.context import RenderContext, context_for
 from proxy.dataplane.common.drift_watch import LegacyCanary, NftablesListener, deaf_while
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
@@ -72,12 +72,18 @@ class _Totals:
     written: list[ServicePortKey] = field(default_factory=list)
     removed: list[ServicePortKey] = field(default_factory=list)
     flows: list[conntrack.StaleFlows] = field(default_factory=list)
+    # Families synced whole (start, resync, repair): their conntrack is reconciled.
+    whole: list[Family] = field(default_factory=list)
     operations: int = 0
     apply_seconds: float = 0.0
     full: bool = False
 
 
 S = TypeVar("S", bound=FamilyState)
+
+# Seconds between reconciles of conntrack with the rules (besides the one after every
+# first or full sync). One costs a dump of every UDP and SCTP entry: docs/reliability.md.
+CONNTRACK_RECONCILE_PERIOD = 60.0
 
 
 class FamilySyncPlane(ABC, Generic[S]):
@@ -97,6 +103,7 @@ class FamilySyncPlane(ABC, Generic[S]):
         # Held while we write, so the legacy canary never reports our own writes.
         self._writing = threading.Lock()
         self._watch: NftablesListener | LegacyCanary | None = None
+        self._next_reconcile = 0.0
 
     @property
     def families(self) -> tuple[Family, ...]:
@@ -137,7 +144,8 @@ class FamilySyncPlane(ABC, Generic[S]):
             except ApplyError as exc:
                 # The other family may still be fine: finish it, then report this one.
                 failure = failure or exc
-        cleared = conntrack.clear_after_sync(totals.flows) if self.clear_conntrack else 0
+        deleted = self._clear_conntrack(totals, node_ips)
+        cleared = sum(deleted.values())
         self._after_sync(totals.full)
         if failure is not None:
             raise failure
@@ -148,7 +156,7 @@ class FamilySyncPlane(ABC, Generic[S]):
         return SyncReport(full=totals.full, written=tuple(sorted(totals.written)),
                           removed=tuple(sorted(totals.removed)), operations=totals.operations,
                           apply_seconds=totals.apply_seconds, conntrack_cleared=cleared,
-                          details=details)
+                          conntrack_deleted=deleted, details=details)
 
     def _sync_family(self, fam: S, state: DesiredState, full: bool,
                      node_ips: Sequence[IPAddress], totals: _Totals) -> dict[str, Any]:
@@ -170,8 +178,11 @@ class FamilySyncPlane(ABC, Generic[S]):
         totals.full |= is_full
         totals.apply_seconds += elapsed
         totals.operations += written.lines
-        totals.flows += conntrack.stale_flows_between(fam.last.ports if fam.last else {},
-                                                      ports, changed)
+        if fam.last is None or is_full:
+            totals.whole.append(fam.family)
+        if fam.last is not None:
+            # After a change; a first sync has no "before": the reconcile decides alone.
+            totals.flows += conntrack.stale_flows_between(fam.last.ports, ports, changed)
         totals.written += [k for k in changed if k in ports]
         totals.removed += [k for k in changed if k not in ports]
         fam.kept, fam.context, fam.last = kept, ctx, state
@@ -184,10 +195,37 @@ class FamilySyncPlane(ABC, Generic[S]):
         self.failures += 1
         fam.kept = None
 
-    # --- the rest of the contract shared by both -------------------------------------------
+    # --- conntrack ---------------------------------------------------------------------------
 
-    def housekeeping(self) -> None:
-        """Nothing to do between syncs: affinity entries expire in the kernel."""
+    def _clear_conntrack(self, totals: _Totals, node_ips: Sequence[IPAddress]
+                         ) -> dict[str, int]:
+        """Entries made stale by this sync's changes, then, for the families synced whole,
+        every stale entry in the kernel's table (conntrack_reconcile.py)."""
+        if not self.clear_conntrack:
+            return {}
+        deleted = conntrack.clear_after_sync(totals.flows)
+        if totals.whole:
+            for reason, count in self._reconcile(totals.whole, node_ips).items():
+                deleted[reason] = deleted.get(reason, 0) + count
+        return deleted
+
+    def _reconcile(self, families: Sequence[Family], node_ips: Sequence[IPAddress]
+                   ) -> dict[str, int]:
+        self._next_reconcile = time.monotonic() + CONNTRACK_RECONCILE_PERIOD
+        applied = {f: self._families[f].last for f in families if f in self._families}
+        return conntrack_reconcile.reconcile(
+            {f: state.ports.values() for f, state in applied.items() if state is not None},
+            node_ips)
+
+    def housekeeping(self) -> dict[str, int]:
+        """The periodic conntrack reconcile (entries left stale by missed events or by
+        anyone else), every CONNTRACK_RECONCILE_PERIOD; affinity entries expire in the
+        kernel by themselves."""
+        if not self.clear_conntrack or time.monotonic() < self._next_reconcile:
+            return {}
+        return self._reconcile(tuple(self._families), self._addresses())
+
+    # --- the rest of the contract shared by both -------------------------------------------
 
     def _forget_all(self) -> None:
         for fam in self._families.values():

@@ -223,9 +223,9 @@ class IpvsDataPlane:
             ctx = self._ctx
             delta = self._partial(state, ctx, h, run)
         self._ctx = ctx
-        cleared = 0
+        deleted: dict[str, int] = {}
         if not run.failures and self._last is not None:
-            cleared = self._clear_conntrack(self._last, state, delta.written | delta.removed)
+            deleted = self._clear_conntrack(self._last, state, delta.written | delta.removed)
         seconds = time.perf_counter() - started
         operations = h.ipvs.calls + h.links.calls - calls_before + run.ipset_lines \
             + run.iptables_lines
@@ -262,7 +262,7 @@ class IpvsDataPlane:
             removed=tuple(sorted(delta.removed)),
             operations=operations,
             apply_seconds=seconds,
-            conntrack_cleared=cleared,
+            conntrack_cleared=sum(deleted.values()), conntrack_deleted=deleted,
             details=details,
         )
 
@@ -716,7 +716,7 @@ class IpvsDataPlane:
     # --- conntrack -----------------------------------------------------------------------
 
     def _clear_conntrack(self, old: DesiredState, new: DesiredState,
-                         keys: Iterable[ServicePortKey]) -> int:
+                         keys: Iterable[ServicePortKey]) -> dict[str, int]:
         """Delete conntrack entries of UDP/SCTP flows to endpoints that left (shared with
         the iptables plane: with net.ipv4.vs.conntrack=1 IPVS keeps the same tuples).
         Linux 5.9+ already expires a deleted real server's IPVS connections, conntrack
