@@ -168,7 +168,8 @@ def test_create_dnat_asks_the_kernel_for_the_nat(family: Family) -> None:
     # The reply as if un-NATed; the kernel's NAT setup rewrites it to the target.
     assert tuple_of(msg, "CTA_TUPLE_REPLY") == (str(e.dst), str(e.src), SCTP, e.dport, e.sport)
     assert msg.get_attr("CTA_TIMEOUT") == 120
-    assert msg.get_attr("CTA_STATUS") == IPS_SEEN_REPLY | IPS_ASSURED  # never CONFIRMED
+    # CONFIRMED, which the kernel requires (EBUSY without); never the NAT bits.
+    assert msg.get_attr("CTA_STATUS") == IPS_SEEN_REPLY | IPS_ASSURED | IPS_CONFIRMED
     nat = msg.get_attr("CTA_NAT_DST")
     v = "V4" if family is Family.V4 else "V6"
     assert nat.get_attr(f"CTA_NAT_{v}_MINIP") == nat.get_attr(f"CTA_NAT_{v}_MAXIP") == str(

@@ -20,10 +20,14 @@ net/netfilter/nf_conntrack_netlink.c):
   that tuple has another id (the tuple was reused by a newer flow), so a stale decision
   never deletes the newer flow. A delete WITHOUT a tuple flushes the whole table of the
   family: `delete_body` always has one.
-- Creating: CTA_TIMEOUT is required; IPS_CONFIRMED in CTA_STATUS is refused (EBUSY: it
-  is the kernel's to set); NAT bits are ignored (unchangeable). A DNATed entry is made
-  the way `conntrack -I --dst-nat` makes one: the un-NATed reply tuple plus CTA_NAT_DST
-  naming the target; the kernel then rewrites the reply tuple and sets IPS_DST_NAT.
+- Creating (measured on 6.18): CTA_TIMEOUT is required. A CTA_STATUS must hold
+  IPS_CONFIRMED (without it: EBUSY), must not hold IPS_EXPECTED (EBUSY); IPS_SEEN_REPLY
+  and IPS_ASSURED are taken; IPS_DST_NAT is accepted and silently dropped (NAT bits are
+  the kernel's). A DNATed entry is made the way `conntrack -I --dst-nat` makes one: the
+  un-NATed reply tuple plus CTA_NAT_DST naming the target (nf_nat, loaded on demand);
+  the kernel then rewrites the reply tuple and sets IPS_DST_NAT (and the NAT-done bits).
+  TCP, UDP, UDP-Lite and SCTP entries are all taken (SCTP's conntrack is built into
+  nf_conntrack since 5.x; DCCP's was removed in 6.16: its ports are ignored).
 """
 
 from __future__ import annotations
@@ -76,12 +80,12 @@ CTA_FILTER_FLAG_CTA_PROTO_NUM = 1 << 3
 # enum ip_conntrack_status
 IPS_EXPECTED, IPS_SEEN_REPLY, IPS_ASSURED, IPS_CONFIRMED = 1, 1 << 1, 1 << 2, 1 << 3
 IPS_SRC_NAT, IPS_DST_NAT = 1 << 4, 1 << 5
-# What CTA_STATUS may ask for when creating: the rest is the kernel's (refused, or
-# silently ignored: NAT, confirmed, dying, offload...).
+# What CTA_STATUS may ask for when creating (with IPS_CONFIRMED, which 6.18 requires):
+# the rest is the kernel's (refused, or silently ignored: NAT, dying, offload...).
 IPS_SETTABLE = IPS_SEEN_REPLY | IPS_ASSURED
 
 IPPROTO_TCP, IPPROTO_UDP, IPPROTO_SCTP = 6, 17, 132
-PORTED = frozenset({IPPROTO_TCP, IPPROTO_UDP, IPPROTO_SCTP, 33, 136})  # +DCCP, UDP-Lite
+PORTED = frozenset({IPPROTO_TCP, IPPROTO_UDP, IPPROTO_SCTP, 136})  # and UDP-Lite
 AF = {Family.V4: socket.AF_INET, Family.V6: socket.AF_INET6}
 # Which dump to use by default, from bench/conntrack.py (see `ConntrackSocket.dump`).
 KERNEL_FILTER = True
@@ -185,7 +189,7 @@ def create_body(entry: CtEntry, timeout: int) -> bytes:
         extra = b""
     body += nested(CTA_TUPLE_REPLY, reply) + nla(CTA_TIMEOUT, _U32.pack(timeout))
     if entry.status & IPS_SETTABLE:
-        body += nla(CTA_STATUS, _U32.pack(entry.status & IPS_SETTABLE))
+        body += nla(CTA_STATUS, _U32.pack(entry.status & IPS_SETTABLE | IPS_CONFIRMED))
     return body + extra + _zone(entry)
 
 
