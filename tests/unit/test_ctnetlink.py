@@ -9,6 +9,7 @@ import errno
 import socket
 import struct
 from ipaddress import ip_address
+from typing import Any
 
 import pytest
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple, nfct_msg
@@ -55,7 +56,7 @@ def entry(family: Family, protocol: int = UDP, n: int = 1, **kw: object) -> CtEn
 
 
 def kernel_message(e: CtEntry, seq: int, tuple_zone: bool = False) -> bytes:
-    """One dump message in ctnetlink_fill_info's order (nests flagged NLA_F_NESTED)."""
+    """One dump message in the order 6.18 writes it (nests flagged NLA_F_NESTED)."""
     zone = nla(3 | 0x8000, b"") if tuple_zone else b""  # a CTA_TUPLE_ZONE after the nests
     af = {Family.V4: socket.AF_INET, Family.V6: socket.AF_INET6}[e.family]
     body = struct.pack("!BBH", af, 0, 0)
@@ -65,9 +66,9 @@ def kernel_message(e: CtEntry, seq: int, tuple_zone: bool = False) -> bytes:
                                                 e.reply_sport, e.src, e.sport) + zone)
     if e.zone:
         body += nla(CTA_ZONE, struct.pack("!H", e.zone))
-    body += nla(CTA_STATUS, struct.pack("!I", e.status)) + nla(CTA_TIMEOUT, b"\0\0\0\x1e")
-    body += nla(8, b"\0" * 4)  # CTA_MARK
+    body += nla(CTA_STATUS, struct.pack("!I", e.status)) + nla(8, b"\0" * 4)  # CTA_MARK
     body += nla(CTA_ID, struct.pack("!I", e.ct_id)) + nla(11, b"\0\0\0\1")  # CTA_USE
+    body += nla(CTA_TIMEOUT, b"\0\0\0\x1e")
     return frame(CT_NEW, NLM_F_MULTI, seq, body)
 
 
@@ -96,11 +97,21 @@ def test_kernel_layout_round_trip(family: Family, protocol: int,
     entries = [entry(family, protocol, n) for n in range(1, 6)]
     entries.append(entry(family, protocol, 7, status=IPS_CONFIRMED, zone=3,
                          reply_src=entries[0].dst, reply_sport=53))
-    # The fast path alone: the generic decoder is never asked.
+    # The fast path alone: the generic decoder is never asked, and the attributes after
+    # the tuples are walked only for the entry in a zone.
     monkeypatch.setattr(ctnetlink.Decoder, "_message_slow", lambda *a: pytest.fail("slow path"))
+    walked: list[int] = []
+    rest = ctnetlink._rest
+
+    def counted(*args: Any) -> tuple[int, int, int]:
+        walked.append(1)
+        return rest(*args)
+
+    monkeypatch.setattr(ctnetlink, "_rest", counted)
     first = b"".join(kernel_message(e, 9) for e in entries[:3])
     second = b"".join(kernel_message(e, 9) for e in entries[3:]) + done(9)
     assert decode_dump(family, {protocol}, [first, second], 9) == entries
+    assert walked == [1]
     assert entries[0].dnat and not entries[-1].dnat
 
 
