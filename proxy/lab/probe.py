@@ -1,9 +1,10 @@
 """Clients for the lab: who answers a service address, connection by connection.
 
-Every connection (or datagram) uses a fresh socket, so a fresh source port and a fresh
-conntrack entry: each one is a new load-balancing decision, as for real clients.
-Failures are counted by kind instead of raised, so a test can assert "all refused"
-or "never timed out" as plainly as "only web-1 and web-2 answered".
+Every connection (or datagram) of `ask_once` and `ask` uses a fresh socket, so a fresh
+source port and a fresh conntrack entry: each one is a new load-balancing decision, as for
+real clients. `Flow` (TCP) and `UdpFlow` keep one socket instead: a long-lived flow, which
+must keep its backend. Failures are counted by kind instead of raised, so a test can
+assert "all refused" or "never timed out" as plainly as "only web-1 and web-2 answered".
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import socket
 import time
 from collections import Counter
 from ipaddress import ip_address
+from typing import Self
 
 from proxy.lab.netns import entered
 
@@ -72,7 +74,22 @@ def ask(ns: str, ip: str, port: int, proto: str = "tcp", count: int = 20,
     return Counter(ask_once(ns, ip, port, proto, timeout, source) for _ in range(count))
 
 
-class Flow:
+class _Held:
+    """A socket kept for a long-lived flow; closed on exit."""
+
+    sock: socket.socket
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Flow(_Held):
     """One long-lived TCP connection: `ask()` checks it still reaches the same backend."""
 
     def __init__(self, ns: str, ip: str, port: int, timeout: float = 2.0) -> None:
@@ -87,11 +104,36 @@ class Flow:
         self.sock.sendall(b"who\n")
         return _readline(self.sock, time.monotonic() + self.timeout)
 
-    def close(self) -> None:
-        self.sock.close()
 
-    def __enter__(self) -> Flow:
-        return self
+class UdpFlow(_Held):
+    """One UDP socket, so one source port and one conntrack entry, asked again and again:
+    what a resolver, a QUIC or a media client does."""
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __init__(self, ns: str, ip: str, port: int, timeout: float = 1.0) -> None:
+        with entered(ns):
+            self.sock = socket.socket(_family(ip), socket.SOCK_DGRAM)
+        self.timeout = timeout
+        self.sock.connect((ip, port))
+
+    def ask(self) -> str | None:
+        """Send one datagram: the name of the backend that answered it, or None if none
+        did within the timeout (or the send or the answer was refused)."""
+        self._drain()
+        try:
+            self.sock.settimeout(self.timeout)
+            self.sock.send(b"who\n")
+            return self.sock.recv(512).split(b"\n", 1)[0].decode(errors="replace")
+        except OSError:
+            return None
+
+    def _drain(self) -> None:
+        """Drop answers that came after their datagram's timeout, so that they are not
+        taken for the next datagram's."""
+        self.sock.setblocking(False)
+        for _ in range(64):  # bounded: at most a few are ever late
+            try:
+                self.sock.recv(512)
+            except BlockingIOError:  # nothing left
+                return
+            except OSError:  # a pending ICMP error (refused...), consumed by reading it
+                continue

@@ -5,12 +5,11 @@ deleted and created again."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 
-from proxy.lab.netns import entered
+from proxy.lab.probe import UdpFlow
 from tests.e2e.agent_support import endpoint, endpoint_slice, node_object, service, wait_for
 from tests.faults.conftest import BOTH_PORTS, FaultNode, settle
 
@@ -21,33 +20,13 @@ NEAR = "198.18.128.50"
 CYCLES = 3
 
 
-class StickyUdp:
-    """One UDP socket, one source port, asking again and again: what a resolver does."""
-
-    def __init__(self, ns: str, ip: str, port: int) -> None:
-        with entered(ns):
-            self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.connect((ip, port))
-        self.sock.settimeout(0.3)
-
-    def ask(self) -> str | None:
-        try:
-            self.sock.send(b"who\n")
-            return self.sock.recv(512).split(b"\n", 1)[0].decode()
-        except OSError:  # refused while there are no endpoints, or no answer
-            return None
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def test_service_flapping_between_none_and_some(fault_node: FaultNode) -> None:
     node, lab, sim = fault_node, fault_node.lab, fault_node.sim
     web1 = lab.backends["web-1"]
     some = [endpoint(web1.ipv4, node=web1.node)]
     sim.apply(service("flap", [FLAP], BOTH_PORTS))
     sim.apply(endpoint_slice("flap-1", "flap", some, BOTH_PORTS))
-    sticky = StickyUdp(lab.client_ns, FLAP, 53)
+    sticky = UdpFlow(lab.client_ns, FLAP, 53, timeout=0.3)  # what a resolver does
     try:
         wait_for(lambda: sticky.ask() == "web-1", 15.0, "flap answering")
         returns: list[float] = []

@@ -6,13 +6,11 @@ recorded with when and where, so a test can say how many and the longest window.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 
 from proxy.lab import probe
-from proxy.lab.netns import entered
 from proxy.lab.poll import wait
 
 ROUND_PAUSE = 0.02  # pacing of the load between rounds (not synchronisation)
@@ -50,27 +48,6 @@ class Tally:
                 f"{self.udp_rounds} UDP datagrams unanswered")
 
 
-class UdpFlow:
-    """One UDP socket from a pod to a service port: every datagram from the same port."""
-
-    def __init__(self, netns: str, ip: str, port: int, timeout: float = 2.0) -> None:
-        with entered(netns):
-            self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.settimeout(timeout)
-        self.sock.connect((ip, port))
-
-    def ask(self) -> str | None:
-        """The answering pod's name, or None if nothing answered in time."""
-        self.sock.send(b"who\n")
-        try:
-            return self.sock.recv(512).split(b"\n", 1)[0].decode()
-        except (TimeoutError, OSError):
-            return None
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 class Clients:
     """One thread per client pod (node -> netns path), each doing rounds until stopped."""
 
@@ -88,7 +65,7 @@ class Clients:
     def _run(self, node: str, netns: str) -> None:
         t = self.tally
         flow = probe.Flow(netns, self.ip, self.tcp_port)
-        udp = UdpFlow(netns, self.ip, self.udp_port)
+        udp = probe.UdpFlow(netns, self.ip, self.udp_port, timeout=2.0)
         long_alive = True
         try:
             udp_pod = udp.ask()

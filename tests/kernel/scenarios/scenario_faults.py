@@ -31,7 +31,7 @@ import pytest
 from proxy.dataplane.ipvs.render import DUMMY_INTERFACE
 from proxy.lab import BackendSpec, Lab
 from proxy.lab.netns import entered
-from proxy.lab.probe import Flow
+from proxy.lab.probe import Flow, UdpFlow
 from proxy.sim import SimServer
 from tests.e2e.agent_support import (
     AgentProcess,
@@ -56,7 +56,6 @@ from tests.faults.test_api_faults import (
     answered,
     through_each,
 )
-from tests.faults.test_cluster_faults import StickyUdp
 from tests.faults.test_kernel_faults import slow_restore
 from tests.faults.traffic import Traffic
 
@@ -208,7 +207,7 @@ def test_service_flapping_udp_client_on_one_socket(node: IpvsFaultNode) -> None:
     some = [endpoint(web1.ipv4, node=web1.node)]
     sim.apply(service("flap", [FLAP], BOTH_PORTS))
     sim.apply(endpoint_slice("flap-1", "flap", some, BOTH_PORTS))
-    sticky = StickyUdp(lab.client_ns, FLAP, 53)
+    sticky = UdpFlow(lab.client_ns, FLAP, 53, timeout=0.3)
     try:
         wait_for(lambda: sticky.ask() == "web-1", CHANGE_DEADLINE, "flap answering")
         returns: list[float] = []
@@ -371,4 +370,5 @@ def test_sigkill_in_the_middle_of_a_full_sync(node: IpvsFaultNode) -> None:
     assert report.longest_window < 2 * TIMEOUT, where
     assert report.failed <= max(2, report.attempts // 100), where
     assert min(sampler.samples) >= count, sampler.samples[:50]
+
 
