@@ -6,16 +6,21 @@ it started, what answered and whether that was acceptable (a backend the target 
 `Report` turns the record into what the fault table shows: attempts, failures and the
 longest failure window (from the first failed attempt of a run of failures to the next
 success). Every loop is bounded in time (`limit`) and stops on `stop()`.
+
+`UdpFlows` is the other kind of client: long-lived UDP flows, each one socket (one source
+port, one conntrack entry) asked again and again, each datagram recorded with who
+answered it, so that a test can say which flow moved to another backend and how many
+datagrams went unanswered (`pinned_flows` opens them, so many per backend).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from proxy.lab import probe
+from proxy.lab import poll, probe
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,3 +151,161 @@ class Traffic:
     def report(self, since: float = 0.0, until: float = float("inf"),
                targets: Sequence[Target] | None = None) -> Report:
         return report(self.attempts(), targets or self.targets, since, until)
+
+
+# --- long-lived UDP flows ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Datagram:
+    sent: float  # monotonic
+    ended: float  # the answer came, or the wait for it ended
+    answer: str | None  # the backend that answered; None: no answer within the timeout
+
+
+@dataclass
+class FlowLog:
+    """One long-lived flow's datagrams; `pinned` is the backend it had when it began."""
+
+    name: str
+    pinned: str | None
+    datagrams: list[Datagram] = field(default_factory=list)
+
+    def answers(self, since: float = 0.0) -> dict[str, int]:
+        """How many datagrams sent since `since` each backend answered ("none": not
+        answered)."""
+        out: dict[str, int] = {}
+        for d in self.datagrams:
+            if d.sent >= since:
+                key = d.answer or "none"
+                out[key] = out.get(key, 0) + 1
+        return out
+
+    @property
+    def unanswered(self) -> int:
+        return sum(1 for d in self.datagrams if d.answer is None)
+
+    @property
+    def moved(self) -> bool:
+        """Answered by a backend other than the one it had (any backend, if it had none)."""
+        return any(d.answer not in (None, self.pinned) for d in self.datagrams)
+
+    def first_answer(self, since: float, by: str | None = None) -> float | None:
+        """When the first datagram sent at or after `since` was answered (by `by`, when
+        given)."""
+        return next((d.ended for d in self.datagrams if d.sent >= since and d.answer
+                     and by in (None, d.answer)), None)
+
+    def longest_silence(self) -> float:
+        """The longest time from an unanswered datagram to the next answer (or to the
+        end of the log)."""
+        longest, began = 0.0, None
+        for d in self.datagrams:
+            if d.answer is None:
+                began = d.sent if began is None else began
+            elif began is not None:
+                longest, began = max(longest, d.ended - began), None
+        if began is not None:
+            longest = max(longest, self.datagrams[-1].ended - began)
+        return longest
+
+    def __str__(self) -> str:
+        return f"{self.name} (had {self.pinned}): {self.answers()}"
+
+
+def pinned_flows(ns: str, ip: str, port: int, per_backend: dict[str, int],
+                 timeout: float = 1.0, tries: int = 64) -> list[tuple[probe.UdpFlow, str]]:
+    """Long-lived UDP flows from namespace `ns`, `per_backend[name]` of them answered
+    by each backend (each flow's first datagram picks its backend, as the rules balance
+    it; flows that land where enough already are get closed). At most `tries` sockets."""
+    want = dict(per_backend)
+    got: list[tuple[probe.UdpFlow, str]] = []
+    for _ in range(tries):
+        if not any(want.values()):
+            return got
+        flow = probe.UdpFlow(ns, ip, port, timeout)
+        answer = flow.ask()
+        if answer is not None and want.get(answer, 0) > 0:
+            want[answer] -= 1
+            got.append((flow, answer))
+        else:
+            flow.close()
+    for flow, _ in got:
+        flow.close()
+    raise AssertionError(f"{ip}:{port}/udp: {tries} flows did not give {per_backend} "
+                         f"(still wanted {want})")
+
+
+class UdpFlows:
+    """Long-lived UDP flows kept busy in the background, one thread each: a datagram,
+    its answer (or the timeout), then `interval` seconds' pause; bounded by `limit`
+    seconds and `most` datagrams per flow. The flows are closed on exit."""
+
+    def __init__(self, flows: Sequence[tuple[probe.UdpFlow, str | None]], *,
+                 interval: float = 0.075, limit: float = 600.0, most: int = 10000) -> None:
+        self.interval, self.limit, self.most = interval, limit, most
+        self._flows = [flow for flow, _ in flows]
+        self._logs = [FlowLog(f"flow-{i + 1}", pinned) for i, (_, pinned) in enumerate(flows)]
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True,
+                                          name=f"udp {log.name}")
+                         for i, log in enumerate(self._logs)]
+
+    def __enter__(self) -> UdpFlows:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> UdpFlows:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop every flow and close its socket."""
+        self._stop.set()
+        for thread, flow in zip(self._threads, self._flows, strict=True):
+            thread.join(flow.timeout + 5)
+            flow.close()
+
+    def _run(self, i: int) -> None:
+        flow, log = self._flows[i], self._logs[i]
+        end = time.monotonic() + self.limit
+        for _ in range(self.most):
+            if self._stop.is_set() or time.monotonic() > end:
+                return
+            sent = time.monotonic()
+            answer = flow.ask()
+            with self._lock:
+                log.datagrams.append(Datagram(sent, time.monotonic(), answer))
+            self._stop.wait(self.interval)  # pacing, not synchronisation
+
+    def logs(self) -> list[FlowLog]:
+        """A copy of every flow's log so far."""
+        with self._lock:
+            return [FlowLog(g.name, g.pinned, list(g.datagrams)) for g in self._logs]
+
+    def more(self, count: int, timeout: float | None = None) -> None:
+        """Return once every flow has sent `count` more datagrams, answered or not (by
+        default within the time they take if none is answered, and 10 s more)."""
+        if timeout is None:
+            timeout = 10 + count * (self.interval + max(f.timeout for f in self._flows))
+        with self._lock:
+            want = [len(g.datagrams) + count for g in self._logs]
+
+        def done() -> bool:
+            assert all(t.is_alive() for t in self._threads), "a flow's thread ended early"
+            with self._lock:
+                return all(len(g.datagrams) >= n for g, n in zip(self._logs, want,
+                                                                   strict=True))
+
+        poll.wait(done, timeout, f"{count} more datagrams on every UDP flow")
+
+    def until(self, cond: Callable[[list[FlowLog]], bool], timeout: float,
+              what: str) -> float:
+        """Wait until `cond(logs())` holds; returns when it did (monotonic)."""
+        poll.wait(lambda: cond(self.logs()), timeout, what,
+                  detail=lambda: "; ".join(map(str, self.logs())))
+        return time.monotonic()
