@@ -12,9 +12,11 @@ even after that endpoint left. As upstream (pkg/proxy/conntrack), we delete:
   datagrams sent while it had none (REJECTed, or routed elsewhere) left entries that
   would otherwise keep its new endpoints out of reach.
 
-`stale_flows` works that out (pure); `clear` finds and deletes the entries with pyroute2
-in the calling thread's network namespace. The kernel's own reply-tuple filter matched
-nothing on 6.1 (FINDINGS), so we dump by protocol and match in Python.
+`stale_flows` works that out (pure); `clear` finds and deletes the entries over our own
+ctnetlink client (common/ctnetlink.py) in the calling thread's network namespace. The
+kernel's own reply-tuple filter matched nothing on 6.1 (FINDINGS), so we dump by protocol
+and match in Python. pyroute2 did this before: with 100,000 UDP entries its dump took
+89 s against 0.9 s, and deleting 10,000 entries 13.6 s against 0.14 s (bench/conntrack.py).
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ import logging
 import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from ipaddress import ip_address
-from typing import Any
 
+from proxy.dataplane.common.ctnetlink import ConntrackSocket, CtEntry
 from proxy.dataplane.common.naming import port_name
+from proxy.dataplane.common.netlink import NetlinkError
 from proxy.model.snapshot import ResolvedServicePort
 from proxy.model.types import Family, IPAddress, Protocol, ServicePortKey
 
@@ -109,16 +111,6 @@ def _matches(flow: StaleFlows, daddr: IPAddress, dport: int, raddr: IPAddress,
                  or (flow.endpoint == raddr and flow.endpoint_port in (None, rport))))
 
 
-def _tuple(nla: Any) -> tuple[str | None, int | None, str | None, int | None]:
-    """(source, source port, destination, destination port) of a CTA_TUPLE_* attribute.
-    Read from the raw attributes: pyroute2's ConntrackEntry drops SCTP's ports."""
-    ip, proto = nla.get_attr("CTA_TUPLE_IP"), nla.get_attr("CTA_TUPLE_PROTO")
-    src = ip.get_attr("CTA_IP_V4_SRC") or ip.get_attr("CTA_IP_V6_SRC")
-    dst = ip.get_attr("CTA_IP_V4_DST") or ip.get_attr("CTA_IP_V6_DST")
-    return (src, proto.get_attr("CTA_PROTO_SRC_PORT"), dst,
-            proto.get_attr("CTA_PROTO_DST_PORT"))
-
-
 def clear(flows: Iterable[StaleFlows]) -> dict[str, int]:
     """Delete the conntrack entries `flows` describe; how many went, by reason."""
     wanted: dict[tuple[Family, Protocol], dict[int, list[StaleFlows]]] = {}
@@ -126,47 +118,35 @@ def clear(flows: Iterable[StaleFlows]) -> dict[str, int]:
         wanted.setdefault((flow.family, flow.protocol), {}).setdefault(flow.dport, []).append(flow)
     if not wanted:
         return {}
-    from pyroute2 import Conntrack  # netlink only when there is work
-    from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
-
     cleared: dict[str, int] = {}
-    for (family, protocol), by_port in wanted.items():
-        af = socket.AF_INET if family is Family.V4 else socket.AF_INET6
-        number = IPPROTO[protocol]
-        # The socket's family filters the dump (AF_INET by default: IPv6 would be missed).
-        with Conntrack(nfgen_family=af) as ct:
-            # Read the whole dump before deleting: pyroute2's sync wrapper tears its
-            # event loop down after each call, which breaks a dump still being read.
-            messages = list(ct.dump(tuple_orig=NFCTAttrTuple(family=af, proto=number)))
-            for msg in messages:
-                orig = msg.get_attr("CTA_TUPLE_ORIG")
-                saddr, sport, daddr, dport = _tuple(orig)
-                # The reply comes from whoever the flow was DNATed to.
-                raddr, rport, _, _ = _tuple(msg.get_attr("CTA_TUPLE_REPLY"))
-                if (orig.get_attr("CTA_TUPLE_PROTO").get_attr("CTA_PROTO_NUM") != number
-                        or dport is None or daddr is None or raddr is None):
-                    continue
-                candidates = by_port.get(dport)
+    sock = ConntrackSocket()
+    try:
+        for (family, protocol), by_port in wanted.items():
+            hits: list[tuple[CtEntry, StaleFlows]] = []
+            for entry in sock.dump(family, (IPPROTO[protocol],)):
+                candidates = by_port.get(entry.dport)
                 if not candidates:
                     continue
-                dst, endpoint = ip_address(daddr), ip_address(raddr)
-                hit = next((f for f in candidates
-                            if _matches(f, dst, dport, endpoint, rport or 0)), None)
-                if hit is None:
-                    continue
-                try:
-                    ct.entry("del", tuple_orig=NFCTAttrTuple(
-                        family=af, saddr=saddr, daddr=daddr, proto=number, sport=sport,
-                        dport=dport))
-                except OSError as exc:  # expired meanwhile: nothing to do
-                    log.debug("conntrack delete failed", extra={"error": str(exc)})
+                # The reply comes from whoever the flow was DNATed to.
+                hit = next((f for f in candidates if _matches(
+                    f, entry.dst, entry.dport, entry.reply_src, entry.reply_sport)), None)
+                if hit is not None:
+                    hits.append((entry, hit))
+            # By tuple and id: a newer flow that took the tuple since the dump stays.
+            codes = sock.delete([entry for entry, _ in hits])
+            for (entry, hit), code in zip(hits, codes, strict=True):
+                if code:  # expired meanwhile: nothing to do
+                    log.debug("conntrack delete failed", extra={"error": str(NetlinkError(code))})
                     continue
                 reason = hit.reason.replace(" ", "-")
                 cleared[reason] = cleared.get(reason, 0) + 1
                 log.info("cleared stale conntrack entry", extra={
                     "service": hit.service, "reason": hit.reason, "protocol": protocol.value,
-                    "client": f"{saddr}:{sport}", "destination": f"{daddr}:{dport}",
-                    "endpoint": f"{raddr}:{rport}"})
+                    "client": f"{entry.src}:{entry.sport}",
+                    "destination": f"{entry.dst}:{entry.dport}",
+                    "endpoint": f"{entry.reply_src}:{entry.reply_sport}"})
+    finally:
+        sock.close()
     return cleared
 
 
