@@ -2,11 +2,17 @@
 and a socket that dumps, deletes and creates entries.
 
 Built for reconciling UDP and SCTP entries against the rules, which reads the whole
-table of a family at once: with 100,000 entries pyroute2 builds a message object per
-entry and per nested attribute (FIGURES below). Here a dump is read into one reusable
-buffer and each entry decoded in place with one `struct` call per tuple (the kernel writes
-a tuple's attributes in a fixed order; anything else takes the generic path), keeping
-only the attributes a reconciler uses.
+table of a family at once. pyroute2 builds an object per message and per nested attribute:
+with 100,000 UDP entries its dump took 89 s and deleting 10,000 of them 13.6 s; here
+0.9 s and 0.14 s (bench/conntrack.py, medians, 2-CPU EPYC, Linux 6.18). A dump is read
+into one reusable buffer and each entry decoded in place with one `struct` call (the
+kernel writes an entry's first attributes in a fixed order; anything else is walked or
+takes the generic path), keeping only the attributes a reconciler uses.
+
+The kernel's protocol filter is used by default (`KERNEL_FILTER`): with 100,000 UDP
+entries it costs what an unfiltered dump does (0.67 s against 0.65 s for UDP and SCTP,
+two filtered dumps against one), and with 100,000 TCP + 10,000 UDP entries it is 4x
+faster (95 ms against 366 ms): the kernel skips the TCP entries without writing them.
 
 Kernel behaviour this relies on (include/uapi/linux/netfilter/nfnetlink_conntrack.h,
 net/netfilter/nf_conntrack_netlink.c):

@@ -12,7 +12,8 @@ the table back 9x, reading the dummy interface's addresses 38x faster.
 The wire format is include/uapi/linux/ip_vs.h: one generic-netlink family "IPVS"; each
 request carries a nested service attribute (its key: family, protocol, address, port;
 plus scheduler, flags, timeout and netmask when creating or changing it) and, for real
-servers, a nested destination attribute. Links, addresses and conntrack stay on pyroute2.
+servers, a nested destination attribute. Links stay on pyroute2; conntrack goes over
+common/ctnetlink.py.
 """
 
 from __future__ import annotations
