@@ -174,6 +174,68 @@ def _deletes(sock: ConntrackSocket, udp: int, delete: int, runs: int,
         create(sock, doomed)
 
 
+def udp_cluster(services: int, gone_every: int) -> list[Any]:
+    """The resolved UDP service ports `entries` addresses (port 53 -> 5353, three
+    endpoints each), every `gone_every`-th service without its first endpoint: the flows
+    to it are what a reconcile finds stale."""
+    from proxy.kube.decode import decode_endpoint_slice, decode_service
+    from proxy.model.tracker import ClusterModel
+
+    model = ClusterModel("node-a")
+    for i in range(services):
+        svc, _ = decode_service({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": f"u{i}", "namespace": "b", "resourceVersion": "1"},
+            "spec": {"clusterIP": str(SERVICES + i),
+                     "ports": [{"name": "dns", "port": 53, "protocol": "UDP"}]}})
+        first = 1 if gone_every and i % gone_every == 0 else 0
+        sl, _ = decode_endpoint_slice({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": f"u{i}", "namespace": "b", "resourceVersion": "1",
+                         "labels": {"kubernetes.io/service-name": f"u{i}"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "dns", "port": 5353, "protocol": "UDP"}],
+            "endpoints": [{"addresses": [str(ENDPOINTS + i * 3 % 32_000 + k)],
+                           "conditions": {"ready": True}} for k in range(first, 3)]})
+        assert svc is not None and sl is not None
+        model.apply_service(svc)
+        model.apply_slice(sl)
+    return list(model.resolve().ports.values())
+
+
+def _match(listed: list[CtEntry], ports: list[Any]) -> list[Any]:
+    from proxy.dataplane.common.conntrack_reconcile import Frontends, stale
+
+    return stale(listed, Frontends(ports, ()))
+
+
+def reconcile_cost(udp: int, services: int, gone_every: int, runs: int) -> dict[str, Any]:
+    """One reconcile (dump, match, delete) at `services` UDP service ports and `udp`
+    entries, `runs` times (the deleted entries made again, untimed, between runs)."""
+    from proxy.dataplane.common.conntrack_reconcile import reconcile
+
+    ports = udp_cluster(services, gone_every)
+    made = entries(udp, services=services)
+    out: dict[str, Any] = {"udp": udp, "services": services, "runs": runs}
+    totals, matches, deleted = [], [], []
+    with scratch_namespace() as ns, entered(ns):
+        sock = ConntrackSocket()
+        try:
+            create(sock, made)
+            for _ in range(runs):
+                listed = sock.dump(Family.V4, (IPPROTO_UDP,))
+                seconds, found = timed(_match, listed, ports)
+                matches.append(seconds)
+                seconds, counts = timed(reconcile, {Family.V4: ports}, ())
+                totals.append(seconds)
+                deleted.append(sum(counts.values()))
+                create(sock, [e for e, _, _ in found])
+        finally:
+            sock.close()
+    out.update(reconcile=spread(totals), match=spread(matches), deleted=deleted[0])
+    return out
+
+
 def markdown(results: list[dict[str, Any]]) -> str:
     rows = ["| UDP + TCP entries | dump UDP: ours, kernel filter | ours, unfiltered | "
             "pyroute2 | delete N: ours | pyroute2 |", "|---|---|---|---|---|---|"]
@@ -201,9 +263,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delete", type=int, default=10_000)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--reconcile", type=int, metavar="SERVICES", default=0,
+                   help="instead: one whole reconcile at SERVICES UDP service ports (every "
+                        "tenth without one of its three endpoints) and --entries entries")
     args = p.parse_args(argv)
     # SIGTERM unwinds like an exception, so the namespace is deleted on the way out.
     signal.signal(signal.SIGTERM, _terminated)
+    if args.reconcile:
+        import json
+        print(json.dumps(reconcile_cost(args.entries, args.reconcile, 10, args.runs), indent=2))
+        return 0
     result = measure(args.entries, args.tcp, min(args.delete, args.entries), args.runs)
     if args.json:
         import json
