@@ -135,10 +135,13 @@ def node(lab: Lab) -> Iterator[IpvsFaultNode]:
                 if agent.alive():
                     with contextlib.suppress(AssertionError):
                         agent.stop()
-            run_cli(lab, ["--cleanup", "--proxy-mode", "ipvs", "--hostname-override",
-                          "node-a"])
-            lab.exec(lab.node_ns, ["conntrack", "-F"])
+            # The figures first: they stand whatever the clean-up does.
             report_path().write_text(json.dumps([asdict(r) for r in FAULTS], indent=2) + "\n")
+            # Emulated on a loaded host, importing the agent for --cleanup alone once
+            # took over 60 s.
+            run_cli(lab, ["--cleanup", "--proxy-mode", "ipvs", "--hostname-override",
+                          "node-a"], timeout=READY_DEADLINE)
+            lab.exec(lab.node_ns, ["conntrack", "-F"])
 
 
 def healthy(node: IpvsFaultNode) -> None:
