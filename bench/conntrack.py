@@ -22,10 +22,9 @@ import os
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from ipaddress import IPv4Address
 from typing import Any
 
@@ -38,6 +37,7 @@ from proxy.dataplane.common.ctnetlink import (
     ConntrackSocket,
     CtEntry,
 )
+from proxy.lab import netns
 from proxy.lab.netns import entered
 from proxy.model.types import Family
 
@@ -60,15 +60,9 @@ def entries(count: int, protocol: int = IPPROTO_UDP, services: int = 10_000) -> 
     return out
 
 
-@contextlib.contextmanager
-def scratch_namespace(prefix: str = "sp-ctbench") -> Iterator[str]:
+def scratch_namespace(prefix: str = "sp-ctbench") -> contextlib.AbstractContextManager[str]:
     """A network namespace of our own, deleted on the way out (its conntrack table with it)."""
-    name = f"{prefix}-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
-    try:
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "delete", name], check=False, timeout=30)
+    return netns.scratch(prefix)
 
 
 def create(sock: ConntrackSocket, made: list[CtEntry]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import subprocess
 from collections.abc import Iterator
 
 CLONE_NEWNET = 0x40000000
@@ -46,3 +47,15 @@ def entered(name: str) -> Iterator[None]:
             _setns(home)
     finally:
         os.close(home)
+
+
+@contextlib.contextmanager
+def scratch(prefix: str) -> Iterator[str]:
+    """A network namespace of our own, `<prefix>-<pid>`, deleted on the way out (its
+    conntrack table and rules with it), for tests and benchmarks that need only one."""
+    name = f"{prefix}-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False, timeout=30)

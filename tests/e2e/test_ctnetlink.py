@@ -26,6 +26,7 @@ from proxy.dataplane.common.ctnetlink import (
     ConntrackSocket,
     CtEntry,
 )
+from proxy.lab import netns
 from proxy.lab.netns import entered
 from proxy.model.types import Family
 
@@ -36,12 +37,8 @@ DNAT = IPS_DST_NAT | IPS_SEEN_REPLY | IPS_ASSURED
 
 @pytest.fixture
 def ns() -> Iterator[str]:
-    name = f"sp-ctnl-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
-    try:
+    with netns.scratch("sp-ctnl") as name:
         yield name
-    finally:
-        subprocess.run(["ip", "netns", "delete", name], check=False, timeout=30)
 
 
 @pytest.fixture
