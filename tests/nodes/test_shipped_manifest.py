@@ -227,11 +227,9 @@ def test_a_rollout_to_a_new_image_drops_no_connection(workload: Workload) -> Non
     assert t.attempts > 50
     assert t.failures == [], t.failures[:10]
     assert t.broken_long == []
-    # UDP flows moved are reported, not asserted: each new agent clears the conntrack
-    # entries of every UDP service at its first sync, so UDP flows are balanced afresh
-    # (issue 28's defect, shared with kube-proxy, kubernetes issue 122740), and a
-    # datagram in flight then can lose its reply: at most one per flow.
-    assert t.udp_unanswered <= len(workload.clients), t.summary()
+    # A new agent clears no conntrack at its first sync (issue 28): every UDP flow keeps
+    # its endpoint and every datagram is answered across the rollout.
+    assert t.udp_moved == [] and t.udp_unanswered == 0, t.summary()
 
 
 # --- nftables mode ------------------------------------------------------------------------
