@@ -41,6 +41,11 @@ PROGRAMMING_BUCKETS = (
 )
 
 
+CLEARED_HELP = "Stale UDP/SCTP conntrack entries deleted (after syncs and by the reconcile)"
+DELETED_HELP = ("Stale UDP/SCTP conntrack entries deleted, by reason: endpoint-gone and "
+                "first-endpoint after a change, stale-dnat and missing-dnat by the reconcile")
+
+
 class AgentMetrics:
     def __init__(self) -> None:
         # kube-proxy exports no *_created series; they would only double the output.
@@ -107,14 +112,9 @@ class AgentMetrics:
         self.apply_failures = counter(
             "sliceproxy_sync_apply_failures",
             "Syncs whose apply the kernel refused, by proxy mode", ("mode",))
-        self.conntrack_cleared = counter(
-            "sliceproxy_conntrack_entries_cleared",
-            "Stale UDP/SCTP conntrack entries deleted (after syncs and by the reconcile)")
-        self.conntrack_deleted = counter(
-            "sliceproxy_conntrack_entries_deleted",
-            "Stale UDP/SCTP conntrack entries deleted, by reason: endpoint-gone and "
-            "first-endpoint after a change, stale-dnat and missing-dnat by the reconcile",
-            ("reason",))
+        self.conntrack_cleared = counter("sliceproxy_conntrack_entries_cleared", CLEARED_HELP)
+        self.conntrack_deleted = counter("sliceproxy_conntrack_entries_deleted", DELETED_HELP,
+                                         ("reason",))
         self.drift_checks = counter(
             "sliceproxy_rules_drift_checks",
             "Checks of our rules after another process changed the tables they live in")
