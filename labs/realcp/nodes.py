@@ -10,12 +10,10 @@ and EndpointSlice controllers look at. Pod IPs are lab backend addresses, so the
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,8 +23,8 @@ from typing import Any, Self
 
 from labs.realcp.rawapi import RawApi
 from proxy.lab import Lab
-from proxy.lab.netns import entered
 from proxy.lab.poll import wait
+from proxy.lab.probe import http_get
 
 ROOT = Path(__file__).resolve().parents[2]
 POD_CIDR = "198.18.1.0/24"
@@ -123,26 +121,6 @@ def slice_ips(api: RawApi, namespace: str, service: str, ready_only: bool = True
 
 
 # --- proxies in node namespaces -----------------------------------------------------------
-
-
-def http_get(ns: str, host: str, port: int, path: str,
-             timeout: float = 5.0) -> tuple[int, bytes]:
-    """GET from inside namespace `ns`: (status, body), or (0, b"") if nothing answers."""
-    try:
-        with entered(ns):
-            sock = socket.create_connection((host, port), timeout)
-    except OSError:
-        return 0, b""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    conn.sock = sock
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    except OSError:
-        return 0, b""
-    finally:
-        conn.close()
 
 
 class NodeProxy:

@@ -15,10 +15,8 @@ Nothing is added to the host's own network namespace. Needs root.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +31,7 @@ from typing import Any, TypeVar
 from proxy.kube.manifests import load_paths
 from proxy.lab import BackendSpec, Lab, poll
 from proxy.lab.netns import entered
+from proxy.lab.probe import http_get
 from proxy.sim import SimServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,24 +90,6 @@ def lab_specs(pods: dict[str, tuple[str, str]]) -> list[BackendSpec]:
 
 
 # --- talking to the agent ------------------------------------------------------------
-
-
-def http_get(ns: str, host: str, port: int, path: str) -> tuple[int, bytes]:
-    try:
-        with entered(ns):
-            sock = socket.create_connection((host, port), 3.0)
-    except OSError:
-        return 0, b""
-    conn = http.client.HTTPConnection(host, port, timeout=5.0)
-    conn.sock = sock
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    except OSError:
-        return 0, b""
-    finally:
-        conn.close()
 
 
 def wait(cond: Callable[[], T | None], seconds: float, what: str) -> T:

@@ -10,6 +10,7 @@ assert "all refused" or "never timed out" as plainly as "only web-1 and web-2 an
 from __future__ import annotations
 
 import errno
+import http.client
 import socket
 import time
 from collections import Counter
@@ -137,3 +138,24 @@ class UdpFlow(_Held):
                 return
             except OSError:  # a pending ICMP error (refused...), consumed by reading it
                 continue
+
+
+def http_get(ns: str, host: str, port: int, path: str,
+             timeout: float = 5.0) -> tuple[int, bytes]:
+    """GET from inside namespace `ns` (the agent's /healthz, /metrics, /debug/dump):
+    (status, body), or (0, b"") if nothing answers."""
+    try:
+        with entered(ns):
+            sock = socket.create_connection((host, port), timeout)
+    except OSError:
+        return 0, b""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    conn.sock = sock
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    except OSError:
+        return 0, b""
+    finally:
+        conn.close()

@@ -10,12 +10,10 @@ inside the node namespace.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +24,7 @@ from typing import Any
 from proxy.lab import Lab
 from proxy.lab.netns import entered
 from proxy.lab.poll import wait as wait_for  # the name the e2e, fault and kernel tiers use
+from proxy.lab.probe import http_get
 from proxy.sim import SimServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,26 +46,6 @@ def start_sim(lab: Lab, objects: Iterable[Any] = (), **kw: Any) -> SimServer:
     with entered(lab.node_ns):
         sim.start()
     return sim
-
-
-def http_get(ns: str, host: str, port: int, path: str,
-             timeout: float = 3.0) -> tuple[int, bytes]:
-    """GET from inside namespace `ns`; (status, body), or (0, b"") if nothing answers."""
-    try:
-        with entered(ns):
-            sock = socket.create_connection((host, port), timeout)
-    except OSError:
-        return 0, b""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    conn.sock = sock
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    except OSError:
-        return 0, b""
-    finally:
-        conn.close()
 
 
 class AgentProcess:

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from labs.realcp.controlplane import KUBERNETES_SERVICE_IP
-from labs.realcp.nodes import http_get
 from proxy.lab.poll import wait, waited
+from proxy.lab.probe import http_get
 from tests.nodes import workload as wl
 from tests.nodes.cluster import SHIPPED_IMAGE_REF, NodeCluster
 from tests.nodes.conftest import report
