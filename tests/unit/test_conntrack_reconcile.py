@@ -134,3 +134,17 @@ def test_scaled_to_zero_flows_to_the_gone_endpoints_are_stale() -> None:
     assert reasons([entry(CLUSTER_IP, 53, "198.18.1.10"), entry(str(NODE_IP), 30053,
                                                                "198.18.1.10")],
                    fronts) == [STALE_DNAT, STALE_DNAT]
+
+
+def test_a_failing_reconcile_is_logged_never_raised(monkeypatch: Any, caplog: Any) -> None:
+    """It runs after rules are applied: a netlink or decoding error must not turn that
+    sync into a failure (the next reconcile tries again)."""
+    from proxy.dataplane.common import conntrack_reconcile
+
+    class Broken:
+        def __init__(self) -> None:
+            raise ValueError("undecodable dump")
+
+    monkeypatch.setattr(conntrack_reconcile, "ConntrackSocket", Broken)
+    assert conntrack_reconcile.reconcile({Family.V4: [port(ep("198.18.1.10"))]}, ()) == {}
+    assert any(r.getMessage() == "conntrack reconcile failed" for r in caplog.records)

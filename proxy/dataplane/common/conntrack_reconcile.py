@@ -164,7 +164,7 @@ def reconcile(applied: Mapping[Family, Iterable[ResolvedServicePort]],
                     if error == 0:
                         log.debug("deleted stale conntrack entry",
                                   extra=describe(entry, reason, served))
-    except OSError as exc:
+    except Exception as exc:  # the rules are in: never fail the sync that called this
         log.warning("conntrack reconcile failed", extra={"error": str(exc)})
     log.debug("conntrack reconciled", extra={
         "entries": examined, **{r.replace("-", "_"): n for r, n in deleted.items()},
