@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from proxy.model.types import (
@@ -87,6 +87,23 @@ class Topology:
 
 
 @dataclass(frozen=True, slots=True)
+class EndpointDelta:
+    """How a port's endpoints differ from one earlier resolution of the same port, when
+    nothing but its endpoints changed: what a data plane needs to re-render only the
+    endpoints that changed (O(change)) instead of the whole port (O(service)).
+
+    `base` is the earlier `ResolvedServicePort.token` (a token, not the port: a chain of
+    deltas must not keep every earlier endpoint tuple alive). An endpoint whose
+    conditions, node, zone, hints or selection changed is in both: its old
+    `SelectedEndpoint` in `removed`, its new one in `added`.
+    """
+
+    base: object
+    removed: tuple[SelectedEndpoint, ...]
+    added: tuple[SelectedEndpoint, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ResolvedServicePort:
     key: ServicePortKey
     service: Service
@@ -97,6 +114,17 @@ class ResolvedServicePort:
     endpoints: tuple[SelectedEndpoint, ...]  # every merged endpoint, sorted by address, port
     topology: Topology
     conflicts: tuple[Conflict, ...] = ()
+    # Identity of this resolution, and how its endpoints differ from the previous one
+    # (None: unknown, or more than the endpoints changed). Not part of equality.
+    token: object = field(default_factory=object, compare=False, repr=False)
+    delta: EndpointDelta | None = field(default=None, compare=False, repr=False)
+
+    def endpoint_delta(self, earlier: ResolvedServicePort | None) -> EndpointDelta | None:
+        """The endpoint changes from `earlier` to this, if only endpoints changed and the
+        model recorded them against exactly `earlier`; None means re-render the port whole."""
+        if earlier is None or self.delta is None or self.delta.base is not earlier.token:
+            return None
+        return self.delta
 
     @property
     def cluster_endpoints(self) -> tuple[MergedEndpoint, ...]:
