@@ -15,19 +15,16 @@ not terminating). Preferring the more available copy means a transient duplicate
 rebalance never takes a working endpoint out of service. Copies that disagree on
 ready/serving/terminating/node/zone are reported as a `Conflict`.
 
-A service with thousands of endpoints is usually changed one slice at a time: with a
-`MergeMemo` (the tracker keeps one per large service port), the work done for each
-unchanged slice object (reading its endpoints, building single-copy `MergedEndpoint`s)
-is reused, and an unchanged endpoint comes out as the very object it was last time, so
-comparing the new result with the old one, and selecting from it (`topology.categorize`
-with its own memo), cost little. The result equals the one computed without a memo.
+A service with thousands of endpoints is usually changed one slice at a time: the
+tracker keeps such ports in `incremental.PortIndex`, which merges again only the
+endpoints a changed slice lists, with this module's `slice_entries` and `merge_copies`;
+`merge_port` here is the whole merge, for small ports and as the reference.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
-from operator import itemgetter
+from dataclasses import replace
 
 from proxy.model.snapshot import Conflict, MergedEndpoint
 from proxy.model.types import (
@@ -57,17 +54,7 @@ def _rank(slice_name: str, ep: Endpoint) -> tuple[object, ...]:
 
 # One endpoint of one slice for one service port: (sort key (address as int, port),
 # slice name, the endpoint, its MergedEndpoint as if it were the only copy).
-_Entry = tuple[tuple[int, int], str, Endpoint, MergedEndpoint]
-_by_key = itemgetter(0)
-
-
-@dataclass(slots=True)
-class MergeMemo:
-    """What `merge_port` computed for each slice object, for the next call with the same
-    port. Entries hold the slice itself, so an id can never name another object."""
-
-    tag: tuple[str, Protocol, Family] | None = None
-    slices: dict[int, tuple[EndpointSlice, tuple[_Entry, ...]]] = field(default_factory=dict)
+Entry = tuple[tuple[int, int], str, Endpoint, MergedEndpoint]
 
 
 def merge_port(
@@ -75,12 +62,8 @@ def merge_port(
     port_name: str,
     protocol: Protocol,
     family: Family,
-    memo: MergeMemo | None = None,
 ) -> tuple[tuple[MergedEndpoint, ...], tuple[Conflict, ...]]:
-    """All endpoints of one service port in one family, de-duplicated and sorted.
-    `memo`: reuse (and refresh) what an earlier call for the same port computed."""
-    if memo is not None:
-        return _merge_memo(slices, port_name, protocol, family, memo)
+    """All endpoints of one service port in one family, de-duplicated and sorted."""
     copies: dict[tuple[IPAddress, int], list[tuple[str, Endpoint]]] = {}
     for sl in slices:
         if sl.family is not family:
@@ -100,7 +83,7 @@ def merge_port(
             one = sources.get(slice_name) or sources.setdefault(slice_name, (slice_name,))
             merged.append(_as_merged(address, port, one, best))
         else:
-            merged.append(_merge_copies(address, port, found, conflicts))
+            merged.append(merge_copies(address, port, found, conflicts))
     return tuple(merged), tuple(conflicts)
 
 
@@ -114,7 +97,7 @@ def _as_merged(address: IPAddress, port: int, sources: tuple[str, ...], ep: Endp
         zone_hints=ep.zone_hints, node_hints=ep.node_hints, sources=sources)
 
 
-def _merge_copies(address: IPAddress, port: int, found: list[tuple[str, Endpoint]],
+def merge_copies(address: IPAddress, port: int, found: list[tuple[str, Endpoint]],
                   conflicts: list[Conflict]) -> MergedEndpoint:
     """The one copy of an endpoint that several (slice name, copy) list; a conflict is
     appended to `conflicts` when the copies disagree."""
@@ -136,49 +119,10 @@ def _merge_copies(address: IPAddress, port: int, found: list[tuple[str, Endpoint
     return replace(merged, conflict=True) if conflict else merged
 
 
-def _slice_entries(sl: EndpointSlice, port_name: str, protocol: Protocol) -> tuple[_Entry, ...]:
+def slice_entries(sl: EndpointSlice, port_name: str, protocol: Protocol) -> tuple[Entry, ...]:
+    """`sl`'s endpoints for one service port, each as if it were the only copy."""
     source = (sl.name,)
-    out = [((int(ep.address), sp.port), sl.name, ep, _as_merged(ep.address, sp.port, source, ep))
-           for sp in sl.ports if sp.name == port_name and sp.protocol is protocol
-           for ep in sl.endpoints]
-    out.sort(key=_by_key)
-    return tuple(out)
-
-
-def _merge_memo(slices: Iterable[EndpointSlice], port_name: str, protocol: Protocol,
-                family: Family, memo: MergeMemo
-                ) -> tuple[tuple[MergedEndpoint, ...], tuple[Conflict, ...]]:
-    tag = (port_name, protocol, family)
-    known = memo.slices if memo.tag == tag else {}
-    kept: dict[int, tuple[EndpointSlice, tuple[_Entry, ...]]] = {}
-    entries: list[_Entry] = []
-    for sl in slices:
-        if sl.family is not family:
-            continue
-        hit = known.get(id(sl))
-        if hit is None or hit[0] is not sl:
-            hit = (sl, _slice_entries(sl, port_name, protocol))
-        kept[id(sl)] = hit
-        entries.extend(hit[1])
-    memo.tag, memo.slices = tag, kept
-    # Each slice's entries are sorted already: this sort merges runs. Copies of one
-    # endpoint end up next to each other (the choice among them is order-independent).
-    entries.sort(key=_by_key)
-    if len({e[0] for e in entries}) == len(entries):  # no endpoint listed twice
-        return tuple(e[3] for e in entries), ()
-    merged: list[MergedEndpoint] = []
-    conflicts: list[Conflict] = []
-    i, n = 0, len(entries)
-    while i < n:
-        key = entries[i][0]
-        j = i + 1
-        while j < n and entries[j][0] == key:
-            j += 1
-        if j == i + 1:
-            merged.append(entries[i][3])
-        else:
-            first = entries[i][3]
-            merged.append(_merge_copies(first.address, first.port,
-                                        [(e[1], e[2]) for e in entries[i:j]], conflicts))
-        i = j
-    return tuple(merged), tuple(conflicts)
+    return tuple(((int(ep.address), sp.port), sl.name, ep,
+                  _as_merged(ep.address, sp.port, source, ep))
+                 for sp in sl.ports if sp.name == port_name and sp.protocol is protocol
+                 for ep in sl.endpoints)

@@ -17,10 +17,11 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 from proxy.model import skips as why
-from proxy.model.merge import MergeMemo, merge_port
-from proxy.model.selection import NodeView, SelectMemo, categorize
+from proxy.model.incremental import PortIndex, PortResolution, endpoint_changes
+from proxy.model.merge import merge_port
+from proxy.model.selection import NodeView, categorize
 from proxy.model.skips import Skip, clip, shown
-from proxy.model.snapshot import DesiredState, ResolvedServicePort
+from proxy.model.snapshot import DesiredState, EndpointDelta, ResolvedServicePort
 from proxy.model.types import (
     EndpointSlice,
     Family,
@@ -44,10 +45,10 @@ Claim = tuple[IPAddress | None, Protocol, int]
 # Skip records kept per object; every skip is counted. A slice with 100,000 bad
 # endpoints costs ten records and a count, not 100,000 records in memory and the dump.
 RECORDS_PER_OBJECT = 10
-# Service ports with at least this many endpoint copies keep memos between resolutions
-# (merge.MergeMemo, topology.SelectMemo): one slice of a 10,000-endpoint service changed
-# costs a fraction of merging and selecting all of them again. Smaller ports are cheap
-# to redo, and memos for every one of them would cost memory for nothing.
+# Service ports with at least this many endpoint copies keep an `incremental.PortIndex`
+# between resolutions: one endpoint changed in a 50,000-endpoint service costs O(change)
+# instead of merging and selecting all of them again. Smaller ports are cheap to redo,
+# and an index for every one of them would cost memory for nothing.
 MEMO_MIN_ENDPOINTS = 256
 
 
@@ -160,7 +161,7 @@ class ClusterModel:
         self._skip_seq = 0
         self._dirty: set[ServicePortKey] = set()
         self._state = DesiredState()
-        self._memos: dict[ServicePortKey, tuple[MergeMemo, SelectMemo]] = {}
+        self._memos: dict[ServicePortKey, PortIndex] = {}
 
     # --- inputs ----------------------------------------------------------------------
 
@@ -392,6 +393,9 @@ class ClusterModel:
         return self._state
 
     def resolve_key(self, key: ServicePortKey) -> ResolvedServicePort | None:
+        """The key's resolution; the previous one itself when nothing changed, so its
+        token stays; else a new one with the endpoint delta from it when only the
+        endpoints changed (ResolvedServicePort.delta)."""
         service = self._services.get((key.namespace, key.name))
         if service is None:
             return None
@@ -400,27 +404,83 @@ class ClusterModel:
             return None
         group = self._by_service.get((key.namespace, key.name), {})
         slices = [sl for sls in group.values() for sl in sls]
-        memo: tuple[MergeMemo, SelectMemo] | None = None
-        if sum(len(sl.endpoints) for sl in slices) >= MEMO_MIN_ENDPOINTS:
-            memo = self._memos.setdefault(key, (MergeMemo(), SelectMemo()))
-        else:
-            self._memos.pop(key, None)
-        merged, conflicts = merge_port(slices, port.name, port.protocol, key.family,
-                                       memo[0] if memo else None)
         cluster_ips = tuple(ip for ip in service.cluster_ips if Family.of(ip) is key.family)
         lost = self._lost.get((key.namespace, key.name))
         if lost:
             service, port, cluster_ips = _without(lost, service, port, cluster_ips)
-        sel = categorize(merged, service, port, self._node, key.family,
-                         memo[1] if memo else None)
-        return ResolvedServicePort(
+        previous = self._state.get(key)
+        index = self._index_for(key, port, slices)
+        if index is None:
+            res = self._resolve_small(slices, service, port, key.family)
+        else:
+            res = index.resolve(slices, service, port, self._node)
+        resolved = ResolvedServicePort(
             key=key,
             service=service,
             port=port,
             cluster_ips=cluster_ips,
-            uses_cluster=sel.uses_cluster,
-            uses_local=sel.uses_local,
-            endpoints=sel.endpoints,
-            topology=sel.topology,
-            conflicts=conflicts,
+            uses_cluster=res.uses_cluster,
+            uses_local=res.uses_local,
+            endpoints=res.endpoints,
+            topology=res.topology,
+            conflicts=res.conflicts,
         )
+        resolved = _with_delta(resolved, previous, res, index)
+        if index is not None:
+            index.base = resolved.token
+        return resolved
+
+    def _index_for(self, key: ServicePortKey, port: ServicePort,
+                   slices: list[EndpointSlice]) -> PortIndex | None:
+        """The port's index if it is large enough to keep one (a new one when its port
+        name, protocol or family changed), else None (and any index dropped)."""
+        if sum(len(sl.endpoints) for sl in slices) < MEMO_MIN_ENDPOINTS:
+            self._memos.pop(key, None)
+            return None
+        tag = (port.name, port.protocol, key.family)
+        index = self._memos.get(key)
+        if index is None or index.tag != tag:
+            index = self._memos[key] = PortIndex(tag, self._node)
+        return index
+
+    def _resolve_small(self, slices: list[EndpointSlice], service: Service,
+                       port: ServicePort, family: Family) -> PortResolution:
+        """Merge and select from scratch; removed and added are left empty (the
+        delta, if any, is found by comparing with the previous resolution)."""
+        merged, conflicts = merge_port(slices, port.name, port.protocol, family)
+        sel = categorize(merged, service, port, self._node, family)
+        return PortResolution(sel.endpoints, sel.topology, sel.uses_cluster,
+                              sel.uses_local, conflicts, (), ())
+
+
+def _only_endpoints_differ(new: ResolvedServicePort, old: ResolvedServicePort) -> bool:
+    return (new.service == old.service and new.port == old.port
+            and new.cluster_ips == old.cluster_ips and new.uses_cluster == old.uses_cluster
+            and new.uses_local == old.uses_local and new.topology == old.topology
+            and new.conflicts == old.conflicts)
+
+
+def _with_delta(new: ResolvedServicePort, previous: ResolvedServicePort | None,
+                res: PortResolution, index: PortIndex | None) -> ResolvedServicePort:
+    """`previous` if `new` equals it; else `new`, with its endpoint delta from
+    `previous` when only the endpoints differ and the delta is known exactly: from the
+    index when its last resolution became `previous`, by comparison for a small port."""
+    if previous is None or not _only_endpoints_differ(new, previous):
+        return new
+    if index is not None:
+        if index.base is not previous.token:
+            # A new index (a port grown large, another protocol), or `previous` made
+            # without it: its changes are not from `previous`. Rare, so compare whole.
+            if new == previous:
+                index.adopt(previous.endpoints)
+                return previous
+            return new
+        if not res.removed and not res.added:
+            return previous
+        removed, added = res.removed, res.added
+    else:
+        if new.endpoints == previous.endpoints:
+            return previous
+        removed, added = endpoint_changes(previous.endpoints, new.endpoints)
+    delta = EndpointDelta(base=previous.token, removed=removed, added=added)
+    return replace(new, delta=delta)

@@ -1,6 +1,6 @@
-"""The memos a large service port keeps between resolutions (merge.MergeMemo,
-topology.SelectMemo) change nothing but the cost: every result equals the one computed
-from scratch, and an unchanged endpoint comes out as the very same object."""
+"""The index a large service port keeps between resolutions (incremental.PortIndex)
+changes nothing but the cost: every result equals the one computed from scratch, and an
+unchanged endpoint comes out as the very same object."""
 
 from __future__ import annotations
 
@@ -13,14 +13,24 @@ from hypothesis import strategies as st
 from proxy.kube.decode import decode_service
 from proxy.kube.ingest import EndpointsSource, apply_object
 from proxy.model import tracker
-from proxy.model.merge import MergeMemo, merge_port
-from proxy.model.selection import NodeView, SelectMemo, categorize
+from proxy.model.incremental import PortIndex
+from proxy.model.merge import merge_port
+from proxy.model.selection import NodeView, categorize
 from proxy.model.tracker import ClusterModel
-from proxy.model.types import Endpoint, EndpointSlice, Family, Protocol, ServicePortKey, SlicePort
+from proxy.model.types import (
+    Endpoint,
+    EndpointSlice,
+    Family,
+    Protocol,
+    Service,
+    ServicePortKey,
+    SlicePort,
+)
 from tests.unit.builders import endpoints_from, ep, eps_slice, node, service
 
 ADDRS = [ip_address(f"198.18.1.{i}") for i in range(1, 7)]
 endpoints_st = endpoints_from(ADDRS)
+VIEW = NodeView("node-a", "zone-a")
 
 
 @st.composite
@@ -40,40 +50,64 @@ def slice_sets(draw: st.DrawFn) -> list[EndpointSlice]:
     ]
 
 
+def _svc(**spec: Any) -> Service:
+    svc, _ = decode_service(service(ports=({"name": "http", "port": 80},
+                                           {"name": "dns", "port": 53}), **spec))
+    assert svc is not None
+    return svc
+
+
+def _fresh(slices: list[EndpointSlice], svc: Service, port: str, protocol: Protocol,
+           view: NodeView = VIEW) -> tuple[object, ...]:
+    merged, conflicts = merge_port(slices, port, protocol, Family.V4)
+    sel = categorize(merged, svc, next(p for p in svc.ports if p.name == port), view,
+                     Family.V4)
+    return sel.endpoints, sel.topology, sel.uses_cluster, sel.uses_local, conflicts
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(slice_sets(), min_size=1, max_size=4),
        st.sampled_from([Protocol.TCP, Protocol.UDP]))
-def test_merge_with_a_memo_equals_merge_without(rounds: list[list[EndpointSlice]],
-                                                protocol: Protocol) -> None:
-    memo = MergeMemo()
+def test_an_index_resolves_as_merge_and_categorize_do(rounds: list[list[EndpointSlice]],
+                                                      protocol: Protocol) -> None:
+    svc = _svc(trafficDistribution="PreferClose")
+    indexes = {port: PortIndex((port, protocol, Family.V4), VIEW) for port in ("http", "dns")}
     kept: list[EndpointSlice] = []
     for slices in rounds:
         # Keep some slice objects from the round before, as the tracker does for slices
-        # that did not change, so the memo has something to reuse.
+        # that did not change, so the index has something to keep.
         current = kept[:1] + slices
-        for port in ("http", "dns"):
-            assert merge_port(current, port, protocol, Family.V4, memo) \
-                == merge_port(current, port, protocol, Family.V4)
+        for port, index in indexes.items():
+            sp = next(p for p in svc.ports if p.name == port)
+            res = index.resolve(current, svc, sp, VIEW)
+            assert (res.endpoints, res.topology, res.uses_cluster, res.uses_local,
+                    res.conflicts) == _fresh(current, svc, port, protocol)
         kept = slices
 
 
-def test_merge_memo_returns_the_same_objects_for_unchanged_slices() -> None:
+def test_an_index_keeps_the_objects_of_unchanged_endpoints() -> None:
     a = EndpointSlice("ns", "a", "svc", Family.V4, (SlicePort("http", Protocol.TCP, 80),),
                       (Endpoint(ADDRS[0]), Endpoint(ADDRS[1])))
     b = EndpointSlice("ns", "b", "svc", Family.V4, (SlicePort("http", Protocol.TCP, 80),),
-                      (Endpoint(ADDRS[2]),))
-    memo = MergeMemo()
-    first, _ = merge_port([a, b], "http", Protocol.TCP, Family.V4, memo)
-    b2 = EndpointSlice("ns", "b", "svc", Family.V4, b.ports, (Endpoint(ADDRS[2], ready=False),))
-    second, _ = merge_port([a, b2], "http", Protocol.TCP, Family.V4, memo)
-    assert second[0] is first[0] and second[1] is first[1]
-    assert not second[2].ready
-    # Another protocol under the same port name: nothing of the memo is reused.
-    udp, _ = merge_port([a, b2], "http", Protocol.UDP, Family.V4, memo)
-    assert udp == ()
+                      (Endpoint(ADDRS[2]), Endpoint(ADDRS[3])))
+    svc = _svc()
+    index = PortIndex(("http", Protocol.TCP, Family.V4), VIEW)
+    first = index.resolve([a, b], svc, svc.ports[0], VIEW)
+    assert first.added == first.endpoints and first.removed == ()
+    # b rewritten, one endpoint flipped: only that one is new, even within b.
+    b2 = EndpointSlice("ns", "b", "svc", Family.V4, b.ports,
+                       (Endpoint(ADDRS[2], ready=False), Endpoint(ADDRS[3])))
+    second = index.resolve([a, b2], svc, svc.ports[0], VIEW)
+    assert [x is y for x, y in zip(second.endpoints, first.endpoints, strict=True)] \
+        == [True, True, False, True]
+    assert not second.endpoints[2].endpoint.ready
+    assert second.removed == (first.endpoints[2],) and second.added == (second.endpoints[2],)
+    # Nothing changed: the very same tuple, no changes.
+    third = index.resolve([a, b2], svc, svc.ports[0], VIEW)
+    assert third.endpoints is second.endpoints and not third.removed and not third.added
 
 
-def test_categorize_with_a_memo_equals_categorize_without() -> None:
+def test_an_index_follows_services_and_nodes_as_categorize_does() -> None:
     slices = [EndpointSlice("ns", f"s{i}", "svc", Family.V4,
                             (SlicePort("http", Protocol.TCP, 80),),
                             tuple(Endpoint(ip_address(f"198.19.{i}.{j}"), ready=j % 3 != 0,
@@ -81,21 +115,18 @@ def test_categorize_with_a_memo_equals_categorize_without() -> None:
                                            node_name=f"node-{j % 4}", zone=f"zone-{j % 2}")
                                   for j in range(1, 40)))
               for i in range(4)]
-    merge_memo, select_memo = MergeMemo(), SelectMemo()
+    index = PortIndex(("http", Protocol.TCP, Family.V4), VIEW)
     for spec in ({}, {"internalTrafficPolicy": "Local"}, {"trafficDistribution": "PreferClose"},
                  {"trafficDistribution": "PreferSameNode", "type": "NodePort",
                   "externalTrafficPolicy": "Local"}):
         for view in (NodeView("node-1", "zone-1"), NodeView("node-2", "zone-0"),
                      NodeView("node-9")):
-            svc, _ = decode_service(service(**spec))
-            assert svc is not None
-            for drop in range(3):  # one slice changes each time: the rest is reused
+            svc = _svc(**spec)
+            for drop in range(3):  # one slice changes each time: the rest is kept
                 current = slices[:drop] + slices[drop + 1:]
-                merged, _ = merge_port(current, "http", Protocol.TCP, Family.V4, merge_memo)
-                fresh = categorize(merge_port(current, "http", Protocol.TCP, Family.V4)[0],
-                                   svc, svc.ports[0], view, Family.V4)
-                memoed = categorize(merged, svc, svc.ports[0], view, Family.V4, select_memo)
-                assert memoed == fresh
+                res = index.resolve(current, svc, svc.ports[0], view)
+                assert (res.endpoints, res.topology, res.uses_cluster, res.uses_local,
+                        res.conflicts) == _fresh(current, svc, "http", Protocol.TCP, view)
 
 
 def _slice(index: int, not_ready: int | None = None, size: int = 100) -> dict[str, Any]:

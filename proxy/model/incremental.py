@@ -1,0 +1,252 @@
+"""One large service port, kept between resolutions so that a change costs O(change).
+
+A service with tens of thousands of endpoints is changed one slice at a time. A
+`PortIndex` keeps, for one service port in one family, every slice's entries, the
+copies of each endpoint by (address, port), the merged and selected endpoints in
+endpoint order, a `Census` of them and the `Verdicts` they were selected under. A
+resolution then does this:
+
+1. Slices: which slice objects are gone and which are new (a set difference over the
+   port's slices: O(slices), not O(endpoints)); only their entries are taken out of and
+   put into the copies.
+2. Merge: only the endpoints those slices listed are merged again (`merge_copies`, the
+   same rule as `merge_port`). One whose merged endpoint is equal to the one before
+   keeps its old `MergedEndpoint` and `SelectedEndpoint` objects (an unchanged endpoint
+   of a rewritten slice is no change). The sorted lists are updated by bisection and
+   C-speed insert/delete; the endpoints tuple is one C-speed copy of the list.
+3. Census: the changed endpoints are taken out of the counts and put in again (O(change)).
+4. Selection: `decide` derives the topology and the `Verdicts` from the census (O(1)).
+   When the verdicts are the ones the port was selected under, only the changed
+   endpoints are selected again: O(change). When they differ every endpoint is
+   selected again: O(service). They differ only when something every endpoint's
+   verdict depends on changed, which then changes the verdict of many endpoints anyway:
+   - the topology mode (hints cover every ready endpoint or no longer do, a node or
+     zone gains its first or loses its last ready endpoint under a preference or a
+     trafficDistribution, the service's policies or annotations changed);
+   - the cluster fallback: no endpoint is ready any more, or one is again;
+   - the local set's fallback, for a port that uses a local set: this node's first
+     ready endpoint arrived or its last one left;
+   - the node (its zone label), or the service's traffic policies.
+   A topology whose reason changes but whose mode stays (a count in the reason, as in
+   "3 ready endpoint(s) in zone a") keeps the verdicts: O(change).
+
+Each resolution reports exactly which `SelectedEndpoint`s left and which arrived, the
+data planes' `EndpointDelta`. The result always equals `merge_port` + `categorize`
+over all of the port's slices (a property test checks it step by step).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from proxy.model.merge import Entry, merge_copies, slice_entries
+from proxy.model.selection import Census, NodeView, Verdicts, decide, select
+from proxy.model.snapshot import Conflict, MergedEndpoint, SelectedEndpoint, Topology
+from proxy.model.types import EndpointSlice, Family, Protocol, Service, ServicePort
+
+_Key = tuple[int, int]  # (address as int, port): the endpoints' sort order
+# What a port's merged endpoints depend on besides the slices.
+Tag = tuple[str, Protocol, Family]
+
+
+@dataclass(frozen=True, slots=True)
+class PortResolution:
+    """A port's merged and selected endpoints, and how they differ from the previous
+    resolution of the same `PortIndex` (everything added, the first time)."""
+
+    endpoints: tuple[SelectedEndpoint, ...]
+    topology: Topology
+    uses_cluster: bool
+    uses_local: bool
+    conflicts: tuple[Conflict, ...]
+    removed: tuple[SelectedEndpoint, ...]
+    added: tuple[SelectedEndpoint, ...]
+
+
+class PortIndex:
+    """The merged and selected endpoints of one large service port (see the module)."""
+
+    __slots__ = ("_census", "_conflicts", "_copies", "_endpoints", "_keys", "_selected",
+                 "_slices", "_verdicts", "base", "tag")
+
+    def __init__(self, tag: Tag, node: NodeView) -> None:
+        self.tag = tag
+        # The token of the ResolvedServicePort made from the last resolution: the delta
+        # of the next one is against exactly that (None: none made, or unknown).
+        self.base: object | None = None
+        self._slices: dict[int, tuple[EndpointSlice, tuple[Entry, ...]]] = {}
+        # Every copy of each endpoint: one entry, or a list when several slices list it.
+        self._copies: dict[_Key, Entry | list[Entry]] = {}
+        self._keys: list[_Key] = []  # sorted
+        self._selected: list[SelectedEndpoint] = []  # in the order of _keys
+        self._endpoints: tuple[SelectedEndpoint, ...] = ()  # _selected, as last returned
+        self._conflicts: dict[_Key, Conflict] = {}
+        self._census = Census(node)
+        self._verdicts: Verdicts | None = None
+
+    def resolve(self, slices: Iterable[EndpointSlice], service: Service, port: ServicePort,
+                node: NodeView) -> PortResolution:
+        """The port's endpoints from `slices` (all of the service's, any family)."""
+        self.base = None
+        merged = self._merge(slices)
+        if node != self._census.node:
+            self._census = Census.of((s.endpoint for s in self._selected), node)
+        for old, new in merged.values():
+            if old is not None:
+                self._census.count(old.endpoint, -1)
+            if new is not None:
+                self._census.count(new)
+        topology, verdicts = decide(service, port, node, self.tag[2], self._census)
+        removed, added = self._select(merged, verdicts)
+        if removed or added:
+            self._endpoints = tuple(self._selected)
+        return PortResolution(self._endpoints, topology, verdicts.uses_cluster,
+                              verdicts.uses_local, self._conflict_tuple(), removed, added)
+
+    def adopt(self, endpoints: tuple[SelectedEndpoint, ...]) -> None:
+        """Hold `endpoints`, equal to those of the last resolution, as its objects: the
+        next resolution's changes are then from them."""
+        self._selected = list(endpoints)
+        self._endpoints = endpoints
+
+    # --- merge -----------------------------------------------------------------------
+
+    def _merge(self, slices: Iterable[EndpointSlice]
+               ) -> dict[_Key, tuple[SelectedEndpoint | None, MergedEndpoint | None]]:
+        """Take the entries of the slices gone out of the copies, put those of the new
+        ones in; key -> (its SelectedEndpoint before, its merged endpoint now) for each
+        endpoint whose merged endpoint changed (None: absent)."""
+        port_name, protocol, family = self.tag
+        current = {id(sl): sl for sl in slices if sl.family is family}
+        touched: set[_Key] = set()
+        # An id in _slices is the object held there, alive: ids cannot be reused.
+        for ident in self._slices.keys() - current.keys():
+            for entry in self._slices.pop(ident)[1]:
+                self._drop_copy(entry)
+                touched.add(entry[0])
+        for ident in current.keys() - self._slices.keys():
+            sl = current[ident]
+            entries = slice_entries(sl, port_name, protocol)
+            self._slices[ident] = (sl, entries)
+            for entry in entries:
+                self._add_copy(entry)
+                touched.add(entry[0])
+        changed: dict[_Key, tuple[SelectedEndpoint | None, MergedEndpoint | None]] = {}
+        for key in sorted(touched):
+            before = self._selected_at(key)
+            now = self._merged_at(key)
+            if before is not None and now is not None and now == before.endpoint:
+                continue  # listed again as it was: the objects made before stay
+            if before is not None or now is not None:
+                changed[key] = (before, now)
+        return changed
+
+    def _add_copy(self, entry: Entry) -> None:
+        key = entry[0]
+        got = self._copies.get(key)
+        if got is None:
+            self._copies[key] = entry
+        elif isinstance(got, list):
+            got.append(entry)
+        else:
+            self._copies[key] = [got, entry]
+
+    def _drop_copy(self, entry: Entry) -> None:
+        key = entry[0]
+        got = self._copies[key]
+        if not isinstance(got, list):
+            del self._copies[key]
+            return
+        got.remove(entry)
+        if len(got) == 1:
+            self._copies[key] = got[0]
+
+    def _merged_at(self, key: _Key) -> MergedEndpoint | None:
+        """The one copy of the endpoint at `key` (None: no slice lists it), recording
+        its conflict, if any."""
+        got = self._copies.get(key)
+        if got is None or not isinstance(got, list):
+            self._conflicts.pop(key, None)
+            return None if got is None else got[3]
+        first = got[0][3]
+        found: list[Conflict] = []
+        merged = merge_copies(first.address, first.port, [(e[1], e[2]) for e in got], found)
+        if found:
+            self._conflicts[key] = found[0]
+        else:
+            self._conflicts.pop(key, None)
+        return merged
+
+    def _selected_at(self, key: _Key) -> SelectedEndpoint | None:
+        i = bisect_left(self._keys, key)
+        if i < len(self._keys) and self._keys[i] == key:
+            return self._selected[i]
+        return None
+
+    def _conflict_tuple(self) -> tuple[Conflict, ...]:
+        # Few, and only during a rebalance or a mistake: sorting them is cheap.
+        return tuple(self._conflicts[k] for k in sorted(self._conflicts))
+
+    # --- selection -------------------------------------------------------------------
+
+    def _select(self, merged: dict[_Key, tuple[SelectedEndpoint | None, MergedEndpoint | None]],
+                verdicts: Verdicts
+                ) -> tuple[tuple[SelectedEndpoint, ...], tuple[SelectedEndpoint, ...]]:
+        """Put the changed endpoints, selected under `verdicts`, into the sorted lists;
+        select every other endpoint again if the verdicts changed. (removed, added)."""
+        removed: list[SelectedEndpoint] = []
+        added: list[SelectedEndpoint] = []
+        for key, (before, now) in merged.items():
+            after = None if now is None else select(now, verdicts)
+            self._place(key, before, after)
+            if before is not None:
+                removed.append(before)
+            if after is not None:
+                added.append(after)
+        if verdicts != self._verdicts:
+            self._verdicts = verdicts
+            fresh = {id(s) for s in added}
+            self._select_all(verdicts, fresh, removed, added)
+        return tuple(removed), tuple(added)
+
+    def _place(self, key: _Key, before: SelectedEndpoint | None,
+               after: SelectedEndpoint | None) -> None:
+        i = bisect_left(self._keys, key)
+        if before is None:
+            if after is not None:
+                self._keys.insert(i, key)
+                self._selected.insert(i, after)
+        elif after is None:
+            del self._keys[i]
+            del self._selected[i]
+        else:
+            self._selected[i] = after
+
+    def _select_all(self, verdicts: Verdicts, fresh: set[int],
+                    removed: list[SelectedEndpoint], added: list[SelectedEndpoint]) -> None:
+        """Select every endpoint not in `fresh` again; one whose sets and reason stay
+        keeps its object (and is no change)."""
+        selected = self._selected
+        for i, old in enumerate(selected):
+            if id(old) in fresh:
+                continue
+            new = select(old.endpoint, verdicts)
+            if new.selected_for is not old.selected_for or new.reason != old.reason:
+                selected[i] = new
+                removed.append(old)
+                added.append(new)
+
+
+def endpoint_changes(old: Sequence[SelectedEndpoint], new: Sequence[SelectedEndpoint]
+                     ) -> tuple[tuple[SelectedEndpoint, ...], tuple[SelectedEndpoint, ...]]:
+    """(removed, added) from `old` to `new` by equality: for small ports, whose
+    resolution keeps no index (O(len(old) + len(new)))."""
+    def by_key(endpoints: Sequence[SelectedEndpoint]) -> dict[object, SelectedEndpoint]:
+        return {(s.endpoint.address, s.endpoint.port): s for s in endpoints}
+
+    before, after = by_key(old), by_key(new)
+    removed = tuple(s for k, s in before.items() if after.get(k) != s)
+    added = tuple(s for k, s in after.items() if before.get(k) != s)
+    return removed, added
