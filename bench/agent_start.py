@@ -45,29 +45,86 @@ FIRST_SYNC = re.compile(r"first sync done.*?since_start[=\"': ]+([0-9.]+)s")
 Obj = dict[str, Any]
 
 
-def cluster(services: int, endpoints: int) -> list[Obj]:
+def cluster(services: int, endpoints: int, real: bool = False,
+            legacy: bool = False) -> list[Obj]:
     """Services with one TCP port and one EndpointSlice each (as the controller writes
-    them: owned, labelled), endpoints ready, spread over NODES nodes."""
+    them: owned, labelled), endpoints ready, spread over NODES nodes; with `legacy`, an
+    Endpoints object each too. `real`: the fields kube-apiserver v1.20's objects carry
+    that the agent reads past (managedFields, targetRefs, owners, annotations): its
+    EndpointSlice list is ~38 MB of JSON at 10,000 x 10, the simulator's own ~15 MB."""
     out: list[Obj] = []
     for i in range(services):
         name = f"s-{i}"
-        out.append({"apiVersion": "v1", "kind": "Service",
+        svc: Obj = {"apiVersion": "v1", "kind": "Service",
                     "metadata": {"name": name, "namespace": "default"},
                     "spec": {"ports": [{"name": "http", "port": 80, "protocol": "TCP",
-                                        "targetPort": 8080}]}})
-        eps = []
+                                        "targetPort": 8080}]}}
+        eps, addresses = [], []
         for j in range(endpoints):
             k = (i * endpoints + j) % POD_ADDRESSES
+            node = f"node-{'a' if k % NODES == 0 else k % NODES}"
             eps.append({"addresses": [str(POD_BASE + k)], "conditions": {"ready": True},
-                        "nodeName": f"node-{'a' if k % NODES == 0 else k % NODES}"})
-        out.append({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-                    "metadata": {"name": f"{name}-x1", "namespace": "default",
-                                 "labels": {"kubernetes.io/service-name": name,
-                                            "endpointslice.kubernetes.io/managed-by":
-                                                "endpointslice-controller.k8s.io"}},
-                    "addressType": "IPv4", "endpoints": eps,
-                    "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}]})
+                        "nodeName": node})
+            addresses.append({"ip": str(POD_BASE + k), "nodeName": node})
+        sl: Obj = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                   "metadata": {"name": f"{name}-x1", "namespace": "default",
+                                "labels": {"kubernetes.io/service-name": name,
+                                           "endpointslice.kubernetes.io/managed-by":
+                                               "endpointslice-controller.k8s.io"}},
+                   "addressType": "IPv4", "endpoints": eps,
+                   "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}]}
+        ep: Obj = {"apiVersion": "v1", "kind": "Endpoints",
+                   "metadata": {"name": name, "namespace": "default"},
+                   "subsets": [{"addresses": addresses,
+                                "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}]}]}
+        if real:
+            _as_served(i, svc, sl, ep)
+        out += [svc, sl, ep] if legacy else [svc, sl]
     return out
+
+
+def _as_served(i: int, svc: Obj, sl: Obj, ep: Obj) -> None:
+    """What kube-apiserver v1.20 adds to the three objects of service `i`."""
+    when = "2026-11-24T10:00:00Z"
+    owner = f"00000000-0000-4000-8000-{i:012d}"
+    trigger = {"endpoints.kubernetes.io/last-change-trigger-time": when}
+
+    def managed(api: str, fields: Obj) -> list[Obj]:
+        return [{"manager": "kube-controller-manager", "operation": "Update",
+                 "apiVersion": api, "time": when, "fieldsType": "FieldsV1",
+                 "fieldsV1": fields}]
+
+    def pod(j: int) -> Obj:
+        return {"kind": "Pod", "namespace": "default", "name": f"s-{i}-{j:05x}-abcde",
+                "uid": f"00000000-0000-4000-9000-{i * 1000 + j:012d}",
+                "resourceVersion": str(100_000 + i * 10 + j)}
+
+    svc["spec"].update(selector={"app": f"s-{i}"}, sessionAffinity="None", type="ClusterIP")
+    svc["metadata"]["managedFields"] = managed("v1", {"f:spec": {
+        "f:ports": {".": {}, 'k:{"port":80,"protocol":"TCP"}': {
+            ".": {}, "f:name": {}, "f:port": {}, "f:protocol": {}, "f:targetPort": {}}},
+        "f:selector": {".": {}, "f:app": {}}, "f:sessionAffinity": {}, "f:type": {}}})
+    meta = sl["metadata"]
+    meta.update(generateName=f"s-{i}-", annotations=dict(trigger),
+                ownerReferences=[{"apiVersion": "v1", "kind": "Service", "name": f"s-{i}",
+                                  "uid": owner, "controller": True,
+                                  "blockOwnerDeletion": True}])
+    meta["managedFields"] = managed("discovery.k8s.io/v1", {
+        "f:addressType": {}, "f:endpoints": {}, "f:ports": {},
+        "f:metadata": {"f:annotations": {".": {}, "f:" + next(iter(trigger)): {}},
+                       "f:generateName": {},
+                       "f:labels": {".": {}, "f:endpointslice.kubernetes.io/managed-by": {},
+                                    "f:kubernetes.io/service-name": {}},
+                       "f:ownerReferences": {".": {}, f'k:{{"uid":"{owner}"}}': {
+                           ".": {}, "f:apiVersion": {}, "f:blockOwnerDeletion": {},
+                           "f:controller": {}, "f:kind": {}, "f:name": {}, "f:uid": {}}}}})
+    for j, e in enumerate(sl["endpoints"]):
+        e["targetRef"] = pod(j)
+    ep["metadata"].update(annotations=dict(trigger), managedFields=managed("v1", {
+        "f:metadata": {"f:annotations": {".": {}, "f:" + next(iter(trigger)): {}}},
+        "f:subsets": {}}))
+    for j, a in enumerate(ep["subsets"][0]["addresses"]):
+        a["targetRef"] = pod(j)
 
 
 def _ip(*args: str) -> None:
@@ -93,10 +150,12 @@ def plant_backend_hint(ns: str, backend: str) -> None:
 
 
 def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
-               profile: Path | None, timeout: float, idle: float = 0.0) -> dict[str, Any]:
+               profile: Path | None, timeout: float, idle: float = 0.0,
+               endpoints_source: str = "endpointslices") -> dict[str, Any]:
     argv = [sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
             "--hostname-override", NODE, "--proxy-mode", mode,
-            "--cluster-cidr", "198.19.0.0/16", "-v", "1"]
+            "--cluster-cidr", "198.19.0.0/16", "--endpoints-source", endpoints_source,
+            "-v", "1"]
     if profile is not None:
         fmt = {".txt": "raw", ".json": "speedscope"}.get(profile.suffix, "flamegraph")
         argv = [str(Path(sys.executable).with_name("py-spy")), "record", "--rate", "250",
@@ -180,6 +239,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="after the first sync, measure the agent's CPU over this long")
     ap.add_argument("--no-watch-cache", action="store_true",
                     help="the simulator pages the first lists (--watch-cache=false)")
+    ap.add_argument("--endpoints-source", choices=("endpointslices", "endpoints"),
+                    default="endpointslices", help="what the agent reads endpoints from "
+                    "(endpoints: the cluster gets an Endpoints object per service too)")
+    ap.add_argument("--real-shaped", action="store_true",
+                    help="objects as kube-apiserver v1.20 serves them (managedFields, "
+                    "targetRefs, owners, annotations), 2.5x the bytes to list and parse")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep-logs", type=Path, metavar="DIR",
                     help="keep the agent's and the simulator's logs here")
@@ -191,7 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         work = args.keep_logs or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         manifest = work / "cluster.json"
-        manifest.write_bytes(json.dumps(cluster(args.services, args.endpoints)).encode())
+        manifest.write_bytes(json.dumps(cluster(
+            args.services, args.endpoints, args.real_shaped,
+            args.endpoints_source == "endpoints")).encode())
         with namespace() as ns, simulator(ns, manifest, work,
                                                     not args.no_watch_cache) as kubeconfig:
             if args.iptables_backend != "auto":
@@ -199,12 +266,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             for run in range(args.runs):
                 profile = args.profile if run == 0 else None
                 result = start_once(ns, kubeconfig, args.mode, work, run, profile, args.timeout,
-                                    args.idle)
+                                    args.idle, args.endpoints_source)
                 print(f"run {run + 1}: cold start {result['cold_start_s']:.3f} s, peak RSS "
                       f"{result['peak_rss_mib'] or 0:.0f} MiB", flush=True)
                 results.append(result)
     starts = sorted(r["cold_start_s"] for r in results)
     summary = {"services": args.services, "endpoints": args.endpoints, "mode": args.mode,
+               "endpoints_source": args.endpoints_source, "real_shaped": args.real_shaped,
                "iptables_backend": args.iptables_backend,
                "runs": results, "cold_start_median_s": starts[len(starts) // 2]}
     print(json.dumps(summary))
