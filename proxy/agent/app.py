@@ -11,7 +11,8 @@ Start-up order matters:
    (full) sync replace the old rules in one step, so no sync ever programs a partial
    view of the cluster; right before it, the other proxy modes' leftovers are removed
    (proxy/dataplane/leftovers.py; never this mode's own rules);
-5. from then on each change requests a sync at the pace of --min-sync-period.
+5. from then on each change requests a sync, which runs as soon as the previous one
+   has ended, within --sync-cpu-budget (and --min-sync-period, if set: schedule.py).
 On SIGTERM/SIGINT everything stops within seconds and the rules stay in place.
 """
 
@@ -31,7 +32,7 @@ from proxy.agent.changes import ChangeLog
 from proxy.agent.logs import V
 from proxy.agent.sync_loop import SyncLoop
 from proxy.agent.worker import Worker
-from proxy.config.options import Config, format_duration
+from proxy.config.options import Config, format_cpu_budget, format_duration
 from proxy.dataplane.base import DataPlane, DataplaneOptions
 from proxy.dataplane.common.heap import release_free_memory
 from proxy.dataplane.factory import make_dataplane
@@ -75,10 +76,12 @@ def process_age() -> float:
 def health_threshold(config: Config) -> float:
     """How long a change may wait before /healthz fails. Upstream uses 2x its 30s
     --sync-period (60s); our --sync-period is the hourly full resync, so the default is
-    60s, stretched when --min-sync-period alone would make changes wait longer."""
+    60s, stretched when a --min-sync-period set that long would make changes wait longer.
+    The CPU budget does not stretch it: a change held back by it for a minute means syncs
+    cost more than the budget allows, which /healthz should report."""
     if config.healthz_threshold:
         return config.healthz_threshold
-    return max(60.0, 3 * config.min_sync_period)
+    return max(60.0, 3 * (config.min_sync_period or 0.0))
 
 
 def dataplane_options(config: Config) -> DataplaneOptions:
@@ -225,6 +228,7 @@ class Agent:
             self.model, self.dataplane, self.worker,
             min_sync_period=self.config.min_sync_period,
             sync_period=self.config.sync_period,
+            cpu_budget=self.config.sync_cpu_budget,
             metrics=self.metrics, health=self.health, changes=self.changes,
             clock=self.clock, started_at=self.started_at, on_synced=self._synced)
         kwargs: dict[str, Any] = {"slice_resource": self.endpoints_resource}
@@ -237,7 +241,9 @@ class Agent:
         log.info("agent started", extra={
             "node": self.config.node_name, "mode": self.config.proxy_mode,
             "endpoints_source": self.config.endpoints_source.value,
-            "min_sync_period": format_duration(self.config.min_sync_period),
+            "min_sync_period": (format_duration(self.config.min_sync_period)
+                                if self.config.min_sync_period is not None else "unset"),
+            "sync_cpu_budget": format_cpu_budget(self.config.sync_cpu_budget),
             "sync_period": format_duration(self.config.sync_period),
             "healthz_threshold": format_duration(self.health.threshold)})
 
@@ -409,7 +415,8 @@ class Agent:
                 self.health.threshold)},
             model=self.model, applied=applied, applied_note=note,
             syncs=[r.as_dict() for r in reversed(history)],
-            health=health, watch=watch, service=service)
+            health=health, watch=watch, service=service,
+            pacing=self.runner.pacing() if self.runner is not None else None)
 
 
 def _service_of(ev: WatchEvent) -> str | None:

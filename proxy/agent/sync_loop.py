@@ -5,6 +5,12 @@ Resolving runs on the event loop (the model is only ever touched there); the dat
 runs on its worker thread. A failed apply is retried with backoff as a full sync, and
 the changes it carried stay pending (for /healthz, the pending gauges and the latency
 histogram) until a sync applies them.
+
+What a sync costs, for the CPU budget (schedule.py): the CPU time of the event loop's
+thread while it resolves, of the worker thread while it renders and applies, and of the
+child processes reaped meanwhile (`iptables-restore`). Per thread rather than the
+process's total, because watch events decoded and scrapes answered while the worker
+applies are not the sync's: charging them would delay syncs without saving that CPU.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import asyncio
 import contextlib
 import heapq
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -21,8 +28,9 @@ from typing import Any
 
 from proxy.agent.changes import ChangeBatch, ChangeLog
 from proxy.agent.logs import V
-from proxy.agent.schedule import SyncSchedule, Trigger
+from proxy.agent.schedule import DEFAULT_CPU_BUDGET, HELD_BY_BUDGET, SyncSchedule, Trigger
 from proxy.agent.worker import Worker
+from proxy.config.options import format_cpu_budget
 from proxy.dataplane.base import ApplyError, DataPlane, SyncReport
 from proxy.model.snapshot import DesiredState
 from proxy.model.tracker import ClusterModel
@@ -79,6 +87,12 @@ class SyncRecord:
         }
 
 
+def children_cpu() -> float:
+    """CPU seconds of this process's reaped children (the tools a data plane ran)."""
+    t = os.times()
+    return t.children_user + t.children_system
+
+
 def _refs(keys: Iterable[ServicePortKey]) -> set[tuple[str, str]]:
     return {(k.namespace, k.name) for k in keys}
 
@@ -90,8 +104,9 @@ class SyncLoop:
         dataplane: DataPlane,
         worker: Worker,
         *,
-        min_sync_period: float,
+        min_sync_period: float | None,
         sync_period: float,
+        cpu_budget: float | None = DEFAULT_CPU_BUDGET,
         metrics: AgentMetrics,
         health: ProxyHealth,
         changes: ChangeLog,
@@ -101,12 +116,17 @@ class SyncLoop:
         burst: int = 2,
         on_synced: Callable[[DesiredState, frozenset[ServicePortKey]], None] | None = None,
         housekeeping_interval: float = HOUSEKEEPING_INTERVAL,
+        thread_cpu: Callable[[], float] = time.thread_time,
+        process_children_cpu: Callable[[], float] = children_cpu,
     ) -> None:
         self.model, self.dataplane, self.worker = model, dataplane, worker
         self.metrics, self.health, self.changes = metrics, health, changes
         self._clock, self._wall = clock, wall
         self.sync_period = sync_period
-        self.schedule = SyncSchedule(min_sync_period, sync_period, burst, now=clock())
+        self.schedule = SyncSchedule(min_sync_period, sync_period, burst, now=clock(),
+                                     cpu_budget=cpu_budget)
+        self._thread_cpu, self._children_cpu = thread_cpu, process_children_cpu
+        self._budget_held: tuple[float, int] | None = None  # since when, syncs held
         self.history: deque[SyncRecord] = deque(maxlen=HISTORY)
         self.on_synced = on_synced
         self.housekeeping_interval = housekeeping_interval
@@ -219,26 +239,74 @@ class SyncLoop:
         except Exception:
             log.exception("data plane housekeeping failed", extra={"mode": self.dataplane.mode})
 
+    def _note_held(self, start: float) -> None:
+        """Count a sync the limits held back; log when the CPU budget starts holding
+        syncs back and when it stops, once each, not per sync."""
+        held = self.schedule.held_by
+        if held is not None:
+            self.metrics.syncs_held.labels(held).inc()
+        budget = self.schedule.budget
+        if held == HELD_BY_BUDGET and budget is not None:
+            if self._budget_held is None:
+                self._budget_held = (start, 0)
+                log.info("sync CPU budget spent: changes now wait and are batched",
+                         extra={"budget": format_cpu_budget(budget.share),
+                                "credit": f"{budget.credit:.3f}s"})
+            since, count = self._budget_held
+            self._budget_held = (since, count + 1)
+        elif self._budget_held is not None:
+            since, count = self._budget_held
+            self._budget_held = None
+            log.info("sync CPU budget no longer holding syncs back",
+                     extra={"held_syncs": count, "for": f"{start - since:.3f}s"})
+
+    def pacing(self) -> dict[str, Any]:
+        """How syncs are paced now, for /debug/dump."""
+        view = self.schedule.view(self._clock())
+        credit = view.credit_cpu_seconds
+        return {
+            "mode": view.mode,
+            "min_sync_period_seconds": view.min_sync_period,
+            "burst": view.burst if view.min_sync_period is not None else None,
+            "cpu_budget": format_cpu_budget(view.cpu_budget),
+            "credit_cpu_seconds": round(credit, 6) if credit is not None else None,
+            "holding": view.holding,
+            "syncs_held_back": view.held,
+        }
+
     async def _sync(self, trigger: Trigger) -> None:
         start = self._clock()
         started_wall = self._wall()
+        self._note_held(start)
         full = (self._need_full or trigger is not Trigger.CHANGE
                 or self._last_full is None or start - self._last_full >= self.sync_period)
         batch = self.changes.checkout()
         self.metrics.service_changes_pending.set(0)
         self.metrics.endpoint_changes_pending.set(0)
         self.health.sync_started()
+        children, began = self._children_cpu(), self._thread_cpu()
         state = self.model.resolve()
+        cpu = [self._thread_cpu() - began]  # the worker adds its own
+
+        def apply() -> SyncReport:
+            began = self._thread_cpu()  # the worker's thread, from here
+            try:
+                return self.dataplane.sync(state, full)
+            finally:
+                cpu.append(self._thread_cpu() - began)
+
         self._unapplied |= state.changed
         try:
-            report = await self.worker.call(lambda: self.dataplane.sync(state, full))
+            report = await self.worker.call(apply)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # ApplyError, or a data-plane bug: never stop syncing
             self._failed(trigger, full, start, started_wall, batch, exc)
             return
         finally:
-            self.schedule.finish(self._clock())
+            cost = max(0.0, sum(cpu) + self._children_cpu() - children)
+            self.metrics.sync_cpu.inc(cost)
+            self.schedule.finish(self._clock(), cost)
         self._succeeded(trigger, full, start, started_wall, batch, state, report)
 
     def _changed_fields(self) -> tuple[tuple[str, ...], int]:
@@ -311,8 +379,9 @@ class SyncLoop:
         self._need_full = True
         self._failures += 1
         # Upstream retries after --sync-period (30s there); ours is an hour, so back off
-        # from --min-sync-period (at least 1s) up to 30s instead.
-        delay = min(RETRY_MAX, max(1.0, self.schedule.min_interval) * 2 ** (self._failures - 1))
+        # from --min-sync-period if set (at least 1s) up to 30s instead.
+        base = max(1.0, self.schedule.min_interval or 0.0)
+        delay = min(RETRY_MAX, base * 2 ** (self._failures - 1))
         self.schedule.retry_after(self._clock(), delay)
         mode = self.dataplane.mode
         extra: dict[str, Any] = {"trigger": trigger.value, "full": full, "mode": mode,

@@ -72,6 +72,34 @@ def format_duration(seconds: float) -> str:
     return f"{seconds:g}s"
 
 
+CPU_BUDGET_MIN = 0.01
+
+
+def parse_cpu_budget(value: Any) -> float | None:
+    """`--sync-cpu-budget`: a share of one core as `20%` or `0.2`; `off` (YAML reads a
+    bare `off` as false) means no budget. Between 1% and 100%: below 1% a full sync
+    of a large cluster would hold changes back for minutes; above 100% the budget could
+    never bind, as a sync runs on one thread at a time (say `off`)."""
+    if value is False or str(value).strip().lower() == "off":
+        return None
+    if isinstance(value, bool):
+        raise ValueError("must be a share of one core (20% or 0.2), or off")
+    text = str(value).strip()
+    percent = text.endswith("%")
+    try:
+        share = float(text[:-1] if percent else text) / (100 if percent else 1)
+    except ValueError:
+        raise ValueError("must be a share of one core (20% or 0.2), or off") from None
+    if not CPU_BUDGET_MIN <= share <= 1.0:  # also refuses nan
+        hint = f" (did you mean {text}%?)" if not percent and 1 < share <= 100 else ""
+        raise ValueError(f"must be between 1% and 100% of one core, or off{hint}")
+    return share
+
+
+def format_cpu_budget(share: float | None) -> str:
+    return "off" if share is None else f"{round(share * 100, 2):g}%"
+
+
 def parse_bind_address(text: str, flag: str) -> tuple[str, int]:
     """`host:port`, `[v6]:port`, or `host` (port 0 disables the server)."""
     raw = text.strip()
@@ -99,7 +127,8 @@ class Config:
     hostname_override: str | None = None
     proxy_mode: str = "iptables"
     endpoints_source: EndpointsSource = EndpointsSource.ENDPOINT_SLICES
-    min_sync_period: float = 1.0
+    min_sync_period: float | None = None  # None: paced by cost alone (schedule.py)
+    sync_cpu_budget: float | None = 0.2  # share of one core; None: off
     sync_period: float = 3600.0
     cluster_cidr: tuple[IPNetwork, ...] = ()
     masquerade_all: bool = False
@@ -130,8 +159,10 @@ class Config:
             value = getattr(self, f.name)
             if isinstance(value, EndpointsSource):
                 value = value.value
+            elif f.name == "sync_cpu_budget":
+                value = format_cpu_budget(value)
             elif f.name in ("min_sync_period", "sync_period", "healthz_threshold"):
-                value = format_duration(value)
+                value = None if value is None else format_duration(value)
             elif f.name.endswith("bind_address"):
                 value = f"{value[0]}:{value[1]}"
             elif isinstance(value, tuple):
@@ -167,8 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--proxy-mode", help="iptables (default), ipvs or nftables")
     add("--endpoints-source", help="endpointslices (default) or endpoints (legacy)")
     add("--min-sync-period", metavar="DURATION",
-        help="minimum time between syncs; the first change after a quiet period syncs at "
-             "once, bursts are coalesced (default 1s)")
+        help="kube-proxy's pacing: at most 2 syncs at once, then one per DURATION; the "
+             "first change after a quiet period syncs at once (default unset: a change "
+             "syncs as soon as the previous sync ends, within --sync-cpu-budget)")
+    add("--sync-cpu-budget", metavar="SHARE",
+        help="sliceproxy only: the CPU syncs may use, as a share of one core (20%% or "
+             "0.2, 1%%-100%%; off: no limit); when spent, changes wait and are batched "
+             "(default 20%%)")
     add("--sync-period", metavar="DURATION", help="full resync period (default 1h)")
     add("--cluster-cidr", metavar="CIDR[,CIDR]",
         help="pod network; traffic to service IPs from outside it is masqueraded")
@@ -187,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         "service.kubernetes.io/service-proxy-name with this value")
     add("--healthz-threshold", metavar="DURATION",
         help="sliceproxy only: /healthz fails once a change has waited this long to be "
-             "applied (default 60s, or 3x --min-sync-period if longer; kube-proxy uses "
+             "applied (default 60s, or 3x --min-sync-period if set and longer; kube-proxy uses "
              "2x its --sync-period)")
     add("--ipvs-scheduler", help="IPVS scheduler (default rr)")
     add("--iptables-applier", help="how iptables mode writes rules: restore (default: "
@@ -284,6 +320,8 @@ def from_values(values: dict[str, Any]) -> Config:
                     kw[dest] = EndpointsSource(value)
                 case "min_sync_period" | "sync_period" | "healthz_threshold":
                     kw[dest] = parse_duration(str(value))
+                case "sync_cpu_budget":
+                    kw[dest] = parse_cpu_budget(value)
                 case "cluster_cidr" | "nodeport_addresses":
                     kw[dest] = _cidrs(value, flag)
                 case "masquerade_all" | "cleanup" | "debug_dump":
@@ -312,7 +350,7 @@ def from_values(values: dict[str, Any]) -> Config:
     if cfg.sync_period <= 0:
         raise ConfigError(f"--sync-period: must be greater than 0 (e.g. 1h), "
                           f"got {format_duration(cfg.sync_period)}")
-    if cfg.min_sync_period > cfg.sync_period:
+    if cfg.min_sync_period is not None and cfg.min_sync_period > cfg.sync_period:
         raise ConfigError(
             f"--min-sync-period ({format_duration(cfg.min_sync_period)}) must not exceed "
             f"--sync-period ({format_duration(cfg.sync_period)})")

@@ -42,6 +42,7 @@ def build_dump(
     health: Mapping[str, Any],
     watch: Mapping[str, Any],
     service: str | None = None,
+    pacing: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     services = []
     for key in selected_keys(model, service):
@@ -60,6 +61,8 @@ def build_dump(
         "skipped_summary": skipped_summary(model, len(records)),
         "syncs": list(syncs),
     }
+    if pacing is not None:  # when syncs run, and what holds them back (agent/schedule.py)
+        out["pacing"] = dict(pacing)
     if service is not None:
         out["filter"] = {"service": service}
     if applied_note:

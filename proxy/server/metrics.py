@@ -44,6 +44,10 @@ PROGRAMMING_BUCKETS = (
 CLEARED_HELP = "Stale UDP/SCTP conntrack entries deleted (after syncs and by the reconcile)"
 DELETED_HELP = ("Stale UDP/SCTP conntrack entries deleted, by reason: endpoint-gone and "
                 "first-endpoint after a change, stale-dnat and missing-dnat by the reconcile")
+SYNC_CPU_HELP = ("CPU seconds syncs used: resolve, render and apply on the agent's "
+                 "threads, and the tools they ran (what --sync-cpu-budget limits)")
+HELD_HELP = ("Syncs started later than the change that asked for them, by the limit that "
+             "held them back: cpu-budget (--sync-cpu-budget) or min-sync-period")
 
 
 class AgentMetrics:
@@ -112,6 +116,10 @@ class AgentMetrics:
         self.apply_failures = counter(
             "sliceproxy_sync_apply_failures",
             "Syncs whose apply the kernel refused, by proxy mode", ("mode",))
+        self.sync_cpu = counter("sliceproxy_sync_cpu_seconds", SYNC_CPU_HELP)
+        self.syncs_held = counter("sliceproxy_syncs_held_back", HELD_HELP, ("reason",))
+        for reason in ("cpu-budget", "min-sync-period"):  # exported at 0 from the start
+            self.syncs_held.labels(reason)
         self.conntrack_cleared = counter("sliceproxy_conntrack_entries_cleared", CLEARED_HELP)
         self.conntrack_deleted = counter("sliceproxy_conntrack_entries_deleted", DELETED_HELP,
                                          ("reason",))

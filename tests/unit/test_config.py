@@ -31,7 +31,11 @@ def test_defaults_match_kube_proxy() -> None:
     assert cfg.node_name == "node-a"
     assert cfg.proxy_mode == "iptables"
     assert cfg.endpoints_source is EndpointsSource.ENDPOINT_SLICES
-    assert (cfg.min_sync_period, cfg.sync_period) == (1.0, 3600.0)
+    # Paced by cost (agent/schedule.py): no minimum period unless one is set.
+    assert (cfg.min_sync_period, cfg.sync_period) == (None, 3600.0)
+    assert cfg.sync_cpu_budget == 0.2
+    assert cfg.as_dict()["min-sync-period"] is None
+    assert cfg.as_dict()["sync-cpu-budget"] == "20%"
     assert cfg.healthz_bind_address == ("0.0.0.0", 10256)
     assert cfg.metrics_bind_address == ("127.0.0.1", 10249)
     assert cfg.uvloop
@@ -75,6 +79,14 @@ def test_config_file_with_flags_winning(tmp_path: Path) -> None:
         (["-v", "12"], "-v: invalid value '12'"),
         (["--iptables-applier", "nft"], "--iptables-applier: invalid value 'nft': must be one"),
         (["--min-sync-period", "2h"], "must not exceed --sync-period"),
+        (["--sync-cpu-budget", "lots"], "--sync-cpu-budget: invalid value 'lots': must be a "
+                                        "share of one core (20% or 0.2), or off"),
+        (["--sync-cpu-budget", "0"], "must be between 1% and 100% of one core, or off"),
+        (["--sync-cpu-budget", "150%"], "must be between 1% and 100% of one core, or off"),
+        (["--sync-cpu-budget", "0.5%"], "must be between 1% and 100% of one core"),
+        (["--sync-cpu-budget", "20"], "(did you mean 20%?)"),
+        (["--sync-cpu-budget", "nan"], "must be between 1% and 100%"),
+        (["--sync-cpu-budget=-10%"], "must be between 1% and 100%"),
         (["--sync-period", "0s"], "--sync-period: must be greater than 0"),
         (["--healthz-threshold=-5s"], "--healthz-threshold: invalid value '-5s'"),
     ],
@@ -134,3 +146,42 @@ def test_debug_dump_switch_as_go_bool_flags_take_it(tmp_path: Path) -> None:
     assert parse_args(["--config", str(path), "--debug-dump=true"]).debug_dump is True
     with pytest.raises(ConfigError, match="--debug-dump: invalid value 'off'"):
         parse_args([*base, "--debug-dump=off"])
+
+
+@pytest.mark.parametrize(("text", "share", "shown"), [
+    ("20%", 0.2, "20%"), ("0.2", 0.2, "20%"), ("5%", 0.05, "5%"), ("100%", 1.0, "100%"),
+    ("1", 1.0, "100%"), ("12.5%", 0.125, "12.5%"), ("off", None, "off"), ("OFF", None, "off"),
+])
+def test_sync_cpu_budget_takes_a_share_or_off(text: str, share: float | None,
+                                              shown: str) -> None:
+    cfg = parse_args(["--hostname-override", "n", "--sync-cpu-budget", text])
+    assert cfg.sync_cpu_budget == (pytest.approx(share) if share is not None else None)
+    assert cfg.as_dict()["sync-cpu-budget"] == shown
+
+
+def test_pacing_keys_in_our_config_file(tmp_path: Path) -> None:
+    """YAML reads a bare `off` as false and `0.3` as a number: both mean what they say."""
+    path = tmp_path / "c.yaml"
+    path.write_text("hostname-override: n\nsync-cpu-budget: off\nmin-sync-period: 0\n")
+    cfg = parse_args(["--config", str(path)])
+    assert cfg.sync_cpu_budget is None and cfg.min_sync_period == 0.0  # 0: set, no limit
+    path.write_text("hostname-override: n\nsync-cpu-budget: 0.3\n")
+    assert parse_args(["--config", str(path)]).sync_cpu_budget == pytest.approx(0.3)
+    path.write_text("hostname-override: n\nsync-cpu-budget: true\n")
+    with pytest.raises(ConfigError, match="--sync-cpu-budget: invalid value True"):
+        parse_args(["--config", str(path)])
+    # The flag wins over the file, as for every key.
+    path.write_text("hostname-override: n\nsync-cpu-budget: 30%\n")
+    assert parse_args(["--config", str(path), "--sync-cpu-budget", "10%"]
+                      ).sync_cpu_budget == pytest.approx(0.1)
+
+
+def test_healthz_threshold_follows_a_min_sync_period_only_when_set() -> None:
+    from proxy.agent.app import health_threshold
+
+    base = ["--hostname-override", "n"]
+    assert health_threshold(parse_args(base)) == 60.0
+    assert health_threshold(parse_args([*base, "--min-sync-period", "30s"])) == 90.0
+    assert health_threshold(parse_args([*base, "--min-sync-period", "0"])) == 60.0
+    # Unset, --sync-period may be anything above 0; set, it must not be below it.
+    assert parse_args([*base, "--sync-period", "100ms"]).sync_period == 0.1

@@ -58,7 +58,9 @@ def test_kubeadms_configmap_is_read_whole_and_its_zeros_mean_the_defaults() -> N
     assert cfg.kubeconfig == "/var/lib/kube-proxy/kubeconfig.conf"
     assert cfg.cluster_cidr == (ip_network("198.18.0.0/16"),)
     assert cfg.proxy_mode == "iptables" and cfg.ipvs_scheduler == "rr"
-    assert (cfg.min_sync_period, cfg.sync_period) == (1.0, 3600.0)  # "0s": our defaults
+    # "0s": our defaults, so kubeadm's clusters are paced by cost, not by a period.
+    assert (cfg.min_sync_period, cfg.sync_period) == (None, 3600.0)
+    assert cfg.sync_cpu_budget == 0.2
     assert cfg.healthz_bind_address == ("0.0.0.0", 10256)
     assert cfg.ignored_settings == ()  # kubeadm sets nothing sliceproxy leaves alone
 

@@ -5,6 +5,7 @@ slept on); the data plane is a recording double of our own DataPlane interface."
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,7 +32,8 @@ class Clock:
 
 
 class Bench:
-    def __init__(self, min_sync: float = 1.0, sync_period: float = 3600.0) -> None:
+    def __init__(self, min_sync: float | None = 1.0, sync_period: float = 3600.0,
+                 **loop: Any) -> None:
         self.clock = Clock()
         self.model = ClusterModel("node-a")
         self.dp = FakeDataPlane()
@@ -45,7 +47,7 @@ class Bench:
             sync_period=sync_period, metrics=self.metrics, health=self.health,
             changes=self.changes, clock=self.clock, wall=lambda: 1.7e9 + self.clock.now,
             started_at=self.clock.now - 1.0,
-            on_synced=lambda state, keys: self.synced.append(keys))
+            on_synced=lambda state, keys: self.synced.append(keys), **loop)
 
     def event(self, obj: dict[str, Any]) -> None:
         """What the agent's watch handler does for one event."""
@@ -234,3 +236,78 @@ def test_post_sync_hook_gets_the_applied_keys() -> None:
         assert {k.name for k in b.synced[1]} == {"other"}
 
     run(go)
+
+
+def test_by_default_each_change_syncs_at_once_with_no_period_to_wait_for() -> None:
+    """No --min-sync-period (the default): five changes 300 ms apart are five syncs, each
+    the moment its change arrives (kube-proxy's 1s period would hold the third back)."""
+    async def go(b: Bench) -> None:
+        b.event(WEB)
+        b.runner.start()
+        await settle(b, lambda: len(b.dp.syncs) == 1, "first sync")
+        for i in range(5):
+            b.clock.now += 0.3
+            b.event(web_slice(f"198.18.1.{10 + i}"))
+            await settle(b, lambda n=i: len(b.dp.syncs) == 2 + n, f"change {i}")
+        assert b.dp.endpoints("ns/web", "http") == {"198.18.1.14:8080"}
+        assert b.metric("kubeproxy_network_programming_duration_seconds_count") == 5
+        assert b.metric("kubeproxy_network_programming_duration_seconds_sum") == 0.0
+        assert b.runner.pacing()["mode"] == "cost"
+        assert b.runner.pacing()["syncs_held_back"] == {"cpu-budget": 0, "min-sync-period": 0}
+
+    run(go, min_sync=None)
+
+
+class FakeCpu:
+    """Thread CPU time that advances 0.25 s at every reading: each sync costs 0.5 s
+    (0.25 resolving, 0.25 applying)."""
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def __call__(self) -> float:
+        self.value += 0.25
+        return self.value
+
+
+def test_the_cpu_budget_holds_expensive_syncs_back_and_says_so_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="proxy.agent.sync_loop")
+
+    def held_lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "CPU budget" in r.getMessage()]
+
+    async def go(b: Bench) -> None:
+        b.event(WEB)
+        b.runner.start()
+        await settle(b, lambda: len(b.dp.syncs) == 1, "first sync")  # not charged
+        b.clock.now += 10
+        b.event(web_slice("198.18.1.10"))  # idle: at once, and 0.3 CPU-s overdrawn
+        await settle(b, lambda: len(b.dp.syncs) == 2, "first change")
+        b.clock.now += 0.5
+        b.event(web_slice("198.18.1.11"))
+        b.event(web_slice("198.18.1.12"))
+        # Held until the overdrawn 0.3 CPU-s is repaid at 20% of a core: 1.5 s after
+        # the last sync started, the two changes then applied by one sync.
+        b.clock.now += 0.99
+        for _ in range(30):
+            b.runner._wake.set()
+            await asyncio.sleep(0.001)
+        assert len(b.dp.syncs) == 2
+        assert b.runner.pacing()["holding"] == "cpu-budget"
+        assert b.runner.pacing()["credit_cpu_seconds"] < 0
+        b.clock.now += 0.01
+        await settle(b, lambda: len(b.dp.syncs) == 3, "held sync")
+        assert b.dp.endpoints("ns/web", "http") == {"198.18.1.12:8080"}
+        assert b.metric("sliceproxy_sync_cpu_seconds_total") == pytest.approx(1.5)
+        assert b.metrics.registry.get_sample_value(
+            "sliceproxy_syncs_held_back_total", {"reason": "cpu-budget"}) == 1
+        assert held_lines() == ["sync CPU budget spent: changes now wait and are batched"]
+        # Quiet: repaid; the next change syncs at once, and the log says it is over.
+        b.clock.now += 10
+        b.event(web_slice("198.18.1.13"))
+        await settle(b, lambda: len(b.dp.syncs) == 4, "change after the burst")
+        assert held_lines()[1:] == ["sync CPU budget no longer holding syncs back"]
+        assert b.runner.pacing()["syncs_held_back"]["cpu-budget"] == 1
+
+    run(go, min_sync=None, thread_cpu=FakeCpu(), process_children_cpu=lambda: 0.0)
