@@ -45,8 +45,9 @@ def _endpoint(draw: st.DrawFn, beta: bool) -> Any:
     elif conditions == "list":
         ep["conditions"] = []
     elif conditions == "dict":
+        values = _mostly_plain([True, False, "absent"], BOOLS)
         ep["conditions"] = {k: v for k in ("ready", "serving", "terminating")
-                            if (v := draw(_mostly_plain([True, False, "absent"], BOOLS))) != "absent"}
+                            if (v := draw(values)) != "absent"}
     if draw(st.booleans()):
         ep["nodeName"] = draw(_mostly_plain(NAMES[:2], NAMES))
     if beta and draw(st.booleans()):
