@@ -54,7 +54,8 @@ Tag = tuple[str, Protocol, Family]
 @dataclass(frozen=True, slots=True)
 class PortResolution:
     """A port's merged and selected endpoints, and how they differ from the previous
-    resolution of the same `PortIndex` (everything added, the first time)."""
+    resolution of the same `PortIndex` (everything added, the first time), which made
+    the ResolvedServicePort whose token is `since` (None: unknown)."""
 
     endpoints: tuple[SelectedEndpoint, ...]
     topology: Topology
@@ -63,6 +64,7 @@ class PortResolution:
     conflicts: tuple[Conflict, ...]
     removed: tuple[SelectedEndpoint, ...]
     added: tuple[SelectedEndpoint, ...]
+    since: object | None = None
 
 
 class PortIndex:
@@ -89,7 +91,7 @@ class PortIndex:
     def resolve(self, slices: Iterable[EndpointSlice], service: Service, port: ServicePort,
                 node: NodeView) -> PortResolution:
         """The port's endpoints from `slices` (all of the service's, any family)."""
-        self.base = None
+        since, self.base = self.base, None  # set again once this one has been made
         merged = self._merge(slices)
         if node != self._census.node:
             self._census = Census.of((s.endpoint for s in self._selected), node)
@@ -103,7 +105,8 @@ class PortIndex:
         if removed or added:
             self._endpoints = tuple(self._selected)
         return PortResolution(self._endpoints, topology, verdicts.uses_cluster,
-                              verdicts.uses_local, self._conflict_tuple(), removed, added)
+                              verdicts.uses_local, self._conflict_tuple(), removed, added,
+                              since)
 
     def adopt(self, endpoints: tuple[SelectedEndpoint, ...]) -> None:
         """Hold `endpoints`, equal to those of the last resolution, as its objects: the

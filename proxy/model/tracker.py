@@ -468,7 +468,7 @@ def _with_delta(new: ResolvedServicePort, previous: ResolvedServicePort | None,
     if previous is None or not _only_endpoints_differ(new, previous):
         return new
     if index is not None:
-        if index.base is not previous.token:
+        if res.since is not previous.token:
             # A new index (a port grown large, another protocol), or `previous` made
             # without it: its changes are not from `previous`. Rare, so compare whole.
             if new == previous:
