@@ -145,7 +145,7 @@ class SyncLoop:
     # --- inputs ----------------------------------------------------------------------
 
     def request(self) -> None:
-        """A change arrived: sync as soon as the rate limit allows. Before the first sync
+        """A change arrived: sync as soon as the pacing allows. Before the first sync
         changes only accumulate (as upstream, health counts them from then on)."""
         self.metrics.service_changes_pending.set(self.changes.pending_services)
         self.metrics.endpoint_changes_pending.set(self.changes.pending_endpoints)
