@@ -9,7 +9,9 @@ network namespace. Per family it keeps the `TableState` it last applied:
   encoded, never held whole);
 - a partial sync renders only the service ports whose snapshot entry is not the very
   object applied last time (found in O(changes): `DesiredState.changed_since`), and
-  sends only their chains and elements.
+  sends only their chains and elements; a port whose endpoints alone changed (the
+  model's `endpoint_delta`) and that balances through slot maps is rendered from the
+  endpoints that changed only (delta.py: O(change), not O(service)).
 
 Both are encoded here into netlink (wire.py) rather than handed to nft, which would
 first read our tables back (per change) and parse the text in C into a heap of its own
@@ -36,10 +38,12 @@ from proxy.dataplane.common.drift_watch import LOST, NftablesListener
 from proxy.dataplane.common.family_sync import FamilyState, FamilySyncPlane, Written
 from proxy.dataplane.common.nfnetlink import NFPROTO, nat_unsupported
 from proxy.dataplane.common.rtnetlink import node_addresses
+from proxy.dataplane.nftables.delta import render_edit
 from proxy.dataplane.nftables.expressions import Unencodable
 from proxy.dataplane.nftables.render import (
     MAX_SHARDS,
     TABLE,
+    PortObjects,
     our_tables,
     render_base,
     render_port,
@@ -50,6 +54,7 @@ from proxy.dataplane.nftables.render import (
 )
 from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
 from proxy.dataplane.nftables.transaction import (
+    PortEdit,
     Script,
     TableState,
     full_lines,
@@ -129,9 +134,24 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
                         changed: set[ServicePortKey], ctx: RenderContext
                         ) -> tuple[str, TableState]:
         table: TableState = fam.kept
-        return partial_script(table, {
-            k: render_port(ports[k], ctx, table.shards, kept_slots(table.ports.get(k)))
-            if k in ports else None for k in changed}), table
+        return partial_script(table, {k: self._render_change(fam, table, ports.get(k), ctx)
+                                      for k in changed}), table
+
+    def _render_change(self, fam: _FamilyState, table: TableState,
+                       rsp: ResolvedServicePort | None, ctx: RenderContext
+                       ) -> PortObjects | PortEdit | None:
+        """A changed port: only its endpoints that changed when the model says which and
+        the port balances through slot maps (delta.py, O(change)), else whole."""
+        if rsp is None:
+            return None
+        kept = table.ports.get(rsp.key)
+        applied = fam.applied(rsp.key)
+        if kept is not None and applied is not None:
+            delta = rsp.endpoint_delta(applied[0])
+            edit = render_edit(applied[0], rsp, delta, ctx, kept) if delta else None
+            if edit is not None:
+                return edit
+        return render_port(rsp, ctx, table.shards, kept_slots(kept))
 
     def _write(self, fam: _FamilyState, text: str | Script, full: bool) -> Written:
         applier = self._run(fam, text, full) if text else "none"

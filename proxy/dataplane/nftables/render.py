@@ -361,7 +361,7 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,
     texts, addrs = _endpoint_texts(build, (*p.cluster_eps, *p.local_eps), key.family)
     label = comment(port_name(key))
     ep_chains = _affinity_chains(build, rsp.service.affinity_timeout, texts, label)
-    masq = _cluster_masquerade(rsp, ctx, build.ip, proto) if p.internal else ()
+    masq = cluster_masquerade(rsp, ctx, build.ip, proto) if p.internal else ()
     for policy_chain, eps in ((p.svc, p.cluster_eps), (p.svl, p.local_eps)):
         if policy_chain:
             first = masq if policy_chain == p.internal else ()
@@ -406,7 +406,7 @@ def _dispatch(build: _PortBuild, rsp: ResolvedServicePort, p: PortPlan) -> None:
             build.element(UNSERVED_NODEPORTS, nport, unserved)
 
 
-def _cluster_masquerade(rsp: ResolvedServicePort, ctx: RenderContext, ip: str,
+def cluster_masquerade(rsp: ResolvedServicePort, ctx: RenderContext, ip: str,
                         proto: str) -> tuple[str, ...]:
     """Off-cluster clients of a cluster IP may be answered from another node: the rules,
     first in the internal path's chain, that mark them for masquerade."""
@@ -432,7 +432,7 @@ def _endpoint_texts(build: _PortBuild, eps: Sequence[MergedEndpoint],
         if id(ep) not in addrs:
             at = addrs[id(ep)] = _text(ep.address)
             texts[id(ep)] = f"[{at}]:{ep.port}" if v6 else f"{at}:{ep.port}"
-            build.element(HAIRPIN, f"{at} . {at}")
+            build.element(HAIRPIN, hairpin_element(at))
     return texts, addrs
 
 
@@ -470,15 +470,28 @@ def _policy_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
     slot_map = SLOTS + chain
     # In the model's order (merge sorts them): only endpoints without a slot yet are
     # placed by it.
-    values = list(dict.fromkeys(f"{addrs[id(ep)]} . {ep.port}" for ep in eps))
+    values = list(dict.fromkeys(slot_value(addrs[id(ep)], ep.port) for ep in eps))
     assigned = assign_slots(values, (slots or {}).get(slot_map, ()))
     build.slot_values.append((slot_map, tuple(assigned)))
     build.sets.append((slot_map, f"typeof numgen random mod 1 : {ip} daddr . {proto} dport;"))
     build.slot_elements += [Element(slot_map, str(i), v, build.table)
                             for i, v in enumerate(assigned)]
-    build.chains.append((chain, (*first, f"meta l4proto {proto} dnat {ip} to numgen "
-                                         f"random mod {len(assigned)} map @{slot_map} "
-                                         f"{label}")))
+    build.chains.append((chain, (*first, slot_rule(ip, proto, len(assigned), slot_map,
+                                                   label))))
+
+
+def slot_rule(ip: str, proto: str, n: int, slot_map: str, label: str) -> str:
+    """A slot-mapped chain's one balancing rule: any of the `n` slots, uniformly."""
+    return f"meta l4proto {proto} dnat {ip} to numgen random mod {n} map @{slot_map} {label}"
+
+
+def slot_value(address: str, port: int) -> str:
+    """What a slot holds: an endpoint's address (as address_text spells it) and port."""
+    return f"{address} . {port}"
+
+
+def hairpin_element(address: str) -> str:
+    return f"{address} . {address}"
 
 
 def assign_slots(values: Sequence[str], before: Sequence[str]) -> list[str]:

@@ -10,7 +10,8 @@ slot may hold another endpoint in the kernel than in the script.
 
 A partial script touches only the service ports that changed: chains whose rules differ
 are flushed and refilled, new ones added, gone ones deleted; elements are added and
-deleted one by one. Elements are shared (two ports of one service share their cluster
+deleted one by one. A port rendered from its endpoint delta comes as a `PortEdit` (what
+changes, delta.py) and is applied to its kept state in place, in O(change). Elements are shared (two ports of one service share their cluster
 IP in @cluster-ips, two services an endpoint in @hairpin), so `TableState` counts their
 owners (`Owners`): an element leaves the kernel with its last owner. Order inside a transaction:
 sets, new chains, rules, element deletions, element additions, chain deletions, set deletions;
@@ -25,7 +26,7 @@ rules (a third of the rendered text), which a change compares by digest.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from proxy.dataplane.base import rules_digest
 from proxy.dataplane.nftables.render import BaseObjects, PortObjects, table_family
@@ -114,6 +115,17 @@ def _value(cur: _Owned) -> str:
     return cur[min(cur)]
 
 
+class SlotMap:
+    """One slot map as the kernel holds it: its values in slot order, and each value's
+    slot, so that an endpoint delta (delta.py) finds an endpoint's slot in O(1)."""
+
+    __slots__ = ("slot_of", "values")
+
+    def __init__(self, values: Sequence[str]) -> None:
+        self.values = list(values)
+        self.slot_of = dict(zip(self.values, range(len(self.values)), strict=True))
+
+
 @dataclass(frozen=True, slots=True)
 class KeptPort:
     """What the kernel holds of one port, as a later script needs it. The rules' text
@@ -123,25 +135,50 @@ class KeptPort:
     table: str
     chains: tuple[tuple[str, int], ...]  # (name, rules_digest(rules)), in write order
     # Its elements: the keys (the same tuples as the owners' map's keys, where they
-    # were first) and, apart, their values (a set's are "").
+    # were first) and, apart, their values (a set's are ""). Two tuples are the least
+    # memory for the many small ports ...
     element_keys: tuple[ElementKey, ...]
     element_values: tuple[str, ...]
     sets: tuple[tuple[str, str], ...]
-    slots: tuple[tuple[str, tuple[str, ...]], ...]  # PortObjects.slots (the same tuples)
+    slots: tuple[tuple[str, SlotMap], ...]  # by slot map, from PortObjects.slots
+    # ... while a port with slot maps (SLOT_MAP_MIN endpoints or more) keeps a dict
+    # instead, which an endpoint delta edits in place (`apply_edit`): O(change), where
+    # new tuples would be O(service).
+    element_dict: dict[ElementKey, str] | None = None
 
     @classmethod
-    def of(cls, p: PortObjects, elements: Mapping[ElementKey, str]) -> KeptPort:
-        return cls(p.table, tuple((name, rules_digest(rules)) for name, rules in p.chains),
-                   tuple(elements), tuple(elements.values()), p.sets, p.slots)
+    def of(cls, p: PortObjects, elements: dict[ElementKey, str]) -> KeptPort:
+        """`elements`: element_map(p), kept as it is (the caller's fresh dict)."""
+        chains = tuple((name, rules_digest(rules)) for name, rules in p.chains)
+        if p.slots:
+            return cls(p.table, chains, (), (), p.sets,
+                       tuple((name, SlotMap(values)) for name, values in p.slots), elements)
+        return cls(p.table, chains, tuple(elements), tuple(elements.values()), p.sets, ())
 
-    def elements(self) -> dict[ElementKey, str]:
+    def elements(self) -> Mapping[ElementKey, str]:
+        """Read-only: the kept dict itself for a port with slot maps."""
+        if self.element_dict is not None:
+            return self.element_dict
         return dict(zip(self.element_keys, self.element_values, strict=True))
 
 
-def kept_slots(kept: KeptPort | None) -> dict[str, tuple[str, ...]]:
+def kept_slots(kept: KeptPort | None) -> dict[str, Sequence[str]]:
     """What the kernel's slot maps hold of a port (map -> endpoints in slot order):
     what render_port needs to keep each endpoint where it is."""
-    return dict(kept.slots) if kept is not None else {}
+    return {name: m.values for name, m in kept.slots} if kept is not None else {}
+
+
+@dataclass(frozen=True, slots=True)
+class PortEdit:
+    """One port's change rendered from its endpoint delta alone (delta.py), to apply to
+    the KeptPort it was rendered against: what a whole render would change, and
+    nothing it would not."""
+
+    chains: tuple[tuple[str, tuple[str, ...]], ...]  # chains to rewrite: (name, rules)
+    removed: tuple[ElementKey, ...]  # elements it gives up (or whose value changes)
+    added: tuple[tuple[ElementKey, str], ...]  # elements it takes (or their new value)
+    # Per slot map: (name, its new size, (slot, value) for each slot that changes).
+    slots: tuple[tuple[str, int, tuple[tuple[int, str], ...]], ...] = ()
 
 
 def element_map(p: PortObjects) -> dict[ElementKey, str]:
@@ -310,10 +347,11 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
 
 
 def partial_script(state: TableState,
-                   updates: Mapping[ServicePortKey, PortObjects | None]) -> str:
-    """The transaction from `state` to `state` with `updates` (None: the port is gone);
-    updates `state` to what the kernel holds once the script is applied. "" when the
-    kernel has nothing to change."""
+                   updates: Mapping[ServicePortKey, PortObjects | PortEdit | None]) -> str:
+    """The transaction from `state` to `state` with `updates` (None: the port is gone; a
+    PortEdit: its endpoint delta against the port in `state`); updates `state` to what
+    the kernel holds once the script is applied. "" when the kernel has nothing to
+    change."""
     ip = table_family(state.family)
     add_sets: list[str] = []
     add_chains: list[str] = []
@@ -325,6 +363,10 @@ def partial_script(state: TableState,
     for key in sorted(updates):
         new = updates[key]
         old = state.ports.get(key)
+        if isinstance(new, PortEdit):
+            assert old is not None, "an edit needs the port it was rendered against"
+            write_chains += _apply_edit(state, key, old, new, held_before)
+            continue
         old_chains = {(old.table, n): d for n, d in old.chains} if old else {}
         new_chains = {(new.table, n): r for n, r in new.chains} if new else {}
         old_sets = {(old.table, n): b for n, b in old.sets} if old else {}
@@ -346,14 +388,10 @@ def partial_script(state: TableState,
         new_el = element_map(new) if new else {}
         for k, v in old_el.items():
             if new_el.get(k) != v:
-                if k not in held_before:
-                    held_before[k] = state.owners.held(k)
-                state.owners.remove(k, key)
+                _retire(state, key, k, held_before)
         for k, v in new_el.items():
             if old_el.get(k) != v:
-                if k not in held_before:
-                    held_before[k] = state.owners.held(k)
-                state.owners.add(k, key, v)
+                _claim(state, key, k, v, held_before)
         if new is None:
             state.ports.pop(key, None)
         else:
@@ -377,3 +415,62 @@ def partial_script(state: TableState,
               for (t, name), body in gone_sets]
     return "\n".join(lines) + "\n" if lines else ""
 
+
+def _retire(state: TableState, key: ServicePortKey, element: ElementKey,
+            held_before: dict[ElementKey, str | None]) -> None:
+    """`key` no longer wants `element` (or not with the value it had)."""
+    if element not in held_before:
+        held_before[element] = state.owners.held(element)
+    state.owners.remove(element, key)
+
+
+def _claim(state: TableState, key: ServicePortKey, element: ElementKey, value: str,
+           held_before: dict[ElementKey, str | None]) -> None:
+    if element not in held_before:
+        held_before[element] = state.owners.held(element)
+    state.owners.add(element, key, value)
+
+
+def _apply_edit(state: TableState, key: ServicePortKey, old: KeptPort, edit: PortEdit,
+                held_before: dict[ElementKey, str | None]) -> list[str]:
+    """Apply `edit` to the port's kept state (its element dict and slot maps, in place)
+    and to the owners; the lines that rewrite its chains. O(edit)."""
+    ip = table_family(state.family)
+    kept = old.element_dict
+    assert kept is not None, "edits are for ports with slot maps"
+    for k in edit.removed:
+        _retire(state, key, k, held_before)
+        del kept[k]
+    for k, v in edit.added:
+        _claim(state, key, k, v, held_before)
+        kept[k] = v
+    maps = dict(old.slots)
+    for name, size, assigned in edit.slots:
+        _resize(maps[name], size, assigned)
+    digests = dict(old.chains)
+    lines: list[str] = []
+    for name, rules in edit.chains:
+        digest = rules_digest(rules)
+        if digests[name] == digest:
+            continue
+        digests[name] = digest
+        lines.append(f"flush chain {ip} {old.table} {name}")
+        lines += [f"add rule {ip} {old.table} {name} {rule}" for rule in rules]
+    if lines:
+        state.ports[key] = replace(old, chains=tuple(digests.items()))
+    return lines
+
+
+def _resize(slots: SlotMap, size: int, assigned: Iterable[tuple[int, str]]) -> None:
+    """The slot map at `size` slots with `assigned` values put in their slots; values
+    gone from it, and those moved, leave their old slots first."""
+    values, slot_of = slots.values, slots.slot_of
+    for value in values[size:]:
+        del slot_of[value]
+    del values[size:]
+    values.extend([""] * (size - len(values)))
+    for slot, value in assigned:
+        if slot_of.get(values[slot]) == slot:
+            del slot_of[values[slot]]
+        values[slot] = value
+        slot_of[value] = slot

@@ -1,0 +1,210 @@
+"""A port's change rendered from its endpoint delta (nftables/delta.py) changes exactly
+what rendering the port whole would: the same script, the same kept state, through
+random sequences of endpoints added, removed, flipped and moved across the slot-map
+threshold both ways; and the kernel then holds what a fresh full sync writes, but for
+which slot holds which endpoint."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytest
+
+from proxy.dataplane.nftables import delta as delta_module
+from proxy.dataplane.nftables.delta import render_edit
+from proxy.dataplane.nftables.render import (
+    SLOT_MAP_MIN,
+    SLOTS,
+    render_base,
+    render_port,
+    render_shard,
+)
+from proxy.dataplane.nftables.transaction import (
+    TableState,
+    full_script,
+    kept_slots,
+    partial_script,
+)
+from proxy.dataplane.nftables.wire import encode
+from proxy.model.snapshot import EndpointDelta, ResolvedServicePort
+from proxy.model.types import Family
+from tests.unit.builders import NODE, ep, eps_slice, node, resolve_one, service
+from tests.unit.test_nftables_render import CIDR4, S0
+
+POOL = [f"198.18.{2 + i // 200}.{1 + i % 200}" for i in range(400)]
+
+
+@dataclass
+class Pod:
+    ready: bool = True
+    local: bool = True
+
+
+def resolve(pods: dict[str, Pod], spec: dict[str, Any]) -> ResolvedServicePort:
+    eps = [ep(a, node=NODE if p.local else "node-b", ready=p.ready) for a, p in pods.items()]
+    return resolve_one(node(), service(**spec), eps_slice("s1", eps), port="http")
+
+
+def with_delta(old: ResolvedServicePort, new: ResolvedServicePort) -> ResolvedServicePort:
+    """`new` carrying its endpoint delta from `old`, as the model sends it."""
+    before, after = set(old.endpoints), set(new.endpoints)
+
+    def order(s: Any) -> tuple[int, int]:
+        return int(s.endpoint.address), s.endpoint.port
+
+    return replace(new, delta=EndpointDelta(old.token, tuple(sorted(before - after, key=order)),
+                                            tuple(sorted(after - before, key=order))))
+
+
+def start(rsp: ResolvedServicePort) -> TableState:
+    return full_script([render_base(CIDR4), render_shard(CIDR4, S0)],
+                       {rsp.key: render_port(rsp, CIDR4)})[1]
+
+
+def kept(state: TableState) -> dict[Any, Any]:
+    """Everything a TableState says the kernel holds, comparable."""
+    return {
+        "ports": {k: (p.table, p.chains, dict(p.elements()), p.sets,
+                      {n: list(m.values) for n, m in p.slots})
+                  for k, p in state.ports.items()},
+        "owners": sorted(state.owners.elements()),
+    }
+
+
+def step(pods: dict[str, Pod], rng: random.Random, shrink: bool) -> None:
+    """One random change of one to four endpoints, biased to shrink or grow."""
+    k = rng.randint(1, 4)
+    present = sorted(pods)
+    op = rng.choices(["remove", "add", "flip", "move"],
+                     [6, 1, 2, 1] if shrink else [1, 6, 2, 1])[0]
+    if op == "add":
+        for a in rng.sample([a for a in POOL if a not in pods], k):
+            pods[a] = Pod(local=rng.random() < 0.95)
+    for a in rng.sample(present, min(k, len(present))) if op != "add" else ():
+        if op == "remove":
+            del pods[a]
+        elif op == "flip":
+            pods[a].ready = not pods[a].ready
+        else:
+            pods[a].local = not pods[a].local
+
+
+def slot_maps(state: TableState) -> set[str]:
+    return {n for p in state.ports.values() for n, _ in p.slots}
+
+
+SPECS = {
+    "cluster": {},
+    # A NodePort with policy Local: the cluster path for the cluster IP, the local path
+    # (95% of the endpoints are on this node) for the NodePort; both cross the threshold.
+    "local": {"type": "NodePort", "externalTrafficPolicy": "Local",
+              "ports": ({"name": "http", "port": 80, "nodePort": 30080},)},
+}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("spec", sorted(SPECS))
+def test_random_deltas_change_what_a_whole_render_changes(seed: int, spec: str) -> None:
+    rng = random.Random(seed)
+    pods = {a: Pod(local=rng.random() < 0.95) for a in POOL[:SLOT_MAP_MIN + 30]}
+    rsp = resolve(pods, SPECS[spec])
+    by_edit, whole = start(rsp), start(rsp)
+    edits, maps_seen = 0, [slot_maps(by_edit)]
+    for n in range(100):
+        # Above the threshold, below it, above again.
+        target = SLOT_MAP_MIN - 25 if 20 <= n < 60 else SLOT_MAP_MIN + 30
+        step(pods, rng, shrink=len(pods) > target)
+        new = with_delta(rsp, resolve(pods, SPECS[spec]))
+        key = new.key
+        delta = new.endpoint_delta(rsp)
+        assert delta is not None
+        edit = render_edit(rsp, new, delta, CIDR4, by_edit.ports[key])
+        edits += edit is not None
+        objects = render_port(new, CIDR4, 1, kept_slots(by_edit.ports[key]))
+        script = partial_script(by_edit, {key: edit or objects})
+        expected = partial_script(whole, {key: render_port(new, CIDR4, 1,
+                                                           kept_slots(whole.ports[key]))})
+        assert script == expected, f"step {n}"
+        assert kept(by_edit) == kept(whole), f"step {n}"
+        encode(script, Family.V4, ("sliceproxy", S0), 1)
+        assert_like_a_fresh_full_sync(by_edit, new)
+        maps_seen.append(slot_maps(by_edit))
+        rsp = new
+    # Not vacuous: most changes went by the delta, and the port crossed the threshold
+    # both ways (a slot map went and came back).
+    assert edits > 20
+    went = [i for i in range(1, len(maps_seen)) if maps_seen[i - 1] - maps_seen[i]]
+    came = [i for i in range(1, len(maps_seen)) if maps_seen[i] - maps_seen[i - 1]]
+    assert went and came, (went, came)
+
+
+def assert_like_a_fresh_full_sync(state: TableState, rsp: ResolvedServicePort) -> None:
+    """The same chains, rules, sets and elements as a full sync of `rsp` alone; each
+    slot map the same endpoints in slots 0..n-1, maybe in other slots (a fresh sync
+    places them in the model's order; ours kept each where it was)."""
+    fresh = start(rsp)
+    (mine,), (theirs,) = state.ports.values(), fresh.ports.values()
+    assert (mine.table, mine.chains, mine.sets) == (theirs.table, theirs.chains, theirs.sets)
+
+    def split(elements: Any) -> tuple[dict[Any, str], dict[str, list[str]]]:
+        plain: dict[Any, str] = {}
+        slots: dict[str, list[tuple[int, str]]] = {}
+        for (table, name, key), value in elements.items():
+            if name.startswith(SLOTS):
+                slots.setdefault(name, []).append((int(key), value))
+            else:
+                plain[(table, name, key)] = value
+        return plain, {n: sorted(v for _, v in sorted(s)) for n, s in slots.items()}
+
+    assert split(mine.elements()) == split(theirs.elements())
+    for _name, m in mine.slots:
+        assert sorted(m.slot_of.values()) == list(range(len(m.values)))
+        assert all(m.values[i] == v for v, i in m.slot_of.items())
+    assert split(dict(state.owners.elements())) == split(dict(fresh.owners.elements()))
+
+
+def test_one_endpoint_flip_in_a_large_port_is_a_few_elements_and_one_rule() -> None:
+    pods = {a: Pod() for a in POOL[:300]}
+    rsp = resolve(pods, {})
+    state = start(rsp)
+    pods[POOL[10]].ready = False
+    new = with_delta(rsp, resolve(pods, {}))
+    delta = new.endpoint_delta(rsp)
+    assert delta is not None
+    edit = render_edit(rsp, new, delta, CIDR4, state.ports[new.key])
+    assert edit is not None
+    lines = partial_script(state, {new.key: edit}).splitlines()
+    # The rule that says 299 slots, the hairpin pair out, slot 10 refilled by the last.
+    assert [line.split(" ", 2)[:2] for line in lines] == [
+        ["flush", "chain"], ["add", "rule"], ["add", "rule"],
+        ["delete", "element"], ["delete", "element"], ["add", "element"]]
+    assert "mod 299 map" in lines[2]
+
+
+def test_a_delta_not_against_the_kept_port_renders_the_port_whole() -> None:
+    pods = {a: Pod() for a in POOL[:200]}
+    rsp = resolve(pods, {})
+    state = start(rsp)
+    del pods[POOL[0]]
+    new = with_delta(rsp, resolve(pods, {}))
+    delta = new.endpoint_delta(rsp)
+    assert delta is not None
+    port = state.ports[new.key]
+    # The kept port lacks what the delta removes: not ours to edit.
+    (_name, slots), = port.slots
+    value = slots.values[0]
+    assert value.startswith(POOL[0])
+    del slots.slot_of[value]
+    assert render_edit(rsp, new, delta, CIDR4, port) is None
+    # A service change besides the endpoints (the delta's contract says it has none).
+    other = replace(new, uses_local=True)
+    assert render_edit(rsp, other, delta, CIDR4, start(rsp).ports[new.key]) is None
+
+
+def test_the_helper_orders_like_the_model() -> None:
+    """Values moved back from beyond the end are placed in the model's order, which is
+    by address as a number, not as text."""
+    assert delta_module._order_of("198.18.2.9 . 80") < delta_module._order_of(
+        "198.18.2.10 . 80")
