@@ -4,10 +4,10 @@ Two limits decide when a requested sync may start; the later one wins.
 
 The CPU budget (`--sync-cpu-budget`, default 20% of one core), always on unless `off`:
 a leaky bucket of CPU-seconds. Every sync's cost (the CPU its own threads and the tools
-it ran used, measured by the caller and given to `finish`) is poured in, dated from the
-sync's start, as the CPU was spent while it ran; the bucket drains at `budget`
-CPU-seconds per second of wall time. A sync may start while the
-bucket holds no more than `budget x window` (the credit: 0.2 CPU-s with the defaults).
+it ran used, metered by sync_loop.py and given to `finish`) is poured in, dated from
+the sync's start, as the CPU was spent while it ran; the bucket drains at `budget`
+CPU-seconds per second of wall time. A sync may start while the bucket holds no more
+than `budget x window` (the credit: 0.2 CPU-s with the defaults).
 So an isolated change never waits (a sync costs milliseconds, far below the credit),
 a burst runs back to back until the credit is spent, and from then on each sync waits
 until what it overdrew is repaid. Over any run of length T the syncs' CPU is at most
@@ -17,7 +17,8 @@ Why not a window of recent syncs (a moving average)? A bucket needs no history, 
 the exact time the next sync may start, and bounds every interval, not only the
 window's. The first sync (`INITIAL`) is not charged: programming the whole cluster at
 start is not churn, and charging it would make the first changes after a start at
-10,000 services wait some 15 s; its CPU is still counted in the metrics.
+10,000 services wait some 15 s; its CPU is still counted in the metrics. Every other
+sync is charged: changes, periodic full resyncs, retries and repairs alike.
 
 The minimum period (`--min-sync-period`), only when set: kube-proxy's
 BoundedFrequencyRunner (`pkg/util/async/bounded_frequency_runner.go`, kube-proxy's
