@@ -770,12 +770,12 @@ def _plain_v4(value: Any) -> IPv4Address:
 
 def _plain_name(value: Any, valid: Callable[[str], bool]) -> str | None:
     """A node name or zone as `_selector_value` reads it when it records nothing: the
-    value (shared), or None when absent or ""."""
+    value (shared) when valid ("" is a valid zone), else None when absent or ""."""
+    if type(value) is str and valid(value):
+        return _intern(value)
     if value is None or value == "":
         return None
-    if type(value) is not str or not valid(value):
-        raise _NotPlain
-    return _intern(value)
+    raise _NotPlain
 
 
 def _plain_conditions(raw: Any) -> tuple[bool, bool, bool]:
