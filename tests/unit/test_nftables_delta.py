@@ -95,7 +95,7 @@ def slot_maps(state: TableState) -> set[str]:
     return {n for p in state.ports.values() for n, _ in p.slots}
 
 
-SPECS = {
+SPECS: dict[str, dict[str, Any]] = {
     "cluster": {},
     # A NodePort with policy Local: the cluster path for the cluster IP, the local path
     # (95% of the endpoints are on this node) for the NodePort; both cross the threshold.
