@@ -123,17 +123,27 @@ class PortIndex:
         endpoint whose merged endpoint changed (None: absent)."""
         port_name, protocol, family = self.tag
         current = {id(sl): sl for sl in slices if sl.family is family}
-        touched: set[_Key] = set()
         # An id in _slices is the object held there, alive: ids cannot be reused.
-        for ident in self._slices.keys() - current.keys():
-            for entry in self._slices.pop(ident)[1]:
-                self._drop_copy(entry)
-                touched.add(entry[0])
+        gone = [self._slices.pop(i) for i in self._slices.keys() - current.keys()]
+        # A slice rewritten keeps the entries of its unchanged endpoints (same objects):
+        # they are neither taken out nor put in again.
+        spare = {sl.name: {e[0]: e for e in entries} for sl, entries in gone}
+        fresh: list[Entry] = []
         for ident in current.keys() - self._slices.keys():
             sl = current[ident]
-            entries = slice_entries(sl, port_name, protocol)
+            entries = slice_entries(sl, port_name, protocol, spare.get(sl.name))
             self._slices[ident] = (sl, entries)
+            fresh.extend(entries)
+        kept = {id(e) for e in fresh}
+        touched: set[_Key] = set()
+        for _, entries in gone:
             for entry in entries:
+                if id(entry) not in kept:
+                    self._drop_copy(entry)
+                    touched.add(entry[0])
+        old = {id(e) for _, entries in gone for e in entries}
+        for entry in fresh:
+            if id(entry) not in old:
                 self._add_copy(entry)
                 touched.add(entry[0])
         changed: dict[_Key, tuple[SelectedEndpoint | None, MergedEndpoint | None]] = {}

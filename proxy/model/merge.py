@@ -119,10 +119,21 @@ def merge_copies(address: IPAddress, port: int, found: list[tuple[str, Endpoint]
     return replace(merged, conflict=True) if conflict else merged
 
 
-def slice_entries(sl: EndpointSlice, port_name: str, protocol: Protocol) -> tuple[Entry, ...]:
-    """`sl`'s endpoints for one service port, each as if it were the only copy."""
+def slice_entries(sl: EndpointSlice, port_name: str, protocol: Protocol,
+                  reuse: dict[tuple[int, int], Entry] | None = None) -> tuple[Entry, ...]:
+    """`sl`'s endpoints for one service port, each as if it were the only copy.
+    `reuse`: entries of the slice that `sl` replaces (same name), by key; one whose
+    endpoint is unchanged is taken (and popped) instead of making it again."""
     source = (sl.name,)
-    return tuple(((int(ep.address), sp.port), sl.name, ep,
-                  _as_merged(ep.address, sp.port, source, ep))
-                 for sp in sl.ports if sp.name == port_name and sp.protocol is protocol
-                 for ep in sl.endpoints)
+    out: list[Entry] = []
+    for sp in sl.ports:
+        if sp.name != port_name or sp.protocol is not protocol:
+            continue
+        for ep in sl.endpoints:
+            key = (int(ep.address), sp.port)
+            old = reuse.pop(key, None) if reuse else None
+            if old is not None and old[2] == ep:
+                out.append(old)
+            else:
+                out.append((key, sl.name, ep, _as_merged(ep.address, sp.port, source, ep)))
+    return tuple(out)

@@ -8,12 +8,13 @@ still be exact, or a partial sync would leave a port's old rules in the kernel.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.model.snapshot import DesiredState, ResolvedServicePort, Topology
+from proxy.model.snapshot import DesiredState, EndpointDelta, ResolvedServicePort, Topology
 from proxy.model.types import (
     Family,
     Protocol,
@@ -86,3 +87,17 @@ def test_a_sibling_is_compared_in_full_not_by_its_own_changes() -> None:
     after_right = right.evolve({KEYS[3]: entry(KEYS[3], 0)})
     assert after_right.generation == left.generation + 1
     assert after_right.changed_since(left) == {KEYS[1], KEYS[2], KEYS[3]}
+
+
+def test_evolve_takes_a_delta_from_the_entry_it_replaces_as_a_change() -> None:
+    """A delta recorded against the old entry's token says the port changed (evolve
+    does not compare 50,000 endpoints to learn it); one against another token proves
+    nothing, so an equal entry carrying it changes nothing."""
+    key = KEYS[0]
+    old = entry(key, 0)
+    state = DesiredState().evolve({key: old})
+    stale = replace(entry(key, 0), delta=EndpointDelta(object(), (), ()))
+    assert state.evolve({key: stale}).changed == frozenset()
+    assert state.evolve({key: stale}).get(key) is old
+    from_old = replace(entry(key, 0), delta=EndpointDelta(old.token, (), ()))
+    assert state.evolve({key: from_old}).changed == {key}
