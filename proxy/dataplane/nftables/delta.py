@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from ipaddress import ip_address
 
 from proxy.dataplane.common.context import RenderContext
+from proxy.dataplane.common.deltas import only_endpoints_changed
 from proxy.dataplane.common.naming import address_text, port_name
 from proxy.dataplane.nftables.render import (
     HAIRPIN,
@@ -59,7 +60,7 @@ def render_edit(old: ResolvedServicePort, new: ResolvedServicePort, delta: Endpo
                 ctx: RenderContext, kept: KeptPort) -> PortEdit | None:
     """What `render_port(new, ...)` changes against `kept` (rendered from `old`), or None
     when the port must be rendered whole (module docstring)."""
-    if kept.element_dict is None or not _same_frame(old, new):
+    if kept.element_dict is None or not only_endpoints_changed(old, new):
         return None
     maps = dict(kept.slots)
     proto = new.port.protocol.value.lower()
@@ -90,14 +91,6 @@ def render_edit(old: ResolvedServicePort, new: ResolvedServicePort, delta: Endpo
     removed_pairs, added_pairs = _hairpin_changes(new, delta, kept.element_dict)
     return PortEdit(tuple(chains), (*removed, *removed_pairs),
                     (*added, *((k, "") for k in added_pairs)), tuple(resized))
-
-
-def _same_frame(old: ResolvedServicePort, new: ResolvedServicePort) -> bool:
-    """Nothing but the endpoints differ (as the delta's contract says; checked, cheaply,
-    since a wrong edit would stay in the kernel until the next full sync)."""
-    return (old.key == new.key and old.service == new.service and old.port == new.port
-            and old.cluster_ips == new.cluster_ips and old.uses_cluster == new.uses_cluster
-            and old.uses_local == new.uses_local)
 
 
 def _in_path(s: SelectedEndpoint, local: bool) -> bool:
