@@ -14,7 +14,8 @@ deleted one by one. A port rendered from its endpoint delta comes as a `PortEdit
 changes, delta.py) and is applied to its kept state in place, in O(change). Elements
 are shared (two ports of one service share their cluster IP in @cluster-ips, two
 services an endpoint in @hairpin), so `TableState` counts their owners (`Owners`): an
-element leaves the kernel with its last owner. Order inside a transaction: sets, new chains, rules, element deletions, element additions, chain deletions, set deletions;
+element leaves the kernel with its last owner. Order inside a transaction: sets, new
+chains, rules, element deletions, element additions, chain deletions, set deletions;
 nothing is ever referenced before it exists or deleted while referenced.
 
 `TableState` is updated while a script is built: if the kernel refuses the script, the
