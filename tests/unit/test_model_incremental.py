@@ -17,7 +17,7 @@ from ipaddress import ip_address
 
 import pytest
 
-from proxy.model import tracker
+from proxy.model import incremental, tracker
 from proxy.model.snapshot import DesiredState, ResolvedServicePort, SelectedEndpoint
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import (
@@ -269,12 +269,15 @@ def _check_kept(old: tuple[SelectedEndpoint, ...], new: tuple[SelectedEndpoint, 
     assert all(id(s) in old_ids for s in new if id(s) not in added_ids)
 
 
-# 0: every port keeps an index; 12: ports cross the threshold both ways; huge: none does.
-@pytest.mark.parametrize("threshold", [0, 12, 10**9])
+# threshold 0: every port keeps an index; 12: ports cross it both ways; huge: none does.
+# rebuild_over 2: the index's lists are rebuilt in one pass for 3 changes or more.
+@pytest.mark.parametrize(("threshold", "rebuild_over"),
+                         [(0, 256), (0, 2), (12, 2), (10**9, 256)])
 @pytest.mark.parametrize("seed", range(8))
-def test_incremental_resolve_equals_a_fresh_model(seed: int, threshold: int,
+def test_incremental_resolve_equals_a_fresh_model(seed: int, threshold: int, rebuild_over: int,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tracker, "MEMO_MIN_ENDPOINTS", threshold)
+    monkeypatch.setattr(incremental, "REBUILD_OVER", rebuild_over)
     world = World(random.Random(seed))
     model = ClusterModel(NODE)
     world.feed(model)
