@@ -30,7 +30,9 @@ showing the change and the first showing it): "commit announced", free of the po
 resolution. A watch on the namespace's EndpointSlices,
 from this process, splits that time into the controller's part (the write -> the
 updated slice reaches a watcher) and the proxy's. The proxies run with their defaults
-(for all: min sync period 1 s, burst 2);
+(kube-proxy: min sync period 1 s, burst 2); `--pacing old new` runs each sliceproxy side
+twice, "NAME/old" with `--min-sync-period 1s` (the fixed-rate runner) and "NAME/new" with
+no pacing flag (the agent's default pacing, issue 29);
 changes are spaced `--spacing` seconds apart so that each is the first after a quiet
 period. Also reported: each proxy's own histograms over the changes
 (kubeproxy_network_programming_duration_seconds and

@@ -18,7 +18,7 @@ from typing import NoReturn
 from bench import realcp_latency as package  # its docstring is the command's help
 from bench.realcp_latency.report import markdown
 from bench.realcp_latency.run import run
-from bench.realcp_latency.settings import BACKENDS, KCM_FLAGS, PROXIES, Settings
+from bench.realcp_latency.settings import BACKENDS, KCM_FLAGS, PACINGS, PROXIES, Settings
 from labs.realcp.build import build
 from labs.realcp.controlplane import ControlPlane
 
@@ -57,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--iptables-backend", choices=("auto", *BACKENDS), default=d.iptables_backend,
                    help="the iptables back end of every node (default: each proxy's own "
                    "choice)")
+    p.add_argument("--pacing", nargs="+", choices=sorted(PACINGS), default=[],
+                   help="run each sliceproxy side once per sync pacing: old = "
+                   "--min-sync-period 1s, new = the agent's default (no flag); default: "
+                   "once, with the agent's defaults")
     p.add_argument("--json", type=Path, help="write the full results here")
     p.add_argument("--keep-logs", type=Path,
                    help="a directory for the proxies' logs (kept); default: a temporary one")
@@ -69,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         poll_interval=args.poll_interval, spacing=args.spacing,
         change_deadline=args.change_deadline, setup_deadline=args.setup_deadline,
         parallel=args.parallel, seed=args.seed, proxies=tuple(args.proxies),
-        iptables_backend=args.iptables_backend)
+        iptables_backend=args.iptables_backend, pacing=tuple(args.pacing))
     settings.check()
     signal.signal(signal.SIGTERM, _on_sigterm)
 

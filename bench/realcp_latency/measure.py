@@ -116,7 +116,7 @@ def wait_initial(side: Side, namespace: str, want: set[tuple[str, str]], service
             side.proxy.check_alive()
             start = time.monotonic()
             polls += 1
-            for backend in BACKENDS if side.name in DISPATCH else (NFTABLES,):
+            for backend in BACKENDS if side.base in DISPATCH else (NFTABLES,):
                 seen: float | None = None
                 if backend == NFTABLES:
                     found = nft_view(namespace)
@@ -124,11 +124,11 @@ def wait_initial(side: Side, namespace: str, want: set[tuple[str, str]], service
                         continue
                     view, seen = found
                 # The dispatch chain first (cheap); the whole table once it is complete.
-                elif dispatch_count(backend, DISPATCH[side.name], namespace) < services:
+                elif dispatch_count(backend, DISPATCH[side.base], namespace) < services:
                     continue
                 else:
-                    view = parse_nat(save_nat(backend), namespace, DISPATCH[side.name],
-                                     SERVICE_CHAIN[side.name])
+                    view = parse_nat(save_nat(backend), namespace, DISPATCH[side.base],
+                                     SERVICE_CHAIN[side.base])
                 if want <= set(view.endpoints):
                     seen = seen or time.monotonic()
                     side.backend, side.view = backend, view

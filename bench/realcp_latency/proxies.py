@@ -33,9 +33,14 @@ class Side:
         return self.proxy.proc.pid
 
     @property
+    def base(self) -> str:
+        """The proxy (settings.PROXIES) without its pacing ("sliceproxy-nftables/old")."""
+        return self.name.split("/", 1)[0]
+
+    @property
     def kind(self) -> str:
         """"sliceproxy" or "kube-proxy", whatever the mode."""
-        return "kube-proxy" if self.name == "kube-proxy" else "sliceproxy"
+        return "kube-proxy" if self.base == "kube-proxy" else "sliceproxy"
 
     def chains(self, port: str, endpoint: str) -> tuple[str, str]:
         """(service chain, endpoint chain) for one endpoint of one service port; in

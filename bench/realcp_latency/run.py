@@ -29,6 +29,7 @@ from bench.realcp_latency.proxies import (
 )
 from bench.realcp_latency.settings import (
     NODE,
+    PACINGS,
     PROXY_FLAGS,
     SLICES,
     TARGET_PORT,
@@ -95,9 +96,10 @@ def _make_proxy(name: str, cp: ControlPlane, bins: Binaries, lab: Lab,
     if backend != "auto":
         lab.exec(lab.node_ns, [f"iptables-{backend}", "-t", "mangle", "-N",
                                "KUBE-IPTABLES-HINT"], check=True)
-    if name != "kube-proxy":
+    base, _, pacing = name.partition("/")
+    if base != "kube-proxy":
         return Sliceproxy.make(lab, cp.node_kubeconfig, workdir, "endpointslices",
-                               *PROXY_FLAGS.get(name, ()))
+                               *PROXY_FLAGS.get(base, ()), *PACINGS.get(pacing, ()))
     proxy = KubeProxy.make(lab, bins.path("kube-proxy"), cp.node_kubeconfig, workdir,
                            "endpointslices")
     if backend != "auto":
@@ -188,7 +190,7 @@ def run(cp: ControlPlane, bins: Binaries, settings: Settings, workdir: Path,
         setup["slices_s"] = _wait_slices(api, ns, want, deadline, progress)
         result["setup"] = {k: round(v, 1) for k, v in setup.items()}
         # --- the proxies, one after the other --------------------------------------------
-        for name in settings.proxies:
+        for name in settings.sides():
             lab = stack.enter_context(Lab([], node_name=NODE, ipv6=False))
             cp.attach(lab.node_ns)
             stack.callback(cp.detach, lab.node_ns)

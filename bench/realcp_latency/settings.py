@@ -29,6 +29,11 @@ KCM_FLAGS = ("--kube-api-qps=200", "--kube-api-burst=400")
 PROXIES = ("sliceproxy", "sliceproxy-nftables", "kube-proxy")
 # Extra flags per side: sliceproxy in its native nftables mode is a third side.
 PROXY_FLAGS = {"sliceproxy-nftables": ("--proxy-mode", "nftables")}
+# Issue 29's sync pacing, for sliceproxy's sides: "old" is the fixed-rate runner set
+# explicitly (kube-proxy's 1 s); "new" passes no pacing flag, so it measures whatever the
+# agent's default is. With --pacing, each sliceproxy side runs once per pacing, as
+# "NAME/PACING" (kube-proxy once, with its defaults).
+PACINGS: dict[str, tuple[str, ...]] = {"old": ("--min-sync-period", "1s"), "new": ()}
 DISPATCH = {"sliceproxy": "SPX-SERVICES", "kube-proxy": "KUBE-SERVICES"}
 SERVICE_CHAIN = {"sliceproxy": "SPX-SVC-", "kube-proxy": "KUBE-SVC-"}
 BACKENDS = ("nft", "legacy")
@@ -58,6 +63,15 @@ class Settings:
     # "legacy" plant kubelet's hint chain there and give kube-proxy that back end's tools,
     # as kube-proxy's image's iptables-wrapper does.
     iptables_backend: str = "auto"
+    pacing: tuple[str, ...] = ()  # () : sliceproxy with its defaults, one side each
+
+    def sides(self) -> list[str]:
+        """The sides' names, in start order: each proxy, a sliceproxy once per pacing."""
+        out: list[str] = []
+        for name in self.proxies:
+            paced = name != "kube-proxy" and self.pacing
+            out += [f"{name}/{pace}" for pace in self.pacing] if paced else [name]
+        return out
 
     def check(self) -> None:
         if self.services < 1 or self.pods_per_service < 1 or self.changes < 1:
@@ -68,6 +82,8 @@ class Settings:
             raise ValueError("each pair of changes needs a service of its own")
         if not self.proxies or not set(self.proxies) <= set(PROXIES):
             raise ValueError(f"proxies: one or more of {PROXIES}")
+        if not set(self.pacing) <= set(PACINGS) or len(set(self.pacing)) != len(self.pacing):
+            raise ValueError(f"pacing: distinct ones of {sorted(PACINGS)}")
         if self.iptables_backend not in ("auto", *BACKENDS):
             raise ValueError(f"iptables back end: auto or one of {BACKENDS}")
 
