@@ -3,36 +3,43 @@
 A service with tens of thousands of endpoints is changed one slice at a time. A
 `PortIndex` keeps, for one service port in one family, every slice's entries, the
 copies of each endpoint by (address, port), the merged and selected endpoints in
-endpoint order, a `Census` of them and the `Verdicts` they were selected under. A
-resolution then does this:
+endpoint order, a `Census` of them and the `Verdicts` they were selected under. With n
+endpoints, s slices and c endpoints listed by the slices that changed, a resolution:
 
-1. Slices: which slice objects are gone and which are new (a set difference over the
-   port's slices: O(slices), not O(endpoints)); only their entries are taken out of and
-   put into the copies.
-2. Merge: only the endpoints those slices listed are merged again (`merge_copies`, the
-   same rule as `merge_port`). One whose merged endpoint is equal to the one before
-   keeps its old `MergedEndpoint` and `SelectedEndpoint` objects (an unchanged endpoint
-   of a rewritten slice is no change). The sorted lists are updated by bisection and
-   C-speed insert/delete; the endpoints tuple is one C-speed copy of the list.
-3. Census: the changed endpoints are taken out of the counts and put in again (O(change)).
-4. Selection: `decide` derives the topology and the `Verdicts` from the census (O(1)).
-   When the verdicts are the ones the port was selected under, only the changed
-   endpoints are selected again: O(change). When they differ every endpoint is
-   selected again: O(service). They differ only when something every endpoint's
-   verdict depends on changed, which then changes the verdict of many endpoints anyway:
-   - the topology mode (hints cover every ready endpoint or no longer do, a node or
-     zone gains its first or loses its last ready endpoint under a preference or a
-     trafficDistribution, the service's policies or annotations changed);
-   - the cluster fallback: no endpoint is ready any more, or one is again;
-   - the local set's fallback, for a port that uses a local set: this node's first
-     ready endpoint arrived or its last one left;
-   - the node (its zone label), or the service's traffic policies.
-   A topology whose reason changes but whose mode stays (a count in the reason, as in
-   "3 ready endpoint(s) in zone a") keeps the verdicts: O(change).
+1. Slices: finds the slice objects gone and new by a set difference of ids: O(s), a
+   C-speed few microseconds for 500 slices. A slice rewritten under the same name keeps
+   the entries of its endpoints that are equal to before (`slice_entries`' reuse): only
+   the entries that differ are taken out of the copies and put in: O(c).
+2. Merge: merges again only the endpoints those entries belong to (`merge_copies`, the
+   same rule as `merge_port`, so conflicts keep their exact meaning). One whose merged
+   endpoint equals the one before keeps its `MergedEndpoint` and `SelectedEndpoint`
+   objects, and is no change.
+3. Census: takes the changed endpoints out of the counts and puts them in again: O(c).
+4. Selection: `decide` derives the topology and the `Verdicts` from the census: O(1).
+   Verdicts unchanged: only the changed endpoints are selected again, O(c). Verdicts
+   changed: every endpoint is selected again, O(n) in Python (~2 us each); an endpoint
+   whose sets and reason stay keeps its object. They change only with an input of
+   every endpoint's verdict, when many verdicts change anyway:
+   - the topology mode: the first or last hint-less ready endpoint of a hinted
+     service, this node or zone gaining its first or losing its last ready endpoint
+     under a preference annotation, trafficDistribution or hints;
+   - the cluster fallback: the last ready endpoint went, or the first came back;
+   - for a port with a local set (a Local policy) only: this node's first ready
+     endpoint came or its last went;
+   - the service's traffic policies or external reachability, or this node's zone.
+   A topology whose reason changes but whose mode does not (a count in the reason, as
+   in "3 ready endpoint(s) in zone a") keeps the verdicts: O(c).
+5. Places the changed endpoints in the sorted lists by bisection and C-speed
+   insert/delete (one pass when more than REBUILD_OVER changed), and copies the list
+   into the endpoints tuple: O(n) but in C (~0.2 ms at 50,000), only when something
+   changed.
 
-Each resolution reports exactly which `SelectedEndpoint`s left and which arrived, the
-data planes' `EndpointDelta`. The result always equals `merge_port` + `categorize`
-over all of the port's slices (a property test checks it step by step).
+Also O(n): the first resolution, a port whose protocol changed (a new index), this
+node's zone changing (the census is counted again). The tracker adds O(s) for listing
+the service's slices. Each resolution reports exactly which `SelectedEndpoint`s left
+and which arrived, the data planes' `EndpointDelta`. The result always equals
+`merge_port` + `categorize` over all of the port's slices (a property test checks it
+step by step, against a fresh model).
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ changed ("dirty"); nothing is computed until `resolve()`, which re-resolves just
 dirty ports and returns a new immutable `DesiredState` whose `changed` names the ports
 whose result actually differs. Re-applying an identical object marks nothing.
 
+A port's new resolution carries `delta`, how its endpoints differ from the previous
+one, when nothing else changed (`_with_delta`); large ports find it in O(change)
+(`incremental.PortIndex`), small ones by comparing the two.
+
 An endpoint "source" is one EndpointSlice, or one legacy Endpoints object (which
 decodes into several pseudo-slices): sources are replaced whole, and may move from one
 service to another when a slice's service-name label changes.
@@ -464,7 +468,14 @@ def _with_delta(new: ResolvedServicePort, previous: ResolvedServicePort | None,
                 res: PortResolution, index: PortIndex | None) -> ResolvedServicePort:
     """`previous` if `new` equals it; else `new`, with its endpoint delta from
     `previous` when only the endpoints differ and the delta is known exactly: from the
-    index when its last resolution became `previous`, by comparison for a small port."""
+    index when its last resolution became `previous`, by comparison for a small port.
+
+    No delta (data planes render the port whole) when anything else differs, the
+    topology's reason included: under a preference or trafficDistribution that names a
+    count ("3 ready endpoint(s) in zone a"), a ready endpoint coming or going in that
+    domain changes the reason, so such a port gets no delta for that change (the
+    model's own work stays O(change)). Nor when the index is new (first resolution, a
+    port grown past MEMO_MIN_ENDPOINTS, a protocol changed)."""
     if previous is None or not _only_endpoints_differ(new, previous):
         return new
     if index is not None:
