@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from ipaddress import ip_address
 from typing import Any
@@ -40,6 +40,8 @@ from proxy.dataplane.ipvs.diff import (
     Op,
     OpKind,
     believed_after,
+    believed_after_change,
+    diff_real_servers,
     diff_service,
     drained,
 )
@@ -57,7 +59,9 @@ from proxy.dataplane.ipvs.netfilter import (
 from proxy.dataplane.ipvs.render import (
     DUMMY_INTERFACE,
     SET_PREFIX,
+    PortChange,
     PortRules,
+    RealServerChange,
     RenderContext,
     RsKey,
     SetRole,
@@ -67,6 +71,7 @@ from proxy.dataplane.ipvs.render import (
     describe_entries,
     describe_vs,
     render_all,
+    render_change,
     render_port,
     set_name,
     usable_node_address,
@@ -77,7 +82,7 @@ from proxy.dataplane.xtables.restore_runner import (
     RunnerError,
 )
 from proxy.dataplane.xtables.saved import parse_save
-from proxy.model.snapshot import DesiredState
+from proxy.model.snapshot import DesiredState, ResolvedServicePort
 from proxy.model.types import Family, IPAddress, Protocol, ServicePortKey
 
 log = logging.getLogger(__name__)
@@ -89,6 +94,16 @@ DRIFT_LIMIT = 8  # differences described by one check, then how many more
 class _Drain:
     since: float
     owner: ServicePortKey | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """One virtual server's operations, what the kernel holds once they succeed, and the
+    real-server change they were diffed from (None: diffed whole)."""
+
+    ops: list[Op]
+    after: KernelService | None
+    change: RealServerChange | None = None
 
 
 @dataclass(slots=True)
@@ -505,8 +520,15 @@ class IpvsDataPlane:
         assert self._last is not None
         keys = state.changed_since(self._last)  # O(changes) when it follows (snapshot.py)
         delta = Delta()
+        # Real servers that changed, by virtual server and the port that changed them.
+        changed: dict[VsKey, tuple[ServicePortKey, RealServerChange]] = {}
         for key in keys:
             rsp = state.ports.get(key)
+            change = self._render_change(key, rsp, ctx)
+            if change is not None:
+                self._index.update_endpoints(key, change, delta)
+                changed.update((k, (key, c)) for k, c in change.real_servers.items())
+                continue
             new = render_port(rsp, ctx) if rsp is not None and key.family in self._families \
                 else None
             self._index.update(key, new, delta)
@@ -514,12 +536,23 @@ class IpvsDataPlane:
         self._ipset_restore(h, ipset_update(delta.entries_added, ()), run)
         new_drains = self._sync_servers(
             [(k, self._index.virtual_server(k), self._believed.get(k))
-             for k in sorted(delta.virtual_servers, key=VsKey.order)], h, run)
+             for k in sorted(delta.virtual_servers, key=VsKey.order)], h, run, changed)
         self._addresses(h, delta.addresses_added, delta.addresses_removed, run)
         self._ipset_restore(h, ipset_update((), delta.entries_removed), run)
         if new_drains:
             self._reap(new_drains, h, run)
         return delta
+
+    def _render_change(self, key: ServicePortKey, rsp: ResolvedServicePort | None,
+                       ctx: RenderContext) -> PortChange | None:
+        """The port rendered from its endpoint delta against the one applied last
+        (render.render_change, O(change)), when the model gives one and it fits."""
+        old = self._last.ports.get(key) if self._last is not None else None
+        rules = self._index.ports.get(key)
+        delta = rsp.endpoint_delta(old) if rsp is not None and old is not None else None
+        if delta is None or rules is None or old is None or rsp is None:
+            return None
+        return render_change(old, rsp, delta, ctx, rules)
 
     def _sync_servers(
         self,
@@ -527,19 +560,22 @@ class IpvsDataPlane:
                           KernelService | None]],
         h: _Handles,
         run: _Run,
+        changed: Mapping[VsKey, tuple[ServicePortKey, RealServerChange]] | None = None,
     ) -> set[VsKey]:
         """Apply each virtual server's difference (desired: (owner, server) or None), all
         operations in one batched exchange; returns those whose real servers started
-        draining."""
-        plans = [(vs_key, entry, current, diff_service(entry[1] if entry else None, current))
+        draining. `changed`: servers whose real servers alone changed, and how (diffed
+        in O(change) when the port that changed them still owns them)."""
+        plans = [(vs_key, entry, current, self._plan(vs_key, entry, current, changed or {}))
                  for vs_key, entry, current in items]
-        ops = [op for *_, vs_ops in plans for op in vs_ops]
-        owners = [entry[0] if entry else None for _k, entry, _c, vs_ops in plans
-                  for _ in vs_ops]
+        ops = [op for *_, plan in plans for op in plan.ops]
+        owners = [entry[0] if entry else None for _k, entry, _c, plan in plans
+                  for _ in plan.ops]
         results = iter(self._execute(h, ops, owners, run))
         now = self._clock()
         started: set[VsKey] = set()
-        for vs_key, entry, current, vs_ops in plans:
+        for vs_key, entry, current, plan in plans:
+            vs_ops, after = plan.ops, plan.after
             outcomes = [next(results) for _ in vs_ops]  # consume them all, not just to a False
             ok = all(outcomes)
             if entry is None:
@@ -549,23 +585,41 @@ class IpvsDataPlane:
                                       if k[0] != vs_key}
                 continue
             owner, desired = entry
-            after = believed_after(desired, current)
             assert after is not None
             if not ok:
                 # Unknown now; the next sync is full and reads the kernel back.
                 self._believed[vs_key] = current or after
                 continue
             self._believed[vs_key] = after
-            for rs in desired.real_servers:
+            # Only what changed can have stopped or started draining.
+            came = plan.change.added if plan.change else desired.real_servers
+            for rs in came:
                 self._draining.pop((vs_key, rs), None)
-            for rs, dest in after.dests.items():
-                if dest.weight == 0 and (vs_key, rs) not in self._draining:
+            went = plan.change.removed if plan.change else after.dests
+            for rs in went:
+                dest = after.dests.get(rs)
+                if dest is not None and dest.weight == 0 and (vs_key, rs) not in self._draining:
                     self._draining[(vs_key, rs)] = _Drain(now, owner)
                     started.add(vs_key)
                     log.info("real server %s of %s (%s) draining", rs, vs_key, owner, extra={
                         "service": str(owner), "virtual_server": str(vs_key),
                         "real_server": str(rs), "timeout": self.options.ipvs_drain_timeout})
         return started
+
+    @staticmethod
+    def _plan(vs_key: VsKey, entry: tuple[ServicePortKey, VirtualServer] | None,
+              current: KernelService | None,
+              changed: Mapping[VsKey, tuple[ServicePortKey, RealServerChange]]) -> _Plan:
+        """One server's operations and what the kernel holds once they succeed."""
+        desired = entry[1] if entry else None
+        change = changed.get(vs_key)
+        if entry is not None and desired is not None and current is not None \
+                and change is not None and change[0] == entry[0]:
+            ops = diff_real_servers(desired, current, change[1])
+            if ops is not None:
+                return _Plan(ops, believed_after_change(desired, current, change[1]),
+                             change[1])
+        return _Plan(diff_service(desired, current), believed_after(desired, current))
 
     def _execute(self, h: _Handles, ops: list[Op], owners: list[ServicePortKey | None],
                  run: _Run) -> list[bool]:

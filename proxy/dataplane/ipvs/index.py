@@ -18,7 +18,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from proxy.dataplane.ipvs.render import PortRules, SetEntry, VirtualServer, VsKey
+from proxy.dataplane.ipvs.render import PortChange, PortRules, SetEntry, VirtualServer, VsKey
 from proxy.model.types import IPAddress, ServicePortKey
 
 T = TypeVar("T", bound=Hashable)
@@ -77,6 +77,24 @@ class RenderIndex:
         _acquire(self._entries, new.entries, delta.entries_added, delta.entries_removed)
         _acquire(self._addresses, new.addresses, delta.addresses_added,
                  delta.addresses_removed)
+
+    def update_endpoints(self, key: ServicePortKey, change: PortChange, delta: Delta) -> None:
+        """`update(key, change.rules, delta)` for a port rendered from its endpoint delta
+        (render.render_change: the same virtual servers and addresses), in O(change):
+        only the servers whose real servers changed are touched, only the entries that
+        changed counted."""
+        new = change.rules
+        self.ports[key] = new
+        delta.written.add(key)
+        delta.removed.discard(key)
+        for vs in new.virtual_servers:
+            if vs.key in change.real_servers:
+                self._claims[vs.key][key] = vs
+                delta.virtual_servers.add(vs.key)
+        _release(self._entries, change.entries_removed, delta.entries_removed,
+                 delta.entries_added)
+        _acquire(self._entries, change.entries_added, delta.entries_added,
+                 delta.entries_removed)
 
     def virtual_server(self, vs_key: VsKey) -> tuple[ServicePortKey, VirtualServer] | None:
         """The winning claim on `vs_key`: (owner, virtual server), or None."""

@@ -32,14 +32,22 @@ from __future__ import annotations
 
 import enum
 import socket
+from bisect import bisect_left
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from ipaddress import IPv6Address
 from typing import NamedTuple
 
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.common.context import nodeport_selection
-from proxy.model.snapshot import DesiredState, MergedEndpoint, ResolvedServicePort
+from proxy.dataplane.common.deltas import only_endpoints_changed
+from proxy.model.snapshot import (
+    DesiredState,
+    EndpointDelta,
+    MergedEndpoint,
+    ResolvedServicePort,
+    SelectedEndpoint,
+)
 from proxy.model.types import (
     Family,
     IPAddress,
@@ -367,6 +375,111 @@ def render_all(state: DesiredState, ctx: RenderContext,
     return {key: render_port(rsp, ctx) for key, rsp in state.ports.items()
             if key.family in wanted}
 
+
+
+# --- one port's endpoint delta (O(change)) -------------------------------------------------
+
+# Real servers a delta may touch per virtual server before the port is rendered whole:
+# each one is a bisect and a memmove of the server's tuple.
+PATCH_LIMIT = 64
+
+
+@dataclass(frozen=True, slots=True)
+class RealServerChange:
+    """The real servers one virtual server loses and gains, each in RsKey.order."""
+
+    removed: tuple[RsKey, ...]
+    added: tuple[RsKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PortChange:
+    """A port rendered from its endpoint delta: its new PortRules (the same virtual
+    servers and addresses, real servers patched) and what changed in them."""
+
+    rules: PortRules
+    real_servers: Mapping[VsKey, RealServerChange]  # only the servers that changed
+    entries_removed: frozenset[SetEntry]
+    entries_added: frozenset[SetEntry]
+
+
+def render_change(old: ResolvedServicePort, new: ResolvedServicePort,
+                  delta: EndpointDelta, ctx: RenderContext, rules: PortRules
+                  ) -> PortChange | None:
+    """What `render_port(new, ctx)` is, given `rules` rendered from `old` and the delta
+    between them, in O(change); None when the port must be rendered whole: more than the
+    endpoints changed, a Local-policy server without local endpoints before or after
+    (its drop and inside-only flags hang on whether endpoints exist anywhere), a large
+    delta, or `rules` not matching the delta."""
+    if not only_endpoints_changed(old, new):
+        return None
+    by_set = {local: _net_change(delta, local) for local in (False, True)}
+    servers: list[VirtualServer] = []
+    changed: dict[VsKey, RealServerChange] = {}
+    for vs in rules.virtual_servers:
+        local = vs.endpoint_set == "local"
+        if vs.drop or vs.inside_only:
+            return None
+        change = by_set[local]
+        if not change.removed and not change.added:
+            servers.append(vs)
+            continue
+        reals = _patched(vs.real_servers, change)
+        if reals is None or (local and not reals):
+            return None
+        servers.append(replace(vs, real_servers=reals))
+        changed[vs.key] = change
+    gone, come = _loopback_change(new, delta, ctx)
+    entries = rules.entries - gone | come if gone or come else rules.entries
+    return PortChange(PortRules(rules.key, tuple(servers), rules.addresses, entries),
+                      changed, gone, come)
+
+
+def _net_change(delta: EndpointDelta, local: bool) -> RealServerChange:
+    """The real servers a virtual server drawing from the local (or cluster) set loses
+    and gains; an endpoint in both halves of the delta and in the set both times is
+    neither."""
+    def members(side: tuple[SelectedEndpoint, ...]) -> set[RsKey]:
+        return {RsKey(s.endpoint.address, s.endpoint.port) for s in side
+                if (s.in_local if local else s.in_cluster)}
+
+    removed, added = members(delta.removed), members(delta.added)
+    return RealServerChange(tuple(sorted(removed - added, key=RsKey.order)),
+                            tuple(sorted(added - removed, key=RsKey.order)))
+
+
+def _patched(reals: tuple[RsKey, ...], change: RealServerChange) -> tuple[RsKey, ...] | None:
+    """`reals` (sorted) without `change.removed` and with `change.added`, still sorted;
+    None if the change is too large to patch or does not fit `reals`."""
+    if len(change.removed) + len(change.added) > PATCH_LIMIT:
+        return None
+    out = list(reals)
+    for rs in change.removed:
+        i = bisect_left(out, rs.order(), key=RsKey.order)
+        if i == len(out) or out[i] != rs:
+            return None
+        del out[i]
+    for rs in change.added:
+        i = bisect_left(out, rs.order(), key=RsKey.order)
+        if i < len(out) and out[i] == rs:
+            return None
+        out.insert(i, rs)
+    return tuple(out)
+
+
+def _loopback_change(rsp: ResolvedServicePort, delta: EndpointDelta, ctx: RenderContext
+                     ) -> tuple[frozenset[SetEntry], frozenset[SetEntry]]:
+    """The hairpin entries (render_port's LOOPBACK) that go and come with the delta."""
+    family, proto = rsp.key.family, _proto(rsp.port.protocol)
+
+    def entries(side: tuple[SelectedEndpoint, ...]) -> set[SetEntry]:
+        return {SetEntry(SetRole.LOOPBACK, family,
+                         f"{s.endpoint.address},{proto}:{s.endpoint.port},{s.endpoint.address}")
+                for s in side
+                if (s.in_cluster or s.in_local) and s.endpoint.node_name == ctx.node_name}
+
+    before, after = entries(delta.removed), entries(delta.added)
+    return frozenset(before - after), frozenset(after - before)
 
 
 # --- readable lines (applied_rules, the debug dump) ------------------------------------
