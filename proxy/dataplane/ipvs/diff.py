@@ -174,9 +174,12 @@ def diff_real_servers(desired: VirtualServer, current: KernelService,
 
 def believed_after_change(desired: VirtualServer, current: KernelService,
                           change: RealServerChange) -> KernelService:
-    """`believed_after(desired, current)` when only `change`'s real servers differ: a
-    copy of the believed real servers (a dict copy, at C speed) with those edited."""
-    dests = dict(current.dests)
+    """`believed_after(desired, current)` when only `change`'s real servers differ:
+    `current`'s real servers edited in place (a copy was 1 ms at 50,000 of them; what
+    we believe before a sync is never needed after it: a failed sync is followed by a
+    full one, which reads the kernel back)."""
+    dests = current.dests
+    assert isinstance(dests, dict)
     for rs in change.removed:
         if graceful(desired.key.protocol) and rs in dests:
             dests[rs] = KernelDest(0)
