@@ -15,8 +15,9 @@ ready/serving (not ready, then ready again), taken through:
   a partial `sync` into a network namespace the bench creates (and removes, even on
   failure), split into render (render + diff + text, `details[family].render_seconds`)
   and apply (the kernel-facing step), with the lines written;
-- ipvs: render + diff only (pure: the virtual server's operations; the kernel step
-  needs the QEMU guest of docs/kernel-tests.md and is not run here).
+- ipvs: render + diff only (pure: the virtual server's operations, from the model's
+  endpoint delta as the plane does when it has one; the kernel step needs the QEMU
+  guest of docs/kernel-tests.md and is not run here).
 
 p50/p99 over --changes changes. Timings are reported, never asserted.
 """
@@ -205,21 +206,42 @@ def _kernel_step(name: str, model: ClusterModel, endpoints: int, count: int,
 
 def _ipvs_step(model: ClusterModel, endpoints: int, count: int,
                rows: dict[str, list[float]]) -> None:
-    from proxy.dataplane.ipvs.diff import believed_after, diff_service
-    from proxy.dataplane.ipvs.render import RenderContext, render_port
+    from proxy.dataplane.ipvs.diff import (
+        believed_after,
+        believed_after_change,
+        diff_real_servers,
+        diff_service,
+    )
+    from proxy.dataplane.ipvs.render import RenderContext, render_change, render_port
 
     ctx = RenderContext.build(DataplaneOptions(NODE, families=(Family.V4,)), ())
-    believed = {vs.key: believed_after(vs, None)
-                for vs in render_port(model.state.ports[KEY], ctx).virtual_servers}
+    applied = model.state.ports[KEY]
+    rules = render_port(applied, ctx)
+    believed = {vs.key: believed_after(vs, None) for vs in rules.virtual_servers}
     for _n, raw in changes(endpoints, count):
         gc.collect()
         decode, apply, state = model_step(model, raw)
         start = time.perf_counter()
-        rules = render_port(state.ports[KEY], ctx)
+        # As the plane does: from the model's endpoint delta when it has one.
+        rsp = state.ports[KEY]
+        delta = rsp.endpoint_delta(applied)
+        change = render_change(applied, rsp, delta, ctx, rules) if delta else None
+        rules = change.rules if change else render_port(rsp, ctx)
         ops = []
         for vs in rules.virtual_servers:
-            ops += diff_service(vs, believed.get(vs.key))
-            believed[vs.key] = believed_after(vs, believed.get(vs.key))
+            current = believed.get(vs.key)
+            moved = change.real_servers.get(vs.key) if change else None
+            if change and moved is None:
+                continue  # its real servers did not change
+            vs_ops = diff_real_servers(vs, current, moved) if moved and current else None
+            if vs_ops is None:
+                vs_ops = diff_service(vs, current)
+                believed[vs.key] = believed_after(vs, current)
+            else:
+                assert moved is not None and current is not None
+                believed[vs.key] = believed_after_change(vs, current, moved)
+            ops += vs_ops
+        applied = rsp
         rows["decode"].append(decode)
         rows["model"].append(apply)
         rows["render"].append(time.perf_counter() - start)
