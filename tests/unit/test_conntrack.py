@@ -3,13 +3,17 @@ proxy.dataplane.common.conntrack; the kernel part is exercised in tests/e2e)."""
 
 from __future__ import annotations
 
+import random
 from ipaddress import ip_address
 from typing import Any
+
+import pytest
 
 from proxy.dataplane.common.conntrack import StaleFlows, _matches, stale_flows
 from proxy.model.snapshot import ResolvedServicePort
 from proxy.model.types import Family, Protocol
 from tests.unit.builders import NODE, ep, eps_slice, node, resolve_one, service
+from tests.unit.test_nftables_delta import POOL, Pod, step, with_delta
 
 
 def udp(*eps: dict[str, Any], protocol: str = "UDP", node_port: bool = True,
@@ -84,3 +88,32 @@ def test_matching_uses_the_original_destination_and_the_reply_source() -> None:
     anywhere = StaleFlows("ns/svc:dns", Family.V4, Protocol.UDP, None, 30053)
     assert _matches(anywhere, ip_address("198.18.0.1"), 30053, pod, 5353)
     assert not _matches(anywhere, ip_address("198.18.0.1"), 30054, pod, 5353)
+
+
+
+UDP = ({"name": "http", "port": 80, "protocol": "UDP", "nodePort": 30080},)
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_stale_flows_from_an_endpoint_delta_are_those_from_comparing_every_endpoint(
+        local: bool) -> None:
+    def resolve(pods: dict[str, Pod]) -> ResolvedServicePort:
+        eps = [ep(a, node=NODE if p.local else "node-b", ready=p.ready)
+               for a, p in pods.items()]
+        spec = {"type": "NodePort", "externalTrafficPolicy": "Local" if local else "Cluster"}
+        return resolve_one(node(), service(ports=UDP, **spec),
+                           eps_slice("s1", eps, ports=({"name": "http", "port": 8080,
+                                                        "protocol": "UDP"},)))
+
+    rng = random.Random(28)
+    pods = {a: Pod(local=rng.random() < 0.5) for a in POOL[:30]}
+    old = resolve(pods)
+    found = 0
+    for n in range(40):
+        step(pods, rng, shrink=n % 10 < 5)
+        new = resolve(pods)
+        flows = stale_flows(old, new)
+        assert stale_flows(old, with_delta(old, new)) == flows, n
+        found += len(flows)
+        old = new
+    assert found

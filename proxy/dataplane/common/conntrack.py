@@ -27,9 +27,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from proxy.dataplane.common.ctnetlink import ConntrackSocket, CtEntry
+from proxy.dataplane.common.deltas import only_endpoints_changed
 from proxy.dataplane.common.naming import port_name
 from proxy.dataplane.common.netlink import NetlinkError
-from proxy.model.snapshot import ResolvedServicePort
+from proxy.model.snapshot import ResolvedServicePort, SelectedEndpoint
 from proxy.model.types import Family, IPAddress, Protocol, ServicePortKey
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,30 @@ def used_endpoints(rsp: ResolvedServicePort | None) -> set[tuple[IPAddress, int]
     """Endpoints that receive some traffic of this service port."""
     if rsp is None:
         return set()
-    return {(s.endpoint.address, s.endpoint.port) for s in rsp.endpoints
-            if (s.in_cluster and rsp.uses_cluster) or (s.in_local and rsp.uses_local)}
+    return {(s.endpoint.address, s.endpoint.port) for s in rsp.endpoints if _used(s, rsp)}
+
+
+def _used(s: SelectedEndpoint, rsp: ResolvedServicePort) -> bool:
+    return (s.in_cluster and rsp.uses_cluster) or (s.in_local and rsp.uses_local)
+
+
+def _any_used(rsp: ResolvedServicePort | None) -> bool:
+    return rsp is not None and any(_used(s, rsp) for s in rsp.endpoints)
+
+
+def _gone(old: ResolvedServicePort, new: ResolvedServicePort | None
+          ) -> set[tuple[IPAddress, int]]:
+    """Endpoints `old` used that `new` does not: from the model's endpoint delta when it
+    has one (O(change)), else by comparing every endpoint."""
+    same_protocol = new is not None and new.port.protocol is old.port.protocol
+    delta = new.endpoint_delta(old) if new is not None else None
+    if delta is not None and same_protocol and new is not None \
+            and only_endpoints_changed(old, new):
+        return ({(s.endpoint.address, s.endpoint.port) for s in delta.removed
+                 if _used(s, old)}
+                - {(s.endpoint.address, s.endpoint.port) for s in delta.added
+                   if _used(s, new)})
+    return used_endpoints(old) - (used_endpoints(new) if same_protocol else set())
 
 
 def _frontends(rsp: ResolvedServicePort) -> list[tuple[IPAddress | None, int]]:
@@ -75,14 +98,12 @@ def stale_flows(old: ResolvedServicePort | None,
     """What to clear when one service port goes from `old` to `new` (None: absent)."""
     out: list[StaleFlows] = []
     if old is not None and old.port.protocol in IPPROTO:
-        same_protocol = new is not None and new.port.protocol is old.port.protocol
-        gone = used_endpoints(old) - (used_endpoints(new) if same_protocol else set())
-        for address, port in sorted(gone, key=lambda e: (e[0].packed, e[1])):
+        for address, port in sorted(_gone(old, new), key=lambda e: (e[0].packed, e[1])):
             out += [StaleFlows(port_name(old.key), old.key.family, old.port.protocol, dst, dport,
                                address, port, "endpoint gone")
                     for dst, dport in _frontends(old)]
-    if new is not None and new.port.protocol is Protocol.UDP and used_endpoints(new):
-        had = old is not None and old.port.protocol is Protocol.UDP and bool(used_endpoints(old))
+    if new is not None and new.port.protocol is Protocol.UDP and _any_used(new):
+        had = old is not None and old.port.protocol is Protocol.UDP and _any_used(old)
         if not had:
             out += [StaleFlows(port_name(new.key), new.key.family, Protocol.UDP, dst, dport,
                                reason="first endpoint")
