@@ -302,10 +302,29 @@ def endpoint_changes(old: Sequence[SelectedEndpoint], new: Sequence[SelectedEndp
                      ) -> tuple[tuple[SelectedEndpoint, ...], tuple[SelectedEndpoint, ...]]:
     """(removed, added) from `old` to `new` by equality: for small ports, whose
     resolution keeps no index (O(len(old) + len(new)))."""
-    def by_key(endpoints: Sequence[SelectedEndpoint]) -> dict[object, SelectedEndpoint]:
-        return {(s.endpoint.address, s.endpoint.port): s for s in endpoints}
-
-    before, after = by_key(old), by_key(new)
+    if len(old) == len(new):
+        aligned = _changed_in_place(old, new)
+        if aligned is not None:
+            return aligned
+    before = {(s.endpoint.address, s.endpoint.port): s for s in old}
+    after = {(s.endpoint.address, s.endpoint.port): s for s in new}
     removed = tuple(s for k, s in before.items() if after.get(k) != s)
     added = tuple(s for k, s in after.items() if before.get(k) != s)
     return removed, added
+
+
+def _changed_in_place(old: Sequence[SelectedEndpoint], new: Sequence[SelectedEndpoint]
+                      ) -> tuple[tuple[SelectedEndpoint, ...], tuple[SelectedEndpoint, ...]] | None:
+    """The changes when the same endpoints are at the same places (conditions or
+    selection changed, as in most updates): a walk, no hashing. None when they are not."""
+    removed: list[SelectedEndpoint] = []
+    added: list[SelectedEndpoint] = []
+    for was, now in zip(old, new, strict=True):
+        if was == now:
+            continue
+        a, b = was.endpoint, now.endpoint
+        if a.port != b.port or a.address != b.address:
+            return None
+        removed.append(was)
+        added.append(now)
+    return tuple(removed), tuple(added)
