@@ -18,6 +18,9 @@ from ipaddress import ip_address
 import pytest
 
 from proxy.model import incremental, tracker
+from proxy.model.incremental import endpoint_changes
+from proxy.model.merge import merge_port
+from proxy.model.selection import NodeView, categorize
 from proxy.model.snapshot import DesiredState, ResolvedServicePort, SelectedEndpoint
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import (
@@ -295,3 +298,21 @@ def test_incremental_resolve_equals_a_fresh_model(seed: int, threshold: int, reb
             if old is new:
                 assert key not in state.changed
     assert deltas > 0  # not vacuous
+
+
+def test_a_small_ports_changes_are_exact_when_its_endpoints_shift() -> None:
+    """One endpoint gone at the front, one new at the back: the same length, every
+    place shifted; only those two are changes, not the ones that moved up."""
+    svc = Service("ns", "svc", ServiceType.CLUSTER_IP, (ip_address("198.18.0.1"),),
+                  (ServicePort("http", Protocol.TCP, 80),))
+
+    def endpoints(first: int) -> tuple[SelectedEndpoint, ...]:
+        sl = EndpointSlice("ns", "s", "svc", Family.V4, SLICE_PORTS[0],
+                           tuple(Endpoint(V4[i]) for i in range(first, first + 4)))
+        merged, _ = merge_port([sl], "http", Protocol.TCP, Family.V4)
+        return categorize(merged, svc, svc.ports[0], NodeView(NODE), Family.V4).endpoints
+
+    old, new = endpoints(0), endpoints(1)
+    removed, added = endpoint_changes(old, new)
+    assert removed == (old[0],) and added == (new[-1],)
+    assert endpoint_changes(old, old) == ((), ())

@@ -161,6 +161,10 @@ def test_a_large_service_resolves_as_a_fresh_model_would() -> None:
         new = {str(s.endpoint): s for s in state.ports[key].endpoints}
         untouched = "198.19.3.50:8080"
         assert new[untouched] is old[untouched]
+        # The delta names the one endpoint that flipped, and nothing else.
+        delta = state.ports[key].endpoint_delta(before.ports[key])
+        assert delta is not None and len(delta.removed) == len(delta.added) == 1, step
+        assert str(delta.removed[0].endpoint) == str(delta.added[0].endpoint)
         before = state
     # The service gone: its memo goes with it.
     model.delete_service("ns", "svc")
