@@ -15,9 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import ROOT, agent_pid, simulator, size_mib
-from bench.huge_service import (
-    pod_address,
-)
 from bench.rolling_update.api import Api
 from bench.rolling_update.kernel import KernelView, KernelWatch
 from bench.rolling_update.lab import (
@@ -34,6 +31,7 @@ from bench.rolling_update.workload import (
     FIRST_SYNC,
     MAX_ENDPOINTS,
     NODE,
+    PACINGS,
     POD_CIDR,
     READY,
     SLICES_PATH,
@@ -41,6 +39,7 @@ from bench.rolling_update.workload import (
     Roll,
     Settings,
     Write,
+    pod_address,
 )
 from proxy.lab import Lab
 from proxy.lab.poll import TimedOut, wait
@@ -154,6 +153,12 @@ def traffic_summary(outcomes: list[Outcome], rec: Record, origin: float,
             "start_slip_ms": ms_summary(starts)}
 
 
+def pacing_flags(settings: Settings) -> list[str]:
+    if settings.min_sync_period:
+        return ["--min-sync-period", settings.min_sync_period]
+    return list(PACINGS[settings.pacing])
+
+
 def run(settings: Settings, workdir: Path,
         progress: Callable[[str], None] = lambda _t: None) -> dict[str, Any]:
     """One roll in one mode; the figures and the behaviour (see the module's doc)."""
@@ -165,7 +170,8 @@ def run(settings: Settings, workdir: Path,
                            "traffic_rate": settings.traffic_rate,
                            "ready_delay_s": settings.ready_delay, "grace_s": settings.grace,
                            "teardown_s": settings.teardown,
-                           "min_sync_period": settings.min_sync_period or "1s (default)",
+                           "pacing": "custom" if settings.min_sync_period else settings.pacing,
+                           "agent_flags": " ".join(pacing_flags(settings)),
                            "slices_before": len(roll.slices)}
     (workdir / "cluster.json").write_text(json.dumps(manifest(roll)))
     (workdir / "kubeconfig").unlink(missing_ok=True)  # the simulator writes it when up
@@ -196,8 +202,7 @@ def _with_agent(lab: Lab, pods: str, api: Api, kubeconfig: Path, roll: Roll,
     argv = [sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
             "--hostname-override", NODE, "--proxy-mode", settings.mode,
             "--cluster-cidr", POD_CIDR, "-v", "2"]
-    if settings.min_sync_period:
-        argv += ["--min-sync-period", settings.min_sync_period]
+    argv += pacing_flags(settings)
     with log_path.open("wb") as log:
         proc = lab.popen(lab.node_ns, argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})

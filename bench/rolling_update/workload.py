@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv4Network, summarize_address_range
 from typing import Any
 
 from bench.common import ENDPOINTS_PER_SLICE
 from bench.huge_service import (
     NAMESPACE,
+    NODES,
     SERVICE,
-    endpoint_object,
+    ZONES,
     slice_object,
 )
 
@@ -18,8 +20,14 @@ MODES = ("nftables", "iptables")
 NODE = "node-a"
 TICK = 0.1
 POD_PORT, SERVICE_PORT = 8080, 80
-POD_CIDR = "198.19.0.0/16"  # pod i is huge_service.pod_address(i): 198.19.0.0 + i
-MAX_ENDPOINTS = 32_768  # old and new pods both in 198.19.0.0/16
+POD_CIDR = "198.19.0.0/16"  # the agent's --cluster-cidr; pods spill over (POD_NETS)
+# Pod p's address: 198.19.0.0 + p, then on from 198.18.4.0 up to 198.18.254.255, clear
+# of the lab (198.18.0-1.x), the pods' link (198.18.2.x) and the service (198.18.255.1):
+# 50,000 old and 50,000 new pods, all distinct.
+POD_NETS = (IPv4Network(POD_CIDR), *summarize_address_range(
+    IPv4Address("198.18.4.0"), IPv4Address("198.18.254.255")))
+_SPILL, _SPILL_SIZE = IPv4Address("198.18.4.0"), 251 * 256
+MAX_ENDPOINTS = (65_536 + _SPILL_SIZE) // 2  # old and new pods both
 PODS_LINK_NODE, PODS_LINK_POD = "198.18.2.1", "198.18.2.2"
 PODS_DEV = "eth0"  # the pods' end of the veth holds every pod address
 SLICES_PATH = f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
@@ -52,9 +60,23 @@ class Settings:
     connect_timeout: float = 1.0
     before: float = 1.0  # traffic before the roll
     after: float = 3.0  # and after the last address is removed
-    min_sync_period: str = ""  # the agent's --min-sync-period ("": its default, 1s)
+    pacing: str = "new"  # PACINGS
+    min_sync_period: str = ""  # an explicit --min-sync-period instead of `pacing`
     settle_timeout: float = 120.0  # last write -> kernel exact, at most
     start_timeout: float = 600.0
+
+
+def pod_address(p: int) -> str:
+    if p < 65_536:
+        return str(IPv4Address("198.19.0.0") + p)
+    if p < 65_536 + _SPILL_SIZE:
+        return str(_SPILL + (p - 65_536))
+    raise ValueError(f"at most {65_536 + _SPILL_SIZE} pods")
+
+
+# Issue 29's sync pacing: "old" is the fixed-rate runner set explicitly (upstream's 1 s),
+# "new" passes no pacing flag, so it measures the agent's default, whatever it is.
+PACINGS: dict[str, tuple[str, ...]] = {"old": ("--min-sync-period", "1s"), "new": ()}
 
 
 # --- the roll: what the API holds, tick by tick ----------------------------------------
@@ -202,9 +224,14 @@ class Roll:
             obj["metadata"]["resourceVersion"] = sl.rv
         eps = []
         for p, (ready, serving, terminating) in sl.endpoints.items():
-            ep = endpoint_object(p)
-            ep["conditions"] = {"ready": ready, "serving": serving, "terminating": terminating}
-            eps.append(ep)
+            eps.append({  # huge_service.endpoint_object's, with our wider addresses
+                "addresses": [pod_address(p)],
+                "conditions": {"ready": ready, "serving": serving,
+                               "terminating": terminating},
+                "nodeName": f"node-{p % NODES}", "zone": f"zone-{p % ZONES}",
+                "targetRef": {"kind": "Pod", "namespace": NAMESPACE,
+                              "name": f"{SERVICE}-{p:06d}",
+                              "uid": f"00000000-0000-4000-8000-{p:012d}"}})
         obj["endpoints"] = eps
         return obj
 
