@@ -51,7 +51,8 @@ A broken or hostile server cannot take more than bounded memory, nor wedge the l
 * a list response body over `max_list_bytes`, a paged list past `max_list_pages` pages
   or `max_list_items` objects, or one that repeats an object (pages that loop) is given
   up and retried with backoff; error bodies are read up to 64 KiB; every list request,
-  body included, ends within `request_timeout`;
+  body included, ends within `request_timeout` (not counting the time we spend decoding
+  its items as they arrive: at most `request_timeout` more);
 * resourceVersions going backwards on a watch stream (an event or bookmark older than
   the revision we resume from) end the stream and relist: a list is a consistent read,
   the one way back to the truth. client-go takes every event's resourceVersion as it
@@ -71,7 +72,7 @@ import asyncio
 import logging
 import random
 import re
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,7 +81,7 @@ import orjson
 from proxy.kube.client import Api, BodyTooLarge, Response, read_body
 from proxy.kube.identity import ObjectKey, decimal, meta_uid, meta_version, object_key, unkeyed_key
 from proxy.kube.identity import key as identify
-from proxy.kube.listsplit import Items
+from proxy.kube.listsplit import ItemStream, TooLarge
 from proxy.kube.resources import Resource
 from proxy.model.skips import shown
 
@@ -486,25 +487,75 @@ class Reflector:
                 query["continue"] = token  # no resourceVersion beside it: refused
             elif since:
                 query["resourceVersion"] = since
-            listing = Items(await self._get_body(query, opts.request_timeout))
             pages += 1
-            self._list_page(listing, seen, unkeyed, pages)
-            token = _continue_token(listing)
+            head = await self._list_page(query, seen, unkeyed, pages)
+            token = _continue_token(head)
             if token is None:
                 break
             if pages >= opts.max_list_pages:
                 raise _BadList(f"the list did not end after {pages} pages")
-        self._list_done(seen, unkeyed, meta_version(listing.head), since, pages)
+        self._list_done(seen, unkeyed, meta_version(head), since, pages)
 
-    def _list_page(self, listing: Items, seen: set[ObjectKey], unkeyed: _Tally,
-                   pages: int) -> None:
-        """Pass on what one page of a list added or changed; `seen` gathers the keys."""
-        body = listing.head
-        items, meta = body.get("items"), body.get("metadata")
-        if not isinstance(items, list | None) or not isinstance(meta, dict | None):
-            raise _BadList("a list whose items or metadata have the wrong type")
-        # One item parsed, decoded and dropped at a time (listsplit.py).
-        for item in listing:
+    async def _list_page(self, query: dict[str, str], seen: set[ObjectKey], unkeyed: _Tally,
+                         page: int) -> dict[str, Any]:
+        """Ask for one page of a list and pass on what it added or changed as its items
+        arrive (listsplit.py: each parsed, decoded and dropped as soon as its end has
+        arrived, while the server is still writing the rest); `seen` gathers the keys.
+        The list's head (its metadata) is returned once the body has all arrived.
+
+        The whole answer must come within request_timeout, as any request's: the time
+        we spend on its items meanwhile does not count (up to request_timeout of it;
+        past that, the rest of the body is read first and its items taken after)."""
+        opts = self.options
+        listing = ItemStream(opts.max_list_bytes)
+        loop = asyncio.get_running_loop()
+        checked = False
+
+        def take() -> None:
+            nonlocal checked
+            if not checked and listing.head is not None:
+                _check_head(listing.head)
+                checked = True
+            self._pass_on(listing.take(), seen, unkeyed, page)
+
+        timer = asyncio.timeout(opts.request_timeout)
+        overlapped = 0.0
+        try:
+            async with timer:
+                # The client's own limit: later than ours can be with the time we spend.
+                resp = await self.api.get(self.resource.path, query,
+                                          2 * opts.request_timeout + 5)
+                try:
+                    await _check_status(resp)
+                    while chunk := await resp.readany():
+                        try:
+                            listing.feed(chunk)
+                        except TooLarge:
+                            raise _BadList("a list response over "
+                                           f"{opts.max_list_bytes} bytes") from None
+                        if overlapped < opts.request_timeout:
+                            began = loop.time()
+                            take()
+                            spent = loop.time() - began
+                            overlapped += spent
+                            when = timer.when()
+                            if when is not None:
+                                timer.reschedule(when + spent)
+                    listing.close()
+                finally:
+                    resp.close()
+        except TimeoutError:
+            if not timer.expired():
+                raise
+            raise TimeoutError(f"no whole answer within {opts.request_timeout:g}s") from None
+        take()
+        assert listing.head is not None  # close() parsed whatever was not cut
+        return listing.head
+
+    def _pass_on(self, items: Iterator[Any], seen: set[ObjectKey], unkeyed: _Tally,
+                 page: int) -> None:
+        """Pass on what these items of a list added or changed."""
+        for item in items:
             if not isinstance(item, dict):
                 # Not an object: nothing to decode, no kind to record it under.
                 # Counted (stats, the dump's watch section) and logged below.
@@ -521,7 +572,7 @@ class Reflector:
             # A list is one consistent snapshot: an object twice means pages that
             # overlap or loop (and a list that would never end).
             elif key in seen:
-                raise _BadList(f"the list repeated {key[0]}/{key[1]} (page {pages})")
+                raise _BadList(f"the list repeated {key[0]}/{key[1]} (page {page})")
             seen.add(key)
             if len(seen) > self.options.max_list_items:
                 raise _BadList(f"the list passed {self.options.max_list_items} objects")
@@ -578,13 +629,7 @@ class Reflector:
             async with timer:
                 resp = await self.api.get(self.resource.path, query, timeout + 5)
                 try:
-                    if resp.status == 410:
-                        # An expired continue token: the snapshot is gone; list again.
-                        raise _Gone()
-                    if resp.status != 200:
-                        data = await read_body(resp, ERROR_BODY_BYTES, truncate=True)
-                        raise _HttpError(resp.status, _status_message(data),
-                                         _retry_after(resp.headers))
+                    await _check_status(resp)
                     try:
                         data = await read_body(resp, self.options.max_list_bytes)
                     except BodyTooLarge:
@@ -791,11 +836,27 @@ class _Tally:
         self.first = self.first or why
 
 
-def _continue_token(listing: Items) -> str | None:
+async def _check_status(resp: Response) -> None:
+    """Raise for a list answer that is not 200."""
+    if resp.status == 410:
+        # An expired continue token: the snapshot is gone; list again.
+        raise _Gone()
+    if resp.status != 200:
+        data = await read_body(resp, ERROR_BODY_BYTES, truncate=True)
+        raise _HttpError(resp.status, _status_message(data), _retry_after(resp.headers))
+
+
+def _check_head(head: dict[str, Any]) -> None:
+    items, meta = head.get("items"), head.get("metadata")
+    if not isinstance(items, list | None) or not isinstance(meta, dict | None):
+        raise _BadList("a list whose items or metadata have the wrong type")
+
+
+def _continue_token(head: dict[str, Any]) -> str | None:
     """The token for a list's next page; None after the last."""
     # Read from the head after the items: had they not been cut cleanly, the head is the
-    # whole body's now (listsplit.Items).
-    meta = listing.head.get("metadata")
+    # whole body's now (listsplit.ItemStream).
+    meta = head.get("metadata")
     if not isinstance(meta, dict | None):
         raise _BadList("a list whose metadata has the wrong type")
     token = (meta or {}).get("continue") or None

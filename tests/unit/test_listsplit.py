@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.kube.listsplit import ITEM_START, Items, NotAnObject
+from proxy.kube.listsplit import ITEM_START, Items, ItemStream, NotAnObject, TooLarge
 
 TRICKY = ',{"metadata":{"name":"'
 json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-5, 5),
@@ -101,3 +101,59 @@ def test_a_body_that_is_no_object_is_refused() -> None:
         Items(b"[1, 2]")
     with pytest.raises(orjson.JSONDecodeError):
         Items(b'{"kind":"List","items":[{"metadata":{"name":"a"}}]')
+
+
+def _streamed(data: bytes, sizes: list[int]) -> tuple[list[Any], ItemStream]:
+    """Fed in chunks of these sizes (then the rest), taking items after each."""
+    stream, got, at = ItemStream(), [], 0
+    for size in sizes:
+        stream.feed(data[at:at + size])
+        at += size
+        got += stream.take()
+    stream.feed(data[at:])
+    got += stream.take()
+    stream.close()
+    got += stream.take()
+    return got, stream
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(item, max_size=6), st.lists(st.integers(0, 40), max_size=30),
+       st.sampled_from([b"", b"\n", b"x", b"]", b"}"]))
+def test_items_fed_in_any_chunks_equal_the_whole_parse(
+        items: list[Any], sizes: list[int], tail: bytes) -> None:
+    data = orjson.dumps(_list(items)) + tail
+    try:
+        whole = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        with pytest.raises(orjson.JSONDecodeError):
+            _streamed(data, sizes)
+        return
+    got, stream = _streamed(data, sizes)
+    assert got == whole["items"]
+    assert stream.head == {k: v for k, v in whole.items() if k != "items"}
+
+
+def test_an_item_is_given_as_soon_as_the_next_ones_start_has_arrived() -> None:
+    items = [{"metadata": {"name": f"s-{i}"}, "spec": {"a": [i]}} for i in range(3)]
+    data = orjson.dumps(_list(items))
+    second = data.index(b',{"metadata":{"name":"s-1"')
+    stream = ItemStream()
+    stream.feed(data[:second])
+    assert list(stream.take()) == []  # its end not seen yet
+    assert stream.head == {k: v for k, v in _list([]).items() if k != "items"}
+    stream.feed(data[second:second + len(ITEM_START)])
+    assert list(stream.take()) == []  # the separator is not whole yet
+    stream.feed(data[second + len(ITEM_START):second + len(ITEM_START) + 1])
+    assert list(stream.take()) == items[:1]
+    stream.feed(data[second + len(ITEM_START) + 1:])
+    assert list(stream.take()) == items[1:2]  # the last one's end is the body's
+    stream.close()
+    assert list(stream.take()) == items[2:] and stream.pieces == 3
+
+
+def test_a_stream_over_its_limit_is_refused() -> None:
+    stream = ItemStream(limit=10)
+    stream.feed(b"x" * 10)
+    with pytest.raises(TooLarge):
+        stream.feed(b"y")
