@@ -18,8 +18,16 @@ Scenarios:
   agent-start    bench.agent_start: the agent alone on the simulator (RSS over time)
   huge-service   bench.huge_service: one service, 10,000 endpoints in 100 slices
   fleet          bench.reflector_fleet: N agents' watch layers on one real API server
-  rolling-update bench.rolling_update: every endpoint of a service replaced at 100/s with
-                 traffic flowing (both modes): failed connections, API -> kernel lag
+  rolling-update bench.rolling_update: every endpoint of a service replaced at 100 and
+                 1,000 a second with traffic flowing, 1,000 / 10,000 / 50,000
+                 endpoints: failed connections, API -> kernel lag, CPU, RSS
+  churn          bench.churn: 10,000 services, random endpoint changes at 10 / 100 /
+                 1,000 writes a second, isolated changes (also at 1,000 services), a
+                 burst of 1,000 new services: API -> kernel lag, CPU (1-s windows), RSS
+
+Issue 29's pacing: rolling-update, churn and cold-start run sliceproxy twice, "old"
+(`--min-sync-period 1s` passed explicitly) beside "new" (no pacing flag: the agent's
+default), on the same machine in the same run.
 """
 
 from __future__ import annotations
@@ -69,13 +77,15 @@ SCENARIOS = (
                                                    "2", "--changes", "4")),),
                  "full": (Run("1,000 services x 10", ("--services", "1000",
                                                       "--pods-per-service", "10",
-                                                      "--changes", "20")),
+                                                      "--changes", "20",
+                                                      "--pacing", "old", "new")),
                           # kube-proxy on nf_tables takes seconds per change already at
                           # 1,000 services: at 10,000 it is left out.
                           Run("10,000 services x 10", (
                               "--services", "10000", "--pods-per-service", "10",
                               "--changes", "20", "--setup-deadline", "2400",
-                              "--proxies", "sliceproxy-nftables", "sliceproxy")))}),
+                              "--proxies", "sliceproxy-nftables", "sliceproxy",
+                              "--pacing", "old", "new")))}),
     Scenario("agent-start", "bench.agent_start", "The agent's cold start on the simulator", {
         "small": (Run("200 services x 5", ("--services", "200", "--endpoints", "5",
                                           "--runs", "2", "--idle", "1")),),
@@ -93,9 +103,25 @@ SCENARIOS = (
         "small": (Run("small", ("--server", "real", "--size", "small")),),
         "full": (Run("100, 500, 1,000 agents", ("--server", "real", "--size", "full")),)}),
     Scenario("rolling-update", "bench.rolling_update", "A rolling update with traffic", {
-        "small": (Run("300 endpoints", ("--endpoints", "300")),),
-        "full": (Run("1,000 endpoints", ("--endpoints", "1000")),
-                 Run("10,000 endpoints", ("--endpoints", "10000")))}),
+        "small": (Run("300 endpoints", ("--endpoints", "300", "--rate", "100", "1000",
+                                        "--mode", "nftables")),),
+        "full": (Run("1,000 endpoints", ("--endpoints", "1000", "--rate", "100", "1000")),
+                 Run("10,000 endpoints", ("--endpoints", "10000", "--rate", "100", "1000",
+                                          "--mode", "nftables")),
+                 Run("50,000 endpoints at 100/s", ("--endpoints", "50000", "--rate", "100",
+                                                   "--mode", "nftables")),
+                 # Half the connections: the bench's own client threads would otherwise
+                 # take a core of the two from the agent while it replaces 1,000 a second.
+                 Run("50,000 endpoints at 1,000/s", ("--endpoints", "50000", "--rate",
+                                                     "1000", "--mode", "nftables",
+                                                     "--traffic-rate", "100")))}),
+    Scenario("churn", "bench.churn", "Churn over many services, isolated changes, a burst", {
+        "small": (Run("300 services x 3", ("--services", "300", "--rates", "10", "100",
+                                           "--duration", "3", "--isolated", "5",
+                                           "--burst", "50")),),
+        "full": (Run("10,000 services x 3", ("--services", "10000")),
+                 Run("1,000 services x 3, isolated changes", (
+                     "--services", "1000", "--phases", "isolated")))}),
 )
 
 
@@ -168,12 +194,16 @@ def plot(scenario: str, runs: list[dict[str, Any]], path: Path) -> bool:
     ok = [r for r in runs if "result" in r]
     if not ok:
         return False
+    if scenario in SUMMARY_PLOTS:  # one figure across the runs: lag against size / rate
+        fig, axes = plt.subplots(1, 3, figsize=(18, 4.5), squeeze=False)
+        drawn = SUMMARY_PLOTS[scenario](list(axes[0]), ok)
+        return _save(plt, fig, path, drawn)
     fig, axes = plt.subplots(1, len(ok), figsize=(6 * len(ok), 4), squeeze=False)
     drawn = False
     for ax, run in zip(axes[0], ok, strict=True):
         res = run["result"]
         if scenario == "cold-start":
-            for proxy in res["settings"]["proxies"]:
+            for proxy in res["proxies"]:  # its sides: "NAME/PACING" with --pacing
                 values = [c[proxy]["seconds"] * 1000 for c in res["changes"]
                           if c.get(proxy) and c[proxy].get("seconds") is not None]
                 _ecdf(ax, values, proxy)
@@ -197,25 +227,100 @@ def plot(scenario: str, runs: list[dict[str, Any]], path: Path) -> bool:
             ax.set_xlabel("one endpoint not ready / ready -> kernel (ms, log)")
         elif scenario == "fleet":
             drawn |= _fleet_plot(ax, res)
-        elif scenario == "rolling-update":
-            for row in res:
-                values = row["lag"]["samples_ms"]
-                _ecdf(ax, values, row["mode"])
-                drawn |= bool(values)
-            ax.set_xscale("log")
-            ax.set_xlabel("slice write -> its effect in the kernel, during the roll (ms, log)")
         ax.set_title(run["label"])
         if scenario not in {"agent-start", "fleet"}:
             ax.set_ylabel("fraction of changes")
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
+    return _save(plt, fig, path, drawn)
+
+
+def _save(plt: Any, fig: Any, path: Path, drawn: bool) -> bool:
     if drawn:
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.tight_layout()
         fig.savefig(path, dpi=90)
     plt.close(fig)
     return drawn
+
+
+PACING_STYLE = {"old": "--", "new": "-"}
+
+
+def _rolling_plot(axes: list[Any], runs: list[dict[str, Any]]) -> bool:
+    """Lag p99, p50 and agent CPU against the service's size, a line per mode, rate and
+    pacing (old dashed, new solid)."""
+    lines: dict[tuple[str, float, str], list[tuple[int, dict[str, Any]]]] = {}
+    for run in runs:
+        for row in run["result"]:
+            key = (row["mode"], row["rate"], str(row.get("pacing", "old")))
+            lines.setdefault(key, []).append((row["endpoints"], row))
+    for (mode, rate, pacing), points in sorted(lines.items()):
+        points.sort(key=lambda p: p[0])
+        xs = [n for n, _ in points]
+        label = f"{mode} {rate:g}/s, {pacing}"
+        style = PACING_STYLE.get(pacing, ":")
+        for ax, ys in zip(axes, (
+                [r["lag"]["during"].get("p99") for _, r in points],
+                [r["lag"]["during"].get("p50") for _, r in points],
+                [r["agent"]["cpu_percent"] for _, r in points]), strict=True):
+            ax.plot(xs, ys, style, marker="o", label=label)
+    for ax, what in zip(axes, ("lag p99 (ms, log)", "lag p50 (ms, log)",
+                               "agent CPU, % of one core, over the roll"), strict=True):
+        ax.set_xscale("log")
+        ax.set_xlabel("endpoints in the service (log)")
+        ax.set_ylabel(what)
+        if "log" in what:
+            ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_title("slice write -> kernel, during the roll (old dashed, new solid)")
+    axes[2].axhline(20, color="grey", linestyle=":", label="20% (the default budget)")
+    axes[2].legend(fontsize=7)
+    return bool(lines)
+
+
+def _churn_plot(axes: list[Any], runs: list[dict[str, Any]]) -> bool:
+    """Random churn's lag against the write rate; isolated changes' lag (ECDF); the
+    burst's CPU in 1-s windows; old pacing dashed, new solid."""
+    drawn = False
+    for run in runs:
+        res = run["result"]
+        size = f"{res['services']:,} svc"
+        for r in res["runs"]:
+            style = PACING_STYLE.get(r["pacing"], ":")
+            random_ = [p for p in r["phases"] if p["phase"] == "random"]
+            if random_:
+                rates = [p["rate"] for p in random_]
+                for q, marker in (("p99", "o"), ("p50", "s")):
+                    axes[0].plot(rates, [p["lag"].get(q) for p in random_], style,
+                                 marker=marker, label=f"{size}, {r['pacing']}, {q}")
+                drawn = True
+            for p in r["phases"]:
+                if p["phase"] == "isolated":
+                    _ecdf(axes[1], p["lag"]["samples_ms"], f"{size}, {r['pacing']}")
+                    drawn |= bool(p["lag"]["samples_ms"])
+                elif p["phase"] == "burst" and p["cpu_1s"]:
+                    axes[2].plot([t for t, _ in p["cpu_1s"]], [c for _, c in p["cpu_1s"]],
+                                 style, marker=".", label=f"{size}, {r['pacing']}: "
+                                 f"{p['changes']:,} services")
+                    drawn = True
+    axes[0].set(xscale="log", yscale="log", xlabel="random endpoint writes a second (log)",
+                ylabel="slice write -> kernel (ms, log)", title="random churn")
+    axes[1].set(xscale="log", xlabel="slice write -> kernel (ms, log)",
+                ylabel="fraction of changes", title="isolated changes")
+    axes[2].axhline(20, color="grey", linestyle=":", label="20% (the default budget)")
+    axes[2].set(xlabel="seconds since the burst's first write",
+                ylabel="agent CPU, % of one core, 1-s windows", title="a burst of new services")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    return drawn
+
+
+SUMMARY_PLOTS: dict[str, Callable[[list[Any], list[dict[str, Any]]], bool]] = {
+    "rolling-update": _rolling_plot, "churn": _churn_plot}
 
 
 def _fleet_plot(ax: Any, res: dict[str, Any]) -> bool:
