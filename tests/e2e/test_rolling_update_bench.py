@@ -6,12 +6,14 @@ endpoints); the bench's timings are reported, never asserted here."""
 from __future__ import annotations
 
 import os
+from ipaddress import ip_address, ip_network
 from pathlib import Path
 
 import pytest
 
 from bench.common import ENDPOINTS_PER_SLICE
 from bench.rolling_update import READY, TERMINATING, Roll, Settings, markdown, run
+from bench.rolling_update.workload import POD_NETS, pod_address
 from proxy.lab.netns import NETNS_DIR
 
 pytestmark = pytest.mark.root
@@ -40,6 +42,14 @@ def test_the_roll_replaces_every_pod_as_a_deployment_does() -> None:
     assert sorted(made_terminating) == list(range(250))
 
 
+def test_50000_old_and_50000_new_pods_have_distinct_bench_addresses() -> None:
+    addresses = {pod_address(p) for p in range(100_000)}
+    assert len(addresses) == 100_000
+    assert all(any(ip_address(a) in net for net in POD_NETS) for a in addresses)
+    lab_and_service = ip_network("198.18.0.0/22"), ip_network("198.18.255.0/24")
+    assert not any(ip_address(a) in net for a in addresses for net in lab_and_service)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["nftables", "iptables"])
 def test_rolling_update_small(mode: str, tmp_path: Path) -> None:
@@ -61,4 +71,5 @@ def test_rolling_update_small(mode: str, tmp_path: Path) -> None:
                                           result["kernel_new_missing"])
     assert result["lag"]["never_seen"] == 0 and result["lag"]["flaps"] == 0
     assert not result["agent"]["errors"]
-    assert mode in markdown([result])
+    assert result["pacing"] == "new" and result["agent_flags"] == ""  # the agent's default
+    assert f"| {mode} | new | 200 |" in markdown([result])

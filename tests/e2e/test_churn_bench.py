@@ -1,0 +1,100 @@
+"""The churn benchmark (bench/churn/), small: the real agent on the simulator, old pacing
+and new, isolated changes, random churn at two rates and a burst of new services. Only
+behaviour and the result's shape are asserted (every change reached the kernel, the
+figures are there and sane); its timings are reported, never asserted here."""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import __main__ as bench_main
+from bench.churn import Settings, markdown, run
+from bench.churn.kernel import NFNL_SUBSYS_NFTABLES, NFT_MSG_NEWRULE, NLMSG_HDR, AddressWatch
+from bench.churn.measure import Phase
+from bench.churn.workload import AddressPool
+from proxy.lab.netns import NETNS_DIR
+
+NFT_MSG_DELRULE = 8
+
+
+def _message(kind: int, payload: bytes) -> bytes:
+    body = b"\x02\x00\x00\x00" + payload  # nfgenmsg, then what the attributes would hold
+    length = NLMSG_HDR.size + len(body)
+    return NLMSG_HDR.pack(length, NFNL_SUBSYS_NFTABLES << 8 | kind, 0, 0, 0) + body + \
+        b"\0" * (-length % 4)
+
+
+def _watch() -> AddressWatch:
+    """The watch's parsing and records, without its socket (no namespace needed)."""
+    watch = object.__new__(AddressWatch)
+    watch.wanted, watch.seen, watch.lost, watch.messages = {}, {}, 0, 0
+    return watch
+
+
+def test_a_write_is_seen_by_the_rule_that_adds_its_address_and_folded_writes_count() -> None:
+    watch = _watch()
+    phase = Phase("random", watch, 0)
+    addresses = [AddressPool.packed(k) for k in (5, 70_000, 9)]
+    for i, (packed, svc) in enumerate(zip(addresses, ("a", "a", "b"), strict=True)):
+        write = phase.new_id(packed)
+        phase.groups.append([write])
+        phase.slice_of[write] = svc
+        phase.sent[write] = 10.0 + i
+    assert AddressPool.address(70_000) == "198.18.21.112"  # past 198.19.0.0/16
+    # A deleted rule carries old addresses: not a sign of anything added.
+    watch._feed(_message(NFT_MSG_DELRULE, b"\x00\x08" + addresses[2]))
+    assert not watch.seen and not phase.all_seen()
+    # One transaction: write 1's rule (the later write of slice "a", so write 0 is
+    # folded into it) and write 2's, in one datagram.
+    watch._feed(_message(NFT_MSG_NEWRULE, b"\x08\x00\x01\x00" + addresses[1])
+                + _message(NFT_MSG_NEWRULE, struct.pack("!I", 7) + addresses[2]))
+    assert set(watch.seen) == {1, 2} and phase.all_seen()
+    first, second, third = phase.lags()
+    assert first is not None and second is not None and third is not None
+    assert first == pytest.approx(second + 1.0)  # sent a second earlier, in with it
+    assert phase.superseded() == 1
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_churn_small(tmp_path: Path) -> None:
+    def ours() -> set[str]:
+        return {n for n in os.listdir(NETNS_DIR) if n.startswith(f"spx-{os.getpid()}-")}
+
+    before = ours()
+    settings = Settings(services=100, endpoints=3, isolated=3, spacing=0.2,
+                        rates=(10.0, 50.0), duration=2.0, burst=20, gap=0.5)
+    try:
+        result = run(settings, tmp_path)
+    finally:
+        assert ours() == before, "the bench left namespaces behind"
+    assert [r["pacing"] for r in result["runs"]] == ["old", "new"]
+    assert result["runs"][0]["agent_flags"] == "--min-sync-period 1s"
+    assert result["runs"][1]["agent_flags"] == ""
+    for r in result["runs"]:
+        assert not r["errors"] and r["watch"]["lost"] == 0
+        assert r["start_s"] > 0 and r["peak_rss_mib"] > 0
+        phases: list[dict[str, Any]] = r["phases"]
+        assert [(p["phase"], p["rate"]) for p in phases] == [
+            ("isolated", None), ("random", 10.0), ("random", 50.0), ("burst", None)]
+        assert [p["changes"] for p in phases] == [3, 20, 100, 20]
+        for p in phases:
+            # Every change reached the kernel, by its own address or a later write's.
+            assert p["never_seen"] == 0, (r["pacing"], p["phase"], p["rate"])
+            assert p["lag"]["n"] == p["changes"] and len(p["lag"]["samples_ms"]) == p["changes"]
+            assert 0 < p["lag"]["p50"] <= p["lag"]["p99"] <= p["lag"]["max"]
+            assert p["cpu_percent"] is not None and p["cpu_percent"] >= 0
+            assert p["cpu_max_1s_percent"] is not None and p["cpu_max_1s_percent"] >= 0
+            assert p["peak_rss_mib"] > 0 and p["syncs"] >= 1
+        burst = phases[-1]
+        assert burst["all_in_s"] >= burst["last_write_to_all_in_s"] >= 0 and burst["cpu_1s"]
+    text = markdown(result)
+    assert "| 100 x 3 | burst (20 services) | new |" in text and "random 50/s" in text
+    png = tmp_path / "churn.png"
+    assert bench_main.plot("churn", [{"label": "small", "result": result}], png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
