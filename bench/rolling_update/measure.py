@@ -16,7 +16,7 @@ from typing import Any
 
 from bench.common import ROOT, agent_pid, simulator, size_mib
 from bench.rolling_update.api import Api
-from bench.rolling_update.kernel import KernelView, KernelWatch
+from bench.rolling_update.kernel import KernelView, KernelWatch, SlotMapWatch
 from bench.rolling_update.lab import (
     add_pods,
     agent_cpu,
@@ -238,7 +238,8 @@ def _with_agent(lab: Lab, pods: str, api: Api, kubeconfig: Path, roll: Roll,
              interval=0.05)
     except TimedOut:
         raise RuntimeError("the service's chain never appeared") from None
-    watch = KernelWatch(view)
+    where = view.slot_map()
+    watch = SlotMapWatch(view, *where) if where else KernelWatch(view)
     watch.start()
     try:
         old = frozenset(pod_address(p) for p in range(n))
@@ -313,6 +314,8 @@ def _roll(lab: Lab, pods: str, api: Api, roll: Roll, settings: Settings, watch: 
             for t, eps in watch.timeline],
         "kernel_reads": {"n": watch.reads, "seconds": round(watch.read_seconds, 2),
                          "commits_heard": watch.commits,
-                         "dated_by": "nf_tables commit" if watch.view.commit_tables()
-                         else "poll"},
+                         "announcements_lost": getattr(watch, "lost", 0),
+                         "dated_by": "slot map announcements"
+                         if isinstance(watch, SlotMapWatch) else "nf_tables commit"
+                         if watch.view.commit_tables() else "poll"},
     }
