@@ -45,7 +45,11 @@ longer). The kernel is read (the service's chain: `nft list chain`, or `iptables
 -S`) each time nf_tables announces a transaction on the agent's tables (heard on netlink
 in the node's namespace, as bench/realcp_latency/ does), and a change is dated by the
 announcement that preceded the read that first showed it; on legacy iptables (no
-announcements) the chain is polled every 100 ms and dated by the read. Writes that change
+announcements) the chain is polled every 100 ms and dated by the read. In nftables mode
+a service of 128 endpoints or more balances through a slot map: that map is read once,
+then followed from nf_tables' announcements of its elements added and deleted, the
+endpoints recorded at the end of each transaction and dated when it is heard (listing
+the map takes ~90 ms at 10,000 endpoints and 2.7 s at 50,000). Writes that change
 nothing the kernel holds (a pod appearing not ready, a terminating pod deleted) have no
 lag. Reported: p50/p99/max over every write of the roll and over its last 10%
 ("end"), and the convergence: from the last write that changes what the kernel should
