@@ -6,6 +6,7 @@ endpoints); the bench's timings are reported, never asserted here."""
 from __future__ import annotations
 
 import os
+import struct
 from ipaddress import ip_address, ip_network
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 
 from bench.common import ENDPOINTS_PER_SLICE
 from bench.rolling_update import READY, TERMINATING, Roll, Settings, markdown, run
+from bench.rolling_update.kernel import KernelView, SlotMapWatch
 from bench.rolling_update.workload import POD_NETS, pod_address
 from proxy.lab.netns import NETNS_DIR
 
@@ -73,3 +75,36 @@ def test_rolling_update_small(mode: str, tmp_path: Path) -> None:
     assert not result["agent"]["errors"]
     assert result["pacing"] == "new" and result["agent_flags"] == ""  # the agent's default
     assert f"| {mode} | new | 200 |" in markdown([result])
+
+
+def _nla(kind: int, payload: bytes) -> bytes:
+    return struct.pack("=HH", 4 + len(payload), kind) + payload + b"\0" * (-len(payload) % 4)
+
+
+def _elements(kind: int, table: str, slot_map: str, elements: dict[int, str | None]) -> bytes:
+    """One NEWSETELEM or DELSETELEM message as nf_tables announces it."""
+    items = b"".join(_nla(1, _nla(1, _nla(1, struct.pack("=I", slot)))  # key: the slot
+                          + (_nla(2, _nla(1, ip_address(a).packed + b"\x1f\x90\0\0"))
+                             if a else b""))
+                     for slot, a in elements.items())
+    body = (b"\x02\x00\x00\x00" + _nla(1, table.encode() + b"\0")
+            + _nla(2, slot_map.encode() + b"\0") + _nla(3 | 0x8000, items))
+    return struct.pack("=IHHII", 16 + len(body), 10 << 8 | kind, 0, 0, 0) + body
+
+
+def _newgen() -> bytes:
+    return struct.pack("=IHHII", 20, 10 << 8 | 15, 0, 0, 0) + b"\x02\x00\x00\x00"
+
+
+def test_a_slot_map_is_followed_from_the_announcements_of_its_elements() -> None:
+    watch = SlotMapWatch(KernelView("unused", "nftables"), "sliceproxy-3", "slots-svc-x")
+    watch._slots = {struct.pack("=I", 0): "198.19.0.1", struct.pack("=I", 1): "198.19.0.2"}
+    # One transaction: slot 1 moves to a new pod; another map's element is not ours.
+    watch._feed(_elements(14, "sliceproxy-3", "slots-svc-x", {1: "198.19.0.2"})
+                + _elements(12, "sliceproxy-3", "slots-svc-x", {1: "198.19.0.9"})
+                + _elements(12, "sliceproxy-3", "slots-svc-y", {2: "198.19.0.7"}))
+    assert watch.timeline == []  # nothing recorded in the middle of a transaction
+    watch._feed(_newgen())
+    assert watch.latest() == frozenset({"198.19.0.1", "198.19.0.9"}) and watch.commits == 1
+    watch._feed(_newgen())  # a transaction that did not touch the map: nothing new
+    assert len(watch.timeline) == 1 and watch.commits == 2
