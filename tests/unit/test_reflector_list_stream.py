@@ -1,0 +1,103 @@
+"""A list's items are passed on as the body arrives (reflector._list_page with
+listsplit.ItemStream): the first item reaches the handler while the server has not sent
+the rest, and the time the handler takes does not count against request_timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+import orjson
+
+from proxy.kube.reflector import Reflector, ReflectorOptions, WatchEvent
+from proxy.kube.resources import SERVICES
+
+OPTIONS = ReflectorOptions(request_timeout=2.0)
+
+
+def _body(n: int) -> bytes:
+    items = [{"metadata": {"name": f"s-{i}", "namespace": "default", "resourceVersion": "5",
+                           "uid": f"u-{i}"}, "spec": {"ports": [{"port": 80}]}}
+             for i in range(n)]
+    return orjson.dumps({"kind": "ServiceList", "apiVersion": "v1",
+                         "metadata": {"resourceVersion": "9"}, "items": items})
+
+
+class _Response:
+    def __init__(self, chunks: list[bytes | Callable[[], Awaitable[None]]]) -> None:
+        self.status = 200
+        self.headers: Mapping[str, str] = {}
+        self._chunks = chunks
+
+    async def read(self) -> bytes:
+        raise AssertionError("the list is read in chunks")
+
+    async def readany(self) -> bytes:
+        while self._chunks:
+            chunk = self._chunks.pop(0)
+            if isinstance(chunk, bytes):
+                return chunk
+            await chunk()
+        return b""
+
+    def close(self) -> None:
+        pass
+
+
+class _Api:
+    host = "test"
+
+    def __init__(self, response: _Response) -> None:
+        self.response = response
+
+    async def get(self, path: str, query: Mapping[str, str], timeout: float) -> Any:
+        return self.response
+
+    async def close(self) -> None:
+        pass
+
+
+def test_items_reach_the_handler_before_the_body_has_all_arrived() -> None:
+    body = _body(3)
+    half = body.index(b',{"metadata":{"name":"s-2"') + 30
+    seen: list[str] = []
+    first_seen = asyncio.Event()
+
+    def handler(ev: WatchEvent) -> None:
+        seen.append(ev.name)
+        first_seen.set()
+
+    async def server_waits_for_the_first_item() -> None:
+        await asyncio.wait_for(first_seen.wait(), 1.0)  # TimeoutError: not streamed
+
+    async def main() -> None:
+        api = _Api(_Response([body[:half], server_waits_for_the_first_item, body[half:]]))
+        reflector = Reflector(api, SERVICES, handler, OPTIONS)
+        await reflector._list()
+        assert seen == ["s-0", "s-1", "s-2"]
+        assert reflector.resource_version == "9"
+
+    asyncio.run(main())
+
+
+def test_the_handlers_time_does_not_count_against_request_timeout() -> None:
+    body = _body(6)
+    step = len(body) // 6
+    chunks: list[bytes | Callable[[], Awaitable[None]]] = [
+        body[i:i + step] for i in range(0, len(body), step)]
+    seen: list[str] = []
+
+    def slow_handler(ev: WatchEvent) -> None:
+        time.sleep(0.1)  # 0.6 s in all, three times the timeout
+        seen.append(ev.name)
+
+    async def main() -> None:
+        options = replace(OPTIONS, request_timeout=0.2)
+        reflector = Reflector(_Api(_Response(chunks)), SERVICES, slow_handler, options)
+        await reflector._list()
+        assert seen == [f"s-{i}" for i in range(6)]
+
+    asyncio.run(main())
