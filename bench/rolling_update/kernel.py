@@ -32,6 +32,8 @@ from proxy.lab.netns import entered
 SLOT_KEYED_NFT = re.compile(r"(\d+) : ([0-9.]+) \. \d+\b")
 NFNL_SUBSYS_NFTABLES = 10
 NFT_MSG_NEWSETELEM, NFT_MSG_DELSETELEM = 12, 14
+NFT_MSG_DELTABLE, NFT_MSG_DELSET = 2, 11
+NFTA_TABLE_NAME, NFTA_SET_TABLE, NFTA_SET_NAME = 1, 1, 2
 NLMSG = struct.Struct("=IHHII")
 NLA = struct.Struct("=HH")
 NLA_TYPE_MASK = 0x3FFF
@@ -259,6 +261,8 @@ class SlotMapWatch(KernelWatch):
                 if msg in (NFT_MSG_NEWSETELEM, NFT_MSG_DELSETELEM):
                     self._elements(datagram, offset + NLMSG.size + 4, end,
                                    msg == NFT_MSG_NEWSETELEM)
+                elif msg in (NFT_MSG_DELTABLE, NFT_MSG_DELSET):
+                    self._gone(datagram, offset + NLMSG.size + 4, end, msg)
                 elif msg == NFT_MSG_NEWGEN:
                     self._commits += 1
                     if self._changed:
@@ -266,6 +270,19 @@ class SlotMapWatch(KernelWatch):
                             self.timeline.append((now, frozenset(self._slots.values())))
                         self._changed = False
             offset += (length + 3) & ~3
+
+    def _gone(self, data: bytes, start: int, end: int, msg: int) -> None:
+        """The map (or its table) deleted: its elements went with it (a full sync that
+        rebuilds the table adds them all again)."""
+        found = {kind: data[a:b] for kind, a, b in attributes(data, start, end)}
+        if msg == NFT_MSG_DELTABLE:
+            ours = found.get(NFTA_TABLE_NAME) == self.table
+        else:
+            ours = (found.get(NFTA_SET_TABLE) == self.table
+                    and found.get(NFTA_SET_NAME) == self.map)
+        if ours:
+            self._slots.clear()
+            self._changed = True
 
     def _elements(self, data: bytes, start: int, end: int, added: bool) -> None:
         table = name = b""

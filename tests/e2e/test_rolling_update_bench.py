@@ -108,3 +108,10 @@ def test_a_slot_map_is_followed_from_the_announcements_of_its_elements() -> None
     assert watch.latest() == frozenset({"198.19.0.1", "198.19.0.9"}) and watch.commits == 1
     watch._feed(_newgen())  # a transaction that did not touch the map: nothing new
     assert len(watch.timeline) == 1 and watch.commits == 2
+    # The table rebuilt (deleted, then made again by a full sync): only what is re-added.
+    deleted = struct.pack("=IHHII", 0, 10 << 8 | 2, 0, 0, 0) + b"\x02\x00\x00\x00" + \
+        _nla(1, b"sliceproxy-3\0")
+    deleted = struct.pack("=I", len(deleted)) + deleted[4:]
+    watch._feed(deleted + _elements(12, "sliceproxy-3", "slots-svc-x", {0: "198.19.0.9"})
+                + _newgen())
+    assert watch.latest() == frozenset({"198.19.0.9"})
