@@ -1,6 +1,8 @@
 """`python -m bench`: issue 15's scale scenarios in one command, written to bench/RESULTS.md.
 
-    sudo .venv/bin/python -m bench                  # the issue's sizes (an hour or more)
+    sudo .venv/bin/python -m bench                  # the issues' sizes (two hours or more:
+                                                    # cold-start ~35 min, rolling-update
+                                                    # ~35 min, churn ~7 min, fleet...)
     sudo .venv/bin/python -m bench --size small     # CI's sizes, into a temporary directory
     sudo .venv/bin/python -m bench --only huge-service agent-start
 
