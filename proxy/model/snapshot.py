@@ -92,6 +92,10 @@ class EndpointDelta:
     nothing but its endpoints changed: what a data plane needs to re-render only the
     endpoints that changed (O(change)) instead of the whole port (O(service)).
 
+    "Nothing but its endpoints": service, port, cluster IPs, the sets used, conflicts
+    and the topology's mode are the same; the topology's reason (dump text with counts
+    in it) may differ, so a data plane must not render it.
+
     `base` is the earlier `ResolvedServicePort.token` (a token, not the port: a chain of
     deltas must not keep every earlier endpoint tuple alive). An endpoint whose
     conditions, node, zone, hints or selection changed is in both: its old

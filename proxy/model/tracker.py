@@ -460,7 +460,9 @@ class ClusterModel:
 def _only_endpoints_differ(new: ResolvedServicePort, old: ResolvedServicePort) -> bool:
     return (new.service == old.service and new.port == old.port
             and new.cluster_ips == old.cluster_ips and new.uses_cluster == old.uses_cluster
-            and new.uses_local == old.uses_local and new.topology == old.topology
+            and new.uses_local == old.uses_local
+            and new.topology.mode == old.topology.mode
+            and new.topology.requested == old.topology.requested
             and new.conflicts == old.conflicts)
 
 
@@ -470,11 +472,11 @@ def _with_delta(new: ResolvedServicePort, previous: ResolvedServicePort | None,
     `previous` when only the endpoints differ and the delta is known exactly: from the
     index when its last resolution became `previous`, by comparison for a small port.
 
-    No delta (data planes render the port whole) when anything else differs, the
-    topology's reason included: under a preference or trafficDistribution that names a
-    count ("3 ready endpoint(s) in zone a"), a ready endpoint coming or going in that
-    domain changes the reason, so such a port gets no delta for that change (the
-    model's own work stays O(change)). Nor when the index is new (first resolution, a
+    No delta (data planes render the port whole) when anything else differs. The
+    topology's reason is the exception: it is text for the dump that names a count
+    under a preference ("3 ready endpoint(s) in zone a"), so it changes with every
+    ready endpoint in that domain, and no data plane renders it; its mode decides the
+    verdicts, which the delta carries. Nor when the index is new (first resolution, a
     port grown past MEMO_MIN_ENDPOINTS, a protocol changed)."""
     if previous is None or not _only_endpoints_differ(new, previous):
         return new
@@ -486,12 +488,13 @@ def _with_delta(new: ResolvedServicePort, previous: ResolvedServicePort | None,
                 index.adopt(previous.endpoints)
                 return previous
             return new
-        if not res.removed and not res.added:
-            return previous
         removed, added = res.removed, res.added
+    elif new.endpoints == previous.endpoints:
+        removed, added = (), ()
     else:
-        if new.endpoints == previous.endpoints:
-            return previous
         removed, added = endpoint_changes(previous.endpoints, new.endpoints)
+    if not removed and not added and new.topology == previous.topology:
+        return previous
+    # An empty delta: only the topology's reason changed; nothing to render.
     delta = EndpointDelta(base=previous.token, removed=removed, added=added)
     return replace(new, delta=delta)
