@@ -29,6 +29,15 @@ ROOT = Path(__file__).resolve().parents[1]
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 T = TypeVar("T")
 
+# The agent's sync pacing, compared side by side (issue 29). "old" is the pacing before
+# it: kube-proxy's token bucket at 1 s with no CPU budget (the budget would otherwise
+# still apply on top of a set period); "new" passes nothing, so it is whatever the
+# agent's default is.
+PACINGS: dict[str, tuple[str, ...]] = {
+    "old": ("--min-sync-period", "1s", "--sync-cpu-budget", "off"),
+    "new": (),
+}
+
 
 # --- /proc --------------------------------------------------------------------------------
 

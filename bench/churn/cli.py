@@ -13,7 +13,8 @@ from pathlib import Path
 from bench import churn as package  # its docstring is the command's help
 from bench.churn.measure import run
 from bench.churn.report import markdown
-from bench.churn.workload import PACINGS, PHASES, Settings
+from bench.churn.workload import PHASES, Settings
+from bench.common import PACINGS
 
 
 def _terminated(signum: int, _frame: object) -> None:

@@ -19,7 +19,6 @@ from bench.churn.workload import (
     FIRST_SYNC,
     NAMESPACE,
     NODE,
-    PACINGS,
     POD_CIDR,
     AddressPool,
     Obj,
@@ -27,7 +26,7 @@ from bench.churn.workload import (
     endpoint_slice,
     service,
 )
-from bench.common import ROOT, agent_pid, simulator, size_mib
+from bench.common import PACINGS, ROOT, agent_pid, simulator, size_mib
 from bench.rolling_update.api import Api
 from bench.rolling_update.lab import logged_syncs, ms_summary
 from proxy.lab import Lab

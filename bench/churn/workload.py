@@ -8,13 +8,14 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address
 from typing import Any
 
+from bench.common import PACINGS
+
 NODE = "node-a"
 NAMESPACE = "default"
 POD_PORT = 8080
 POD_CIDR = "198.19.0.0/16"  # the agent's --cluster-cidr
 # Issue 29's sync pacing: "old" is the fixed-rate runner set explicitly (upstream's 1 s),
 # "new" passes no pacing flag, so it measures the agent's default, whatever it is.
-PACINGS: dict[str, tuple[str, ...]] = {"old": ("--min-sync-period", "1s"), "new": ()}
 PHASES = ("isolated", "random", "burst")
 FIRST_SYNC = re.compile(r"first sync done")
 Obj = dict[str, Any]

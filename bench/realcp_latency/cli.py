@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import NoReturn
 
 from bench import realcp_latency as package  # its docstring is the command's help
+from bench.common import PACINGS
 from bench.realcp_latency.report import markdown
 from bench.realcp_latency.run import run
-from bench.realcp_latency.settings import BACKENDS, KCM_FLAGS, PACINGS, PROXIES, Settings
+from bench.realcp_latency.settings import BACKENDS, KCM_FLAGS, PROXIES, Settings
 from labs.realcp.build import build
 from labs.realcp.controlplane import ControlPlane
 

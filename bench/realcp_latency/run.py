@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench.common import quiet
+from bench.common import PACINGS, quiet
 from bench.realcp_latency.measure import Commits, commit_tables, summary, wait_initial, watch_rule
 from bench.realcp_latency.nat import _run
 from bench.realcp_latency.proxies import (
@@ -29,7 +29,6 @@ from bench.realcp_latency.proxies import (
 )
 from bench.realcp_latency.settings import (
     NODE,
-    PACINGS,
     PROXY_FLAGS,
     SLICES,
     TARGET_PORT,

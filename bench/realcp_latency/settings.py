@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from ipaddress import IPv4Network
 from typing import Any
 
+from bench.common import PACINGS
+
 NODE = "node-a"
 # Pod IPs: they need not answer (nothing sends traffic), so they come from ranges of
 # their own rather than the lab's 200 backends. Inside 198.18.0.0/15, clear of the
@@ -33,7 +35,6 @@ PROXY_FLAGS = {"sliceproxy-nftables": ("--proxy-mode", "nftables")}
 # explicitly (kube-proxy's 1 s); "new" passes no pacing flag, so it measures whatever the
 # agent's default is. With --pacing, each sliceproxy side runs once per pacing, as
 # "NAME/PACING" (kube-proxy once, with its defaults).
-PACINGS: dict[str, tuple[str, ...]] = {"old": ("--min-sync-period", "1s"), "new": ()}
 DISPATCH = {"sliceproxy": "SPX-SERVICES", "kube-proxy": "KUBE-SERVICES"}
 SERVICE_CHAIN = {"sliceproxy": "SPX-SVC-", "kube-proxy": "KUBE-SVC-"}
 BACKENDS = ("nft", "legacy")

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench import rolling_update as package  # its docstring is the command's help
+from bench.common import PACINGS
 from bench.rolling_update.measure import run
 from bench.rolling_update.report import markdown
-from bench.rolling_update.workload import MODES, PACINGS, Settings
+from bench.rolling_update.workload import MODES, Settings
 
 
 def _terminated(signum: int, _frame: object) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, agent_pid, simulator, size_mib
+from bench.common import PACINGS, ROOT, agent_pid, simulator, size_mib
 from bench.rolling_update.api import Api
 from bench.rolling_update.kernel import KernelView, KernelWatch, SlotMapWatch
 from bench.rolling_update.lab import (
@@ -31,7 +31,6 @@ from bench.rolling_update.workload import (
     FIRST_SYNC,
     MAX_ENDPOINTS,
     NODE,
-    PACINGS,
     POD_CIDR,
     READY,
     SLICES_PATH,

@@ -76,7 +76,6 @@ def pod_address(p: int) -> str:
 
 # Issue 29's sync pacing: "old" is the fixed-rate runner set explicitly (upstream's 1 s),
 # "new" passes no pacing flag, so it measures the agent's default, whatever it is.
-PACINGS: dict[str, tuple[str, ...]] = {"old": ("--min-sync-period", "1s"), "new": ()}
 
 
 # --- the roll: what the API holds, tick by tick ----------------------------------------
