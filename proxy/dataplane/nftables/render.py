@@ -43,7 +43,8 @@ verdict-map lookup instead of iptables' linear SPX-SERVICES walk.
 Why a slot map for large ports: a change to the cascade rewrites the whole chain (10,000
 endpoints: 10,000 rules, about 0.2 s of kernel time per change, every change of a rolling
 update). In the slot map an endpoint keeps its slot (`assign_slots`), so one endpoint
-gone or added changes one or two elements and the one rule that holds n. Small ports
+gone or added changes one or two elements and the one rule that holds n (and when the
+model says which endpoints changed, delta.py renders only those: O(change) in Python). Small ports
 keep the cascade: a map is a set, and sets are what makes a large table slow to load.
 ClientIP affinity keeps it too: its per-endpoint checks are one rule per endpoint anyway.
 
