@@ -69,6 +69,7 @@ Each incident is one log line with the resource and what was wrong, not one per 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import re
@@ -186,6 +187,9 @@ SHORT_WATCH_SECONDS = 1.0
 # How long past its timeoutSeconds (this, or the timeout itself if shorter) a stream may
 # stay open before we end it: the server ignores the timeout we asked for.
 WATCH_GRACE = 30.0
+# List items handled between turns of the event loop while the body is arriving (each
+# ~5-50 us): the reader task takes in what has arrived meanwhile.
+LIST_BATCH = 32
 # Lines handled between yields to the event loop: a stream arriving faster than we handle
 # it keeps the socket's buffer full, and reads that find data never yield.
 YIELD_EVERY = 100
@@ -503,59 +507,86 @@ class Reflector:
         arrived, while the server is still writing the rest); `seen` gathers the keys.
         The list's head (its metadata) is returned once the body has all arrived.
 
+        A task of its own takes the body in as fast as it comes, and the items are
+        handled in batches between which it runs: the server's answer leaves its memory
+        at the network's pace, not ours (5,000 agents list at once in a rollout).
+
         The whole answer must come within request_timeout, as any request's: the time
         we spend on its items meanwhile does not count (up to request_timeout of it;
         past that, the rest of the body is read first and its items taken after)."""
         opts = self.options
         listing = ItemStream(opts.max_list_bytes)
         loop = asyncio.get_running_loop()
+        arrived = asyncio.Event()
+        timer = asyncio.timeout(opts.request_timeout)
         checked = False
 
-        def take() -> None:
+        async def receive() -> None:
+            try:
+                async with timer:
+                    # The client's own limit: later than ours can be with our time added.
+                    resp = await self.api.get(self.resource.path, query,
+                                              2 * opts.request_timeout + 5)
+                    try:
+                        await _check_status(resp)
+                        while chunk := await resp.readany():
+                            try:
+                                listing.feed(chunk)
+                            except TooLarge:
+                                raise _BadList("a list response over "
+                                               f"{opts.max_list_bytes} bytes") from None
+                            arrived.set()
+                    finally:
+                        resp.close()
+            except TimeoutError:
+                if not timer.expired():
+                    raise
+                raise TimeoutError(f"no whole answer within {opts.request_timeout:g}s"
+                                   ) from None
+            finally:
+                arrived.set()
+
+        def take(most: int | None = None) -> int:
             nonlocal checked
             if not checked and listing.head is not None:
                 _check_head(listing.head)
                 checked = True
-            self._pass_on(listing.take(), seen, unkeyed, page)
+            return self._pass_on(itertools.islice(listing.take(), most), seen, unkeyed,
+                                 page)
 
-        timer = asyncio.timeout(opts.request_timeout)
-        overlapped = 0.0
+        reader = asyncio.create_task(receive(), name=f"list {self.resource}")
+        spent = 0.0  # on items, while the body was arriving
         try:
-            async with timer:
-                # The client's own limit: later than ours can be with the time we spend.
-                resp = await self.api.get(self.resource.path, query,
-                                          2 * opts.request_timeout + 5)
-                try:
-                    await _check_status(resp)
-                    while chunk := await resp.readany():
-                        try:
-                            listing.feed(chunk)
-                        except TooLarge:
-                            raise _BadList("a list response over "
-                                           f"{opts.max_list_bytes} bytes") from None
-                        if overlapped < opts.request_timeout:
-                            began = loop.time()
-                            take()
-                            spent = loop.time() - began
-                            overlapped += spent
-                            when = timer.when()
-                            if when is not None:
-                                timer.reschedule(when + spent)
-                    listing.close()
-                finally:
-                    resp.close()
-        except TimeoutError:
-            if not timer.expired():
-                raise
-            raise TimeoutError(f"no whole answer within {opts.request_timeout:g}s") from None
+            while not reader.done():
+                await arrived.wait()
+                arrived.clear()
+                while spent < opts.request_timeout and not reader.done():
+                    began = loop.time()
+                    taken = take(LIST_BATCH)
+                    took = loop.time() - began
+                    spent += took
+                    when = timer.when()
+                    if when is not None:
+                        timer.reschedule(when + took)
+                    if taken < LIST_BATCH:
+                        break
+                    await asyncio.sleep(0)  # the reader takes in what has arrived
+            await reader  # its error, if it failed
+        finally:
+            if not reader.done():
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
+        listing.close()  # parses whatever was not cut (outside the timer, as ever)
         take()
-        assert listing.head is not None  # close() parsed whatever was not cut
+        assert listing.head is not None
         return listing.head
 
     def _pass_on(self, items: Iterator[Any], seen: set[ObjectKey], unkeyed: _Tally,
-                 page: int) -> None:
-        """Pass on what these items of a list added or changed."""
+                 page: int) -> int:
+        """Pass on what these items of a list added or changed; how many there were."""
+        count = 0
         for item in items:
+            count += 1
             if not isinstance(item, dict):
                 # Not an object: nothing to decode, no kind to record it under.
                 # Counted (stats, the dump's watch section) and logged below.
@@ -581,6 +612,7 @@ class Reflector:
             # resourceVersions alone can repeat across a storage loss (see above)
             if old != now:
                 self._emit("ADDED" if old is None else "MODIFIED", key, item)
+        return count
 
     def _list_done(self, seen: set[ObjectKey], unkeyed: _Tally, list_rv: str,
                    since: str, pages: int) -> None:

@@ -5,6 +5,7 @@ the rest, and the time the handler takes does not count against request_timeout.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
@@ -99,5 +100,48 @@ def test_the_handlers_time_does_not_count_against_request_timeout() -> None:
         reflector = Reflector(_Api(_Response(chunks)), SERVICES, slow_handler, options)
         await reflector._list()
         assert seen == [f"s-{i}" for i in range(6)]
+
+    asyncio.run(main())
+
+
+def test_the_body_is_taken_in_at_the_networks_pace_while_items_are_handled() -> None:
+    """The server's answer must not wait in its memory for our decoding: the body is read
+    on while items are handled. Here the network delivers one chunk of 64 items per turn
+    of the event loop (as a socket read does); the last one must be in before the
+    handler is halfway through the 512 items."""
+    body = _body(512)
+    starts = [i for i in range(len(body)) if body.startswith(b',{"metadata":', i)]
+    cuts = [0, *starts[63::64], len(body)]
+    pending = [body[a:b] for a, b in itertools.pairwise(cuts)]
+    buffered = bytearray()
+    handled = 0
+    handled_when_all_read: list[int] = []
+
+    class Network(_Response):
+        async def readany(self) -> bytes:
+            while not buffered and pending:
+                await asyncio.sleep(0)
+            data = bytes(buffered)
+            buffered.clear()
+            if not pending and not buffered and not handled_when_all_read:
+                handled_when_all_read.append(handled)
+            return data
+
+    async def deliver() -> None:
+        while pending:
+            buffered.extend(pending.pop(0))
+            await asyncio.sleep(0)
+
+    def handler(ev: WatchEvent) -> None:
+        nonlocal handled
+        handled += 1
+
+    async def main() -> None:
+        task = asyncio.create_task(deliver())
+        reflector = Reflector(_Api(Network([])), SERVICES, handler, OPTIONS)
+        await reflector._list()
+        await task
+        assert handled == 512
+        assert handled_when_all_read and handled_when_all_read[0] < 256, handled_when_all_read
 
     asyncio.run(main())
