@@ -350,6 +350,34 @@ class _Cursor:
 def rule_expressions(family: Family, tokens: list[str]) -> bytes:
     """NFTA_RULE_EXPRESSIONS for one rule's tokens (without a comment): matches, then at
     most one verdict or statement that ends the rule."""
+    exprs, _ = _expressions(family, tokens)
+    if not exprs:
+        raise Unencodable("an empty rule")
+    return nested(RULE_EXPRESSIONS, exprs)
+
+
+def rule_body(family: Family, body: str) -> bytes:
+    """`rule_expressions` of the rule `body` (text, without a comment), the same bytes.
+    Most rules of a full sync are an endpoint's `<matches> dnat to <addr>:<port>`, and
+    their matches are the same few texts (`numgen random mod 7 0 meta l4proto tcp`), so
+    those are encoded once (`_matches`) and only the target each time."""
+    head, sep, target = body.rpartition(" dnat to ")
+    if not sep or target.split() != [target]:
+        return rule_expressions(family, body.split())
+    return nested(RULE_EXPRESSIONS, _matches(family, head) + _dnat(family, target))
+
+
+@functools.lru_cache(maxsize=1024)
+def _matches(family: Family, text: str) -> bytes:
+    """The expressions of `text`, which a statement follows: no verdict may end it."""
+    exprs, final = _expressions(family, text.split())
+    if final:
+        raise Unencodable(f"{text!r}: a statement after the verdict")
+    return exprs
+
+
+def _expressions(family: Family, tokens: list[str]) -> tuple[bytes, bool]:
+    """The expressions of `tokens`, and whether the last of them ends a rule."""
     cur = _Cursor(tokens)
     out: list[bytes] = []
     final = False
@@ -362,9 +390,7 @@ def rule_expressions(family: Family, tokens: list[str]) -> bytes:
             found = (matched, False) if matched is not None else _statement(family, cur)
         exprs, final = found
         out += exprs
-    if not out:
-        raise Unencodable("an empty rule")
-    return nested(RULE_EXPRESSIONS, b"".join(out))
+    return b"".join(out), final
 
 
 def _concatenation_lookup(family: Family, cur: _Cursor) -> tuple[list[bytes], bool] | None:

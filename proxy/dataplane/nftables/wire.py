@@ -56,7 +56,7 @@ from proxy.dataplane.nftables.expressions import (
     address,
     comment,
     port,
-    rule_expressions,
+    rule_body,
     string,
     u32,
     value,
@@ -295,7 +295,7 @@ def _line(family: Family, tables: Collection[str], line: str,
         if mark and (not note.endswith('"') or '"' in note[:-1]):
             raise Unencodable(f"comment in {line!r}")
         attrs = (t + string(RULE_CHAIN, _plain_name(chain))
-                 + rule_expressions(family, body.split()))
+                 + rule_body(family, body))
         if mark:
             attrs += comment(note[:-1])
         return NEWRULE, NLM_F_CREATE | NLM_F_APPEND, attrs
