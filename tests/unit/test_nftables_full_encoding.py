@@ -142,7 +142,8 @@ def test_the_state_is_varied(state: DesiredState) -> None:
                      for line in full_script(state, family).lines())
     for shape in ("dnat ip to numgen", "dnat ip6 to numgen", "dnat to [fd00:19::",
                   "dnat to 198.19.", "update @", "reject", "fib daddr type local",
-                  "masquerade", "meta mark set", "sctp", "udp", "goto fw-", "goto svl-"):
+                  "masquerade", "meta mark set", "sctp", "udp", "goto fw-", "goto svl-",
+                  "jump mark-for-masquerade"):
         assert shape in text, shape
 
 
@@ -154,9 +155,29 @@ def test_the_state_is_varied(state: DesiredState) -> None:
     "numgen random mod 2 dnat to 198.19.0.1:80",
     "jump x dnat to 198.19.0.1:80",
     "meta l4proto tcp  dnat to [fd00::1]:80",
+    "ip daddr 198.18.0.1 drop accept",
+    "ip daddr 198.18.0.1 jump x tcp dport 80",
+    "ip daddr 198.18.0.1/33 drop",
+    "ip daddr fd00::1 drop",
+    "ip6 daddr fd00::1 drop",
+    "ip daddr 198.18.0.1 ip saddr",
 ])
 def test_what_the_generic_parse_refuses_the_fast_path_refuses(body: str) -> None:
     with pytest.raises(Unencodable):
         _generic_rule(Family.V4, body)
     with pytest.raises(Unencodable):
         wire.rule_body(Family.V4, body)
+
+
+@pytest.mark.parametrize(("family", "body"), [
+    (Family.V4, "ip saddr != 198.18.0.0/17 jump mark-for-masquerade"),
+    (Family.V4, "ip daddr @cluster-ips goto reject-chain"),
+    (Family.V4, "ip daddr . meta l4proto . th dport vmap @unserved"),
+    (Family.V4, "ip daddr 198.18.0.0/17 drop"),
+    (Family.V6, "ip6 saddr fd00::/64 ip6 daddr != fd00::1 accept"),
+    (Family.V6, "dnat to [fd00::1]:80"),
+    (Family.V6, "ip6 saddr @aff-1 meta l4proto tcp dnat to [fd00::1]:80"),
+])
+def test_rules_outside_a_full_sync_are_the_bytes_of_the_generic_parse(family: Family,
+                                                                       body: str) -> None:
+    assert wire.rule_body(family, body) == _generic_rule(family, body)

@@ -360,11 +360,18 @@ def rule_body(family: Family, body: str) -> bytes:
     """`rule_expressions` of the rule `body` (text, without a comment), the same bytes.
     Most rules of a full sync are an endpoint's `<matches> dnat to <addr>:<port>`, and
     their matches are the same few texts (`numgen random mod 7 0 meta l4proto tcp`), so
-    those are encoded once (`_matches`) and only the target each time."""
+    those are encoded once (`_matches`) and only the target each time; likewise what
+    follows a leading address match."""
     head, sep, target = body.rpartition(" dnat to ")
-    if not sep or target.split() != [target]:
-        return rule_expressions(family, body.split())
-    return nested(RULE_EXPRESSIONS, _matches(family, head) + _dnat(family, target))
+    if sep and target.split() == [target]:
+        return nested(RULE_EXPRESSIONS, _matches(family, head) + _dnat(family, target))
+    # A service port's masquerade mark: `ip daddr <its cluster IP> <the same for all>`.
+    words = body.split(None, 3)
+    if len(words) == 4 and words[0] == _ip(family) and words[1] in ("saddr", "daddr") \
+            and words[2] not in (".", "!="):
+        return nested(RULE_EXPRESSIONS, _address_match(family, words[1], CMP_EQ, words[2])
+                      + _after_address(family, words[3]))
+    return rule_expressions(family, body.split())
 
 
 @functools.lru_cache(maxsize=1024)
@@ -374,6 +381,12 @@ def _matches(family: Family, text: str) -> bytes:
     if final:
         raise Unencodable(f"{text!r}: a statement after the verdict")
     return exprs
+
+
+@functools.lru_cache(maxsize=1024)
+def _after_address(family: Family, text: str) -> bytes:
+    """The expressions of `text`, which an address match precedes."""
+    return _expressions(family, text.split())[0]
 
 
 def _expressions(family: Family, tokens: list[str]) -> tuple[bytes, bool]:
