@@ -359,7 +359,7 @@ class Agent:
                 self.metrics.endpoint_changes.inc()
             log.log(V(4), "event", extra={"type": ev.type, "kind": kind,
                                           "object": f"{ev.namespace}/{ev.name}"})
-        if self.runner is not None and (not self.runner.initialized or model.dirty):
+        if self.runner is not None and (not self.runner.initialized or model.has_dirty):
             self.runner.request()
 
     def _synced(self, state: DesiredState, keys: frozenset[ServicePortKey]) -> None:

@@ -347,6 +347,13 @@ class ClusterModel:
     def dirty(self) -> frozenset[ServicePortKey]:
         return frozenset(self._dirty)
 
+    @property
+    def has_dirty(self) -> bool:
+        """Some service port awaits a resolve: asked on every event, so O(1) (`dirty`
+        copies the set: under churn held back by the CPU budget that was O(backlog)
+        per event)."""
+        return bool(self._dirty)
+
     def _skip_groups(self) -> Iterator[SkipGroup]:
         yield from self._decode_skips.values()
         yield from self._ignored.values()
