@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--endpoints", type=int, default=d.endpoints, help="per service")
     ap.add_argument("--pacing", nargs="+", choices=sorted(PACINGS), default=list(d.pacing),
                     help="one agent each, one after the other: old = --min-sync-period "
-                    "1s, new = no pacing flag (the agent's default)")
+                    "1s, budget off; new = no pacing flag")
     ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(d.phases))
     ap.add_argument("--isolated", type=int, default=d.isolated,
                     help="isolated changes, one at a time")

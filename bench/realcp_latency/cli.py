@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "choice)")
     p.add_argument("--pacing", nargs="+", choices=sorted(PACINGS), default=[],
                    help="run each sliceproxy side once per sync pacing: old = "
-                   "--min-sync-period 1s, new = the agent's default (no flag); default: "
+                   "--min-sync-period 1s, budget off; new = no flag; default: "
                    "once, with the agent's defaults")
     p.add_argument("--json", type=Path, help="write the full results here")
     p.add_argument("--keep-logs", type=Path,

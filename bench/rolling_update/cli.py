@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="seconds from deleted to the address removed")
     ap.add_argument("--pacing", nargs="+", choices=sorted(PACINGS), default=["old", "new"],
                     help="the agent's sync pacing, one roll each, side by side: old = "
-                    "--min-sync-period 1s, new = no pacing flag (the agent's default)")
+                    "--min-sync-period 1s, budget off; new = no pacing flag")
     ap.add_argument("--min-sync-period", default="",
                     help="an explicit --min-sync-period for the agent instead (one roll)")
     ap.add_argument("--out", "--json", dest="out", type=Path, help="write the JSON here")
