@@ -17,6 +17,7 @@ from bench.churn import Settings, markdown, run
 from bench.churn.kernel import NFNL_SUBSYS_NFTABLES, NFT_MSG_NEWRULE, NLMSG_HDR, AddressWatch
 from bench.churn.measure import Phase
 from bench.churn.workload import AddressPool
+from bench.common import PACINGS
 from proxy.lab.netns import NETNS_DIR
 
 NFT_MSG_DELRULE = 8
@@ -74,7 +75,7 @@ def test_churn_small(tmp_path: Path) -> None:
     finally:
         assert ours() == before, "the bench left namespaces behind"
     assert [r["pacing"] for r in result["runs"]] == ["old", "new"]
-    assert result["runs"][0]["agent_flags"] == "--min-sync-period 1s"
+    assert result["runs"][0]["agent_flags"] == " ".join(PACINGS["old"])
     assert result["runs"][1]["agent_flags"] == ""
     for r in result["runs"]:
         assert not r["errors"] and r["watch"]["lost"] == 0
