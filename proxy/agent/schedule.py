@@ -18,7 +18,9 @@ the exact time the next sync may start, and bounds every interval, not only the
 window's. The first sync (`INITIAL`) is not charged: programming the whole cluster at
 start is not churn, and charging it would make the first changes after a start at
 10,000 services wait some 15 s; its CPU is still counted in the metrics. Every other
-sync is charged: changes, periodic full resyncs, retries and repairs alike.
+sync is charged what the caller gives: sync_loop.py gives the hourly full resync no
+cost (upkeep, not churn: charged, it would hold the next changes for seconds), and
+changes, retries and repairs their CPU.
 
 The minimum period (`--min-sync-period`), only when set: kube-proxy's
 BoundedFrequencyRunner (`pkg/util/async/bounded_frequency_runner.go`, kube-proxy's

@@ -311,3 +311,30 @@ def test_the_cpu_budget_holds_expensive_syncs_back_and_says_so_once(
         assert b.runner.pacing()["syncs_held_back"]["cpu-budget"] == 1
 
     run(go, min_sync=None, thread_cpu=FakeCpu(), process_children_cpu=lambda: 0.0)
+
+
+def test_the_hourly_full_resync_is_not_charged_to_the_budget() -> None:
+    """A full resync due to --sync-period costs what the cluster costs (seconds at
+    10,000 services); it is upkeep, so the change after it is not held back for it,
+    while a change sync of the same cost is."""
+    async def go(b: Bench) -> None:
+        b.event(WEB)
+        b.runner.start()
+        await settle(b, lambda: len(b.dp.syncs) == 1, "first sync")
+        b.clock.now += 30
+        await settle(b, lambda: len(b.dp.syncs) == 2, "periodic resync")
+        assert b.runner.history[-1].trigger == "periodic" and b.dp.syncs[-1][0]
+        assert b.metric("sliceproxy_sync_cpu_seconds_total") == pytest.approx(1.0)
+        b.clock.now += 0.01
+        b.event(web_slice("198.18.1.10"))  # right after 0.5 CPU-s of resync: at once
+        await settle(b, lambda: len(b.dp.syncs) == 3, "change after the resync")
+        assert not b.dp.syncs[-1][0]
+        b.clock.now += 0.01
+        b.event(web_slice("198.18.1.11"))  # after 0.5 CPU-s of change sync: held
+        for _ in range(30):
+            b.runner._wake.set()
+            await asyncio.sleep(0.001)
+        assert len(b.dp.syncs) == 3 and b.runner.pacing()["holding"] == "cpu-budget"
+
+    run(go, min_sync=None, sync_period=30.0, thread_cpu=FakeCpu(),
+        process_children_cpu=lambda: 0.0)
