@@ -83,9 +83,14 @@ def test_kube_proxy_accepts_the_files_and_its_loading_changes_no_setting_we_read
             assert honoured(ours) == honoured(theirs)
         else:
             # Fields left at zero take each proxy's own default; sliceproxy's full resync
-            # period is 1h (kube-proxy's 30s; docs/upstream-differences.md).
+            # period is 1h (kube-proxy's 30s; docs/upstream-differences.md). kubeadm's
+            # minSyncPeriod 0s is "not set" (sliceproxy paces by cost), while the file
+            # kube-proxy writes back states its default, 1s, which keeps its pacing
+            # (docs/flags.md, "When syncs run").
             assert ours.sync_period == 3600.0 and theirs.sync_period == 30.0
-            assert honoured(dataclasses.replace(ours, sync_period=30.0)) == honoured(theirs)
+            assert ours.min_sync_period is None and theirs.min_sync_period == 1.0
+            assert honoured(dataclasses.replace(ours, sync_period=30.0, min_sync_period=1.0)
+                            ) == honoured(theirs)
 
 
 def test_a_misspelt_field_kube_proxy_only_warns_about_stops_sliceproxy(
