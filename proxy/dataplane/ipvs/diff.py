@@ -111,19 +111,28 @@ def diff_service(desired: VirtualServer | None, current: KernelService | None) -
             ops.append(Op(OpKind.SET_SERVICE, key, service=desired))
     wanted = set(desired.real_servers)
     for rs in desired.real_servers:
-        dest = dests.get(rs)
-        if dest is None:
-            ops.append(Op(OpKind.ADD_DEST, key, rs=rs, weight=WEIGHT))
-        elif dest.weight != WEIGHT or dest.fwd_method != FWD_MASQ:
-            ops.append(Op(OpKind.SET_DEST, key, rs=rs, weight=WEIGHT))
+        _keep(ops, key, rs, dests.get(rs))
     for rs, dest in sorted(dests.items(), key=lambda item: item[0].order()):
-        if rs in wanted:
-            continue
-        if not graceful(key.protocol):
-            ops.append(Op(OpKind.DEL_DEST, key, rs=rs))
-        elif dest.weight != 0:
-            ops.append(Op(OpKind.DRAIN_DEST, key, rs=rs, weight=0))
+        if rs not in wanted:
+            _let_go(ops, key, rs, dest)
     return ops
+
+
+def _keep(ops: list[Op], key: VsKey, rs: RsKey, dest: KernelDest | None) -> None:
+    """The op, if any, that makes `rs` a full-weight real server of `key`."""
+    if dest is None:
+        ops.append(Op(OpKind.ADD_DEST, key, rs=rs, weight=WEIGHT))
+    elif dest.weight != WEIGHT or dest.fwd_method != FWD_MASQ:
+        ops.append(Op(OpKind.SET_DEST, key, rs=rs, weight=WEIGHT))
+
+
+def _let_go(ops: list[Op], key: VsKey, rs: RsKey, dest: KernelDest) -> None:
+    """The op, if any, for a real server `key` no longer wants: drained to weight 0
+    where connections end gracefully (`graceful`: TCP), deleted otherwise."""
+    if not graceful(key.protocol):
+        ops.append(Op(OpKind.DEL_DEST, key, rs=rs))
+    elif dest.weight != 0:
+        ops.append(Op(OpKind.DRAIN_DEST, key, rs=rs, weight=0))
 
 
 def leaving(desired: VirtualServer | None, current: KernelService | None) -> list[RsKey]:
@@ -156,19 +165,11 @@ def diff_real_servers(desired: VirtualServer, current: KernelService,
     key, dests = desired.key, current.dests
     ops: list[Op] = []
     for rs in change.added:
-        dest = dests.get(rs)
-        if dest is None:
-            ops.append(Op(OpKind.ADD_DEST, key, rs=rs, weight=WEIGHT))
-        elif dest.weight != WEIGHT or dest.fwd_method != FWD_MASQ:
-            ops.append(Op(OpKind.SET_DEST, key, rs=rs, weight=WEIGHT))
+        _keep(ops, key, rs, dests.get(rs))
     for rs in change.removed:
         dest = dests.get(rs)
-        if dest is None:
-            continue
-        if not graceful(key.protocol):
-            ops.append(Op(OpKind.DEL_DEST, key, rs=rs))
-        elif dest.weight != 0:
-            ops.append(Op(OpKind.DRAIN_DEST, key, rs=rs, weight=0))
+        if dest is not None:
+            _let_go(ops, key, rs, dest)
     return ops
 
 
