@@ -125,10 +125,12 @@ class ResolvedServicePort:
 
     def endpoint_delta(self, earlier: ResolvedServicePort | None) -> EndpointDelta | None:
         """The endpoint changes from `earlier` to this, if only endpoints changed and the
-        model recorded them against exactly `earlier`; None means re-render the port whole."""
+        model recorded them against exactly `earlier`; None means re-render the port whole.
+        The promise is checked here too (O(1) of the endpoints): a data plane trusting a
+        wrong one would keep wrong rules until the next full sync."""
         if earlier is None or self.delta is None or self.delta.base is not earlier.token:
             return None
-        return self.delta
+        return self.delta if same_but_endpoints(earlier, self) else None
 
     @property
     def cluster_endpoints(self) -> tuple[MergedEndpoint, ...]:
@@ -221,3 +223,12 @@ class DesiredState:
 
     def get(self, key: ServicePortKey) -> ResolvedServicePort | None:
         return self.ports.get(key)
+
+
+def same_but_endpoints(a: ResolvedServicePort, b: ResolvedServicePort) -> bool:
+    """Everything but the endpoints (and the topology's reason, dump text) is equal: when
+    the model may record an `EndpointDelta` between the two (`EndpointDelta`'s doc)."""
+    return (a.key == b.key and a.service == b.service and a.port == b.port
+            and a.cluster_ips == b.cluster_ips and a.uses_cluster == b.uses_cluster
+            and a.uses_local == b.uses_local and a.topology.mode == b.topology.mode
+            and a.topology.requested == b.topology.requested and a.conflicts == b.conflicts)

@@ -25,7 +25,12 @@ from proxy.model.incremental import PortIndex, PortResolution, endpoint_changes
 from proxy.model.merge import merge_port
 from proxy.model.selection import NodeView, categorize
 from proxy.model.skips import Skip, clip, shown
-from proxy.model.snapshot import DesiredState, EndpointDelta, ResolvedServicePort
+from proxy.model.snapshot import (
+    DesiredState,
+    EndpointDelta,
+    ResolvedServicePort,
+    same_but_endpoints,
+)
 from proxy.model.types import (
     EndpointSlice,
     Family,
@@ -464,15 +469,6 @@ class ClusterModel:
                               sel.uses_local, conflicts, (), ())
 
 
-def _only_endpoints_differ(new: ResolvedServicePort, old: ResolvedServicePort) -> bool:
-    return (new.service == old.service and new.port == old.port
-            and new.cluster_ips == old.cluster_ips and new.uses_cluster == old.uses_cluster
-            and new.uses_local == old.uses_local
-            and new.topology.mode == old.topology.mode
-            and new.topology.requested == old.topology.requested
-            and new.conflicts == old.conflicts)
-
-
 def _with_delta(new: ResolvedServicePort, previous: ResolvedServicePort | None,
                 res: PortResolution, index: PortIndex | None) -> ResolvedServicePort:
     """`previous` if `new` equals it; else `new`, with its endpoint delta from
@@ -485,7 +481,7 @@ def _with_delta(new: ResolvedServicePort, previous: ResolvedServicePort | None,
     ready endpoint in that domain, and no data plane renders it; its mode decides the
     verdicts, which the delta carries. Nor when the index is new (first resolution, a
     port grown past MEMO_MIN_ENDPOINTS, a protocol changed)."""
-    if previous is None or not _only_endpoints_differ(new, previous):
+    if previous is None or not same_but_endpoints(new, previous):
         return new
     if index is not None:
         if res.since is not previous.token:

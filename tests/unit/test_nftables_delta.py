@@ -198,9 +198,10 @@ def test_a_delta_not_against_the_kept_port_renders_the_port_whole() -> None:
     assert value.startswith(POOL[0])
     del slots.slot_of[value]
     assert render_edit(rsp, new, delta, CIDR4, port) is None
-    # A service change besides the endpoints (the delta's contract says it has none).
+    # A service change besides the endpoints (the delta's contract says it has none):
+    # endpoint_delta, which the plane asks for the delta, refuses it.
     other = replace(new, uses_local=True)
-    assert render_edit(rsp, other, delta, CIDR4, start(rsp).ports[new.key]) is None
+    assert other.delta is new.delta and other.endpoint_delta(rsp) is None
 
 
 def test_the_helper_orders_like_the_model() -> None:

@@ -27,7 +27,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from proxy.dataplane.common.ctnetlink import ConntrackSocket, CtEntry
-from proxy.dataplane.common.deltas import only_endpoints_changed
 from proxy.dataplane.common.naming import port_name
 from proxy.dataplane.common.netlink import NetlinkError
 from proxy.model.snapshot import ResolvedServicePort, SelectedEndpoint
@@ -74,8 +73,7 @@ def _gone(old: ResolvedServicePort, new: ResolvedServicePort | None
     has one (O(change)), else by comparing every endpoint."""
     same_protocol = new is not None and new.port.protocol is old.port.protocol
     delta = new.endpoint_delta(old) if new is not None else None
-    if delta is not None and same_protocol and new is not None \
-            and only_endpoints_changed(old, new):
+    if delta is not None and same_protocol and new is not None:
         return ({(s.endpoint.address, s.endpoint.port) for s in delta.removed
                  if _used(s, old)}
                 - {(s.endpoint.address, s.endpoint.port) for s in delta.added

@@ -40,7 +40,6 @@ from typing import NamedTuple
 
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.common.context import nodeport_selection
-from proxy.dataplane.common.deltas import only_endpoints_changed
 from proxy.model.snapshot import (
     DesiredState,
     EndpointDelta,
@@ -411,8 +410,6 @@ def render_change(old: ResolvedServicePort, new: ResolvedServicePort,
     endpoints changed, a Local-policy server without local endpoints before or after
     (its drop and inside-only flags hang on whether endpoints exist anywhere), a large
     delta, or `rules` not matching the delta."""
-    if not only_endpoints_changed(old, new):
-        return None
     by_set = {local: _net_change(delta, local) for local in (False, True)}
     servers: list[VirtualServer] = []
     changed: dict[VsKey, RealServerChange] = {}

@@ -29,7 +29,6 @@ from collections.abc import Iterable, Mapping
 from ipaddress import ip_address
 
 from proxy.dataplane.common.context import RenderContext
-from proxy.dataplane.common.deltas import only_endpoints_changed
 from proxy.dataplane.common.naming import address_text, port_name
 from proxy.dataplane.nftables.render import (
     HAIRPIN,
@@ -60,7 +59,7 @@ def render_edit(old: ResolvedServicePort, new: ResolvedServicePort, delta: Endpo
                 ctx: RenderContext, kept: KeptPort) -> PortEdit | None:
     """What `render_port(new, ...)` changes against `kept` (rendered from `old`), or None
     when the port must be rendered whole (module docstring)."""
-    if kept.element_dict is None or not only_endpoints_changed(old, new):
+    if kept.element_dict is None:
         return None
     maps = dict(kept.slots)
     proto = new.port.protocol.value.lower()
