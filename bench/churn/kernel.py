@@ -4,13 +4,12 @@ agent's CPU and RSS over time."""
 from __future__ import annotations
 
 import re
-import struct
 import threading
 import time
 from typing import Any
 
 from bench.common import cpu_times, size_mib
-from proxy.dataplane.common.netlink import MulticastListener
+from proxy.dataplane.common.netlink import MulticastListener, replies
 from proxy.dataplane.common.nfnetlink import NETLINK_NETFILTER
 from proxy.dataplane.common.nft_events import NFNLGRP_NFTABLES
 from proxy.lab.netns import entered
@@ -18,7 +17,6 @@ from proxy.lab.netns import entered
 NFNL_SUBSYS_NFTABLES = 10
 NFT_MSG_NEWRULE, NFT_MSG_NEWSETELEM = 6, 12
 ADDING = {NFNL_SUBSYS_NFTABLES << 8 | m for m in (NFT_MSG_NEWRULE, NFT_MSG_NEWSETELEM)}
-NLMSG_HDR = struct.Struct("=IHHII")
 # An IPv4 address of the benchmarking range 198.18.0.0/15, wherever it sits (overlapping).
 BENCH_V4 = re.compile(rb"(?=(\xc6[\x12\x13][\x00-\xff]{2}))")
 
@@ -49,19 +47,13 @@ class AddressWatch(MulticastListener):
 
     def _feed(self, datagram: bytes) -> None:
         now = time.monotonic()
-        offset = 0
-        while offset + NLMSG_HDR.size <= len(datagram):
-            length, kind, _flags, _seq, _pid = NLMSG_HDR.unpack_from(datagram, offset)
-            if length < NLMSG_HDR.size:
-                return
-            if kind in ADDING:
+        for message in replies(datagram):
+            if message.kind in ADDING:
                 self.messages += 1
-                for m in BENCH_V4.finditer(datagram, offset + NLMSG_HDR.size,
-                                           offset + length):
+                for m in BENCH_V4.finditer(message.payload):
                     write = self.wanted.pop(m.group(1), None)
                     if write is not None:
                         self.seen.setdefault(write, now)
-            offset += (length + 3) & ~3
 
 
 class Sampler:

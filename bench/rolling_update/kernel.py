@@ -22,7 +22,7 @@ from bench.rolling_update.workload import (
     SLOT_NFT,
 )
 from proxy.dataplane.common.drift_watch import NftablesListener
-from proxy.dataplane.common.netlink import MulticastListener
+from proxy.dataplane.common.netlink import MulticastListener, replies
 from proxy.dataplane.common.nfnetlink import NETLINK_NETFILTER
 from proxy.dataplane.common.nft_events import NFNLGRP_NFTABLES, NFT_MSG_NEWGEN
 from proxy.lab.netns import entered
@@ -34,7 +34,6 @@ NFNL_SUBSYS_NFTABLES = 10
 NFT_MSG_NEWSETELEM, NFT_MSG_DELSETELEM = 12, 14
 NFT_MSG_DELTABLE, NFT_MSG_DELSET = 2, 11
 NFTA_TABLE_NAME, NFTA_SET_TABLE, NFTA_SET_NAME = 1, 1, 2
-NLMSG = struct.Struct("=IHHII")
 NLA = struct.Struct("=HH")
 NLA_TYPE_MASK = 0x3FFF
 NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_ELEM_LIST_SET, NFTA_SET_ELEM_LIST_ELEMENTS = 1, 2, 3
@@ -250,26 +249,20 @@ class SlotMapWatch(KernelWatch):
 
     def _feed(self, datagram: bytes) -> None:
         now = time.monotonic()
-        offset = 0
-        while offset + NLMSG.size <= len(datagram):
-            length, kind, _flags, _seq, _pid = NLMSG.unpack_from(datagram, offset)
-            if length < NLMSG.size:
-                return
-            end = offset + length
-            if kind >> 8 == NFNL_SUBSYS_NFTABLES:
-                msg = kind & 0xFF
-                if msg in (NFT_MSG_NEWSETELEM, NFT_MSG_DELSETELEM):
-                    self._elements(datagram, offset + NLMSG.size + 4, end,
-                                   msg == NFT_MSG_NEWSETELEM)
-                elif msg in (NFT_MSG_DELTABLE, NFT_MSG_DELSET):
-                    self._gone(datagram, offset + NLMSG.size + 4, end, msg)
-                elif msg == NFT_MSG_NEWGEN:
-                    self._commits += 1
-                    if self._changed:
-                        with self._lock:
-                            self.timeline.append((now, frozenset(self._slots.values())))
-                        self._changed = False
-            offset += (length + 3) & ~3
+        for message in replies(datagram):
+            if message.kind >> 8 != NFNL_SUBSYS_NFTABLES:
+                continue
+            msg, body = message.kind & 0xFF, message.payload  # body: nfgenmsg, attributes
+            if msg in (NFT_MSG_NEWSETELEM, NFT_MSG_DELSETELEM):
+                self._elements(body, 4, len(body), msg == NFT_MSG_NEWSETELEM)
+            elif msg in (NFT_MSG_DELTABLE, NFT_MSG_DELSET):
+                self._gone(body, 4, len(body), msg)
+            elif msg == NFT_MSG_NEWGEN:
+                self._commits += 1
+                if self._changed:
+                    with self._lock:
+                        self.timeline.append((now, frozenset(self._slots.values())))
+                    self._changed = False
 
     def _gone(self, data: bytes, start: int, end: int, msg: int) -> None:
         """The map (or its table) deleted: its elements went with it (a full sync that

@@ -14,10 +14,11 @@ import pytest
 
 from bench import __main__ as bench_main
 from bench.churn import Settings, markdown, run
-from bench.churn.kernel import NFNL_SUBSYS_NFTABLES, NFT_MSG_NEWRULE, NLMSG_HDR, AddressWatch
+from bench.churn.kernel import NFNL_SUBSYS_NFTABLES, NFT_MSG_NEWRULE, AddressWatch
 from bench.churn.measure import Phase
 from bench.churn.workload import AddressPool
 from bench.common import PACINGS
+from proxy.dataplane.common.netlink import frame
 from proxy.lab.netns import NETNS_DIR
 
 NFT_MSG_DELRULE = 8
@@ -25,9 +26,8 @@ NFT_MSG_DELRULE = 8
 
 def _message(kind: int, payload: bytes) -> bytes:
     body = b"\x02\x00\x00\x00" + payload  # nfgenmsg, then what the attributes would hold
-    length = NLMSG_HDR.size + len(body)
-    return NLMSG_HDR.pack(length, NFNL_SUBSYS_NFTABLES << 8 | kind, 0, 0, 0) + body + \
-        b"\0" * (-length % 4)
+    message = frame(NFNL_SUBSYS_NFTABLES << 8 | kind, 0, 0, body)
+    return message + b"\0" * (-len(message) % 4)
 
 
 def _watch() -> AddressWatch:
