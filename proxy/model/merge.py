@@ -91,10 +91,10 @@ def _as_merged(address: IPAddress, port: int, sources: tuple[str, ...], ep: Endp
                ) -> MergedEndpoint:
     """The copy `ep` as the merged endpoint, listed by the slices `sources` (the only
     one, or several whose chosen copy it is)."""
-    return MergedEndpoint(
-        address=address, port=port, ready=ep.ready, serving=ep.serving,
-        terminating=ep.terminating, node_name=ep.node_name, zone=ep.zone,
-        zone_hints=ep.zone_hints, node_hints=ep.node_hints, sources=sources)
+    # Positional, in MergedEndpoint's field order: 1.6 us against 2.8 with keywords, for
+    # every endpoint of a cold start.
+    return MergedEndpoint(address, port, ep.ready, ep.serving, ep.terminating, ep.node_name,
+                          ep.zone, ep.zone_hints, ep.node_hints, sources)
 
 
 def merge_copies(address: IPAddress, port: int, found: list[tuple[str, Endpoint]],
