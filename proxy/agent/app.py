@@ -53,6 +53,9 @@ from proxy.server.nodeports import HealthCheckPorts, LocalEndpointTracker
 log = logging.getLogger(__name__)
 
 DUMP_RULES_TIMEOUT = 2.0  # a dump never waits longer than this for a busy data plane
+# Service ports resolved ahead at a time while endpoints list (a few ms): the list's
+# reader runs in between, so the API server is never kept waiting long.
+RESOLVE_AHEAD_BATCH = 64
 CLOSE_TIMEOUT = 3.0
 
 
@@ -131,6 +134,7 @@ class Agent:
                                          config.nodeport_addresses)
         self._local = LocalEndpointTracker(config.node_name)
         self.first_synced = asyncio.Event()  # set once the first sync is in the kernel
+        self._arrived = asyncio.Event()  # an object arrived (resolving ahead waits on it)
         self._http: list[web.AppRunner] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self.metrics.watch_model(lambda: self.model)
@@ -251,10 +255,11 @@ class Agent:
         assert self.watch is not None and self.runner is not None
         synced = asyncio.ensure_future(self.watch.wait_synced())
         stopped = asyncio.ensure_future(stop.wait())
+        ahead = asyncio.ensure_future(self._resolve_ahead())
         try:
             await asyncio.wait({synced, stopped}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for fut in (synced, stopped):
+            for fut in (synced, stopped, ahead):
                 fut.cancel()
         if stop.is_set():
             return
@@ -263,11 +268,26 @@ class Agent:
         release_free_memory()
         log.info("every watched resource has listed; running the first full sync",
                  extra={"service_ports_dirty": len(self.model.dirty),
+                        "resolved_ahead": self.model.resolved_ahead,
                         "since_start": f"{self.clock() - self.started_at:.3f}s"})
         if self._clean_leftovers:
             await self._remove_leftovers()
         self.runner.start()
         await self._watch_drift()
+
+    async def _resolve_ahead(self) -> None:
+        """Once Services and the Node have listed, resolve the service ports whose
+        endpoints have arrived while the rest still list (ClusterModel.resolve_ahead):
+        at 10,000 services the API server takes seconds to send them, time the agent
+        otherwise spent waiting. Cancelled when everything has listed."""
+        assert self.watch is not None
+        await self.watch.wait_synced_but_endpoints()
+        while True:
+            if self.model.resolve_ahead(RESOLVE_AHEAD_BATCH):
+                await asyncio.sleep(0)  # the lists' readers run in between
+            else:
+                self._arrived.clear()
+                await self._arrived.wait()
 
     async def _remove_leftovers(self) -> None:
         """Remove the other proxy modes' rules (proxy/dataplane/leftovers.py), on the data
@@ -361,6 +381,8 @@ class Agent:
                                           "object": f"{ev.namespace}/{ev.name}"})
         if self.runner is not None and (not self.runner.initialized or model.has_dirty):
             self.runner.request()
+            if not self.runner.initialized:
+                self._arrived.set()
 
     def _synced(self, state: DesiredState, keys: frozenset[ServicePortKey]) -> None:
         self.first_synced.set()

@@ -103,6 +103,13 @@ class ClusterWatch:
     async def wait_synced(self) -> None:
         await asyncio.gather(*(r.synced.wait() for r in self.reflectors))
 
+    async def wait_synced_but_endpoints(self) -> None:
+        """Until Services and the Node have listed: what decides which service ports
+        exist and how endpoints are chosen, so that the endpoints listed from then on
+        can be resolved as they arrive."""
+        services, _endpoints, nodes = self.reflectors
+        await asyncio.gather(services.synced.wait(), nodes.synced.wait())
+
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()

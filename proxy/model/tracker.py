@@ -16,7 +16,7 @@ service to another when a slice's service-name label changes.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -171,6 +171,10 @@ class ClusterModel:
         self._dirty: set[ServicePortKey] = set()
         self._state = DesiredState()
         self._memos: dict[ServicePortKey, PortIndex] = {}
+        # Resolving ahead (before the first resolve, `resolve_ahead`): the ports whose
+        # endpoints have arrived, in order, and their resolutions, not yet in `_state`.
+        self._ahead: deque[ServicePortKey] | None = None
+        self._resolved_ahead: dict[ServicePortKey, ResolvedServicePort | None] = {}
 
     # --- inputs ----------------------------------------------------------------------
 
@@ -305,6 +309,8 @@ class ClusterModel:
         for key in service_keys(service):
             if (key.port, key.family) in touched:
                 self._dirty.add(key)
+                if self._ahead is not None:
+                    self._ahead.append(key)
 
     def set_node(self, node: Node) -> None:
         """This node's own Node object; topology labels feed selection."""
@@ -353,6 +359,11 @@ class ClusterModel:
         return frozenset(self._dirty)
 
     @property
+    def resolved_ahead(self) -> int:
+        """Ports resolved ahead of the next `resolve` (`resolve_ahead`)."""
+        return len(self._resolved_ahead)
+
+    @property
     def has_dirty(self) -> bool:
         """Some service port awaits a resolve: asked on every event, so O(1) (`dirty`
         copies the set: under churn held back by the CPU budget that was O(backlog)
@@ -396,17 +407,39 @@ class ClusterModel:
         return out
 
     def resolve(self, full: bool = False) -> DesiredState:
-        """Resolve the dirty service ports (every port if `full`) into a new snapshot."""
+        """Resolve the dirty service ports (every port if `full`) into a new snapshot,
+        with what was resolved ahead (and stayed clean since)."""
         if full:
             self.mark_all_dirty()
             self._dirty.update(self._state.ports)
-        updates = {key: self.resolve_key(key) for key in self._dirty}
+        updates, self._resolved_ahead, self._ahead = self._resolved_ahead, {}, None
+        updates.update((key, self.resolve_key(key)) for key in self._dirty)
         for key, value in updates.items():
             if value is None:
                 self._memos.pop(key, None)
         self._dirty.clear()
         self._state = self._state.evolve(updates)
         return self._state
+
+    def resolve_ahead(self, limit: int) -> int:
+        """Before the first sync, while endpoints are still listing: resolve up to
+        `limit` dirty ports whose endpoints have arrived (those dirty when this was first
+        called, then as their endpoints arrive), keeping the results for the next
+        `resolve`, which ends resolving ahead. The cold start's resolution is then
+        done while the agent waits for the API server's lists. A port whose endpoints
+        arrive again is dirty again and resolved again. How many it resolved: 0 when
+        none is waiting."""
+        if self._ahead is None:
+            self._ahead = deque(k for k in self._dirty
+                                if (k.namespace, k.name) in self._by_service)
+        done = 0
+        while self._ahead and done < limit:
+            key = self._ahead.popleft()
+            if key in self._dirty:
+                self._dirty.discard(key)
+                self._resolved_ahead[key] = self.resolve_key(key)
+                done += 1
+        return done
 
     def resolve_key(self, key: ServicePortKey) -> ResolvedServicePort | None:
         """The key's resolution; the previous one itself when nothing changed, so its
