@@ -276,15 +276,19 @@ class Agent:
         await self._watch_drift()
 
     async def _resolve_ahead(self) -> None:
-        """Once Services and the Node have listed, resolve the service ports whose
-        endpoints have arrived while the rest still list (ClusterModel.resolve_ahead):
-        at 10,000 services the API server takes seconds to send them, time the agent
-        otherwise spent waiting. Cancelled when everything has listed."""
-        assert self.watch is not None
+        """Once Services and the Node have listed, resolve and render the service
+        ports whose endpoints have arrived while the rest still list
+        (ClusterModel.resolve_ahead, DataPlane.render_ahead): at 10,000 services the API
+        server takes seconds to send them, time the agent otherwise spent waiting.
+        Cancelled when everything has listed."""
+        assert self.watch is not None and self.dataplane is not None
         await self.watch.wait_synced_but_endpoints()
+        dataplane, expected = self.dataplane, self.model.port_counts()
         while True:
-            if self.model.resolve_ahead(RESOLVE_AHEAD_BATCH):
-                await asyncio.sleep(0)  # the lists' readers run in between
+            if ports := self.model.resolve_ahead(RESOLVE_AHEAD_BATCH):
+                # Rendered ahead too, on the data plane's thread; the lists' readers
+                # run meanwhile.
+                await self.worker.call(lambda: dataplane.render_ahead(ports, expected))
             else:
                 self._arrived.clear()
                 await self._arrived.wait()

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from proxy.model.snapshot import DesiredState
+from proxy.model.snapshot import DesiredState, ResolvedServicePort
 from proxy.model.types import Family, IPNetwork, ServicePortKey
 
 
@@ -88,6 +88,14 @@ class DataPlane(Protocol):
         `full` rewrites everything we own (start-up, periodic resync, after a failure);
         otherwise only what differs from the last successfully applied state.
         """
+        ...
+
+    def render_ahead(self, ports: Sequence[ResolvedServicePort],
+                     expected: Mapping[Family, int]) -> None:
+        """Before the first sync, while the cluster still lists: render `ports` (resolved
+        ahead, ClusterModel.resolve_ahead) now, for the first sync to take those that
+        are still what it applies. `expected`: how many service ports each family will
+        have. May do nothing. Blocking, on the data plane's thread, as `sync`."""
         ...
 
     def applied_rules(self, key: ServicePortKey) -> Sequence[str]:

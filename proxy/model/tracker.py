@@ -421,24 +421,32 @@ class ClusterModel:
         self._state = self._state.evolve(updates)
         return self._state
 
-    def resolve_ahead(self, limit: int) -> int:
+    def port_counts(self) -> dict[Family, int]:
+        """How many service ports each family has (resolved or not). O(services)."""
+        return dict(Counter(k.family for svc in self._services.values()
+                            for k in service_keys(svc)))
+
+    def resolve_ahead(self, limit: int) -> list[ResolvedServicePort]:
         """Before the first sync, while endpoints are still listing: resolve up to
         `limit` dirty ports whose endpoints have arrived (those dirty when this was first
         called, then as their endpoints arrive), keeping the results for the next
         `resolve`, which ends resolving ahead. The cold start's resolution is then
         done while the agent waits for the API server's lists. A port whose endpoints
-        arrive again is dirty again and resolved again. How many it resolved: 0 when
-        none is waiting."""
+        arrive again is dirty again and resolved again. What it resolved (ports gone
+        left out): empty when none is waiting."""
         if self._ahead is None:
             self._ahead = deque(k for k in self._dirty
                                 if (k.namespace, k.name) in self._by_service)
-        done = 0
-        while self._ahead and done < limit:
+        done: list[ResolvedServicePort] = []
+        tried = 0
+        while self._ahead and tried < limit:
             key = self._ahead.popleft()
             if key in self._dirty:
                 self._dirty.discard(key)
-                self._resolved_ahead[key] = self.resolve_key(key)
-                done += 1
+                rsp = self._resolved_ahead[key] = self.resolve_key(key)
+                tried += 1
+                if rsp is not None:
+                    done.append(rsp)
         return done
 
     def resolve_key(self, key: ServicePortKey) -> ResolvedServicePort | None:

@@ -11,7 +11,7 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +22,8 @@ from proxy.config.options import Config, parse_args
 from proxy.dataplane.base import ApplyError, SyncReport
 from proxy.kube.reflector import ReflectorOptions
 from proxy.lab.poll import wait
-from proxy.model.snapshot import DesiredState
-from proxy.model.types import ServicePortKey, format_endpoint
+from proxy.model.snapshot import DesiredState, ResolvedServicePort
+from proxy.model.types import Family, ServicePortKey, format_endpoint
 from proxy.sim import SimServer
 
 T = TypeVar("T")
@@ -38,6 +38,7 @@ class FakeDataPlane:
     threads: set[int] = field(default_factory=set)
     gate: threading.Event = field(default_factory=threading.Event)
     fail_next: int = 0
+    rendered_ahead: int = 0  # ports handed to render_ahead before the first sync
     housekept: int = 0
     closed: bool = False
     cleaned: bool = False
@@ -87,6 +88,11 @@ class FakeDataPlane:
     def housekeeping(self) -> None:
         self.threads.add(threading.get_ident())
         self.housekept += 1
+
+    def render_ahead(self, ports: Sequence[ResolvedServicePort],
+                     expected: Mapping[Family, int]) -> None:
+        self.threads.add(threading.get_ident())
+        self.rendered_ahead += len(ports)
 
     def watch_drift(self, notify: Callable[[str], None]) -> None:
         self.notify = notify

@@ -93,10 +93,10 @@ def test_only_ports_whose_endpoints_arrived_are_resolved_ahead() -> None:
     apply_object(model, _service("a", 0))
     apply_object(model, _service("b", 0))
     apply_object(model, _slice("a-1", 0))
-    assert model.resolve_ahead(10) == 2  # a's two ports; b has no endpoints yet
-    assert model.resolve_ahead(10) == 0
+    assert len(model.resolve_ahead(10)) == 2  # a's two ports; b has no endpoints yet
+    assert model.resolve_ahead(10) == []
     apply_object(model, _slice("b-1", 1))  # only http in it
-    assert model.resolve_ahead(10) == 1
+    assert len(model.resolve_ahead(10)) == 1
     assert model.resolved_ahead == 3
     # b's dns port waits for the resolve: no endpoints of it arrived.
     assert [(k.name, k.port) for k in model.dirty] == [("b", "dns")]

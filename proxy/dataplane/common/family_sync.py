@@ -131,6 +131,22 @@ class FamilySyncPlane(ABC, Generic[S]):
     def _after_sync(self, full: bool) -> None:
         """After every family, before a failure is raised."""
 
+    def _render_ahead(self, fam: S, ports: Sequence[ResolvedServicePort], ctx: RenderContext,
+                      expected: int) -> None:
+        """Render `ports` now for the family's first full sync (`render_ahead`), which
+        will have `expected` service ports; nothing by default."""
+
+    def render_ahead(self, ports: Sequence[ResolvedServicePort],
+                     expected: Mapping[Family, int]) -> None:
+        """base.DataPlane.render_ahead: each family's ports, in the mode's
+        `_render_ahead`."""
+        node_ips = self._addresses()
+        for family, fam in self._families.items():
+            mine = [p for p in ports if p.key.family is family]
+            if mine:
+                self._render_ahead(fam, mine, context_for(family, self.options, node_ips),
+                                   expected.get(family, 0))
+
     # --- the loop -----------------------------------------------------------------------------
 
     def sync(self, state: DesiredState, full: bool = False) -> SyncReport:

@@ -281,6 +281,10 @@ class IpvsDataPlane:
             details=details,
         )
 
+    def render_ahead(self, ports: Sequence[ResolvedServicePort],
+                     expected: Mapping[Family, int]) -> None:
+        """Nothing: IPVS's first sync is virtual servers, not one batch to build."""
+
     def applied_rules(self, key: ServicePortKey) -> Sequence[str]:
         rules = self._applied.get(key)
         if rules is None:

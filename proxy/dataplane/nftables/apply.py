@@ -80,6 +80,10 @@ class _FamilyState(FamilyState):
         # Shard tables (render.py): set by each full sync, only ever grown while running
         # (shrinking would move every port for nothing).
         self.shards = shards
+        # Ports rendered before the first full sync (render_ahead), with what they were
+        # rendered from: the resolution itself, the context and the shard count.
+        self.ahead: dict[ServicePortKey, tuple[ResolvedServicePort, RenderContext, int,
+                                               PortObjects]] = {}
 
     @property
     def state(self) -> TableState | None:
@@ -168,10 +172,26 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
         ports = {k: v for k, v in state.ports.items() if k.family is fam.family}
         shards = max(fam.shards, shards_for(len(ports)))
         bases = [render_base(ctx), *(render_shard(ctx, shard_table(i)) for i in range(shards))]
-        text, table = full_lines(bases, {k: render_port(v, ctx, shards)
-                                          for k, v in ports.items()}, chains, sets, tables)
+        ahead, fam.ahead = fam.ahead, {}
+
+        def objects(key: ServicePortKey, rsp: ResolvedServicePort) -> PortObjects:
+            done = ahead.get(key)
+            if done is not None and done[0] is rsp and done[1] == ctx and done[2] == shards:
+                return done[3]
+            return render_port(rsp, ctx, shards)
+
+        text, table = full_lines(bases, {k: objects(k, v) for k, v in ports.items()},
+                                 chains, sets, tables)
         fam.shards = shards
         return text, table
+
+    def _render_ahead(self, fam: _FamilyState, ports: Sequence[ResolvedServicePort],
+                      ctx: RenderContext, expected: int) -> None:
+        # The shard count _render_full will choose if `expected` ports come; a port
+        # rendered for another count, context or resolution is rendered again there.
+        shards = max(fam.shards, shards_for(expected))
+        for rsp in ports:
+            fam.ahead[rsp.key] = (rsp, ctx, shards, render_port(rsp, ctx, shards))
 
     def _kernel_objects(self, fam: _FamilyState
                         ) -> tuple[set[str], list[tuple[str, str]], dict[tuple[str, str], str]]:
