@@ -1,7 +1,8 @@
 """`python -m bench`: issue 15's scale scenarios in one command, written to bench/RESULTS.md.
 
     sudo .venv/bin/python -m bench                  # the issues' sizes (two hours or more:
-                                                    # cold-start ~35 min, rolling-update
+                                                    # cold-start ~35 min, realcp-cold-start
+                                                    # ~8 min, rolling-update
                                                     # ~35 min, churn ~7 min, fleet...)
     sudo .venv/bin/python -m bench --size small     # CI's sizes, into a temporary directory
     sudo .venv/bin/python -m bench --only huge-service agent-start
@@ -17,6 +18,12 @@ Scenarios:
   cold-start     bench.realcp_latency: kube-apiserver v1.20.2 and its real controllers;
                  sliceproxy (iptables, nftables) and kube-proxy v1.20.2 side by side:
                  process start -> every rule, RSS, one endpoint change API -> kernel
+  realcp-cold-start
+                 bench.realcp_cold_start: issue 29's cold start in nftables mode on
+                 kube-apiserver v1.20.2 with the objects written straight to it (no Pods,
+                 no controller backlog), each start after the control plane is quiet,
+                 Endpoints and EndpointSlices as sources: first nf_tables commit, every
+                 rule, the agent's own figures, CPU, peak RSS
   agent-start    bench.agent_start: the agent alone on the simulator (RSS over time)
   huge-service   bench.huge_service: one service, 10,000 endpoints in 100 slices
   fleet          bench.reflector_fleet: N agents' watch layers on one real API server
@@ -88,6 +95,12 @@ SCENARIOS = (
                               "--changes", "20", "--setup-deadline", "2400",
                               "--proxies", "sliceproxy-nftables", "sliceproxy",
                               "--pacing", "old", "new")))}),
+    Scenario("realcp-cold-start", "bench.realcp_cold_start", "The nftables mode's cold start "
+             "on a quiet real API server, objects written directly", {
+                 "small": (Run("30 services x 2", ("--services", "30", "--endpoints", "2",
+                                                   "--runs", "1")),),
+                 "full": (Run("10,000 services x 10", ("--services", "10000", "--endpoints",
+                                                       "10", "--runs", "3")),)}),
     Scenario("agent-start", "bench.agent_start", "The agent's cold start on the simulator", {
         "small": (Run("200 services x 5", ("--services", "200", "--endpoints", "5",
                                           "--runs", "2", "--idle", "1")),),

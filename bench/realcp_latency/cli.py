@@ -11,16 +11,16 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from bench import realcp_latency as package  # its docstring is the command's help
 from bench.common import PACINGS
 from bench.realcp_latency.report import markdown
 from bench.realcp_latency.run import run
 from bench.realcp_latency.settings import BACKENDS, KCM_FLAGS, PROXIES, Settings
-from labs.realcp.build import build
+from labs.realcp.build import Binaries, build
 from labs.realcp.controlplane import ControlPlane
 
 
@@ -66,9 +66,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--keep-logs", type=Path,
                    help="a directory for the proxies' logs (kept); default: a temporary one")
     args = p.parse_args(argv)
-    if os.geteuid() != 0:
-        print("needs root (network namespaces)", file=sys.stderr)
-        return 2
     settings = Settings(
         services=args.services, pods_per_service=args.pods_per_service, changes=args.changes,
         poll_interval=args.poll_interval, spacing=args.spacing,
@@ -76,6 +73,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         parallel=args.parallel, seed=args.seed, proxies=tuple(args.proxies),
         iptables_backend=args.iptables_backend, pacing=tuple(args.pacing))
     settings.check()
+    return on_control_plane(
+        p.prog, argv, lambda cp, bins, workdir, progress: run(cp, bins, settings, workdir,
+                                                              progress),
+        markdown, args.json, args.keep_logs, controller_manager_flags=KCM_FLAGS)
+
+
+Measure = Callable[[ControlPlane, Binaries, Path, Callable[[str], None]], dict[str, Any]]
+
+
+def on_control_plane(prog: str, argv: Sequence[str] | None, measure: Measure,
+                     markdown: Callable[[dict[str, Any]], str], json_path: Path | None,
+                     keep_logs: Path | None, **control_plane: Any) -> int:
+    """A benchmark command's body: builds (or reuses) the binaries, starts the control
+    plane (`control_plane`: ControlPlane's options), runs `measure` on it with a work
+    directory (`keep_logs`, else a temporary one) and progress on stderr, everything
+    removed on the way out, SIGTERM included; then writes the result (with the command)
+    to `json_path` and prints its Markdown. Needs root (network namespaces)."""
+    if os.geteuid() != 0:
+        print("needs root (network namespaces)", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _on_sigterm)
 
     def progress(text: str) -> None:
@@ -83,13 +100,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     progress("building (or reusing) Kubernetes v1.20.2")
     bins = build()
-    with ControlPlane(bins, controller_manager_flags=KCM_FLAGS) as cp, \
-            _workdir(args.keep_logs) as workdir:
+    with ControlPlane(bins, **control_plane) as cp, _workdir(keep_logs) as workdir:
         progress(f"control plane up in namespace {cp.namespace}")
-        result = run(cp, bins, settings, workdir, progress)
-    result["command"] = "python -m bench.realcp_latency " + " ".join(
-        sys.argv[1:] if argv is None else argv)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        result = measure(cp, bins, workdir, progress)
+    result["command"] = f"{prog} " + " ".join(sys.argv[1:] if argv is None else argv)
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
     print(markdown(result))
     return 0

@@ -152,19 +152,28 @@ def versions(cp: ControlPlane, bins: Binaries) -> dict[str, Any]:
             "kernel": platform.release(), "cpus": os.cpu_count()}
 
 
+def begin(cp: ControlPlane, bins: Binaries, settings: Mapping[str, Any],
+          prefix: str) -> tuple[RawApi, str, dict[str, Any]]:
+    """What a run on the control plane starts with: a client, a namespace of its own
+    (`prefix`-<ms>, created) and the result's head (date, settings, namespace, versions,
+    what else the machine was doing)."""
+    api = RawApi(cp.host_url, token=cp.token, context=cp.ssl_context())
+    ns = f"{prefix}-{int(time.time() * 1000) % 10**8}"
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "settings": dict(settings), "namespace": ns, "versions": versions(cp, bins),
+        "environment_start": environment()}
+    api.must("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                            "metadata": {"name": ns}})
+    return api, ns, result
+
+
 def run(cp: ControlPlane, bins: Binaries, settings: Settings, workdir: Path,
         progress: Callable[[str], None] = quiet) -> dict[str, Any]:
     """The whole measurement on a running control plane; returns the results (JSON-able).
     Everything it starts (namespaces, processes, the watch) is gone when it returns."""
     settings.check()
-    api = RawApi(cp.host_url, token=cp.token, context=cp.ssl_context())
-    ns = f"lat-{int(time.time() * 1000) % 10**8}"
-    result: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "settings": asdict(settings), "namespace": ns, "versions": versions(cp, bins),
-        "environment_start": environment()}
-    api.must("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
-                                            "metadata": {"name": ns}})
+    api, ns, result = begin(cp, bins, asdict(settings), "lat")
     deadline = time.monotonic() + settings.setup_deadline
     n, per = settings.services, settings.pods_per_service
     want = {service_name(i): frozenset(pod_ip(settings, i, j) for j in range(per))

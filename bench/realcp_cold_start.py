@@ -1,0 +1,414 @@
+"""The nftables mode's cold start on a quiet real API server (issue 29: 10,000 services x
+10 endpoints, process start -> every rule <= 5 s).
+
+    sudo .venv/bin/python -m bench.realcp_cold_start                  # 10,000 x 10, 3 runs
+    sudo .venv/bin/python -m bench.realcp_cold_start --services 200 --runs 1 --json out.json
+
+kube-apiserver and kube-controller-manager v1.20.2 (labs/realcp) are started as
+`bench.realcp_latency` starts them, and everything (control plane, node namespaces,
+processes, files) is removed on exit, SIGTERM included. Unlike `bench.realcp_latency`,
+no Pod is made: N Services without a selector (one TCP port "http", 80 -> 8080) and,
+for each, its endpoints are written straight to the API server (P ready addresses from
+198.18.0.0/15, their nodeName spread over 50 node names, the agent's "node-a" one of
+them): `--sources endpoints` an Endpoints object, `endpointslices` a
+discovery.k8s.io/v1beta1 EndpointSlice managed by us
+(`endpointslice.kubernetes.io/managed-by: sliceproxy-bench.example.com`, which neither
+the EndpointSlice nor the mirroring controller touches). The Endpoints objects carry
+`endpointslice.kubernetes.io/skip-mirror: "true"`, the endpointslicemirroring
+controller's opt-out (v1.19+: it mirrors an Endpoints object only if its Service has no
+selector and neither that label nor a leader-election annotation is set): nothing is
+mirrored, so the controller manager has no backlog and the EndpointSlice agent sees
+only our slices, one per service. The result's `mirrored_slices` counts slices managed
+by the mirroring controller in the namespace at the end (0 expected). The writes go
+out from a thread pool under one set-up deadline.
+
+Before each measured start the bench waits (bounded, polling /proc once a second) until
+kube-apiserver and kube-controller-manager each used less than `--quiet-cpu` of a core
+over the last second, and records what it saw (with etcd's and the machine's load).
+Then, `--runs` times per source (sources alternating): a fresh lab node namespace
+attached to the control plane, sliceproxy in nftables mode with its default flags
+(`--endpoints-source` the source), a listener for nf_tables' announcements started
+before it, and records:
+
+* `committed_s`: process start -> the first nf_tables transaction on our tables (the
+  first sync is one transaction), dated by the kernel's announcement;
+* `seconds_to_rules`: process start -> every one of the N x P endpoints seen DNATed in
+  the rules (polls every 0.25 s; reading 110,000 rules back as JSON takes about a second
+  at 10,000 x 10, so this is later than the commit by that much);
+* the agent's own log: "every watched resource has listed" and "first sync done"
+  (`since_start`, from the process's start);
+* the agent's CPU (self) and peak RSS (VmHWM) when the rules were seen.
+
+Then the agent is stopped and its namespace deleted. A measurement, never a pass/fail on
+time. `run()` is the core; tests/realcp/test_cold_start_bench.py calls it at a tiny size
+on the tier's session control plane (which it leaves as it found it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.agent_start import FIRST_SYNC, LISTED, NODES
+from bench.common import cpu_times, quiet
+from bench.realcp_latency.cli import on_control_plane
+from bench.realcp_latency.measure import Commits, commit_tables, summary, wait_initial
+from bench.realcp_latency.proxies import Side
+from bench.realcp_latency.run import begin, environment
+from bench.realcp_latency.settings import (
+    NFTABLES,
+    NODE,
+    POD_ADDRESSES,
+    PROXY_FLAGS,
+    TARGET_PORT,
+    service_name,
+)
+from labs.realcp.build import Binaries
+from labs.realcp.clusters import Ep, endpoint_slice, service, services_path
+from labs.realcp.controlplane import ControlPlane
+from labs.realcp.nodes import Sliceproxy, ensure_node
+from labs.realcp.rawapi import RawApi
+from proxy.lab import Lab
+from proxy.lab.poll import TimedOut, wait
+from proxy.lab.topology import NODE_LAN4, ip
+
+SOURCES = ("endpoints", "endpointslices")
+SIDE = "sliceproxy-nftables"  # realcp_latency's name for the mode; its flags
+SLICE_API = "discovery.k8s.io/v1beta1"  # what v1.20 serves
+MANAGER = "sliceproxy-bench.example.com"
+MANAGED_BY = "endpointslice.kubernetes.io/managed-by"
+SKIP_MIRROR = "endpointslice.kubernetes.io/skip-mirror"
+MIRROR_MANAGER = "endpointslicemirroring-controller.k8s.io"
+WATCHED = ("kube-apiserver", "kube-controller-manager", "etcd")  # CPU recorded
+QUIET_OF = ("kube-apiserver", "kube-controller-manager")  # CPU waited for
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    services: int = 10_000
+    endpoints: int = 10  # per service
+    runs: int = 3  # per source
+    sources: tuple[str, ...] = SOURCES
+    parallel: int = 16  # concurrent API requests while writing the objects
+    setup_deadline: float = 1500.0  # every object written
+    start_deadline: float = 300.0  # per run: process start -> every endpoint in the rules
+    quiet_cpu: float = 0.10  # of a core, each of QUIET_OF, over the last second
+    quiet_deadline: float = 180.0  # then the run starts anyway (recorded as not quiet)
+    cleanup_objects: bool = False  # delete what was written (a shared control plane)
+
+    def check(self) -> None:
+        if min(self.services, self.endpoints, self.runs, self.parallel) < 1:
+            raise ValueError("services, endpoints, runs and parallel must be positive")
+        if self.endpoints > len(POD_ADDRESSES):
+            raise ValueError(f"at most {len(POD_ADDRESSES)} endpoints per service")
+        if not self.sources or not set(self.sources) <= set(SOURCES) \
+                or len(set(self.sources)) != len(self.sources):
+            raise ValueError(f"sources: distinct ones of {SOURCES}")
+
+
+# --- the objects ----------------------------------------------------------------------
+
+
+def addresses(settings: Settings, i: int) -> list[tuple[str, str]]:
+    """Service i's endpoints as (address, node name). Addresses come from
+    realcp_latency's pod ranges in 198.18.0.0/15 and repeat across services past their
+    97,534 (never within one); nodes are NODE and node-1 .. node-49 in turn."""
+    out = []
+    for j in range(settings.endpoints):
+        k = i * settings.endpoints + j
+        out.append((str(POD_ADDRESSES[k % len(POD_ADDRESSES)]),
+                    NODE if k % NODES == 0 else f"node-{k % NODES}"))
+    return out
+
+
+def endpoints_object(name: str, ns: str, eps: Sequence[tuple[str, str]]) -> Obj:
+    return {"apiVersion": "v1", "kind": "Endpoints",
+            "metadata": {"name": name, "namespace": ns, "labels": {SKIP_MIRROR: "true"}},
+            "subsets": [{"addresses": [{"ip": a, "nodeName": n} for a, n in eps],
+                         "ports": [{"name": "http", "port": TARGET_PORT,
+                                    "protocol": "TCP"}]}]}
+
+
+def slice_object(name: str, ns: str, eps: Sequence[tuple[str, str]]) -> Obj:
+    obj = endpoint_slice(SLICE_API, f"{name}-bench", ns, name,
+                         [Ep(a, node=n) for a, n in eps], port=TARGET_PORT)
+    obj["metadata"]["labels"][MANAGED_BY] = MANAGER
+    return obj
+
+
+def _write_service(api: RawApi, ns: str, settings: Settings, i: int) -> None:
+    name = service_name(i)
+    eps = addresses(settings, i)
+    api.must("POST", services_path(ns), service(name, ns))  # no selector
+    if "endpoints" in settings.sources:
+        api.must("POST", f"/api/v1/namespaces/{ns}/endpoints",
+                 endpoints_object(name, ns, eps))
+    if "endpointslices" in settings.sources:
+        api.must("POST", f"/apis/{SLICE_API}/namespaces/{ns}/endpointslices",
+                 slice_object(name, ns, eps))
+
+
+def write_all(api: RawApi, ns: str, settings: Settings,
+              progress: Callable[[str], None]) -> dict[str, Any]:
+    """Every service and its endpoints, `settings.parallel` at a time; raises if the
+    set-up deadline passes first."""
+    started = time.monotonic()
+    deadline = started + settings.setup_deadline
+    with ThreadPoolExecutor(settings.parallel) as pool:
+        futures = [pool.submit(_write_service, api, ns, settings, i)
+                   for i in range(settings.services)]
+        try:
+            for k, future in enumerate(futures, 1):
+                future.result(timeout=max(1.0, deadline - time.monotonic()))
+                if k % 2000 == 0:
+                    progress(f"{k}/{settings.services} services written")
+        except BaseException:  # a failure, the deadline, SIGTERM: the rest is not sent
+            pool.shutdown(cancel_futures=True)
+            raise
+    seconds = time.monotonic() - started
+    objects = settings.services * (1 + len(settings.sources))
+    progress(f"{objects} objects written in {seconds:.1f}s")
+    return {"seconds": round(seconds, 1), "objects": objects,
+            "per_second": round(objects / seconds, 1)}
+
+
+def mirrored_slices(api: RawApi, ns: str) -> int:
+    status, body = api.get(f"/apis/{SLICE_API}/namespaces/{ns}/endpointslices",
+                           labelSelector=f"{MANAGED_BY}={MIRROR_MANAGER}")
+    if status != 200:
+        raise RuntimeError(f"listing mirrored slices: HTTP {status}: {body}")
+    return len(body["items"])
+
+
+def _delete_objects(api: RawApi, ns: str, settings: Settings) -> None:
+    """What was written goes (so that later tests' proxies do not carry it); the
+    namespace stays (no namespace controller runs), as in bench.realcp_latency."""
+    for path in (f"/api/v1/namespaces/{ns}/endpoints",
+                 f"/apis/{SLICE_API}/namespaces/{ns}/endpointslices"):
+        api.request("DELETE", path, timeout=300)
+    with ThreadPoolExecutor(settings.parallel) as pool:
+        list(pool.map(lambda i: api.request("DELETE", f"{services_path(ns)}/"
+                                            f"{service_name(i)}"), range(settings.services)))
+
+
+# --- a quiet control plane ------------------------------------------------------------
+
+
+def control_plane_pids(cp: ControlPlane) -> dict[str, int]:
+    """The control plane's processes by name, found in its network namespace."""
+    out: dict[str, int] = {}
+    for pid in ip("netns", "pids", cp.namespace, check=False).stdout.split():
+        with contextlib.suppress(OSError):
+            name = Path(os.readlink(f"/proc/{pid}/exe")).name
+            if name in WATCHED:
+                out[name] = int(pid)
+    return out
+
+
+def wait_quiet(cp: ControlPlane, settings: Settings) -> dict[str, Any]:
+    """Until each of QUIET_OF used under `quiet_cpu` of a core over the last second (or
+    the deadline: then `quiet` is false). Returns the last second's CPU of each
+    (fraction of a core), how long it took and the machine's load."""
+    pids = control_plane_pids(cp)
+    missing = set(QUIET_OF) - set(pids)
+    if missing:
+        raise RuntimeError(f"control plane processes not found: {sorted(missing)}")
+    started = time.monotonic()
+    last = (started, {n: sum(cpu_times(p)) for n, p in pids.items()})
+    seen: dict[str, float] = {}
+
+    def quiet_now() -> bool:
+        nonlocal last, seen
+        now, cpu = time.monotonic(), {n: sum(cpu_times(p)) for n, p in pids.items()}
+        if now - last[0] < 0.9:
+            return False
+        seen = {n: round((cpu[n] - last[1][n]) / (now - last[0]), 3) for n in cpu}
+        last = (now, cpu)
+        return all(seen[n] < settings.quiet_cpu for n in QUIET_OF)
+
+    calm = True
+    try:
+        wait(quiet_now, settings.quiet_deadline, "a quiet control plane", interval=1.0)
+    except TimedOut:
+        calm = False
+    return {"quiet": calm, "waited_s": round(time.monotonic() - started, 1),
+            "cpu_last_second": seen, "threshold": settings.quiet_cpu,
+            "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
+
+
+# --- one start --------------------------------------------------------------------------
+
+
+# The agent's word for what it reads endpoints from.
+SOURCE_LINE = re.compile(r'msg="(using (?:EndpointSlice API|legacy Endpoints)[^"]*)"')
+
+
+def _logged(log_path: Path, pattern: re.Pattern[str]) -> str | None:
+    """The first group of the pattern's first match in the agent's log."""
+    match = pattern.search(log_path.read_text(errors="replace"))
+    return match.group(1) if match else None
+
+
+def start_once(cp: ControlPlane, settings: Settings, source: str, ns: str,
+               want: set[tuple[str, str]], workdir: Path) -> dict[str, Any]:
+    """One cold start of the agent in a fresh node namespace; everything it started is
+    gone when this returns."""
+    before = wait_quiet(cp, settings)
+    out: dict[str, Any] = {"source": source, "control_plane_before": before,
+                           "environment_before": environment()}
+    with Lab([], node_name=NODE, ipv6=False) as lab, contextlib.ExitStack() as stack:
+        cp.attach(lab.node_ns)
+        stack.callback(cp.detach, lab.node_ns)
+        proxy = Sliceproxy.make(lab, cp.node_kubeconfig, workdir, source,
+                                *PROXY_FLAGS[SIDE])
+        stack.callback(proxy.stop)
+        side = Side(SIDE, lab, proxy)
+        # nf_tables' announcements, heard from before the process starts.
+        commits = Commits(lab.node_ns, commit_tables(NFTABLES))
+        stack.callback(commits.stop)
+        proxy.start()
+        initial = wait_initial(side, ns, want, settings.services,
+                               proxy.started + settings.start_deadline, commits)
+        # The agent logs its first sync once the commit is back: moments later.
+        first_sync = float(wait(lambda: _logged(proxy.log_path, FIRST_SYNC), 60,
+                                "the agent's first-sync line", detail=proxy.log_tail))
+        listed = _logged(proxy.log_path, LISTED)
+        out.update(
+            committed_s=initial.get("committed_s"), seconds_to_rules=initial["seconds_to_rules"],
+            resolution_s=initial["resolution_s"], listed_s=float(listed) if listed else None,
+            first_sync_s=first_sync, cpu_s=initial["cpu_s"]["self"],
+            peak_rss_mib=initial["memory_mib"]["peak_rss"], rss_mib=initial["memory_mib"]["rss"],
+            nft_rules=initial["nat_rules"], endpoints_wanted=len(want),
+            endpoints_seen=len(want & set(side.view.endpoints)), polls=initial["polls"],
+            argv=proxy.argv, source_logged=_logged(proxy.log_path, SOURCE_LINE))
+    return out
+
+
+# --- the whole measurement ----------------------------------------------------------------
+
+
+def run(cp: ControlPlane, bins: Binaries, settings: Settings, workdir: Path,
+        progress: Callable[[str], None] = quiet) -> dict[str, Any]:
+    """Set-up, then the runs; returns the results (JSON-able)."""
+    settings.check()
+    api, ns, result = begin(cp, bins, asdict(settings), "cold")
+    ensure_node(api, NODE, str(NODE_LAN4))
+    want = {(f"{ns}/{service_name(i)}:http", f"{a}:{TARGET_PORT}")
+            for i in range(settings.services) for a, _ in addresses(settings, i)}
+    with contextlib.ExitStack() as stack:
+        if settings.cleanup_objects:
+            stack.callback(_delete_objects, api, ns, settings)
+        result["setup"] = write_all(api, ns, settings, progress)
+        runs: list[dict[str, Any]] = []
+        for k in range(settings.runs):
+            for source in settings.sources:  # alternating: drift hits both alike
+                one = start_once(cp, settings, source, ns, want, workdir)
+                one["run"] = k + 1
+                runs.append(one)
+                cpu = one["control_plane_before"]["cpu_last_second"]
+                progress(f"{source} run {k + 1}: committed {one['committed_s']} s, rules "
+                         f"seen {one['seconds_to_rules']} s, listed {one['listed_s']} s, "
+                         f"first sync {one['first_sync_s']} s, CPU {one['cpu_s']} s, peak "
+                         f"{one['peak_rss_mib']} MiB; control plane before: {cpu}")
+        result["mirrored_slices"] = mirrored_slices(api, ns)
+    result["runs"] = runs
+    result["environment_end"] = environment()
+    result["sources"] = {s: _summary([r for r in runs if r["source"] == s])
+                         for s in settings.sources}
+    return result
+
+
+def _summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    def of(key: str) -> dict[str, Any]:
+        return summary([r.get(key) for r in runs])
+
+    return {"committed_s": of("committed_s"), "seconds_to_rules": of("seconds_to_rules"),
+            "listed_s": of("listed_s"), "first_sync_s": of("first_sync_s"),
+            "cpu_s": of("cpu_s"), "peak_rss_mib": of("peak_rss_mib"),
+            "control_plane_cpu_before": {
+                name: summary([r["control_plane_before"]["cpu_last_second"].get(name)
+                               for r in runs]) for name in WATCHED},
+            "all_quiet": all(r["control_plane_before"]["quiet"] for r in runs)}
+
+
+# --- the report ---------------------------------------------------------------------------
+
+
+def _s(stats: dict[str, Any], key: str = "median", unit: str = "s") -> str:
+    v = stats.get(key)
+    return "-" if v is None else f"{v:.2f} {unit}" if unit == "s" else f"{v:.0f} {unit}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    st = result["settings"]
+    rows = [
+        "| source | committed: median (min-max) | every endpoint seen in the rules | "
+        "listed (agent's log) | first sync done (agent's log) | agent CPU | peak RSS | "
+        "control plane before, % of a core: apiserver / controller-manager (max) |",
+        "|---|---|---|---|---|---|---|---|"]
+    for source, s in result["sources"].items():
+        cp = s["control_plane_cpu_before"]
+        rows.append(
+            f"| {source} | **{_s(s['committed_s'])}** ({_s(s['committed_s'], 'min')}-"
+            f"{_s(s['committed_s'], 'max')}, n={s['committed_s']['n']}) | "
+            f"{_s(s['seconds_to_rules'])} | {_s(s['listed_s'])} | {_s(s['first_sync_s'])} | "
+            f"{_s(s['cpu_s'])} | {_s(s['peak_rss_mib'], unit='MiB')} | "
+            f"{100 * cp['kube-apiserver'].get('max', 0):.0f} / "
+            f"{100 * cp['kube-controller-manager'].get('max', 0):.0f}"
+            f"{'' if s['all_quiet'] else ' (not quiet)'} |")
+    setup = result["setup"]
+    return "\n".join(rows) + (
+        f"\n\n{st['services']:,} services x {st['endpoints']} endpoints written straight "
+        f"to kube-apiserver {result['versions']['kube-apiserver'].split()[0]} "
+        f"({setup['objects']:,} objects in {setup['seconds']:.0f} s); medians of "
+        f"{st['runs']} run(s) per source, from the agent process's start; "
+        f"{result['mirrored_slices']} slice(s) mirrored.")
+
+
+# --- the command ----------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.realcp_cold_start", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = Settings()
+    p.add_argument("--services", type=int, default=d.services)
+    p.add_argument("--endpoints", type=int, default=d.endpoints, help="per service")
+    p.add_argument("--runs", type=int, default=d.runs, help="per source")
+    p.add_argument("--sources", nargs="+", choices=SOURCES, default=list(d.sources))
+    p.add_argument("--parallel", type=int, default=d.parallel)
+    p.add_argument("--setup-deadline", type=float, default=d.setup_deadline)
+    p.add_argument("--start-deadline", type=float, default=d.start_deadline)
+    p.add_argument("--quiet-cpu", type=float, default=d.quiet_cpu,
+                   help="fraction of a core each of kube-apiserver and "
+                   "kube-controller-manager must stay under before a start")
+    p.add_argument("--quiet-deadline", type=float, default=d.quiet_deadline)
+    p.add_argument("--json", type=Path, help="write the full results here")
+    p.add_argument("--keep-logs", type=Path, help="a directory for the agents' logs")
+    args = p.parse_args(argv)
+    settings = Settings(
+        services=args.services, endpoints=args.endpoints, runs=args.runs,
+        sources=tuple(args.sources), parallel=args.parallel,
+        setup_deadline=args.setup_deadline, start_deadline=args.start_deadline,
+        quiet_cpu=args.quiet_cpu, quiet_deadline=args.quiet_deadline)
+    try:
+        settings.check()
+    except ValueError as exc:
+        p.error(str(exc))
+    return on_control_plane(
+        p.prog, argv, lambda cp, bins, workdir, progress: run(cp, bins, settings, workdir,
+                                                              progress),
+        markdown, args.json, args.keep_logs)
+
+if __name__ == "__main__":
+    sys.exit(main())
