@@ -27,17 +27,21 @@ kube-apiserver and kube-controller-manager each used less than `--quiet-cpu` of 
 over the last second, and records what it saw (with etcd's and the machine's load).
 Then, `--runs` times per source (sources alternating): a fresh lab node namespace
 attached to the control plane, sliceproxy in nftables mode with its default flags
-(`--endpoints-source` the source), a listener for nf_tables' announcements started
-before it, and records:
+(`--endpoints-source` the source), and records:
 
-* `committed_s`: process start -> the first nf_tables transaction on our tables (the
-  first sync is one transaction), dated by the kernel's announcement;
+* `committed_s`: process start -> the first sync's transaction committed, seen as the
+  moment our main table first answers a lookup (`TableAppears`, polled every 10 ms from
+  before the start; `commit_resolution_s` the bracket). Not by nf_tables' announcements
+  (`Commits`): a listener makes the kernel announce each of the ~130,000 objects of
+  the agent's commit, which cost the agent ~5 s at 10,000 x 10; `--announcements` adds
+  that listener (and `committed_announced_s`) to show it;
 * `seconds_to_rules`: process start -> every one of the N x P endpoints seen DNATed in
   the rules (polls every 0.25 s; reading 110,000 rules back as JSON takes about a second
   at 10,000 x 10, so this is later than the commit by that much);
 * the agent's own log: "every watched resource has listed" and "first sync done"
   (`since_start`, from the process's start);
-* the agent's CPU (self) and peak RSS (VmHWM) when the rules were seen.
+* the agent's CPU (self; user and system apart) and peak RSS (VmHWM) when the rules
+  were seen.
 
 Then the agent is stopped and its namespace deleted. A measurement, never a pass/fail on
 time. `run()` is the core; tests/realcp/test_cold_start_bench.py calls it at a tiny size
@@ -48,9 +52,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import re
+import struct
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,12 +66,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.agent_start import FIRST_SYNC, LISTED, NODES
-from bench.common import cpu_times, quiet
+from bench.common import CLOCK_TICKS, cpu_times, quiet
 from bench.realcp_latency.cli import on_control_plane
 from bench.realcp_latency.measure import Commits, commit_tables, summary, wait_initial
 from bench.realcp_latency.proxies import Side
 from bench.realcp_latency.run import begin, environment
 from bench.realcp_latency.settings import (
+    NFPROTO_IPV4,
+    NFT_MAIN,
     NFTABLES,
     NODE,
     POD_ADDRESSES,
@@ -77,7 +86,15 @@ from labs.realcp.clusters import Ep, endpoint_slice, service, services_path
 from labs.realcp.controlplane import ControlPlane
 from labs.realcp.nodes import Sliceproxy, ensure_node
 from labs.realcp.rawapi import RawApi
+from proxy.dataplane.common.netlink import NetlinkSocket, nla
+from proxy.dataplane.common.nfnetlink import (
+    NETLINK_NETFILTER,
+    NFNL_SUBSYS_NFTABLES,
+    NFTA_TABLE_NAME,
+)
+from proxy.dataplane.nftables.wire import GETTABLE
 from proxy.lab import Lab
+from proxy.lab.netns import entered
 from proxy.lab.poll import TimedOut, wait
 from proxy.lab.topology import NODE_LAN4, ip
 
@@ -105,6 +122,9 @@ class Settings:
     quiet_cpu: float = 0.10  # of a core, each of QUIET_OF, over the last second
     quiet_deadline: float = 180.0  # then the run starts anyway (recorded as not quiet)
     cleanup_objects: bool = False  # delete what was written (a shared control plane)
+    # Also listen to nf_tables' announcements, as bench.realcp_latency does: it costs the
+    # agent's commit seconds (TableAppears), so only to show that.
+    announcements: bool = False
 
     def check(self) -> None:
         if min(self.services, self.endpoints, self.runs, self.parallel) < 1:
@@ -246,6 +266,64 @@ def wait_quiet(cp: ControlPlane, settings: Settings) -> dict[str, Any]:
             "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
 
 
+# --- dating the first sync's commit -----------------------------------------------------
+
+
+class TableAppears:
+    """When our main nf_tables table first answers a lookup in a namespace: the moment
+    the agent's first sync was committed (one transaction, whose objects no lookup sees
+    before the commit), bracketed by polls `interval` apart (`seen_at` the end of the
+    first poll that found it, `absent_since` the start of the last that did not).
+
+    A lookup (NFT_MSG_GETTABLE, lockless in the kernel) rather than nf_tables'
+    announcements (bench.realcp_latency's `Commits`): while any socket listens to those,
+    the kernel writes one for every object a transaction touches, in the committing
+    process, even though the agent itself leaves the group for its own full sync
+    (`MulticastListener.deaf`). At 10,000 x 10 that took the agent's kernel CPU from
+    1.2 to 5.6-6.4 s and its first sync from 5.6 to 10-11 s (an A/B on one control
+    plane)."""
+
+    def __init__(self, ns: str, interval: float = 0.01) -> None:
+        with entered(ns):  # the socket belongs to the namespace it is made in
+            self._sock = NetlinkSocket(NETLINK_NETFILTER)
+        self._request = (NFNL_SUBSYS_NFTABLES << 8 | GETTABLE, 0,
+                         struct.pack("!BBH", NFPROTO_IPV4, 0, 0)
+                         + nla(NFTA_TABLE_NAME, NFT_MAIN.encode() + b"\0"))
+        self.interval = interval
+        self.absent_since: float | None = None
+        self.seen_at: float | None = None
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="table-appears", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            start = time.monotonic()
+            code = self._sock.execute_raw([self._request])[0]
+            if code == 0:
+                self.seen_at = time.monotonic()
+                return
+            if code != errno.ENOENT:
+                self.error = os.strerror(code)
+                return
+            self.absent_since = start
+            self._stop.wait(self.interval)  # the polls' spacing: the figure's resolution
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+        self._sock.close()
+
+
+def user_system(pid: int) -> tuple[float, float]:
+    """A process's user and system (kernel) CPU seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
+
+
 # --- one start --------------------------------------------------------------------------
 
 
@@ -273,20 +351,31 @@ def start_once(cp: ControlPlane, settings: Settings, source: str, ns: str,
                                 *PROXY_FLAGS[SIDE])
         stack.callback(proxy.stop)
         side = Side(SIDE, lab, proxy)
-        # nf_tables' announcements, heard from before the process starts.
-        commits = Commits(lab.node_ns, commit_tables(NFTABLES))
-        stack.callback(commits.stop)
+        # Both from before the process starts.
+        table = TableAppears(lab.node_ns)
+        table.start()
+        stack.callback(table.stop)
+        commits = Commits(lab.node_ns, commit_tables(NFTABLES)) if settings.announcements \
+            else None
+        if commits is not None:
+            stack.callback(commits.stop)
         proxy.start()
         initial = wait_initial(side, ns, want, settings.services,
                                proxy.started + settings.start_deadline, commits)
+        user, system = user_system(side.pid)
         # The agent logs its first sync once the commit is back: moments later.
         first_sync = float(wait(lambda: _logged(proxy.log_path, FIRST_SYNC), 60,
                                 "the agent's first-sync line", detail=proxy.log_tail))
         listed = _logged(proxy.log_path, LISTED)
+        if table.seen_at is None:
+            raise RuntimeError(f"the table lookups never found {NFT_MAIN}: {table.error}")
         out.update(
-            committed_s=initial.get("committed_s"), seconds_to_rules=initial["seconds_to_rules"],
-            resolution_s=initial["resolution_s"], listed_s=float(listed) if listed else None,
-            first_sync_s=first_sync, cpu_s=initial["cpu_s"]["self"],
+            committed_s=round(table.seen_at - proxy.started, 3),
+            commit_resolution_s=round(table.seen_at - (table.absent_since or proxy.started), 3),
+            committed_announced_s=initial.get("committed_s"),
+            seconds_to_rules=initial["seconds_to_rules"], resolution_s=initial["resolution_s"],
+            listed_s=float(listed) if listed else None, first_sync_s=first_sync,
+            cpu_s=initial["cpu_s"]["self"], cpu_user_s=user, cpu_system_s=system,
             peak_rss_mib=initial["memory_mib"]["peak_rss"], rss_mib=initial["memory_mib"]["rss"],
             nft_rules=initial["nat_rules"], endpoints_wanted=len(want),
             endpoints_seen=len(want & set(side.view.endpoints)), polls=initial["polls"],
@@ -316,9 +405,11 @@ def run(cp: ControlPlane, bins: Binaries, settings: Settings, workdir: Path,
                 one["run"] = k + 1
                 runs.append(one)
                 cpu = one["control_plane_before"]["cpu_last_second"]
-                progress(f"{source} run {k + 1}: committed {one['committed_s']} s, rules "
+                progress(f"{source} run {k + 1}: committed {one['committed_s']} s "
+                         f"(announced {one['committed_announced_s']}), rules "
                          f"seen {one['seconds_to_rules']} s, listed {one['listed_s']} s, "
-                         f"first sync {one['first_sync_s']} s, CPU {one['cpu_s']} s, peak "
+                         f"first sync {one['first_sync_s']} s, CPU {one['cpu_s']} s (kernel "
+                         f"{one['cpu_system_s']} s), peak "
                          f"{one['peak_rss_mib']} MiB; control plane before: {cpu}")
         result["mirrored_slices"] = mirrored_slices(api, ns)
     result["runs"] = runs
@@ -332,9 +423,11 @@ def _summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     def of(key: str) -> dict[str, Any]:
         return summary([r.get(key) for r in runs])
 
-    return {"committed_s": of("committed_s"), "seconds_to_rules": of("seconds_to_rules"),
-            "listed_s": of("listed_s"), "first_sync_s": of("first_sync_s"),
-            "cpu_s": of("cpu_s"), "peak_rss_mib": of("peak_rss_mib"),
+    return {"committed_s": of("committed_s"), "commit_resolution_s": of("commit_resolution_s"),
+            "committed_announced_s": of("committed_announced_s"),
+            "seconds_to_rules": of("seconds_to_rules"), "listed_s": of("listed_s"),
+            "first_sync_s": of("first_sync_s"), "cpu_s": of("cpu_s"),
+            "cpu_system_s": of("cpu_system_s"), "peak_rss_mib": of("peak_rss_mib"),
             "control_plane_cpu_before": {
                 name: summary([r["control_plane_before"]["cpu_last_second"].get(name)
                                for r in runs]) for name in WATCHED},
@@ -353,7 +446,8 @@ def markdown(result: dict[str, Any]) -> str:
     st = result["settings"]
     rows = [
         "| source | committed: median (min-max) | every endpoint seen in the rules | "
-        "listed (agent's log) | first sync done (agent's log) | agent CPU | peak RSS | "
+        "listed (agent's log) | first sync done (agent's log) | agent CPU (of it kernel) | "
+        "peak RSS | "
         "control plane before, % of a core: apiserver / controller-manager (max) |",
         "|---|---|---|---|---|---|---|---|"]
     for source, s in result["sources"].items():
@@ -362,7 +456,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {source} | **{_s(s['committed_s'])}** ({_s(s['committed_s'], 'min')}-"
             f"{_s(s['committed_s'], 'max')}, n={s['committed_s']['n']}) | "
             f"{_s(s['seconds_to_rules'])} | {_s(s['listed_s'])} | {_s(s['first_sync_s'])} | "
-            f"{_s(s['cpu_s'])} | {_s(s['peak_rss_mib'], unit='MiB')} | "
+            f"{_s(s['cpu_s'])} ({_s(s['cpu_system_s'])}) | "
+            f"{_s(s['peak_rss_mib'], unit='MiB')} | "
             f"{100 * cp['kube-apiserver'].get('max', 0):.0f} / "
             f"{100 * cp['kube-controller-manager'].get('max', 0):.0f}"
             f"{'' if s['all_quiet'] else ' (not quiet)'} |")
@@ -372,7 +467,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"to kube-apiserver {result['versions']['kube-apiserver'].split()[0]} "
         f"({setup['objects']:,} objects in {setup['seconds']:.0f} s); medians of "
         f"{st['runs']} run(s) per source, from the agent process's start; "
-        f"{result['mirrored_slices']} slice(s) mirrored.")
+        f"{result['mirrored_slices']} slice(s) mirrored."
+        + (" With nf_tables' announcements listened to (they slow the commit)."
+           if st.get("announcements") else ""))
 
 
 # --- the command ----------------------------------------------------------------------------
@@ -393,6 +490,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="fraction of a core each of kube-apiserver and "
                    "kube-controller-manager must stay under before a start")
     p.add_argument("--quiet-deadline", type=float, default=d.quiet_deadline)
+    p.add_argument("--announcements", action="store_true",
+                   help="also listen to nf_tables' announcements (bench.realcp_latency's "
+                   "committed_s): costs the agent's commit seconds at 10,000 services")
     p.add_argument("--json", type=Path, help="write the full results here")
     p.add_argument("--keep-logs", type=Path, help="a directory for the agents' logs")
     args = p.parse_args(argv)
@@ -400,7 +500,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         services=args.services, endpoints=args.endpoints, runs=args.runs,
         sources=tuple(args.sources), parallel=args.parallel,
         setup_deadline=args.setup_deadline, start_deadline=args.start_deadline,
-        quiet_cpu=args.quiet_cpu, quiet_deadline=args.quiet_deadline)
+        quiet_cpu=args.quiet_cpu, quiet_deadline=args.quiet_deadline,
+        announcements=args.announcements)
     try:
         settings.check()
     except ValueError as exc:
