@@ -107,14 +107,10 @@ def watch_rule(ns: str, backend: str, svc_chain: str, sep_chain: str, present: b
 
 
 def wait_initial(side: Side, namespace: str, want: set[tuple[str, str]], services: int,
-                 deadline: float, commits: Commits | None = None) -> dict[str, Any]:
+                 deadline: float) -> dict[str, Any]:
     """Until every (service port, endpoint) of the namespace is DNATed in the side's nat
-    table: how long since the process started, its CPU time and memory by then. With
-    `commits` (nftables mode, listening since before the start): also when the
-    transaction that made the tables was committed (`committed_s`), which the polls
-    can only bracket (reading 110,000 rules back takes them about a second)."""
+    table: how long since the process started, its CPU time and memory by then."""
     polls = 0
-    not_yet = side.proxy.started
     with entered(side.lab.node_ns):
         while True:
             side.proxy.check_alive()
@@ -125,7 +121,6 @@ def wait_initial(side: Side, namespace: str, want: set[tuple[str, str]], service
                 if backend == NFTABLES:
                     found = nft_view(namespace)
                     if found is None:
-                        not_yet = start
                         continue
                     view, seen = found
                 # The dispatch chain first (cheap); the whole table once it is complete.
@@ -137,16 +132,10 @@ def wait_initial(side: Side, namespace: str, want: set[tuple[str, str]], service
                 if want <= set(view.endpoints):
                     seen = seen or time.monotonic()
                     side.backend, side.view = backend, view
-                    out = {"seconds_to_rules": round(seen - side.proxy.started, 3),
-                           "resolution_s": round(seen - start + INITIAL_POLL, 3),
-                           "cpu_s": cpu_seconds(side.pid), "memory_mib": memory_mib(side.pid),
-                           "nat_rules": view.rules, "backend": backend, "polls": polls}
-                    heard = commits.between(not_yet, seen) if commits is not None else []
-                    if heard and backend == NFTABLES:
-                        # The first sync is one transaction: the first commit after the
-                        # last poll that did not find the tables made them.
-                        out["committed_s"] = round(heard[0] - side.proxy.started, 3)
-                    return out
+                    return {"seconds_to_rules": round(seen - side.proxy.started, 3),
+                            "resolution_s": round(seen - start + INITIAL_POLL, 3),
+                            "cpu_s": cpu_seconds(side.pid), "memory_mib": memory_mib(side.pid),
+                            "nat_rules": view.rules, "backend": backend, "polls": polls}
             if start > deadline:
                 raise TimeoutError(f"{side.name} did not program the {len(want)} endpoints "
                                    f"in time; log:\n{side.proxy.log_tail()}")

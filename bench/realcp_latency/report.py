@@ -47,11 +47,7 @@ def markdown(result: Mapping[str, Any]) -> str:
         i = p["initial"]
         own = i.get("first_sync_logged_s")
         own_text = f"; its first sync {own * 1000:.0f} ms" if own is not None else ""
-        committed = i.get("committed_s")
-        commit_text = (f" (committed at {committed:.2f} s, announced by nf_tables)"
-                       if committed is not None else "")
-        return (f"{i['seconds_to_rules']:.2f} s from start{commit_text}, "
-                f"CPU {i['cpu_s']['self']:.2f} s "
+        return (f"{i['seconds_to_rules']:.2f} s from start, CPU {i['cpu_s']['self']:.2f} s "
                 f"+ {i['cpu_s']['children']:.2f} s children{own_text}")
     line("initial sync of everything", initial)
     line("nat rules / back end", lambda p: f"{p['initial']['nat_rules']:,} / "

@@ -28,8 +28,6 @@ from bench.realcp_latency.proxies import (
     scrape,
 )
 from bench.realcp_latency.settings import (
-    DISPATCH,
-    NFTABLES,
     NODE,
     PROXY_FLAGS,
     SLICES,
@@ -208,17 +206,10 @@ def run(cp: ControlPlane, bins: Binaries, settings: Settings, workdir: Path,
                                                settings.iptables_backend))
             sides.append(side)
             stack.callback(side.proxy.stop)
-            # nftables mode: its first transaction dated by the kernel's announcement
-            first_commits = (Commits(lab.node_ns, commit_tables(NFTABLES))
-                             if side.base not in DISPATCH else None)
-            try:
-                side.proxy.start()
-                expected = {(f"{ns}/{s}:http", f"{ip}:{TARGET_PORT}")
-                            for s, ips in want.items() for ip in ips}
-                side.initial = wait_initial(side, ns, expected, n, deadline, first_commits)
-            finally:
-                if first_commits is not None:
-                    first_commits.stop()
+            side.proxy.start()
+            expected = {(f"{ns}/{s}:http", f"{ip}:{TARGET_PORT}")
+                        for s, ips in want.items() for ip in ips}
+            side.initial = wait_initial(side, ns, expected, n, deadline)
             own, _ = logged_syncs(side)
             side.initial["first_sync_logged_s"] = round(own[0], 4) if own else None
             progress(f"{name}: all {len(expected)} endpoints programmed "
