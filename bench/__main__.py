@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python -m bench                  # the issues' sizes (two hours or more:
                                                     # cold-start ~35 min, realcp-cold-start
-                                                    # ~8 min, rolling-update
+                                                    # ~4 min, rolling-update
                                                     # ~35 min, churn ~7 min, fleet...)
     sudo .venv/bin/python -m bench --size small     # CI's sizes, into a temporary directory
     sudo .venv/bin/python -m bench --only huge-service agent-start
