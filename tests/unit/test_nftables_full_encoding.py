@@ -1,12 +1,15 @@
 """A full sync's netlink batch is the very bytes it was before the encoder's fast paths
-(wire.py, expressions.py): a large, varied cluster is rendered, encoded, and its batch
-compared with the digest the encoder gave before them, and with the generic parse of
-every rule (`rule_expressions` on the rule's tokens), byte for byte."""
+(wire.py, expressions.py): a large, varied cluster is rendered, encoded as the data plane
+encodes it (from the script's statements, transaction.Script), and its batch compared
+with the digest the encoder gave before them, with the batch of the script's text
+parsed line by line, and with the generic parse of every rule (`rule_expressions` on
+the rule's tokens), byte for byte."""
 
 from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Iterable
 from ipaddress import ip_address, ip_network
 from typing import Any
 
@@ -14,7 +17,12 @@ import pytest
 
 from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.nftables import wire
-from proxy.dataplane.nftables.expressions import Unencodable, rule_expressions
+from proxy.dataplane.nftables.expressions import (
+    Unencodable,
+    comment,
+    encode_rules,
+    rule_expressions,
+)
 from proxy.dataplane.nftables.render import (
     SLOT_MAP_MIN,
     our_tables,
@@ -109,8 +117,15 @@ def full_script(state: DesiredState, family: Family) -> Script:
     return script
 
 
-def full_batch(state: DesiredState, family: Family) -> bytes:
-    return wire.encode(full_script(state, family).lines(), family, our_tables(), 1000).data
+def full_batch(state: DesiredState, family: Family) -> wire.Batch:
+    """As the data plane encodes a full sync: the script's statements, most of them
+    standing for many lines (wire.Rules), which are never spelled."""
+    return wire.encode(full_script(state, family).statements(), family, our_tables(), 1000)
+
+
+def text_batch(state: DesiredState, family: Family) -> wire.Batch:
+    """The script's text, each line parsed back."""
+    return wire.encode(full_script(state, family).lines(), family, our_tables(), 1000)
 
 
 @pytest.fixture(scope="module")
@@ -121,19 +136,38 @@ def state() -> DesiredState:
 @pytest.mark.parametrize("family", [Family.V4, Family.V6], ids=["ipv4", "ipv6"])
 def test_a_full_batch_is_the_bytes_recorded_before_the_fast_paths(
         state: DesiredState, family: Family) -> None:
-    assert hashlib.sha256(full_batch(state, family)).hexdigest() == RECORDED[family]
+    assert hashlib.sha256(full_batch(state, family).data).hexdigest() == RECORDED[family]
+
+
+@pytest.mark.parametrize("family", [Family.V4, Family.V6], ids=["ipv4", "ipv6"])
+def test_a_full_batch_is_the_batch_of_its_lines(state: DesiredState, family: Family) -> None:
+    """Every statement encodes as the lines it stands for, and each message maps back
+    to its line's number (an error names the line, `Script.line`)."""
+    fast, text = full_batch(state, family), text_batch(state, family)
+    assert fast.data == text.data
+    assert fast.numbers == text.numbers == list(range(1, fast.count + 1))
 
 
 def _generic_rule(family: Family, body: str) -> bytes:
     return rule_expressions(family, body.split())
 
 
+def _generic_rules(family: Family, texts: Iterable[str]) -> list[bytes]:
+    """`encode_rules` without its shortcuts: each rule's tokens parsed whole."""
+    out = []
+    for text in texts:
+        body, mark, note = text.partition(' comment "')
+        assert not mark or (note.endswith('"') and '"' not in note[:-1])
+        out.append(_generic_rule(family, body) + (comment(note[:-1]) if mark else b""))
+    return out
+
+
 @pytest.mark.parametrize("family", [Family.V4, Family.V6], ids=["ipv4", "ipv6"])
 def test_a_full_batch_is_the_bytes_of_the_generic_parse(
         state: DesiredState, family: Family, monkeypatch: pytest.MonkeyPatch) -> None:
-    fast = full_batch(state, family)
-    monkeypatch.setattr(wire, "rule_body", _generic_rule)
-    assert fast == full_batch(state, family)
+    fast = full_batch(state, family).data
+    monkeypatch.setattr(wire, "encode_rules", _generic_rules)
+    assert fast == text_batch(state, family).data
 
 
 def test_the_state_is_varied(state: DesiredState) -> None:
@@ -166,7 +200,19 @@ def test_what_the_generic_parse_refuses_the_fast_path_refuses(body: str) -> None
     with pytest.raises(Unencodable):
         _generic_rule(Family.V4, body)
     with pytest.raises(Unencodable):
-        wire.rule_body(Family.V4, body)
+        encode_rules(Family.V4, [body])
+    with pytest.raises(Unencodable):  # with a comment, and after a rule it encodes
+        encode_rules(Family.V4, ['dnat to 198.19.0.1:80 comment "a"', body + ' comment "a"'])
+
+
+@pytest.mark.parametrize("rule", [
+    'meta l4proto tcp dnat to 198.19.0.1:8080 comment "a"b"',
+    'meta l4proto tcp dnat to 198.19.0.1:8080 comment "a',
+    'meta l4proto tcp dnat to 198.19.0.1:8080 comment "a" drop',
+])
+def test_a_comment_is_one_quoted_text_at_the_end(rule: str) -> None:
+    with pytest.raises(Unencodable):
+        encode_rules(Family.V4, [rule])
 
 
 @pytest.mark.parametrize(("family", "body"), [
@@ -180,4 +226,19 @@ def test_what_the_generic_parse_refuses_the_fast_path_refuses(body: str) -> None
 ])
 def test_rules_outside_a_full_sync_are_the_bytes_of_the_generic_parse(family: Family,
                                                                        body: str) -> None:
-    assert wire.rule_body(family, body) == _generic_rule(family, body)
+    assert encode_rules(family, [body]) == [_generic_rule(family, body)]
+    labelled = [f'{body} comment "x dnat to 198.19.0.9:1"', f'{body} comment "b:c"']
+    assert encode_rules(family, labelled) == _generic_rules(family, labelled)
+
+
+def test_a_refused_message_names_its_line(state: DesiredState) -> None:
+    """The runner turns a refused message's sequence number into its line's number
+    (`Batch.line_of`) and the line's text (`Script.line`), which are never held."""
+    script = full_script(state, Family.V4)
+    lines = list(script.lines())
+    assert script.count == len(lines)
+    batch = full_batch(state, Family.V4)
+    for number in sorted({1, 2, len(lines), *range(1, len(lines), 97)}):
+        assert batch.line_of(batch.begin_seq + number) == number
+        assert script.line(number) == lines[number - 1]
+    assert script.line(0) == script.line(len(lines) + 1) == ""

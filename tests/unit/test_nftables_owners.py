@@ -39,6 +39,8 @@ def test_owners_answer_as_a_plain_map_would(operations: list[tuple[bool, tuple[s
             wanted = plain.get(e)
             assert owners.held(e) == (wanted[min(wanted)] if wanted else None)
     assert dict(owners.elements()) == {e: m[min(m)] for e, m in plain.items()}
+    assert {(t, s, k): v for t, s, pairs in owners.sets() for k, v in pairs} \
+        == dict(owners.elements())
     assert len(owners) == len(plain)
 
 
@@ -48,4 +50,5 @@ def test_a_set_element_owned_once_is_the_port_alone_and_a_map_element_a_pair() -
     owners.add(ELEMENTS[1], PORTS[0], "goto svc-a")
     owners.add(ELEMENTS[1], PORTS[1], "goto svc-b")
     owners.remove(ELEMENTS[1], PORTS[0])
-    assert owners._map == {ELEMENTS[0]: PORTS[0], ELEMENTS[1]: (PORTS[1], "goto svc-b")}
+    assert owners._sets == {("t", "hairpin"): {ELEMENTS[0][2]: PORTS[0]},
+                            ("t", "services"): {ELEMENTS[1][2]: (PORTS[1], "goto svc-b")}}

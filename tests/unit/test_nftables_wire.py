@@ -26,7 +26,17 @@ from proxy.dataplane.nftables.render import (
     shard_table,
 )
 from proxy.dataplane.nftables.transaction import TableState, full_script, partial_script
-from proxy.dataplane.nftables.wire import encode
+from proxy.dataplane.nftables.wire import (
+    Chains,
+    Elements,
+    Rules,
+    Statement,
+    _address_elements,
+    _element,
+    _elements,
+    encode,
+    statement_lines,
+)
 from proxy.model.types import Family
 from tests.unit.test_iptables_sync import Cluster, clusters
 
@@ -142,3 +152,63 @@ def test_only_the_last_message_asks_for_an_acknowledgement() -> None:
 def test_anything_else_is_refused_before_sending(line: str) -> None:
     with pytest.raises(Unencodable):
         encode(line + "\n", Family.V4, our_tables(), 1)
+
+
+def test_a_blank_line_has_no_message_and_the_lines_after_keep_their_numbers() -> None:
+    script = ("\nadd chain ip sliceproxy a\n\nadd rule ip sliceproxy a drop\n\n\n"
+              "add set ip sliceproxy s { type ipv4_addr; }\nadd rule ip sliceproxy a accept\n")
+    batch = encode(script, Family.V4, (TABLE,), 0)
+    assert batch.numbers == [2, 4, 7, 8] and batch.count == 4
+    assert [batch.line_of(s) for s in range(6)] == [None, 2, 4, 7, 8, None]
+    # A set's id is its line's number.
+    assert encode(script.splitlines()[6], Family.V4, (TABLE,), 0).data != \
+        encode("\n" * 6 + script.splitlines()[6], Family.V4, (TABLE,), 0).data
+
+
+def test_statements_are_the_bytes_of_the_lines_they_stand_for() -> None:
+    chains = [("a", ('meta l4proto tcp dnat to 198.19.0.1:80 comment "p"', "drop")),
+              ("b", ())]
+    statements: list[Statement] = [
+        "add table ip sliceproxy", Chains([(TABLE, chains), ("sliceproxy-1", chains[:1])]),
+        "", Rules([(TABLE, chains)]), Rules([("sliceproxy-1", chains)], flush=False),
+        Elements("add", TABLE, "cluster-ips", [("198.18.0.1", ""), ("198.18.0.2", "")]),
+        Elements("delete", TABLE, "unserved", [("198.18.0.1 . tcp . 80", "")])]
+    lines = [line for s in statements for line in statement_lines(s, "ip")]
+    assert lines[:5] == ["add table ip sliceproxy", f"add chain ip {TABLE} a",
+                         f"add chain ip {TABLE} b", "add chain ip sliceproxy-1 a", ""]
+    assert sum(1 if isinstance(s, str) else s.size for s in statements) == len(lines)
+    ours = our_tables()
+    batch = encode(statements, Family.V4, ours, 5)
+    text = encode("\n".join(lines), Family.V4, ours, 5)
+    assert (batch.data, batch.numbers) == (text.data, text.numbers)
+    with pytest.raises(Unencodable):
+        encode([Rules([("other", chains)])], Family.V4, ours, 1)
+    with pytest.raises(Unencodable):
+        encode([Elements("flush", TABLE, "cluster-ips", [("198.18.0.1", "")])], Family.V4, ours, 1)
+
+
+@pytest.mark.parametrize(("family", "items", "bulk"), [
+    (Family.V4, [("198.18.0.1", ""), ("198.18.0.2", "")], True),
+    (Family.V4, [("198.18.0.1 . 198.18.0.3", ""), ("198.18.0.2 . 198.18.0.4", "")], True),
+    (Family.V6, [("fd00::1 . fd00::3", ""), ("fd00::2 . fd00::4", "")], True),
+    (Family.V4, [("198.18.0.1", ""), ("198.18.0.1 . 198.18.0.2", "")], False),
+    (Family.V4, [("198.18.0.1 . tcp . 80", ""), ("198.18.0.2 . udp . 53", "")], False),
+    (Family.V4, [("198.18.0.1", ""), ("7", "")], False),
+    (Family.V4, [("198.18.0.1", ""), ("198.18.0.2", "drop")], False),
+    (Family.V4, [("198.18.0.1 . tcp . 80", "goto svc-a"), ("0", "198.19.0.1 . 80")], False),
+    (Family.V6, [("fd00::1", ""), ("198.18.0.1", "")], None),
+    (Family.V4, [("198.18.0.1", ""), ("198.18.0.1 . ", "")], None),
+])
+def test_a_set_of_addresses_is_encoded_whole_as_element_by_element(
+        family: Family, items: list[tuple[str, str]], bulk: bool | None) -> None:
+    """The encoder reads a set's addresses in one pass (`_address_elements`); anything
+    else element by element. Both ways are the same bytes; None: both refuse."""
+    if bulk is None:
+        with pytest.raises(Unencodable):
+            b"".join(_element(family, key, data) for key, data in items)
+        with pytest.raises(Unencodable):
+            _elements(family, items)
+        return
+    assert (_address_elements(family, items) is not None) is bulk
+    assert _elements(family, items) == b"".join(_element(family, key, data)
+                                                for key, data in items)

@@ -254,11 +254,11 @@ class NftRunner:
                 # meanwhile: we hold its lock); encoded again if it wrapped around.
                 while True:
                     first = sock.next_seq()
-                    batch = wire.encode(script if isinstance(script, str) else script.lines(),
+                    batch = wire.encode(script if isinstance(script, str) else script.statements(),
                                         family, tables, first)
-                    if sock.reserve(len(batch.numbers) + 2) == first:
+                    if sock.reserve(batch.count + 2) == first:
                         break
-                if not batch.numbers:
+                if not batch.count:
                     return
                 refused = sock.first_refusal(
                     batch.pages, acked=(batch.last_seq,),

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import islice
 
 from proxy.dataplane.base import rules_digest
 from proxy.dataplane.nftables.render import BaseObjects, PortObjects, table_family
+from proxy.dataplane.nftables.wire import Chains, Elements, Rules, Statement, statement_lines
 from proxy.model.types import Family, ServicePortKey
 
 # Elements per `add element` statement: one statement per element makes nft slower to
@@ -48,48 +50,64 @@ class Owners:
     Most elements have one owner (a cluster IP, an endpoint's hairpin pair): that is the
     port alone for a set's element, a (port, value) pair for a map's, and a dict only
     once shared. A dict per element, and a second map of what the kernel held, were 5 KB
-    of the 8 KB kept per service port at 10,000 services x 10 endpoints."""
+    of the 8 KB kept per service port at 10,000 services x 10 endpoints. Kept per set,
+    as a full script writes them (`sets`)."""
 
-    __slots__ = ("_map",)
+    __slots__ = ("_sets",)
 
     def __init__(self) -> None:
-        self._map: dict[ElementKey, _Owned] = {}
+        self._sets: dict[Named, dict[str, _Owned]] = {}  # (table, set) -> key -> owners
 
     def __len__(self) -> int:
-        return len(self._map)
+        return sum(len(members) for members in self._sets.values())
 
     def add(self, element: ElementKey, port: ServicePortKey, value: str) -> None:
-        cur = self._map.get(element)
+        table, set_name, key = element
+        members = self._sets.get((table, set_name))
+        if members is None:
+            members = self._sets[table, set_name] = {}
+        cur = members.get(key)
         one = None if cur is None else _sole(cur)
         if cur is None or (one is not None and one[0] == port):
-            self._map[element] = _owned(port, value)
+            members[key] = _owned(port, value)
         elif one is not None:
-            self._map[element] = {one[0]: one[1], port: value}
+            members[key] = {one[0]: one[1], port: value}
         else:
             assert isinstance(cur, dict)
             cur[port] = value
 
     def remove(self, element: ElementKey, port: ServicePortKey) -> None:
-        cur = self._map.get(element)
+        table, set_name, key = element
+        members = self._sets.get((table, set_name), {})
+        cur = members.get(key)
         if cur is None:
             return
         one = _sole(cur)
         if one is not None:
             if one[0] == port:
-                del self._map[element]
+                del members[key]
         else:
             assert isinstance(cur, dict)
             cur.pop(port, None)
             if len(cur) == 1:
-                self._map[element] = _owned(*next(iter(cur.items())))
+                members[key] = _owned(*next(iter(cur.items())))
 
     def held(self, element: ElementKey) -> str | None:
-        cur = self._map.get(element)
+        table, set_name, key = element
+        cur = self._sets.get((table, set_name), {}).get(key)
         return None if cur is None else _value(cur)
 
+    def sets(self) -> Iterator[tuple[str, str, Iterator[tuple[str, str]]]]:
+        """(table, set, its elements as (key, held value)), set by set."""
+        for (table, set_name), members in self._sets.items():
+            # Most are a set's element with one owner (85,000 at 10,000 x 10 endpoints).
+            yield table, set_name, ((key, "" if type(cur) is ServicePortKey else _value(cur))
+                                    for key, cur in members.items())
+
     def elements(self) -> Iterator[tuple[ElementKey, str]]:
-        for element, cur in self._map.items():
-            yield element, _value(cur)
+        for table, set_name, members in self.sets():
+            for key, value in members:
+                yield (table, set_name, key), value
 
 
 # One owner: the port (a set's element has no value), or (port, value); several: a dict.
@@ -226,47 +244,64 @@ def _declare_set(table: str, name: str, body: str) -> str:
     return f"add {'map' if _is_map(body) else 'set'} {table} {name} {{ {body} }}"
 
 
-def _element_lines(verb: str, ip: str, items: Iterable[tuple[str, str, str]]) -> list[str]:
-    """`add|delete element` lines for (table, set, element text), grouped per set."""
-    by_set: dict[tuple[str, str], list[str]] = {}
-    for table, set_name, text in items:
-        by_set.setdefault((table, set_name), []).append(text)
-    out = []
-    for (table, set_name), texts in by_set.items():
-        for i in range(0, len(texts), ELEMENTS_PER_LINE):
-            chunk = ", ".join(texts[i:i + ELEMENTS_PER_LINE])
-            out.append(f"{verb} element {ip} {table} {set_name} {{ {chunk} }}")
-    return out
+def _element_groups(verb: str, items: Iterable[tuple[ElementKey, str]]) -> Iterator[Elements]:
+    """`add|delete element` statements for (element, value) pairs, grouped per set."""
+    by_set: dict[Named, list[tuple[str, str]]] = {}
+    for (table, set_name, key), value in items:
+        by_set.setdefault((table, set_name), []).append((key, value))
+    for (table, set_name), pairs in by_set.items():
+        yield from _element_statements(verb, table, set_name, pairs)
 
 
-def _text(key: ElementKey, value: str) -> str:
-    return f"{key[2]} : {value}" if value else key[2]
+def _element_statements(verb: str, table: str, set_name: str,
+                        pairs: Iterable[tuple[str, str]]) -> Iterator[Elements]:
+    """`add|delete element` statements for the (key, value) pairs of one set."""
+    pairs = iter(pairs)
+    while chunk := list(islice(pairs, ELEMENTS_PER_LINE)):
+        yield Elements(verb, table, set_name, chunk)
+
+
+def _element_lines(verb: str, ip: str, items: Iterable[tuple[ElementKey, str]]) -> list[str]:
+    """`_element_groups` spelled, for a partial script."""
+    return [line for group in _element_groups(verb, items) for line in group.lines(ip)]
 
 
 class Script:
-    """A full script, made line by line each time it is read (`lines()`), never held
+    """A full script, made statement by statement each time it is read, never held
     whole: at 10,000 services x 10 endpoints its 17.8 MB of text sat beside the 43 MB
-    netlink batch encoded from it, at the agent's peak. `text()` joins it for nft (the
-    fallback) and `line(n)` finds one line for an error message; the lines are the same
-    every time (made from the TableState and the objects it holds, unchanged)."""
+    netlink batch encoded from it, at the agent's peak. The encoder reads its
+    statements (`statements()`: most of them stand for many lines, wire.Rules, which it
+    encodes without spelling them); `lines()` spells them, `text()` joins them for nft
+    (the fallback), and `line(n)` finds one line for an error message. They are the
+    same every time (made from the TableState and the objects it holds, unchanged)."""
 
-    def __init__(self, make: Callable[[], Iterator[str]]) -> None:
+    def __init__(self, make: Callable[[], Iterator[Statement]], ip: str) -> None:
         self._make = make
+        self.ip = ip  # "ip" or "ip6": the family the statements are spelled in
         self.count: int | None = None  # lines, once read through
 
-    def lines(self) -> Iterator[str]:
+    def statements(self) -> Iterator[Statement]:
         n = 0
-        for n, line in enumerate(self._make(), start=1):  # noqa: B007 (the count after)
-            yield line
+        for statement in self._make():
+            n += 1 if isinstance(statement, str) else statement.size
+            yield statement
         self.count = n
+
+    def lines(self) -> Iterator[str]:
+        for statement in self.statements():
+            yield from statement_lines(statement, self.ip)
 
     def text(self) -> str:
         return "\n".join(self.lines()) + "\n"
 
     def line(self, number: int) -> str:
-        for n, line in enumerate(self._make(), start=1):
-            if n == number:
-                return line
+        """Line `number` (from 1), "" past the end."""
+        n = 0
+        for statement in self._make():
+            size = 1 if isinstance(statement, str) else statement.size
+            if 0 < number <= n + size:
+                return next(islice(statement_lines(statement, self.ip), number - n - 1, None))
+            n += size
         return ""
 
 
@@ -305,13 +340,7 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
     stale_tables = sorted(set(kernel_tables) - wanted)
     ip = table_family(state.family)
 
-    def chains() -> Iterator[tuple[str, str, str, tuple[str, ...]]]:
-        for b in state.bases:
-            yield from ((b.table, name, body, rules) for name, body, rules in b.chains)
-        for _key, p in ordered:  # the rules themselves, while this script lives
-            yield from ((p.table, name, "", rules) for name, rules in p.chains)
-
-    def make() -> Iterator[str]:
+    def make() -> Iterator[Statement]:
         for b in state.bases:
             yield f"add table {ip} {b.table}"
         for b in state.bases:
@@ -320,12 +349,15 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
         for _key, p in ordered:
             for name, body in p.sets:
                 yield _declare_set(f"{ip} {p.table}", name, body)
-        for table, name, body, _rules in chains():
-            yield f"add chain {ip} {table} {name}" + (f" {{ {body} }}" if body else "")
-        for table, name, _body, rules in chains():
-            yield f"flush chain {ip} {table} {name}"
-            for rule in rules:
-                yield f"add rule {ip} {table} {name} {rule}"
+        for b in state.bases:
+            for name, body, _rules in b.chains:
+                yield f"add chain {ip} {b.table} {name} {{ {body} }}" if body \
+                    else Chains.one(b.table, name)
+        yield Chains([(p.table, p.chains) for _key, p in ordered])
+        # Every chain flushed, then its rules (the ports' rules read while this lives).
+        yield Rules([(b.table, [(name, rules) for name, _body, rules in b.chains])
+                     for b in state.bases])
+        yield Rules([(p.table, p.chains) for _key, p in ordered])
         for b in state.bases:
             for name, body in b.sets:
                 yield f"flush {'map' if _is_map(body) else 'set'} {ip} {b.table} {name}"
@@ -333,8 +365,8 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
             for name, body in p.sets:
                 if _is_map(body):
                     yield f"flush map {ip} {p.table} {name}"
-        yield from _element_lines("add", ip, ((k[0], k[1], _text(k, v))
-                                              for k, v in state.owners.elements()))
+        for table, set_name, pairs in state.owners.sets():
+            yield from _element_statements("add", table, set_name, pairs)
         for t, name in stale_chains:
             yield f"flush chain {ip} {t} {name}"
         for t, name in stale_chains:
@@ -344,7 +376,7 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
         for t in stale_tables:
             yield f"delete table {ip} {t}"
 
-    return Script(make), state
+    return Script(make, ip), state
 
 
 def partial_script(state: TableState,
@@ -379,10 +411,8 @@ def partial_script(state: TableState,
             if before == rules_digest(rules):
                 continue
             if before is None:  # declared before any rule, which may jump to it
-                add_chains.append(f"add chain {ip} {t} {name}")
-            else:
-                write_chains.append(f"flush chain {ip} {t} {name}")
-            write_chains += [f"add rule {ip} {t} {name} {rule}" for rule in rules]
+                add_chains += Chains.one(t, name).lines(ip)
+            write_chains += Rules.one(t, name, rules, flush=before is not None).lines(ip)
         gone_chains += [c for c in old_chains if c not in new_chains]
         gone_sets += [(c, b) for c, b in old_sets.items() if c not in new_sets]
         old_el = old.elements() if old else {}
@@ -397,16 +427,16 @@ def partial_script(state: TableState,
             state.ports.pop(key, None)
         else:
             state.ports[key] = KeptPort.of(new, new_el)
-    deletes: list[tuple[str, str, str]] = []
-    adds: list[tuple[str, str, str]] = []
+    deletes: list[tuple[ElementKey, str]] = []
+    adds: list[tuple[ElementKey, str]] = []
     for k in sorted(held_before):
         held, wanted = held_before[k], state.owners.held(k)
         if held == wanted:
             continue
         if held is not None:
-            deletes.append(k)  # a map element is deleted by its key alone
+            deletes.append((k, ""))  # a map element is deleted by its key alone
         if wanted is not None:
-            adds.append((k[0], k[1], _text(k, wanted)))
+            adds.append((k, wanted))
     lines = add_sets + add_chains + write_chains
     lines += _element_lines("delete", ip, deletes)
     lines += _element_lines("add", ip, adds)
@@ -455,8 +485,7 @@ def _apply_edit(state: TableState, key: ServicePortKey, old: KeptPort, edit: Por
         if digests[name] == digest:
             continue
         digests[name] = digest
-        lines.append(f"flush chain {ip} {old.table} {name}")
-        lines += [f"add rule {ip} {old.table} {name} {rule}" for rule in rules]
+        lines += Rules.one(old.table, name, rules).lines(ip)
     if lines:
         state.ports[key] = replace(old, chains=tuple(digests.items()))
     return lines

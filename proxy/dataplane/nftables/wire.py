@@ -7,10 +7,13 @@ and a full sync's text (17 MB at 10,000 services x 10 endpoints) took nft 3.7 s 
 parse and send. Our scripts use a small, closed set of statements, so this module
 encodes them itself, the way nft would, and the kernel gets the same objects.
 
-Input is the very text the fallback would hand to nft, one statement per line; output
-is a batch whose message i+1 is line i, so a refusal names its line as nft's errors do.
-A line outside the dialect raises `Unencodable`, and the caller hands the whole script
-to nft instead: nothing is ever half-encoded. What is encoded here (rules: expressions.py):
+Input is the very text the fallback would hand to nft, one statement per line, or
+statements that stand for its lines (`Chains`, `Rules`, `Elements`: a full sync's
+chains, rules and set elements as the renderer made them, encoded as their lines would
+be without spelling each line and parsing it back); output is a batch whose message
+i+1 is line i, so a refusal names its line as nft's errors do. A line outside the
+dialect raises `Unencodable`, and the caller hands the whole script to nft instead:
+nothing is ever half-encoded. What is encoded here (rules: expressions.py):
 
     add|delete table <t>
     add chain <t> <name> [{ type nat|filter hook <hook> priority <p>; policy accept; }]
@@ -31,14 +34,19 @@ The wire format is include/uapi/linux/netfilter/nf_tables.h.
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
+import operator
 import re
 import socket
 import struct
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from proxy.dataplane.common.netlink import (
+    HEADER,
     NLM_F_ACK,
     NLM_F_CREATE,
     NLM_F_REQUEST,
@@ -50,14 +58,15 @@ from proxy.dataplane.common.netlink import (
 from proxy.dataplane.common.nfnetlink import NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END, NFPROTO
 from proxy.dataplane.common.nfnetlink import NFNL_SUBSYS_NFTABLES as SUBSYS
 from proxy.dataplane.nftables.expressions import (
+    ADDRESS_WIDTH,
+    INET,
     LIST_ELEM,
     PROTOCOLS,
     VERDICTS,
     Unencodable,
     address,
-    comment,
+    encode_rules,
     port,
-    rule_body,
     string,
     u32,
     value,
@@ -116,6 +125,7 @@ HOOKS = {"prerouting": 0, "input": 1, "forward": 2, "output": 3, "postrouting": 
 PRIORITIES = {"dstnat": -100, "srcnat": 100, "filter": 0}
 NF_ACCEPT = 1
 _NFGEN = struct.Struct("!BBH")
+_MESSAGE_HEAD = struct.Struct(HEADER.format + "4s")  # nlmsghdr, then the nfgenmsg
 _FLAGS = struct.Struct("=H")
 PAGE = 256 * 1024  # bytes per piece of a batch (Batch.pages); sendmsg takes up to 1,024
 
@@ -127,39 +137,57 @@ class Batch:
     # endpoints, and growing or joining one buffer that size doubled the agent's peak.
     pages: list[bytearray]
     begin_seq: int
-    # The (1-based) line each message encodes: message i has sequence begin_seq + 1 + i.
-    numbers: list[int]
+    count: int  # messages: message i (from 0) has sequence begin_seq + 1 + i
+    # The (1-based) line each message encodes, as runs of consecutive lines: (the run's
+    # first message, its line), a run after each blank line (which has no message). A
+    # list of every message's line was 4 MiB at 10,000 services x 10 endpoints.
+    runs: list[tuple[int, int]]
 
     @property
     def last_seq(self) -> int:
         """The last message's sequence number (the batch's end follows it)."""
-        return self.begin_seq + len(self.numbers)
+        return self.begin_seq + self.count
 
     @property
     def data(self) -> bytes:
         return b"".join(self.pages)
 
+    @property
+    def numbers(self) -> list[int]:
+        """The line of each message, in order."""
+        return [self._line(i) for i in range(self.count)]
+
     def line_of(self, seq: int) -> int | None:
         i = seq - self.begin_seq - 1
-        return self.numbers[i] if 0 <= i < len(self.numbers) else None
+        return self._line(i) if 0 <= i < self.count else None
+
+    def _line(self, i: int) -> int:
+        first, line = self.runs[bisect.bisect_right(self.runs, i, key=lambda run: run[0]) - 1]
+        return line + i - first
 
 
 # --- elements and sets ----------------------------------------------------------------------
 
 
+# A protocol's byte in a key, padded to its 32-bit register slot.
+_KEY_PROTOCOLS = {name: bytes([number]) + b"\0\0\0" for name, number in PROTOCOLS.items()}
+
+
+@functools.lru_cache(maxsize=1024)
+def _key_port(text: str) -> bytes:
+    return port(text) + b"\0\0"
+
+
 def _element_key(family: Family, text: str) -> bytes:
     """`198.18.0.1 . tcp . 80` -> each part in its own 32-bit register slot, as the
-    kernel lays out concatenations."""
-    out = b""
+    kernel lays out concatenations (an address fills its slots: 4 or 16 bytes)."""
+    out = []
     for part in text.split(" . "):
-        if part in PROTOCOLS:
-            raw = bytes([PROTOCOLS[part]])
-        elif part.isdigit():
-            raw = port(part)
-        else:
-            raw = address(part, family)
-        out += raw + b"\0" * (-len(raw) % 4)
-    return out
+        raw = _KEY_PROTOCOLS.get(part)
+        if raw is None:
+            raw = _key_port(part) if part.isdigit() else address(part, family)
+        out.append(raw)
+    return b"".join(out)
 
 
 @functools.cache
@@ -170,25 +198,72 @@ def _value_head(kind: int, length: int) -> bytes:
     return value(kind, bytes(length))[:-length]
 
 
-def _element(family: Family, text: str) -> bytes:
-    key, sep, data = text.partition(" : ")
-    key = key.strip()
+@functools.cache
+def _set_element_head(length: int) -> bytes:
+    """What comes before a set element's key of `length` bytes (it has no value)."""
+    return nested(LIST_ELEM, _value_head(ELEM_KEY, length) + bytes(length))[:-length]
+
+
+def _element(family: Family, key: str, data: str) -> bytes:
+    """One element: its key and, in a map, its value (`data`; "" in a set)."""
     if key.isdigit():  # a lone number is a slot map's key: numgen's host-order u32
         slot = int(key)
         if slot > 0xFFFFFFFF:
             raise Unencodable(f"slot {key}")
         attrs = value(ELEM_KEY, struct.pack("=I", slot))
-        if sep:
-            attrs += value(ELEM_DATA, _element_key(family, data.strip()))
+        if data:
+            attrs += value(ELEM_DATA, _element_key(family, data))
         return nested(LIST_ELEM, attrs)
     raw = _element_key(family, key)
-    attrs = _value_head(ELEM_KEY, len(raw)) + raw
-    if sep:
-        verb, _, chain = data.strip().partition(" ")
-        if verb not in VERDICTS or bool(chain) != (verb in ("jump", "goto")):
-            raise Unencodable(f"element value {data!r}")
-        attrs += verdict(ELEM_DATA, verb, chain)
-    return nested(LIST_ELEM, attrs)
+    if not data:
+        return _set_element_head(len(raw)) + raw
+    verb, _, chain = data.partition(" ")
+    if verb not in VERDICTS or bool(chain) != (verb in ("jump", "goto")):
+        raise Unencodable(f"element value {data!r}")
+    return nested(LIST_ELEM, _value_head(ELEM_KEY, len(raw)) + raw
+                  + verdict(ELEM_DATA, verb, chain))
+
+
+def _element_item(text: str) -> tuple[str, str]:
+    """(key, value or "") of one element as a line spells it: `<key> [: <value>]`."""
+    key, sep, data = text.partition(" : ")
+    data = data.strip()
+    if sep and not data:
+        raise Unencodable(f"element {text!r} without its value")
+    return key.strip(), data
+
+
+def _elements(family: Family, items: Sequence[tuple[str, str]]) -> bytes:
+    """The (key, value) elements of one statement, one after the other."""
+    return _address_elements(family, items) \
+        or b"".join([_element(family, key, data) for key, data in items])
+
+
+def _address_elements(family: Family, items: Sequence[tuple[str, str]]) -> bytes | None:
+    """`_elements` of a set's elements whose keys are addresses, or concatenations of as
+    many addresses each (at 10,000 services x 10 endpoints, a full sync's 75,000
+    hairpin pairs and cluster IPs): the parts read by inet_pton in one pass, the
+    elements joined in another, where element by element took 1.5 us each. None for
+    anything else (a map's elements, a key with another part), for `_element`."""
+    if not items:
+        return b""
+    keys, values = zip(*items, strict=True)
+    if any(values):
+        return None
+    splits = list(map(str.split, keys, itertools.repeat(" . ")))
+    parts_per_key = len(splits[0])
+    if len(set(map(len, splits))) != 1:
+        return None
+    try:  # a part that is no address (a protocol, a port, a slot) is refused here
+        raws = list(map(functools.partial(socket.inet_pton, INET[family]),
+                        itertools.chain.from_iterable(splits)))
+    except OSError:
+        return None
+    stride = parts_per_key + 1  # an element: its head, then its parts
+    out = [_set_element_head(parts_per_key * ADDRESS_WIDTH[family])] * (len(keys) * stride)
+    for i in range(parts_per_key):
+        out[i + 1::stride] = raws[i::parts_per_key]
+    return b"".join(out)
 
 
 def _key_type(text: str) -> tuple[int, int, bool]:
@@ -279,7 +354,106 @@ def _plain_name(rest: str) -> str:
     return rest
 
 
+# --- statements that stand for lines --------------------------------------------------------
+
+
+# Chains of one table, as render.py keeps a port's: (name, rules), in write order.
+ChainRules = Sequence[tuple[str, Sequence[str]]]
+_SECOND = operator.itemgetter(1)
+
+
+class Chains(NamedTuple):
+    """`add chain <ip> <table> <name>` for each chain of each (table, chains) of `tables`
+    (regular chains, declared: their rules are not written here)."""
+
+    tables: Sequence[tuple[str, ChainRules]]
+
+    @classmethod
+    def one(cls, table: str, name: str) -> Chains:
+        return cls(((table, ((name, ()),)),))
+
+    @property
+    def size(self) -> int:
+        """How many lines this stands for."""
+        return sum(map(len, map(_SECOND, self.tables)))
+
+    def lines(self, ip: str) -> Iterator[str]:
+        for table, chains in self.tables:
+            for name, _rules in chains:
+                yield f"add chain {ip} {table} {name}"
+
+
+class Rules(NamedTuple):
+    """For each chain of each (table, chains) of `tables`: `flush chain <ip> <table>
+    <name>` (unless `flush` is False), then `add rule <ip> <table> <name> <rule>` for
+    each of its rules."""
+
+    tables: Sequence[tuple[str, ChainRules]]
+    flush: bool = True
+
+    @classmethod
+    def one(cls, table: str, name: str, rules: Sequence[str], flush: bool = True) -> Rules:
+        return cls(((table, ((name, rules),)),), flush)
+
+    @property
+    def size(self) -> int:
+        return sum(self.flush * len(chains) + sum(map(len, map(_SECOND, chains)))
+                   for _table, chains in self.tables)
+
+    def lines(self, ip: str) -> Iterator[str]:
+        for table, chains in self.tables:
+            for name, rules in chains:
+                if self.flush:
+                    yield f"flush chain {ip} {table} {name}"
+                prefix = f"add rule {ip} {table} {name} "
+                for rule in rules:
+                    yield prefix + rule
+
+
+class Elements(NamedTuple):
+    """`add|delete element <ip> <table> <set> { <key> [: <value>], ... }`: one line of
+    `items`, (key, value) pairs (a set's elements have the value "")."""
+
+    verb: str
+    table: str
+    set: str
+    items: Sequence[tuple[str, str]]
+
+    @property
+    def size(self) -> int:
+        return 1
+
+    def lines(self, ip: str) -> Iterator[str]:
+        texts = ", ".join(f"{key} : {data}" if data else key for key, data in self.items)
+        yield f"{self.verb} element {ip} {self.table} {self.set} {{ {texts} }}"
+
+
+# A statement of a script: one line's text, or lines the encoder takes as they are made,
+# without spelling them and parsing them back (at 10,000 services x 10 endpoints, a full
+# sync's 100,000 rules, 20,000 chains and 85,000 set elements).
+Statement = str | Chains | Rules | Elements
+
+
+def statement_lines(statement: Statement, ip: str) -> Iterator[str]:
+    """The lines `statement` stands for, in a table of family `ip` ("ip" or "ip6")."""
+    if isinstance(statement, str):
+        yield statement
+    else:
+        yield from statement.lines(ip)
+
+
 # --- lines -----------------------------------------------------------------------------------
+
+
+def _element_message(verb: str, t: bytes, name: str, elements: bytes
+                     ) -> tuple[int, int, bytes]:
+    """An `add|delete element` of the encoded `elements` of set `name` of table `t`."""
+    attrs = t + string(ELEMS_SET, name) + nested(ELEMS_LIST, elements)
+    if verb == "add":
+        return NEWSETELEM, NLM_F_CREATE, attrs
+    if verb == "delete":
+        return DELSETELEM, 0, attrs
+    raise Unencodable(f"{verb} element")
 
 
 def _line(family: Family, tables: Collection[str], line: str,
@@ -301,19 +475,12 @@ def _line(family: Family, tables: Collection[str], line: str,
     t = string(1, table)
     if kind == "rule" and verb == "add":
         chain, _, rule = rest.partition(" ")
-        body, mark, note = rule.partition(' comment "')
-        if mark and (not note.endswith('"') or '"' in note[:-1]):
-            raise Unencodable(f"comment in {line!r}")
-        attrs = (t + string(RULE_CHAIN, _plain_name(chain))
-                 + rule_body(family, body))
-        if mark:
-            attrs += comment(note[:-1])
-        return NEWRULE, NLM_F_CREATE | NLM_F_APPEND, attrs
+        return (NEWRULE, NLM_F_CREATE | NLM_F_APPEND,
+                t + string(RULE_CHAIN, _plain_name(chain)) + encode_rules(family, (rule,))[0])
     if kind == "element" and verb in ("add", "delete"):
         name, inner = _braced(rest)
-        elements = b"".join(_element(family, e) for e in inner.split(", "))
-        attrs = t + string(ELEMS_SET, name) + nested(ELEMS_LIST, elements)
-        return (NEWSETELEM, NLM_F_CREATE, attrs) if verb == "add" else (DELSETELEM, 0, attrs)
+        return _element_message(verb, t, name, _elements(
+            family, [_element_item(e) for e in inner.split(", ")]))
     if kind == "chain":
         if verb == "add" and " { " in rest:  # a base chain
             name, body = _braced(rest)
@@ -350,44 +517,104 @@ def _lines(script: str) -> Iterator[str]:
         start = stop + 1
 
 
-def encode(script: str | Iterable[str], family: Family, tables: Collection[str],
-           first_seq: int) -> Batch:
-    """The batch for `script` (text, one statement per line, or the lines themselves)
-    on `tables` of `family`; message
-    sequence numbers from `first_seq` on. The last message asks for an
-    acknowledgement: the kernel answers a batch in order, so any refusal of an earlier
-    line arrives before it. Raises Unencodable for anything outside the
-    dialect (module docstring).
+class _Pages:
+    """A batch as it is framed: messages appended to pages of about PAGE bytes."""
 
-    Framed straight into pages, line by line: a full sync's batch is tens of megabytes,
-    and a list of its messages beside it (or of its lines) would double that at the
-    agent's peak, in small objects the allocator keeps afterwards."""
-    header = _NFGEN.pack(NFPROTO[family], 0, 0)
-    seq = first_seq
-    out = bytearray(frame(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, seq,
-                          _NFGEN.pack(socket.AF_UNSPEC, 0, SUBSYS)))
-    pages = [out]
-    numbers: list[int] = []
-    last = -1
-    for number, line in enumerate(_lines(script) if isinstance(script, str) else script,
-                                  start=1):
-        if not line:
-            continue
-        msg, flags, attrs = _line(family, tables, line, number)
-        seq += 1
-        numbers.append(number)
-        message = frame(SUBSYS << 8 | msg, NLM_F_REQUEST | flags, seq, header + attrs)
-        if len(out) + len(message) > PAGE:
-            out = bytearray()
-            pages.append(out)
-        last = len(out)
-        out += message
-    if last >= 0:  # nlmsghdr: length (4 bytes), type (2), then the flags
-        (flags,) = _FLAGS.unpack_from(out, last + 6)
-        _FLAGS.pack_into(out, last + 6, flags | NLM_F_ACK)
-    out += frame(NFNL_MSG_BATCH_END, NLM_F_REQUEST, seq + 1,
-                 _NFGEN.pack(socket.AF_UNSPEC, 0, SUBSYS))
-    return Batch(pages, first_seq, numbers)
+    def __init__(self, family: Family, first_seq: int) -> None:
+        self.nfgen = _NFGEN.pack(NFPROTO[family], 0, 0)
+        self.first_seq = self.seq = first_seq
+        self.out = bytearray(frame(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, first_seq,
+                                   _NFGEN.pack(socket.AF_UNSPEC, 0, SUBSYS)))
+        self.pages = [self.out]
+        self.runs = [(0, 1)]
+        self.blank = 0  # blank lines so far
+        self.last = -1  # where the last message starts, in the last page
+
+    def add(self, msg: int, flags: int, head: bytes, tails: Iterable[bytes] = (b"",)) -> None:
+        """The next lines' messages: `head` then a tail, for each of `tails`."""
+        kind, flags = SUBSYS << 8 | msg, NLM_F_REQUEST | flags
+        out, seq, nfgen, pack = self.out, self.seq, self.nfgen, _MESSAGE_HEAD.pack
+        fixed = _MESSAGE_HEAD.size + len(head)
+        size = 0
+        for tail in tails:
+            size = fixed + len(tail)
+            if len(out) + size > PAGE:
+                out = bytearray()
+                self.pages.append(out)
+            seq += 1
+            out += pack(size, kind, flags, seq, 0, nfgen)
+            out += head
+            out += tail
+        if size:
+            self.out, self.seq, self.last = out, seq, len(out) - size
+
+    def line(self) -> int:
+        """The next message's line, if it has no blank line before it."""
+        return self.seq - self.first_seq + self.blank + 1
+
+    def skip(self) -> None:
+        """A blank line: no message, and the next message's line one further on."""
+        self.blank += 1
+        run = (self.seq - self.first_seq, self.line())
+        if self.runs[-1][0] == run[0]:
+            self.runs[-1] = run
+        else:
+            self.runs.append(run)
+
+    def batch(self) -> Batch:
+        """The batch: its last message asks for an acknowledgement, then its end."""
+        out = self.out
+        if self.last >= 0:  # nlmsghdr: length (4 bytes), type (2), then the flags
+            (flags,) = _FLAGS.unpack_from(out, self.last + 6)
+            _FLAGS.pack_into(out, self.last + 6, flags | NLM_F_ACK)
+        out += frame(NFNL_MSG_BATCH_END, NLM_F_REQUEST, self.seq + 1,
+                     _NFGEN.pack(socket.AF_UNSPEC, 0, SUBSYS))
+        return Batch(self.pages, self.first_seq, self.seq - self.first_seq, self.runs)
+
+
+def encode(script: str | Iterable[Statement], family: Family, tables: Collection[str],
+           first_seq: int) -> Batch:
+    """The batch for `script` (text, one statement per line, or the statements
+    themselves, in `family`'s tables) on `tables` of `family`; message sequence numbers
+    from `first_seq` on. The last message asks for an acknowledgement: the kernel
+    answers a batch in order, so any refusal of an earlier line arrives before it.
+    Raises Unencodable for anything outside the dialect (module docstring).
+
+    Framed straight into pages, statement by statement: a full sync's batch is tens of
+    megabytes, and a list of its messages beside it (or of its lines) would double
+    that at the agent's peak, in small objects the allocator keeps afterwards."""
+    pages = _Pages(family, first_seq)
+    add = pages.add
+    table_names = {table: string(TABLE_NAME, table) for table in tables}
+
+    def table_name(table: str) -> bytes:
+        found = table_names.get(table)
+        if found is None:
+            raise Unencodable(f"not our {family.label} table: {table!r}")
+        return found
+
+    for statement in _lines(script) if isinstance(script, str) else script:
+        if isinstance(statement, str):
+            if statement:
+                add(*_line(family, table_names, statement, pages.line()))
+            else:
+                pages.skip()
+        elif isinstance(statement, Rules):
+            for table, chains in statement.tables:
+                t = table_name(table)
+                for name, rules in chains:
+                    head = t + string(RULE_CHAIN, _plain_name(name))
+                    if statement.flush:
+                        add(DELRULE, 0, head)
+                    add(NEWRULE, NLM_F_CREATE | NLM_F_APPEND, head, encode_rules(family, rules))
+        elif isinstance(statement, Chains):
+            for table, chains in statement.tables:
+                add(NEWCHAIN, NLM_F_CREATE, table_name(table),
+                    [string(CHAIN_NAME, _plain_name(name)) for name, _rules in chains])
+        else:
+            add(*_element_message(statement.verb, table_name(statement.table), statement.set,
+                                  _elements(family, statement.items)))
+    return pages.batch()
 
 
 # --- reading names back (pure) ---------------------------------------------------------------
