@@ -1,8 +1,9 @@
 """nf_tables rule expressions for the rules of our nftables dialect (pure).
 
 One rule's text (after `add rule <family> <table> <chain>`; with its comment, in
-`encode_rules`) becomes the expressions nft would send for it, so the kernel holds the same rule whichever way it came
-(tests/e2e/test_nftables_wire.py compares both, byte for byte, as the kernel dumps them).
+`encode_rules`) becomes the expressions nft would send for it, so the kernel holds the
+same rule whichever way it came (tests/e2e/test_nftables_wire.py compares both, byte
+for byte, as the kernel dumps them).
 The dialect, closed; anything else raises `Unencodable`:
 
     matches:   ip|ip6 saddr|daddr [!=] <addr>|<net>|@<set>;  tcp|udp|sctp dport <n>;
@@ -75,10 +76,13 @@ def u32(value: int) -> bytes:
     return _U32.pack(value)
 
 
-# Small caches: a script names one chain, set or comment on many consecutive lines.
-@functools.lru_cache(maxsize=256)
-def string(kind: int, text: str) -> bytes:
+def unique_string(kind: int, text: str) -> bytes:
+    """A string attribute, for a text used once (each of a full sync's 10,000 chains)."""
     return nla(kind, text.encode() + b"\0")
+
+
+# Small caches: a script names one chain, set or comment on many consecutive lines.
+string = functools.lru_cache(maxsize=256)(unique_string)
 
 
 def value(kind: int, data: bytes) -> bytes:
@@ -397,23 +401,25 @@ def encode_rules(family: Family, texts: Iterable[str]) -> list[bytes]:
     text (`_dnat_rule_head`, `_dnat_tail`, `_rule_comment`), only the address each
     time. What this shortcut does not take (or refuses) goes to `rule_body`, which
     encodes it or says why not."""
-    heads, tails = _DNAT_HEADS[family], _DNAT_TAILS[family]
-    v4 = family is Family.V4
+    heads, tails, dnat_address = _DNAT_HEADS[family], _DNAT_TAILS[family], _DNAT_ADDRESS[family]
+    note_of, comment_of = None, b""  # the last comment: most rules share their neighbours'
     out = []
     for text in texts:
         body, mark, note = text.partition(' comment "')
         head, sep, target = body.rpartition(" dnat to ")
         host, colon, port_text = target.rpartition(":")
-        exprs = None
         if sep and colon:  # (an address and a port hold no blank: the parse reads them alike)
-            try:  # in an ip table the address is the host itself (`_dnat_address`)
-                exprs = (heads[head] + (socket.inet_pton(socket.AF_INET, host) if v4
-                                        else _dnat_address(family, host)) + tails[port_text])
+            try:
+                exprs = heads[head] + dnat_address(host) + tails[port_text]
             except (Unencodable, OSError):
-                exprs = None
-        if exprs is None:
+                exprs = rule_body(family, body)
+        else:
             exprs = rule_body(family, body)
-        out.append(exprs + _COMMENTS[note] if mark else exprs)
+        if mark:
+            if note != note_of:
+                comment_of, note_of = _rule_comment(note), note
+            exprs += comment_of
+        out.append(exprs)
     return out
 
 
@@ -455,7 +461,9 @@ class _Memo(dict[str, bytes]):
 
 _DNAT_HEADS = {family: _Memo(functools.partial(_dnat_rule_head, family)) for family in Family}
 _DNAT_TAILS = {family: _Memo(functools.partial(_dnat_tail, family)) for family in Family}
-_COMMENTS = _Memo(_rule_comment, 256)
+# In an ip table the address is the host itself: inet_pton's OSError refuses the rest.
+_DNAT_ADDRESS = {Family.V4: functools.partial(socket.inet_pton, socket.AF_INET),
+                 Family.V6: functools.partial(_dnat_address, Family.V6)}
 
 
 @functools.lru_cache(maxsize=1024)

@@ -100,9 +100,7 @@ class Owners:
     def sets(self) -> Iterator[tuple[str, str, Iterator[tuple[str, str]]]]:
         """(table, set, its elements as (key, held value)), set by set."""
         for (table, set_name), members in self._sets.items():
-            # Most are a set's element with one owner (85,000 at 10,000 x 10 endpoints).
-            yield table, set_name, ((key, "" if type(cur) is ServicePortKey else _value(cur))
-                                    for key, cur in members.items())
+            yield table, set_name, ((key, _value(cur)) for key, cur in members.items())
 
     def elements(self) -> Iterator[tuple[ElementKey, str]]:
         for table, set_name, members in self.sets():
@@ -127,11 +125,11 @@ def _sole(cur: _Owned) -> tuple[ServicePortKey, str] | None:
 
 
 def _value(cur: _Owned) -> str:
-    one = _sole(cur)
-    if one is not None:
-        return one[1]
-    assert isinstance(cur, dict)
-    return cur[min(cur)]
+    if type(cur) is ServicePortKey:
+        return ""
+    if isinstance(cur, dict):
+        return cur[min(cur)]
+    return cur[1]
 
 
 class SlotMap:

@@ -69,6 +69,7 @@ from proxy.dataplane.nftables.expressions import (
     port,
     string,
     u32,
+    unique_string,
     value,
     verdict,
 )
@@ -397,8 +398,8 @@ class Rules(NamedTuple):
 
     @property
     def size(self) -> int:
-        return sum(self.flush * len(chains) + sum(map(len, map(_SECOND, chains)))
-                   for _table, chains in self.tables)
+        chains = list(itertools.chain.from_iterable(map(_SECOND, self.tables)))
+        return self.flush * len(chains) + sum(map(len, map(_SECOND, chains)))
 
     def lines(self, ip: str) -> Iterator[str]:
         for table, chains in self.tables:
@@ -603,14 +604,14 @@ def encode(script: str | Iterable[Statement], family: Family, tables: Collection
             for table, chains in statement.tables:
                 t = table_name(table)
                 for name, rules in chains:
-                    head = t + string(RULE_CHAIN, _plain_name(name))
+                    head = t + unique_string(RULE_CHAIN, _plain_name(name))
                     if statement.flush:
                         add(DELRULE, 0, head)
                     add(NEWRULE, NLM_F_CREATE | NLM_F_APPEND, head, encode_rules(family, rules))
         elif isinstance(statement, Chains):
             for table, chains in statement.tables:
                 add(NEWCHAIN, NLM_F_CREATE, table_name(table),
-                    [string(CHAIN_NAME, _plain_name(name)) for name, _rules in chains])
+                    [unique_string(CHAIN_NAME, _plain_name(name)) for name, _rules in chains])
         else:
             add(*_element_message(statement.verb, table_name(statement.table), statement.set,
                                   _elements(family, statement.items)))
