@@ -60,7 +60,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -126,6 +126,8 @@ class Settings:
     # Also listen to nf_tables' announcements, as bench.realcp_latency does: it costs the
     # agent's commit seconds (TableAppears), so only to show that.
     announcements: bool = False
+    # Checkouts whose agents take turns (an A/B on one control plane); none: this one.
+    agent_roots: tuple[str, ...] = ()
 
     def check(self) -> None:
         if min(self.services, self.endpoints, self.runs, self.parallel) < 1:
@@ -346,7 +348,8 @@ def _logged(log_path: Path, pattern: re.Pattern[str]) -> str | None:
 
 
 def start_once(cp: ControlPlane, settings: Settings, source: str, ns: str,
-               want: set[tuple[str, str]], workdir: Path) -> dict[str, Any]:
+               want: set[tuple[str, str]], workdir: Path,
+               root: Path = ROOT) -> dict[str, Any]:
     """One cold start of the agent in a fresh node namespace; everything it started is
     gone when this returns."""
     before = wait_quiet(cp, settings)
@@ -356,7 +359,7 @@ def start_once(cp: ControlPlane, settings: Settings, source: str, ns: str,
         cp.attach(lab.node_ns)
         stack.callback(cp.detach, lab.node_ns)
         proxy = Sliceproxy.make(lab, cp.node_kubeconfig, workdir, source,
-                                *PROXY_FLAGS[SIDE])
+                                *PROXY_FLAGS[SIDE], root=root)
         stack.callback(proxy.stop)
         side = Side(SIDE, lab, proxy)
         # Both from before the process starts.
@@ -417,26 +420,54 @@ def run(cp: ControlPlane, bins: Binaries, settings: Settings, workdir: Path,
         # The agent's modules as the image ships them, byte-compiled (pip does it at
         # install): a checkout without __pycache__, where PYTHONDONTWRITEBYTECODE is
         # set, would compile them at every start (up to 0.2 s of CPU).
-        compileall.compile_dir(ROOT / "proxy", quiet=1)
+        roots = agent_roots(settings)
+        for root in roots.values():
+            compileall.compile_dir(root / "proxy", quiet=1)
         runs: list[dict[str, Any]] = []
         for k in range(settings.runs):
-            for source in settings.sources:  # alternating: drift hits both alike
-                one = start_once(cp, settings, source, ns, want, workdir)
-                one["run"] = k + 1
-                runs.append(one)
-                cpu = one["control_plane_before"]["cpu_last_second"]
-                progress(f"{source} run {k + 1}: committed {one['committed_s']} s "
-                         f"(announced {one['committed_announced_s']}), rules "
-                         f"seen {one['seconds_to_rules']} s, listed {one['listed_s']} s, "
-                         f"first sync {one['first_sync_s']} s, CPU {one['cpu_s']} s (kernel "
-                         f"{one['cpu_system_s']} s), peak "
-                         f"{one['peak_rss_mib']} MiB; control plane before: {cpu}")
+            # Alternating sources (and checkouts): drift hits each alike.
+            for label, root in roots.items():
+                for source in settings.sources:
+                    one = start_once(cp, settings, source, ns, want, workdir, root)
+                    one.update(run=k + 1, agent=label)
+                    runs.append(one)
+                    cpu = one["control_plane_before"]["cpu_last_second"]
+                    progress(f"{_group(label, source, roots)} run {k + 1}: committed "
+                             f"{one['committed_s']} s "
+                             f"(announced {one['committed_announced_s']}), rules "
+                             f"seen {one['seconds_to_rules']} s, listed {one['listed_s']} s, "
+                             f"first sync {one['first_sync_s']} s, CPU {one['cpu_s']} s "
+                             f"(kernel {one['cpu_system_s']} s), peak "
+                             f"{one['peak_rss_mib']} MiB; control plane before: {cpu}")
         result["mirrored_slices"] = mirrored_slices(api, ns)
     result["runs"] = runs
     result["environment_end"] = environment()
-    result["sources"] = {s: _summary([r for r in runs if r["source"] == s])
-                         for s in settings.sources}
+    result["agents"] = {label: str(root) for label, root in roots.items()}
+    result["sources"] = {
+        _group(label, s, roots): _summary([r for r in runs
+                                           if r["source"] == s and r["agent"] == label])
+        for label in roots for s in settings.sources}
     return result
+
+
+def agent_roots(settings: Settings) -> dict[str, Path]:
+    """Label -> checkout of the agents measured: this one, or each of --agent-root
+    (labelled by its directory's name)."""
+    if not settings.agent_roots:
+        return {"": ROOT}
+    roots = [Path(r).absolute() for r in settings.agent_roots]
+    for root in roots:
+        if not (root / "proxy" / "__main__.py").is_file():
+            raise ValueError(f"{root} is not a sliceproxy checkout (no proxy/__main__.py)")
+    labels = [r.name for r in roots]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--agent-root directories need distinct names: {labels}")
+    return dict(zip(labels, roots, strict=True))
+
+
+def _group(label: str, source: str, roots: Mapping[str, Path]) -> str:
+    """A row's name: the source, after the checkout's label when there are several."""
+    return f"{label}/{source}" if len(roots) > 1 or label else source
 
 
 def _summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -522,6 +553,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--announcements", action="store_true",
                    help="also listen to nf_tables' announcements (bench.realcp_latency's "
                    "committed_s): costs the agent's commit seconds at 10,000 services")
+    p.add_argument("--agent-root", action="append", default=[], metavar="DIR",
+                   help="a checkout whose agent is measured (repeat for an A/B on one "
+                        "control plane: the checkouts take turns); default: this one")
     p.add_argument("--json", type=Path, help="write the full results here")
     p.add_argument("--keep-logs", type=Path, help="a directory for the agents' logs")
     args = p.parse_args(argv)
@@ -530,9 +564,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sources=tuple(args.sources), parallel=args.parallel,
         setup_deadline=args.setup_deadline, start_deadline=args.start_deadline,
         quiet_cpu=args.quiet_cpu, quiet_deadline=args.quiet_deadline,
-        announcements=args.announcements)
+        announcements=args.announcements, agent_roots=tuple(args.agent_root))
     try:
         settings.check()
+        agent_roots(settings)
     except ValueError as exc:
         p.error(str(exc))
     return on_control_plane(

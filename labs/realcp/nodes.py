@@ -134,12 +134,13 @@ class NodeProxy:
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self.started = 0.0
+        self.cwd = ROOT  # where it runs (a sliceproxy: the checkout it runs from)
 
     def start(self) -> Self:
         out = self.log_path.open("ab")
         try:
             self.proc = self.lab.popen(self.lab.node_ns, self.argv, stdout=out,
-                                       stderr=subprocess.STDOUT, env=self.env, cwd=str(ROOT))
+                                       stderr=subprocess.STDOUT, env=self.env, cwd=str(self.cwd))
         finally:
             out.close()
         self.started = time.monotonic()
@@ -191,14 +192,17 @@ class Sliceproxy(NodeProxy):
 
     @classmethod
     def make(cls, lab: Lab, kubeconfig: Path, workdir: Path, source: str,
-             *flags: str) -> Sliceproxy:
+             *flags: str, root: Path = ROOT) -> Sliceproxy:
+        """The agent of the checkout `root` (this one by default)."""
         argv = [sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
                 "--hostname-override", lab.node_name, "--proxy-mode", "iptables",
                 "--endpoints-source", source, "--cluster-cidr", POD_CIDR,
                 "--metrics-bind-address", f"127.0.0.1:{METRICS_PORT}",
                 "--healthz-bind-address", f"127.0.0.1:{HEALTHZ_PORT}", "-v", "2", *flags]
-        return cls(lab, argv, workdir / f"sliceproxy-{lab.node_ns}.log",
-                   {"PYTHONPATH": str(ROOT)})
+        proxy = cls(lab, argv, workdir / f"sliceproxy-{lab.node_ns}.log",
+                    {"PYTHONPATH": str(root)})
+        proxy.cwd = root
+        return proxy
 
     def dump(self, service: str | None = None) -> dict[str, Any]:
         status, body = self.get("/debug/dump" + (f"?service={service}" if service else ""))

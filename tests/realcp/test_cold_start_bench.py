@@ -13,6 +13,7 @@ import pytest
 from bench.realcp_cold_start import SOURCES, Settings, markdown, run
 from labs.realcp.build import Binaries
 from labs.realcp.controlplane import ControlPlane
+from labs.realcp.nodes import ROOT
 
 pytestmark = [pytest.mark.realcp, pytest.mark.root, pytest.mark.slow]
 
@@ -35,3 +36,19 @@ def test_every_start_programs_every_endpoint(
     # skip-mirror: the mirroring controller left the Endpoints alone
     assert result["mirrored_slices"] == 0
     assert "committed: median" in markdown(result)
+
+
+def test_two_checkouts_take_turns(control_plane: ControlPlane, realcp_binaries: Binaries,
+                                  tmp_path: Path) -> None:
+    # Two names for this checkout: an A/B's bookkeeping, not its speed, is under test.
+    for name in ("before", "after"):
+        (tmp_path / name).symlink_to(ROOT)
+    settings = Settings(services=3, endpoints=1, runs=1, sources=("endpoints",),
+                        setup_deadline=120.0, start_deadline=120.0, quiet_deadline=60.0,
+                        cleanup_objects=True,
+                        agent_roots=(str(tmp_path / "before"), str(tmp_path / "after")))
+    result = run(control_plane, realcp_binaries, settings, tmp_path)
+    assert [r["agent"] for r in result["runs"]] == ["before", "after"]
+    assert all(r["endpoints_seen"] == r["endpoints_wanted"] == 3 for r in result["runs"])
+    assert set(result["sources"]) == {"before/endpoints", "after/endpoints"}
+    assert "before/endpoints" in markdown(result)
