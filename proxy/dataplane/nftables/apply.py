@@ -5,8 +5,10 @@ network namespace. Per family it keeps the `TableState` it last applied:
 
 - a full sync (the first one, `full=True`, after any failure, after drift, or when this
   node's addresses changed) reads back the names of what our table holds and rewrites
-  all of it in one transaction (transaction.full_lines: made line by line as it is
-  encoded, never held whole);
+  all of it in one transaction (transaction.full_lines: the rendered ports' chains,
+  rules and elements as statements the encoder frames one by one, never a text held
+  whole; ports rendered ahead while the cluster listed, `render_ahead`, taken as they
+  are if still current);
 - a partial sync renders only the service ports whose snapshot entry is not the very
   object applied last time (found in O(changes): `DesiredState.changed_since`), and
   sends only their chains and elements; a port whose endpoints alone changed (the
