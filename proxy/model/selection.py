@@ -193,15 +193,21 @@ def categorize(
 
 def select_all(endpoints: Iterable[MergedEndpoint],
                verdicts: Verdicts) -> tuple[SelectedEndpoint, ...]:
-    """`select` of each endpoint. Most endpoints of a port differ only in address and
-    port, which no verdict reads: the sets and reason are worked out once for each
-    combination of what a verdict does read (`select`'s inputs but the address), which
-    halves the selection of a cold start."""
+    """`select` of each endpoint. Most endpoints of a port differ only in what no
+    verdict reads (address, port; without topology, node and zone but for "this node
+    or not"): the sets and reason are worked out once for each combination of what a
+    verdict does read, which halves the selection of a cold start."""
     seen: dict[tuple[object, ...], SelectedEndpoint] = {}
     out: list[SelectedEndpoint] = []
+    here = verdicts.node.name
+    # Without topology a verdict reads an endpoint's conditions and whether it is on
+    # this node (the local set); with it, its node, zone and hints too (and reasons
+    # name them).
+    plain = verdicts.mode == "cluster"
     for ep in endpoints:
-        what = (ep.ready, ep.serving, ep.terminating, ep.node_name, ep.zone, ep.zone_hints,
-                ep.node_hints)
+        what = ((ep.ready, ep.serving, ep.terminating, ep.node_name == here) if plain else
+                (ep.ready, ep.serving, ep.terminating, ep.node_name, ep.zone, ep.zone_hints,
+                 ep.node_hints))
         like = seen.get(what)
         if like is None:
             out.append(seen.setdefault(what, select(ep, verdicts)))
