@@ -57,6 +57,10 @@ class EndpointSet(enum.Enum):
     CLUSTER = "cluster"
     LOCAL = "local"
 
+    # Members are singletons compared by identity: hashed by it too, in C (Enum's own
+    # hashes the name in Python, and every `in_cluster` of every endpoint asks).
+    __hash__ = object.__hash__
+
 
 @dataclass(frozen=True, slots=True)
 class SelectedEndpoint:

@@ -37,6 +37,8 @@ class Protocol(enum.Enum):
     UDP = "UDP"
     SCTP = "SCTP"
 
+    __hash__ = object.__hash__  # as EndpointSet's (snapshot.py): by identity, in C
+
 
 class Family(enum.IntEnum):
     V4 = 4

@@ -552,8 +552,9 @@ def _balance(ip: str, proto: str, eps: Sequence[MergedEndpoint],
              texts: Mapping[int, str], ep_chains: Mapping[int, str],
              label: str) -> tuple[str, ...]:
     """Affinity checks first, then endpoint i (of n) with probability 1/(n-i) among what
-    is left, the last one always: uniform, like iptables' `statistic` cascade."""
-    ordered = sorted(eps, key=lambda ep: (ep.address.packed, ep.port))
+    is left, the last one always: uniform, like iptables' `statistic` cascade. In the
+    order of `eps`: a resolved port's, by address and port (ResolvedServicePort)."""
+    ordered = eps
     rules: list[str] = []
     if ep_chains:
         rules.extend(f"{ip} saddr @{_affinity_set(ep_chains[id(ep)])} goto {ep_chains[id(ep)]}"
