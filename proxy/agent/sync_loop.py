@@ -186,19 +186,26 @@ class SyncLoop:
         next_housekeeping = self._clock() + self.housekeeping_interval
         while True:
             self._wake.clear()
+            if not self.initialized:
+                # Nothing is due before the first sync, however long the lists take (an
+                # API server away at boot: minutes). start() wakes the loop. (A timeout
+                # here spun a core once the housekeeping time had passed.)
+                await self._wake.wait()
+                next_housekeeping = self._clock() + self.housekeeping_interval
+                continue
             now = self._clock()
-            trigger = self.schedule.start(now) if self.initialized else None
+            trigger = self.schedule.start(now)
             if trigger is not None:
                 await self._sync(trigger)
                 continue
-            if self.initialized and self._drift_due is not None and now >= self._drift_due:
+            if self._drift_due is not None and now >= self._drift_due:
                 await self._check_drift()
                 continue
-            if self.initialized and now >= next_housekeeping:
+            if now >= next_housekeeping:
                 await self._housekeeping()
                 next_housekeeping = self._clock() + self.housekeeping_interval
                 continue
-            due = self.schedule.next_due(now) if self.initialized else None
+            due = self.schedule.next_due(now)
             timeout = next_housekeeping - now
             if due is not None:
                 timeout = min(timeout, due - now)
