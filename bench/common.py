@@ -122,6 +122,9 @@ def stop(proc: subprocess.Popen[Any]) -> None:
 def simulator(ns: str, manifest: Path, work: Path, watch_cache: bool) -> Iterator[Path]:
     """`python -m proxy.sim` serving `manifest` in namespace `ns`: its kubeconfig."""
     kubeconfig = work / "kubeconfig"
+    # One left by an earlier run in a kept directory names that run's port: waiting for
+    # "the file exists" would start the agent against it, retrying for ever.
+    kubeconfig.unlink(missing_ok=True)
     log = (work / "sim.log").open("wb")
     proc = subprocess.Popen(in_namespace(ns, [
         sys.executable, "-m", "proxy.sim", "--listen", "127.0.0.1:0", "--kubeconfig-out",
