@@ -284,14 +284,17 @@ class Agent:
         assert self.watch is not None and self.dataplane is not None
         await self.watch.wait_synced_but_endpoints()
         dataplane, expected = self.dataplane, self.model.port_counts()
-        while True:
-            if ports := self.model.resolve_ahead(RESOLVE_AHEAD_BATCH):
-                # Rendered ahead too, on the data plane's thread; the lists' readers
-                # run meanwhile.
-                await self.worker.call(lambda: dataplane.render_ahead(ports, expected))
-            else:
-                self._arrived.clear()
-                await self._arrived.wait()
+        try:
+            while True:
+                if ports := self.model.resolve_ahead(RESOLVE_AHEAD_BATCH):
+                    # Rendered ahead too, on the data plane's thread; the lists' readers
+                    # run meanwhile.
+                    await self.worker.call(lambda: dataplane.render_ahead(ports, expected))
+                else:
+                    self._arrived.clear()
+                    await self._arrived.wait()
+        except Exception:  # a bug: the first sync still resolves and renders the rest
+            log.exception("resolving ahead failed; the first sync does it all")
 
     async def _remove_leftovers(self) -> None:
         """Remove the other proxy modes' rules (proxy/dataplane/leftovers.py), on the data

@@ -442,8 +442,8 @@ class ClusterModel:
         while self._ahead and tried < limit:
             key = self._ahead.popleft()
             if key in self._dirty:
-                self._dirty.discard(key)
                 rsp = self._resolved_ahead[key] = self.resolve_key(key)
+                self._dirty.discard(key)  # only once resolved: a failure leaves it dirty
                 tried += 1
                 if rsp is not None:
                     done.append(rsp)

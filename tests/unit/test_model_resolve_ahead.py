@@ -9,6 +9,7 @@ from __future__ import annotations
 from ipaddress import ip_address
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -119,3 +120,21 @@ def test_select_all_selects_as_select_does(raw: list[Any], uses_cluster: bool,
     verdicts = Verdicts(uses_cluster, uses_local, mode, fallback, local_ready,
                         NodeView(NODE, "zone-a"))
     assert select_all(merged, verdicts) == tuple(select(e, verdicts) for e in merged)
+
+
+def test_a_port_whose_resolution_failed_ahead_is_resolved_by_the_next_resolve(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model = ClusterModel(NODE)
+    apply_object(model, _service("a", 0))
+    apply_object(model, _slice("a-1", 0))
+    real = model.resolve_key
+
+    def broken(key: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(model, "resolve_key", broken)
+    with pytest.raises(RuntimeError):
+        model.resolve_ahead(10)
+    monkeypatch.setattr(model, "resolve_key", real)
+    state = model.resolve()
+    assert len(state.ports) == 2 and state.changed == frozenset(state.ports)
