@@ -34,7 +34,16 @@ from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, agent_pid, cpu_seconds, in_namespace, simulator, size_mib, stop
+from bench.common import (
+    ROOT,
+    agent_pid,
+    cpu_seconds,
+    exit_on_sigterm,
+    in_namespace,
+    simulator,
+    size_mib,
+    stop,
+)
 from proxy.lab.poll import TimedOut, wait
 
 POD_BASE = IPv4Address("198.19.0.1")
@@ -229,6 +238,7 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    exit_on_sigterm()
     ap = argparse.ArgumentParser(prog="python -m bench.agent_start", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--services", type=int, default=1000)

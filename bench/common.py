@@ -107,6 +107,15 @@ def in_namespace(ns: str, argv: Sequence[str]) -> list[str]:
     return ["ip", "netns", "exec", ns, *argv]
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit, so that the with-blocks unwind: a benchmark stopped
+    that way still removes its namespaces and processes (killed outright it left them)."""
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def stop(proc: subprocess.Popen[Any]) -> None:
     """SIGTERM, then SIGKILL after 30 s."""
     if proc.poll() is None:

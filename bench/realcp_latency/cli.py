@@ -7,25 +7,20 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from bench import realcp_latency as package  # its docstring is the command's help
-from bench.common import PACINGS
+from bench.common import PACINGS, exit_on_sigterm
 from bench.realcp_latency.report import markdown
 from bench.realcp_latency.run import run
 from bench.realcp_latency.settings import BACKENDS, KCM_FLAGS, PROXIES, Settings
 from labs.realcp.build import Binaries, build
 from labs.realcp.controlplane import ControlPlane
-
-
-def _on_sigterm(signum: int, frame: object) -> NoReturn:
-    raise SystemExit(128 + signum)  # unwinds the with-blocks: everything is cleaned up
 
 
 @contextlib.contextmanager
@@ -93,7 +88,7 @@ def on_control_plane(prog: str, argv: Sequence[str] | None, measure: Measure,
     if os.geteuid() != 0:
         print("needs root (network namespaces)", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    exit_on_sigterm()
 
     def progress(text: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
