@@ -29,6 +29,7 @@ sliceproxy` and their shards; nothing outside them is ever touched.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -59,6 +60,7 @@ from proxy.dataplane.nftables.transaction import (
     PortEdit,
     Script,
     TableState,
+    first_lines,
     full_lines,
     kept_slots,
     partial_script,
@@ -177,15 +179,20 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
         ahead, fam.ahead = fam.ahead, {}
 
         def objects(key: ServicePortKey, rsp: ResolvedServicePort) -> PortObjects:
-            done = ahead.get(key)
+            done = ahead.pop(key, None)
             if done is not None and done[0] is rsp and done[1] == ctx and done[2] == shards:
                 return done[3]
             return render_port(rsp, ctx, shards)
 
-        text, table = full_lines(bases, {k: objects(k, v) for k, v in ports.items()},
-                                 chains, sets, tables)
         fam.shards = shards
-        return text, table
+        if not tables:
+            # None of our tables yet (a node's first start): in parts, each port
+            # rendered as the script is read, the kernel taking one part while the
+            # next is made (transaction.first_lines).
+            return first_lines(bases, {k: functools.partial(objects, k, v)
+                                       for k, v in ports.items()})
+        return full_lines(bases, {k: objects(k, v) for k, v in ports.items()},
+                          chains, sets, tables)
 
     def _render_ahead(self, fam: _FamilyState, ports: Sequence[ResolvedServicePort],
                       ctx: RenderContext, expected: int) -> None:

@@ -429,10 +429,25 @@ class Elements(NamedTuple):
         yield f"{self.verb} element {ip} {self.table} {self.set} {{ {texts} }}"
 
 
+class Commit(NamedTuple):
+    """Not a line: where a script that leaves nothing live before its last part
+    (transaction.first_lines) may be cut into transactions of its own, each committed
+    before the next is sent. Encoders that take a script whole ignore it."""
+
+    @property
+    def size(self) -> int:
+        return 0
+
+    def lines(self, ip: str) -> Iterator[str]:
+        return iter(())
+
+
+COMMIT = Commit()
+
 # A statement of a script: one line's text, or lines the encoder takes as they are made,
 # without spelling them and parsing them back (at 10,000 services x 10 endpoints, a full
 # sync's 100,000 rules, 20,000 chains and 85,000 set elements).
-Statement = str | Chains | Rules | Elements
+Statement = str | Chains | Rules | Elements | Commit
 
 
 def statement_lines(statement: Statement, ip: str) -> Iterator[str]:
@@ -441,6 +456,21 @@ def statement_lines(statement: Statement, ip: str) -> Iterator[str]:
         yield statement
     else:
         yield from statement.lines(ip)
+
+
+def stages(statements: Iterable[Statement]) -> Iterator[list[Statement]]:
+    """`statements` cut at each COMMIT (dropped), each part made only when asked for,
+    so a part can be sent while the next is still being made."""
+    part: list[Statement] = []
+    for statement in statements:
+        if statement is COMMIT:
+            if part:
+                yield part
+            part = []
+        else:
+            part.append(statement)
+    if part:
+        yield part
 
 
 # --- lines -----------------------------------------------------------------------------------
@@ -521,14 +551,14 @@ def _lines(script: str) -> Iterator[str]:
 class _Pages:
     """A batch as it is framed: messages appended to pages of about PAGE bytes."""
 
-    def __init__(self, family: Family, first_seq: int) -> None:
+    def __init__(self, family: Family, first_seq: int, first_line: int = 1) -> None:
         self.nfgen = _NFGEN.pack(NFPROTO[family], 0, 0)
         self.first_seq = self.seq = first_seq
         self.out = bytearray(frame(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, first_seq,
                                    _NFGEN.pack(socket.AF_UNSPEC, 0, SUBSYS)))
         self.pages = [self.out]
-        self.runs = [(0, 1)]
-        self.blank = 0  # blank lines so far
+        self.runs = [(0, first_line)]
+        self.blank = first_line - 1  # blank lines so far (and lines before this batch)
         self.last = -1  # where the last message starts, in the last page
 
     def add(self, msg: int, flags: int, head: bytes, tails: Iterable[bytes] = (b"",)) -> None:
@@ -574,17 +604,18 @@ class _Pages:
 
 
 def encode(script: str | Iterable[Statement], family: Family, tables: Collection[str],
-           first_seq: int) -> Batch:
+           first_seq: int, first_line: int = 1) -> Batch:
     """The batch for `script` (text, one statement per line, or the statements
     themselves, in `family`'s tables) on `tables` of `family`; message sequence numbers
-    from `first_seq` on. The last message asks for an acknowledgement: the kernel
+    from `first_seq` on, its lines numbered from `first_line` (a later part of a script
+    cut by `stages`). The last message asks for an acknowledgement: the kernel
     answers a batch in order, so any refusal of an earlier line arrives before it.
     Raises Unencodable for anything outside the dialect (module docstring).
 
     Framed straight into pages, statement by statement: a full sync's batch is tens of
     megabytes, and a list of its messages beside it (or of its lines) would double
     that at the agent's peak, in small objects the allocator keeps afterwards."""
-    pages = _Pages(family, first_seq)
+    pages = _Pages(family, first_seq, first_line)
     add = pages.add
     table_names = {table: string(TABLE_NAME, table) for table in tables}
 
@@ -612,6 +643,8 @@ def encode(script: str | Iterable[Statement], family: Family, tables: Collection
             for table, chains in statement.tables:
                 add(NEWCHAIN, NLM_F_CREATE, table_name(table),
                     [unique_string(CHAIN_NAME, _plain_name(name)) for name, _rules in chains])
+        elif isinstance(statement, Commit):
+            continue  # a whole script in one transaction: nothing to cut
         else:
             add(*_element_message(statement.verb, table_name(statement.table), statement.set,
                                   _elements(family, statement.items)))

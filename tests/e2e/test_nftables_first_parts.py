@@ -1,0 +1,163 @@
+"""A node's first start in nftables mode is committed in parts (transaction.first_lines,
+NftRunner.send): the kernel reads back what a one-transaction start writes, later syncs
+(full and partial) find the state they expect, a refused part is named by the
+script's own line, and nft's fallback text, applied over the parts already taken,
+ends where the parts would have."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from proxy.dataplane.base import DataplaneOptions
+from proxy.dataplane.nftables import apply as nft_apply
+from proxy.dataplane.nftables import runner as nft_runner
+from proxy.dataplane.nftables import wire
+from proxy.dataplane.nftables.expressions import Unencodable
+from proxy.dataplane.nftables.runner import NftError, NftRunner
+from proxy.dataplane.nftables.transaction import Script, first_lines
+from proxy.lab import Lab
+from proxy.lab.netns import entered
+from proxy.model.types import Family
+from tests.e2e.conftest import POD_CIDRS, Cluster, NodePlane
+from tests.e2e.test_nftables_kernel import ADDRESSES, listing, nft, wipe
+from tests.unit.builders import ep, eps_slice, service
+
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
+
+
+def objects(moved: int = 0) -> list[dict[str, Any]]:
+    """40 services of 1-40 endpoints (some past the slot maps' threshold), every third
+    with ClientIP affinity, two sharing a pod; `moved` shifts svc-0's addresses."""
+    out: list[dict[str, Any]] = []
+    for i in range(40):
+        name = f"svc-{i}"
+        extra: dict[str, Any] = {"sessionAffinity": "ClientIP"} if i % 3 == 0 else {}
+        out.append(service(name=name, ips=(f"198.18.128.{i + 1}",), **extra))
+        base = 1 + (moved if i == 0 else 0)
+        addresses = [f"198.18.{10 + i}.{base + k}" for k in range(1 + i)]
+        if i == 1:
+            addresses.append("198.18.12.1")  # svc-2's first pod too
+        out.append(eps_slice(f"{name}-1", [ep(a) for a in addresses], service_name=name))
+    return out
+
+
+@pytest.fixture
+def parts(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """First scripts cut small (~300 lines a part); the batches the committer took,
+    by their first line."""
+    taken: list[int] = []
+    put = nft_runner._Committer.put
+
+    def counted(self: Any, batch: wire.Batch) -> None:
+        taken.append(batch.runs[0][1])
+        put(self, batch)
+
+    monkeypatch.setattr(nft_runner._Committer, "put", counted)
+    monkeypatch.setattr(nft_apply, "first_lines", functools.partial(first_lines,
+                                                                    stage_lines=300))
+    yield taken
+
+
+def test_a_first_start_in_parts_reads_back_as_a_start_in_one_transaction(
+        parts: list[int]) -> None:
+    cluster = Cluster()
+    state = cluster.become(*objects())
+    with Lab([]) as lab:
+        mine, theirs = lab.node_ns, lab.client_ns
+        for ns in (mine, theirs):
+            wipe(ns)
+        # Theirs holds our (empty) main tables already: the one-transaction start.
+        nft(theirs, "add", "table", "ip", "sliceproxy")
+        nft(theirs, "add", "table", "ip6", "sliceproxy")
+        plane = NodePlane(mine, mode="nftables", addresses=lambda: ADDRESSES)
+        other = NodePlane(theirs, mode="nftables", addresses=lambda: ADDRESSES)
+        plane.sync(state, full=True)
+        assert len(parts) > 4 and parts.count(1) == 2  # IPv4, then IPv6, each in parts
+        parts.clear()
+        other.sync(state, full=True)
+        assert parts == []
+        assert listing(mine) == listing(theirs)
+        dnat = str(listing(mine))
+        assert '"addr": "198.18.49.40"' in dnat  # svc-39's last endpoint
+        # A full sync over it changes nothing; a change lands as on the other node.
+        plane.sync(state, full=True)
+        assert listing(mine) == listing(theirs)
+        changed = cluster.become(*objects(moved=7))
+        for p in (plane, other):
+            report = p.sync(changed)
+            assert not report.full
+        assert listing(mine) == listing(theirs)
+        assert '"addr": "198.18.10.8"' in str(listing(mine))
+        for p in (plane, other):
+            p.cleanup()
+
+
+def test_the_fallback_text_over_the_parts_taken_ends_as_all_the_parts(
+        parts: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The encoder stops at the third part (as at a line outside its dialect): the
+    data plane hands the whole script's text to nft, which applies it over the two
+    parts the kernel already took."""
+    cluster = Cluster()
+    state = cluster.become(*objects())
+    encode = wire.encode
+    calls: list[int] = []
+
+    def failing(script: Any, family: Family, tables: Any, first_seq: int,
+                first_line: int = 1) -> wire.Batch:
+        calls.append(first_line)
+        if len(calls) == 3:
+            raise Unencodable("a line the test says is not encodable")
+        return encode(script, family, tables, first_seq, first_line)
+
+    with Lab([]) as lab:
+        mine, theirs = lab.node_ns, lab.client_ns
+        for ns in (mine, theirs):
+            wipe(ns)
+        v4 = DataplaneOptions("node-a", cluster_cidrs=POD_CIDRS, families=(Family.V4,))
+        other = NodePlane(theirs, options=v4, mode="nftables", addresses=lambda: ADDRESSES,
+                          clear_conntrack=False)
+        other.sync(state, full=True)
+        parts.clear()
+        monkeypatch.setattr(wire, "encode", failing)
+        plane = NodePlane(mine, options=v4, mode="nftables", addresses=lambda: ADDRESSES,
+                          clear_conntrack=False)
+        report = plane.sync(state, full=True)
+        assert len(parts) == 2
+        assert report.details["IPv4"]["applier"] == "nft"
+        assert listing(mine) == listing(theirs)
+        for p in (plane, other):
+            p.cleanup()
+
+
+def test_a_refused_part_names_its_line_and_stops_the_parts_after_it() -> None:
+    def make() -> Iterator[wire.Statement]:
+        yield "add table ip spxparts"
+        yield "add chain ip spxparts a"
+        yield wire.COMMIT
+        yield "add chain ip spxparts b"
+        yield "add rule ip spxparts b jump nowhere"
+        yield wire.COMMIT
+        yield "add chain ip spxparts c"
+
+    with Lab([]) as lab:
+        ns = lab.node_ns
+        wipe(ns)
+        with entered(ns):
+            runner = NftRunner()
+            try:
+                with pytest.raises(NftError) as refused:
+                    runner.send(Script(make, "ip", parts=True), Family.V4, {"spxparts"})
+            finally:
+                runner.close()
+        assert refused.value.line == 4
+        assert refused.value.offending == "add rule ip spxparts b jump nowhere"
+        held = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", "ip",
+                               "spxparts"], capture_output=True, text=True, check=True).stdout
+        assert "chain a" in held
+        assert "chain b" not in held and "chain c" not in held
+        wipe(ns)
