@@ -29,9 +29,11 @@ Then, `--runs` times per source (sources alternating): a fresh lab node namespac
 attached to the control plane, sliceproxy in nftables mode with its default flags
 (`--endpoints-source` the source), and records:
 
-* `committed_s`: process start -> the first sync's transaction committed, seen as the
-  moment our main table first answers a lookup (`TableAppears`, polled every 10 ms from
-  before the start; `commit_resolution_s` the bracket). Not by nf_tables' announcements
+* `committed_s`: process start -> the first sync's (last) transaction committed, seen
+  as the moment our main table's hooked `nat-postrouting` chain first answers a lookup
+  (`LiveChainAppears`, polled every 10 ms from before the start; `commit_resolution_s`
+  the bracket): a first start in parts adds its hooked chains with the last part, so
+  the table alone would date the first. Not by nf_tables' announcements
   (`Commits`): a listener makes the kernel announce each of the ~130,000 objects of
   the agent's commit, which cost the agent ~5 s at 10,000 x 10; `--announcements` adds
   that listener (and `committed_announced_s`) to show it;
@@ -91,9 +93,10 @@ from proxy.dataplane.common.netlink import NetlinkSocket, nla
 from proxy.dataplane.common.nfnetlink import (
     NETLINK_NETFILTER,
     NFNL_SUBSYS_NFTABLES,
-    NFTA_TABLE_NAME,
+    NFTA_CHAIN_NAME,
+    NFTA_CHAIN_TABLE,
 )
-from proxy.dataplane.nftables.wire import GETTABLE
+from proxy.dataplane.nftables.wire import GETCHAIN
 from proxy.lab import Lab
 from proxy.lab.netns import entered
 from proxy.lab.poll import TimedOut, wait
@@ -108,6 +111,8 @@ SKIP_MIRROR = "endpointslice.kubernetes.io/skip-mirror"
 MIRROR_MANAGER = "endpointslicemirroring-controller.k8s.io"
 WATCHED = ("kube-apiserver", "kube-controller-manager", "etcd")  # CPU recorded
 QUIET_OF = ("kube-apiserver", "kube-controller-manager")  # CPU waited for
+# A chain packets enter by: a first start in parts adds every one with its last part.
+LIVE_CHAIN = "nat-postrouting"
 Obj = dict[str, Any]
 
 
@@ -124,7 +129,7 @@ class Settings:
     quiet_deadline: float = 180.0  # then the run starts anyway (recorded as not quiet)
     cleanup_objects: bool = False  # delete what was written (a shared control plane)
     # Also listen to nf_tables' announcements, as bench.realcp_latency does: it costs the
-    # agent's commit seconds (TableAppears), so only to show that.
+    # agent's commit seconds (LiveChainAppears), so only to show that.
     announcements: bool = False
     # Checkouts whose agents take turns (an A/B on one control plane); none: this one.
     agent_roots: tuple[str, ...] = ()
@@ -272,13 +277,15 @@ def wait_quiet(cp: ControlPlane, settings: Settings) -> dict[str, Any]:
 # --- dating the first sync's commit -----------------------------------------------------
 
 
-class TableAppears:
-    """When our main nf_tables table first answers a lookup in a namespace: the moment
-    the agent's first sync was committed (one transaction, whose objects no lookup sees
-    before the commit), bracketed by polls `interval` apart (`seen_at` the end of the
-    first poll that found it, `absent_since` the start of the last that did not).
+class LiveChainAppears:
+    """When our main table's hooked `nat-postrouting` chain first answers a lookup in a
+    namespace: the moment the agent's first sync was committed (one transaction, or the
+    last of a first start's parts, which adds every hooked chain; no lookup sees a
+    transaction's objects before its commit), bracketed by polls `interval` apart
+    (`seen_at` the end of the first poll that found it, `absent_since` the start of the
+    last that did not).
 
-    A lookup (NFT_MSG_GETTABLE, lockless in the kernel) rather than nf_tables'
+    A lookup (NFT_MSG_GETCHAIN, lockless in the kernel) rather than nf_tables'
     announcements (bench.realcp_latency's `Commits`): while any socket listens to those,
     the kernel writes one for every object a transaction touches, in the committing
     process, even though the agent itself leaves the group for its own full sync
@@ -289,15 +296,16 @@ class TableAppears:
     def __init__(self, ns: str, interval: float = 0.01) -> None:
         with entered(ns):  # the socket belongs to the namespace it is made in
             self._sock = NetlinkSocket(NETLINK_NETFILTER)
-        self._request = (NFNL_SUBSYS_NFTABLES << 8 | GETTABLE, 0,
+        self._request = (NFNL_SUBSYS_NFTABLES << 8 | GETCHAIN, 0,
                          struct.pack("!BBH", NFPROTO_IPV4, 0, 0)
-                         + nla(NFTA_TABLE_NAME, NFT_MAIN.encode() + b"\0"))
+                         + nla(NFTA_CHAIN_TABLE, NFT_MAIN.encode() + b"\0")
+                         + nla(NFTA_CHAIN_NAME, LIVE_CHAIN.encode() + b"\0"))
         self.interval = interval
         self.absent_since: float | None = None
         self.seen_at: float | None = None
         self.error: str | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="table-appears", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="live-chain-appears", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -363,7 +371,7 @@ def start_once(cp: ControlPlane, settings: Settings, source: str, ns: str,
         stack.callback(proxy.stop)
         side = Side(SIDE, lab, proxy)
         # Both from before the process starts.
-        table = TableAppears(lab.node_ns)
+        table = LiveChainAppears(lab.node_ns)
         table.start()
         stack.callback(table.stop)
         commits = Commits(lab.node_ns, commit_tables(NFTABLES)) if settings.announcements \
