@@ -58,7 +58,6 @@ import contextlib
 import errno
 import os
 import re
-import struct
 import sys
 import threading
 import time
@@ -72,10 +71,10 @@ from bench.agent_start import FIRST_SYNC, LISTED, NODES
 from bench.common import CLOCK_TICKS, cpu_times, quiet
 from bench.realcp_latency.cli import on_control_plane
 from bench.realcp_latency.measure import Commits, commit_tables, summary, wait_initial
+from bench.realcp_latency.nat import live_chain_lookup
 from bench.realcp_latency.proxies import Side
 from bench.realcp_latency.run import begin, environment
 from bench.realcp_latency.settings import (
-    NFPROTO_IPV4,
     NFT_MAIN,
     NFTABLES,
     NODE,
@@ -89,14 +88,10 @@ from labs.realcp.clusters import Ep, endpoint_slice, service, services_path
 from labs.realcp.controlplane import ControlPlane
 from labs.realcp.nodes import ROOT, Sliceproxy, ensure_node
 from labs.realcp.rawapi import RawApi
-from proxy.dataplane.common.netlink import NetlinkSocket, nla
+from proxy.dataplane.common.netlink import NetlinkSocket
 from proxy.dataplane.common.nfnetlink import (
     NETLINK_NETFILTER,
-    NFNL_SUBSYS_NFTABLES,
-    NFTA_CHAIN_NAME,
-    NFTA_CHAIN_TABLE,
 )
-from proxy.dataplane.nftables.wire import GETCHAIN
 from proxy.lab import Lab
 from proxy.lab.netns import entered
 from proxy.lab.poll import TimedOut, wait
@@ -111,8 +106,6 @@ SKIP_MIRROR = "endpointslice.kubernetes.io/skip-mirror"
 MIRROR_MANAGER = "endpointslicemirroring-controller.k8s.io"
 WATCHED = ("kube-apiserver", "kube-controller-manager", "etcd")  # CPU recorded
 QUIET_OF = ("kube-apiserver", "kube-controller-manager")  # CPU waited for
-# A chain packets enter by: a first start in parts adds every one with its last part.
-LIVE_CHAIN = "nat-postrouting"
 Obj = dict[str, Any]
 
 
@@ -296,10 +289,7 @@ class LiveChainAppears:
     def __init__(self, ns: str, interval: float = 0.01) -> None:
         with entered(ns):  # the socket belongs to the namespace it is made in
             self._sock = NetlinkSocket(NETLINK_NETFILTER)
-        self._request = (NFNL_SUBSYS_NFTABLES << 8 | GETCHAIN, 0,
-                         struct.pack("!BBH", NFPROTO_IPV4, 0, 0)
-                         + nla(NFTA_CHAIN_TABLE, NFT_MAIN.encode() + b"\0")
-                         + nla(NFTA_CHAIN_NAME, LIVE_CHAIN.encode() + b"\0"))
+        self._request = live_chain_lookup()
         self.interval = interval
         self.absent_since: float | None = None
         self.seen_at: float | None = None
@@ -393,7 +383,7 @@ def start_once(cp: ControlPlane, settings: Settings, source: str, ns: str,
                                 "the agent's first-sync line", detail=proxy.log_tail))
         listed = _logged(proxy.log_path, LISTED)
         if table.seen_at is None:
-            raise RuntimeError(f"the table lookups never found {NFT_MAIN}: {table.error}")
+            raise RuntimeError(f"the lookups never found {NFT_MAIN}'s hooked chain: {table.error}")
         out.update(
             committed_s=round(table.seen_at - proxy.started, 3),
             commit_resolution_s=round(table.seen_at - (table.absent_since or proxy.started), 3),

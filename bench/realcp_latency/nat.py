@@ -5,12 +5,27 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import struct
 import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from bench.realcp_latency.settings import NFT_MAIN, NFT_MAX_SHARDS, NFTABLES
+from bench.realcp_latency.settings import (
+    NFPROTO_IPV4,
+    NFT_LIVE_CHAIN,
+    NFT_MAIN,
+    NFT_MAX_SHARDS,
+    NFTABLES,
+)
+from proxy.dataplane.common.netlink import NetlinkSocket, nla
+from proxy.dataplane.common.nfnetlink import (
+    NETLINK_NETFILTER,
+    NFNL_SUBSYS_NFTABLES,
+    NFTA_CHAIN_NAME,
+    NFTA_CHAIN_TABLE,
+)
+from proxy.dataplane.nftables.wire import GETCHAIN
 from proxy.dataplane.xtables.saved import target_of
 
 # --- reading a node's nat table (in the calling thread's network namespace) -------------
@@ -117,13 +132,34 @@ def shows(backend: str, rules: Sequence[str], target: str) -> bool:
     return any(target_of(r) == target for r in rules)
 
 
+def live_chain_lookup() -> tuple[int, int, bytes]:
+    """A netlink lookup of the main table's hooked `nat-postrouting` chain (for
+    NetlinkSocket.execute_raw): it answers once the first sync is live, one transaction
+    or the last of a first start's parts, which adds every hooked chain. A lookup, not
+    `nft list chain`: nft reads the whole table first (0.5 s at 10,000 services), and a
+    first start in parts has its table, partly filled, a second before its hooks."""
+    return (NFNL_SUBSYS_NFTABLES << 8 | GETCHAIN, 0,
+            struct.pack("!BBH", NFPROTO_IPV4, 0, 0)
+            + nla(NFTA_CHAIN_TABLE, NFT_MAIN.encode() + b"\0")
+            + nla(NFTA_CHAIN_NAME, NFT_LIVE_CHAIN.encode() + b"\0"))
+
+
+def nft_live() -> bool:
+    """The first sync is live in the calling thread's namespace (`live_chain_lookup`)."""
+    sock = NetlinkSocket(NETLINK_NETFILTER)
+    try:
+        return sock.execute_raw([live_chain_lookup()])[0] == 0
+    finally:
+        sock.close()
+
+
 def nft_view(namespace: str) -> tuple[NatView, float] | None:
     """The nftables mode's view, and when its tables were first seen (monotonic): every
     shard table read as JSON (~0.3 s each at 10,000 services, so only once the first
     sync is in), each DNAT rule carrying its service port as comment. None while the
-    main table is not there yet: a full sync is one transaction, so once it is, all of
-    it is, and the reading afterwards is not the proxy's time."""
-    if _run(["nft", "list", "chain", "ip", NFT_MAIN, "nat-postrouting"]).returncode != 0:
+    first sync is not live (`nft_live`): once it is, all of it is, and the reading
+    afterwards is not the proxy's time."""
+    if not nft_live():
         return None
     there = time.monotonic()
     view = NatView()

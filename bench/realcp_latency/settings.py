@@ -41,6 +41,9 @@ BACKENDS = ("nft", "legacy")
 NFTABLES = "nftables"  # a side's `backend` when its rules are our own nf_tables tables
 NFT_MAIN = "sliceproxy"  # the nftables mode's main table; shards are sliceproxy-0..K-1
 NFT_MAX_SHARDS = 64
+# A chain of the main table packets enter by: a first start in parts adds every hooked
+# chain with its last part, so this one says the first sync is live.
+NFT_LIVE_CHAIN = "nat-postrouting"
 NFPROTO_IPV4 = 2
 INITIAL_POLL = 0.25  # seconds between checks of the initial sync
 Obj = dict[str, Any]
