@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import subprocess
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -160,4 +161,56 @@ def test_a_refused_part_names_its_line_and_stops_the_parts_after_it() -> None:
                                "spxparts"], capture_output=True, text=True, check=True).stdout
         assert "chain a" in held
         assert "chain b" not in held and "chain c" not in held
+        wipe(ns)
+
+
+@pytest.mark.parametrize("error, raised", [(OSError(5, "Input/output error"), NftError),
+                                           (RuntimeError("a bug"), RuntimeError)],
+                         ids=["socket", "bug"])
+def test_a_part_the_socket_fails_to_send_is_an_error_not_a_hang(
+        monkeypatch: pytest.MonkeyPatch, error: BaseException, raised: type) -> None:
+    """More parts than the committer's queue holds, the second failing in the socket
+    (or in our code): the caller, handing over the parts after it, gets the error."""
+    def make() -> Iterator[wire.Statement]:
+        yield "add table ip spxparts"
+        for i in range(8):
+            yield wire.COMMIT
+            yield f"add chain ip spxparts c{i}"
+
+    real = nft_runner.NetlinkSocket.first_refusal
+    calls: list[int] = []
+
+    def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise error
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(nft_runner.NetlinkSocket, "first_refusal", failing)
+    outcome: list[BaseException | None] = []
+    with Lab([]) as lab:
+        ns = lab.node_ns
+        wipe(ns)
+
+        def send() -> None:
+            with entered(ns):
+                runner = NftRunner()
+                try:
+                    runner.send(Script(make, "ip", parts=True), Family.V4, {"spxparts"})
+                    outcome.append(None)
+                except BaseException as exc:
+                    outcome.append(exc)
+                finally:
+                    runner.close()
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        sender.join(60)
+        assert not sender.is_alive(), "send() still waiting on a dead committer"
+        assert isinstance(outcome[0], raised)
+        assert str(error) in str(outcome[0])
+        assert len(calls) == 2  # nothing sent after the failure
+        held = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", "ip",
+                               "spxparts"], capture_output=True, text=True, check=True).stdout
+        assert "chain c0" not in held
         wipe(ns)

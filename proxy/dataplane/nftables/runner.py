@@ -166,14 +166,15 @@ def _encoded(sock: NetlinkSocket, statements: str | Iterable[wire.Statement], fa
 
 class _Committer:
     """A thread sending batches in order on one socket: the first refusal or error
-    stops it (later batches are dropped). The kernel reports the committer by thread
-    id, so the thread is noted as ours (processes.py) while it lives."""
+    stops it (later batches are dropped, never left waiting: the caller may be blocked
+    handing one over). The kernel reports the committer by thread id, so the thread is
+    noted as ours (processes.py) while it lives."""
 
     def __init__(self, sock: NetlinkSocket) -> None:
         self._sock = sock
         self._queue: queue.Queue[wire.Batch | None] = queue.Queue(maxsize=2)
         self._refused: tuple[wire.Batch, tuple[int, int]] | None = None
-        self._error: OSError | None = None
+        self._error: BaseException | None = None
         self._noted = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nft-commit", daemon=True)
         self._thread.start()
@@ -191,7 +192,7 @@ class _Committer:
                     refused = self._sock.first_refusal(
                         batch.pages, acked=(batch.last_seq,),
                         watched=range(batch.begin_seq, batch.last_seq + 1))
-                except OSError as exc:
+                except BaseException as exc:  # raised in the caller's thread (outcome)
                     self._error = exc
                     continue
                 if refused is not None:
