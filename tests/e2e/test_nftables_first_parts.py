@@ -2,7 +2,8 @@
 NftRunner.send): the kernel reads back what a one-transaction start writes, later syncs
 (full and partial) find the state they expect, a refused part is named by the
 script's own line, and nft's fallback text, applied over the parts already taken,
-ends where the parts would have."""
+ends where the parts would have. And any script, in parts or not, whose sequence
+numbers would pass 2**32 - 1 is encoded again whole from 1."""
 
 from __future__ import annotations
 
@@ -213,4 +214,30 @@ def test_a_part_the_socket_fails_to_send_is_an_error_not_a_hang(
         held = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", "ip",
                                "spxparts"], capture_output=True, text=True, check=True).stdout
         assert "chain c0" not in held
+        wipe(ns)
+
+
+@pytest.mark.parametrize("parts", [False, True], ids=["one-transaction", "parts"])
+def test_a_script_is_encoded_again_whole_when_the_sequence_numbers_wrap(parts: bool) -> None:
+    """A batch's numbers would pass 2**32 - 1: it is encoded again from 1, from the
+    script's statements made again (a script made as it is read is read twice)."""
+    def make() -> Iterator[wire.Statement]:
+        yield "add table ip spxwrap"
+        yield wire.COMMIT
+        for i in range(3):
+            yield f"add chain ip spxwrap c{i}"
+
+    with Lab([]) as lab:
+        ns = lab.node_ns
+        wipe(ns)
+        with entered(ns):
+            runner = NftRunner()
+            try:
+                runner._netlink()._seq = 0xFFFFFFFF - 4
+                runner.send(Script(make, "ip", parts=parts), Family.V4, {"spxwrap"})
+            finally:
+                runner.close()
+        held = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", "ip",
+                               "spxwrap"], capture_output=True, text=True, check=True).stdout
+        assert all(f"chain c{i}" in held for i in range(3))
         wipe(ns)

@@ -48,7 +48,7 @@ import re
 import shutil
 import subprocess
 import threading
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from proxy.dataplane.common import processes
@@ -151,15 +151,15 @@ def _buffer(data: bytes | None) -> str:
     return (data or b"").decode("utf-8", "replace")
 
 
-def _encoded(sock: NetlinkSocket, statements: str | Iterable[wire.Statement], family: Family,
-             tables: Collection[str], first_line: int = 1) -> wire.Batch:
+def _encoded(sock: NetlinkSocket, statements: Callable[[], str | Iterable[wire.Statement]],
+             family: Family, tables: Collection[str], first_line: int = 1) -> wire.Batch:
     """One message per line, framed by the batch's begin and end. The lines are counted
     as they are encoded: numbered from the socket's next sequence number, which is then
     taken (nothing else numbers messages on the socket meanwhile: the caller holds its
-    lock); encoded again if it wrapped around (`statements` a text or a list then)."""
+    lock); encoded again, from `statements()` made again, if it wrapped around."""
     while True:
         first = sock.next_seq()
-        batch = wire.encode(statements, family, tables, first, first_line)
+        batch = wire.encode(statements(), family, tables, first, first_line)
         if sock.reserve(batch.count + 2) == first:
             return batch
 
@@ -320,7 +320,7 @@ class NftRunner:
                 if isinstance(script, Script) and script.parts:
                     found = self._send_parts(sock, script, family, tables)
                 else:
-                    batch = _encoded(sock, script if isinstance(script, str)
+                    batch = _encoded(sock, lambda: script if isinstance(script, str)
                                      else script.statements(), family, tables)
                     refused = sock.first_refusal(
                         batch.pages, acked=(batch.last_seq,),
@@ -351,7 +351,7 @@ class NftRunner:
             for part in wire.stages(script.statements()):
                 if committer.stopped():
                     break
-                committer.put(_encoded(sock, part, family, tables, line))
+                committer.put(_encoded(sock, functools.partial(iter, part), family, tables, line))
                 line += sum(1 if isinstance(st, str) else st.size for st in part)
         finally:
             committer.finish()

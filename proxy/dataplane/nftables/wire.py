@@ -573,7 +573,9 @@ class _Pages:
                 out = bytearray()
                 self.pages.append(out)
             seq += 1
-            out += pack(size, kind, flags, seq, 0, nfgen)
+            # Past 2**32 - 1 the numbers wrap; such a batch is never sent, the caller
+            # numbers it again from 1 (NetlinkSocket.reserve), but it must encode.
+            out += pack(size, kind, flags, seq & 0xFFFFFFFF, 0, nfgen)
             out += head
             out += tail
         if size:
@@ -598,7 +600,7 @@ class _Pages:
         if self.last >= 0:  # nlmsghdr: length (4 bytes), type (2), then the flags
             (flags,) = _FLAGS.unpack_from(out, self.last + 6)
             _FLAGS.pack_into(out, self.last + 6, flags | NLM_F_ACK)
-        out += frame(NFNL_MSG_BATCH_END, NLM_F_REQUEST, self.seq + 1,
+        out += frame(NFNL_MSG_BATCH_END, NLM_F_REQUEST, (self.seq + 1) & 0xFFFFFFFF,
                      _NFGEN.pack(socket.AF_UNSPEC, 0, SUBSYS))
         return Batch(self.pages, self.first_seq, self.seq - self.first_seq, self.runs)
 
