@@ -8,7 +8,6 @@ numbers would pass 2**32 - 1 is encoded again whole from 1."""
 from __future__ import annotations
 
 import functools
-import subprocess
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -136,6 +135,19 @@ def test_the_fallback_text_over_the_parts_taken_ends_as_all_the_parts(
             p.cleanup()
 
 
+def send(ns: str, script: Script, table: str, seq: int | None = None) -> None:
+    """`script` sent by a runner of its own in namespace `ns` (its socket's sequence
+    numbers from `seq` on, if given)."""
+    with entered(ns):
+        runner = NftRunner()
+        try:
+            if seq is not None:
+                runner._netlink()._seq = seq
+            runner.send(script, Family.V4, {table})
+        finally:
+            runner.close()
+
+
 def test_a_refused_part_names_its_line_and_stops_the_parts_after_it() -> None:
     def make() -> Iterator[wire.Statement]:
         yield "add table ip spxparts"
@@ -149,17 +161,11 @@ def test_a_refused_part_names_its_line_and_stops_the_parts_after_it() -> None:
     with Lab([]) as lab:
         ns = lab.node_ns
         wipe(ns)
-        with entered(ns):
-            runner = NftRunner()
-            try:
-                with pytest.raises(NftError) as refused:
-                    runner.send(Script(make, "ip", parts=True), Family.V4, {"spxparts"})
-            finally:
-                runner.close()
+        with pytest.raises(NftError) as refused:
+            send(ns, Script(make, "ip", parts=True), "spxparts")
         assert refused.value.line == 4
         assert refused.value.offending == "add rule ip spxparts b jump nowhere"
-        held = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", "ip",
-                               "spxparts"], capture_output=True, text=True, check=True).stdout
+        held = nft(ns, "list", "table", "ip", "spxparts")
         assert "chain a" in held
         assert "chain b" not in held and "chain c" not in held
         wipe(ns)
@@ -193,26 +199,21 @@ def test_a_part_the_socket_fails_to_send_is_an_error_not_a_hang(
         ns = lab.node_ns
         wipe(ns)
 
-        def send() -> None:
-            with entered(ns):
-                runner = NftRunner()
-                try:
-                    runner.send(Script(make, "ip", parts=True), Family.V4, {"spxparts"})
-                    outcome.append(None)
-                except BaseException as exc:
-                    outcome.append(exc)
-                finally:
-                    runner.close()
+        def sending() -> None:
+            try:
+                send(ns, Script(make, "ip", parts=True), "spxparts")
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
 
-        sender = threading.Thread(target=send, daemon=True)
+        sender = threading.Thread(target=sending, daemon=True)
         sender.start()
         sender.join(60)
         assert not sender.is_alive(), "send() still waiting on a dead committer"
         assert isinstance(outcome[0], raised)
         assert str(error) in str(outcome[0])
         assert len(calls) == 2  # nothing sent after the failure
-        held = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", "ip",
-                               "spxparts"], capture_output=True, text=True, check=True).stdout
+        held = nft(ns, "list", "table", "ip", "spxparts")
         assert "chain c0" not in held
         wipe(ns)
 
@@ -230,14 +231,7 @@ def test_a_script_is_encoded_again_whole_when_the_sequence_numbers_wrap(parts: b
     with Lab([]) as lab:
         ns = lab.node_ns
         wipe(ns)
-        with entered(ns):
-            runner = NftRunner()
-            try:
-                runner._netlink()._seq = 0xFFFFFFFF - 4
-                runner.send(Script(make, "ip", parts=parts), Family.V4, {"spxwrap"})
-            finally:
-                runner.close()
-        held = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", "ip",
-                               "spxwrap"], capture_output=True, text=True, check=True).stdout
+        send(ns, Script(make, "ip", parts=parts), "spxwrap", seq=0xFFFFFFFF - 4)
+        held = nft(ns, "list", "table", "ip", "spxwrap")
         assert all(f"chain c{i}" in held for i in range(3))
         wipe(ns)

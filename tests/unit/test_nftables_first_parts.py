@@ -131,7 +131,7 @@ def test_read_again_it_is_the_same_statements_and_lines_count_across_parts(
     assert list(first.lines()) == lines
     assert first.count == len(lines)
     cut = parts(first)
-    at = 1 + sum(1 if isinstance(st, str) else st.size for part in cut[:3] for st in part)
+    at = 1 + sum(wire.statement_size(st) for part in cut[:3] for st in part)
     assert first.line(at) == lines[at - 1]
     # Encoded from where the part starts, a message names the script's own line.
     batch = wire.encode(cut[3], family, our_tables(), 1000, at)

@@ -352,7 +352,7 @@ class NftRunner:
                 if committer.stopped():
                     break
                 committer.put(_encoded(sock, functools.partial(iter, part), family, tables, line))
-                line += sum(1 if isinstance(st, str) else st.size for st in part)
+                line += sum(map(wire.statement_size, part))
         finally:
             committer.finish()
         return committer.outcome()

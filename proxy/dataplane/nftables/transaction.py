@@ -42,6 +42,7 @@ from proxy.dataplane.nftables.wire import (
     Rules,
     Statement,
     statement_lines,
+    statement_size,
 )
 from proxy.model.types import Family, ServicePortKey
 
@@ -299,7 +300,7 @@ class Script:
     def statements(self) -> Iterator[Statement]:
         n = 0
         for statement in self._make():
-            n += 1 if isinstance(statement, str) else statement.size
+            n += statement_size(statement)
             yield statement
         self.count = n
 
@@ -314,7 +315,7 @@ class Script:
         """Line `number` (from 1), "" past the end."""
         n = 0
         for statement in self._make():
-            size = 1 if isinstance(statement, str) else statement.size
+            size = statement_size(statement)
             if 0 < number <= n + size:
                 return next(islice(statement_lines(statement, self.ip), number - n - 1, None))
             n += size

@@ -450,6 +450,11 @@ COMMIT = Commit()
 Statement = str | Chains | Rules | Elements | Commit
 
 
+def statement_size(statement: Statement) -> int:
+    """How many lines `statement` stands for."""
+    return 1 if isinstance(statement, str) else statement.size
+
+
 def statement_lines(statement: Statement, ip: str) -> Iterator[str]:
     """The lines `statement` stands for, in a table of family `ip` ("ip" or "ip6")."""
     if isinstance(statement, str):
