@@ -33,6 +33,10 @@ Scenarios:
   churn          bench.churn: 10,000 services, random endpoint changes at 10 / 100 /
                  1,000 writes a second, isolated changes (also at 1,000 services), a
                  burst of 1,000 new services: API -> kernel lag, CPU (1-s windows), RSS
+  memory         bench.memory: the agent's peak and steady memory (its RSS, and what a
+                 container's memory cgroup is charged, the rules' kernel memory included)
+                 at 10,000 / 30,000 / 50,000 services x 10 in each mode (IPVS in the
+                 kernel lab): cold start, bursts, the periodic resync, a restart
 
 Issue 29's pacing: rolling-update, churn and cold-start run sliceproxy twice, "old"
 (`--min-sync-period 1s` passed explicitly) beside "new" (no pacing flag: the agent's
@@ -137,6 +141,13 @@ SCENARIOS = (
         "full": (Run("10,000 services x 3", ("--services", "10000")),
                  Run("1,000 services x 3, isolated changes", (
                      "--services", "1000", "--phases", "isolated")))}),
+    Scenario("memory", "bench.memory", "The agent's memory by mode, size and situation", {
+        "small": (Run("200 services x 5", ("--services", "200", "--endpoints", "5",
+                                          "--modes", "nftables", "--burst-new", "50",
+                                          "--sync-period", "6", "--settle", "1")),),
+        "full": (Run("10,000 / 30,000 / 50,000 services x 10", (
+            "--services", "10000", "30000", "50000", "--modes", "iptables", "nftables",
+            "ipvs")),)}),
 )
 
 

@@ -128,8 +128,10 @@ def stop(proc: subprocess.Popen[Any]) -> None:
 
 
 @contextmanager
-def simulator(ns: str, manifest: Path, work: Path, watch_cache: bool) -> Iterator[Path]:
-    """`python -m proxy.sim` serving `manifest` in namespace `ns`: its kubeconfig."""
+def simulator(ns: str, manifest: Path, work: Path, watch_cache: bool,
+              service_cidr: str | None = None) -> Iterator[Path]:
+    """`python -m proxy.sim` serving `manifest` in namespace `ns`: its kubeconfig.
+    `service_cidr`: where ClusterIPs come from (the simulator's default /17 holds 32,766)."""
     kubeconfig = work / "kubeconfig"
     # One left by an earlier run in a kept directory names that run's port: waiting for
     # "the file exists" would start the agent against it, retrying for ever.
@@ -138,7 +140,8 @@ def simulator(ns: str, manifest: Path, work: Path, watch_cache: bool) -> Iterato
     proc = subprocess.Popen(in_namespace(ns, [
         sys.executable, "-m", "proxy.sim", "--listen", "127.0.0.1:0", "--kubeconfig-out",
         str(kubeconfig), "--history", "1000", "-f", str(manifest),
-        *(() if watch_cache else ("--no-watch-cache",))]),
+        *(() if watch_cache else ("--no-watch-cache",)),
+        *(("--service-cidr", service_cidr) if service_cidr else ())]),
         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         with contextlib.suppress(TimedOut):  # judged below: the file is there or it is not

@@ -20,13 +20,16 @@ RECORD = "# Benchmark results\n\nHand-written record, kept.\n"
 def test_small_run_writes_tables_and_plots(tmp_path: Path) -> None:
     (tmp_path / "RESULTS.md").write_text(RECORD)
     status = bench_main.main(["--size", "small", "--only", "agent-start", "huge-service",
-                              "--out", str(tmp_path)])
+                              "memory", "--out", str(tmp_path)])
     assert status == 0
     text = (tmp_path / "RESULTS.md").read_text()
     assert text.startswith("# Benchmark results\n") and "Hand-written record, kept." in text
     assert text.count(bench_main.BEGIN) == 1 and "commit " in text and "CPUs" in text
     assert "| 200 x 5 | nftables |" in text  # the agent's cold start table
     assert "| nftables | 500 (5) |" in text and "| iptables | 500 (5) |" in text
+    # The memory table: every situation, with the cgroup's figures beside the agent's.
+    for situation in ("cold_start", "burst_new", "burst_replace", "resync", "restart"):
+        assert f"| 200 x 5 | nftables | {situation} | **" in text
     for name in ("agent-start", "huge-service"):
         plot = tmp_path / "plots" / f"{name}-small.png"
         assert f"]({plot.relative_to(tmp_path)})" in text
@@ -35,6 +38,14 @@ def test_small_run_writes_tables_and_plots(tmp_path: Path) -> None:
     runs = saved["results"]["agent-start"][0]["result"]["runs"]
     assert len(runs) == 2 and all(r["cold_start_s"] > 0 and r["rss_timeline"] for r in runs)
     assert all(r["idle_cpu_percent"] >= 0 and r["rss_after_mib"] > 0 for r in runs)
+    memory = saved["results"]["memory"][0]["result"][0]
+    assert "error" not in memory
+    cold = memory["situations"]["cold_start"]
+    assert cold["agent_peak_mib"] >= cold["steady_agent_anon_mib"] > 0
+    if memory["cgroup"] is not None:  # a v1 memory controller, as this machine's kind has
+        assert memory["oom_kills"] == 0
+        assert cold["cgroup_kernel_peak_mib"] > 0  # the rules' objects are charged to it
+    assert memory["situations"]["resync"]["syncs"]["by_trigger"] == {"periodic/full": 1}
     # A second run replaces its section, and only it.
     assert bench_main.main(["--size", "small", "--only", "agent-start",
                             "--out", str(tmp_path)]) == 0
