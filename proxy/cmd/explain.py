@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
 from proxy.kube.ingest import EndpointsSource, apply_object
 from proxy.kube.manifests import ManifestError, load_paths, parse_documents
+from proxy.model import nodeport_addresses
 from proxy.model.tracker import ClusterModel
-from proxy.model.types import Node
+from proxy.model.types import IPNetwork, Node
 from proxy.model.view import node_view, service_port_view
 
 
@@ -44,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="treat services labelled with this service-proxy-name as ours")
     p.add_argument("--service", metavar="NAMESPACE/NAME",
                    help="only show this service")
+    p.add_argument("--nodeport-addresses", metavar="CIDR|primary[,...]",
+                   help="the agent's --nodeport-addresses: show where NodePorts listen "
+                        "(the node's primary IPs come from its Node object)")
     add_output(p)
     return p
 
@@ -75,6 +80,15 @@ def _labels(raw: str) -> dict[str, str]:
     return out
 
 
+def _nodeports(raw: str | None) -> tuple[tuple[IPNetwork, ...], bool] | None:
+    if raw is None:
+        return None
+    try:
+        return nodeport_addresses.parse(raw.split(","))
+    except ValueError as exc:
+        raise ValueError(f"--nodeport-addresses: {exc}") from None
+
+
 def _read(paths: list[str], stdin: str | None = None) -> list[dict[str, Any]]:
     objects: list[dict[str, Any]] = []
     files = [p for p in paths if p != "-"]
@@ -93,7 +107,10 @@ def explain(
     source: EndpointsSource,
     proxy_name: str = "",
     service: str | None = None,
+    nodeports: tuple[tuple[IPNetwork, ...], bool] | None = None,
 ) -> dict[str, Any]:
+    """`nodeports`: --nodeport-addresses (CIDRs, `primary`), to show where NodePorts
+    listen."""
     model = ClusterModel(node_name, proxy_name)
     node_seen = False
     for obj in objects:
@@ -103,11 +120,12 @@ def explain(
     if node_labels or not node_seen:
         base = dict(model.node.labels) if model.node is not None else {}
         base.update(node_labels)
-        model.set_node(Node(node_name, tuple(sorted(base.items()))))
+        model.set_node(replace(model.node or Node(node_name),
+                               labels=tuple(sorted(base.items()))))
     state = model.resolve(full=True)
     ports = sorted(state, key=lambda r: (r.key.service, r.key.port, r.key.family))
     return {
-        "node": node_view(model.node_view, model.node),
+        "node": node_view(model.node_view, model.node, nodeports),
         "services": [service_port_view(r) for r in ports
                      if service is None or r.key.service == service],
         "skipped": [s.as_dict() for s in model.skipped()
@@ -125,6 +143,7 @@ def main(argv: list[str], stdin: str | None = None, prog: str | None = None) -> 
     args = parser.parse_args(argv)
     try:
         labels = _labels(args.node_labels)
+        nodeports = _nodeports(args.nodeport_addresses)
         objects = _read(list(args.files) + list(args.filename), stdin)
     except (ManifestError, ValueError) as exc:
         print(f"explain: {exc}", file=sys.stderr)
@@ -140,6 +159,7 @@ def main(argv: list[str], stdin: str | None = None, prog: str | None = None) -> 
         node = names[0]
     result = explain(objects, node_name=node, node_labels=labels,
                      source=EndpointsSource(args.endpoints_source),
-                     proxy_name=args.service_proxy_name, service=args.service)
+                     proxy_name=args.service_proxy_name, service=args.service,
+                     nodeports=nodeports)
     write(result, args.output)
     return 0

@@ -90,6 +90,14 @@ def render(doc: Mapping[str, Any]) -> str:
     node = doc.get("node") or {}
     zone = f" (zone {node['zone']})" if node.get("zone") else ""
     out.append(f"node {node.get('name', '?')}{zone}")
+    if node.get("primary_ips"):
+        out.append("  primary IPs  " + ", ".join(node["primary_ips"]))
+    nodeports = node.get("nodeports")
+    if isinstance(nodeports, Mapping):
+        out.append("  NodePorts  " + "; ".join(
+            f"{family} {_flat(nodeports[family])}" for family in ("IPv4", "IPv6")
+            if family in nodeports) + f"  (--nodeport-addresses "
+            f"{','.join(nodeports.get('nodeport_addresses') or []) or 'unset'})")
     health = doc.get("health")
     if isinstance(health, Mapping) and health:
         out.append("health  " + ", ".join(f"{k} {v}" for k, v in health.items()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
-from proxy.model.types import Family, IPNetwork, ServicePortKey
+from proxy.model.types import Family, IPAddress, IPNetwork, ServicePortKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +30,11 @@ class DataplaneOptions:
     cluster_cidrs: tuple[IPNetwork, ...] = ()
     # --masquerade-all: masquerade every packet sent to a service IP.
     masquerade_all: bool = False
-    # --nodeport-addresses: node addresses that accept NodePort traffic; empty = all.
+    # --nodeport-addresses: node addresses that accept NodePort traffic, as CIDRs, and
+    # whether `primary` was given (the node's primary addresses, which each snapshot
+    # carries: DesiredState.primary_ips); neither = every local address.
     nodeport_addresses: tuple[IPNetwork, ...] = ()
+    nodeport_primary: bool = False
     # Families to program; a family whose tools or kernel support are missing is
     # dropped at start-up with a log line, not at every sync.
     families: tuple[Family, ...] = (Family.V4, Family.V6)
@@ -91,11 +94,13 @@ class DataPlane(Protocol):
         ...
 
     def render_ahead(self, ports: Sequence[ResolvedServicePort],
-                     expected: Mapping[Family, int]) -> None:
+                     expected: Mapping[Family, int],
+                     primary_ips: Sequence[IPAddress] = ()) -> None:
         """Before the first sync, while the cluster still lists: render `ports` (resolved
         ahead, ClusterModel.resolve_ahead) now, for the first sync to take those that
         are still what it applies. `expected`: how many service ports each family will
-        have. May do nothing. Blocking, on the data plane's thread, as `sync`."""
+        have; `primary_ips`: the node's primary addresses, as the first snapshot will
+        carry them. May do nothing. Blocking, on the data plane's thread, as `sync`."""
         ...
 
     def applied_rules(self, key: ServicePortKey) -> Sequence[str]:

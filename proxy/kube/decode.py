@@ -58,6 +58,7 @@ from proxy.model.types import (
     IPAddress,
     IPNetwork,
     Node,
+    NodeAddress,
     Protocol,
     Service,
     ServicePort,
@@ -84,6 +85,9 @@ MAX_ANNOTATION_BYTES = 256 * 1024
 # uses more; in Endpoints mode the rest are dropped, counted in one record per subset.
 MAX_SUBSET_ADDRESSES = 1000
 MAX_PREFERENCE_KEYS = 16
+# IP addresses read from a Node's status (a real node has a few).
+MAX_NODE_ADDRESSES = 64
+NODE_IP_TYPES = ("InternalIP", "ExternalIP")
 
 # Names, as apimachinery's validation spells them (ASCII only; matched whole).
 _DNS_LABEL = re.compile(r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?")
@@ -979,4 +983,39 @@ def _node_body(ctx: _Ctx, obj: dict[str, Any]) -> Node:
         ctx.skip(why.INVALID_VALUE, f"zone {shown(zone)} is not a valid label value; "
                  "ignored", f"metadata.labels[{LABEL_ZONE}]")
         del labels[LABEL_ZONE]
-    return Node(name=ctx.name, labels=tuple(sorted(labels.items())))
+    addresses: tuple[NodeAddress, ...] = ()
+    if obj.get("status"):
+        try:  # a broken status costs its addresses, never the labels
+            addresses = _node_addresses(ctx, _dict(obj["status"], "status"))
+        except _Bad as bad:
+            ctx.skip(bad.reason, bad.detail, "status.addresses")
+    return Node(name=ctx.name, labels=tuple(sorted(labels.items())), addresses=addresses)
+
+
+def _node_addresses(ctx: _Ctx, status: dict[str, Any]) -> tuple[NodeAddress, ...]:
+    """status.addresses that are IPs (InternalIP, ExternalIP), in order: they steer which
+    addresses accept NodePorts under `primary`. Any IP counts, as upstream reads them (a
+    loopback one is left out later, as upstream does)."""
+    out: list[NodeAddress] = []
+    for i, entry in enumerate(_list(status.get("addresses"), "status.addresses")):
+        where = f"status.addresses[{i}]"
+        if not isinstance(entry, dict):
+            ctx.skip(why.MALFORMED, "not an object", where)
+            continue
+        kind = entry.get("type")
+        if kind not in NODE_IP_TYPES:
+            continue  # Hostname, InternalDNS, ExternalDNS: names, not addresses
+        if len(out) == MAX_NODE_ADDRESSES:
+            ctx.skip(why.TOO_LARGE, f"more than {MAX_NODE_ADDRESSES} IP addresses; the "
+                     "rest are ignored", where)
+            break
+        value = entry.get("address")
+        ip, sloppy = _parse(value) if isinstance(value, str) else (None, False)
+        if ip is None:
+            ctx.skip(why.INVALID_IP, f"{shown(value)} is not an IP address", where)
+            continue
+        if sloppy:
+            ctx.skip(why.NON_CANONICAL_IP, f"{shown(value)} has leading zeros; used as {ip} "
+                     "(decimal, as kube-proxy reads it)", where)
+        out.append(NodeAddress(kind, ip))
+    return tuple(out)

@@ -169,7 +169,8 @@ class DesiredState:
     10,000 ports) instead of rebuilding it.
     """
 
-    __slots__ = ("_parent", "_ports", "_token", "changed", "generation", "ports")
+    __slots__ = ("_parent", "_ports", "_token", "changed", "generation", "ports",
+                 "primary_ips")
 
     def __init__(
         self,
@@ -177,6 +178,7 @@ class DesiredState:
         changed: frozenset[ServicePortKey] = frozenset(),
         generation: int = 0,
         parent: object | None = None,
+        primary_ips: tuple[IPAddress, ...] = (),
     ) -> None:
         self._ports = ports if ports is not None else {}
         self.ports: Mapping[ServicePortKey, ResolvedServicePort] = MappingProxyType(self._ports)
@@ -187,14 +189,21 @@ class DesiredState:
         # every earlier snapshot alive.
         self._token = object()
         self._parent = parent
+        # This node's primary addresses, from its Node object (the primary family first;
+        # empty while unknown): `--nodeport-addresses primary` stands for them.
+        self.primary_ips = primary_ips
 
     def evolve(
         self,
         updates: dict[ServicePortKey, ResolvedServicePort | None],
+        primary_ips: tuple[IPAddress, ...] | None = None,
     ) -> DesiredState:
-        """The next state: `updates` maps a key to its new value, or None to remove it."""
+        """The next state: `updates` maps a key to its new value, or None to remove it;
+        `primary_ips` replaces the node's primary addresses (None keeps them)."""
+        primary = self.primary_ips if primary_ips is None else primary_ips
         if not updates:
-            return DesiredState(self._ports, frozenset(), self.generation + 1, self._token)
+            return DesiredState(self._ports, frozenset(), self.generation + 1, self._token,
+                                primary)
         ports = self._ports.copy()
         changed: set[ServicePortKey] = set()
         for key, value in updates.items():
@@ -204,7 +213,8 @@ class DesiredState:
             elif _differs(ports.get(key), value):
                 ports[key] = value
                 changed.add(key)
-        return DesiredState(ports, frozenset(changed), self.generation + 1, self._token)
+        return DesiredState(ports, frozenset(changed), self.generation + 1, self._token,
+                            primary)
 
     def changed_since(self, earlier: DesiredState | None) -> frozenset[ServicePortKey]:
         """Keys whose entry differs from `earlier`'s (None: every key). Unchanged entries

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from proxy.model import skips as why
 from proxy.model.incremental import PortIndex, PortResolution, endpoint_changes
 from proxy.model.merge import merge_port
+from proxy.model.nodeport_addresses import primary_ips
 from proxy.model.selection import NodeView, categorize
 from proxy.model.skips import Skip, clip, shown
 from proxy.model.snapshot import (
@@ -156,6 +157,7 @@ class ClusterModel:
         self.proxy_name = proxy_name or None
         self._node = NodeView(node_name)
         self._node_obj: Node | None = None
+        self._primary_ips: tuple[IPAddress, ...] = ()
         self._services: dict[ServiceRef, Service] = {}  # ours only
         self._ignored: dict[ServiceRef, SkipGroup] = {}
         self._sources: dict[SourceRef, tuple[str, tuple[EndpointSlice, ...]]] = {}
@@ -313,10 +315,12 @@ class ClusterModel:
                     self._ahead.append(key)
 
     def set_node(self, node: Node) -> None:
-        """This node's own Node object; topology labels feed selection."""
+        """This node's own Node object; topology labels feed selection, and its primary
+        addresses the next snapshot (a change of them asks for a sync: `has_dirty`)."""
         if node.name != self.node_name:
             return
         self._node_obj = node
+        self._primary_ips = primary_ips(node.addresses)
         view = NodeView(self.node_name, node.zone)
         if view != self._node:
             self._node = view
@@ -355,6 +359,12 @@ class ClusterModel:
         return self._node
 
     @property
+    def primary_ips(self) -> tuple[IPAddress, ...]:
+        """The node's primary addresses as its Node object says now (the snapshot's
+        follow at the next `resolve`)."""
+        return self._primary_ips
+
+    @property
     def dirty(self) -> frozenset[ServicePortKey]:
         return frozenset(self._dirty)
 
@@ -365,10 +375,10 @@ class ClusterModel:
 
     @property
     def has_dirty(self) -> bool:
-        """Some service port awaits a resolve: asked on every event, so O(1) (`dirty`
-        copies the set: under churn held back by the CPU budget that was O(backlog)
-        per event)."""
-        return bool(self._dirty)
+        """Some service port, or the node's primary addresses, await a resolve: asked on
+        every event, so O(1) (`dirty` copies the set: under churn held back by the CPU
+        budget that was O(backlog) per event)."""
+        return bool(self._dirty) or self._primary_ips != self._state.primary_ips
 
     def _skip_groups(self) -> Iterator[SkipGroup]:
         yield from self._decode_skips.values()
@@ -418,7 +428,7 @@ class ClusterModel:
             if value is None:
                 self._memos.pop(key, None)
         self._dirty.clear()
-        self._state = self._state.evolve(updates)
+        self._state = self._state.evolve(updates, self._primary_ips)
         return self._state
 
     def port_counts(self) -> dict[Family, int]:

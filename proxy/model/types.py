@@ -153,10 +153,21 @@ class EndpointSlice:
     resource_version: str = field(default="", compare=False)
 
 
+class NodeAddress(NamedTuple):
+    """One of a Node's `status.addresses` that is an IP: its type (`InternalIP` or
+    `ExternalIP`) and the address."""
+
+    type: str
+    address: IPAddress
+
+
 @dataclass(frozen=True, slots=True)
 class Node:
     name: str
     labels: tuple[tuple[str, str], ...] = ()  # sorted (key, value) pairs
+    # status.addresses of type InternalIP and ExternalIP, in the Node's order (the order
+    # decides the primary addresses: model/nodeport_addresses.py).
+    addresses: tuple[NodeAddress, ...] = ()
 
     def label(self, key: str) -> str | None:
         for k, v in self.labels:

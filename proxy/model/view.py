@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from proxy.model.nodeport_addresses import listen_view, primary_ips
 from proxy.model.selection import NodeView, routes
 from proxy.model.snapshot import EndpointSet, ResolvedServicePort, SelectedEndpoint
-from proxy.model.types import Node, format_endpoint
+from proxy.model.types import IPNetwork, Node, format_endpoint
 
 
 def service_port_view(rsp: ResolvedServicePort) -> dict[str, Any]:
@@ -82,9 +83,19 @@ def _endpoint_view(sel: SelectedEndpoint) -> dict[str, Any]:
     }
 
 
-def node_view(view: NodeView, node: Node | None) -> dict[str, Any]:
-    return {
+def node_view(view: NodeView, node: Node | None,
+              nodeports: tuple[tuple[IPNetwork, ...], bool] | None = None) -> dict[str, Any]:
+    """The node as its Node object reads; with `nodeports` (--nodeport-addresses: its
+    CIDRs, and whether `primary` was given), also where NodePorts listen."""
+    primary = primary_ips(node.addresses) if node is not None else ()
+    out: dict[str, Any] = {
         "name": view.name,
         "zone": view.zone,
         "labels": dict(node.labels) if node is not None else None,
+        "addresses": [{"type": a.type, "address": str(a.address)} for a in node.addresses]
+        if node is not None else None,
+        "primary_ips": [str(ip) for ip in primary],
     }
+    if nodeports is not None:
+        out["nodeports"] = listen_view(*nodeports, primary)
+    return out

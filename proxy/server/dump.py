@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from proxy.model.tracker import ClusterModel
-from proxy.model.types import ServicePortKey
+from proxy.model.types import IPNetwork, ServicePortKey
 from proxy.model.view import node_view, service_port_view
 
 SKIPPED_SHOWN = 500  # records in `skipped`
@@ -43,7 +43,9 @@ def build_dump(
     watch: Mapping[str, Any],
     service: str | None = None,
     pacing: Mapping[str, Any] | None = None,
+    nodeports: tuple[tuple[IPNetwork, ...], bool] | None = None,
 ) -> dict[str, Any]:
+    """`nodeports`: --nodeport-addresses (CIDRs, `primary`), for the node's `nodeports`."""
     services = []
     for key in selected_keys(model, service):
         entry = service_port_view(model.state.ports[key])
@@ -53,7 +55,7 @@ def build_dump(
                if service is None or f"{s.namespace}/{s.name}" == service]
     out: dict[str, Any] = {
         "config": dict(config),
-        "node": node_view(model.node_view, model.node),
+        "node": node_view(model.node_view, model.node, nodeports),
         "health": dict(health),
         "watch": dict(watch),
         "services": services,

@@ -8,7 +8,8 @@ can serve it locally. A node whose only local endpoints are terminating answers 
 (they still get the traffic that reaches them, but the load balancer drains the node).
 
 Servers open and close as services come and go; they listen on every node address, or
-only those inside `--nodeport-addresses` when it is set.
+only those inside `--nodeport-addresses` when it is set (`primary` standing for the
+node's primary addresses: all servers are opened again when those change).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from proxy.model.nodeport_addresses import nodeport_cidrs
 from proxy.model.snapshot import DesiredState
-from proxy.model.types import IPNetwork, ServicePortKey, TrafficPolicy
+from proxy.model.types import IPAddress, IPNetwork, ServicePortKey, TrafficPolicy
 from proxy.server.http import JSON_HEADERS
 
 log = logging.getLogger(__name__)
@@ -66,9 +68,11 @@ async def node_addresses(cidrs: Iterable[IPNetwork]) -> list[str]:
 
 class HealthCheckPorts:
     def __init__(self, proxy_healthy: Callable[[], bool],
-                 nodeport_addresses: tuple[IPNetwork, ...] = ()) -> None:
+                 nodeport_addresses: tuple[IPNetwork, ...] = (),
+                 nodeport_primary: bool = False) -> None:
         self._proxy_healthy = proxy_healthy
-        self._cidrs = nodeport_addresses
+        self._given, self._primary = nodeport_addresses, nodeport_primary
+        self._cidrs = nodeport_cidrs(nodeport_addresses, nodeport_primary, ())
         self._services: dict[ServiceRef, _Instance] = {}
         self._lock = asyncio.Lock()
 
@@ -111,11 +115,16 @@ class HealthCheckPorts:
         inst.servers.clear()
 
     async def update(self, wanted: Mapping[ServiceRef, int],
-                     counts: Mapping[ServiceRef, int]) -> None:
-        """Open and close servers to match `wanted`; set the local endpoint counts."""
+                     counts: Mapping[ServiceRef, int],
+                     primary_ips: tuple[IPAddress, ...] = ()) -> None:
+        """Open and close servers to match `wanted`, on the addresses --nodeport-addresses
+        selects (`primary_ips`: the node's primary addresses); set the local endpoint
+        counts."""
         async with self._lock:
+            cidrs = nodeport_cidrs(self._given, self._primary, primary_ips)
+            moved, self._cidrs = cidrs != self._cidrs, cidrs
             for ref, inst in list(self._services.items()):
-                if wanted.get(ref) != inst.port:
+                if moved or wanted.get(ref) != inst.port:
                     log.info("closing health check node port",
                             extra={"service": f"{ref[0]}/{ref[1]}", "port": inst.port})
                     del self._services[ref]

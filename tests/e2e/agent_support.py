@@ -10,6 +10,7 @@ inside the node namespace.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,11 +18,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from proxy.lab import Lab
+from proxy.lab import BackendSpec, Lab
 from proxy.lab.netns import entered
 from proxy.lab.poll import wait as wait_for  # the name the e2e, fault and kernel tiers use
 from proxy.lab.probe import http_get
@@ -39,6 +40,15 @@ def quiet_icmp_limits(lab: Lab) -> None:
     instead of being refused. Real clients retry; tests count each connection."""
     lab.sysctl(lab.node_ns, "net.ipv4.icmp_ratelimit", "0")
     lab.sysctl(lab.node_ns, "net.ipv6.icmp.ratelimit", "0")
+
+
+@contextlib.contextmanager
+def one_backend_lab() -> Iterator[Lab]:
+    """A lab with one backend, web-1 (on node-a), serving, its node's ICMP limits off."""
+    with Lab([BackendSpec("web-1")]) as lab:
+        quiet_icmp_limits(lab)
+        lab.start_backends()
+        yield lab
 
 
 def start_sim(lab: Lab, objects: Iterable[Any] = (), **kw: Any) -> SimServer:
@@ -235,7 +245,14 @@ def namespace_object(name: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
 
 
-def node_object(name: str = "node-a", zone: str = "zone-a") -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name,
-                                                  "topology.kubernetes.io/zone": zone}}}
+def node_object(name: str = "node-a", zone: str = "zone-a",
+                addresses: Sequence[tuple[str, object]] = ()) -> dict[str, Any]:
+    """`addresses`: status.addresses as (type, address), as a kubelet writes them (the
+    Node's primary IPs come from them: `--nodeport-addresses primary`)."""
+    out: dict[str, Any] = {"apiVersion": "v1", "kind": "Node",
+                           "metadata": {"name": name,
+                                        "labels": {"kubernetes.io/hostname": name,
+                                                   "topology.kubernetes.io/zone": zone}}}
+    if addresses:
+        out["status"] = {"addresses": [{"type": t, "address": str(a)} for t, a in addresses]}
+    return out

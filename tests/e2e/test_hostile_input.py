@@ -20,7 +20,7 @@ import pytest
 
 from proxy.kube import identity
 from proxy.kube.ingest import EndpointsSource
-from proxy.lab import BackendSpec, Lab
+from proxy.lab import Lab
 from proxy.sim import SimServer
 from proxy.sim.store import type_of
 from tests.corpus import hostile, pipeline
@@ -31,8 +31,8 @@ from tests.e2e.agent_support import (
     iptables_save,
     namespace_object,
     node_object,
+    one_backend_lab,
     our_rules,
-    quiet_icmp_limits,
     service,
     start_sim,
     wait_for,
@@ -45,9 +45,7 @@ NORMAL_VIP = "198.18.200.10"  # in the simulator's service range, used by no cas
 
 @pytest.fixture
 def lab() -> Iterator[Lab]:
-    with Lab([BackendSpec("web-1")]) as lab:
-        quiet_icmp_limits(lab)
-        lab.start_backends()
+    with one_backend_lab() as lab:
         yield lab
 
 

@@ -23,7 +23,7 @@ from proxy.dataplane.base import ApplyError, SyncReport
 from proxy.kube.reflector import ReflectorOptions
 from proxy.lab.poll import wait
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
-from proxy.model.types import Family, ServicePortKey, format_endpoint
+from proxy.model.types import Family, IPAddress, ServicePortKey, format_endpoint
 from proxy.sim import SimServer
 
 T = TypeVar("T")
@@ -90,7 +90,8 @@ class FakeDataPlane:
         self.housekept += 1
 
     def render_ahead(self, ports: Sequence[ResolvedServicePort],
-                     expected: Mapping[Family, int]) -> None:
+                     expected: Mapping[Family, int],
+                     primary_ips: Sequence[IPAddress] = ()) -> None:
         self.threads.add(threading.get_ident())
         self.rendered_ahead += len(ports)
 

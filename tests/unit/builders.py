@@ -89,11 +89,17 @@ def eps_slice(
     }
 
 
-def node(name: str = NODE, zone: str | None = ZONE) -> dict[str, Any]:
+def node(name: str = NODE, zone: str | None = ZONE,
+         addresses: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+    """`addresses`: status.addresses as (type, address), as a kubelet writes them."""
     labels = {"kubernetes.io/hostname": name}
     if zone:
         labels["topology.kubernetes.io/zone"] = zone
-    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}}
+    out: dict[str, Any] = {"apiVersion": "v1", "kind": "Node",
+                           "metadata": {"name": name, "labels": labels}}
+    if addresses:
+        out["status"] = {"addresses": [{"type": t, "address": a} for t, a in addresses]}
+    return out
 
 
 def model_of(

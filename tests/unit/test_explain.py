@@ -169,3 +169,23 @@ def test_external_reachability_is_judged_per_family() -> None:
     assert by_family["IPv6"]["policies"]["uses_cluster_set"] is False
     assert by_family["IPv6"]["policies"]["sets"] == {
         "cluster_ip": "local", "external": None, "external_from_pods_and_node": None}
+
+
+def test_the_nodes_primary_addresses_and_where_nodeports_listen() -> None:
+    kubelet = node(addresses=[("InternalIP", "198.18.0.1"), ("Hostname", "node-a")])
+    listing = json.dumps({"kind": "List", "items": [kubelet, service()]})
+    proc = run_explain("--nodeport-addresses", "primary", "--node-labels",
+                       "topology.kubernetes.io/zone=zone-b", stdin=listing)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)["node"]
+    # --node-labels keeps what the Node object says of its addresses.
+    assert out["zone"] == "zone-b" and out["primary_ips"] == ["198.18.0.1"]
+    assert out["addresses"] == [{"type": "InternalIP", "address": "198.18.0.1"}]
+    assert out["nodeports"] == {"nodeport_addresses": ["primary"],
+                                "IPv4": ["198.18.0.1/32"], "IPv6": "every local address"}
+    assert "nodeports" not in json.loads(run_explain(stdin=listing).stdout)["node"]
+    bad = run_explain("--nodeport-addresses", "primry", stdin=listing)
+    assert bad.returncode == 2 and "--nodeport-addresses: 'primry' is not a CIDR" in bad.stderr
+    table = run_explain("--nodeport-addresses", "primary", "-o", "table", stdin=listing)
+    assert ("  NodePorts  IPv4 198.18.0.1/32; IPv6 every local address  "
+            "(--nodeport-addresses primary)") in table.stdout.splitlines()

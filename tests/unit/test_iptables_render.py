@@ -7,6 +7,7 @@ line is what `iptables-save` prints back (the kernel tests check that spelling).
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from ipaddress import ip_address, ip_network
 from typing import Any
 
@@ -322,6 +323,15 @@ def test_base_rules_nodeports_catch_all_follows_nodeport_addresses() -> None:
     # No --nodeport-addresses CIDR of a family means every address of it (as upstream).
     six = render_base(context_for(Family.V6, options, node_ips))
     assert six.tail[0][2].startswith("! -d ::1/128 ")
+    # `primary`: the Node's primary address of the family, alone or with the CIDRs.
+    primary = DataplaneOptions("n", nodeport_primary=True)
+    mine = (ip_address("198.18.1.1"), ip_address("fd00:18::1"))
+    for opts, family, want in ((primary, Family.V4, ["-d 198.18.1.1/32"]),
+                               (primary, Family.V6, ["-d fd00:18::1/128"]),
+                               (replace(options, nodeport_primary=True), Family.V4,
+                                ["-d 198.18.0.1/32", "-d 198.18.1.1/32"])):
+        tail = render_base(context_for(family, opts, node_ips, mine)).tail
+        assert [spec.split(" -m")[0] for _, _, spec in tail] == want
 
 
 def test_chain_names_are_stable_hashes_of_what_the_chain_is_for() -> None:

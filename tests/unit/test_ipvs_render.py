@@ -118,6 +118,18 @@ def test_nodeport_addresses_select_node_addresses() -> None:
     assert [str(a) for a in c.nodeport_addresses] == ["198.18.0.1", "198.18.1.1"]
 
 
+def test_primary_nodeport_addresses_are_the_nodes_primary_ones() -> None:
+    options = DataplaneOptions(node_name="node-a", nodeport_primary=True)
+    c = RenderContext.build(options, NODE_ADDRESSES, (ip_address("198.18.1.1"),))
+    # The Node's IPv4 address only; it shows no IPv6 one, so every IPv6 address.
+    assert [str(a) for a in c.nodeport_addresses] == ["198.18.1.1", "fd00:18::1"]
+    rsp = resolve_one(service(ports=(dict(HTTP, nodePort=30080),), type="NodePort"),
+                      eps_slice("s1", [ep("198.18.1.10")]))
+    rules = render_port(rsp, c)
+    assert sorted(vss(rules)) == ["TCP 198.18.1.1:30080", "TCP 198.18.128.1:80"]
+    assert entries(rules, SetRole.EXTERNAL_MASQ) == ["198.18.1.1,tcp:30080"]
+
+
 def test_external_ips_bound_unless_a_node_address_and_local_policy_not_masqueraded() -> None:
     rsp = resolve_one(
         service(ports=(HTTP,), externalIPs=["198.18.2.60", "198.18.0.1"]),

@@ -10,7 +10,8 @@ from dataclasses import replace
 from ipaddress import ip_address, ip_network
 from typing import Any
 
-from proxy.dataplane.common.context import RenderContext
+from proxy.dataplane.base import DataplaneOptions
+from proxy.dataplane.common.context import RenderContext, context_for
 from proxy.dataplane.nftables.render import (
     endpoint_object,
     port_chain,
@@ -196,6 +197,39 @@ def test_nodeport_addresses_become_a_set_in_each_table_that_matches_them() -> No
     assert "priority dstnat;" in hooks["nat-prerouting"]
     assert "priority dstnat + 1;" in hooks["nodeport-prerouting"]
     assert "priority -99;" in hooks["nodeport-output"]
+
+
+def test_primary_nodeport_addresses_become_the_set_of_the_nodes_primary_address() -> None:
+    """`--nodeport-addresses primary` (nftables mode's default): the Node's InternalIP
+    is the one node address in the set; another local address gets no NodePort."""
+    options = DataplaneOptions(NODE, cluster_cidrs=(ip_network("198.18.1.0/24"),),
+                               nodeport_primary=True)
+    local = [ip_address(a) for a in ("198.18.0.1", "198.18.1.1", "127.0.0.1")]
+    ctx = context_for(Family.V4, options, local, (ip_address("198.18.0.1"),))
+    rsp = resolve(service(type="NodePort", ports=({"name": "http", "port": 80,
+                                                   "nodePort": 30080},)),
+                  eps_slice("s1", [ep("198.18.1.10")]))
+    text, _ = full_script([render_base(ctx), render_shard(ctx, S0)],
+                          {rsp.key: render_port(rsp, ctx)})
+    ext = port_chain("ext", rsp.key, "tcp")
+    assert [line for line in text.splitlines() if "nodeport-ips" in line] == [
+        f"add set {T4} nodeport-ips {{ type ipv4_addr; }}",
+        f"add set ip {S0} nodeport-ips {{ type ipv4_addr; }}",
+        f"add rule {T4} unserved-nodeport-check ip daddr @nodeport-ips meta l4proto . "
+        "th dport vmap @unserved-nodeports",
+        f"add rule ip {S0} nodeports ip daddr @nodeport-ips meta l4proto . th dport "
+        "vmap @service-nodeports",
+        f"flush set {T4} nodeport-ips",
+        f"flush set ip {S0} nodeport-ips",
+        f"add element {T4} nodeport-ips {{ 198.18.0.1 }}",
+        f"add element ip {S0} nodeport-ips {{ 198.18.0.1 }}",
+    ]
+    assert f"add element ip {S0} service-nodeports {{ tcp . 30080 : goto {ext} }}" in text
+    # The Node shows no address yet: every local address, as upstream.
+    every = context_for(Family.V4, options, local, ())
+    assert every.nodeport_ips is None
+    chains = {name: rules for name, _body, rules in render_shard(every, S0).chains}
+    assert chains["nodeports"][0].startswith("fib daddr type local ")
 
 
 def test_shards_grow_by_doubling_and_each_port_has_one() -> None:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from ipaddress import ip_network
+from ipaddress import ip_address, ip_network
 from typing import Any
 
+import pytest
 from aiohttp import ClientSession
 
+from proxy.server import nodeports
 from proxy.server.nodeports import HealthCheckPorts, LocalEndpointTracker
 from tests.unit.builders import ep, eps_slice, model_of, service
 
@@ -117,3 +119,34 @@ def test_a_port_in_use_is_logged_and_retried_later() -> None:
         asyncio.run(go())
     finally:
         blocker.close()
+
+
+def test_primary_listens_on_the_nodes_primary_address_and_moves_with_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`primary`: the servers listen where the Node's primary address is, and open again
+    when it moves. Node addresses stand in for loopback ones here (the unit tier has no
+    namespace of its own): 198.18.0.1 is served on 127.0.0.2, 198.18.0.2 on 127.0.0.3."""
+    stand_in = {ip_network("198.18.0.1/32"): "127.0.0.2",
+                ip_network("198.18.0.2/32"): "127.0.0.3"}
+
+    async def local_addresses(cidrs: Any) -> list[str]:
+        return [stand_in[c] for c in cidrs if c in stand_in]
+
+    monkeypatch.setattr(nodeports, "node_addresses", local_addresses)
+    ports = HealthCheckPorts(lambda: True, (), nodeport_primary=True)
+    port = free_port()
+    ref = ("ns", "lb")
+
+    def answers(host: str) -> bool:
+        with socket.socket() as s:
+            return s.connect_ex((host, port)) == 0
+
+    async def go() -> None:
+        await ports.update({ref: port}, {ref: 1}, (ip_address("198.18.0.1"),))
+        assert answers("127.0.0.2") and not answers("127.0.0.3")
+        await ports.update({ref: port}, {ref: 1}, (ip_address("198.18.0.2"),))
+        assert answers("127.0.0.3") and not answers("127.0.0.2")
+        assert ports.open_ports == {ref: port}
+        await ports.close()
+
+    asyncio.run(go())

@@ -1,5 +1,6 @@
 """What rendering needs besides the service port: the options as they apply to one family,
-and this node's addresses. One rule for `--nodeport-addresses`, used by every mode.
+and this node's addresses. One rule for `--nodeport-addresses`, used by every mode (its
+CIDRs and `primary` resolved by proxy/model/nodeport_addresses.py).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from proxy.dataplane.base import DataplaneOptions
+from proxy.model.nodeport_addresses import nodeport_cidrs, of_family
 from proxy.model.types import Family, IPAddress, IPNetwork
 
 
@@ -49,22 +51,32 @@ def cluster_ip_masquerade(ctx: RenderContext, except_pods: Callable[[IPNetwork],
 def nodeport_selection(family: Family, cidrs: Iterable[IPNetwork],
                        node_ips: Iterable[IPAddress]) -> tuple[IPAddress, ...] | None:
     """The node addresses of `family` that accept NodePort traffic under
-    --nodeport-addresses `cidrs`; None means every address of the family.
+    --nodeport-addresses `cidrs` (`primary` already resolved: `nodeport_cidrs`); None
+    means every address of the family.
 
     As upstream: no CIDR of this family, or a match-everything one, means "all" (a list
     of IPv6 CIDRs says nothing about IPv4). Loopback addresses never serve NodePorts
     (upstream's --iptables-localhost-nodeports=false)."""
-    mine = [c for c in cidrs if Family.of(c) is family]
-    if not mine or any(c.prefixlen == 0 for c in mine):
+    mine = of_family(family, cidrs)
+    if mine is None:
         return None
     return tuple(ip for ip in node_ips if Family.of(ip) is family and not ip.is_loopback
                  and any(ip in c for c in mine))
 
 
+def nodeport_cidrs_for(options: DataplaneOptions,
+                     primary_ips: Iterable[IPAddress]) -> tuple[IPNetwork, ...]:
+    """The CIDRs NodePorts accept on: --nodeport-addresses, `primary` standing for
+    `primary_ips` (the node's primary addresses, DesiredState.primary_ips)."""
+    return nodeport_cidrs(options.nodeport_addresses, options.nodeport_primary, primary_ips)
+
+
 def context_for(family: Family, options: DataplaneOptions,
-                node_ips: Sequence[IPAddress] = ()) -> RenderContext:
-    """The per-family view of the options; `node_ips` are this node's addresses."""
+                node_ips: Sequence[IPAddress] = (),
+                primary_ips: Sequence[IPAddress] = ()) -> RenderContext:
+    """The per-family view of the options; `node_ips` are this node's addresses,
+    `primary_ips` its primary ones (from its Node object)."""
     mine = tuple(ip for ip in node_ips if Family.of(ip) is family)
     cidrs = [c for c in options.cluster_cidrs if Family.of(c) is family]
-    nodeport_ips = nodeport_selection(family, options.nodeport_addresses, mine)
+    nodeport_ips = nodeport_selection(family, nodeport_cidrs_for(options, primary_ips), mine)
     return RenderContext(family, options.masquerade_all, tuple(cidrs), nodeport_ips, mine)

@@ -2,12 +2,12 @@
 each mode supplying how to render and how to write.
 
 Per family, a sync is full (the first one, when asked, after any failure, or when this
-node's addresses changed the render context) or partial (only the service ports whose
-snapshot entry is not the very object applied last time, found in O(changes):
-`DesiredState.changed_since`). A family whose write fails keeps its previous rules and
-forgets what it applied, so its next sync is full; the other family is still synced,
-then the first failure is raised. Conntrack entries made stale by what was applied are
-cleared once, after every family.
+node's addresses, or the primary ones its Node object gives, changed the render context)
+or partial (only the service ports whose snapshot entry is not the very object applied
+last time, found in O(changes): `DesiredState.changed_since`). A family whose write
+fails keeps its previous rules and forgets what it applied, so its next sync is full;
+the other family is still synced, then the first failure is raised. Conntrack entries
+made stale by what was applied are cleared once, after every family.
 """
 
 from __future__ import annotations
@@ -137,15 +137,16 @@ class FamilySyncPlane(ABC, Generic[S]):
         will have `expected` service ports; nothing by default."""
 
     def render_ahead(self, ports: Sequence[ResolvedServicePort],
-                     expected: Mapping[Family, int]) -> None:
+                     expected: Mapping[Family, int],
+                     primary_ips: Sequence[IPAddress] = ()) -> None:
         """base.DataPlane.render_ahead: each family's ports, in the mode's
         `_render_ahead`."""
         node_ips = self._addresses()
         for family, fam in self._families.items():
             mine = [p for p in ports if p.key.family is family]
             if mine:
-                self._render_ahead(fam, mine, context_for(family, self.options, node_ips),
-                                   expected.get(family, 0))
+                ctx = context_for(family, self.options, node_ips, primary_ips)
+                self._render_ahead(fam, mine, ctx, expected.get(family, 0))
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -176,7 +177,7 @@ class FamilySyncPlane(ABC, Generic[S]):
 
     def _sync_family(self, fam: S, state: DesiredState, full: bool,
                      node_ips: Sequence[IPAddress], totals: _Totals) -> dict[str, Any]:
-        ctx = context_for(fam.family, self.options, node_ips)
+        ctx = context_for(fam.family, self.options, node_ips, state.primary_ips)
         is_full = full or fam.kept is None or ctx != fam.context
         started = time.perf_counter()
         ports = state.ports

@@ -217,6 +217,9 @@ class IpvsDataPlane:
         calls_before = h.ipvs.calls + h.links.calls
         writes_before = h.ipvs.writes
         run = _Run()
+        if (self.options.nodeport_primary and self._ctx is not None
+                and state.primary_ips != self._ctx.primary_ips):
+            full = True  # NodePorts follow the Node's new primary addresses
         if full or self._ctx is None:
             # Node addresses are read at full syncs only (a dump of every address, the
             # dummy interface's thousands included): a NodePort follows a new node
@@ -230,7 +233,8 @@ class IpvsDataPlane:
                 raise ApplyError(f"cannot set up dummy interface {self._dummy_name}: {exc}",
                                  offending=f"link {self._dummy_name}") from exc
             ctx = RenderContext.build(
-                self.options, (a for i, a in table if i != self._dummy_index))
+                self.options, (a for i, a in table if i != self._dummy_index),
+                state.primary_ips)
             present = {a for i, a in table
                        if i == self._dummy_index and usable_node_address(a)}
             delta = self._full(state, ctx, present, h, run)
@@ -282,7 +286,8 @@ class IpvsDataPlane:
         )
 
     def render_ahead(self, ports: Sequence[ResolvedServicePort],
-                     expected: Mapping[Family, int]) -> None:
+                     expected: Mapping[Family, int],
+                     primary_ips: Sequence[IPAddress] = ()) -> None:
         """Nothing: IPVS's first sync is virtual servers, not one batch to build."""
 
     def applied_rules(self, key: ServicePortKey) -> Sequence[str]:

@@ -39,7 +39,7 @@ from ipaddress import IPv6Address
 from typing import NamedTuple
 
 from proxy.dataplane.base import DataplaneOptions
-from proxy.dataplane.common.context import nodeport_selection
+from proxy.dataplane.common.context import nodeport_cidrs_for, nodeport_selection
 from proxy.model.snapshot import (
     DesiredState,
     EndpointDelta,
@@ -194,25 +194,31 @@ class RenderContext:
     `node_addresses` are the node's own addresses (every interface but our dummy one,
     no loopback, no IPv6 link-local): an externalIP or load-balancer IP that is one of
     them is not put on the dummy interface. `nodeport_addresses` are those that accept
-    NodePort traffic (--nodeport-addresses; every address of a family it names no CIDR
-    of, as in the other modes and upstream).
+    NodePort traffic (--nodeport-addresses, `primary` standing for `primary_ips`, the
+    node's primary addresses from its Node object; every address of a family it names
+    no CIDR of, as in the other modes and upstream).
     """
 
     node_name: str
     scheduler: str
     node_addresses: frozenset[IPAddress]
     nodeport_addresses: tuple[IPAddress, ...]
+    primary_ips: tuple[IPAddress, ...] = ()
 
     @staticmethod
-    def build(options: DataplaneOptions, node_addresses: Iterable[IPAddress]) -> RenderContext:
+    def build(options: DataplaneOptions, node_addresses: Iterable[IPAddress],
+              primary_ips: Iterable[IPAddress] = ()) -> RenderContext:
         usable = frozenset(a for a in node_addresses if usable_node_address(a))
+        primary = tuple(primary_ips)
+        cidrs = nodeport_cidrs_for(options, primary)
         return RenderContext(
             node_name=options.node_name,
             scheduler=options.ipvs_scheduler or "rr",
             node_addresses=usable,
             nodeport_addresses=tuple(sorted(
-                (a for family in Family
-                 for a in _nodeport_addresses(family, options, usable)), key=address_order)),
+                (a for family in Family for a in _nodeport_addresses(family, cidrs, usable)),
+                key=address_order)),
+            primary_ips=primary,
         )
 
 
@@ -223,11 +229,11 @@ def usable_node_address(address: IPAddress) -> bool:
     return not (isinstance(address, IPv6Address) and address.is_link_local)
 
 
-def _nodeport_addresses(family: Family, options: DataplaneOptions,
+def _nodeport_addresses(family: Family, cidrs: Iterable[IPNetwork],
                         usable: Iterable[IPAddress]) -> Iterable[IPAddress]:
     """This family's node addresses that accept NodePort traffic, by the rule every mode
     shares (common.context.nodeport_selection: no CIDR of the family means all)."""
-    selected = nodeport_selection(family, options.nodeport_addresses, usable)
+    selected = nodeport_selection(family, cidrs, usable)
     return [a for a in usable if Family.of(a) is family] if selected is None else selected
 
 
