@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from labs.realcp.build import Binaries
-from proxy.config.options import Config, ConfigError, parse_args
+from proxy.config.options import Config, parse_args
 from tests.unit.test_kubeproxy_file import KUBE_PROXY_DEFAULTS, kubeadm_config
 
 
@@ -93,7 +93,7 @@ def test_kube_proxy_accepts_the_files_and_its_loading_changes_no_setting_we_read
                             ) == honoured(theirs)
 
 
-def test_a_misspelt_field_kube_proxy_only_warns_about_stops_sliceproxy(
+def test_a_misspelt_field_is_skipped_with_a_warning_as_kube_proxy_does(
         realcp_binaries: Binaries, tmp_path: Path) -> None:
     doc = kubeadm_config()
     doc["iptables"]["masqueradAll"] = True  # sic: the operator meant masqueradeAll
@@ -106,5 +106,29 @@ def test_a_misspelt_field_kube_proxy_only_warns_about_stops_sliceproxy(
     assert res.returncode == 0 and "unknown field: masqueradAll" in res.stderr
     assert yaml.safe_load((tmp_path / "out.yaml").read_text())["iptables"][
         "masqueradeAll"] is False
-    with pytest.raises(ConfigError, match=r"iptables\.masqueradAll: not a field of"):
-        parse_args(["--config", str(given)])
+    # sliceproxy: the same, the field named in its start-up warning.
+    cfg = parse_args(["--config", str(given)])
+    assert cfg.unknown_settings == ("iptables.masqueradAll=True",)
+    assert not cfg.masquerade_all
+
+
+@pytest.mark.parametrize(("bind", "healthz", "metrics"), [
+    ("::", "", ""),  # kubeadm's IPv6 clusters: [::]:10256 and [::1]:10249
+    ("fd00:18::5", "", ""),
+    ("198.18.0.5", "", ""),
+    ("::", "198.18.0.7", "::1"),  # bare IPs get the ports
+])
+def test_the_server_addresses_are_kube_proxys_defaulting(
+        realcp_binaries: Binaries, tmp_path: Path, bind: str, healthz: str,
+        metrics: str) -> None:
+    """bindAddress and bare bind addresses, as kube-proxy v1.20.2 itself fills them in:
+    the file it writes back gives sliceproxy the same addresses as the file given."""
+    doc = kubeadm_config()
+    doc.update(bindAddress=bind, healthzBindAddress=healthz, metricsBindAddress=metrics)
+    given = tmp_path / "given.yaml"
+    given.write_text(yaml.safe_dump(doc))
+    loaded = kube_proxy_writes(realcp_binaries, tmp_path / "loaded.yaml", given)
+    ours = parse_args(["--config", str(given)])
+    theirs = parse_args(["--config", str(tmp_path / "loaded.yaml")])
+    assert (ours.healthz_bind_address, ours.metrics_bind_address) == (
+        theirs.healthz_bind_address, theirs.metrics_bind_address), loaded

@@ -6,9 +6,12 @@ import asyncio
 import json
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import aiohttp
-from aiohttp.test_utils import TestClient, TestServer
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
 from proxy.cmd.explain import explain
 from proxy.kube.ingest import EndpointsSource, apply_object
@@ -17,7 +20,7 @@ from proxy.model.tracker import ClusterModel
 from proxy.model.types import ServicePortKey
 from proxy.model.view import service_port_view
 from proxy.server.dump import build_dump
-from proxy.server.http import DUMP_DISABLED, metrics_app
+from proxy.server.http import DUMP_DISABLED, DUMP_LOCAL_ONLY, metrics_app
 from proxy.server.metrics import AgentMetrics
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -124,7 +127,8 @@ def test_dump_switched_off_answers_404_and_keeps_metrics() -> None:
 
 
 def test_agent_serves_the_dump_only_when_the_flag_allows() -> None:
-    """The agent's own wiring: --debug-dump=false reaches the metrics server."""
+    """The agent's own wiring: --debug-dump reaches the metrics server; a client on
+    127.0.0.1 is local, so only `false` turns it away."""
     import socket
 
     from proxy.agent.app import Agent
@@ -152,4 +156,80 @@ def test_agent_serves_the_dump_only_when_the_flag_allows() -> None:
             await agent.shutdown()
 
     assert asyncio.run(status("--debug-dump=false")) == 404
+    assert asyncio.run(status("--debug-dump=local")) == 200
     assert asyncio.run(status("--debug-dump=true")) == 200
+
+
+def dump_status(app: web.Application, peer: tuple[Any, ...] | None) -> tuple[int, Any]:
+    """What /debug/dump answers a client connecting from `peer` (the socket's address)."""
+    transport = mock.Mock()
+    transport.get_extra_info.side_effect = lambda key, default=None: (
+        peer if key == "peername" else default)
+
+    async def go() -> tuple[int, Any]:
+        request = make_mocked_request("GET", "/debug/dump", app=app, transport=transport)
+        match = await app.router.resolve(request)
+        response = await match.handler(request)
+        assert isinstance(response, web.Response) and response.body is not None
+        body = response.body if isinstance(response.body, bytes) else b"{}"
+        return response.status, json.loads(body)
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize(("peer", "local"), [
+    (("127.0.0.1", 40000), True),
+    (("127.9.9.9", 40000), True),
+    (("::1", 40000, 0, 0), True),
+    (("::ffff:127.0.0.1", 40000, 0, 0), True),  # IPv4 on a dual-stack socket
+    (("198.18.0.2", 40000), False),
+    (("fd00:18::2", 40000, 0, 0), False),
+    (("::ffff:198.18.0.2", 40000, 0, 0), False),
+    (("198.18.0.1", 40000), False),  # the node's own address: not loopback
+    (None, False),  # no peer (a closed transport)
+])
+def test_the_dump_answers_loopback_clients_only_by_default(
+        peer: tuple[Any, ...] | None, local: bool) -> None:
+    model, _ = example_model()
+    app = metrics_app(AgentMetrics(), Source(model))
+    status, doc = dump_status(app, peer)
+    if local:
+        assert status == 200 and "services" in doc
+    else:
+        assert status == 403
+        assert doc == {"error": DUMP_LOCAL_ONLY, "client": peer[0] if peer else None}
+        assert "--debug-dump=true" in DUMP_LOCAL_ONLY  # says how to change it
+    # --debug-dump=true: everyone who reaches the server.
+    anyone = metrics_app(AgentMetrics(), Source(model), loopback_only=False)
+    assert dump_status(anyone, peer)[0] == 200
+
+
+def test_the_dump_command_finds_an_agent_on_ipv6_loopback(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m proxy dump` with no address: 127.0.0.1, then ::1 where nothing listens
+    on 127.0.0.1 (an IPv6 cluster's agent: kube-proxy's bindAddress "::" puts metrics on
+    [::1]:10249)."""
+    import socket
+
+    from proxy.cmd import dump_client
+    from proxy.server import http
+
+    if http.ipv6_missing() is not None:
+        pytest.skip("the host has no IPv6 loopback")
+    model, _ = example_model()
+
+    async def go() -> int:
+        runner, listening = await http.serve(metrics_app(AgentMetrics(), Source(model)),
+                                             "::1", 0)
+        try:
+            with socket.socket() as free:  # nothing listens on 127.0.0.1 at that port
+                free.bind(("127.0.0.1", listening.port))
+            monkeypatch.setattr(dump_client, "DEFAULT_ADDRESSES",
+                                (f"127.0.0.1:{listening.port}", f"[::1]:{listening.port}"))
+            return await asyncio.to_thread(dump_client.main, ["-o", "json"])
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(go()) == 0
+    assert {s["service"] for s in json.loads(capsys.readouterr().out)["services"]} >= {
+        "demo/web"}
