@@ -2,6 +2,7 @@
 
     python -m proxy [flags]            run the agent (kube-proxy's flags; --help lists them)
     python -m proxy --cleanup [flags]  remove sliceproxy's rules from this node and exit
+    python -m proxy --init-only [flags]  set kube-proxy's node settings (sysctls) and exit
     python -m proxy explain ...        offline: what would happen to these objects, and why
     python -m proxy dump [ADDRESS]     ask a running agent (its /debug/dump)
 """
@@ -30,6 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"python -m proxy: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if config.init_only and config.cleanup:
+        print("python -m proxy: --init-only and --cleanup: give one", file=sys.stderr)
+        return EXIT_USAGE
+    if config.init_only:
+        from proxy.agent.node_setup import init_only
+
+        return init_only(config)
     # Imported here so `explain` and `--help` stay quick and need no agent dependencies.
     from proxy.agent.main import cleanup, run
 

@@ -51,15 +51,18 @@ def outcome(run: KernelResult, name: str) -> None:
         pytest.skip("; ".join(v["longrepr"] for v in cases.values()))
 
 
-def scenario_module(module: str, **kwargs: Any
+def scenario_module(module: str, env: Callable[[], dict[str, str]] | None = None,
+                    **kwargs: Any
                     ) -> tuple[Callable[..., KernelResult], Callable[..., None]]:
-    """The `run` fixture (one boot for the module, run_in_kernel's `kwargs`) and the
-    parametrized `test_scenario` of a host test file:
+    """The `run` fixture (one boot for the module, run_in_kernel's `kwargs`; `env`, when
+    given, is called then for the guest's environment) and the parametrized
+    `test_scenario` of a host test file:
     `run, test_scenario = scenario_module("scenario_x.py")`."""
 
     @pytest.fixture(scope="module")
     def run(tmp_path_factory: pytest.TempPathFactory) -> KernelResult:
-        return boot(module, tmp_path_factory, **kwargs)
+        extra = {"env": env()} if env is not None else {}
+        return boot(module, tmp_path_factory, **kwargs, **extra)
 
     @pytest.mark.kernel
     @pytest.mark.slow

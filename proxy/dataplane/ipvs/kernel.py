@@ -20,6 +20,7 @@ from pathlib import Path
 from pyroute2 import IPRoute
 
 from proxy.dataplane.common.netlink import NetlinkError, nested
+from proxy.dataplane.common.node_settings import IPVS_SYSCTLS
 from proxy.dataplane.common.rtnetlink import RouteSocket
 from proxy.dataplane.ipvs.diff import KernelDest, KernelService, Op
 from proxy.dataplane.ipvs.netlink import (
@@ -40,15 +41,9 @@ log = logging.getLogger(__name__)
 
 IFF_UP = 0x1
 
-# Upstream's IPVS proxier sets these: conntrack entries for IPVS connections (needed for
-# iptables masquerading), dropping connections whose real server is gone instead of
-# black-holing them, expiring affinity templates of weight-0 real servers, forwarding.
-SYSCTLS = {
-    "net/ipv4/vs/conntrack": "1",
-    "net/ipv4/vs/expire_nodest_conn": "1",
-    "net/ipv4/vs/expire_quiescent_template": "1",
-    "net/ipv4/ip_forward": "1",
-}
+# Upstream's IPVS proxier sets these (why: common/node_settings.py, which the
+# --init-only step writes them from; here the agent tries again where it may).
+SYSCTLS = {name: str(value) for name, value in IPVS_SYSCTLS.items()}
 
 
 def ensure_sysctls() -> list[str]:

@@ -3,10 +3,18 @@ inside the kernel lab (run by tests/kernel/test_mode_switch.py; never on the hos
 real agent, stopped in one mode (SIGTERM leaves its rules), started in the other, removes
 the old mode's leftovers before its first sync and serves. Both modes write `SPX-`
 chains; each must remove exactly the other's (proxy/dataplane/leftovers.py).
-(nftables <-> iptables runs on the host: tests/e2e/test_mode_switch.py.)"""
+(nftables <-> iptables runs on the host: tests/e2e/test_mode_switch.py.)
+
+And the switch from kube-proxy: the node settings kube-proxy v1.20.2 itself writes in the
+guest's initial network namespace (conntrack table size, hash size, TCP timeouts; the
+IPVS sysctls in IPVS mode) are what `python -m proxy --init-only` writes from the same
+KubeProxyConfiguration (tests/kernel/node_settings_guest.py)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +23,7 @@ import pytest
 from proxy.lab import Lab
 from proxy.sim import SimServer
 from tests.e2e.agent_support import (
+    ROOT,
     AgentProcess,
     PortSpec,
     endpoint,
@@ -23,6 +32,7 @@ from tests.e2e.agent_support import (
     run_cli,
     service,
 )
+from tests.kernel import node_settings_guest as settings
 from tests.kernel.scenario_guest import NodeThread, read_kernel
 from tests.kernel.scenarios.scenario_agent import leftovers
 
@@ -140,3 +150,49 @@ def test_iptables_then_ipvs_removes_the_iptables_chains_and_keeps_its_own(
     assert ipvs_chains(lab) == chains and read_kernel(reader) == kernel
     assert set(lab.ask(c, vip, 80, count=12)) == WEB
     print(f"\n{line}")
+
+
+@pytest.fixture
+def guest_settings() -> Iterator[dict[str, int]]:
+    """The guest's own values of every setting either proxy may write, put back after."""
+    before = settings.read()
+    try:
+        yield before
+    finally:
+        settings.write(before)
+
+
+@pytest.mark.parametrize("mode", ["", "ipvs"], ids=["iptables (kubeadm's default)", "ipvs"])
+def test_from_kube_proxy_its_node_settings_are_kept(
+        mode: str, workdir: Path, guest_settings: dict[str, int]) -> None:
+    config = settings.kube_proxy_config(workdir, mode)
+    checked = [*settings.CONNTRACK, "hashsize", *(settings.IPVS if mode else ())]
+    # Ours: the kubeadm ConfigMap's nulls are kube-proxy's defaults (2 CPUs: the minimum).
+    settings.write(settings.NEW_NODE)
+    run = subprocess.run([sys.executable, "-m", "proxy", "--init-only", "--config",
+                          str(config)], capture_output=True, text=True, timeout=120,
+                         check=False, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    ours = settings.read(checked)
+    assert {k: ours[k] for k in (*settings.CONNTRACK, "hashsize")} == {
+        "net/netfilter/nf_conntrack_max": 131072, "hashsize": 32768,
+        "net/netfilter/nf_conntrack_tcp_timeout_established": 86400,
+        "net/netfilter/nf_conntrack_tcp_timeout_close_wait": 3600}
+    assert all(ours[k] == 1 for k in settings.IPVS if k in checked)
+    print(f"\nsliceproxy --init-only ({mode or 'iptables'}): {ours}")
+    binary = os.environ.get("KUBE_PROXY")
+    if not binary:
+        pytest.skip("no kube-proxy v1.20.2 binary (KUBE_PROXY): compared against "
+                    "upstream's formula only")
+    # Theirs, from the same new node's values.
+    settings.write(settings.NEW_NODE)
+    log = settings.run_kube_proxy(binary, config, workdir / f"kube-proxy-{mode}.log",
+                                  timeout=120)
+    assert ("Using ipvs Proxier" if mode else "Using iptables Proxier") in log
+    theirs = settings.read(checked)
+    print(f"kube-proxy v1.20.2 ({mode or 'iptables'}): {theirs}")
+    assert ours == theirs
+    # What only v1.20.2 writes (docs/upstream-differences.md).
+    extra = settings.read(list(settings.ONLY_V1_20))
+    assert extra["net/ipv4/conf/all/route_localnet"] == 1
+    assert extra["net/ipv4/vs/conn_reuse_mode"] == (0 if mode else 1)
