@@ -30,6 +30,7 @@ from aiohttp import web
 
 from proxy.agent.changes import ChangeLog
 from proxy.agent.logs import V
+from proxy.agent.nodeport_warnings import PrimaryAddressWarnings
 from proxy.agent.sync_loop import SyncLoop
 from proxy.agent.worker import Worker
 from proxy.config.options import Config, format_cpu_budget, format_duration
@@ -43,7 +44,7 @@ from proxy.kube.resources import ENDPOINTS, Resource
 from proxy.kube.watch import ClusterWatch, endpoint_slice_resource
 from proxy.model.snapshot import DesiredState
 from proxy.model.tracker import ClusterModel
-from proxy.model.types import LABEL_SERVICE_NAME, ServicePortKey
+from proxy.model.types import LABEL_SERVICE_NAME, IPAddress, ServicePortKey
 from proxy.server.dump import build_dump, selected_keys
 from proxy.server.health import ProxyHealth, node_eligible
 from proxy.server.http import health_app, metrics_app, serve
@@ -93,6 +94,7 @@ def dataplane_options(config: Config) -> DataplaneOptions:
         cluster_cidrs=config.cluster_cidr,
         masquerade_all=config.masquerade_all,
         nodeport_addresses=config.nodeport_addresses,
+        nodeport_primary=config.nodeport_primary,
         ipvs_scheduler=config.ipvs_scheduler,
         iptables_applier=config.iptables_applier,
     )
@@ -131,7 +133,9 @@ class Agent:
         self.runner: SyncLoop | None = None
         self.endpoints_resource: Resource | None = None
         self.hc_ports = HealthCheckPorts(lambda: self.health.status().healthy,
-                                         config.nodeport_addresses)
+                                         config.nodeport_addresses, config.nodeport_primary)
+        self._hc_primary: tuple[IPAddress, ...] = ()  # what hc_ports last listened by
+        self._primary_warnings = PrimaryAddressWarnings(config)
         self._local = LocalEndpointTracker(config.node_name)
         self.first_synced = asyncio.Event()  # set once the first sync is in the kernel
         self._arrived = asyncio.Event()  # an object arrived (resolving ahead waits on it)
@@ -164,20 +168,29 @@ class Agent:
 
     async def _start_http(self) -> None:
         cfg = self.config
+        dump = metrics_app(self.metrics, None if cfg.debug_dump == "false" else self,
+                           loopback_only=cfg.debug_dump == "local")
         for (host, port), app, what in (
             (cfg.healthz_bind_address, health_app(self.health, self.metrics), "healthz"),
-            (cfg.metrics_bind_address,
-             metrics_app(self.metrics, self if cfg.debug_dump else None), "metrics"),
+            (cfg.metrics_bind_address, dump, "metrics"),
         ):
             if port == 0:
                 log.info("%s server disabled (port 0)", what)
                 continue
             try:
-                self._http.append(await serve(app, host, port))
+                runner, listening = await serve(app, host, port)
             except OSError as exc:
                 raise StartupError(f"--{what}-bind-address {host}:{port}: cannot listen: "
                                    f"{exc.strerror or exc}") from exc
-            log.info("serving %s", what, extra={"address": f"{host}:{port}"})
+            self._http.append(runner)
+            if listening.ipv6_missing is not None:
+                log.info("IPv6 is not available here: serving %s on IPv4 only", what,
+                         extra={"address": listening.address,
+                                "reason": listening.ipv6_missing})
+            extra = {"address": listening.address, "families": listening.families}
+            if what == "metrics":
+                extra["debug_dump"] = cfg.debug_dump
+            log.info("serving %s", what, extra=extra)
 
     async def _start_dataplane(self) -> None:
         try:
@@ -284,12 +297,14 @@ class Agent:
         assert self.watch is not None and self.dataplane is not None
         await self.watch.wait_synced_but_endpoints()
         dataplane, expected = self.dataplane, self.model.port_counts()
+        primary = self.model.primary_ips  # the Node has listed
         try:
             while True:
                 if ports := self.model.resolve_ahead(RESOLVE_AHEAD_BATCH):
                     # Rendered ahead too, on the data plane's thread; the lists' readers
                     # run meanwhile.
-                    await self.worker.call(lambda: dataplane.render_ahead(ports, expected))
+                    await self.worker.call(
+                        lambda: dataplane.render_ahead(ports, expected, primary))
                 else:
                     self._arrived.clear()
                     await self._arrived.wait()
@@ -393,8 +408,12 @@ class Agent:
 
     def _synced(self, state: DesiredState, keys: frozenset[ServicePortKey]) -> None:
         self.first_synced.set()
-        if self._local.update(state, keys):
-            self._spawn(self.hc_ports.update(self._local.wanted(), self._local.counts()),
+        self._primary_warnings.check(state, keys)
+        moved = state.primary_ips != self._hc_primary  # `primary` may listen elsewhere
+        if self._local.update(state, keys) or moved:
+            self._hc_primary = state.primary_ips
+            self._spawn(self.hc_ports.update(self._local.wanted(), self._local.counts(),
+                                             state.primary_ips),
                         "health check node ports")
 
     # --- /debug/dump -----------------------------------------------------------------
@@ -445,7 +464,8 @@ class Agent:
             model=self.model, applied=applied, applied_note=note,
             syncs=[r.as_dict() for r in reversed(history)],
             health=health, watch=watch, service=service,
-            pacing=self.runner.pacing() if self.runner is not None else None)
+            pacing=self.runner.pacing() if self.runner is not None else None,
+            nodeports=(self.config.nodeport_addresses, self.config.nodeport_primary))
 
 
 def _service_of(ev: WatchEvent) -> str | None:

@@ -11,6 +11,8 @@ from typing import Any
 
 from proxy.agent import logs
 from proxy.agent.app import Agent, StartupError, dataplane_options
+from proxy.agent.node_setup import warn_unkept
+from proxy.agent.nodeport_warnings import warn_unset
 from proxy.agent.startup_gc import PAUSE_LIMIT, StartupPause
 from proxy.config.options import Config
 from proxy.dataplane.factory import PLANES, DataplaneUnavailable, make_dataplane
@@ -75,10 +77,12 @@ async def _collect_after_first_sync(agent: Agent) -> None:
 
 
 def warn_ignored_settings(config: Config) -> None:
-    """One warning naming what a KubeProxyConfiguration asked that sliceproxy does not do."""
-    if config.ignored_settings:
+    """One warning naming what a KubeProxyConfiguration asked that sliceproxy does not do
+    (`fields`), and the fields kube-proxy does not have either (`unknown`: skipped)."""
+    if config.ignored_settings or config.unknown_settings:
         log.warning("kube-proxy configuration fields that sliceproxy does not implement "
-                    "are ignored", extra={"fields": list(config.ignored_settings)})
+                    "are ignored", extra={"fields": list(config.ignored_settings),
+                                          "unknown": list(config.unknown_settings)})
 
 
 def run(config: Config, **agent_kwargs: Any) -> int:
@@ -90,6 +94,8 @@ def run(config: Config, **agent_kwargs: Any) -> int:
         "node": config.node_name, "mode": config.proxy_mode,
         "event_loop": "uvloop" if factory is not None else "asyncio", "pid": os.getpid()})
     warn_ignored_settings(config)
+    warn_unkept(config)
+    warn_unset(config)
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(_serve(config, agent_kwargs))
 

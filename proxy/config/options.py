@@ -11,7 +11,7 @@ import argparse
 import ipaddress
 import re
 import socket
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from proxy.config.kubeproxy_file import (
     translate,
 )
 from proxy.kube.ingest import EndpointsSource
+from proxy.model import nodeport_addresses
 from proxy.model.types import IPNetwork
 
 
@@ -100,16 +101,25 @@ def format_cpu_budget(share: float | None) -> str:
     return "off" if share is None else f"{round(share * 100, 2):g}%"
 
 
-def parse_bind_address(text: str, flag: str) -> tuple[str, int]:
-    """`host:port`, `[v6]:port`, or `host` (port 0 disables the server)."""
+HEALTHZ_PORT, METRICS_PORT = 10256, 10249  # kube-proxy's (pkg/cluster/ports)
+
+
+def parse_bind_address(text: str, flag: str, default_port: int) -> tuple[str, int]:
+    """`IP:PORT`, `[IPv6]:PORT`, or a bare IP, which gets `default_port` as kube-proxy
+    gives it (its AppendPortIfNeeded); port 0 disables the server."""
     raw = text.strip()
+    try:
+        return str(ipaddress.ip_address(raw)), default_port
+    except ValueError:
+        pass
     host, sep, port = raw.rpartition(":")
     if raw.startswith("[") and "]" in raw:
         host, _, rest = raw[1:].partition("]")
         port = rest.lstrip(":")
         sep = ":" if rest else ""
     if not sep:
-        raise ConfigError(f"{flag}: {text!r} is not HOST:PORT (e.g. 0.0.0.0:10256)")
+        raise ConfigError(f"{flag}: {text!r} is not IP:PORT or IP (e.g. 0.0.0.0:10256, "
+                          "[::]:10256)")
     try:
         ipaddress.ip_address(host)
         number = int(port)
@@ -118,6 +128,21 @@ def parse_bind_address(text: str, flag: str) -> tuple[str, int]:
     if not 0 <= number <= 65535:
         raise ConfigError(f"{flag}: port {number} is out of range 0-65535")
     return host, number
+
+
+# --debug-dump: who /debug/dump answers (docs/security.md).
+DEBUG_DUMP = ("false", "local", "true")
+
+
+def parse_debug_dump(value: Any) -> str:
+    """`local` (loopback clients), or a Go bool: true (every client that reaches the
+    metrics server), false (off)."""
+    if str(value).strip().lower() == "local":
+        return "local"
+    try:
+        return "true" if _bool(value) else "false"
+    except ValueError:
+        raise ValueError("must be false, local or true") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,9 +158,12 @@ class Config:
     cluster_cidr: tuple[IPNetwork, ...] = ()
     masquerade_all: bool = False
     nodeport_addresses: tuple[IPNetwork, ...] = ()
-    healthz_bind_address: tuple[str, int] = ("0.0.0.0", 10256)
-    metrics_bind_address: tuple[str, int] = ("127.0.0.1", 10249)
-    debug_dump: bool = True  # /debug/dump on the metrics server (docs/security.md)
+    # `primary` in --nodeport-addresses: the node's primary addresses (its Node object's)
+    # accept NodePorts too; nftables mode's default when no CIDR is given (from_values).
+    nodeport_primary: bool = False
+    healthz_bind_address: tuple[str, int] = ("0.0.0.0", HEALTHZ_PORT)  # both families
+    metrics_bind_address: tuple[str, int] = ("127.0.0.1", METRICS_PORT)
+    debug_dump: str = "local"  # who /debug/dump answers: DEBUG_DUMP (docs/security.md)
     healthz_threshold: float = 0.0  # 0: derived from the sync periods (see agent)
     service_proxy_name: str = ""
     ipvs_scheduler: str = "rr"
@@ -144,9 +172,22 @@ class Config:
     verbosity: int = 0
     logging_format: str = "text"
     uvloop: bool = True
-    # Fields of a KubeProxyConfiguration file sliceproxy does not implement, as
-    # `path=value` (kubeproxy_file.py): named in one warning at start.
+    # kube-proxy's node settings (its defaults; 0 leaves one alone), written by
+    # --init-only and checked by the agent at start (agent/node_setup.py).
+    conntrack_max_per_core: int = 32 * 1024
+    conntrack_min: int = 128 * 1024
+    conntrack_tcp_timeout_established: float = 24 * 3600.0
+    conntrack_tcp_timeout_close_wait: float = 3600.0
+    conntrack_tcp_be_liberal: bool = False
+    conntrack_udp_timeout: float = 0.0
+    conntrack_udp_timeout_stream: float = 0.0
+    ipvs_strict_arp: bool = False
+    init_only: bool = False
+    # Fields of a KubeProxyConfiguration file sliceproxy does not implement, and those
+    # kube-proxy does not have either, as `path=value` (kubeproxy_file.py): named in one
+    # warning at start.
     ignored_settings: tuple[str, ...] = ()
+    unknown_settings: tuple[str, ...] = ()
 
     @property
     def node_name(self) -> str:
@@ -161,10 +202,15 @@ class Config:
                 value = value.value
             elif f.name == "sync_cpu_budget":
                 value = format_cpu_budget(value)
-            elif f.name in ("min_sync_period", "sync_period", "healthz_threshold"):
+            elif f.name in ("min_sync_period", "sync_period", "healthz_threshold",
+                            *CONNTRACK_TIMEOUTS):
                 value = None if value is None else format_duration(value)
             elif f.name.endswith("bind_address"):
                 value = f"{value[0]}:{value[1]}"
+            elif f.name == "nodeport_addresses":
+                value = nodeport_addresses.spelled(value, self.nodeport_primary)
+            elif f.name == "nodeport_primary":
+                continue  # shown in nodeport-addresses, as the flag spells it
             elif isinstance(value, tuple):
                 value = [str(v) for v in value]
             out[f.name.replace("_", "-")] = value
@@ -172,6 +218,8 @@ class Config:
         return out
 
 
+CONNTRACK_TIMEOUTS = ("conntrack_tcp_timeout_established", "conntrack_tcp_timeout_close_wait",
+                      "conntrack_udp_timeout", "conntrack_udp_timeout_stream")
 PROXY_MODES = ("iptables", "ipvs", "nftables")
 IPTABLES_APPLIERS = ("restore", "iptc")
 LOGGING_FORMATS = ("text", "json")
@@ -210,15 +258,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="pod network; traffic to service IPs from outside it is masqueraded")
     add("--masquerade-all", action="store_true", default=None,
         help="masquerade all traffic sent to service IPs")
-    add("--nodeport-addresses", metavar="CIDR[,CIDR]",
-        help="node addresses that accept NodePort traffic (default: all local addresses)")
+    add("--nodeport-addresses", metavar="CIDR|primary[,...]",
+        help="node addresses that accept NodePort traffic: CIDRs, and/or primary (the "
+             "node's primary IPs in its Node object) (default: all local addresses; "
+             "primary in nftables mode)")
     add("--healthz-bind-address", metavar="IP:PORT",
-        help="health check server (default 0.0.0.0:10256; port 0 disables)")
+        help="health check server (default 0.0.0.0:10256; 0.0.0.0 or :: is every address "
+             "of both families, as kube-proxy's; a bare IP takes port 10256; port 0 "
+             "disables)")
     add("--metrics-bind-address", metavar="IP:PORT",
-        help="metrics and debug dump server (default 127.0.0.1:10249; port 0 disables)")
-    add("--debug-dump", metavar="BOOL", nargs="?", const="true",
-        help="sliceproxy only: serve /debug/dump (every service, endpoint and rule) on the "
-             "metrics server (default true; --debug-dump=false leaves /metrics alone)")
+        help="metrics and debug dump server (default 127.0.0.1:10249; a bare IP takes "
+             "port 10249; port 0 disables)")
+    add("--debug-dump", metavar="WHO", nargs="?", const="true",
+        help="sliceproxy only: who /debug/dump (every service, endpoint and rule) answers "
+             "on the metrics server: local (default: clients on a loopback address), "
+             "true (every client), false (off; /metrics stays)")
     add("--service-proxy-name", help="also proxy services labelled "
         "service.kubernetes.io/service-proxy-name with this value")
     add("--healthz-threshold", metavar="DURATION",
@@ -226,6 +280,27 @@ def build_parser() -> argparse.ArgumentParser:
              "applied (default 60s, or 3x --min-sync-period if set and longer; kube-proxy uses "
              "2x its --sync-period)")
     add("--ipvs-scheduler", help="IPVS scheduler (default rr)")
+    add("--ipvs-strict-arp", action="store_true", default=None,
+        help="IPVS mode: set arp_ignore=1 and arp_announce=2 (with --init-only)")
+    add("--conntrack-max-per-core", metavar="N",
+        help="conntrack table entries per CPU (default 32768; 0 leaves the table size "
+             "alone and ignores --conntrack-min); written by --init-only")
+    add("--conntrack-min", metavar="N",
+        help="conntrack table entries at least, whatever the CPUs (default 131072)")
+    add("--conntrack-tcp-timeout-established", metavar="DURATION",
+        help="idle timeout of established TCP flows (default 24h; 0 leaves it alone)")
+    add("--conntrack-tcp-timeout-close-wait", metavar="DURATION",
+        help="timeout of TCP flows in CLOSE_WAIT (default 1h; 0 leaves it alone)")
+    add("--conntrack-tcp-be-liberal", action="store_true", default=None,
+        help="mark only out-of-window RST segments invalid (nf_conntrack_tcp_be_liberal)")
+    add("--conntrack-udp-timeout", metavar="DURATION",
+        help="idle timeout of UDP flows not yet replied to (default 0: leave it alone)")
+    add("--conntrack-udp-timeout-stream", metavar="DURATION",
+        help="idle timeout of UDP flows that saw replies (default 0: leave it alone)")
+    add("--init-only", action="store_true", default=None,
+        help="set kube-proxy's node settings (conntrack table and timeouts; the IPVS "
+             "sysctls in IPVS mode) where they differ, and exit; needs a writable "
+             "/proc/sys and /sys (docs/deploy.md)")
     add("--iptables-applier", help="how iptables mode writes rules: restore (default: "
         "iptables-restore, fastest, both back ends) or iptc (python-iptables; legacy "
         "IPv4 tables only)")
@@ -322,16 +397,33 @@ def from_values(values: dict[str, Any]) -> Config:
                     kw[dest] = parse_duration(str(value))
                 case "sync_cpu_budget":
                     kw[dest] = parse_cpu_budget(value)
-                case "cluster_cidr" | "nodeport_addresses":
+                case "cluster_cidr":
                     kw[dest] = _cidrs(value, flag)
-                case "masquerade_all" | "cleanup" | "debug_dump":
+                case "nodeport_addresses":
+                    items = value if isinstance(value, list) else str(value).split(",")
+                    try:
+                        kw[dest], kw["nodeport_primary"] = nodeport_addresses.parse(items)
+                    except ValueError as exc:
+                        raise ConfigError(f"{flag}: {exc}") from None
+                case "masquerade_all" | "cleanup":
                     kw[dest] = _bool(value)
+                case "debug_dump":
+                    kw[dest] = parse_debug_dump(value)
                 case "no_uvloop":
                     kw["uvloop"] = not _bool(value)
                 case "healthz_bind_address" | "metrics_bind_address":
-                    kw[dest] = parse_bind_address(str(value), flag)
-                case "ignored_settings":
+                    kw[dest] = parse_bind_address(
+                        str(value), flag,
+                        HEALTHZ_PORT if dest == "healthz_bind_address" else METRICS_PORT)
+                case "ignored_settings" | "unknown_settings":
                     kw[dest] = tuple(value)
+                case "conntrack_max_per_core" | "conntrack_min":
+                    kw[dest] = _count(value)
+                case ("conntrack_tcp_timeout_established" | "conntrack_tcp_timeout_close_wait"
+                      | "conntrack_udp_timeout" | "conntrack_udp_timeout_stream"):
+                    kw[dest] = parse_duration(str(value))
+                case "conntrack_tcp_be_liberal" | "ipvs_strict_arp" | "init_only":
+                    kw[dest] = _bool(value)
                 case "v":
                     level = int(value)
                     if not 0 <= level <= 9:
@@ -347,6 +439,10 @@ def from_values(values: dict[str, Any]) -> Config:
                 detail = "must be endpointslices or endpoints"
             raise ConfigError(f"{flag}: invalid value {value!r}: {detail}") from None
     cfg = Config(**kw)
+    if cfg.proxy_mode == "nftables" and not (cfg.nodeport_addresses or cfg.nodeport_primary):
+        # Upstream's nftables default (KEP-3866; its platformApplyDefaults): NodePorts on
+        # the node's primary addresses only, not on every local address.
+        cfg = replace(cfg, nodeport_primary=True)
     if cfg.sync_period <= 0:
         raise ConfigError(f"--sync-period: must be greater than 0 (e.g. 1h), "
                           f"got {format_duration(cfg.sync_period)}")
@@ -368,3 +464,13 @@ def _bool(value: Any) -> bool:
     if text in ("false", "0", "no"):
         return False
     raise ValueError("must be true or false")
+
+
+def _count(value: Any) -> int:
+    """A whole number from 0 to 2^31 - 1 (kube-proxy's int32 flags)."""
+    if isinstance(value, bool):
+        raise ValueError("must be a whole number")
+    number = int(str(value).strip())
+    if not 0 <= number < 2**31:
+        raise ValueError("must be from 0 to 2147483647")
+    return number

@@ -75,6 +75,8 @@ def test_config_file_with_flags_winning(tmp_path: Path) -> None:
         (["--endpoints-source", "slices"], "must be endpointslices or endpoints"),
         (["--cluster-cidr", "198.18.0.0/40"], "--cluster-cidr: '198.18.0.0/40' is not a CIDR"),
         (["--healthz-bind-address", "10256"], "--healthz-bind-address: '10256' is not"),
+        (["--healthz-bind-address", "[::1]"], "'[::1]' is not IP:PORT or IP"),
+        (["--metrics-bind-address", "node-1:10249"], "'node-1:10249' is not IP:PORT"),
         (["--metrics-bind-address", "127.0.0.1:99999"], "port 99999 is out of range"),
         (["-v", "12"], "-v: invalid value '12'"),
         (["--iptables-applier", "nft"], "--iptables-applier: invalid value 'nft': must be one"),
@@ -131,21 +133,41 @@ def test_iptables_applier_reaches_the_data_plane() -> None:
     assert IptablesDataPlane(options, runners={}).applier == "iptc"
 
 
-def test_debug_dump_switch_as_go_bool_flags_take_it(tmp_path: Path) -> None:
+def test_debug_dump_is_local_unless_asked_and_takes_go_bools(tmp_path: Path) -> None:
     base = ["--hostname-override", "n"]
-    assert parse_args(base).debug_dump is True  # on by default (on 127.0.0.1 only)
-    assert parse_args([*base, "--debug-dump=false"]).debug_dump is False
-    assert parse_args([*base, "--debug-dump", "0"]).debug_dump is False
-    assert parse_args([*base, "--debug-dump"]).debug_dump is True  # bare, as in Go
+    assert parse_args(base).debug_dump == "local"  # loopback clients only
+    assert parse_args([*base, "--debug-dump=false"]).debug_dump == "false"
+    assert parse_args([*base, "--debug-dump", "0"]).debug_dump == "false"
+    assert parse_args([*base, "--debug-dump=LOCAL"]).debug_dump == "local"
+    assert parse_args([*base, "--debug-dump=true"]).debug_dump == "true"
+    assert parse_args([*base, "--debug-dump"]).debug_dump == "true"  # bare, as in Go
     cfg = parse_args([*base, "--debug-dump=false"])
-    assert cfg.as_dict()["debug-dump"] is False
+    assert cfg.as_dict()["debug-dump"] == "false"
     assert cfg.metrics_bind_address == ("127.0.0.1", 10249)  # /metrics stays
     path = tmp_path / "c.yaml"
-    path.write_text("hostname-override: n\ndebug-dump: false\n")
-    assert parse_args(["--config", str(path)]).debug_dump is False
-    assert parse_args(["--config", str(path), "--debug-dump=true"]).debug_dump is True
-    with pytest.raises(ConfigError, match="--debug-dump: invalid value 'off'"):
+    path.write_text("hostname-override: n\ndebug-dump: false\n")  # YAML's false
+    assert parse_args(["--config", str(path)]).debug_dump == "false"
+    assert parse_args(["--config", str(path), "--debug-dump=local"]).debug_dump == "local"
+    path.write_text("hostname-override: n\ndebug-dump: true\n")
+    assert parse_args(["--config", str(path)]).debug_dump == "true"
+    with pytest.raises(ConfigError, match="--debug-dump: invalid value 'off': must be "
+                                          "false, local or true"):
         parse_args([*base, "--debug-dump=off"])
+
+
+@pytest.mark.parametrize(("flag", "value", "want"), [
+    ("--healthz-bind-address", "::", ("::", 10256)),  # kube-proxy: a bare IP takes the port
+    ("--healthz-bind-address", "[::]:10266", ("::", 10266)),
+    ("--healthz-bind-address", "198.18.0.5", ("198.18.0.5", 10256)),
+    ("--metrics-bind-address", "0.0.0.0", ("0.0.0.0", 10249)),
+    ("--metrics-bind-address", "::1", ("::1", 10249)),
+    ("--metrics-bind-address", "127.0.0.1:0", ("127.0.0.1", 0)),  # off
+])
+def test_bind_addresses_as_kube_proxys_flags_take_them(flag: str, value: str,
+                                                       want: tuple[str, int]) -> None:
+    cfg = parse_args(["--hostname-override", "n", flag, value])
+    dest = flag.lstrip("-").replace("-", "_")
+    assert getattr(cfg, dest) == want
 
 
 @pytest.mark.parametrize(("text", "share", "shown"), [

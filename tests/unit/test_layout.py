@@ -45,7 +45,9 @@ ALLOWED: dict[str, set[str]] = {
 }
 LAZY_ONLY = {("dataplane.leftovers", f"dataplane.{m}") for m in MODES}
 # Edges allowed for these modules only.
-ONLY = {("agent", "dataplane.common"): {"proxy.dataplane.common.heap"}}
+ONLY = {("agent", "dataplane.common"): {"proxy.dataplane.common.heap",
+                                        "proxy.dataplane.common.node_files",
+                                        "proxy.dataplane.common.node_settings"}}
 
 
 def package(module: str) -> str:
