@@ -14,7 +14,8 @@ dropped without a word (docs/flags.md has the table):
   bindAddress making them [::]:10256 and [::1]:10249), healthzBindAddress and
   metricsBindAddress (a bare IP takes the port), nodePortAddresses, the mode's section's
   syncPeriod, minSyncPeriod and masqueradeAll (the IPVS mode reads the iptables
-  section), ipvs.scheduler, logging.verbosity and logging.format, conntrack.* (null
+  section), ipvs.scheduler, ipvs.strictARP (the `--init-only` step's ARP sysctls),
+  logging.verbosity and logging.format, conntrack.* (null
   is kube-proxy's default; the `--init-only` step writes them); and the values that
   ask for what sliceproxy does: detectLocalMode ClusterCIDR, masqueradeBit 14;
 - not implemented, harmless to which packets go where: named with its value in one
@@ -24,7 +25,7 @@ dropped without a word (docs/flags.md has the table):
   fields, bindAddressHardFail (sliceproxy always stops when it cannot listen: true is
   what it does), a specific bindAddress's other meaning (kube-proxy's primary node IP,
   for its loadBalancerSourceRanges check; refused where it would move NodePorts, below),
-  in IPVS mode the IPVS timeouts (the kernel's stay) and strictARP, in iptables mode
+  in IPVS mode the IPVS timeouts (the kernel's stay), in iptables mode
   iptables.localhostNodePorts (never served, on purpose: docs/upstream-differences.md
   K4);
 - not implemented, and it would change where packets go: refused, naming the field:
@@ -94,7 +95,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "clientConnection.qps": (),
     "clientConnection.burst": (),
     "iptables.localhostNodePorts": (),
-    "ipvs.strictARP": (),
     "ipvs.tcpTimeout": (),
     "ipvs.tcpFinTimeout": (),
     "ipvs.udpTimeout": (),
@@ -106,7 +106,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
 # another mode's, which kube-proxy ignores too (and so does sliceproxy, silently).
 READ_IN_MODES: dict[str, tuple[str, ...]] = {
     "iptables.localhostNodePorts": ("iptables",),
-    "ipvs.strictARP": ("ipvs",),
     "ipvs.tcpTimeout": ("ipvs",), "ipvs.tcpFinTimeout": ("ipvs",),
     "ipvs.udpTimeout": ("ipvs",),
 }
@@ -125,7 +124,7 @@ HONOURED = {"apiVersion", "kind", "mode", "clusterCIDR", "hostnameOverride",
             "bindAddress", "healthzBindAddress", "metricsBindAddress", "nodePortAddresses",
             "clientConnection.kubeconfig",
             "iptables.masqueradeAll", "iptables.syncPeriod", "iptables.minSyncPeriod",
-            "ipvs.scheduler", "ipvs.syncPeriod", "ipvs.minSyncPeriod",
+            "ipvs.scheduler", "ipvs.strictARP", "ipvs.syncPeriod", "ipvs.minSyncPeriod",
             "nftables.masqueradeAll", "nftables.syncPeriod", "nftables.minSyncPeriod",
             "logging.verbosity", "logging.format"}
 # The conntrack fields -> sliceproxy's settings of the same meaning (its --init-only
@@ -237,6 +236,8 @@ def translate(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str], dict[s
             out[dest], origin[dest] = str(given), path
     take("clientConnection.kubeconfig", "kubeconfig")
     take("ipvs.scheduler", "ipvs_scheduler")
+    if mode == "ipvs":  # the --init-only step's ARP sysctls; another mode's field else
+        take("ipvs.strictARP", "ipvs_strict_arp", _strict_bool)
     take("logging.verbosity", "v", int)
     take("logging.format", "logging_format")
     for path, dest in CONNTRACK.items():
@@ -276,6 +277,12 @@ def translate(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str], dict[s
         ignored.append(f"bindAddress={_show(fields['bindAddress'])} "
                        "(as the node's primary IP)")
     return out, ignored, origin
+
+
+def _strict_bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("must be true or false")
+    return value
 
 
 def _bind_address(value: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

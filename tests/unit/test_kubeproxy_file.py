@@ -279,3 +279,17 @@ def test_a_field_no_release_has_is_named_and_skipped(
     assert record.__dict__["unknown"] == list(cfg.unknown_settings)
     assert record.__dict__["fields"] == []
     assert cfg.as_dict()["unknown-settings"] == list(cfg.unknown_settings)
+
+
+def test_strict_arp_is_the_init_steps_in_ipvs_mode_and_another_modes_field_else(
+        tmp_path: Path) -> None:
+    doc = kubeadm_config()
+    doc["mode"] = "ipvs"
+    doc["ipvs"]["strictARP"] = True
+    cfg = parse_args(["--config", write(tmp_path, doc)])
+    assert cfg.ipvs_strict_arp and cfg.ignored_settings == ()
+    doc["mode"] = "nftables"  # kube-proxy reads it in IPVS mode only
+    assert not parse_args(["--config", write(tmp_path, doc)]).ipvs_strict_arp
+    doc["mode"], doc["ipvs"]["strictARP"] = "ipvs", "yes"
+    with pytest.raises(ConfigError, match=r"ipvs\.strictARP: invalid value 'yes'"):
+        parse_args(["--config", write(tmp_path, doc)])
