@@ -43,6 +43,7 @@ RUN apt-get update \
       python3 iptables ipset conntrack ipvsadm nftables iproute2 \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/sliceproxy /opt/sliceproxy
+COPY LICENSE /usr/share/doc/sliceproxy/LICENSE
 # Unprivileged by default (`explain` and `--help` need nothing more). The agent itself
 # needs uid 0 with NET_ADMIN and NET_RAW: deploy/daemonset.yaml asks for exactly that.
 RUN useradd --system --uid 65532 --no-create-home --shell /usr/sbin/nologin sliceproxy

@@ -49,7 +49,9 @@ PAUSE_REF = "localhost/pause:3.4.1"
 # kubeadm names it <imageRepository>/kube-proxy:<version>; the lab's repository is this.
 IMAGE_REPOSITORY = "localhost"
 KUBE_PROXY_REF = f"{IMAGE_REPOSITORY}/kube-proxy:v1.20.2"
-APT_PACKAGES = ("buildah", "mmdebstrap", "containerd", "runc", "containernetworking-plugins")
+# The image builders, the nodes' runtime, and dnsmasq for the lab's DNS (tests/nodes/dns.py).
+APT_PACKAGES = ("buildah", "mmdebstrap", "containerd", "runc", "containernetworking-plugins",
+                "dnsmasq-base")
 # What the official slim images leave out (debuerreotype's --slim list).
 SLIM_EXCLUDES = ("/usr/share/doc/*", "/usr/share/man/*", "/usr/share/info/*",
                  "/usr/share/locale/*", "/usr/share/lintian/*", "/usr/share/linda/*",
@@ -138,7 +140,7 @@ def context_digest(root: Path = ROOT) -> str:
     """A digest of what `buildah bud` sends: the Dockerfile and its build context."""
     h = hashlib.sha256()
     files = [root / "Dockerfile", root / ".dockerignore", root / "pyproject.toml",
-             root / "README.md", *sorted((root / "proxy").rglob("*"))]
+             root / "README.md", root / "LICENSE", *sorted((root / "proxy").rglob("*"))]
     for f in files:
         if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc":
             h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
