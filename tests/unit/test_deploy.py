@@ -189,6 +189,42 @@ def test_pod_runs_on_every_node_in_the_host_network_with_just_enough_privilege()
     assert container()["resources"]["requests"]
 
 
+def test_memory_is_requested_and_never_limited() -> None:
+    """docs/deploy.md, "Memory": what the container is charged grows with the cluster
+    (the rules' kernel memory, iptables-restore's copy of the table): a limit shared by
+    every node OOM-killed every agent at once at 50,000 services (issue 36). The request
+    holds the agent's steady RSS at 10,000 services x 10 in every mode (bench/memory)."""
+    resources = container()["resources"]
+    assert "limits" not in resources
+    assert resources["requests"]["memory"] == "320Mi"
+    assert "a request of 320Mi, and no limit" in (ROOT / "docs" / "deploy.md").read_text()
+
+
+def test_the_agent_resolves_names_with_the_nodes_resolver() -> None:
+    """docs/bootstrap.md: the cluster DNS Service's ClusterIP routes only once a proxy has
+    programmed it, so an API server named by a host name in `master` must be resolved by
+    the node's own resolver (kubelet's --resolv-conf), or a new node never starts."""
+    pod = documents()["DaemonSet"]["spec"]["template"]["spec"]
+    assert pod["dnsPolicy"] == "Default"
+
+
+def test_every_shipped_daemonset_runs_on_linux_nodes_only() -> None:
+    """Each tolerates every taint: without the selector its pod lands on a Windows node,
+    never starts there, and `kubectl rollout status` (docs/migrate.md) never completes."""
+    daemonsets = {(str(path.relative_to(ROOT)), d["metadata"]["name"]): d
+                  for path in sorted((ROOT / "deploy").rglob("*.yaml"))
+                  for d in yaml.safe_load_all(path.read_text())
+                  if isinstance(d, dict) and d.get("kind") == "DaemonSet"}
+    assert sorted(daemonsets) == [
+        ("deploy/daemonset.yaml", "sliceproxy"),
+        ("deploy/kubeadm/daemonset.yaml", "sliceproxy"),
+        ("deploy/migrate/kube-proxy-cleanup.yaml", "kube-proxy-cleanup"),
+        ("deploy/migrate/sliceproxy-cleanup.yaml", "sliceproxy-cleanup")]
+    for where, ds in daemonsets.items():
+        pod = ds["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}, where
+
+
 def test_security_context_is_two_capabilities_and_nothing_else() -> None:
     """docs/security.md, "The container": root (added capabilities reach only uid 0),
     NET_ADMIN and NET_RAW, no privilege, no escalation, no writable root, seccomp on."""
@@ -205,7 +241,35 @@ def test_security_context_is_two_capabilities_and_nothing_else() -> None:
         assert shared not in pod
     assert "securityContext" not in pod  # everything is said on the container
     (c,) = pod["containers"]
-    assert "initContainers" not in pod and "sysctls" not in c
+    assert "sysctls" not in c
+
+
+def init_container() -> dict[str, Any]:
+    (c,) = documents()["DaemonSet"]["spec"]["template"]["spec"]["initContainers"]
+    return c
+
+
+def test_only_the_node_settings_step_is_privileged_and_it_runs_the_agents_configuration(
+        tmp_path: Path) -> None:
+    """docs/security.md, "The node-settings init container": privileged because no
+    capability makes /proc/sys and /sys writable in a container, so it runs our one-shot
+    `--init-only` and nothing else, with the agent's own configuration, the same image,
+    and no host path."""
+    init, agent = init_container(), container()
+    assert init["securityContext"] == {"runAsUser": 0, "privileged": True,
+                                       "readOnlyRootFilesystem": True}
+    assert init["image"] == agent["image"]
+    assert init["args"] == [a for a in agent["args"] if a.startswith("--config=")] + [
+        "--init-only"]
+    assert init["volumeMounts"] == [m for m in agent["volumeMounts"]
+                                    if m["mountPath"] == "/etc/sliceproxy"]
+    assert set(init) == {"name", "image", "args", "securityContext", "resources",
+                         "volumeMounts"}  # no ports, probes, env or commands of its own
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(documents()["ConfigMap"]["data"]["config.yaml"])
+    cfg = parse_args([a.replace("/etc/sliceproxy/config.yaml", str(config_file))
+                      for a in init["args"]])
+    assert cfg.init_only and not cfg.cleanup
 
 
 def test_host_paths_are_only_the_xtables_lock() -> None:
@@ -231,7 +295,8 @@ def test_debug_dump_and_metrics_stay_node_local(tmp_path: Path) -> None:
     cfg = shipped_config(tmp_path)
     config_text = documents()["ConfigMap"]["data"]["config.yaml"]
     assert yaml.safe_load(config_text)["metrics-bind-address"] == "127.0.0.1:10249"
-    assert cfg.debug_dump is True  # the shipped default; `debug-dump: false` turns it off
+    # The shipped default: loopback clients only; `debug-dump: false` turns it off.
+    assert cfg.debug_dump == "local"
     assert "# debug-dump: false" in config_text
     exposed = {p["containerPort"] for p in container()["ports"]}
     assert exposed == {10256}
@@ -307,11 +372,12 @@ def test_kubeadm_variant_is_the_same_container_on_kubeadms_account_and_configmap
 
     # Everything but where the configuration comes from, so the two cannot drift apart.
     assert without_config(c) == without_config(ours)
+    (init,) = pod["initContainers"]
+    assert without_config(init) == without_config(init_container())
     main_pod = documents()["DaemonSet"]["spec"]["template"]["spec"]
-    assert {k: v for k, v in pod.items() if k not in ("containers", "volumes",
-                                                       "serviceAccountName")} == \
-        {k: v for k, v in main_pod.items() if k not in ("containers", "volumes",
-                                                         "serviceAccountName")}
+    differ = ("containers", "initContainers", "volumes", "serviceAccountName")
+    assert {k: v for k, v in pod.items() if k not in differ} == \
+        {k: v for k, v in main_pod.items() if k not in differ}
     (volume,) = [v for v in pod["volumes"] if v["name"] == "kube-proxy"]
     assert volume["configMap"]["name"] == "kube-proxy"
 
