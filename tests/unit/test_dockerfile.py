@@ -98,7 +98,8 @@ def test_every_copy_source_exists_and_is_in_the_build_context() -> None:
 def test_build_context_is_small_and_free_of_local_state() -> None:
     rels = [p.relative_to(ROOT).as_posix() for p in context_files()]
     assert not [r for r in rels if "__pycache__" in r or r.startswith(("tests/", ".cache"))]
-    assert all(r.startswith("proxy/") or r in ("pyproject.toml", "README.md") for r in rels)
+    assert all(r.startswith("proxy/") or r in ("pyproject.toml", "README.md", "LICENSE")
+               for r in rels)
 
 
 def test_slim_base_tools_non_root_and_entrypoint() -> None:
