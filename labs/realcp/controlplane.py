@@ -3,7 +3,7 @@
     control-plane ns "spx-<pid>-<hex>-cp"                   a node ns (Lab's, or any)
     lo 127.0.0.1: etcd :2379, kube-apiserver :6443,
                   kube-controller-manager healthz :10252
-    spx-cpbr0 198.18.96.1/24 (bridge) --- cpv<i> ====== cp0 198.18.96.(10+i)/24
+    spx-cpbr0 198.18.96.1/24 (bridge) --- cpv<i> ====== cp0 198.18.96.(11+i)/24
                                                      (veth; attach(ns) makes one)
     host ns: 127.0.0.1:<ephemeral> --NetnsForwarder--> 127.0.0.1:6443 in the cp ns
 
@@ -12,7 +12,8 @@
   upstream kube-proxy in a node namespace talks to it over a real link; the test process
   (in the host namespace, which must never get addresses or routes) goes through a
   forwarder on the host's loopback.
-* TLS is verified for real (our CA, a serving certificate naming every address used);
+* TLS is verified for real (our CA, a serving certificate naming every address used,
+  and API_NAME, the name the real-node lab's nodes reach it by);
   clients authenticate with a static bearer token (system:masters), AlwaysAllow.
 * The controller manager runs only the endpoint, endpointslice and
   endpointslicemirroring controllers: Pods made ready by patching their status (there is
@@ -27,6 +28,11 @@
   get their service account's token and CA), privileged pods allowed, every default
   controller (Deployments, DaemonSets, garbage collection ...), and kube-scheduler. Each
   component and kubelet has its own identity (`identity_kubeconfig`).
+* `stack` picks the address families (labs/realcp/addressing.py): IPv4 by default;
+  IPv6 alone (the API server on `::` at fd00:198:18:96::1, an IPv6 Service range, every
+  attached namespace at fd00:198:18:96::(b+i)); or both, the primary first, with v1.20's
+  IPv6DualStack gate on in the API server and the controller manager. Nothing allocates
+  node CIDRs: the real-node lab gives each node its pod ranges itself.
 
 Everything (processes, namespace, veths, temporary files) goes away in `stop()`, which
 is safe to call after a partial start.
@@ -50,10 +56,10 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 from typing import Any
 
+from labs.realcp.addressing import IPV4, IPV4_ONLY, IPAddress, Stack, dual, url_host
 from labs.realcp.build import Binaries
 from labs.realcp.forward import NetnsForwarder
 from labs.realcp.pki import Pki, make_pki
@@ -63,14 +69,18 @@ from proxy.lab.topology import delete_namespace, ip, pid_alive, sweep_stale
 
 log = logging.getLogger(__name__)
 
-CP_NET = IPv4Network("198.18.96.0/24")
-API_ADDR = IPv4Address("198.18.96.1")  # the bridge address in the cp namespace
+# The default (IPv4) cluster's addresses; every family's: labs/realcp/addressing.py.
+CP_NET = IPV4.cp_net
+API_ADDR = IPV4.api_addr  # the bridge address in the cp namespace
+# The API server's name, as an HA load balancer's would be: in its serving certificate;
+# the real-node lab's resolver answers it (tests/nodes/dns.py).
+API_NAME = "api.cluster.test"
 API_PORT = 6443
 ETCD_URL = "http://127.0.0.1:2379"
 KCM_HEALTHZ_PORT = 10252
 SCHEDULER_HEALTHZ_PORT = 10251
-SERVICE_CIDR = "198.18.128.0/17"  # the simulator's and the lab's default
-KUBERNETES_SERVICE_IP = "198.18.128.1"  # the first address: the `kubernetes` service
+SERVICE_CIDR = str(IPV4.services)  # the simulator's and the lab's default
+KUBERNETES_SERVICE_IP = str(IPV4.kubernetes_service_ip)  # the `kubernetes` service
 BRIDGE = "spx-cpbr0"
 CONTROLLERS = "endpoint,endpointslice,endpointslicemirroring"
 # Alpha in v1.20: slices carry serving/terminating for pods being deleted (what newer
@@ -99,6 +109,13 @@ class ControlPlaneError(RuntimeError):
     pass
 
 
+def add_address(ns: str, dev: str, addr: IPAddress, prefixlen: int) -> None:
+    """An address on `dev` in `ns`, usable at once: an IPv6 one skips duplicate address
+    detection, which would keep it tentative (unusable) for a second or two."""
+    ip("-n", ns, "addr", "add", f"{addr}/{prefixlen}", "dev", dev,
+       *(["nodad"] if addr.version == 6 else []))
+
+
 @dataclass
 class _Proc:
     name: str
@@ -124,6 +141,10 @@ class ControlPlane:
     # A control plane for real kubelets (module docstring); node_names get identities.
     with_nodes: bool = False
     node_names: Sequence[str] = ()
+    # Its address families, the primary first (labs/realcp/addressing.py): API server,
+    # Service range, every attached namespace. Two families turn on v1.20's
+    # IPv6DualStack gate (alpha) in the API server and the controller manager.
+    stack: Stack = IPV4_ONLY
 
     prefix: str = field(init=False)
     namespace: str = field(init=False)
@@ -151,8 +172,13 @@ class ControlPlane:
         return f"https://127.0.0.1:{self.forwarder.port}"
 
     @property
+    def api_addr(self) -> IPAddress:
+        """The API server's address on the cp network (its primary family's)."""
+        return self.stack[0].api_addr
+
+    @property
     def node_url(self) -> str:
-        return f"https://{API_ADDR}:{API_PORT}"
+        return f"https://{url_host(self.api_addr)}:{API_PORT}"
 
     @property
     def token(self) -> str:
@@ -177,8 +203,10 @@ class ControlPlane:
         _sweep_stale_dirs()
         self._make_namespace()
         self.pki = make_pki(
-            self.workdir / "pki", ips=["127.0.0.1", str(API_ADDR), KUBERNETES_SERVICE_IP],
-            dns=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"],
+            self.workdir / "pki", ips=["127.0.0.1", *(str(a) for f in self.stack for a in (
+                f.api_addr, f.kubernetes_service_ip))],
+            dns=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+                 API_NAME],
             identities=self._identities())
         self._start_etcd()
         self.forwarder = NetnsForwarder(self.namespace, "127.0.0.1", API_PORT)
@@ -206,10 +234,12 @@ class ControlPlane:
             out[f"system:node:{name}"] = ("system:nodes",)
         return out
 
-    def identity_kubeconfig(self, user: str, path: Path, *, internal: bool = False) -> Path:
+    def identity_kubeconfig(self, user: str, path: Path, *, internal: bool = False,
+                            server: str | None = None) -> Path:
         """A kubeconfig for `user` (one of the identities), for a node namespace (the
-        bridge address) or, `internal`, inside the control plane's namespace."""
-        url = f"https://127.0.0.1:{API_PORT}" if internal else self.node_url
+        bridge address, or `server`) or, `internal`, inside the control plane's
+        namespace."""
+        url = f"https://127.0.0.1:{API_PORT}" if internal else server or self.node_url
         return self.pki.write_kubeconfig(path, url, user)
 
     def stop(self) -> None:
@@ -236,29 +266,33 @@ class ControlPlane:
         self._ns_created = True
         ip("-n", ns, "link", "set", "lo", "up")
         ip("-n", ns, "link", "add", BRIDGE, "type", "bridge")
-        ip("-n", ns, "addr", "add", f"{API_ADDR}/{CP_NET.prefixlen}", "dev", BRIDGE)
+        for family in self.stack:
+            add_address(ns, BRIDGE, family.api_addr, family.cp_net.prefixlen)
         ip("-n", ns, "link", "set", BRIDGE, "up")
 
     # --- node namespaces ----------------------------------------------------------------
 
-    def attach(self, node_ns: str) -> IPv4Address:
-        """Link `node_ns` to the control plane; returns its address on the cp network."""
+    def attach(self, node_ns: str) -> tuple[IPAddress, ...]:
+        """Link `node_ns` to the control plane; returns its addresses on the cp network,
+        one per family of the stack, the primary first."""
         if node_ns in self._attached:
             raise ControlPlaneError(f"{node_ns} is already attached")
         # The lowest free index: after a detach, len() would reuse a name still in use.
         used = {int(side.removeprefix("cpv")) for side in self._attached.values()}
         index = next(i for i in range(len(used) + 1) if i not in used)
-        addr = API_ADDR + 9 + index + 1  # 198.18.96.10, .11, ...
-        if addr not in CP_NET or addr == CP_NET.broadcast_address:
-            raise ControlPlaneError("too many attached namespaces")
+        try:  # 198.18.96.11, .12, ... (fd00:198:18:96::b, ::c, ...)
+            addrs = tuple(family.member(index) for family in self.stack)
+        except ValueError:
+            raise ControlPlaneError("too many attached namespaces") from None
         cp_side = f"cpv{index}"
         ip("-n", self.namespace, "link", "add", cp_side, "type", "veth", "peer", "name", "cp0",
            "netns", node_ns)
         ip("-n", self.namespace, "link", "set", cp_side, "master", BRIDGE, "up")
-        ip("-n", node_ns, "addr", "add", f"{addr}/{CP_NET.prefixlen}", "dev", "cp0")
+        for family, addr in zip(self.stack, addrs, strict=True):
+            add_address(node_ns, "cp0", addr, family.cp_net.prefixlen)
         ip("-n", node_ns, "link", "set", "cp0", "up")
         self._attached[node_ns] = cp_side
-        return addr
+        return addrs
 
     def detach(self, node_ns: str) -> None:
         cp_side = self._attached.pop(node_ns, None)
@@ -338,8 +372,9 @@ class ControlPlane:
         proc = self._spawn("kube-apiserver", [
             str(self.bins.path("kube-apiserver")),
             f"--etcd-servers={ETCD_URL}",
-            "--bind-address=0.0.0.0", f"--secure-port={API_PORT}", "--insecure-port=0",
-            f"--advertise-address={API_ADDR}",
+            f"--bind-address={'0.0.0.0' if self.stack == IPV4_ONLY else '::'}",
+            f"--secure-port={API_PORT}", "--insecure-port=0",
+            f"--advertise-address={self.api_addr}",
             f"--cert-dir={certs}",
             f"--tls-cert-file={p.server_cert}", f"--tls-private-key-file={p.server_key}",
             f"--token-auth-file={p.token_file}", "--anonymous-auth=false",
@@ -347,9 +382,9 @@ class ControlPlane:
             "--service-account-issuer=https://kubernetes.default.svc",
             f"--service-account-key-file={p.sa_pub}",
             f"--service-account-signing-key-file={p.sa_key}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            f"--service-cluster-ip-range={','.join(str(f.services) for f in self.stack)}",
             "--etcd-compaction-interval=0",
-            "--profiling=false", FEATURE_GATES,
+            "--profiling=false", self._feature_gates(),
             *self.apiserver_flags,
         ])
         self._wait(proc, lambda: self._get_status("/readyz") == 200, "/readyz 200")
@@ -357,6 +392,9 @@ class ControlPlane:
         # served by a resource's cache and blocks until it is filled.
         for path in WATCHED_PATHS:
             self._wait(proc, functools.partial(self._cache_ready, path), f"{path} watch cache")
+
+    def _feature_gates(self) -> str:
+        return FEATURE_GATES + (",IPv6DualStack=true" if dual(self.stack) else "")
 
     def _apiserver_node_flags(self) -> list[str]:
         if not self.with_nodes:
@@ -407,7 +445,7 @@ class ControlPlane:
             str(self.bins.path("kube-controller-manager")),
             f"--kubeconfig={kubeconfig}", *controllers, "--leader-elect=false",
             "--secure-port=0", f"--port={KCM_HEALTHZ_PORT}", "--address=127.0.0.1",
-            "--profiling=false", FEATURE_GATES,
+            "--profiling=false", self._feature_gates(),
             *self.controller_manager_flags,
         ])
 

@@ -1,6 +1,7 @@
 """A real cluster left running for a person: `./run cluster up`, `./run cluster down`.
 
-    python -m tests.nodes up [--nodes N]   start it in the background; print how to use it
+    python -m tests.nodes up [--nodes N] [--ipv6 | --dual-stack]
+                                           start it in the background; print how to use it
     python -m tests.nodes status           is it up; its kubeconfig
     python -m tests.nodes down             tear it down (namespaces, processes, cgroups)
 
@@ -9,7 +10,8 @@ control plane and kubelet + containerd nodes in network namespaces of this machi
 image built from this checkout's Dockerfile imported into every node. No service proxy
 runs on it: apply deploy/daemonset.yaml (the printed command sets the image and the API
 server's address), or kube-proxy, and try it with kubectl. Everything stays in
-198.18.0.0/15, in namespaces this command made; nothing touches the host's own network.
+198.18.0.0/15 (and fd00::/8: `--ipv6`, `--dual-stack`), in namespaces this command made;
+nothing touches the host's own network.
 
 The cluster lives in a background process holding it; its state (pid, kubeconfig, log)
 is in /run/sliceproxy-cluster/.
@@ -43,8 +45,9 @@ def _running() -> int | None:
     return pid
 
 
-def _hold(nodes: int) -> int:
+def _hold(nodes: int, stack: str) -> int:
     """The background process: start the cluster, write its info, wait for SIGTERM."""
+    from labs.realcp.addressing import STACKS
     from labs.realcp.build import build
     from tests.nodes.cluster import DEFAULT_NODES, SPARE_NODES, NodeCluster
     from tests.nodes.kubeadm import kubeadm_config
@@ -53,7 +56,8 @@ def _hold(nodes: int) -> int:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     specs = (*DEFAULT_NODES, *SPARE_NODES)[:nodes]
-    cluster = NodeCluster(build(), STATE / "work", specs, with_kube_proxy=True)
+    cluster = NodeCluster(build(), STATE / "work", specs, with_kube_proxy=True,
+                          stack=STACKS[stack])
     try:
         cluster.start()
         kubeconfig = STATE / "kubeconfig"
@@ -61,14 +65,14 @@ def _hold(nodes: int) -> int:
         kubeconfig.chmod(0o600)
         (STATE / "sliceproxy.yaml").write_text(
             shipped_daemonset(cluster.image.ref, cluster.api_url))
-        (STATE / "kubeadm.yaml").write_text(kubeadm_config())
+        (STATE / "kubeadm.yaml").write_text(kubeadm_config(cluster.stack))
         INFO.write_text(json.dumps({
             "kubeconfig": str(kubeconfig), "kubectl": str(cluster.kubectl_path),
             "image": cluster.image.ref, "api_server": cluster.api_url,
             "manifest": str(STATE / "sliceproxy.yaml"),
             "kubeadm": str(cluster.bins.path("kubeadm")),
             "kubeadm_config": str(STATE / "kubeadm.yaml"),
-            "nodes": {n.name: {"address": str(n.address), "zone": n.spec.zone,
+            "nodes": {n.name: {"address": ",".join(map(str, n.addresses)), "zone": n.spec.zone,
                                "netns": n.netns} for n in cluster.nodes.values()},
             "outside_netns": cluster.outside,
             "seconds": {k: round(v, 1) for k, v in cluster.timings.items()}}, indent=1))
@@ -79,7 +83,7 @@ def _hold(nodes: int) -> int:
     return 0
 
 
-def up(nodes: int) -> int:
+def up(nodes: int, stack: str) -> int:
     if (pid := _running()) is not None:
         print(f"a cluster is already up (pid {pid}); `./run cluster down` first",
               file=sys.stderr)
@@ -87,11 +91,13 @@ def up(nodes: int) -> int:
     STATE.mkdir(parents=True, exist_ok=True)
     INFO.unlink(missing_ok=True)
     with LOG.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.nodes", "hold", str(nodes)],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "tests.nodes", "hold", str(nodes),
+                                 stack], stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
     PIDFILE.write_text(str(proc.pid))
-    print(f"starting a {nodes}-node Kubernetes v1.20.2 cluster (log: {LOG}) ...", flush=True)
+    shape = {"ipv4": "", "ipv6": " IPv6", "dual": " dual-stack"}[stack]
+    print(f"starting a {nodes}-node{shape} Kubernetes v1.20.2 cluster (log: {LOG}) ...",
+          flush=True)
     with contextlib.suppress(TimedOut):  # judged below, by the file it writes when up
         wait(lambda: INFO.exists() or proc.poll() is not None, UP_TIMEOUT, "the cluster",
              interval=1.0)
@@ -108,10 +114,15 @@ def status() -> int:
     if _running() is None or not INFO.exists():
         print("no cluster is up (./run cluster up)")
         return 1
+    from tests.nodes.cluster import WINDOWS_NODE
+
     info = json.loads(INFO.read_text())
     kubectl = f"{info['kubectl']} --kubeconfig {info['kubeconfig']}"
     print(f"""cluster up: {', '.join(f'{k} {v}s' for k, v in info['seconds'].items())}
 nodes: {', '.join(f"{n} {v['address']} ({v['zone']})" for n, v in info['nodes'].items())}
+  and {WINDOWS_NODE}: a Windows Node with no kubelet (NotReady), as on a mixed cluster
+API server: {info['api_server']} (the name only the nodes' resolver knows; pods resolve
+  cluster names through kube-system/kube-dns)
 kubeconfig: {info['kubeconfig']}   (any kubectl; the server's own v1.20.2: {info['kubectl']})
 
   export KUBECONFIG={info['kubeconfig']}
@@ -155,19 +166,26 @@ def main(argv: list[str] | None = None) -> int:
     p_up = sub.add_parser("up", help="start a cluster in the background")
     p_up.add_argument("--nodes", type=int, default=3, choices=range(1, 5),
                       help="how many nodes (default 3: two in zone-a, one in zone-b)")
+    family = p_up.add_mutually_exclusive_group()
+    family.add_argument("--ipv6", dest="stack", action="store_const", const="ipv6",
+                        default="ipv4", help="single-stack IPv6: nodes, pods, Services and "
+                        "the API server in fd00::/8 (docs/lab.md)")
+    family.add_argument("--dual-stack", dest="stack", action="store_const", const="dual",
+                        help="IPv4 and IPv6 (primary IPv4), v1.20's IPv6DualStack gate on")
     sub.add_parser("status", help="print how to reach the running cluster")
     sub.add_parser("down", help="tear the running cluster down")
     p_hold = sub.add_parser("hold")  # internal: the background process
     p_hold.add_argument("nodes", type=int)
+    p_hold.add_argument("stack", nargs="?", default="ipv4")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         print("./run cluster needs root (network namespaces, cgroups); try sudo",
               file=sys.stderr)
         return 2
     if args.cmd == "up":
-        return up(args.nodes)
+        return up(args.nodes, args.stack)
     if args.cmd == "hold":
-        return _hold(args.nodes)
+        return _hold(args.nodes, args.stack)
     if args.cmd == "status":
         return status()
     return down()

@@ -2,13 +2,28 @@
 (labs/realcp/) with kube-scheduler and every default controller, and real nodes
 (containerd + kubelet, tests/nodes/node.py) in two zones, running images built here.
 
-    cp ns: etcd, kube-apiserver 198.18.96.1:6443, controller manager, scheduler
+    cp ns: etcd, kube-apiserver 198.18.96.1:6443 (api.cluster.test), controller manager,
+           scheduler; DNS: the nodes' resolver 198.18.96.2, cluster DNS 198.18.96.3
       spx-cpbr0 198.18.96.0/24 -- node-1 198.18.96.11  pods 198.18.64.0/24  zone-a
                                -- node-2 198.18.96.12  pods 198.18.65.0/24  zone-a
                                -- node-3 198.18.96.13  pods 198.18.66.0/24  zone-b
                                -- outside 198.18.96.14 (a client that is no node)
                                -- node-4 ... (add_node: a node joining later)
-    services 198.18.128.0/17 (the `kubernetes` Service is 198.18.128.1)
+    services 198.18.128.0/17 (the `kubernetes` Service is 198.18.128.1, kube-system/
+      kube-dns 198.18.128.10: kubelet's --cluster-dns)
+    windows-1: a Node labelled kubernetes.io/os=windows with no kubelet (NotReady)
+
+The shape of a kubeadm cluster with an HA endpoint: kubelets (and the manifests the
+tests apply) reach the API server by name, which only the nodes' resolver knows; pods
+resolve cluster names through the cluster DNS Service (tests/nodes/dns.py). A Windows
+Node is registered for the whole life of the cluster, as on a mixed cluster: a
+DaemonSet that does not select Linux nodes gets a pod there that never starts, and its
+`rollout status` never completes.
+
+`stack` gives the same cluster in other address families (labs/realcp/addressing.py,
+docs/lab.md): IPV6_ONLY, every address above in fd00::/8 (API server
+[fd00:198:18:96::1]:6443, node-1 fd00:198:18:96::b with pods fd00:198:18:6400::/64,
+services fd00:198:18:128::/112), or DUAL_STACK, both (IPv4 first, DNS on IPv4).
 
 Nodes have no service proxy: the test (or a person) applies one with kubectl, as on a
 cluster just made by kubeadm without its kube-proxy add-on. The images (sliceproxy's,
@@ -31,20 +46,28 @@ from pathlib import Path
 from typing import Any
 
 from labs.debian import CACHE_ROOT, locked
+from labs.realcp.addressing import IPV4, IPV4_ONLY, Stack
 from labs.realcp.build import PAUSE, Binaries
-from labs.realcp.controlplane import API_ADDR, API_PORT, ControlPlane
+from labs.realcp.controlplane import API_NAME, API_PORT, ControlPlane
 from labs.realcp.rawapi import RawApi
-from proxy.lab.poll import waited
+from proxy.lab.poll import wait, waited
 from proxy.lab.topology import delete_namespace, ip
 from tests.nodes import images as imgs
-from tests.nodes.node import PRIVATE_DIRS, Node, NodeSpec, pod_range, sweep_stale
+from tests.nodes.dns import (
+    LabDns,
+    cluster_dns_ip,
+    cluster_dns_server,
+    kube_dns_objects,
+    resolver_addr,
+)
+from tests.nodes.node import PRIVATE_DIRS, Node, NodeSpec, sweep_stale
 
 log = logging.getLogger(__name__)
 
 DEFAULT_NODES = (NodeSpec("node-1", "zone-a", 0), NodeSpec("node-2", "zone-a", 1),
                  NodeSpec("node-3", "zone-b", 2))
 SPARE_NODES = (NodeSpec("node-4", "zone-b", 3),)  # identities ready for nodes that join
-CLUSTER_CIDR = "198.18.64.0/19"
+CLUSTER_CIDR = str(IPV4.pods)  # the IPv4 cluster's pod network: node i has its i-th /24
 # Host-wide sysctls kubelet v1.20 sets at start (setupKernelTunables).
 KUBELET_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic",
                    "kernel/panic_on_oops", "kernel/keys/root_maxkeys",
@@ -52,10 +75,25 @@ KUBELET_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic",
 KUBECTL_PACKAGE = "kubernetes-client"  # Debian's kubectl, v1.20.2 like the server
 LIB_MODULES = Path("/lib/modules")
 SHIPPED_IMAGE_REF = "docker.io/library/sliceproxy:0.1.0"  # `image: sliceproxy:0.1.0`
+WINDOWS_NODE = "windows-1"
+CORE_RESOURCES = {"Service": "services", "Endpoints": "endpoints", "Node": "nodes"}
 
 
 class ClusterError(RuntimeError):
     pass
+
+
+def windows_node(name: str) -> dict[str, Any]:
+    """A Windows node as its kubelet would register it (labels, capacity), with no kubelet
+    behind it: it never reports Ready, and its pods never start."""
+    resources = {"cpu": "2", "memory": "4Gi", "pods": "30"}
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {
+        "kubernetes.io/os": "windows", "kubernetes.io/arch": "amd64",
+        "kubernetes.io/hostname": name, "node.kubernetes.io/windows-build": "10.0.17763",
+        "topology.kubernetes.io/zone": "zone-a"}},
+        "status": {"capacity": resources, "allocatable": resources,
+                   "nodeInfo": {"operatingSystem": "windows", "architecture": "amd64",
+                                "kubeletVersion": "v1.20.2"}}}
 
 
 def kubectl_binary() -> Path:
@@ -85,7 +123,11 @@ class NodeCluster:
     # Also import kube-proxy v1.20.2's image (localhost/kube-proxy:v1.20.2) into every
     # node, for kubeadm's kube-proxy add-on (tests/nodes/kubeadm.py).
     with_kube_proxy: bool = False
+    # Its address families, the primary first (labs/realcp/addressing.py): IPV6_ONLY
+    # gives a single-stack IPv6 cluster, DUAL_STACK one with v1.20's IPv6DualStack gate.
+    stack: Stack = IPV4_ONLY
     cp: ControlPlane = field(init=False)
+    dns: LabDns | None = field(init=False, default=None)
     nodes: dict[str, Node] = field(init=False, default_factory=dict)
     outside: str = field(init=False, default="")  # a client namespace that is no node
     image: imgs.Image = field(init=False)
@@ -103,8 +145,9 @@ class NodeCluster:
 
     @property
     def api_url(self) -> str:
-        """The API server as nodes reach it: what an operator writes in `master`."""
-        return f"https://{API_ADDR}:{API_PORT}"
+        """The API server as nodes reach it, by name: what an operator writes in
+        `master`."""
+        return f"https://{API_NAME}:{API_PORT}"
 
     def __enter__(self) -> NodeCluster:
         try:
@@ -140,9 +183,17 @@ class NodeCluster:
                 self._sysctls[key] = Path("/proc/sys", key).read_text().strip()
         started = time.monotonic()
         self.cp = ControlPlane(self.bins, with_nodes=True,
-                               node_names=[s.name for s in (*self.specs, *self.spare)])
+                               node_names=[s.name for s in (*self.specs, *self.spare)],
+                               stack=self.stack)
         self.cp.start()
         self.kubeconfig = self.cp.host_kubeconfig
+        # DNS on the primary family's addresses (a dual-stack cluster's: IPv4).
+        self.dns = LabDns(self.cp.namespace, self.workdir / "dns", family=self.stack[0])
+        self.dns.start()
+        for obj in kube_dns_objects(cluster_dns_server(self.stack[0]),
+                                    cluster_dns_ip(self.stack[0])):
+            self._create(obj)
+        self._create(windows_node(WINDOWS_NODE))
         self.timings["control_plane"] = time.monotonic() - started
         started = time.monotonic()
         # Made one by one (addresses, routes), started together (the image import into
@@ -167,6 +218,28 @@ class NodeCluster:
             self.wait_node_ready(spec.name)
         return node
 
+    def _create(self, obj: dict[str, Any]) -> None:
+        """Create `obj` (a core/v1 object) as the admin, and a Node's status, which a
+        create ignores. Until the API server has made its system namespaces, kube-system
+        may not exist yet (404)."""
+        ns = obj["metadata"].get("namespace")
+        path = f"/api/v1/{f'namespaces/{ns}/' if ns else ''}{CORE_RESOURCES[obj['kind']]}"
+        answer: tuple[int, Any] = (0, None)
+
+        def created() -> bool:
+            nonlocal answer
+            answer = self.api.post(path, obj)
+            if answer[0] not in (201, 404):
+                raise ClusterError(f"POST {path}: HTTP {answer[0]}: {answer[1]}")
+            return answer[0] == 201
+
+        wait(created, 30, f"{obj['kind']} {obj['metadata']['name']} created", interval=0.2,
+             detail=lambda: answer)
+        if "status" in obj:
+            self.api.must("PATCH", f"{path}/{obj['metadata']['name']}/status",
+                          {"status": obj["status"]},
+                          content_type="application/merge-patch+json")
+
     def _start_node(self, node: Node) -> None:
         images = [self.pause, self.image, *([self.kube_proxy] if self.kube_proxy else [])]
         node.start([i.archive for i in images])
@@ -177,19 +250,22 @@ class NodeCluster:
     def _make_node(self, spec: NodeSpec) -> Node:
         node = Node(spec, self.cp.prefix, self.workdir / spec.name,
                     self.cp.identity_kubeconfig(f"system:node:{spec.name}",
-                                                self.workdir / f"{spec.name}.kubeconfig"),
-                    self.bins.path("kubelet"), self.pause.ref)
+                                                self.workdir / f"{spec.name}.kubeconfig",
+                                                server=self.api_url),
+                    self.bins.path("kubelet"), self.pause.ref,
+                    resolver=str(resolver_addr(self.stack[0])),
+                    cluster_dns=str(cluster_dns_ip(self.stack[0])), stack=self.stack)
         self.nodes[spec.name] = node
         node.make_namespace()
-        node.address = self.cp.attach(node.netns)
+        node.addresses = self.cp.attach(node.netns)
         # Every node (and the control plane, answering pods that reach the API server
         # through the `kubernetes` Service) routes each node's pod range to that node.
         for other in self.nodes.values():
             if other is not node:
                 other.route_to(node)
                 node.route_to(other)
-        ip("-n", self.cp.namespace, "route", "replace", str(pod_range(spec.index)), "via",
-           str(node.address))
+        for pods, via in zip(node.pod_ranges, node.addresses, strict=True):
+            ip("-n", self.cp.namespace, "route", "replace", str(pods), "via", str(via))
         return node
 
     def node_status(self, name: str) -> dict[str, Any] | None:
@@ -217,6 +293,9 @@ class NodeCluster:
         if self.outside:
             delete_namespace(self.outside)
             self.outside = ""
+        if self.dns is not None:
+            self.dns.stop()
+            self.dns = None
         if hasattr(self, "cp"):
             self.cp.stop()
         for key, value in self._sysctls.items():

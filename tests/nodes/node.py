@@ -5,10 +5,13 @@ containerd and kubelet v1.20.2, pods wired by the CNI bridge and host-local plug
       cp0 198.18.96.x/24  -- the control plane's bridge (API server, other nodes, outside)
       cni0 198.18.(64+i).1/24 -- pods of this node (veth pairs made by the bridge plugin)
       routes: every other node's pod range via that node's cp0 address
+      (an IPv6 node: fd00:198:18:96::x/64 and fd00:198:18:(6400+i)::/64, forwarding on,
+      no duplicate address detection; dual-stack: both, the kubelet with IPv6DualStack)
     mount ns (private, held by a `sleep` process): per-node /var/log/pods,
-      /var/log/containers and /var/lib/cni over the host's, and every mount containerd
-      and kubelet make (overlay root file systems, volumes, the pods' netns files), all
-      gone when its last process ends
+      /var/log/containers and /var/lib/cni over the host's, its own /etc/resolv.conf
+      (the lab's resolver: tests/nodes/dns.py), and every mount containerd and kubelet
+      make (overlay root file systems, volumes, the pods' netns files), all gone when
+      its last process ends
     cgroups "/<prefix>-<name>" (kubelet's --cgroup-root: the pods) and
       "/<prefix>-<name>-daemons" (containerd, its shims, kubelet) under each v1 controller
 
@@ -32,11 +35,12 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 
+from labs.realcp.addressing import IPV4_ONLY, IPAddress, IPNetwork, Stack, dual
 from proxy.lab.poll import TimedOut, wait
 from proxy.lab.topology import delete_namespace, ip, pid_alive
+from tests.nodes.dns import CLUSTER_DOMAIN
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +48,6 @@ CONTROLLERS = ("cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blki
                "systemd")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CNI_BIN = Path("/usr/lib/cni")
-POD_RANGES = IPv4Network("198.18.64.0/19")  # node i: 198.18.(64+i).0/24
 # Host paths a kubelet, containerd's shims and runc, or a CNI plugin write to whatever
 # their flags say (pod logs, runc's state, v1.20's seccomp root, the CNI cache): one per
 # node, gone with the node's mount namespace (nothing piles up on the host).
@@ -55,10 +58,6 @@ _STALE = re.compile(r"^(spx-(\d+)-[0-9a-f]+-.+?)(-daemons)?$")
 
 class NodeError(RuntimeError):
     pass
-
-
-def pod_range(index: int) -> IPv4Network:
-    return IPv4Network(f"{POD_RANGES.network_address + 256 * index}/24")
 
 
 def cgroup_pids(name: str) -> set[int]:
@@ -136,7 +135,12 @@ class Node:
     kubeconfig: Path  # the kubelet's identity (system:node:<name>)
     kubelet: Path
     sandbox_image: str
-    address: IPv4Address = field(init=False)  # on the control plane's bridge
+    resolver: str  # the node's nameserver: its /etc/resolv.conf, kubelet's --resolv-conf
+    cluster_dns: str  # kubelet's --cluster-dns: the cluster DNS Service's ClusterIP
+    # Its address families, the primary first: addresses on the cp network, pod ranges
+    # (labs/realcp/addressing.py; node i has each family's i-th pod range).
+    stack: Stack = IPV4_ONLY
+    addresses: tuple[IPAddress, ...] = field(init=False, default=())  # on the cp bridge
     netns: str = field(init=False)
     _holder: subprocess.Popen[bytes] | None = field(init=False, default=None)
     _procs: dict[str, subprocess.Popen[bytes]] = field(init=False, default_factory=dict)
@@ -152,8 +156,13 @@ class Node:
         return self.spec.name
 
     @property
-    def pods(self) -> IPv4Network:
-        return pod_range(self.spec.index)
+    def address(self) -> IPAddress:
+        """Its primary address on the control plane's bridge (its InternalIP)."""
+        return self.addresses[0]
+
+    @property
+    def pod_ranges(self) -> tuple[IPNetwork, ...]:
+        return tuple(family.pod_range(self.spec.index) for family in self.stack)
 
     @property
     def cgroup(self) -> str:
@@ -167,6 +176,10 @@ class Node:
     def socket(self) -> Path:
         return self.workdir / "containerd.sock"
 
+    @property
+    def resolv_conf(self) -> Path:
+        return self.workdir / "resolv.conf"
+
     # --- network ------------------------------------------------------------------------
 
     def make_namespace(self) -> None:
@@ -177,6 +190,13 @@ class Node:
                            ("net.bridge.bridge-nf-call-iptables", "1"),
                            ("net.bridge.bridge-nf-call-ip6tables", "1")):
             self.sysctl(key, value)
+        if any(family.version == 6 for family in self.stack):
+            # Forward IPv6, and no duplicate address detection for the addresses made
+            # here later (cni0's gateway): usable at once, not tentative for seconds.
+            for key, value in (("net.ipv6.conf.all.forwarding", "1"),
+                               ("net.ipv6.conf.all.accept_dad", "0"),
+                               ("net.ipv6.conf.default.accept_dad", "0")):
+                self.sysctl(key, value)
 
     def sysctl(self, key: str, value: str) -> None:
         path = "/proc/sys/" + key.replace(".", "/")
@@ -190,7 +210,8 @@ class Node:
                             "on their own node")
 
     def route_to(self, other: Node) -> None:
-        ip("-n", self.netns, "route", "replace", str(other.pods), "via", str(other.address))
+        for pods, via in zip(other.pod_ranges, other.addresses, strict=True):
+            ip("-n", self.netns, "route", "replace", str(pods), "via", str(via))
 
     # --- processes ----------------------------------------------------------------------
 
@@ -201,8 +222,10 @@ class Node:
 
     def _start_holder(self) -> None:
         """A process holding the node's private mount namespace, with its own copies of
-        the host paths every kubelet and CNI plugin would otherwise share."""
-        binds = []
+        the host paths every kubelet and CNI plugin would otherwise share, and its own
+        /etc/resolv.conf (the host's is never touched)."""
+        self.resolv_conf.write_text(f"nameserver {self.resolver}\n")
+        binds = [f"mount --bind {self.resolv_conf} /etc/resolv.conf"]
         for host in PRIVATE_DIRS:
             own = self.workdir / "host" / host.strip("/")
             own.mkdir(parents=True, exist_ok=True)
@@ -279,8 +302,9 @@ class Node:
                 {"type": "bridge", "bridge": "cni0", "isGateway": True, "ipMasq": False,
                  "hairpinMode": True,
                  "ipam": {"type": "host-local", "dataDir": str(cni / "ipam"),
-                          "ranges": [[{"subnet": str(self.pods)}]],
-                          "routes": [{"dst": "0.0.0.0/0"}]}},
+                          "ranges": [[{"subnet": str(pods)}] for pods in self.pod_ranges],
+                          "routes": [{"dst": family.default_route}
+                                     for family in self.stack]}},
                 {"type": "portmap", "capabilities": {"portMappings": True}},
             ]}, indent=1))
         config = d / "containerd.toml"
@@ -330,7 +354,8 @@ state = "{d / 'containerd-state'}"
         d = self.workdir
         return [
             str(self.kubelet), f"--kubeconfig={self.kubeconfig}",
-            f"--hostname-override={self.name}", f"--node-ip={self.address}",
+            f"--hostname-override={self.name}",
+            f"--node-ip={','.join(map(str, self.addresses))}",  # two: dual-stack
             f"--node-labels=topology.kubernetes.io/zone={self.spec.zone}",
             "--container-runtime=remote",
             f"--container-runtime-endpoint=unix://{self.socket}",
@@ -341,11 +366,13 @@ state = "{d / 'containerd-state'}"
             # node-allocatable enforcement (it would want the host's top cgroups).
             "--fail-swap-on=false", "--enforce-node-allocatable=", "--eviction-hard=",
             "--image-gc-high-threshold=100", "--image-gc-low-threshold=99",
-            "--cluster-domain=cluster.local", "--resolv-conf=/etc/resolv.conf",
+            f"--cluster-dns={self.cluster_dns}", f"--cluster-domain={CLUSTER_DOMAIN}",
+            f"--resolv-conf={self.resolv_conf}",
             "--read-only-port=0", "--healthz-bind-address=127.0.0.1",
             "--max-pods=30", "--serialize-image-pulls=false",
             "--node-status-update-frequency=4s", "--sync-frequency=5s",
             "--runtime-request-timeout=2m", "--v=1",
+            *(["--feature-gates=IPv6DualStack=true"] if dual(self.stack) else []),
         ]
 
     # --- lifecycle ----------------------------------------------------------------------

@@ -2,12 +2,18 @@
 repo's Dockerfile, `kubectl apply -f deploy/daemonset.yaml` with only the image and the
 API server's address set, then real pods talking through it.
 
-Checked in order on one cluster (tests/nodes/cluster.py): one agent per node, Ready
-through its own probes, on its service account under RBAC; its logs, /metrics and dump
-on every node; traffic from pods on every node (ClusterIP TCP and UDP, NodePort from
-outside, externalTrafficPolicy Local, a topology preference, the API server through the
-`kubernetes` Service); a fourth node joining with no rules of anyone; a rollout to
-another image with clients connecting throughout; nftables mode by the ConfigMap.
+The cluster (tests/nodes/cluster.py) has the shape most clusters have: the API server
+reached by a name only the nodes' resolver knows (`master: https://api.cluster.test:
+6443`), kubelets configured with a cluster DNS Service, and a Windows Node, on which no
+agent may land (every `rollout status` below would wait for it forever).
+
+Checked in order on one cluster: one agent per Linux node, Ready through its own probes,
+on its service account under RBAC; its logs, /metrics and dump on every node; traffic
+from pods on every node (ClusterIP TCP and UDP, cluster DNS through its ClusterIP,
+NodePort from outside, externalTrafficPolicy Local, a topology preference, the API
+server through the `kubernetes` Service); a fourth node joining with no rules of anyone;
+a rollout to another image with clients connecting throughout; nftables mode by the
+ConfigMap.
 """
 
 from __future__ import annotations
@@ -20,11 +26,12 @@ from typing import Any
 
 import pytest
 
-from labs.realcp.controlplane import KUBERNETES_SERVICE_IP
+from labs.realcp.addressing import url_host
+from labs.realcp.controlplane import API_PORT, KUBERNETES_SERVICE_IP
 from proxy.lab.poll import wait, waited
 from proxy.lab.probe import http_get
 from tests.nodes import workload as wl
-from tests.nodes.cluster import SHIPPED_IMAGE_REF, NodeCluster
+from tests.nodes.cluster import SHIPPED_IMAGE_REF, WINDOWS_NODE, NodeCluster
 from tests.nodes.conftest import report
 from tests.nodes.images import retag
 from tests.nodes.node import NodeSpec
@@ -68,6 +75,8 @@ def workload(deployed: Workload) -> Workload:
 def test_one_ready_agent_per_node_on_its_service_account(deployed: Workload) -> None:
     c = deployed.cluster
     running = agents(c)
+    # Linux nodes only: the Windows Node is there, and is no place for an agent.
+    assert c.node_status(WINDOWS_NODE) is not None
     assert sorted(p["spec"]["nodeName"] for p in running) == sorted(c.nodes)
     for pod in running:
         assert ready(pod), pod["status"]
@@ -104,7 +113,7 @@ def test_metrics_and_dump_on_every_node(deployed: Workload) -> None:
         dump = json.loads(out.stdout)
         assert dump["node"]["name"] == node.name
         (entry,) = [s for s in dump["services"] if s["port"] == "https"]
-        assert entry["cluster_endpoints"] == [f"{c.api_url.removeprefix('https://')}"]
+        assert entry["cluster_endpoints"] == [f"{url_host(c.cp.api_addr)}:{API_PORT}"]
 
 
 # --- traffic from real pods ---------------------------------------------------------------
@@ -114,6 +123,11 @@ def test_cluster_ip_tcp_and_udp_from_pods_on_every_node(workload: Workload) -> N
     assert len(workload.echo) == 2 * len(workload.cluster.nodes)
     # Every pod of the Deployment answers, on every node, and nothing else does.
     workload.check_cluster_ip("iptables mode")
+
+
+def test_pods_resolve_cluster_names_through_the_cluster_dns_service(
+        workload: Workload) -> None:
+    workload.check_cluster_dns("iptables mode")
 
 
 def test_node_port_from_outside_the_cluster_to_every_node(workload: Workload) -> None:
@@ -255,6 +269,7 @@ def test_nftables_mode_and_json_logs_by_the_configmap(workload: Workload) -> Non
         nat = node.exec(["iptables-save", "-t", "nat"]).stdout
         assert "SPX-" not in nat, "the iptables mode's chains were not cleaned up"
     workload.check_cluster_ip("nftables mode")
+    workload.check_cluster_dns("nftables mode")
     for node in c.nodes.values():
         eventually_served(c.outside, str(node.address), wl.NODE_PORT, set(workload.echo),
                           what=f"NodePort on {node.name} in nftables mode")

@@ -38,13 +38,21 @@ def _replace_once(text: str, old: str, new: str) -> str:
     return text.replace(old, new)
 
 
+def _set_image(text: str, image: str) -> str:
+    """Every container's image (the agent's and its init container's) set to `image`."""
+    if SHIPPED_IMAGE not in text:
+        raise AssertionError(f"the shipped manifest should hold {SHIPPED_IMAGE!r}: the "
+                             "docs' instructions no longer match it")
+    return text.replace(SHIPPED_IMAGE, f"image: {image}")
+
+
 def shipped_daemonset(image: str, master: str, mode: str = "iptables",
                       json_logs: bool = False) -> str:
     """deploy/daemonset.yaml as an operator applies it: the image and the API server's
     address set (the two things its header says to set); `mode` and JSON logs as the
     ConfigMap's comments say to switch them."""
     text = DAEMONSET.read_text()
-    text = _replace_once(text, SHIPPED_IMAGE, f"image: {image}")
+    text = _set_image(text, image)
     text = _replace_once(text, SHIPPED_MASTER, f"master: {master}")
     if mode != "iptables":
         text = _replace_once(text, SHIPPED_MODE, f"proxy-mode: {mode}")
@@ -56,7 +64,7 @@ def shipped_daemonset(image: str, master: str, mode: str = "iptables",
 def kubeadm_daemonset(image: str) -> str:
     """deploy/kubeadm/daemonset.yaml with the image set (it reads the rest, the API
     server's address included, from kubeadm's kube-proxy ConfigMap)."""
-    return _replace_once(KUBEADM_DAEMONSET.read_text(), SHIPPED_IMAGE, f"image: {image}")
+    return _set_image(KUBEADM_DAEMONSET.read_text(), image)
 
 
 def kube_proxy_cleanup(kube_proxy_image: str, image: str) -> str:
@@ -78,7 +86,8 @@ def namespace() -> Obj:
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
 
 
-def echo_deployment(image: str, replicas: int) -> Obj:
+def echo_deployment(image: str, replicas: int, listen: str = "0.0.0.0") -> Obj:
+    """`listen`: "::" on a cluster with IPv6 (one socket answers both families)."""
     labels = {"app": APP}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
@@ -86,6 +95,9 @@ def echo_deployment(image: str, replicas: int) -> Obj:
         "spec": {
             "replicas": replicas, "selector": {"matchLabels": labels},
             "template": {"metadata": {"labels": labels}, "spec": {
+                # Linux nodes only, as on any mixed cluster: the spread below counts every
+                # node the pod may select, the cluster's Windows Node too, as a domain.
+                "nodeSelector": {"kubernetes.io/os": "linux"},
                 # Evenly over the nodes, so every node has local endpoints.
                 "topologySpreadConstraints": [{
                     "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
@@ -95,7 +107,7 @@ def echo_deployment(image: str, replicas: int) -> Obj:
                 "containers": [{
                     "name": "echo", "image": image,
                     "command": ["python", "-m", "proxy.lab.echo"],
-                    "args": ["--backend", "$(POD_NAME)==0.0.0.0", "--tcp", str(TCP_PORT),
+                    "args": ["--backend", f"$(POD_NAME)=={listen}", "--tcp", str(TCP_PORT),
                              "--udp", str(UDP_PORT)],
                     "env": [{"name": "POD_NAME", "valueFrom": {
                         "fieldRef": {"fieldPath": "metadata.name"}}}],
@@ -122,18 +134,21 @@ TCP = {"name": "tcp", "port": 80, "targetPort": TCP_PORT, "protocol": "TCP"}
 UDP = {"name": "udp", "port": 81, "targetPort": UDP_PORT, "protocol": "UDP"}
 
 
-def services() -> list[Obj]:
+def services(dual_stack: bool = False) -> list[Obj]:
+    """`dual_stack`: every Service with a ClusterIP of each family (v1.20's
+    IPv6DualStack gate), the primary family's first."""
+    family: Obj = {"ipFamilyPolicy": "RequireDualStack"} if dual_stack else {}
     return [
-        _service("echo", [TCP, UDP]),
-        _service("echo-np", [{**TCP, "nodePort": NODE_PORT}], type="NodePort"),
+        _service("echo", [TCP, UDP], **family),
+        _service("echo-np", [{**TCP, "nodePort": NODE_PORT}], type="NodePort", **family),
         # externalTrafficPolicy: Local (v1.20 has no internalTrafficPolicy, 1.21+).
         _service("echo-local", [{**TCP, "nodePort": LOCAL_NODE_PORT}], type="NodePort",
-                 externalTrafficPolicy="Local"),
+                 externalTrafficPolicy="Local", **family),
         # This node first, then this zone, then anywhere (sliceproxy's annotation: v1.20's
         # EndpointSlice controller writes no hints and knows no trafficDistribution).
         _service("echo-near", [TCP], annotations={
             "sliceproxy.io/topology-preference":
-                "kubernetes.io/hostname,topology.kubernetes.io/zone,*"}),
+                "kubernetes.io/hostname,topology.kubernetes.io/zone,*"}, **family),
     ]
 
 
