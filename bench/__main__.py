@@ -119,7 +119,9 @@ SCENARIOS = (
                                                        "--changes", "50")),)},
         json_to_stdout=True),
     Scenario("fleet", "bench.reflector_fleet", "Many nodes, one API server", {
-        "small": (Run("small", ("--server", "real", "--size", "small")),),
+        "small": (Run("3 agents, both first lists", ("--server", "real", "--size", "small",
+                                                     "--agents", "3", "--first-list",
+                                                     "cache", "consistent")),),
         "full": (Run("100, 500, 1,000 agents", ("--server", "real", "--size", "full")),)}),
     Scenario("rolling-update", "bench.rolling_update", "A rolling update with traffic", {
         "small": (Run("300 endpoints", ("--endpoints", "300", "--rate", "100", "1000",
