@@ -9,8 +9,9 @@ Start-up order matters:
    discovers which EndpointSlice version the server has;
 4. the watches list everything; only when every resource has listed does the first
    (full) sync replace the old rules in one step, so no sync ever programs a partial
-   view of the cluster; right before it, the other proxy modes' leftovers are removed
-   (proxy/dataplane/leftovers.py; never this mode's own rules);
+   view of the cluster; once it is in the kernel, the other proxy modes' leftovers are
+   removed (proxy/dataplane/leftovers.py; never this mode's own rules): a mode switch
+   has a moment with both modes' rules, never one with neither (_remove_leftovers);
 5. from then on each change requests a sync, which runs as soon as the previous one
    has ended, within --sync-cpu-budget (and --min-sync-period, if set: schedule.py).
 On SIGTERM/SIGINT everything stops within seconds and the rules stay in place.
@@ -29,6 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.agent.changes import ChangeLog
+from proxy.agent.foreign_proxy import ForeignProxyCheck
 from proxy.agent.logs import V
 from proxy.agent.nodeport_warnings import PrimaryAddressWarnings
 from proxy.agent.sync_loop import SyncLoop
@@ -110,12 +112,16 @@ class Agent:
         reflector_options: ReflectorOptions | None = None,
         started_at: float | None = None,
         clean_leftovers: bool | None = None,
+        check_foreign_proxy: bool | None = None,
     ) -> None:
         self.config = config
-        # Remove the other proxy modes' leftovers before the first sync: by default
+        # Remove the other proxy modes' leftovers after the first sync: by default
         # when the agent builds its own data plane (not a test's stand-in).
         self._clean_leftovers = (dataplane_factory is None if clean_leftovers is None
                                  else clean_leftovers)
+        # Look for another service proxy on the node (agent/foreign_proxy.py): likewise.
+        self._check_foreign = (dataplane_factory is None if check_foreign_proxy is None
+                               else check_foreign_proxy)
         self._dataplane_factory = dataplane_factory or (
             lambda: make_dataplane(config.proxy_mode, dataplane_options(config)))
         self._api_factory = api_factory
@@ -155,6 +161,10 @@ class Agent:
             # kubeconfig fails before anything touches the kernel.
             await self._connect()
             await self._start_dataplane()
+            if self._check_foreign and self.config.foreign_proxy_check_interval > 0:
+                check = ForeignProxyCheck(self.config.foreign_proxy_check_interval,
+                                          self.metrics, self.health)
+                self._spawn(check.run(), "foreign proxy check")
             if stop.is_set():
                 return
             await self._discover(stop)
@@ -283,9 +293,11 @@ class Agent:
                  extra={"service_ports_dirty": len(self.model.dirty),
                         "resolved_ahead": self.model.resolved_ahead,
                         "since_start": f"{self.clock() - self.started_at:.3f}s"})
+        self.runner.start()
+        if not await _either(self.first_synced, stop):
+            return
         if self._clean_leftovers:
             await self._remove_leftovers()
-        self.runner.start()
         await self._watch_drift()
 
     async def _resolve_ahead(self) -> None:
@@ -313,9 +325,24 @@ class Agent:
 
     async def _remove_leftovers(self) -> None:
         """Remove the other proxy modes' rules (proxy/dataplane/leftovers.py), on the data
-        plane's thread, in its namespace. Here, right before the first sync, rather than
-        at start as upstream does: until the cluster has listed, the old mode's rules
-        keep serving (an agent started while the API server is away changes nothing).
+        plane's thread, in its namespace. Here, once the first sync is in the kernel,
+        rather than at start as upstream does: until then the old mode's rules serve
+        (an agent started while the API server is away changes nothing), and removed
+        before it, they left a moment with no rules at all, in which a new connection to
+        a service address was routed as an unknown destination ("Network is unreachable":
+        one per node at every switch, on real nodes). For that moment both modes' rules
+        are in place, and each is whole; a new connection takes the first that captures
+        it, so it is served either way (docs/upgrade.md, "Switching the mode"):
+        - iptables and nftables: the kernel runs every nat chain at a hook in priority
+          order until one makes a NAT binding (nf_nat_inet_fn); either mode's DNAT is a
+          complete answer, and the other's filter rules see the endpoint's address, not
+          the service's, so they do not interfere;
+        - IPVS and either: the other mode's DNAT at prerouting/output comes before the
+          routing that delivers a service address to IPVS on the dummy interface, so
+          the DNAT mode serves new connections; IPVS's own nat chains only set the
+          masquerade mark and return, so the packet goes on to the next nat rule.
+        Established connections keep the NAT binding conntrack holds for them; those
+        made through IPVS end when leaving IPVS mode removes the dummy interface.
         Never fatal; our own mode's rules are never touched."""
         from proxy.dataplane import leftovers
 
@@ -480,6 +507,17 @@ def _service_of(ev: WatchEvent) -> str | None:
 
 def _stats(stats: object) -> dict[str, Any]:
     return {name: getattr(stats, name) for name in stats.__slots__}  # type: ignore[attr-defined]
+
+
+async def _either(event: asyncio.Event, stop: asyncio.Event) -> bool:
+    """Wait for `event` or `stop`; whether `event` came (and `stop` did not)."""
+    waits = [asyncio.ensure_future(e.wait()) for e in (event, stop)]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for fut in waits:
+            fut.cancel()
+    return event.is_set() and not stop.is_set()
 
 
 async def _wait(stop: asyncio.Event, delay: float) -> None:

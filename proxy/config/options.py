@@ -165,6 +165,9 @@ class Config:
     metrics_bind_address: tuple[str, int] = ("127.0.0.1", METRICS_PORT)
     debug_dump: str = "local"  # who /debug/dump answers: DEBUG_DUMP (docs/security.md)
     healthz_threshold: float = 0.0  # 0: derived from the sync periods (see agent)
+    # How often the agent looks for another service proxy writing its rules on this node
+    # (agent/foreign_proxy.py); 0: never.
+    foreign_proxy_check_interval: float = 10.0
     service_proxy_name: str = ""
     ipvs_scheduler: str = "rr"
     iptables_applier: str = "restore"
@@ -183,6 +186,7 @@ class Config:
     conntrack_udp_timeout_stream: float = 0.0
     ipvs_strict_arp: bool = False
     init_only: bool = False
+    restore_node_settings: bool = False
     # Fields of a KubeProxyConfiguration file sliceproxy does not implement, and those
     # kube-proxy does not have either, as `path=value` (kubeproxy_file.py): named in one
     # warning at start.
@@ -203,7 +207,7 @@ class Config:
             elif f.name == "sync_cpu_budget":
                 value = format_cpu_budget(value)
             elif f.name in ("min_sync_period", "sync_period", "healthz_threshold",
-                            *CONNTRACK_TIMEOUTS):
+                            "foreign_proxy_check_interval", *CONNTRACK_TIMEOUTS):
                 value = None if value is None else format_duration(value)
             elif f.name.endswith("bind_address"):
                 value = f"{value[0]}:{value[1]}"
@@ -279,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="sliceproxy only: /healthz fails once a change has waited this long to be "
              "applied (default 60s, or 3x --min-sync-period if set and longer; kube-proxy uses "
              "2x its --sync-period)")
+    add("--foreign-proxy-check-interval", metavar="DURATION",
+        help="sliceproxy only: how often to look for another service proxy (kube-proxy) "
+             "writing its rules on this node, reported in the log, /metrics and /healthz "
+             "(default 10s; 0 turns the check off)")
     add("--ipvs-scheduler", help="IPVS scheduler (default rr)")
     add("--ipvs-strict-arp", action="store_true", default=None,
         help="IPVS mode: set arp_ignore=1 and arp_announce=2 (with --init-only)")
@@ -301,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="set kube-proxy's node settings (conntrack table and timeouts; the IPVS "
              "sysctls in IPVS mode) where they differ, and exit; needs a writable "
              "/proc/sys and /sys (docs/deploy.md)")
+    add("--restore-node-settings", action="store_true", default=None,
+        help="give the node back each setting --init-only changed, where it still holds "
+             "what was written, and exit (uninstall; needs a writable /proc/sys and /sys "
+             "and the node's /run/sliceproxy; docs/uninstall.md)")
     add("--iptables-applier", help="how iptables mode writes rules: restore (default: "
         "iptables-restore, fastest, both back ends) or iptc (python-iptables; legacy "
         "IPv4 tables only)")
@@ -393,7 +405,8 @@ def from_values(values: dict[str, Any]) -> Config:
                     kw[dest] = value
                 case "endpoints_source":
                     kw[dest] = EndpointsSource(value)
-                case "min_sync_period" | "sync_period" | "healthz_threshold":
+                case ("min_sync_period" | "sync_period" | "healthz_threshold"
+                      | "foreign_proxy_check_interval"):
                     kw[dest] = parse_duration(str(value))
                 case "sync_cpu_budget":
                     kw[dest] = parse_cpu_budget(value)
@@ -422,7 +435,8 @@ def from_values(values: dict[str, Any]) -> Config:
                 case ("conntrack_tcp_timeout_established" | "conntrack_tcp_timeout_close_wait"
                       | "conntrack_udp_timeout" | "conntrack_udp_timeout_stream"):
                     kw[dest] = parse_duration(str(value))
-                case "conntrack_tcp_be_liberal" | "ipvs_strict_arp" | "init_only":
+                case ("conntrack_tcp_be_liberal" | "ipvs_strict_arp" | "init_only"
+                      | "restore_node_settings"):
                     kw[dest] = _bool(value)
                 case "v":
                     level = int(value)

@@ -12,6 +12,14 @@ One difference, on purpose: upstream's `/healthz` answers 200 before the first s
 rules, so a readiness probe and a cloud load balancer's check both wait for rules that
 really exist. `/livez` stays 200 during start-up, as upstream, so a slow or unreachable
 API server never gets the agent restarted in a loop.
+
+Another service proxy writing its rules on the node (agent/foreign_proxy.py) is shown
+in `/healthz`'s body (`foreignProxies`) but changes neither answer's code: the node's
+Services still work (both proxies send a connection to a live endpoint), whereas a 503
+would take every such node out of the load balancers that check /healthz at once (an
+upgrade brings kube-proxy back on all of them together), and a failing /livez would get
+the agent restarted in a loop, which removes nothing. The log line, the metric and its
+alert are what call an operator.
 """
 
 from __future__ import annotations
@@ -50,6 +58,16 @@ def node_eligible(node: object) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class ForeignProxy:
+    """Another service proxy seen writing its rules on this node, as /healthz shows it."""
+
+    name: str  # "kube-proxy"
+    since: float  # wall clock: its first write seen, this time
+    last_write: float  # wall clock: its last write seen
+    objects: tuple[str, ...]  # what it wrote (the first few)
+
+
+@dataclass(frozen=True, slots=True)
 class HealthStatus:
     healthy: bool  # the /livez answer (sync keeps up)
     ready: bool  # the /healthz answer (also: first sync done, node eligible)
@@ -70,6 +88,7 @@ class ProxyHealth:
         self._last_updated: float | None = None
         self.node_eligible = True
         self.first_sync_done = False
+        self.foreign_proxies: tuple[ForeignProxy, ...] = ()  # set by the agent's check
 
     def queued(self) -> None:
         """A change arrived that the rules do not reflect yet."""

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from aiohttp import web
 from prometheus_client import Counter
 
-from proxy.server.health import HealthStatus, ProxyHealth, go_time
+from proxy.server.health import ForeignProxy, HealthStatus, ProxyHealth, go_time
 from proxy.server.metrics import CONTENT_TYPE, AgentMetrics
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,8 @@ def health_app(health: ProxyHealth, metrics: AgentMetrics) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         st = health.status()
         eligible = "true" if st.node_eligible else "false"
-        return _health_answer(st, st.ready, metrics.healthz, f', "nodeEligible": {eligible}')
+        more = f', "nodeEligible": {eligible}' + _foreign(health.foreign_proxies)
+        return _health_answer(st, st.ready, metrics.healthz, more)
 
     async def livez(_: web.Request) -> web.Response:
         st = health.status()
@@ -52,6 +53,16 @@ def health_app(health: ProxyHealth, metrics: AgentMetrics) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/livez", livez)
     return app
+
+
+def _foreign(proxies: tuple[ForeignProxy, ...]) -> str:
+    """`foreignProxies` for /healthz's body, only while one is seen (so a node in its
+    usual state answers exactly upstream's body); never changes the code (health.py)."""
+    if not proxies:
+        return ""
+    shown = [{"name": p.name, "since": go_time(p.since), "lastWrite": go_time(p.last_write),
+              "objects": list(p.objects)} for p in proxies]
+    return f', "foreignProxies": {json.dumps(shown)}'
 
 
 def _health_answer(st: HealthStatus, ok: bool, answers: Counter, more: str = "",

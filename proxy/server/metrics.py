@@ -49,6 +49,11 @@ SYNC_CPU_HELP = ("CPU seconds syncs used: resolve, render and apply on the agent
 HELD_HELP = ("Syncs started later than the change that asked for them, by the limit that "
              "held them back: cpu-budget (--sync-cpu-budget) or min-sync-period")
 
+FOREIGN_ACTIVE_HELP = ("1 while another service proxy is programming this node: its rules "
+                       "were written within the last window (docs/monitoring.md), by proxy")
+FOREIGN_DETECTIONS_HELP = ("Checks that found another service proxy's rules written on this "
+                           "node since the check before, by proxy")
+
 
 class AgentMetrics:
     def __init__(self) -> None:
@@ -129,6 +134,14 @@ class AgentMetrics:
         self.drift_repairs = counter(
             "sliceproxy_rules_drift_repairs",
             "Full syncs run because another process had changed or removed our rules")
+        # Their series start at 0 when the agent's check starts (agent/foreign_proxy.py).
+        self.foreign_proxy_active = Gauge(
+            "sliceproxy_foreign_proxy_active", FOREIGN_ACTIVE_HELP, ("proxy",), registry=r)
+        self.foreign_proxy_detections = counter(
+            "sliceproxy_foreign_proxy_detections", FOREIGN_DETECTIONS_HELP, ("proxy",))
+        self.foreign_proxy_checks = counter(
+            "sliceproxy_foreign_proxy_checks",
+            "Checks for another service proxy's rules on this node (the first one included)")
         self.first_sync = gauge(
             "sliceproxy_first_sync_seconds",
             "Seconds from process start to the first successful sync")

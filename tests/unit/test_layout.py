@@ -47,7 +47,10 @@ LAZY_ONLY = {("dataplane.leftovers", f"dataplane.{m}") for m in MODES}
 # Edges allowed for these modules only.
 ONLY = {("agent", "dataplane.common"): {"proxy.dataplane.common.heap",
                                         "proxy.dataplane.common.node_files",
-                                        "proxy.dataplane.common.node_settings"}}
+                                        "proxy.dataplane.common.node_settings",
+                                        "proxy.dataplane.common.node_originals",
+                                        "proxy.dataplane.common.foreign_proxy",
+                                        "proxy.dataplane.common.kube_proxy_objects"}}
 
 
 def package(module: str) -> str:

@@ -176,7 +176,7 @@ def test_every_alert_says_how_bad_and_what_to_do() -> None:
     assert {a["alert"] for a in found} == {
         "SliceproxyDown", "SliceproxySyncFailing", "SliceproxyRulesStale",
         "SliceproxyNetworkProgrammingSlow", "SliceproxyWatchRelistLoop",
-        "SliceproxyWatchFailing", "SliceproxySkippedObjects"}
+        "SliceproxyWatchFailing", "SliceproxySkippedObjects", "SliceproxyForeignProxy"}
     for alert in found:
         name = alert["alert"]
         assert alert["labels"]["severity"] in ("critical", "warning", "info"), name
