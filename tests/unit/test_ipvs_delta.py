@@ -62,6 +62,9 @@ class FakeLinks:
     def ensure(self) -> int:
         return DUMMY
 
+    def index(self, name: str | None = None) -> int | None:
+        return None  # no other interface by that name (kube-ipvs0)
+
     def address_table(self) -> list[tuple[int, IPAddress]]:
         return [(1, ip_address("198.18.0.1"))]
 

@@ -23,7 +23,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from ipaddress import ip_address
 from typing import Any
 
 from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
@@ -34,6 +33,7 @@ from proxy.dataplane.common.drift_watch import (
     how_xtables_are_watched,
     watch_xtables,
 )
+from proxy.dataplane.common.kube_proxy_objects import IPVS_INTERFACE as KUBE_IPVS_INTERFACE
 from proxy.dataplane.ipvs.diff import (
     KernelDest,
     KernelService,
@@ -53,9 +53,9 @@ from proxy.dataplane.ipvs.netfilter import (
     differences,
     ipset_replace,
     ipset_update,
-    parse_ipset_save,
     restore_text,
 )
+from proxy.dataplane.ipvs.ownership import Claims, is_ours, read_claims, read_set_keys
 from proxy.dataplane.ipvs.render import (
     DUMMY_INTERFACE,
     SET_PREFIX,
@@ -76,6 +76,7 @@ from proxy.dataplane.ipvs.render import (
     set_name,
     usable_node_address,
 )
+from proxy.dataplane.ipvs.sample import TableSampler
 from proxy.dataplane.xtables.restore_runner import (
     Backend,
     IptablesRunner,
@@ -83,7 +84,7 @@ from proxy.dataplane.xtables.restore_runner import (
 )
 from proxy.dataplane.xtables.saved import parse_save
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
-from proxy.model.types import Family, IPAddress, Protocol, ServicePortKey
+from proxy.model.types import Family, IPAddress, ServicePortKey
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,7 @@ class IpvsDataPlane:
         # Held while we write iptables rules, so the legacy canary never reports our own.
         self._writing = threading.Lock()
         self._watches: list[NftablesListener | LegacyCanary | LinkListener] = []
+        self._sampler: TableSampler | None = None
         # What the last `cleanup` removed (for its caller's log line).
         self.cleaned: dict[str, int] = {}
 
@@ -226,6 +228,9 @@ class IpvsDataPlane:
             # address at the next periodic full sync.
             try:
                 self._dummy_index = h.links.ensure()
+                # kube-proxy's dummy interface holds service addresses, not the node's
+                # (it is there between the switch from kube-proxy and its clean-up).
+                services = {self._dummy_index, h.links.index(KUBE_IPVS_INTERFACE)}
                 table = h.links.address_table()
             except Exception as exc:
                 self._need_full = True
@@ -233,8 +238,7 @@ class IpvsDataPlane:
                 raise ApplyError(f"cannot set up dummy interface {self._dummy_name}: {exc}",
                                  offending=f"link {self._dummy_name}") from exc
             ctx = RenderContext.build(
-                self.options, (a for i, a in table if i != self._dummy_index),
-                state.primary_ips)
+                self.options, (a for i, a in table if i not in services), state.primary_ips)
             present = {a for i, a in table
                        if i == self._dummy_index and usable_node_address(a)}
             delta = self._full(state, ctx, present, h, run)
@@ -268,6 +272,8 @@ class IpvsDataPlane:
                              f"first: {what}: {err}", offending=what)
         self._need_full = False
         self._last = state
+        if self._sampler is not None and (full or delta.virtual_servers):
+            self._sampler.publish(list(self._believed))
         if full:
             self._applied = dict(self._index.ports)
         else:
@@ -323,8 +329,9 @@ class IpvsDataPlane:
         """Call `notify(reason)` (from another thread) whenever someone else may have
         changed our iptables rules (nf_tables announcements or the legacy canary, as the
         iptables plane) or our dummy interface and its addresses (rtnetlink
-        announcements); see drift.py. Then `check_drift` tells whether they did. The IPVS
-        table itself announces nothing: repaired at the full resync."""
+        announcements); see drift.py. The IPVS table announces nothing: a rotating
+        sample of our virtual servers is asked for every half second (sample.py). Then
+        `check_drift` tells whether they did."""
         if self._watches:
             return
         h = self._handles()
@@ -338,11 +345,16 @@ class IpvsDataPlane:
             watches.append(watch_xtables(h.runners, backend is Backend.NFT, notify,
                                          self._writing))
         self._watches = watches
+        sampler = TableSampler(notify)
+        sampler.publish(list(self._believed))
+        sampler.start()
+        self._sampler = sampler
         log.info("watching for changes to our rules by other processes", extra={
             "backend": backend.value if backend else None,
             "how": ["rtnetlink announcements (dummy interface and its addresses)",
-                    how_xtables_are_watched(backend is Backend.NFT)],
-            "not_watched": "the IPVS table (repaired at the full resync)"})
+                    how_xtables_are_watched(backend is Backend.NFT),
+                    f"{sampler.per_tick} of our virtual servers asked for every "
+                    f"{sampler.interval:g} s (the IPVS table announces nothing)"]})
 
     def check_drift(self) -> list[str]:
         """How what we own in the kernel differs from what we last applied ([] when it
@@ -354,6 +366,18 @@ class IpvsDataPlane:
             return []  # nothing applied yet, or the next sync is full anyway
         h = self._handles()
         found: list[str] = []
+        sampled = self._sampler.take_found() if self._sampler is not None else []
+        if sampled:
+            # The sampler saw these gone: asked again, still gone is difference enough
+            # (the full sync rewrites the rest), so a flush costs no full check first.
+            try:
+                gone = [k for k in h.ipvs.missing(sampled) if k in self._believed]
+            except Exception as exc:
+                gone, found = [], [f"the IPVS table could not be read: {exc}"]
+            found += [f"virtual server {k} is missing" for k in gone]
+            if found:
+                self._need_full = True
+                return found[:DRIFT_LIMIT]
         for family, runner in h.runners.items():
             with self._writing:
                 try:
@@ -426,20 +450,29 @@ class IpvsDataPlane:
 
     def cleanup(self, *, announce: bool = True) -> None:
         """Remove our virtual servers, dummy interface, chains and ipsets; `cleaned`
-        then says how many of each. `announce=False`: the caller logs the summary."""
+        then says how many of each. `announce=False`: the caller logs the summary.
+        Only virtual servers provably ours go (ownership.is_ours): a key kube-proxy
+        also claims (its kube-ipvs0 holds the address, or its NodePort sets the port)
+        is left to it, real servers and all."""
         h = self._handles()
         run = _Run()
-        index = h.links.index()
-        dummy_addresses = ({a for a in h.links.addresses(index) if usable_node_address(a)}
-                           if index is not None else set())
-        owned = self._owned_by_sets(h)
+        if self._sampler is not None:
+            self._sampler.publish(())
+        doomed: list[Op] = []
         try:
-            kernel = h.ipvs.services()
+            claims = read_claims(h.links, h.ipsets, self._dummy_name)
+            kernel = h.ipvs.service_keys()
         except Exception as exc:
-            run.fail("dump IPVS services", exc)
-            kernel = {}
-        doomed = [Op(OpKind.DEL_SERVICE, k) for k in sorted(kernel, key=VsKey.order)
-                  if k.address in dummy_addresses or k in owned or k in self._believed]
+            run.fail("read the IPVS table and its owners", exc)
+        else:
+            mine = Claims(claims.ours.addresses, claims.ours.keys | frozenset(self._believed))
+            doomed = [Op(OpKind.DEL_SERVICE, k) for k in sorted(kernel, key=VsKey.order)
+                      if is_ours(k, mine, claims.other_addresses, claims.kube_proxy)]
+            kept = sorted((k for k in kernel if mine.claims(k)
+                           and claims.kube_proxy.claims(k)), key=VsKey.order)
+            if kept:
+                log.info("left %d virtual servers that kube-proxy programs too", len(kept),
+                         extra={"virtual_servers_kept": len(kept), "first": str(kept[0])})
         self._execute(h, doomed, [None] * len(doomed), run)
         cleaned = {"virtual servers": len(doomed), "dummy interfaces": 0,
                    "iptables lines": 0, "ipsets": 0}
@@ -488,6 +521,9 @@ class IpvsDataPlane:
         for watch in self._watches:
             watch.stop()
         self._watches = []
+        if self._sampler is not None:
+            self._sampler.stop()
+            self._sampler = None
         if self._h is not None:
             self._h.close()
             self._h = None
@@ -757,17 +793,7 @@ class IpvsDataPlane:
 
     def _owned_by_sets(self, h: _Handles) -> set[VsKey]:
         """Virtual servers our SERVICES sets list (what an earlier run programmed)."""
-        owned: set[VsKey] = set()
-        for family in Family:
-            name = set_name(SetRole.SERVICES, family)
-            for entry in parse_ipset_save(h.ipsets.save(name)).get(name, []):
-                try:
-                    address, rest = entry.rsplit(",", 1)
-                    proto, port = rest.split(":", 1)
-                    owned.add(VsKey(Protocol(proto.upper()), ip_address(address), int(port)))
-                except ValueError:
-                    continue
-        return owned
+        return read_set_keys(h.ipsets, (set_name(SetRole.SERVICES, f) for f in Family))
 
     def _log_conflicts(self, vs_keys: Iterable[VsKey]) -> None:
         for vs_key, owners in self._index.conflicts(vs_keys).items():

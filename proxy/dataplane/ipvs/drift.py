@@ -13,9 +13,10 @@ reads back and compares; only a real difference costs a full sync:
   `RouteSocket`) are told apart without reading anything back;
 - its ipsets: ipset announces nothing; the check looks at their presence;
 - the IPVS table itself: IPVS announces nothing either (no multicast group, no
-  generation counter). The check compares which virtual servers exist when it runs for
-  another reason; otherwise a foreign `ipvsadm` change is repaired at the next full
-  resync (--sync-period).
+  generation counter). `sample.TableSampler` asks for a few of our virtual servers
+  twice a second, so a flush is noticed at once; the check compares which virtual
+  servers exist. A change to a virtual server's real servers or scheduler alone is
+  repaired at the next full resync (--sync-period).
 """
 
 from __future__ import annotations

@@ -252,16 +252,20 @@ FOREIGN: dict[str, Callable[[IpvsFaultNode], None]] = {
     f"an address deleted from {DUMMY_INTERFACE}":
         lambda n: _run(n, "ip", "addr", "del", f"{WEB}/32", "dev", DUMMY_INTERFACE),
     f"{DUMMY_INTERFACE} deleted": lambda n: _run(n, "ip", "link", "del", DUMMY_INTERFACE),
+    # What `kube-proxy --cleanup` does to the table; IPVS announces nothing: sampled.
+    "IPVS table flushed (ipvsadm -C)": lambda n: _run(n, "ipvsadm", "-C"),
 }
 
 
 def test_foreign_changes_are_repaired(node: IpvsFaultNode) -> None:
-    """One after another; each is noticed from an announcement (nf_tables, rtnetlink),
-    checked, and repaired by a full sync long before --sync-period (an hour)."""
+    """One after another; each is noticed from an announcement (nf_tables, rtnetlink)
+    or, for the IPVS table, which announces nothing, by the sampler's next look
+    (ipvs/sample.py), checked, and repaired by a full sync long before --sync-period
+    (an hour)."""
     agent = node.agent
 
-    def kernel() -> tuple[list[str], list[str]]:
-        return node.rules(), node.addresses()
+    def kernel() -> tuple[list[str], list[str], list[str]]:
+        return node.rules(), node.addresses(), node.virtual_servers()
 
     for name, change in FOREIGN.items():
         before = kernel()
@@ -273,7 +277,7 @@ def test_foreign_changes_are_repaired(node: IpvsFaultNode) -> None:
             change(node)
             assert kernel() != before, f"{name} changed nothing"
 
-            def restored(want: tuple[list[str], list[str]] = before) -> bool:
+            def restored(want: tuple[list[str], list[str], list[str]] = before) -> bool:
                 return kernel() == want
 
             wait_for(restored, CHANGE_DEADLINE,

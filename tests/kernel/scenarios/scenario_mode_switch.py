@@ -1,7 +1,7 @@
 """Switching between the IPVS mode and the iptables mode with no `--cleanup` in between,
 inside the kernel lab (run by tests/kernel/test_mode_switch.py; never on the host): the
-real agent, stopped in one mode (SIGTERM leaves its rules), started in the other, removes
-the old mode's leftovers before its first sync and serves. Both modes write `SPX-`
+real agent, stopped in one mode (SIGTERM leaves its rules), started in the other, serves
+and, once its first sync is in the kernel, removes the old mode's leftovers. Both modes write `SPX-`
 chains; each must remove exactly the other's (proxy/dataplane/leftovers.py).
 (nftables <-> iptables runs on the host: tests/e2e/test_mode_switch.py.)
 
@@ -15,24 +15,37 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from proxy.dataplane.common.kube_proxy_objects import ipvs_set_names
+from proxy.dataplane.ipvs.handover import kube_proxy_chain
+from proxy.dataplane.ipvs.render import DUMMY_INTERFACE
+from proxy.dataplane.xtables.saved import Table
 from proxy.lab import Lab
-from proxy.sim import SimServer
+from proxy.lab.poll import wait as wait_for
+from proxy.sim import SimServer, v1beta1
 from tests.e2e.agent_support import (
     ROOT,
     AgentProcess,
     PortSpec,
     endpoint,
     endpoint_slice,
+    iptables_save,
+    namespace_object,
+    node_object,
     our_rules,
     run_cli,
     service,
+    start_sim,
 )
+from tests.faults.traffic import Target, Traffic
+from tests.kernel import kube_proxy_guest as kube_proxy
 from tests.kernel import node_settings_guest as settings
+from tests.kernel.kube_proxy_guest import KubeProxy
 from tests.kernel.scenario_guest import NodeThread, read_kernel
 from tests.kernel.scenarios.scenario_agent import leftovers
 
@@ -73,6 +86,10 @@ def start(lab: Lab, sim: SimServer, workdir: Path, agents: list[AgentProcess],
                          name=f"agent-{len(agents) + 1}-{mode}")
     agents.append(agent.start())
     agent.wait_ready(READY_DEADLINE)
+    # Ready = the first sync is done; the other mode's leftovers go right after it, and
+    # the drift watch starts once they are handled.
+    wait_for(lambda: "watching for changes to our" in agent.log_text(), READY_DEADLINE,
+             "the other mode's leftovers handled", detail=agent.log_tail)
     return agent
 
 
@@ -119,7 +136,7 @@ def test_ipvs_then_iptables_removes_virtual_servers_dummy_ipsets_and_chains(
     assert "removed the ipvs mode's leftovers: virtual servers: 1, dummy interfaces: 1" \
         in line, line
     log = second.log_text()
-    assert log.index("removed the ipvs mode's leftovers") < log.index("first sync done")
+    assert log.index("first sync done") < log.index("removed the ipvs mode's leftovers")
     print(f"\n{line}")
 
 
@@ -196,3 +213,159 @@ def test_from_kube_proxy_its_node_settings_are_kept(
     extra = settings.read(list(settings.ONLY_V1_20))
     assert extra["net/ipv4/conf/all/route_localnet"] == 1
     assert extra["net/ipv4/vs/conn_reuse_mode"] == (0 if mode else 1)
+
+
+# --- IPVS both ways: kube-proxy v1.20.2 in IPVS mode <-> sliceproxy in IPVS mode ---------
+
+HANDOVER, GONE = "198.18.128.60", "198.18.128.61"
+TRAFFIC_TIMEOUT, TRAFFIC_INTERVAL = 1.0, 0.05  # an emulated machine: 1 s to answer
+
+
+def web_v1beta1(sim: SimServer, lab: Lab, name: str, vip: str) -> None:
+    """A service and its slice as a v1.20 API server keeps them."""
+    b = lab.backends
+    sim.apply(service(name, [vip], HTTP))
+    sim.apply(v1beta1.from_v1(endpoint_slice(
+        name, name, [endpoint(b[n].ipv4) for n in sorted(WEB)], HTTP)))
+
+
+def virtual_servers(lab: Lab) -> dict[str, list[str]]:
+    """`ipvsadm -Sn`: each virtual server (`-t ADDR:PORT`) with its real servers."""
+    out = lab.exec(lab.node_ns, ["ipvsadm", "-Sn"], check=True).stdout
+    table: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        words = line.split()
+        if line.startswith("-A"):
+            table[f"{words[1]} {words[2]}"] = []
+        elif line.startswith("-a"):
+            table[f"{words[1]} {words[2]}"].append(words[4])
+    return table
+
+
+def interface_addresses(lab: Lab, name: str) -> list[str] | None:
+    out = lab.exec(lab.node_ns, ["ip", "-o", "addr", "show", "dev", name])
+    if out.returncode != 0:
+        return None
+    words = out.stdout.split()
+    return [words[i + 1].split("/")[0] for i, w in enumerate(words[:-1]) if w == "inet"]
+
+
+def handover(lab: Lab) -> subprocess.CompletedProcess[str]:
+    """deploy/migrate/kube-proxy-cleanup-ipvs.yaml's command, in the node namespace."""
+    return lab.exec(lab.node_ns, [sys.executable, "-m", "proxy.dataplane.ipvs.handover"],
+                    timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+
+
+def kube_proxy_objects(lab: Lab) -> list[str]:
+    """What kube-proxy's own clean-up removes that is still there: chains (and rules)
+    and ipsets (KUBE-MARK-DROP and the canaries it leaves too)."""
+    found = []
+    for family in ("4", "6"):
+        table = None
+        for line in iptables_save(lab, family).splitlines():
+            if line.startswith("*"):
+                table = Table(line[1:]) if line[1:] in ("nat", "filter") else None
+            elif table is not None and line.startswith(":") \
+                    and kube_proxy_chain(table)(line[1:].split()[0]):
+                found.append(f"IPv{family} {table.value} {line.split()[0]}")
+    sets = lab.exec(lab.node_ns, ["ipset", "list", "-n"], check=True).stdout.split()
+    return found + [f"ipset {n}" for n in sets if n in ipvs_set_names()]
+
+
+@pytest.fixture
+def kube_proxy_binary() -> str:
+    binary = os.environ.get("KUBE_PROXY")
+    if not binary:
+        pytest.fail("no kube-proxy v1.20.2 binary (KUBE_PROXY)")
+    return binary
+
+
+@pytest.fixture
+def sim_v120(lab: Lab) -> Iterator[SimServer]:
+    with start_sim(lab, [node_object(), namespace_object("demo")], api_level="1.20") as server:
+        yield server
+
+
+@pytest.fixture
+def kube_proxies(lab: Lab, kube_proxy_binary: str) -> Iterator[list[KubeProxy]]:
+    """kube-proxies a scenario starts; stopped and their rules removed afterwards, by
+    `kube-proxy --cleanup` as deploy/migrate/kube-proxy-cleanup.yaml runs it (what it
+    leaves of the IPVS mode is printed), then the rest of the IPVS table flushed (the
+    namespace is the test's own)."""
+    started: list[KubeProxy] = []
+    try:
+        yield started
+    finally:
+        for proxy in started:
+            proxy.stop()
+        if started:
+            done = kube_proxy.cleanup(lab, kube_proxy_binary)
+            assert done.returncode == 0, done.stderr[-2000:]
+            there = interface_addresses(lab, "kube-ipvs0") is not None
+            print(f"kube-proxy v1.20.2 --cleanup: left {len(virtual_servers(lab))} virtual "
+                  f"servers, kube-ipvs0 {'present' if there else 'gone'}, "
+                  f"{len(kube_proxy_objects(lab))} of its chains and ipsets")
+        lab.exec(lab.node_ns, ["ipvsadm", "-C"], check=True)
+
+
+def test_ipvs_from_kube_proxy_and_back_with_traffic(
+        lab: Lab, sim_v120: SimServer, workdir: Path, kube_proxy_binary: str,
+        agents: list[AgentProcess], kube_proxies: list[KubeProxy]) -> None:
+    """docs/migrate.md#ipvs-mode, both ways, with a client opening a fresh connection to
+    the service every 50 ms throughout: no connection fails, and neither proxy's
+    clean-up removes a virtual server the other one serves."""
+    sim, c, vs = sim_v120, lab.client_ns, f"-t {HANDOVER}:80"
+    web_v1beta1(sim, lab, "handover", HANDOVER)
+    web_v1beta1(sim, lab, "gone", GONE)
+    first = KubeProxy(lab, sim, kube_proxy_binary, workdir, "kube-proxy-1").start()
+    kube_proxies.append(first)
+    wait_for(lambda: len(virtual_servers(lab).get(vs, ())) == 2
+             and f"-t {GONE}:80" in virtual_servers(lab), READY_DEADLINE,
+             "kube-proxy's first sync", detail=first.log_tail)
+    lab.wait_for(c, HANDOVER, 80, WEB, deadline=CHANGE_DEADLINE)
+    target = Target("handover", HANDOVER, 80, "tcp", frozenset(WEB))
+    with Traffic(c, [target], interval=TRAFFIC_INTERVAL, timeout=TRAFFIC_TIMEOUT) as traffic:
+        # kube-proxy -> sliceproxy. A service deleted while neither proxy runs leaves a
+        # virtual server of kube-proxy's that sliceproxy never serves.
+        began = time.monotonic()
+        first.stop()
+        sim.delete("v1", "Service", "gone", "demo")
+        agent = start(lab, sim, workdir, agents, "ipvs")
+        ours = virtual_servers(lab)
+        assert ours[vs] and f"-t {GONE}:80" in ours
+        assert kube_proxy_objects(lab)
+        step = handover(lab)
+        assert step.returncode == 0, step.stderr
+        assert f"1 virtual servers (kube-proxy's alone, first TCP {GONE}:80), 1 interface" \
+            in step.stdout, step.stdout
+        left = virtual_servers(lab)
+        assert left == {k: v for k, v in ours.items() if k != f"-t {GONE}:80"}
+        assert interface_addresses(lab, "kube-ipvs0") is None
+        assert kube_proxy_objects(lab) == []
+        print(f"\n{step.stdout.strip()}")
+        lab.wait_for(c, HANDOVER, 80, WEB, deadline=CHANGE_DEADLINE)
+        to_sliceproxy = traffic.report(since=began)
+
+        # sliceproxy -> kube-proxy.
+        began = time.monotonic()
+        agent.stop()
+        second = KubeProxy(lab, sim, kube_proxy_binary, workdir, "kube-proxy-2").start()
+        kube_proxies.append(second)
+        wait_for(lambda: HANDOVER in (interface_addresses(lab, "kube-ipvs0") or ())
+                 and len(virtual_servers(lab).get(vs, ())) == 2, READY_DEADLINE,
+                 "kube-proxy's first sync after sliceproxy", detail=second.log_tail)
+        theirs = virtual_servers(lab)
+        step = run_cli(lab, ["--cleanup", "--proxy-mode", "ipvs",
+                             "--hostname-override", "node-a"])
+        assert step.returncode == 0, step.stderr
+        assert virtual_servers(lab) == theirs  # every one of kube-proxy's kept
+        assert our_rules(lab) == [] and interface_addresses(lab, DUMMY_INTERFACE) is None
+        assert "left 1 virtual servers that kube-proxy programs too" in step.stderr, \
+            step.stderr
+        lab.wait_for(c, HANDOVER, 80, WEB, deadline=CHANGE_DEADLINE)
+        to_kube_proxy = traffic.report(since=began)
+    print(f"\nIPVS kube-proxy -> sliceproxy: {to_sliceproxy.attempts} connections, "
+          f"{to_sliceproxy.failed} failed; sliceproxy -> kube-proxy: "
+          f"{to_kube_proxy.attempts} connections, {to_kube_proxy.failed} failed")
+    assert to_sliceproxy.failed == 0, to_sliceproxy.failures()
+    assert to_kube_proxy.failed == 0, to_kube_proxy.failures()

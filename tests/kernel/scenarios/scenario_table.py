@@ -10,6 +10,8 @@ iptables rules on either back end), schedulers.
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
 from ipaddress import ip_address
 from typing import Any
@@ -20,9 +22,11 @@ from hypothesis import strategies as st
 
 from proxy.dataplane.base import ApplyError
 from proxy.dataplane.ipvs.diff import Op, OpKind
+from proxy.dataplane.ipvs.handover import remove_kube_proxy_ipvs
 from proxy.dataplane.ipvs.kernel import IpvsTable
 from proxy.dataplane.ipvs.netfilter import JUMPS
 from proxy.dataplane.ipvs.render import VirtualServer, VsKey, VsKind
+from proxy.dataplane.ipvs.sample import TableSampler
 from proxy.dataplane.xtables.restore_runner import Backend, binary
 from proxy.lab import Lab
 from proxy.model.types import Family, Protocol
@@ -271,3 +275,104 @@ def test_every_scheduler_the_kernel_offers(node: NodeThread) -> None:
     node.start_plane(options(ipvs_scheduler="nope"))
     with pytest.raises(ApplyError, match="is the IPVS scheduler 'nope' available"):
         node.sync(state)
+
+
+def kernel_keys(node: NodeThread) -> set[str]:
+    return {ln.split()[2] for ln in node.exec("ipvsadm", "-Sn").stdout.splitlines()
+            if ln.startswith("-A")}
+
+
+def test_each_proxys_cleanup_leaves_what_the_other_claims(node: NodeThread) -> None:
+    """Both proxies program the same keys (docs/migrate.md#ipvs-mode). kube-proxy's
+    claims, imitated: its dummy interface holding one of our cluster IPs and one address
+    of its own (with a virtual server), and its NodePort set listing our NodePort."""
+    state = load(Cluster(), SOME)
+    node.sync(state)
+    ours = kernel_keys(node)
+    shared = {k for k in ours if k.startswith("198.18.128.30:") or k.endswith(":30100")}
+    assert shared and shared != ours
+    for cmd in (["ip", "link", "add", "kube-ipvs0", "type", "dummy"],
+                ["ip", "addr", "add", "198.18.128.30/32", "dev", "kube-ipvs0"],
+                ["ip", "addr", "add", "198.18.4.3/32", "dev", "kube-ipvs0"],
+                ["ipvsadm", "-A", "-t", "198.18.4.3:80", "-s", "rr"],  # kube-proxy's only
+                ["ipset", "create", "KUBE-NODE-PORT-TCP", "bitmap:port", "range", "0-65535"],
+                ["ipset", "add", "KUBE-NODE-PORT-TCP", "30100"]):
+        assert node.exec(*cmd).returncode == 0, cmd
+    try:
+        # The switch back to kube-proxy: ours go, none of those kube-proxy claims.
+        plane = node.plane
+        assert plane is not None
+        node.run(plane.cleanup)
+        assert kernel_keys(node) == shared | {"198.18.4.3:80"}
+        assert plane.cleaned["virtual servers"] == len(ours - shared)
+        # The switch to sliceproxy: kube-proxy's own only, then its interface and sets.
+        node.sync(state)
+        assert kernel_keys(node) == ours | {"198.18.4.3:80"}
+        removed = node.run(remove_kube_proxy_ipvs)
+        assert removed.errors == []
+        assert [str(k) for k in removed.virtual_servers] == ["TCP 198.18.4.3:80"]
+        assert (removed.interfaces, removed.ipsets) == (1, ["KUBE-NODE-PORT-TCP"])
+        assert kernel_keys(node) == ours
+        assert_kernel_matches(node, state)
+    finally:
+        for cmd in (["ip", "link", "del", "kube-ipvs0"], ["ipvsadm", "-D", "-t", "198.18.4.3:80"],
+                    ["ipset", "destroy", "KUBE-NODE-PORT-TCP"]):
+            node.exec(*cmd)
+
+
+# The size of the table the sampler's cost is measured at: 10,000 for the figure in
+# docs/reliability.md; 1,000 in the suite, where building it costs time under emulation.
+SAMPLED_TABLE = int(os.environ.get("SLICEPROXY_SAMPLER_TABLE", "1000"))
+
+
+def test_the_sampler_sees_a_flush_at_its_next_look_and_its_cost(node: NodeThread) -> None:
+    """ipvs/sample.py over a table of SAMPLED_TABLE virtual servers: one look finds a
+    flush; its CPU per second beside a dump of every key each second (reported, not
+    asserted)."""
+    keys = [VsKey(Protocol.TCP, ip_address(f"198.19.{i // 250}.{i % 250 + 1}"), 80)
+            for i in range(SAMPLED_TABLE)]  # up to 64,000
+    notes: list[str] = []
+    sampler = TableSampler(notes.append)
+    sampler.publish(keys)
+
+    def measure() -> dict[str, float]:
+        table = IpvsTable()
+        try:
+            codes = table.apply_many([Op(OpKind.ADD_SERVICE, k, service=VirtualServer(
+                k, VsKind.CLUSTER_IP, "rr", 0, 0, (), "cluster")) for k in keys])
+            assert not any(codes)
+            looks, began = 0, time.thread_time()
+            for _ in range(SAMPLED_TABLE // sampler.per_tick):  # once round the table
+                assert sampler.look(table) == []
+                looks += 1
+            look = (time.thread_time() - began) / looks
+            began = time.thread_time()
+            for _ in range(3):
+                assert len(table.service_keys()) == SAMPLED_TABLE
+            dump = (time.thread_time() - began) / 3
+            return {"look": look, "dump": dump}
+        finally:
+            table.close()
+
+    try:
+        cost = node.run(measure, timeout=600)
+        assert notes == []
+        assert node.exec("ipvsadm", "-C").returncode == 0
+
+        def look_after_flush() -> list[VsKey]:
+            table = IpvsTable()
+            try:
+                return sampler.look(table)
+            finally:
+                table.close()
+
+        assert len(node.run(look_after_flush)) == sampler.per_tick
+        assert len(notes) == 1 and "missing from the IPVS table" in notes[0], notes
+    finally:
+        node.exec("ipvsadm", "-C")
+    per_second = 1 / sampler.interval
+    print(f"\nIPVS table sampler at {SAMPLED_TABLE:,} virtual servers: one look "
+          f"({sampler.per_tick} GETs) {cost['look'] * 1e3:.3f} ms CPU, "
+          f"{cost['look'] * per_second * 1e3:.2f} ms per second at {per_second:g} looks/s; "
+          f"a dump of every key {cost['dump'] * 1e3:.1f} ms CPU (at 1/s: "
+          f"{cost['dump'] * 1e3:.1f} ms per second)")
