@@ -1,5 +1,6 @@
-"""Another mode's leftovers: found and removed when the agent starts, before its first
-sync, so switching `--proxy-mode` needs no `--cleanup` run in between.
+"""Another mode's leftovers: found and removed when the agent starts, once its first
+sync is in the kernel (proxy/agent/app.py says why then), so switching `--proxy-mode`
+needs no `--cleanup` run in between.
 
 Upstream kube-proxy does the same at every start (cmd/kube-proxy/app/server_linux.go,
 `platformCleanup`, no flag): the nftables mode removes the iptables and IPVS modes'

@@ -1,17 +1,24 @@
 """Switching `--proxy-mode` with no `--cleanup` in between: the real agent, stopped in
 one mode (SIGTERM leaves its rules), started in another, removes the old mode's rules
-before its first sync, and serves; somebody else's tables and chains stay as they were.
-(IPVS -> iptables needs IPVS: tests/kernel/scenarios/scenario_mode_switch.py.)"""
+once its own first sync is in the kernel, and serves: fresh connections made all through
+the switch are every one answered (removing the old rules first left a moment with
+neither mode's rules: "Network is unreachable"). Somebody else's tables and chains stay
+as they were. (IPVS -> iptables needs IPVS: tests/kernel/scenarios/scenario_mode_switch.py.)"""
 
 from __future__ import annotations
 
 import re
+import threading
+import time
+from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from proxy.lab import BackendSpec, Lab
+from proxy.lab.poll import wait as wait_for
 from proxy.sim import SimServer
 from tests.e2e.agent_support import (
     AgentProcess,
@@ -121,7 +128,50 @@ def start(lab: Lab, sim: SimServer, tmp_path: Path, agents: list[AgentProcess],
                          name=f"agent-{len(agents) + 1}-{mode}")
     agents.append(agent.start())
     agent.wait_ready()
+    # The other mode's leftovers go right after the first sync (healthy from then on):
+    # the next start-up line is the drift watch's, once they are gone.
+    wait_for(lambda: "watching for changes to our" in agent.log_text(), 15,
+             "the other mode's leftovers handled")
     return agent
+
+
+@contextmanager
+def connections(lab: Lab) -> Iterator[Counter[str]]:
+    """Fresh connections to the service from the client namespace all the while (about
+    100 a second; the wait only paces them), bounded in count and time; what answered."""
+    answers: Counter[str] = Counter()
+    stop = threading.Event()
+
+    def run() -> None:
+        end = time.monotonic() + 90
+        while time.monotonic() < end and answers.total() < 9000:
+            answers.update(lab.ask(lab.client_ns, VIP, 80, count=1, timeout=1.0))
+            if stop.wait(0.01):
+                return
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: answers.total() >= 20, 20, "connections before the switch")
+        yield answers
+        seen = answers.total()
+        wait_for(lambda: answers.total() >= seen + 20, 20, "connections after the switch")
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def switch(lab: Lab, sim: SimServer, tmp_path: Path, agents: list[AgentProcess],
+           old: AgentProcess, mode: str) -> AgentProcess:
+    """Stop `old`, start an agent in `mode`, with connections made all through; every
+    one of them answered by a backend."""
+    with connections(lab) as answers:
+        old.stop()
+        new = start(lab, sim, tmp_path, agents, mode)
+    failed = {k: n for k, n in answers.items() if k not in WEB}
+    assert not failed, f"{failed} of {answers.total()} connections failed in the switch"
+    print(f"\nswitch to {mode}: {answers.total()} connections, 0 failed")
+    return new
 
 
 def test_iptables_then_nftables_removes_the_iptables_rules(
@@ -132,17 +182,15 @@ def test_iptables_then_nftables_removes_the_iptables_rules(
     assert our_rules(lab, ["nft"]) and not our_rules(lab, ["legacy"])
     assert set(lab.ask(lab.client_ns, VIP, 80, count=20)) == WEB
     assert removal_lines(first) == []  # nothing to remove in a fresh namespace
-    first.stop()
-    assert our_rules(lab)  # SIGTERM leaves them
-
-    second = start(lab, sim, tmp_path, agents, "nftables")
+    second = switch(lab, sim, tmp_path, agents, first, "nftables")
     assert our_rules(lab) == []  # neither back end, neither family
     assert {"table ip sliceproxy", "table ip6 sliceproxy"} <= set(our_tables(lab))
     assert set(lab.ask(lab.client_ns, VIP, 80, count=20)) == WEB
     (line,) = removal_lines(second)
     assert "removed the iptables mode's leftovers" in line and "mode=nftables" in line
     log = second.log_text()
-    assert log.index("removed the iptables mode's leftovers") < log.index("first sync done")
+    # The new rules first, then the old ones go: never a moment with neither.
+    assert log.index("first sync done") < log.index("removed the iptables mode's leftovers")
     assert foreign(lab) == before
     print(f"\niptables -> nftables: {timing(first)} (first start); {timing(second)}")
 
@@ -153,16 +201,16 @@ def test_nftables_then_iptables_removes_our_tables(
     first = start(lab, sim, tmp_path, agents, "nftables")
     assert our_tables(lab) and our_rules(lab) == []
     assert removal_lines(first) == []
-    first.stop()
-    assert our_tables(lab)
 
-    second = start(lab, sim, tmp_path, agents, "iptables")
+    second = switch(lab, sim, tmp_path, agents, first, "iptables")
     assert our_tables(lab) == []
     assert our_rules(lab, ["nft"])
     assert set(lab.ask(lab.client_ns, VIP, 80, count=20)) == WEB
     (line,) = removal_lines(second)
     assert "removed the nftables mode's leftovers: tables ip sliceproxy, ip sliceproxy-0, " \
         "ip6 sliceproxy, ip6 sliceproxy-0" in line and "mode=iptables" in line
+    log = second.log_text()
+    assert log.index("first sync done") < log.index("removed the nftables mode's leftovers")
     assert foreign(lab) == before
 
     # A restart in the same mode removes nothing: its own rules are not leftovers.

@@ -317,3 +317,48 @@ def test_a_full_sync_the_kernel_refuses_from_the_encoder_is_retried_through_nft(
     assert "198.18.1.10" in nft(ns, "list", "table", "ip", "sliceproxy")
     assert "no-such-chain" not in nft(ns, "list", "table", "ip", "sliceproxy")
     plane.cleanup()
+
+
+# Our tables as another version of the agent might have left them: a set and a map of
+# another type, hooked chains at other priorities, a chain and a shard table this
+# version does not have. nf_tables refuses to redefine a set's type or a hooked chain's
+# priority, so no full sync can take these over as they are.
+OTHER_VERSION = """table ip sliceproxy {
+  set cluster-ips { type ipv4_addr . inet_service; elements = { 198.18.128.10 . 80 }; }
+  chain nat-postrouting { type nat hook postrouting priority srcnat + 5; policy accept; }
+}
+table ip sliceproxy-0 {
+  chain svc-old { meta l4proto tcp dnat to 198.18.1.5:80; }
+  map service-ips { type ipv4_addr . inet_service : verdict;
+                    elements = { 198.18.128.10 . 80 : goto svc-old }; }
+  chain nat-prerouting { type nat hook prerouting priority dstnat - 5; policy accept;
+                         ip daddr . tcp dport vmap @service-ips; }
+}
+table ip sliceproxy-7 { chain stale { }; }
+"""
+
+
+def test_a_start_over_another_versions_tables_replaces_them_in_one_transaction(
+        namespaces: Lab) -> None:
+    """An agent (a new data plane: nothing written by it yet) starting over tables of a
+    layout it cannot take over: its first full sync is refused, then sent again as
+    their replacement, deleted and written anew in one transaction (never a moment
+    without rules), and the tables end as a start on a clean node leaves them."""
+    ns, clean = namespaces.node_ns, namespaces.client_ns
+    for n in (ns, clean):
+        wipe(n)
+        nft(n, "-f", "-", stdin=FOREIGN)
+    nft(ns, "-f", "-", stdin=OTHER_VERSION)
+    state = Cluster().become(*web(["198.18.1.5", "198.18.1.6"]))
+    plane = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES)
+    report = plane.sync(state, full=True)
+    assert report.details["IPv4"]["applier"] == "netlink, replacing our tables"
+    fresh = NodePlane(clean, mode="nftables", addresses=lambda: ADDRESSES)
+    fresh.sync(state, full=True)
+    assert listing(ns) == listing(clean)
+    assert "sliceproxy-7" not in nft(ns, "list", "tables")
+    # From then on, ordinary syncs: written by this process, taken over as they are.
+    assert plane.sync(state, full=True).details["IPv4"]["applier"] == "netlink"
+    for p in (plane, fresh):
+        p.cleanup()
+    assert "table inet firewall" in nft(ns, "list", "tables")

@@ -8,6 +8,8 @@
   an operator builds it. The build's RUN steps reach Debian's mirror and PyPI through the
   host's network; the host's CA bundle and a pip.conf naming it are mounted into those
   steps only, for machines whose HTTPS goes through an intercepting proxy (these do).
+* another version of sliceproxy's image, to upgrade to and roll back from: some of its
+  modules replaced, one layer on top of the image (`layered`).
 * the pod sandbox (`pause`): the static binary built from the Kubernetes tree
   (labs/realcp/build.py), alone in an image.
 * kube-proxy v1.20.2 as kubeadm runs it (`<repository>/kube-proxy:v1.20.2`): upstream's
@@ -31,7 +33,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,14 +182,31 @@ def build_sliceproxy(root: Path = ROOT, tag: str | None = None, *,
         return Image(ref, archive, size_of(ref), seconds, built)
 
 
-def retag(image: Image, suffix: str) -> Image:
-    """The same image under the tag `<tag>-<suffix>` (a new image reference to roll to)."""
+# Where the image's virtual environment holds the package (the Dockerfile's venv,
+# Debian 12's Python).
+SITE_PACKAGES = "/opt/sliceproxy/lib/python3.11/site-packages"
+
+
+def layered(image: Image, suffix: str, sources: Mapping[str, str]) -> Image:
+    """`image` with some of its package's modules replaced, as one layer on top, tagged
+    `<tag>-<suffix>`: another version of the agent to roll to, made in seconds rather
+    than by a build. `sources`: path in the repo ("proxy/...py") -> the module's new
+    text. Only the source is replaced: its new size no longer matches the compiled
+    file's record, so Python compiles it at start (in memory: the root is read-only)."""
     ref = f"{image.ref}-{suffix}"
-    with locked(CACHE / "build.lock"):
-        if not _exists(ref):
-            buildah("tag", image.ref, ref)
-        archive = _export(ref, ref.rsplit("/", 1)[-1].replace(":", "-"))
-    return Image(ref, archive, image.size, 0.0, False)
+    digest = hashlib.sha256(repr(sorted(sources.items())).encode()).hexdigest()[:12]
+    key = f"{ref.rsplit('/', 1)[-1].replace(':', '-')}-{digest}"
+
+    def steps(ctr: str) -> None:
+        staging = CACHE / "layered" / key
+        for path, text in sources.items():
+            file = staging / path
+            file.parent.mkdir(parents=True, exist_ok=True)
+            file.write_text(text)
+            buildah("copy", "--chmod", "0644", ctr, str(file), f"{SITE_PACKAGES}/{path}")
+        shutil.rmtree(staging, ignore_errors=True)
+
+    return _built_from(image.ref, ref, key, steps)
 
 
 def _built_from(base: str, ref: str, key: str, steps: Callable[[str], None]) -> Image:

@@ -23,7 +23,11 @@ the kernel refused from the encoder (the refusal left nothing changed; if nft is
 refused too, the refusal is real, and if nft is not, the encoder has a bug, logged).
 
 A transaction is atomic: if nf_tables refuses it, the previous rules stay, the state is
-dropped and the next sync is a full one. Our tables are `ip sliceproxy` and `ip6
+dropped and the next sync is a full one. A full one refused over tables this process has
+not written since it read them back (another version's, at start) is sent again as their
+replacement, deleted and written anew in one transaction (transaction.replace_lines):
+over a version that gave a set another type or a hooked chain another priority, the
+first sync converges, with no moment without rules. Our tables are `ip sliceproxy` and `ip6
 sliceproxy` and their shards; nothing outside them is ever touched.
 """
 
@@ -64,6 +68,7 @@ from proxy.dataplane.nftables.transaction import (
     full_lines,
     kept_slots,
     partial_script,
+    replace_lines,
 )
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
 from proxy.model.types import Family, IPAddress, ServicePortKey
@@ -88,6 +93,9 @@ class _FamilyState(FamilyState):
         # rendered from: the resolution itself, the context and the shard count.
         self.ahead: dict[ServicePortKey, tuple[ResolvedServicePort, RenderContext, int,
                                                PortObjects]] = {}
+        # During a full sync over tables we have not written since they were read back:
+        # the script that replaces them whole, if the kernel refuses to take them over.
+        self.replacement: Callable[[], Script] | None = None
 
     @property
     def state(self) -> TableState | None:
@@ -162,7 +170,10 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
         return render_port(rsp, ctx, table.shards, kept_slots(kept))
 
     def _write(self, fam: _FamilyState, text: str | Script, full: bool) -> Written:
-        applier = self._run(fam, text, full) if text else "none"
+        try:
+            applier = self._run(fam, text, full) if text else "none"
+        finally:
+            fam.replacement = None  # it holds every port's objects
         lines = text.count("\n") if isinstance(text, str) else text.count or 0
         return Written(lines, {"applier": applier})
 
@@ -191,8 +202,10 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
             # next is made (transaction.first_lines).
             return first_lines(bases, {k: functools.partial(objects, k, v)
                                        for k, v in ports.items()})
-        return full_lines(bases, {k: objects(k, v) for k, v in ports.items()},
-                          chains, sets, tables)
+        rendered = {k: objects(k, v) for k, v in ports.items()}
+        if fam.state is None:  # not written by this process since: maybe another version
+            fam.replacement = functools.partial(replace_lines, bases, rendered, tables)
+        return full_lines(bases, rendered, chains, sets, tables)
 
     def _render_ahead(self, fam: _FamilyState, ports: Sequence[ResolvedServicePort],
                       ctx: RenderContext, expected: int) -> None:
@@ -234,10 +247,35 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
             self.runner.run(text if isinstance(text, str) else text.text())
             return "nft"
         except NftError as exc:
+            replaced = self._replace(fam, exc) if full and fam.replacement else None
+            if replaced is not None:
+                return f"{replaced}, replacing our tables"
             self._failed_transaction(fam, str(exc), exc.offending, full, exc.line)
             raise ApplyError(f"nf_tables refused the {'full' if full else 'partial'} "
                              f"transaction on {fam.tables}: {exc}",
                              offending=exc.offending) from exc
+
+    def _replace(self, fam: _FamilyState, refused: NftError) -> str | None:
+        """Send the replacement of our tables (module docstring); which applier took it,
+        or None if the kernel refused it too."""
+        assert fam.replacement is not None
+        script, fam.replacement = fam.replacement(), None
+        try:
+            try:
+                self.runner.send(script, fam.family, OUR_TABLES)
+                applier = "netlink"
+            except Unencodable:
+                self.runner.run(script.text())
+                applier = "nft"
+        except NftError as exc:
+            log.error("nf_tables refused the replacement of our tables too", extra={
+                "family": fam.family.label, "tables": fam.tables, "error": str(exc)[-1000:]})
+            return None
+        log.warning("our tables held what this version cannot take over as it is (written "
+                    "by another version?): replaced them whole, in one transaction",
+                    extra={"family": fam.family.label, "tables": fam.tables,
+                           "refused": str(refused)[-500:]})
+        return applier
 
     def _failed_transaction(self, fam: _FamilyState, error: str, offending: str | None,
                             full: bool, line: int | None = None) -> None:

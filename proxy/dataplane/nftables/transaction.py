@@ -396,6 +396,25 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
     return Script(make, ip), state
 
 
+def replace_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
+                  kernel_tables: Iterable[str]) -> Script:
+    """`full_lines` onto nothing, with our tables as the kernel holds them (`kernel_tables`)
+    deleted first, in the same one transaction: for tables `full_lines` cannot take over
+    as they are, written by another version of the agent (a set or map of another type,
+    a hooked chain at another priority: nf_tables refuses to redefine those). Packets
+    see the old tables until the commit and the new ones after it; established
+    connections keep their NAT; affinity sets start empty. The state is `full_lines`'."""
+    script, _state = full_lines(bases, ports)
+    ip = script.ip
+
+    def make() -> Iterator[Statement]:
+        for table in sorted(kernel_tables):
+            yield f"delete table {ip} {table}"
+        yield from script.statements()
+
+    return Script(make, ip)
+
+
 def first_lines(bases: Sequence[BaseObjects],
                 ports: Mapping[ServicePortKey, Callable[[], PortObjects]],
                 stage_lines: int = STAGE_LINES) -> tuple[Script, TableState]:
