@@ -3,6 +3,7 @@
     python -m proxy [flags]            run the agent (kube-proxy's flags; --help lists them)
     python -m proxy --cleanup [flags]  remove sliceproxy's rules from this node and exit
     python -m proxy --init-only [flags]  set kube-proxy's node settings (sysctls) and exit
+    python -m proxy --restore-node-settings  give the node back what --init-only changed
     python -m proxy explain ...        offline: what would happen to these objects, and why
     python -m proxy dump [ADDRESS]     ask a running agent (its /debug/dump)
 """
@@ -31,13 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"python -m proxy: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if config.init_only and config.cleanup:
-        print("python -m proxy: --init-only and --cleanup: give one", file=sys.stderr)
+    given = [flag for flag, on in (("--init-only", config.init_only),
+                                   ("--cleanup", config.cleanup),
+                                   ("--restore-node-settings", config.restore_node_settings))
+             if on]
+    if len(given) > 1:
+        print(f"python -m proxy: {' and '.join(given)}: give one", file=sys.stderr)
         return EXIT_USAGE
-    if config.init_only:
-        from proxy.agent.node_setup import init_only
+    if config.init_only or config.restore_node_settings:
+        from proxy.agent.node_setup import init_only, restore_only
 
-        return init_only(config)
+        return init_only(config) if config.init_only else restore_only(config)
     # Imported here so `explain` and `--help` stay quick and need no agent dependencies.
     from proxy.agent.main import cleanup, run
 

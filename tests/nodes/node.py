@@ -50,9 +50,10 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 CNI_BIN = Path("/usr/lib/cni")
 # Host paths a kubelet, containerd's shims and runc, or a CNI plugin write to whatever
 # their flags say (pod logs, runc's state, v1.20's seccomp root, the CNI cache): one per
-# node, gone with the node's mount namespace (nothing piles up on the host).
+# node, gone with the node's mount namespace (nothing piles up on the host); and the
+# manifests' host path where the node-settings step records what the node held.
 PRIVATE_DIRS = ("/var/log/pods", "/var/log/containers", "/var/lib/cni", "/run/containerd",
-                "/var/lib/kubelet")
+                "/var/lib/kubelet", "/run/sliceproxy")
 _STALE = re.compile(r"^(spx-(\d+)-[0-9a-f]+-.+?)(-daemons)?$")
 
 

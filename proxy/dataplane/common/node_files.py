@@ -11,7 +11,10 @@ A file that does not exist belongs to a module that is not loaded. nf_conntrack 
 asked for as the agent itself would load it, by a ctnetlink request (the kernel loads
 nf_conntrack_netlink, and nf_conntrack with it); ip_vs is the node's to load.
 
-`root` is where the node's /proc and /sys are: `/`, or a folder in the tests.
+The record of what the node held before (node_originals.py) is a file in the node's
+/run, kept by `NodeFiles` too.
+
+`root` is where the node's /proc, /sys and /run are: `/`, or a folder in the tests.
 """
 
 from __future__ import annotations
@@ -26,12 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from proxy.dataplane.common.ctnetlink import IPPROTO_SCTP, ConntrackSocket
+from proxy.dataplane.common.node_originals import Record, dumps, loads
 from proxy.dataplane.common.node_settings import CONNTRACK_MODULE, Setting
 from proxy.model.types import Family
 
 log = logging.getLogger(__name__)
 
 ONLINE_CPUS = "sys/devices/system/cpu/online"
+# What `--init-only` changed, for `--restore-node-settings` (node_originals.py). The
+# manifests mount the node's /run/sliceproxy there.
+RECORD = "run/sliceproxy/node-settings.json"
 
 
 class Outcome(enum.Enum):
@@ -59,20 +66,55 @@ class NodeFiles:
 
     def read(self, setting: Setting) -> int | None:
         """The file's value; None when it does not exist. ValueError: not a number."""
+        return self.read_path(setting.path)
+
+    def write(self, setting: Setting, value: int) -> None:
+        self.write_path(setting.path, value)
+
+    def read_path(self, path: str) -> int | None:
         try:
-            text = (self.root / setting.path).read_text()
+            text = (self.root / path).read_text()
         except FileNotFoundError:
             return None
         return int(text.split()[0])
 
-    def write(self, setting: Setting, value: int) -> None:
+    def write_path(self, path: str, value: int) -> None:
         # No O_CREAT: a file that is not there is not ours to make (and a fake root
         # behaves as /proc/sys does).
-        fd = os.open(self.root / setting.path, os.O_WRONLY | os.O_TRUNC)
+        fd = os.open(self.root / path, os.O_WRONLY | os.O_TRUNC)
         try:
             os.write(fd, str(value).encode())
         finally:
             os.close(fd)
+
+    # --- the originals record (node_originals.py) -----------------------------------
+
+    @property
+    def record_path(self) -> Path:
+        return self.root / RECORD
+
+    def read_record(self) -> Record:
+        """{} when there is none. ValueError: unreadable."""
+        try:
+            return loads(self.record_path.read_text())
+        except FileNotFoundError:
+            return {}
+
+    def write_record(self, record: Record) -> None:
+        """Whole or not at all (a rename), in the node's /run: it lasts until the next
+        boot, as the values it is about do."""
+        path = self.record_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(path.name + ".part")
+        part.write_text(dumps(record))
+        os.replace(part, path)
+
+    def remove_record(self) -> None:
+        """The record, then its folder if nothing else is in it (on a node, the manifest's
+        host path makes the folder; a folder mounted from elsewhere stays)."""
+        self.record_path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.record_path.parent.rmdir()
 
 
 def parse_cpu_list(text: str) -> int:

@@ -81,10 +81,7 @@ class Setting:
 
     @property
     def name(self) -> str:
-        """As an operator writes it: `net.netfilter.nf_conntrack_max`, or the sysfs path."""
-        if self.path.startswith(PROC_SYS):
-            return self.path.removeprefix(PROC_SYS).replace("/", ".")
-        return "/" + self.path
+        return shown_name(self.path)
 
     @property
     def wanted(self) -> str:
@@ -93,6 +90,13 @@ class Setting:
     def kept_by(self, current: int) -> bool:
         """Whether `current` already is what this setting asks for."""
         return current >= self.value if self.at_least else current == self.value
+
+
+def shown_name(path: str) -> str:
+    """As an operator writes it: `net.netfilter.nf_conntrack_max`, or the sysfs path."""
+    if path.startswith(PROC_SYS):
+        return path.removeprefix(PROC_SYS).replace("/", ".")
+    return "/" + path
 
 
 def conntrack_max(max_per_core: int, minimum: int, cpus: int) -> int:
