@@ -4,7 +4,8 @@ no IPv4 address anywhere but loopback), as an operator of such a cluster applies
 
 One cluster, two rollouts, in order:
 1. kubeadm's kube-proxy add-on phase writes its ConfigMap for an IPv6 cluster
-   (`bindAddress: "::"`); deploy/kubeadm/daemonset.yaml reads it (iptables mode, kubeadm's
+   (`bindAddress: "::"`); deploy/kubeadm/daemonset.yaml reads it, copied into
+   sliceproxy's ConfigMap as docs/migrate.md does (iptables mode, kubeadm's
    default; the API server by the control-plane endpoint's name, an AAAA record): every
    agent Ready through the kubelet's probes of the node's IPv6 address; ClusterIP (TCP,
    UDP) from a pod on every node, NodePort from outside to every node, the API server
@@ -31,9 +32,10 @@ from proxy.lab.poll import wait
 from tests.nodes import workload as wl
 from tests.nodes.cluster import NodeCluster
 from tests.nodes.conftest import LONG, report, started_cluster
-from tests.nodes.kubeadm import install_kube_proxy
+from tests.nodes.kubeadm import install_kube_proxy, run_documented
 from tests.nodes.scenario import Counts, Workload, ready, rollout_status
 from tests.nodes.traffic import Clients
+from tests.procedures import doc_block, steps
 
 pytestmark = [pytest.mark.nodes, pytest.mark.root, pytest.mark.slow]
 
@@ -55,11 +57,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeCluster]:
 @pytest.fixture(scope="module")
 def kubeadm_variant(cluster: NodeCluster, tmp_path_factory: pytest.TempPathFactory) -> str:
     """kubeadm's add-on phase for this cluster, its kube-proxy DaemonSet deleted at once
-    (kube-proxy never runs: the ConfigMap is what counts), then the kubeadm variant;
-    returns kubeadm's config.conf."""
+    (kube-proxy never runs: the ConfigMap is what counts), sliceproxy's ConfigMap copied
+    from it (docs/migrate.md, step 1), then the kubeadm variant; returns kubeadm's
+    config.conf."""
     c = cluster
-    install_kube_proxy(c, tmp_path_factory.mktemp("kubeadm"))
+    workdir = tmp_path_factory.mktemp("kubeadm")
+    install_kube_proxy(c, workdir)
     c.kubectl("-n", SYSTEM, "delete", "daemonset", "kube-proxy")
+    run_documented(c, steps(doc_block("migrate.md", "## kube-proxy → sliceproxy"))["1"],
+                   workdir)
     started = time.monotonic()
     c.kubectl("apply", "-f", "-", stdin=wl.kubeadm_daemonset(c.image.ref))
     rollout_status(c, SYSTEM, "ds/sliceproxy")

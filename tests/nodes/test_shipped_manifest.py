@@ -12,8 +12,8 @@ on its service account under RBAC; its logs, /metrics and dump on every node; tr
 from pods on every node (ClusterIP TCP and UDP, cluster DNS through its ClusterIP,
 NodePort from outside, externalTrafficPolicy Local, a topology preference, the API
 server through the `kubernetes` Service); a fourth node joining with no rules of anyone;
-a rollout to another image with clients connecting throughout; nftables mode by the
-ConfigMap.
+with clients connecting throughout: a rollout to an image whose rules differ in layout
+and its rollback, nftables mode by the ConfigMap and its rollback.
 """
 
 from __future__ import annotations
@@ -22,19 +22,21 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from labs.realcp.addressing import url_host
 from labs.realcp.controlplane import API_PORT, KUBERNETES_SERVICE_IP
+from proxy.dataplane.common.node_settings import NodeSettingsOptions, wanted
 from proxy.lab.poll import wait, waited
 from proxy.lab.probe import http_get
 from tests.nodes import workload as wl
 from tests.nodes.cluster import SHIPPED_IMAGE_REF, WINDOWS_NODE, NodeCluster
 from tests.nodes.conftest import report
-from tests.nodes.images import retag
-from tests.nodes.node import NodeSpec
+from tests.nodes.images import ROOT, Image, layered
+from tests.nodes.node import Node, NodeSpec
 from tests.nodes.scenario import Workload, asks, eventually_served, ready, rollout_status
 from tests.nodes.traffic import Clients
 
@@ -214,48 +216,128 @@ def test_a_fourth_node_without_any_rules_serves_within_30s(workload: Workload) -
                   " after kubelet start")
 
 
-# --- a rollout with traffic flowing -------------------------------------------------------
+# --- upgrades and rollbacks with traffic flowing ------------------------------------------
+
+# Another version of the agent, whose iptables rules differ in layout from this tree's:
+# the chain the built-in POSTROUTING jumps to renamed, the chain every service's chains
+# jump to for the masquerade mark renamed, every endpoint chain renamed, and the jumps
+# from PREROUTING, OUTPUT and FORWARD written with another comment. (old, new), each
+# once in proxy/dataplane/iptables/render.py.
+LAYOUT_2 = (
+    ('POSTROUTING = "SPX-POSTROUTING"', 'POSTROUTING = "SPX-POSTROUTING-2"'),
+    ('MARK_MASQ = "SPX-MARK-MASQ"', 'MARK_MASQ = "SPX-MASQ-MARK"'),
+    ('return f"{PREFIX}SEP-{', 'return f"{PREFIX}EP-{'),
+    ('comment("sliceproxy service portals")', 'comment("sliceproxy service portals, v2")'),
+)
+RENDER = "proxy/dataplane/iptables/render.py"
 
 
-def test_a_rollout_to_a_new_image_drops_no_connection(workload: Workload) -> None:
-    c = workload.cluster
-    workload.refresh()
-    # The same build under a new name: what a rollout replaces is the pods.
-    new = retag(c.image, "rollout")
+def layout_2_image(c: NodeCluster) -> Image:
+    text = (ROOT / RENDER).read_text()
+    for old, new in LAYOUT_2:
+        assert text.count(old) == 1, f"{RENDER} no longer has {old!r} once: update LAYOUT_2"
+        text = text.replace(old, new)
+    return layered(c.image, "layout2", {RENDER: text})
+
+
+def nat_layout(c: NodeCluster) -> dict[str, str]:
+    """Node -> which layout its nat table holds ("1", "2", or what is wrong)."""
+    out = {}
     for node in c.nodes.values():
-        node.import_image(new.archive)
-    before = {p["metadata"]["uid"] for p in agents(c)}
-    with Clients(workload.clients, workload.ips["echo"], set(workload.echo)) as clients:
-        started = time.monotonic()
-        c.kubectl("-n", DS_NS, "set", "image", f"ds/{DS_NAME}", f"sliceproxy={new.ref}")
-        rollout(c, timeout=300)
-        took = time.monotonic() - started
-        # Traffic after the last agent is Ready, so late failures are counted too.
-        clients.more_rounds(50)
-    after = agents(c)
-    assert not before & {p["metadata"]["uid"] for p in after}
-    assert all(p["spec"]["containers"][0]["image"] == new.ref for p in after)
+        nat = node.exec(["iptables-save", "-t", "nat"]).stdout
+        one = (":SPX-MARK-MASQ " in nat and ":SPX-POSTROUTING " in nat and ":SPX-SEP-" in nat
+               and '"sliceproxy service portals"' in nat)
+        two = (":SPX-MASQ-MARK " in nat and ":SPX-POSTROUTING-2 " in nat and ":SPX-EP-" in nat
+               and '"sliceproxy service portals, v2"' in nat)
+        old_left = [n for n in ("SPX-MARK-MASQ", "SPX-MASQ-MARK", "SPX-SEP-", "SPX-EP-",
+                                "SPX-POSTROUTING ", "SPX-POSTROUTING-2") if n in nat]
+        out[node.name] = "1" if one and not two and len(old_left) == 3 else \
+            "2" if two and not one and len(old_left) == 3 else f"mixed: {old_left}"
+    return out
+
+
+def converged(c: NodeCluster) -> None:
+    """Every agent's first sync is done and none of its writes was refused."""
+    for pod in agents(c):
+        logs = c.kubectl("-n", DS_NS, "logs", pod["metadata"]["name"]).stdout
+        assert "first sync done" in logs and "apply failed" not in logs \
+            and "transaction failed" not in logs, logs[-3000:]
+
+
+def roll(c: NodeCluster, clients: Clients, what: str, *command: str) -> None:
+    """Run the kubectl command that rolls the agents; wait for every one Ready; then
+    traffic on (late failures count too). Reports this step's share of the tally."""
     t = clients.tally
-    report.append(f"rollout to a new image over {len(after)} nodes: {took:.1f}s, "
-                  f"{t.summary()}")
-    assert t.attempts > 50
+    before = (t.attempts, len(t.failures), len(t.broken_long), len(t.udp_moved))
+    started = time.monotonic()
+    c.kubectl(*command)
+    rollout(c, timeout=300)
+    took = time.monotonic() - started
+    clients.more_rounds(50)
+    attempts, failed, broken, moved = (
+        n - b for n, b in zip((t.attempts, len(t.failures), len(t.broken_long),
+                               len(t.udp_moved)), before, strict=True))
+    report.append(f"{what} over {len(c.nodes)} nodes: {took:.1f}s, {attempts} connections, "
+                  f"{failed} failed, {broken} long-lived broken, {moved} UDP flows moved")
+
+
+def assert_nothing_dropped(clients: Clients) -> None:
+    t = clients.tally
+    assert t.attempts > 100
     assert t.failures == [], t.failures[:10]
     assert t.broken_long == []
-    # A new agent clears no conntrack at its first sync (issue 28): every UDP flow keeps
-    # its endpoint and every datagram is answered across the rollout.
+    # An agent clears no conntrack at its first sync (issue 28): every UDP flow keeps
+    # its endpoint and every datagram is answered throughout.
     assert t.udp_moved == [] and t.udp_unanswered == 0, t.summary()
+
+
+def test_a_rollout_to_another_rule_layout_and_its_rollback_drop_nothing(
+        workload: Workload) -> None:
+    """An upgrade whose rules differ in layout (LAYOUT_2), then `kubectl rollout undo`,
+    with clients on every node throughout: each agent starts over rules another version
+    of itself wrote and replaces them in one step."""
+    c = workload.cluster
+    workload.refresh()
+    new = layout_2_image(c)
+    for node in c.nodes.values():
+        node.import_image(new.archive)
+    assert set(nat_layout(c).values()) == {"1"}, nat_layout(c)
+    before = {p["metadata"]["uid"] for p in agents(c)}
+    with Clients(workload.clients, workload.ips["echo"], set(workload.echo)) as clients:
+        # The agent and its init container, as docs/upgrade.md says.
+        roll(c, clients, "rollout to an image with another rule layout", "-n", DS_NS, "set",
+             "image", f"ds/{DS_NAME}", f"sliceproxy={new.ref}", f"node-settings={new.ref}")
+        after = agents(c)
+        assert not before & {p["metadata"]["uid"] for p in after}
+        assert all(p["spec"]["containers"][0]["image"] == new.ref
+                   and p["spec"]["initContainers"][0]["image"] == new.ref for p in after)
+        assert set(nat_layout(c).values()) == {"2"}, nat_layout(c)
+        converged(c)
+        roll(c, clients, "rollback to the previous image (rollout undo)", "-n", DS_NS,
+             "rollout", "undo", f"ds/{DS_NAME}")
+    assert all(p["spec"]["containers"][0]["image"] == c.image.ref for p in agents(c))
+    assert set(nat_layout(c).values()) == {"1"}, nat_layout(c)
+    converged(c)
+    report.append(f"rollout and rollback: {clients.tally.summary()}")
+    assert_nothing_dropped(clients)
 
 
 # --- nftables mode ------------------------------------------------------------------------
 
 
 def test_nftables_mode_and_json_logs_by_the_configmap(workload: Workload) -> None:
+    """The switch as docs/upgrade.md tells it: the ConfigMap changed, the agents
+    restarted, with clients on every node throughout; each new agent removes the
+    iptables mode's rules only once its own are in the kernel."""
     c = workload.cluster
+    workload.refresh()
     ref = agents(workload.cluster)[0]["spec"]["containers"][0]["image"]
-    c.kubectl("apply", "-f", "-", stdin=wl.shipped_daemonset(ref, c.api_url, "nftables",
-                                                             json_logs=True))
-    c.kubectl("-n", DS_NS, "rollout", "restart", f"ds/{DS_NAME}")
-    rollout(c, timeout=300)
+    with Clients(workload.clients, workload.ips["echo"], set(workload.echo)) as clients:
+        c.kubectl("apply", "-f", "-", stdin=wl.shipped_daemonset(ref, c.api_url, "nftables",
+                                                                 json_logs=True))
+        roll(c, clients, "mode switch iptables -> nftables by the ConfigMap", "-n", DS_NS,
+             "rollout", "restart", f"ds/{DS_NAME}")
+    assert_nothing_dropped(clients)
     for pod in agents(c):
         lines = c.kubectl("-n", DS_NS, "logs", pod["metadata"]["name"]).stdout.splitlines()
         records = [json.loads(line) for line in lines]  # every line one JSON object
@@ -273,3 +355,139 @@ def test_nftables_mode_and_json_logs_by_the_configmap(workload: Workload) -> Non
     for node in c.nodes.values():
         eventually_served(c.outside, str(node.address), wl.NODE_PORT, set(workload.echo),
                           what=f"NodePort on {node.name} in nftables mode")
+
+
+def test_the_mode_switch_rolled_back_by_the_configmap(workload: Workload) -> None:
+    """Back to iptables mode as the operator got there: the manifest as it was,
+    applied again, and the agents restarted, with clients on every node throughout."""
+    c = workload.cluster
+    workload.refresh()
+    ref = agents(workload.cluster)[0]["spec"]["containers"][0]["image"]
+    with Clients(workload.clients, workload.ips["echo"], set(workload.echo)) as clients:
+        c.kubectl("apply", "-f", "-", stdin=wl.shipped_daemonset(ref, c.api_url))
+        roll(c, clients, "mode switch rolled back, nftables -> iptables", "-n", DS_NS,
+             "rollout", "restart", f"ds/{DS_NAME}")
+    assert_nothing_dropped(clients)
+    for node in c.nodes.values():
+        assert "sliceproxy" not in node.exec(["nft", "list", "tables"]).stdout
+    assert set(nat_layout(c).values()) == {"1"}, nat_layout(c)
+    converged(c)
+
+
+# --- uninstall (last: it leaves the cluster without a proxy) ------------------------------
+
+UNINSTALL = wl.ROOT / "deploy" / "uninstall.yaml"
+# Every node setting the init step may write, in any mode and configuration
+# (proxy/dataplane/common/node_settings.py), read in each node's network namespace.
+NODE_SETTINGS = tuple(sorted({"/" + s.path for s in wanted(
+    NodeSettingsOptions(tcp_be_liberal=True, udp_timeout=30, udp_stream_timeout=120,
+                        ipvs=True, strict_arp=True), 1, "5.4.0")}))
+SETTINGS_BEFORE: dict[str, dict[str, str]] = {}
+
+
+def node_settings_now(c: NodeCluster) -> dict[str, dict[str, str]]:
+    """Node -> setting file -> value, for the files that exist (ip_vs's only when it is
+    loaded)."""
+    out = {}
+    for node in c.nodes.values():
+        lines = node.exec(["grep", "-H", "", *NODE_SETTINGS]).stdout.splitlines()
+        out[node.name] = dict(line.split(":", 1) for line in lines)
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def node_settings_before_any_agent(node_cluster: NodeCluster) -> None:
+    """Taken before the module's first agent starts (autouse: before `deployed`)."""
+    SETTINGS_BEFORE.clear()
+    SETTINGS_BEFORE.update(node_settings_now(node_cluster))
+
+
+def sliceproxy_in_the_kernel(node: Node) -> list[str]:
+    """What of sliceproxy's the node's network namespace holds, one line per find."""
+    found = []
+    for save in ("iptables-legacy-save", "ip6tables-legacy-save", "iptables-nft-save",
+                 "ip6tables-nft-save"):
+        out = node.exec([save]).stdout
+        found += [f"{save}: {ln}" for ln in out.splitlines()
+                  if "SPX-" in ln or "sliceproxy" in ln]
+    ruleset = node.exec(["nft", "list", "ruleset"]).stdout
+    found += [f"nft: {ln.strip()}" for ln in ruleset.splitlines()
+              if "SPX-" in ln or "sliceproxy" in ln]
+    if Path("/sys/module/ip_set").exists():  # no set without the module; none loaded here
+        found += [f"ipset: {n}" for n in node.exec(["ipset", "list", "-n"]).stdout.split()
+                  if n.startswith("SPX-")]
+    links = node.exec(["ip", "-o", "link", "show"]).stdout
+    found += [f"link: {ln}" for ln in links.splitlines() if "spx-ipvs0" in ln]
+    ipvs = node.exec(["cat", "/proc/net/ip_vs"])
+    if ipvs.returncode == 0:  # the table exists once ip_vs is loaded
+        found += [f"ipvs: {ln}" for ln in ipvs.stdout.splitlines()[3:]]
+    record = node.workdir / "host" / "run" / "sliceproxy"  # the node's /run/sliceproxy
+    found += [f"record: {p}" for p in record.glob("*")]
+    return found
+
+
+def sliceproxy_in_the_api(c: NodeCluster) -> list[str]:
+    """Every object of any listable kind, in any namespace, named or labelled as
+    sliceproxy's (events about its pods included)."""
+    kinds = c.kubectl("api-resources", "--verbs=list", "-o", "name").stdout.split()
+    every = ",".join(kinds)
+    named = [n for n in c.kubectl("get", every, "-A", "-o", "name").stdout.split()
+             if "sliceproxy" in n]
+    labelled = c.kubectl("get", every, "-A", "-o", "name", "-l",
+                         "app.kubernetes.io/name in (sliceproxy,sliceproxy-uninstall)"
+                         ).stdout.split()
+    return sorted({*named, *labelled})
+
+
+def test_uninstall_as_documented_leaves_nothing_of_sliceproxys(workload: Workload) -> None:
+    """docs/uninstall.md's commands as written, with the shipped files (the uninstall
+    DaemonSet's image set, as it says): after them no rule, set, interface or virtual
+    server of sliceproxy's on any node, every node setting the init step changed back
+    to what the node held before the first agent, and no object of sliceproxy's in the
+    API."""
+    c = workload.cluster
+    # Every node's namespace starts from the kernel's values; the fourth node, which
+    # joined later, from the same.
+    first, *others = SETTINGS_BEFORE.values()
+    assert all(o == first for o in others), SETTINGS_BEFORE
+    before = {name: SETTINGS_BEFORE.get(name, first) for name in c.nodes}
+    in_kernel = {n.name: sliceproxy_in_the_kernel(n) for n in c.nodes.values()}
+    assert all(in_kernel.values()), in_kernel  # the agents' rules, before
+    in_api = sliceproxy_in_the_api(c)
+
+    def changed() -> int:
+        now = node_settings_now(c)
+        return sum(now[n].get(k) != v for n in before for k, v in before[n].items())
+
+    changed_before = changed()
+    steps = [time.monotonic()]
+    # 1. Stop the agents, and wait until each has exited.
+    c.kubectl("-n", DS_NS, "delete", "daemonset", DS_NAME)
+    c.kubectl("-n", DS_NS, "delete", "pods", "-l", "app.kubernetes.io/name=sliceproxy")
+    steps.append(time.monotonic())
+    # 2. Rules and node settings, on every node.
+    text = UNINSTALL.read_text()
+    assert text.count(wl.SHIPPED_IMAGE) == 3, "the doc says to set the image three times"
+    uninstall = text.replace(wl.SHIPPED_IMAGE, f"image: {c.image.ref}")
+    c.kubectl("apply", "-f", "-", stdin=uninstall)
+    rollout_status(c, "sliceproxy-uninstall", "ds/sliceproxy-uninstall", timeout=120)
+    steps.append(time.monotonic())
+    c.kubectl("delete", "-f", "-", stdin=uninstall)
+    steps.append(time.monotonic())
+    # 3. What the manifest created.
+    c.kubectl("delete", "-f", str(wl.DAEMONSET), "--ignore-not-found")
+    steps.append(time.monotonic())
+    took = ", ".join(f"{what} {b - a:.1f}s" for what, a, b in zip(
+        ("agents stopped", "uninstall DaemonSet done", "its namespace deleted",
+         "the manifest's objects deleted"), steps, steps[1:], strict=False))
+    left_kernel = {n.name: sliceproxy_in_the_kernel(n) for n in c.nodes.values()}
+    left_api = sliceproxy_in_the_api(c)
+    report.append(
+        f"uninstall as documented over {len(c.nodes)} nodes: {took}; kernel lines of "
+        f"sliceproxy's {sum(map(len, in_kernel.values()))} -> "
+        f"{sum(map(len, left_kernel.values()))}, API objects {len(in_api)} -> "
+        f"{len(left_api)}, node settings not as before {changed_before} -> {changed()}")
+    assert left_kernel == {n: [] for n in c.nodes}, left_kernel
+    assert left_api == [], left_api
+    assert changed_before > 0, "the init step changed nothing: nothing was tested"
+    assert node_settings_now(c) == before

@@ -218,8 +218,10 @@ def test_every_shipped_daemonset_runs_on_linux_nodes_only() -> None:
     assert sorted(daemonsets) == [
         ("deploy/daemonset.yaml", "sliceproxy"),
         ("deploy/kubeadm/daemonset.yaml", "sliceproxy"),
+        ("deploy/migrate/kube-proxy-cleanup-ipvs.yaml", "kube-proxy-cleanup-ipvs"),
         ("deploy/migrate/kube-proxy-cleanup.yaml", "kube-proxy-cleanup"),
-        ("deploy/migrate/sliceproxy-cleanup.yaml", "sliceproxy-cleanup")]
+        ("deploy/migrate/sliceproxy-cleanup.yaml", "sliceproxy-cleanup"),
+        ("deploy/uninstall.yaml", "sliceproxy-uninstall")]
     for where, ds in daemonsets.items():
         pod = ds["spec"]["template"]["spec"]
         assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}, where
@@ -254,7 +256,8 @@ def test_only_the_node_settings_step_is_privileged_and_it_runs_the_agents_config
     """docs/security.md, "The node-settings init container": privileged because no
     capability makes /proc/sys and /sys writable in a container, so it runs our one-shot
     `--init-only` and nothing else, with the agent's own configuration, the same image,
-    and no host path."""
+    and one host path: the node's /run/sliceproxy, where it records what the node held
+    before (docs/uninstall.md)."""
     init, agent = init_container(), container()
     assert init["securityContext"] == {"runAsUser": 0, "privileged": True,
                                        "readOnlyRootFilesystem": True}
@@ -262,7 +265,12 @@ def test_only_the_node_settings_step_is_privileged_and_it_runs_the_agents_config
     assert init["args"] == [a for a in agent["args"] if a.startswith("--config=")] + [
         "--init-only"]
     assert init["volumeMounts"] == [m for m in agent["volumeMounts"]
-                                    if m["mountPath"] == "/etc/sliceproxy"]
+                                    if m["mountPath"] == "/etc/sliceproxy"] + [
+        {"name": "node-settings-record", "mountPath": "/run/sliceproxy"}]
+    volumes = {v["name"]: v for v in documents()["DaemonSet"]["spec"]["template"]["spec"][
+        "volumes"]}
+    assert volumes["node-settings-record"]["hostPath"] == {"path": "/run/sliceproxy",
+                                                           "type": "DirectoryOrCreate"}
     assert set(init) == {"name", "image", "args", "securityContext", "resources",
                          "volumeMounts"}  # no ports, probes, env or commands of its own
     config_file = tmp_path / "config.yaml"
@@ -344,22 +352,30 @@ def test_kubectl_dry_run_accepts_it(tmp_path: Path) -> None:
         "configmap/sliceproxy", "daemonset.apps/sliceproxy"])
 
 
-# --- deploy/kubeadm/daemonset.yaml: the same agent, from kubeadm's kube-proxy ConfigMap ----
+# --- deploy/kubeadm/daemonset.yaml: the same agent, from kube-proxy's file in its own ConfigMap
 
 KUBEADM_MANIFEST = ROOT / "deploy" / "kubeadm" / "daemonset.yaml"
 
 
+def kubeadm_documents() -> dict[str, dict[str, Any]]:
+    docs = [d for d in yaml.safe_load_all(KUBEADM_MANIFEST.read_text()) if d]
+    by_kind = {d["kind"]: d for d in docs}
+    assert len(by_kind) == len(docs), "one object of each kind"
+    return by_kind
+
+
 def kubeadm_daemonset() -> dict[str, Any]:
-    (ds,) = [d for d in yaml.safe_load_all(KUBEADM_MANIFEST.read_text()) if d]
-    assert ds["kind"] == "DaemonSet"
-    return ds
+    return kubeadm_documents()["DaemonSet"]
 
 
-def test_kubeadm_variant_is_the_same_container_on_kubeadms_account_and_configmap() -> None:
+def test_kubeadm_variant_is_the_same_container_on_its_own_account_and_configmap() -> None:
+    """None of kubeadm's objects: `kubeadm upgrade` skips its kube-proxy add-on only
+    once kube-proxy's ConfigMap is gone (docs/migrate.md, "kubeadm upgrades"), and a
+    cluster made without kube-proxy has neither that ConfigMap nor its account."""
     ds = kubeadm_daemonset()
     pod = ds["spec"]["template"]["spec"]
-    assert ds["metadata"]["namespace"] == "kube-system"  # where kubeadm's ConfigMap is
-    assert pod["serviceAccountName"] == "kube-proxy"
+    assert ds["metadata"]["namespace"] == "kube-system"  # beside kubeadm's add-ons
+    assert pod["serviceAccountName"] == "sliceproxy"
     (c,) = pod["containers"]
     ours = container()
 
@@ -378,17 +394,38 @@ def test_kubeadm_variant_is_the_same_container_on_kubeadms_account_and_configmap
     differ = ("containers", "initContainers", "volumes", "serviceAccountName")
     assert {k: v for k, v in pod.items() if k not in differ} == \
         {k: v for k, v in main_pod.items() if k not in differ}
-    (volume,) = [v for v in pod["volumes"] if v["name"] == "kube-proxy"]
-    assert volume["configMap"]["name"] == "kube-proxy"
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "config"]
+    assert volume["configMap"]["name"] == "sliceproxy"
+
+
+def test_kubeadm_variant_has_the_least_privilege_of_the_main_manifest() -> None:
+    """The same rules (docs/security.md) under names of its own, bound to its own
+    account in kube-system: deleting either manifest's objects never takes the other's."""
+    docs = kubeadm_documents()
+    assert set(docs) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "DaemonSet"}
+    account = docs["ServiceAccount"]["metadata"]
+    assert (account["namespace"], account["name"]) == (
+        "kube-system", kubeadm_daemonset()["spec"]["template"]["spec"]["serviceAccountName"])
+    assert docs["ClusterRole"]["rules"] == documents()["ClusterRole"]["rules"]
+    binding = docs["ClusterRoleBinding"]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io",
+                                  "kind": "ClusterRole",
+                                  "name": docs["ClusterRole"]["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["name"],
+                                    "namespace": "kube-system"}]
+    for kind in ("ClusterRole", "ClusterRoleBinding"):
+        assert docs[kind]["metadata"]["name"] != documents()[kind]["metadata"]["name"]
 
 
 def test_kubeadm_variant_reads_kubeadms_configmap_as_mounted(tmp_path: Path) -> None:
-    """The ConfigMap's keys become files in the mount: the args' --config names one of
-    them, and the configuration's kubeconfig the other."""
+    """kubeadm's kube-proxy ConfigMap's two keys, copied into sliceproxy's ConfigMap
+    (docs/migrate.md, step 1), become files in the mount: the args' --config names one
+    of them, and the configuration's kubeconfig (a path in kube-proxy's mount) the
+    other."""
     from tests.unit.test_kubeproxy_file import KUBEADM_CONFIGMAP
 
     (c,) = kubeadm_daemonset()["spec"]["template"]["spec"]["containers"]
-    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "kube-proxy"]
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "config"]
     cm = yaml.safe_load(KUBEADM_CONFIGMAP.read_text())
     mounted = tmp_path / mount["mountPath"].lstrip("/")
     mounted.mkdir(parents=True)
@@ -408,4 +445,43 @@ def test_kubeadm_variant_reads_kubeadms_configmap_as_mounted(tmp_path: Path) -> 
 
 
 def test_kubectl_dry_run_accepts_the_kubeadm_variant(tmp_path: Path) -> None:
-    assert kubectl_dry_run(KUBEADM_MANIFEST, tmp_path) == ["daemonset.apps/sliceproxy"]
+    assert sorted(kubectl_dry_run(KUBEADM_MANIFEST, tmp_path)) == [
+        "clusterrole.rbac.authorization.k8s.io/sliceproxy-kubeadm",
+        "clusterrolebinding.rbac.authorization.k8s.io/sliceproxy-kubeadm",
+        "daemonset.apps/sliceproxy", "serviceaccount/sliceproxy"]
+
+
+# --- deploy/uninstall.yaml: the rules and the node settings, once on every node ----------
+
+UNINSTALL = ROOT / "deploy" / "uninstall.yaml"
+
+
+def test_uninstall_removes_the_rules_as_the_agent_then_gives_settings_back_as_its_init_step(
+        tmp_path: Path) -> None:
+    """docs/uninstall.md, step 2: each step with the privilege of the agent's container it
+    undoes, and nothing more; all of it in a namespace of its own, whose deletion takes
+    its pods and their events."""
+    assert sorted(kubectl_dry_run(UNINSTALL, tmp_path)) == [
+        "daemonset.apps/sliceproxy-uninstall", "namespace/sliceproxy-uninstall"]
+    ns, ds = [d for d in yaml.safe_load_all(UNINSTALL.read_text()) if d]
+    assert ds["metadata"]["namespace"] == ns["metadata"]["name"]
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True and pod["automountServiceAccountToken"] is False
+    cleanup, restore = pod["initContainers"]
+    assert cleanup["args"] == ["--cleanup"]
+    assert cleanup["securityContext"] == container()["securityContext"]
+    assert restore["args"] == ["--restore-node-settings"]
+    assert restore["securityContext"] == init_container()["securityContext"]
+    assert {c["image"] for c in [cleanup, restore, *pod["containers"]]} == {
+        container()["image"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    # The node's /run, where the init step's /run/sliceproxy is (the record and its
+    # folder are removed).
+    (mount,) = restore["volumeMounts"]
+    assert mount["mountPath"] == "/run"
+    assert volumes[mount["name"]]["hostPath"] == {"path": "/run", "type": "Directory"}
+    agent_volumes = {v["name"]: v for v in documents()["DaemonSet"]["spec"]["template"][
+        "spec"]["volumes"]}
+    host = {m["mountPath"]: agent_volumes[m["name"]]["hostPath"]["path"]
+            for m in init_container()["volumeMounts"] if "hostPath" in agent_volumes[m["name"]]}
+    assert host == {"/run/sliceproxy": "/run/sliceproxy"}
