@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,7 +47,8 @@ from proxy.dataplane.ipvs.diff import Op, OpKind
 from proxy.dataplane.ipvs.kernel import Ipsets, IpvsTable, Links
 from proxy.dataplane.ipvs.ownership import is_kube_proxys, read_claims
 from proxy.dataplane.ipvs.render import DUMMY_INTERFACE, VsKey
-from proxy.dataplane.xtables.restore_runner import Backend, IptablesRunner, RunnerError
+from proxy.dataplane.xtables.cleanup import cleanup_runners
+from proxy.dataplane.xtables.restore_runner import RunnerError
 from proxy.dataplane.xtables.saved import Saved, Table, cleanup_restore, parse_save
 from proxy.model.types import Family
 
@@ -91,18 +91,14 @@ def remove_kube_proxy_ipvs() -> Removed:
         out.errors.append(f"delete interface {IPVS_INTERFACE}: {exc}")
     finally:
         links.close()
-    for backend in (Backend.NFT, Backend.LEGACY):
-        for family in Family:
-            runner = IptablesRunner(family, backend)
-            if not shutil.which(runner.save_cmd):
-                continue  # save alone: listing a legacy table that is not there makes it
-            try:
-                text = chains_text(parse_save(runner.save()))
-                if text:
-                    runner.restore(text, noflush=True)
-                    out.iptables_lines += text.count("\n")
-            except RunnerError as exc:
-                out.errors.append(f"{runner.restore_cmd}: {exc}")
+    for runner in cleanup_runners(list(Family)):
+        try:  # save alone: listing a legacy table that is not there makes it
+            text = chains_text(parse_save(runner.save()))
+            if text:
+                runner.restore(text, noflush=True)
+                out.iptables_lines += text.count("\n")
+        except RunnerError as exc:
+            out.errors.append(f"{runner.restore_cmd}: {exc}")
     ipsets = Ipsets()
     try:
         present = set(ipsets.names())

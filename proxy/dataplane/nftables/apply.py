@@ -227,25 +227,10 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
                              f"{exc}") from exc
 
     def _run(self, fam: _FamilyState, text: str | Script, full: bool) -> str:
-        """Apply `text`; which applier took it: encoded into netlink here (module
-        docstring), or nft for what the encoder does not speak."""
+        """Apply `text`; which applier took it. A full sync the kernel refuses over tables
+        another version wrote is sent again as their replacement (module docstring)."""
         try:
-            try:
-                self.runner.send(text, fam.family, OUR_TABLES)
-                return "netlink"
-            except Unencodable as exc:
-                log.warning("nftables script outside the encoder's dialect; applied "
-                            "through nft", extra={"family": fam.family.label, "full": full,
-                                                  "reason": str(exc)})
-            except NftError as exc:
-                if not full:
-                    raise
-                log.warning("the kernel refused our encoding of a full sync; trying nft "
-                            "with the same script", extra={
-                                "family": fam.family.label, "line": exc.line,
-                                "offending": exc.offending, "error": str(exc)[-500:]})
-            self.runner.run(text if isinstance(text, str) else text.text())
-            return "nft"
+            return self._apply(fam, text, full)
         except NftError as exc:
             replaced = self._replace(fam, exc) if full and fam.replacement else None
             if replaced is not None:
@@ -255,18 +240,34 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
                              f"transaction on {fam.tables}: {exc}",
                              offending=exc.offending) from exc
 
+    def _apply(self, fam: _FamilyState, text: str | Script, full: bool) -> str:
+        """Encoded into netlink here (module docstring), or nft for what the encoder does
+        not speak (and, for a full sync, for what the kernel refused of our encoding);
+        which applier took it. NftError if nft is refused too."""
+        try:
+            self.runner.send(text, fam.family, OUR_TABLES)
+            return "netlink"
+        except Unencodable as exc:
+            log.warning("nftables script outside the encoder's dialect; applied "
+                        "through nft", extra={"family": fam.family.label, "full": full,
+                                              "reason": str(exc)})
+        except NftError as exc:
+            if not full:
+                raise
+            log.warning("the kernel refused our encoding of a full sync; trying nft "
+                        "with the same script", extra={
+                            "family": fam.family.label, "line": exc.line,
+                            "offending": exc.offending, "error": str(exc)[-500:]})
+        self.runner.run(text if isinstance(text, str) else text.text())
+        return "nft"
+
     def _replace(self, fam: _FamilyState, refused: NftError) -> str | None:
         """Send the replacement of our tables (module docstring); which applier took it,
         or None if the kernel refused it too."""
         assert fam.replacement is not None
         script, fam.replacement = fam.replacement(), None
         try:
-            try:
-                self.runner.send(script, fam.family, OUR_TABLES)
-                applier = "netlink"
-            except Unencodable:
-                self.runner.run(script.text())
-                applier = "nft"
+            applier = self._apply(fam, script, True)
         except NftError as exc:
             log.error("nf_tables refused the replacement of our tables too", extra={
                 "family": fam.family.label, "tables": fam.tables, "error": str(exc)[-1000:]})
