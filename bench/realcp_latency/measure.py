@@ -42,9 +42,14 @@ class Commits:
     the change was committed between the last poll that did not show it and the end of
     the first that did, and a proxy's change is one transaction."""
 
+    # How long a poll that showed a change waits for the listener thread to read the
+    # announcement: the kernel queued it before the rule was visible, but a busy 2-core
+    # machine can run the poll before the thread that dates it.
+    GRACE = 1.0
+
     def __init__(self, ns: str, tables: Iterable[str]) -> None:
         self._times: list[float] = []
-        self._lock = threading.Lock()
+        self._heard_one = threading.Condition()
         with entered(ns):  # the socket listens in the namespace it is made in
             self._listener = NftablesListener({(NFPROTO_IPV4, t) for t in tables},
                                               lambda _pid: False, self._heard)
@@ -53,12 +58,19 @@ class Commits:
     def _heard(self, reason: str) -> None:
         now = time.monotonic()
         if reason.startswith("nf_tables transaction"):  # not "announcements were lost"
-            with self._lock:
+            with self._heard_one:
                 self._times.append(now)
+                self._heard_one.notify_all()
 
     def between(self, after: float, until: float) -> list[float]:
-        with self._lock:
-            return [t for t in self._times if after < t <= until]
+        """The commits in (after, until]; if none was read yet, the first read within
+        GRACE, dated `until` (it was committed by then: the poll saw its rule)."""
+        with self._heard_one:
+            self._heard_one.wait_for(lambda: any(t > after for t in self._times),
+                                     timeout=max(0.0, until + self.GRACE - time.monotonic()))
+            heard = [t for t in self._times if after < t <= until]
+            late = [t for t in self._times if t > until]
+            return heard or [until] * min(1, len(late))
 
     def stop(self) -> None:
         self._listener.stop()
