@@ -212,9 +212,9 @@ def _ipvs_step(model: ClusterModel, endpoints: int, count: int,
         diff_real_servers,
         diff_service,
     )
-    from proxy.dataplane.ipvs.render import RenderContext, render_change, render_port
+    from proxy.dataplane.ipvs.render import IpvsContext, render_change, render_port
 
-    ctx = RenderContext.build(DataplaneOptions(NODE, families=(Family.V4,)), ())
+    ctx = IpvsContext.build(DataplaneOptions(NODE, families=(Family.V4,)), ())
     applied = model.state.ports[KEY]
     rules = render_port(applied, ctx)
     believed = {vs.key: believed_after(vs, None) for vs in rules.virtual_servers}

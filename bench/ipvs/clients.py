@@ -71,7 +71,8 @@ class Ours:
         self._links.close()
 
     def program(self, servers: Sequence[VirtualServer]) -> None:
-        # One batched exchange, as IpvsDataPlane._sync_servers sends a sync's operations.
+        # One batched exchange, as the plane sends a sync's operations
+        # (VirtualServers.sync, proxy/dataplane/ipvs/virtual_servers.py).
         ops = program_ops(servers)
         _check_codes(self._ipvs.apply_many(ops), ops)
 

@@ -87,7 +87,7 @@ def render_all(state: DesiredState) -> Rendered:
                  if k.family is family}
         out.iptables[family] = ports
         out.restore[family] = Wanted(ipt.render_base(ctx), ports).full_restore({}).render()
-    out.ipvs = ipvs.render_all(state, ipvs.RenderContext.build(OPTIONS, NODE_IPS))
+    out.ipvs = ipvs.render_all(state, ipvs.IpvsContext.build(OPTIONS, NODE_IPS))
     # nftables: out.nftables = render_nftables(state) once its renderer exists.
     return out
 

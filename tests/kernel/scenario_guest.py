@@ -27,7 +27,7 @@ from proxy.dataplane.ipvs.kernel import IpvsTable, Links
 from proxy.dataplane.ipvs.netfilter import parse_ipset_save
 from proxy.dataplane.ipvs.render import (
     DUMMY_INTERFACE,
-    RenderContext,
+    IpvsContext,
     SetEntry,
     SetRole,
     VsKey,
@@ -189,7 +189,7 @@ def rendered_view(state: DesiredState, opts: DataplaneOptions, thread: NodeThrea
         finally:
             links.close()
 
-    ctx = RenderContext.build(opts, thread.run(node_addresses))
+    ctx = IpvsContext.build(opts, thread.run(node_addresses))
     from proxy.dataplane.ipvs.index import RenderIndex
 
     index = RenderIndex(render_all(state, ctx, families))

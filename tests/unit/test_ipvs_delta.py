@@ -3,94 +3,32 @@ diff_real_servers) makes the same netlink operations, ipset lines and book-keepi
 (believed table, draining real servers, ipset entry counts) as rendering and diffing
 the port whole, through random sequences of endpoints added, removed, flipped and moved
 between nodes; checked on the plane itself over fake kernel handles (the kernel step is
-QEMU's: docs/kernel-tests.md)."""
+QEMU's: docs/kernel-tests.md; the fakes: tests/fakekernel/ipvs.py)."""
 
 from __future__ import annotations
 
 import random
-import threading
-from collections.abc import Sequence
 from dataclasses import replace
-from ipaddress import ip_address
 from typing import Any
 
 import pytest
 
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.ipvs import apply as ipvs_apply
-from proxy.dataplane.ipvs.apply import IpvsDataPlane, _Handles
-from proxy.dataplane.ipvs.diff import KernelDest, KernelService, Op
-from proxy.dataplane.ipvs.render import RsKey, VsKey, render_change
+from proxy.dataplane.ipvs.apply import IpvsDataPlane
+from proxy.dataplane.ipvs.render import render_change
 from proxy.model.snapshot import DesiredState
-from proxy.model.types import Family, IPAddress, ServicePortKey
+from proxy.model.types import Family, ServicePortKey
+from tests.fakekernel.ipvs import FakeIpsets, FakeIpvs, on_fakes
 from tests.unit.builders import NODE, ep, eps_slice, node, resolve_one, service
 from tests.unit.test_nftables_delta import POOL, Pod, step, with_delta
 
 KEY = ServicePortKey("ns", "svc", "http", Family.V4)
-DUMMY = 99
-
-
-class FakeIpvs:
-    """Every operation succeeds; every real server keeps a connection (draining ones
-    stay draining)."""
-
-    def __init__(self) -> None:
-        self.calls = self.writes = 0
-        self.ops: list[str] = []
-        self.believed: dict[VsKey, KernelService] = {}
-
-    def apply_many(self, ops: Sequence[Op]) -> list[int]:
-        self.calls += 1
-        self.writes += len(ops)
-        self.ops += [str(op) for op in ops]
-        return [0] * len(ops)
-
-    def services(self) -> dict[VsKey, KernelService]:
-        return {}
-
-    def dests(self, key: VsKey) -> dict[RsKey, KernelDest]:
-        held = self.believed[key].dests
-        return {rs: KernelDest(d.weight, active=1) for rs, d in held.items()}
-
-    def close(self) -> None:
-        pass
-
-
-class FakeLinks:
-    calls = 0
-
-    def ensure(self) -> int:
-        return DUMMY
-
-    def index(self, name: str | None = None) -> int | None:
-        return None  # no other interface by that name (kube-ipvs0)
-
-    def address_table(self) -> list[tuple[int, IPAddress]]:
-        return [(1, ip_address("198.18.0.1"))]
-
-    def change(self, index: int, add: Sequence[IPAddress],
-               remove: Sequence[IPAddress]) -> list[int]:
-        return [0] * (len(add) + len(remove))
-
-    def close(self) -> None:
-        pass
-
-
-class FakeIpsets:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def restore(self, text: str) -> None:
-        self.lines += text.splitlines()
-
-    def save(self, name: str) -> str:
-        return ""
 
 
 def plane() -> tuple[IpvsDataPlane, FakeIpvs, FakeIpsets]:
-    dp = IpvsDataPlane(DataplaneOptions(NODE, families=(Family.V4,)))
     ipvs, ipsets = FakeIpvs(), FakeIpsets()
-    dp._h = _Handles(ipvs, FakeLinks(), ipsets, {}, threading.get_ident())  # type: ignore[arg-type]
+    dp = on_fakes(DataplaneOptions(NODE, families=(Family.V4,)), ipvs, ipsets=ipsets)
     return dp, ipvs, ipsets
 
 
@@ -111,7 +49,8 @@ def resolve(pods: dict[str, Pod], spec: str) -> Any:
 
 
 def book(dp: IpvsDataPlane) -> Any:
-    return (dp._believed, set(dp._draining), dp._index.entries(), dp._index.ports)
+    return (dp._servers.believed, set(dp._servers.drains.draining), dp._index.entries(),
+            dp._index.ports)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -143,7 +82,7 @@ def test_random_deltas_do_what_a_whole_render_and_diff_do(
                   old_whole.evolve({KEY: new})]  # no delta: rendered and diffed whole
         for dp, kernel, state in ((by_delta, delta_kernel, states[0]),
                                   (whole, whole_kernel, states[1])):
-            kernel.believed = dp._believed
+            kernel.held = dp._servers.believed
             report = dp.sync(state)
             assert not report.full
         assert delta_kernel.ops == whole_kernel.ops, f"step {n}"
@@ -164,7 +103,7 @@ def test_one_flip_touches_one_real_server_per_virtual_server() -> None:
     kernel.ops.clear()
     pods[POOL[7]].ready = False
     new = with_delta(old, resolve(pods, "local"))
-    kernel.believed = dp._believed
+    kernel.held = dp._servers.believed
     dp.sync(state.evolve({KEY: new}))
     # The cluster IP's server drains the endpoint; the NodePort's (policy Local, no
     # local endpoint: the cluster set for pods and this node) is rendered whole, and

@@ -13,7 +13,8 @@ import pytest
 
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.common.netlink import Reply, nla
-from proxy.dataplane.common.rtnetlink import RTM_DELADDR, RTM_NEWADDR, address_body
+from proxy.dataplane.common.netlink_constants import RTM_DELADDR, RTM_NEWADDR
+from proxy.dataplane.common.rtnetlink import address_body
 from proxy.dataplane.ipvs.drift import IFF_UP, RTM_DELLINK, RTM_NEWLINK, link_change
 from proxy.dataplane.ipvs.netfilter import differences, restore_text
 from proxy.dataplane.xtables.saved import Table, parse_save

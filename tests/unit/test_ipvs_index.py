@@ -1,5 +1,5 @@
 """The render index: partial updates must end where a rendering from scratch ends, and
-the deltas they report must turn the old kernel objects into the new ones exactly."""
+what they report touched must turn the old kernel objects into the new ones exactly."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.dataplane.base import DataplaneOptions
-from proxy.dataplane.ipvs.index import Delta, RenderIndex
-from proxy.dataplane.ipvs.render import RenderContext, render_all
+from proxy.dataplane.ipvs.index import RenderIndex, Touched
+from proxy.dataplane.ipvs.render import IpvsContext, render_all
 from proxy.kube.ingest import apply_object, delete_object
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import Family
 from tests.unit.builders import ep, eps_slice, node, service
 
-CTX = RenderContext.build(DataplaneOptions(node_name="node-a"),
+CTX = IpvsContext.build(DataplaneOptions(node_name="node-a"),
                           [ip_address("198.18.0.1"), ip_address("fd00:18::1")])
 NAMES = ("a", "b", "c")
 
@@ -71,22 +71,22 @@ def test_partial_updates_equal_a_fresh_render(ops: list[tuple[Any, ...]], every:
         if (i + 1) % every and i + 1 != len(ops):
             continue  # several changes folded into one sync
         state = model.resolve()
-        delta = Delta()
+        touched = Touched()
         for key in set(state.ports) | set(last.ports):
             rsp = state.ports.get(key)
-            index.update(key, None if rsp is None else render_all(state, CTX)[key], delta)
-        # The delta moves the previous kernel objects to the new ones, exactly.
-        assert not delta.entries_added & entries
-        assert delta.entries_removed <= entries
-        entries = (entries - delta.entries_removed) | delta.entries_added
-        addresses = (addresses - delta.addresses_removed) | delta.addresses_added
+            index.update(key, None if rsp is None else render_all(state, CTX)[key], touched)
+        # What was touched moves the previous kernel objects to the new ones, exactly.
+        assert not touched.entries_added & entries
+        assert touched.entries_removed <= entries
+        entries = (entries - touched.entries_removed) | touched.entries_added
+        addresses = (addresses - touched.addresses_removed) | touched.addresses_added
         assert entries == index.entries()
         assert addresses == index.addresses()
         # Every virtual server that changed owner or content was reported as touched.
         now = index.virtual_servers()
         for key in set(now) | set(vss):
             if now.get(key) != vss.get(key):
-                assert key in delta.virtual_servers
+                assert key in touched.virtual_servers
         vss = now
         fresh = RenderIndex(render_all(state, CTX))
         assert fresh.virtual_servers() == now
@@ -112,9 +112,9 @@ def test_two_ports_claiming_one_virtual_server_first_key_wins() -> None:
     assert owner.name == "a"
     assert [k.name for k in index.conflicts([vs_key])[vs_key]] == ["a", "b"]
     # The shared address stays on the dummy interface until its last user goes.
-    delta = Delta()
+    touched = Touched()
     a_key = next(k for k in index.ports if k.name == "a" and k.family is Family.V4)
-    index.update(a_key, None, delta)
-    assert ip_address("198.18.2.60") not in delta.addresses_removed
+    index.update(a_key, None, touched)
+    assert ip_address("198.18.2.60") not in touched.addresses_removed
     assert index.virtual_servers()[vs_key][0].name == "b"
-    assert vs_key in delta.virtual_servers
+    assert vs_key in touched.virtual_servers

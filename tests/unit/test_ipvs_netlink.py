@@ -9,13 +9,14 @@ from ipaddress import ip_address
 
 from pyroute2.netlink.generic import ipvs as p2
 
-from proxy.dataplane.common.netlink import NLMSG_ERROR, replies
+from proxy.dataplane.common.netlink import replies
+from proxy.dataplane.common.netlink_constants import IPVS_CMD_DEL_DEST as CMD_DEL_DEST
+from proxy.dataplane.common.netlink_constants import IPVS_CMD_NEW_DEST as CMD_NEW_DEST
+from proxy.dataplane.common.netlink_constants import IPVS_CMD_NEW_SERVICE as CMD_NEW_SERVICE
+from proxy.dataplane.common.netlink_constants import IPVS_CMD_SET_DEST as CMD_SET_DEST
+from proxy.dataplane.common.netlink_constants import NLMSG_ERROR
 from proxy.dataplane.ipvs.diff import FWD_MASQ, Op, OpKind
 from proxy.dataplane.ipvs.netlink import (
-    CMD_DEL_DEST,
-    CMD_NEW_DEST,
-    CMD_NEW_SERVICE,
-    CMD_SET_DEST,
     GENL,
     decode_dest,
     decode_service,
@@ -127,7 +128,8 @@ def test_acknowledgements_carry_the_errno() -> None:
 def test_address_messages_match_pyroute2s_codec() -> None:
     from pyroute2.netlink.rtnl.ifaddrmsg import ifaddrmsg
 
-    from proxy.dataplane.common.rtnetlink import IFA_F_NODAD, address_body, decode_address
+    from proxy.dataplane.common.netlink_constants import IFA_F_NODAD
+    from proxy.dataplane.common.rtnetlink import address_body, decode_address
 
     for address in (ip_address("198.18.128.10"), ip_address("fd00:198:18::10")):
         body = address_body(7, address)

@@ -3,11 +3,9 @@ program the same keys, so each clean-up may remove only what the other cannot cl
 
 from __future__ import annotations
 
-import threading
 from ipaddress import ip_address
 
 from proxy.dataplane.base import DataplaneOptions
-from proxy.dataplane.ipvs.apply import IpvsDataPlane, _Handles
 from proxy.dataplane.ipvs.handover import chains_text
 from proxy.dataplane.ipvs.ownership import (
     Claims,
@@ -18,9 +16,9 @@ from proxy.dataplane.ipvs.ownership import (
 )
 from proxy.dataplane.ipvs.render import VsKey
 from proxy.dataplane.xtables.saved import parse_save
-from proxy.model.types import Family, IPAddress, Protocol
+from proxy.model.types import Family, Protocol
+from tests.fakekernel.ipvs import FakeLinks, on_fakes
 from tests.unit.builders import NODE, model_of, node
-from tests.unit.test_ipvs_delta import FakeIpsets, FakeIpvs, FakeLinks
 from tests.unit.test_nodeport_addresses import NODEPORT, SLICES, V4
 
 
@@ -110,21 +108,11 @@ def test_kube_proxys_chains_go_and_nobody_elses() -> None:
         "KUBE-POSTROUTING", "Y").replace("KUBE-FORWARD", "Z"))) == ""
 
 
-class WithKubeIpvs0(FakeLinks):
-    """A node where kube-proxy's dummy interface (index 3) still holds a cluster IP."""
-
-    def index(self, name: str | None = None) -> int | None:
-        return 3 if name == "kube-ipvs0" else None
-
-    def address_table(self) -> list[tuple[int, IPAddress]]:
-        return [(1, ip_address(V4)), (3, ip_address("10.96.0.10"))]
-
-
 def test_no_nodeport_on_kube_proxys_service_addresses() -> None:
     """Between the switch and kube-proxy's clean-up, kube-ipvs0's addresses are local,
     but they are service addresses: a NodePort there would outlive the switch as ours."""
-    dp = IpvsDataPlane(DataplaneOptions(NODE, families=(Family.V4,)))
-    dp._h = _Handles(FakeIpvs(), WithKubeIpvs0(), FakeIpsets(), {},  # type: ignore[arg-type]
-                     threading.get_ident())
+    # kube-proxy's dummy interface (index 3) still holds a cluster IP.
+    links = FakeLinks([(1, ip_address(V4)), (3, ip_address("10.96.0.10"))], kube_ipvs0=3)
+    dp = on_fakes(DataplaneOptions(NODE, families=(Family.V4,)), links=links)
     dp.sync(model_of(node(), NODEPORT, *SLICES).resolve(), full=True)
-    assert {str(k) for k in dp._believed if k.port == 30080} == {f"TCP {V4}:30080"}
+    assert {str(k) for k in dp._servers.believed if k.port == 30080} == {f"TCP {V4}:30080"}

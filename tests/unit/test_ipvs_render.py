@@ -13,7 +13,7 @@ from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.ipvs.render import (
     FLAG_PERSISTENT,
     FLAG_SCHED2,
-    RenderContext,
+    IpvsContext,
     SetRole,
     VsKind,
     describe_entries,
@@ -32,8 +32,8 @@ NODE_ADDRESSES = (ip_address("198.18.0.1"), ip_address("198.18.1.1"),
 HTTP = {"name": "http", "port": 80}
 
 
-def ctx(**opts: Any) -> RenderContext:
-    return RenderContext.build(DataplaneOptions(node_name="node-a", **opts), NODE_ADDRESSES)
+def ctx(**opts: Any) -> IpvsContext:
+    return IpvsContext.build(DataplaneOptions(node_name="node-a", **opts), NODE_ADDRESSES)
 
 
 def entries(rules: Any, role: SetRole) -> list[str]:
@@ -120,7 +120,7 @@ def test_nodeport_addresses_select_node_addresses() -> None:
 
 def test_primary_nodeport_addresses_are_the_nodes_primary_ones() -> None:
     options = DataplaneOptions(node_name="node-a", nodeport_primary=True)
-    c = RenderContext.build(options, NODE_ADDRESSES, (ip_address("198.18.1.1"),))
+    c = IpvsContext.build(options, NODE_ADDRESSES, (ip_address("198.18.1.1"),))
     # The Node's IPv4 address only; it shows no IPv6 one, so every IPv6 address.
     assert [str(a) for a in c.nodeport_addresses] == ["198.18.1.1", "fd00:18::1"]
     rsp = resolve_one(service(ports=(dict(HTTP, nodePort=30080),), type="NodePort"),

@@ -4,7 +4,6 @@ look asks for, and when it reports; the kernel side runs in the kernel lab
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from ipaddress import ip_address
 from typing import Any, cast
 
@@ -12,18 +11,9 @@ from proxy.dataplane.ipvs.kernel import IpvsTable
 from proxy.dataplane.ipvs.render import VsKey
 from proxy.dataplane.ipvs.sample import TableSampler
 from proxy.model.types import Protocol
+from tests.fakekernel.ipvs import FakeIpvs
 
 KEYS = [VsKey(Protocol.TCP, ip_address(f"198.18.0.{i}"), 80) for i in range(1, 21)]
-
-
-class FakeTable:
-    def __init__(self, present: Sequence[VsKey]) -> None:
-        self.present = set(present)
-        self.asked: list[list[VsKey]] = []
-
-    def missing(self, keys: Sequence[VsKey]) -> list[VsKey]:
-        self.asked.append(list(keys))
-        return [k for k in keys if k not in self.present]
 
 
 def sampler(notes: list[str]) -> TableSampler:
@@ -34,7 +24,7 @@ def sampler(notes: list[str]) -> TableSampler:
 
 def test_looks_go_round_every_key() -> None:
     notes: list[str] = []
-    s, table = sampler(notes), FakeTable(KEYS)
+    s, table = sampler(notes), FakeIpvs.holding(KEYS)
     for _ in range(3):  # 20 keys, 8 a look: round once in three looks
         s.look(cast(Any, table))
     assert {k for asked in table.asked for k in asked} == set(KEYS)
@@ -44,7 +34,7 @@ def test_looks_go_round_every_key() -> None:
 def test_a_flush_is_reported_at_the_next_look() -> None:
     notes: list[str] = []
     s = sampler(notes)
-    assert len(s.look(cast(Any, FakeTable([])))) == 8
+    assert len(s.look(cast(Any, FakeIpvs()))) == 8
     assert notes == ["8 of 8 virtual servers sampled are missing from the IPVS table, "
                      "first TCP 198.18.0.1:80"]
     assert s.take_found() == KEYS[:8]  # for check_drift to ask again, once
@@ -53,7 +43,7 @@ def test_a_flush_is_reported_at_the_next_look() -> None:
 
 def test_one_deleted_is_found_within_a_round() -> None:
     notes: list[str] = []
-    s, table = sampler(notes), FakeTable(KEYS[:-1])
+    s, table = sampler(notes), FakeIpvs.holding(KEYS[:-1])
     for _ in range(3):
         s.look(cast(Any, table))
     assert len(notes) == 1 and "1 of 8" in notes[0]
@@ -62,7 +52,7 @@ def test_one_deleted_is_found_within_a_round() -> None:
 def test_nothing_published_nothing_asked() -> None:
     notes: list[str] = []
     s = TableSampler(notes.append)
-    table = FakeTable([])
+    table = FakeIpvs()
     assert s.look(cast(IpvsTable, table)) == [] and notes == []
     s.publish(KEYS[:2])
     s.publish(())  # a clean-up: no longer ours

@@ -8,7 +8,6 @@ files)."""
 from __future__ import annotations
 
 import logging
-import threading
 from ipaddress import ip_address, ip_network
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,7 @@ from proxy.config.options import ConfigError, parse_args
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.common.context import context_for
 from proxy.dataplane.iptables.apply import IptablesDataPlane
-from proxy.dataplane.ipvs.apply import IpvsDataPlane, _Handles
-from proxy.dataplane.ipvs.render import RenderContext as IpvsContext
+from proxy.dataplane.ipvs.render import IpvsContext
 from proxy.dataplane.xtables.saved import Table, parse_save
 from proxy.dataplane.xtables.simulate import SimulatedRunner
 from proxy.kube.decode import decode_node
@@ -35,8 +33,8 @@ from proxy.model.nodeport_addresses import (
 )
 from proxy.model.types import Family, IPAddress, NodeAddress
 from proxy.model.view import node_view
+from tests.fakekernel.ipvs import FakeIpvs, FakeLinks, on_fakes
 from tests.unit.builders import NODE, ep, eps_slice, model_of, node, service
-from tests.unit.test_ipvs_delta import FakeIpsets, FakeIpvs, FakeLinks
 
 V4, V4B, V6, V6B = "198.18.0.1", "198.18.1.1", "fd00:18::1", "fd00:18:1::1"
 INTERNAL, EXTERNAL = "InternalIP", "ExternalIP"
@@ -214,24 +212,18 @@ def test_iptables_follows_the_nodes_new_primary_address_at_once() -> None:
     assert nodeport_catch_all(runners[Family.V6]) == [f"-d {V6}/128"]
 
 
-class TwoAddresses(FakeLinks):
-    def address_table(self) -> list[tuple[int, IPAddress]]:
-        return [(1, ip_address(V4)), (2, ip_address(V4B))]
-
-
 def test_ipvs_follows_the_nodes_new_primary_address_at_once() -> None:
-    dp = IpvsDataPlane(DataplaneOptions(NODE, nodeport_primary=True, families=(Family.V4,)))
     ipvs = FakeIpvs()
-    dp._h = _Handles(ipvs, TwoAddresses(), FakeIpsets(), {},  # type: ignore[arg-type]
-                     threading.get_ident())
+    dp = on_fakes(DataplaneOptions(NODE, nodeport_primary=True, families=(Family.V4,)), ipvs,
+                  FakeLinks([(1, ip_address(V4)), (2, ip_address(V4B))]))
     model = model_of(node(addresses=[(INTERNAL, V4)]), NODEPORT, *SLICES)
     dp.sync(model.resolve(), full=True)
-    nodeports = {str(k) for k in dp._believed if k.port == 30080}
+    nodeports = {str(k) for k in dp._servers.believed if k.port == 30080}
     assert nodeports == {f"TCP {V4}:30080"}
     apply_object(model, node(addresses=[(INTERNAL, V4B)]))
     ipvs.ops.clear()
     assert dp.sync(model.resolve()).full
-    assert {str(k) for k in dp._believed if k.port == 30080} == {f"TCP {V4B}:30080"}
+    assert {str(k) for k in dp._servers.believed if k.port == 30080} == {f"TCP {V4B}:30080"}
     assert f"add-service TCP {V4B}:30080 rr" in ipvs.ops
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from proxy.dataplane.common.context import context_for
 from proxy.dataplane.iptables import render as ipt
 from proxy.dataplane.ipvs import render as ipvs
-from proxy.dataplane.ipvs.index import Delta, RenderIndex
+from proxy.dataplane.ipvs.index import RenderIndex, Touched
 from proxy.model.types import Family, ServicePortKey
 from tests.corpus import pipeline
 from tests.unit.builders import ep, eps_slice, model_of, node, service
@@ -59,11 +59,11 @@ def dispatch_owners(state: Any, dest: str) -> dict[str, list[str]]:
 
 
 def ipvs_owner(state: Any, vs: str) -> str | None:
-    rendered = ipvs.render_all(state, ipvs.RenderContext.build(pipeline.OPTIONS,
+    rendered = ipvs.render_all(state, ipvs.IpvsContext.build(pipeline.OPTIONS,
                                                                pipeline.NODE_IPS))
     index = RenderIndex()
     for k, rules in rendered.items():
-        index.update(k, rules, Delta())
+        index.update(k, rules, Touched())
     owners = {str(vk): owner.name for vk, (owner, _) in index.virtual_servers().items()}
     assert not index.conflicts(index.virtual_servers()), "the model left a conflict"
     return owners.get(vs)

@@ -26,12 +26,8 @@ from collections.abc import Callable
 from ipaddress import IPv4Address, IPv6Address
 
 from proxy.dataplane.common.netlink import MulticastListener, Reply, parse_attrs, replies
-from proxy.dataplane.common.rtnetlink import (
-    NETLINK_ROUTE,
-    RTM_DELADDR,
-    RTM_NEWADDR,
-    decode_address,
-)
+from proxy.dataplane.common.netlink_constants import NETLINK_ROUTE, RTM_DELADDR, RTM_NEWADDR
+from proxy.dataplane.common.rtnetlink import decode_address
 from proxy.dataplane.ipvs.render import usable_node_address
 
 # Legacy multicast group bits of rtnetlink (bind's groups mask): links, IPv4 and IPv6

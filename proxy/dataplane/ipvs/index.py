@@ -25,10 +25,12 @@ T = TypeVar("T", bound=Hashable)
 
 
 @dataclass(slots=True)
-class Delta:
-    """What one or more `RenderIndex.update` calls changed, for the applier."""
+class Touched:
+    """What one or more `RenderIndex.update` calls touched, for the applier: the virtual
+    servers to diff again, the set entries and addresses that appeared or went, the ports
+    written or removed."""
 
-    virtual_servers: set[VsKey] = field(default_factory=set)  # touched: re-diff these
+    virtual_servers: set[VsKey] = field(default_factory=set)  # re-diff these
     entries_added: set[SetEntry] = field(default_factory=set)
     entries_removed: set[SetEntry] = field(default_factory=set)
     addresses_added: set[IPAddress] = field(default_factory=set)
@@ -44,11 +46,11 @@ class RenderIndex:
         self._entries: Counter[SetEntry] = Counter()
         self._addresses: Counter[IPAddress] = Counter()
         if ports:
-            delta = Delta()
+            touched = Touched()
             for key, rules in ports.items():
-                self.update(key, rules, delta)
+                self.update(key, rules, touched)
 
-    def update(self, key: ServicePortKey, new: PortRules | None, delta: Delta) -> None:
+    def update(self, key: ServicePortKey, new: PortRules | None, touched: Touched) -> None:
         """Replace `key`'s rendering with `new` (None: the port is gone)."""
         old = self.ports.get(key)
         if old == new:
@@ -59,42 +61,43 @@ class RenderIndex:
                 del claims[key]
                 if not claims:
                     del self._claims[vs.key]
-                delta.virtual_servers.add(vs.key)
-            _release(self._entries, old.entries, delta.entries_removed, delta.entries_added)
-            _release(self._addresses, old.addresses, delta.addresses_removed,
-                     delta.addresses_added)
+                touched.virtual_servers.add(vs.key)
+            _release(self._entries, old.entries, touched.entries_removed, touched.entries_added)
+            _release(self._addresses, old.addresses, touched.addresses_removed,
+                     touched.addresses_added)
         if new is None:
             self.ports.pop(key, None)
             if old is not None:
-                delta.removed.add(key)
+                touched.removed.add(key)
             return
         self.ports[key] = new
-        delta.written.add(key)
-        delta.removed.discard(key)
+        touched.written.add(key)
+        touched.removed.discard(key)
         for vs in new.virtual_servers:
             self._claims.setdefault(vs.key, {})[key] = vs
-            delta.virtual_servers.add(vs.key)
-        _acquire(self._entries, new.entries, delta.entries_added, delta.entries_removed)
-        _acquire(self._addresses, new.addresses, delta.addresses_added,
-                 delta.addresses_removed)
+            touched.virtual_servers.add(vs.key)
+        _acquire(self._entries, new.entries, touched.entries_added, touched.entries_removed)
+        _acquire(self._addresses, new.addresses, touched.addresses_added,
+                 touched.addresses_removed)
 
-    def update_endpoints(self, key: ServicePortKey, change: PortChange, delta: Delta) -> None:
-        """`update(key, change.rules, delta)` for a port rendered from its endpoint delta
+    def update_endpoints(self, key: ServicePortKey, change: PortChange,
+                         touched: Touched) -> None:
+        """`update(key, change.rules, touched)` for a port rendered from its endpoint delta
         (render.render_change: the same virtual servers and addresses), in O(change):
         only the servers whose real servers changed are touched, only the entries that
         changed counted."""
         new = change.rules
         self.ports[key] = new
-        delta.written.add(key)
-        delta.removed.discard(key)
+        touched.written.add(key)
+        touched.removed.discard(key)
         for vs in new.virtual_servers:
             if vs.key in change.real_servers:
                 self._claims[vs.key][key] = vs
-                delta.virtual_servers.add(vs.key)
-        _release(self._entries, change.entries_removed, delta.entries_removed,
-                 delta.entries_added)
-        _acquire(self._entries, change.entries_added, delta.entries_added,
-                 delta.entries_removed)
+                touched.virtual_servers.add(vs.key)
+        _release(self._entries, change.entries_removed, touched.entries_removed,
+                 touched.entries_added)
+        _acquire(self._entries, change.entries_added, touched.entries_added,
+                 touched.entries_removed)
 
     def virtual_server(self, vs_key: VsKey) -> tuple[ServicePortKey, VirtualServer] | None:
         """The winning claim on `vs_key`: (owner, virtual server), or None."""
@@ -135,7 +138,7 @@ def _acquire(counts: Counter[T], items: Iterable[T], added: set[T], removed: set
     for item in items:
         counts[item] += 1
         if counts[item] == 1:
-            if item in removed:  # released earlier in the same delta: no net change
+            if item in removed:  # released earlier in the same update: no net change
                 removed.discard(item)
             else:
                 added.add(item)
@@ -146,7 +149,7 @@ def _release(counts: Counter[T], items: Iterable[T], removed: set[T], added: set
         counts[item] -= 1
         if counts[item] == 0:
             del counts[item]
-            if item in added:  # acquired earlier in the same delta: no net change
+            if item in added:  # acquired earlier in the same update: no net change
                 added.discard(item)
             else:
                 removed.add(item)

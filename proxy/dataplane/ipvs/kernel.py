@@ -20,14 +20,14 @@ from pathlib import Path
 from pyroute2 import IPRoute
 
 from proxy.dataplane.common.netlink import NetlinkError, nested
+from proxy.dataplane.common.netlink_constants import IPVS_CMD_ATTR_DEST as ATTR_DEST
+from proxy.dataplane.common.netlink_constants import IPVS_CMD_ATTR_SERVICE as ATTR_SERVICE
+from proxy.dataplane.common.netlink_constants import IPVS_CMD_GET_DEST as CMD_GET_DEST
+from proxy.dataplane.common.netlink_constants import IPVS_CMD_GET_SERVICE as CMD_GET_SERVICE
 from proxy.dataplane.common.node_settings import IPVS_SYSCTLS
 from proxy.dataplane.common.rtnetlink import RouteSocket
 from proxy.dataplane.ipvs.diff import KernelDest, KernelService, Op
 from proxy.dataplane.ipvs.netlink import (
-    ATTR_DEST,
-    ATTR_SERVICE,
-    CMD_GET_DEST,
-    CMD_GET_SERVICE,
     IpvsSocket,
     decode_dest,
     decode_service,

@@ -27,11 +27,13 @@ from dataclasses import dataclass
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.common.naming import MASQ_BIT
 from proxy.dataplane.ipvs.render import SET_TYPES, SetEntry, SetRole, set_name
+from proxy.dataplane.modes import IPVS
 from proxy.dataplane.xtables.saved import Saved, Table, cleanup_restore
 from proxy.model.types import Family
 
-CHAIN_PREFIX = "SPX-IPVS-"
-SERVICES_CHAIN = "SPX-IPVS-SERVICES"
+# Declared with the mode (modes.py), where another mode's leftovers' probe reads them.
+CHAIN_PREFIX = IPVS.markers.chain_prefix
+SERVICES_CHAIN = IPVS.markers.marker_chain
 CLUSTER_IP_CHAIN = "SPX-IPVS-CLUSTER-IP"
 MARK_MASQ_CHAIN = "SPX-IPVS-MARK-MASQ"
 POSTROUTING_CHAIN = "SPX-IPVS-POSTROUTING"

@@ -25,9 +25,6 @@ import sys
 from collections.abc import Sequence
 
 from proxy.dataplane.common.netlink import (
-    NLM_F_ACK,
-    NLM_F_REQUEST,
-    NLMSG_ERROR,
     NetlinkError,
     NetlinkSocket,
     frame,
@@ -35,6 +32,45 @@ from proxy.dataplane.common.netlink import (
     nla,
     parse_attrs,
 )
+from proxy.dataplane.common.netlink_constants import (
+    CTRL_ATTR_FAMILY_ID,
+    CTRL_ATTR_FAMILY_NAME,
+    CTRL_CMD_GETFAMILY,
+    GENL_ID_CTRL,
+    IPVS_GENL_NAME,
+    IPVS_GENL_VERSION,
+    NETLINK_GENERIC,
+    NLM_F_ACK,
+    NLM_F_REQUEST,
+    NLMSG_ERROR,
+)
+from proxy.dataplane.common.netlink_constants import IPVS_CMD_ATTR_DEST as ATTR_DEST
+from proxy.dataplane.common.netlink_constants import IPVS_CMD_ATTR_SERVICE as ATTR_SERVICE
+from proxy.dataplane.common.netlink_constants import IPVS_CMD_DEL_DEST as CMD_DEL_DEST
+from proxy.dataplane.common.netlink_constants import IPVS_CMD_DEL_SERVICE as CMD_DEL_SERVICE
+from proxy.dataplane.common.netlink_constants import IPVS_CMD_NEW_DEST as CMD_NEW_DEST
+from proxy.dataplane.common.netlink_constants import IPVS_CMD_NEW_SERVICE as CMD_NEW_SERVICE
+from proxy.dataplane.common.netlink_constants import IPVS_CMD_SET_DEST as CMD_SET_DEST
+from proxy.dataplane.common.netlink_constants import IPVS_CMD_SET_SERVICE as CMD_SET_SERVICE
+from proxy.dataplane.common.netlink_constants import (
+    IPVS_DEST_ATTR_ACTIVE_CONNS as DEST_ACTIVE_CONNS,
+)
+from proxy.dataplane.common.netlink_constants import IPVS_DEST_ATTR_ADDR as DEST_ADDR
+from proxy.dataplane.common.netlink_constants import IPVS_DEST_ATTR_ADDR_FAMILY as DEST_ADDR_FAMILY
+from proxy.dataplane.common.netlink_constants import IPVS_DEST_ATTR_FWD_METHOD as DEST_FWD_METHOD
+from proxy.dataplane.common.netlink_constants import IPVS_DEST_ATTR_INACT_CONNS as DEST_INACT_CONNS
+from proxy.dataplane.common.netlink_constants import IPVS_DEST_ATTR_L_THRESH as DEST_L_THRESH
+from proxy.dataplane.common.netlink_constants import IPVS_DEST_ATTR_PORT as DEST_PORT
+from proxy.dataplane.common.netlink_constants import IPVS_DEST_ATTR_U_THRESH as DEST_U_THRESH
+from proxy.dataplane.common.netlink_constants import IPVS_DEST_ATTR_WEIGHT as DEST_WEIGHT
+from proxy.dataplane.common.netlink_constants import IPVS_SVC_ATTR_ADDR as SVC_ADDR
+from proxy.dataplane.common.netlink_constants import IPVS_SVC_ATTR_AF as SVC_AF
+from proxy.dataplane.common.netlink_constants import IPVS_SVC_ATTR_FLAGS as SVC_FLAGS
+from proxy.dataplane.common.netlink_constants import IPVS_SVC_ATTR_NETMASK as SVC_NETMASK
+from proxy.dataplane.common.netlink_constants import IPVS_SVC_ATTR_PORT as SVC_PORT
+from proxy.dataplane.common.netlink_constants import IPVS_SVC_ATTR_PROTOCOL as SVC_PROTOCOL
+from proxy.dataplane.common.netlink_constants import IPVS_SVC_ATTR_SCHED_NAME as SVC_SCHED_NAME
+from proxy.dataplane.common.netlink_constants import IPVS_SVC_ATTR_TIMEOUT as SVC_TIMEOUT
 from proxy.dataplane.common.rtnetlink import address_of
 from proxy.dataplane.ipvs.diff import FWD_MASQ, KernelDest, KernelService, Op, OpKind
 from proxy.dataplane.ipvs.render import (
@@ -46,25 +82,6 @@ from proxy.dataplane.ipvs.render import (
     VsKey,
 )
 from proxy.model.types import Family
-
-NETLINK_GENERIC = 16
-GENL_ID_CTRL, CTRL_CMD_GETFAMILY = 0x10, 3
-CTRL_ATTR_FAMILY_ID, CTRL_ATTR_FAMILY_NAME = 1, 2
-IPVS_GENL_NAME = b"IPVS"
-IPVS_GENL_VERSION = 1
-
-# Commands.
-CMD_NEW_SERVICE, CMD_SET_SERVICE, CMD_DEL_SERVICE, CMD_GET_SERVICE = 1, 2, 3, 4
-CMD_NEW_DEST, CMD_SET_DEST, CMD_DEL_DEST, CMD_GET_DEST = 5, 6, 7, 8
-# Top-level attributes.
-ATTR_SERVICE, ATTR_DEST = 1, 2
-# Service attributes.
-SVC_AF, SVC_PROTOCOL, SVC_ADDR, SVC_PORT, SVC_FWMARK = 1, 2, 3, 4, 5
-SVC_SCHED_NAME, SVC_FLAGS, SVC_TIMEOUT, SVC_NETMASK = 6, 7, 8, 9
-# Destination attributes.
-DEST_ADDR, DEST_PORT, DEST_FWD_METHOD, DEST_WEIGHT = 1, 2, 3, 4
-DEST_U_THRESH, DEST_L_THRESH, DEST_ACTIVE_CONNS, DEST_INACT_CONNS = 5, 6, 7, 8
-DEST_ADDR_FAMILY = 11
 
 FLAGS_MASK = 0xFFFF
 # IPv6 services take a prefix length where IPv4 ones take a netmask, in the same 4-byte

@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.common.context import nodeport_cidrs_for, nodeport_selection
+from proxy.dataplane.modes import IPVS
 from proxy.model.snapshot import (
     DesiredState,
     EndpointDelta,
@@ -57,8 +58,9 @@ from proxy.model.types import (
     format_endpoint,
 )
 
-# The dummy interface holding every service address we program (upstream: kube-ipvs0).
-DUMMY_INTERFACE = "spx-ipvs0"
+# The dummy interface holding every service address we program (upstream: kube-ipvs0);
+# declared with the mode (modes.py), where another mode's leftovers' probe reads it.
+DUMMY_INTERFACE = IPVS.markers.dummy_interface
 
 # Virtual-server flags (include/uapi/linux/ip_vs.h).
 FLAG_PERSISTENT = 0x0001
@@ -188,7 +190,7 @@ class PortRules:
 
 
 @dataclass(frozen=True, slots=True)
-class RenderContext:
+class IpvsContext:
     """What rendering needs besides the service port: options and the node's addresses.
 
     `node_addresses` are the node's own addresses (every interface but our dummy one,
@@ -207,11 +209,11 @@ class RenderContext:
 
     @staticmethod
     def build(options: DataplaneOptions, node_addresses: Iterable[IPAddress],
-              primary_ips: Iterable[IPAddress] = ()) -> RenderContext:
+              primary_ips: Iterable[IPAddress] = ()) -> IpvsContext:
         usable = frozenset(a for a in node_addresses if usable_node_address(a))
         primary = tuple(primary_ips)
         cidrs = nodeport_cidrs_for(options, primary)
-        return RenderContext(
+        return IpvsContext(
             node_name=options.node_name,
             scheduler=options.ipvs_scheduler or "rr",
             node_addresses=usable,
@@ -257,7 +259,7 @@ def _real_servers(endpoints: Iterable[MergedEndpoint]) -> tuple[RsKey, ...]:
     return tuple(sorted({RsKey(e.address, e.port) for e in endpoints}, key=RsKey.order))
 
 
-def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortRules:
+def render_port(rsp: ResolvedServicePort, ctx: IpvsContext) -> PortRules:
     """The kernel objects for one service port in one family. Pure."""
     service, port, family = rsp.service, rsp.port, rsp.key.family
     protocol = port.protocol
@@ -306,7 +308,7 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortRules:
     )
 
 
-def _virtual_server(rsp: ResolvedServicePort, ctx: RenderContext, key: VsKey, kind: VsKind,
+def _virtual_server(rsp: ResolvedServicePort, ctx: IpvsContext, key: VsKey, kind: VsKind,
                     local: bool) -> VirtualServer:
     """One address's virtual server; `local`: its traffic policy is Local."""
     flags, timeout = 0, 0
@@ -373,7 +375,7 @@ def _of_family(addresses: Iterable[IPAddress], family: Family) -> list[IPAddress
     return [a for a in addresses if Family.of(a) is family]
 
 
-def render_all(state: DesiredState, ctx: RenderContext,
+def render_all(state: DesiredState, ctx: IpvsContext,
                families: Iterable[Family] = (Family.V4, Family.V6)) -> dict[ServicePortKey,
                                                                           PortRules]:
     wanted = set(families)
@@ -409,7 +411,7 @@ class PortChange:
 
 
 def render_change(old: ResolvedServicePort, new: ResolvedServicePort,
-                  delta: EndpointDelta, ctx: RenderContext, rules: PortRules
+                  delta: EndpointDelta, ctx: IpvsContext, rules: PortRules
                   ) -> PortChange | None:
     """What `render_port(new, ctx)` is, given `rules` rendered from `old` and the delta
     between them, in O(change); None when the port must be rendered whole: more than the
@@ -470,7 +472,7 @@ def _patched(reals: tuple[RsKey, ...], change: RealServerChange) -> tuple[RsKey,
     return tuple(out)
 
 
-def _loopback_change(rsp: ResolvedServicePort, delta: EndpointDelta, ctx: RenderContext
+def _loopback_change(rsp: ResolvedServicePort, delta: EndpointDelta, ctx: IpvsContext
                      ) -> tuple[frozenset[SetEntry], frozenset[SetEntry]]:
     """The hairpin entries (render_port's LOOPBACK) that go and come with the delta."""
     family, proto = rsp.key.family, _proto(rsp.port.protocol)
