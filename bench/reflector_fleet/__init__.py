@@ -5,7 +5,7 @@
     sudo .venv/bin/python -m bench.reflector_fleet --server sim --agents 100
     sudo .venv/bin/python -m bench.reflector_fleet            # --size small: CI-sized
 
-Each agent is what one node runs of sliceproxy's watch layer: `proxy/kube/watch.py`'s
+Each agent is what one node runs of sliceproxy's watch layer: `proxy/kube/cluster_watch.py`'s
 ClusterWatch (Services; EndpointSlices without headless ones; its own Node by field
 selector), with its own client (`KubeApi`: its own aiohttp session, TLS handshakes and
 connections) and a handler that only counts events. The agents run in worker processes

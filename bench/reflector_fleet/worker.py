@@ -19,8 +19,8 @@ from typing import IO
 from bench.common import ROOT
 from bench.reflector_fleet.workload import Obj, node_name
 from proxy.kube.client import Api, Response
+from proxy.kube.cluster_watch import ClusterWatch
 from proxy.kube.reflector import WatchEvent
-from proxy.kube.watch import ClusterWatch
 
 # --- the worker: agents in one process ---------------------------------------------------
 
@@ -121,9 +121,9 @@ def worker_main(spec: WorkerSpec) -> int:
 
 async def _worker(spec: WorkerSpec) -> None:
     from proxy.kube.client import ClientOptions, KubeApi
+    from proxy.kube.cluster_watch import endpoint_slice_resource
     from proxy.kube.ingest import EndpointsSource
     from proxy.kube.reflector import ReflectorOptions
-    from proxy.kube.watch import endpoint_slice_resource
 
     options = ReflectorOptions(consistent_first_list=spec.consistent_first_list)
     agents: list[Agent] = []

@@ -64,26 +64,41 @@ A broken or hostile server cannot take more than bounded memory, nor wedge the l
   fast as it can does not starve the agent's other tasks.
 
 Each incident is one log line with the resource and what was wrong, not one per event.
+
+This module holds the run loop (list, watch, relist, back off) and what the reflector
+knows of each object; the jobs it hands out have modules of their own: list_pager.py
+(a list's pages, their items passed on as they arrive), watch_stream.py (a watch's lines
+decoded into events, its stall and overdue timeouts), backoff.py (the delays between
+attempts) and request_errors.py (what a request can run into, as exceptions the loop
+handles).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import functools
 import logging
 import random
-import re
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
-from proxy.kube.client import Api, BodyTooLarge, Response, read_body
+from proxy.kube.backoff import Backoff
+from proxy.kube.client import Api
 from proxy.kube.identity import ObjectKey, decimal, meta_uid, meta_version, object_key, unkeyed_key
 from proxy.kube.identity import key as identify
-from proxy.kube.listsplit import ItemStream, TooLarge
+from proxy.kube.list_pager import ListPager
+from proxy.kube.request_errors import (
+    _BadList,
+    _Gone,
+    _HttpError,
+    _Overdue,
+    _ShortWatch,
+    _Stalled,
+    _WentBack,
+)
 from proxy.kube.resources import Resource
+from proxy.kube.watch_stream import WatchStream, identify_head, open_watch
 from proxy.model.skips import shown
 
 log = logging.getLogger(__name__)
@@ -151,120 +166,17 @@ class ReflectorOptions:
     max_list_items: int = 1_000_000
 
 
-class _Gone(Exception):
-    pass
-
-
-class _HttpError(Exception):
-    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
-        super().__init__(f"HTTP {status}: {message}")
-        self.status = status
-        self.retry_after = retry_after
-
-
-class _Stalled(Exception):
-    pass
-
-
-class _ShortWatch(Exception):
-    pass
-
-
-class _Overdue(Exception):
-    """The stream outlived the timeoutSeconds we asked for, and its grace."""
-
-
-class _WentBack(Exception):
-    """A watch event or bookmark older than the revision we resume from."""
-
-
-class _BadList(Exception):
-    """A list that would not end (too large, too many pages or objects, or repeating)."""
-
-
 # A stream that ends sooner than this having delivered nothing is treated as an error.
 SHORT_WATCH_SECONDS = 1.0
 # How long past its timeoutSeconds (this, or the timeout itself if shorter) a stream may
 # stay open before we end it: the server ignores the timeout we asked for.
 WATCH_GRACE = 30.0
-# List items handled between turns of the event loop while the body is arriving (each
-# ~5-50 us): the reader task takes in what has arrived meanwhile.
-LIST_BATCH = 32
-# Lines handled between yields to the event loop: a stream arriving faster than we handle
-# it keeps the socket's buffer full, and reads that find data never yield.
-YIELD_EVERY = 100
 # A forced relist (410, revisions going back) longer than this after the previous one is
 # immediate; sooner, it backs off (client-go resets its backoff after 2 minutes).
 RELIST_QUIET = 120.0
-# The start of an error answer's body is all a log line needs.
-ERROR_BODY_BYTES = 64 * 1024
 # Consecutive silent streams after which we ask whether the server is still the one whose
 # revisions we follow (see _check_server_revision).
 STALLS_BEFORE_PROBE = 2
-
-
-class Backoff:
-    """Exponential backoff, jittered: the n-th delay in a row is drawn uniformly from
-    [c/2, c] with c = min(maximum, initial * 2**n); reset after a success.
-
-    The reflector's cap, 8 s (ReflectorOptions.backoff_max), is chosen by the numbers
-    (docs/watch.md has the reasoning at length):
-
-    * recovery: a change written as an API server comes back reaches the reflector at
-      most one cap (8 s) plus one round trip later — the worst case is an attempt that
-      failed just before the return, followed by a full-cap delay. With client-go's 30 s
-      cap that is up to 30 s (its jitter makes it [30, 60) s): a 20 s outage easily
-      reaches the cap (0.5+1+2+4 s of delays before the 5th retry), so the goal of 10 s
-      from return to kernel needs a cap under 10 s less a sync.
-    * load: every agent runs 3 reflectors (Services, EndpointSlices or Endpoints, its
-      Node), so 5,000 nodes are 15,000 reflectors. At the cap each retries once per
-      [4, 8] s: 2,500 requests/s on average (at most 3,750/s, every delay at its floor)
-      while the server is away; at 30 s it was 667/s (1,000/s), client-go's about 333/s.
-      Away means refused connections, which cost a server that is down nothing. On its
-      return every reflector must come back once whatever the policy: within 10 s that
-      is at least 1,500 requests/s; with the 8 s cap the 15,000 watch resumptions arrive
-      spread over 8 s (about 1,900/s), no more than any policy meeting the goal.
-    * a server that is up but overloaded says so: 429 with Retry-After (API Priority
-      and Fairness), which is honoured as a floor (`at_least`).
-
-    A shared per-agent probe (one reflector retrying while the other two wait) would
-    cut the rate while the server is away by 3, but not the burst on its return, which
-    is the load that matters; not worth the coupling between reflectors.
-    """
-
-    def __init__(self, initial: float, maximum: float, rng: random.Random | None = None) -> None:
-        if not 0 < initial <= maximum:
-            raise ValueError(f"backoff needs 0 < initial <= maximum, not {initial}, {maximum}")
-        self.initial, self.maximum = initial, maximum
-        self._attempt = 0
-        self._rng = rng or random.Random()
-
-    def next(self, at_least: float = 0.0) -> float:
-        ceiling = self.ceiling
-        # Counting stops at the cap: 0.5 * 2**1024 is no float, so after 1,024 failures
-        # in a row (a 2-hour outage) this raised OverflowError, in the reflector's error
-        # handler, and ended its task for good.
-        if ceiling < self.maximum:
-            self._attempt += 1
-        return max(at_least, self._rng.uniform(ceiling / 2, ceiling))
-
-    @property
-    def ceiling(self) -> float:
-        """The most the next delay can be (Retry-After aside)."""
-        return min(self.maximum, self.initial * 2.0 ** min(self._attempt, 1000))
-
-    def reset(self) -> None:
-        self._attempt = 0
-
-
-def _retry_after(headers: Mapping[str, str]) -> float | None:
-    value = headers.get("Retry-After")
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        return None
 
 
 def _older(rv: str, than: str | None) -> bool:
@@ -277,16 +189,6 @@ def _older(rv: str, than: str | None) -> bool:
 
 def _in(delay: float) -> str:
     return f" in {delay:.2f}s" if delay else ""
-
-
-@dataclass(slots=True)
-class _StreamTally:
-    """What one watch stream delivered, for the log line that ends it."""
-
-    lines: int = 0
-    events: int = 0
-    bookmarks: int = 0
-    oversized: int = 0
 
 
 class Reflector:
@@ -321,7 +223,6 @@ class Reflector:
         # is logged once.
         self._reached: str | None = None
         self._lower_explained = False
-        self._stream = _StreamTally()
 
     @property
     def known(self) -> Mapping[ObjectKey, str]:
@@ -341,6 +242,12 @@ class Reflector:
             query["fieldSelector"] = self.options.field_selector
         return query
 
+    def _pager(self) -> ListPager:
+        opts = self.options
+        return ListPager(self.api, self.resource, page_size=opts.page_size,
+                         max_pages=opts.max_list_pages, max_bytes=opts.max_list_bytes,
+                         request_timeout=opts.request_timeout)
+
     def _extra(self, **more: object) -> dict[str, object]:
         return {"resource": str(self.resource), "resource_version": self.resource_version,
                 **more}
@@ -358,59 +265,77 @@ class Reflector:
             except asyncio.CancelledError:
                 raise
             except _Gone:
-                listing = self.resource_version is None
-                self.stats.expired += 1
-                if listing:
-                    # The continue token (or the revision asked for) is gone: one
-                    # unpaged consistent list, as client-go's pager falls back to.
-                    self._unpaged_next = True
-                    self._list_from = ""
-                delay = self._relist_delay()
-                log.info("%s; listing again%s", "the list's continue token expired (410 Gone)"
-                         if listing else "watch history expired (410 Gone)", _in(delay),
-                         extra=self._extra())
-                self._forget_revision()
-                await asyncio.sleep(delay)
+                await asyncio.sleep(self._expired())
             except _WentBack as exc:
-                self.stats.went_back += 1
-                delay = self._relist_delay()
-                log.warning("watch of %s went back in time: %s; listing again%s",
-                            self.resource, exc, _in(delay), extra=self._extra())
-                self._forget_revision(explained=True)
-                await asyncio.sleep(delay)
+                await asyncio.sleep(self._went_back(exc))
             except _Stalled:
-                self.stats.stalls += 1
-                self._stalls_in_a_row += 1
-                probe = self._stalls_in_a_row >= STALLS_BEFORE_PROBE
-                log.info("no event or bookmark for %.0fs; %s", self.options.stall_timeout,
-                         "checking the server's revision before watching again"
-                         if probe else "restarting the watch",
-                         extra=self._extra(stalls_in_a_row=self._stalls_in_a_row))
-                if probe:
-                    self._stalls_in_a_row = 0
-                    self._probe_next = True
+                self._stalled()
             except Exception as exc:  # network, HTTP and parse errors alike: back off, retry
-                listing = self.resource_version is None
-                self.stats.errors += 1
-                if isinstance(exc, _ShortWatch):
-                    self.stats.short_watches += 1
-                if isinstance(exc, _BadList):
-                    self.stats.bad_lists += 1
-                if listing and isinstance(exc, _HttpError) and exc.status == 504 and \
-                        self._list_from not in ("", "0"):
-                    # "Too large resource version": the server is behind the revision
-                    # we had reached (its storage went back); only etcd can say where.
-                    self._list_from = ""
-                self.stats.last_error = f"{type(exc).__name__}: {exc}"
-                at_least = (exc.retry_after or 0.0) if isinstance(exc, _HttpError) else 0.0
-                delay = self.stats.retry_delay = self._backoff.next(at_least)
-                log.warning("API request failed; retrying",
-                            extra={"request": "list" if listing else "watch",
-                                   "resource": str(self.resource),
-                                   "error": self.stats.last_error,
-                                   "retry_in": round(delay, 2),
-                                   "retry_after": at_least or None})
-                await asyncio.sleep(delay)
+                await asyncio.sleep(self._failed(exc))
+
+    # --- what the loop does after each way a list or watch can end ---------------------
+
+    def _expired(self) -> float:
+        """410 Gone: list again; the delay before it."""
+        listing = self.resource_version is None
+        self.stats.expired += 1
+        if listing:
+            # The continue token (or the revision asked for) is gone: one unpaged
+            # consistent list, as client-go's pager falls back to.
+            self._unpaged_next = True
+            self._list_from = ""
+        delay = self._relist_delay()
+        log.info("%s; listing again%s", "the list's continue token expired (410 Gone)"
+                 if listing else "watch history expired (410 Gone)", _in(delay),
+                 extra=self._extra())
+        self._forget_revision()
+        return delay
+
+    def _went_back(self, exc: _WentBack) -> float:
+        self.stats.went_back += 1
+        delay = self._relist_delay()
+        log.warning("watch of %s went back in time: %s; listing again%s",
+                    self.resource, exc, _in(delay), extra=self._extra())
+        self._forget_revision(explained=True)
+        return delay
+
+    def _stalled(self) -> None:
+        """A silent stream: watch again at once; after STALLS_BEFORE_PROBE in a row, ask
+        the server for its revision first."""
+        self.stats.stalls += 1
+        self._stalls_in_a_row += 1
+        probe = self._stalls_in_a_row >= STALLS_BEFORE_PROBE
+        log.info("no event or bookmark for %.0fs; %s", self.options.stall_timeout,
+                 "checking the server's revision before watching again"
+                 if probe else "restarting the watch",
+                 extra=self._extra(stalls_in_a_row=self._stalls_in_a_row))
+        if probe:
+            self._stalls_in_a_row = 0
+            self._probe_next = True
+
+    def _failed(self, exc: Exception) -> float:
+        """Any other failure: counted, logged, and the backoff's next delay."""
+        listing = self.resource_version is None
+        self.stats.errors += 1
+        if isinstance(exc, _ShortWatch):
+            self.stats.short_watches += 1
+        if isinstance(exc, _BadList):
+            self.stats.bad_lists += 1
+        if listing and isinstance(exc, _HttpError) and exc.status == 504 and \
+                self._list_from not in ("", "0"):
+            # "Too large resource version": the server is behind the revision we had
+            # reached (its storage went back); only etcd can say where.
+            self._list_from = ""
+        self.stats.last_error = f"{type(exc).__name__}: {exc}"
+        at_least = (exc.retry_after or 0.0) if isinstance(exc, _HttpError) else 0.0
+        delay = self.stats.retry_delay = self._backoff.next(at_least)
+        log.warning("API request failed; retrying",
+                    extra={"request": "list" if listing else "watch",
+                           "resource": str(self.resource),
+                           "error": self.stats.last_error,
+                           "retry_in": round(delay, 2),
+                           "retry_after": at_least or None})
+        return delay
 
     def _forget_revision(self, explained: bool = False) -> None:
         """List again at the next turn. `explained`: the server going back in time has
@@ -444,8 +369,7 @@ class Reflector:
         the object it shows contradicts what we hold at a revision we have passed (a new
         cluster that counted up to our revision again) — or if we cannot tell."""
         self.stats.probes += 1
-        body = await self._get_json({**self._selectors(), "limit": "1"},
-                                    self.options.request_timeout)
+        body = await self._pager().whole({**self._selectors(), "limit": "1"})
         current = meta_version(body)
         ours = decimal(self.resource_version)
         theirs = decimal(current)
@@ -472,116 +396,16 @@ class Reflector:
             self._forget_revision(explained=True)
 
     async def _list(self) -> None:
+        """One whole list (list_pager.py), its items passed on as they arrive."""
         seen: set[ObjectKey] = set()
         unkeyed = _Tally()  # objects without a usable name, for one log line
-        token: str | None = None
         unpaged, self._unpaged_next = self._unpaged_next, False
         since = self._list_from
-        # Paging only where it spares the server: a list from a revision of ours with a
-        # limit would be a read from etcd (the cache cannot continue), without one the
-        # cache answers. "0" keeps the limit: the cache ignores it, etcd pages.
-        unpaged = unpaged or since not in ("", "0")
-        opts = self.options
-        pages = 0
-        while True:
-            query = self._selectors()
-            if not unpaged:
-                query["limit"] = str(opts.page_size)
-            if token:
-                query["continue"] = token  # no resourceVersion beside it: refused
-            elif since:
-                query["resourceVersion"] = since
-            pages += 1
-            head = await self._list_page(query, seen, unkeyed, pages)
-            token = _continue_token(head)
-            if token is None:
-                break
-            if pages >= opts.max_list_pages:
-                raise _BadList(f"the list did not end after {pages} pages")
+        head, pages = await self._pager().list(self._selectors(), since, unpaged,
+                                             functools.partial(self._pass_on, seen, unkeyed))
         self._list_done(seen, unkeyed, meta_version(head), since, pages)
 
-    async def _list_page(self, query: dict[str, str], seen: set[ObjectKey], unkeyed: _Tally,
-                         page: int) -> dict[str, Any]:
-        """Ask for one page of a list and pass on what it added or changed as its items
-        arrive (listsplit.py: each parsed, decoded and dropped as soon as its end has
-        arrived, while the server is still writing the rest); `seen` gathers the keys.
-        The list's head (its metadata) is returned once the body has all arrived.
-
-        A task of its own takes the body in as fast as it comes, and the items are
-        handled in batches between which it runs: the server's answer leaves its memory
-        at the network's pace, not ours (5,000 agents list at once in a rollout).
-
-        The whole answer must come within request_timeout, as any request's: the time
-        we spend on its items meanwhile does not count (up to request_timeout of it;
-        past that, the rest of the body is read first and its items taken after)."""
-        opts = self.options
-        listing = ItemStream(opts.max_list_bytes)
-        loop = asyncio.get_running_loop()
-        arrived = asyncio.Event()
-        timer = asyncio.timeout(opts.request_timeout)
-        checked = False
-
-        async def receive() -> None:
-            try:
-                async with timer:
-                    # The client's own limit: later than ours can be with our time added.
-                    resp = await self.api.get(self.resource.path, query,
-                                              2 * opts.request_timeout + 5)
-                    try:
-                        await _check_status(resp)
-                        while chunk := await resp.readany():
-                            try:
-                                listing.feed(chunk)
-                            except TooLarge:
-                                raise _BadList("a list response over "
-                                               f"{opts.max_list_bytes} bytes") from None
-                            arrived.set()
-                    finally:
-                        resp.close()
-            except TimeoutError:
-                if not timer.expired():
-                    raise
-                raise TimeoutError(f"no whole answer within {opts.request_timeout:g}s"
-                                   ) from None
-            finally:
-                arrived.set()
-
-        def take(most: int | None = None) -> int:
-            nonlocal checked
-            if not checked and listing.head is not None:
-                _check_head(listing.head)
-                checked = True
-            return self._pass_on(itertools.islice(listing.take(), most), seen, unkeyed,
-                                 page)
-
-        reader = asyncio.create_task(receive(), name=f"list {self.resource}")
-        spent = 0.0  # on items, while the body was arriving
-        try:
-            while not reader.done():
-                await arrived.wait()
-                arrived.clear()
-                while spent < opts.request_timeout and not reader.done():
-                    began = loop.time()
-                    taken = take(LIST_BATCH)
-                    took = loop.time() - began
-                    spent += took
-                    when = timer.when()
-                    if when is not None:
-                        timer.reschedule(when + took)
-                    if taken < LIST_BATCH:
-                        break
-                    await asyncio.sleep(0)  # the reader takes in what has arrived
-            await reader  # its error, if it failed
-        finally:
-            if not reader.done():
-                reader.cancel()
-                await asyncio.gather(reader, return_exceptions=True)
-        listing.close()  # parses whatever was not cut (outside the timer, as ever)
-        take()
-        assert listing.head is not None
-        return listing.head
-
-    def _pass_on(self, items: Iterator[Any], seen: set[ObjectKey], unkeyed: _Tally,
+    def _pass_on(self, seen: set[ObjectKey], unkeyed: _Tally, items: Iterator[Any],
                  page: int) -> int:
         """Pass on what these items of a list added or changed; how many there were."""
         count = 0
@@ -646,39 +470,11 @@ class Reflector:
                                                  "list_from": since or "storage"})
         self.synced.set()
 
-    async def _get_json(self, query: dict[str, str], timeout: float) -> dict[str, Any]:
-        body = orjson.loads(await self._get_body(query, timeout))
-        if not isinstance(body, dict):
-            raise _HttpError(200, "list response is not an object")
-        return body
-
-    async def _get_body(self, query: dict[str, str], timeout: float) -> bytearray:
-        # The whole answer, body included, within the timeout: a body trickling forever
-        # must not hold the loop. The client's own limit is a little later, so that ours
-        # is the one that fires (and says what happened).
-        timer = asyncio.timeout(timeout)
-        try:
-            async with timer:
-                resp = await self.api.get(self.resource.path, query, timeout + 5)
-                try:
-                    await _check_status(resp)
-                    try:
-                        data = await read_body(resp, self.options.max_list_bytes)
-                    except BodyTooLarge:
-                        raise _BadList(f"a list response over {self.options.max_list_bytes}"
-                                       " bytes") from None
-                finally:
-                    resp.close()
-        except TimeoutError:
-            if not timer.expired():
-                raise
-            raise TimeoutError(f"no whole answer within {timeout:g}s") from None
-        return data
-
     # --- watch -----------------------------------------------------------------------
 
     async def _watch(self) -> None:
-        timeout = max(1, int(self.options.min_watch_timeout * (1 + random.random())))
+        opts = self.options
+        timeout = max(1, int(opts.min_watch_timeout * (1 + random.random())))
         query = {
             "watch": "1",
             "resourceVersion": self.resource_version or "",
@@ -688,32 +484,19 @@ class Reflector:
         }
         loop = asyncio.get_running_loop()
         grace = min(WATCH_GRACE, timeout)
-        # The answer to the request itself must come within request_timeout like any
-        # other; the stream is ended by us at timeout + grace (the client's own limit is
-        # later still, so that ours is the one that fires).
-        timer = asyncio.timeout(self.options.request_timeout)
+        # The stream is ended by us at timeout + grace; the client's own limit is later
+        # still, so that ours is the one that fires.
+        resp = await open_watch(self.api, self.resource, query, opts.request_timeout,
+                                timeout + grace + 30)
+        self.stats.watches += 1
+        started = loop.time()
+        stream = WatchStream(resp, started + timeout + grace, opts.stall_timeout,
+                             opts.max_line_bytes, self._oversized)
+        tally = stream.tally
         try:
-            async with timer:
-                resp = await self.api.get(self.resource.path, query, timeout + grace + 30)
-        except TimeoutError:
-            if not timer.expired():
-                raise
-            raise TimeoutError(f"no answer within {self.options.request_timeout:g}s") from None
-        try:
-            if resp.status == 410:
-                raise _Gone()
-            if resp.status != 200:
-                data = await read_body(resp, ERROR_BODY_BYTES, truncate=True)
-                raise _HttpError(resp.status, _status_message(data), _retry_after(resp.headers))
-            self.stats.watches += 1
-            started = loop.time()
-            tally = self._stream = _StreamTally()
             try:
-                async for line in self._lines(resp, started + timeout + grace):
-                    tally.lines += 1
-                    self._handle_line(line)
-                    if tally.lines % YIELD_EVERY == 0:
-                        await asyncio.sleep(0)
+                async for kind, obj in stream.events():
+                    self._apply(kind, obj)
             except _Overdue:
                 self.stats.overdue += 1
                 log.warning("the server kept the watch of %s open %.0fs, past the "
@@ -727,25 +510,16 @@ class Reflector:
             self.stats.watch_restarts += 1  # the server ended the stream (timeoutSeconds)
         finally:
             resp.close()
-            if self._stream.oversized > 1:
+            if tally.heard:  # the server is talking
+                self._stalls_in_a_row = 0
+            if tally.oversized > 1:
                 log.error("%d watch events over %d bytes skipped in one stream of %s",
-                          self._stream.oversized, self.options.max_line_bytes,
-                          self.resource, extra=self._extra())
-            self._stream = _StreamTally()
+                          tally.oversized, opts.max_line_bytes, self.resource,
+                          extra=self._extra())
 
-    def _handle_line(self, line: bytes | bytearray) -> None:
-        event = orjson.loads(line)
-        kind = event.get("type")
-        obj = event.get("object")
-        if not isinstance(obj, dict):
-            raise ValueError(f"watch event without an object: {line[:200]!r}")
-        if kind == "ERROR":
-            code = obj.get("code")
-            if code == 410:
-                raise _Gone()
-            raise _HttpError(int(code or 0), str(obj.get("message") or obj))
-        if kind not in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK"):
-            raise ValueError(f"unknown watch event type {kind!r}")
+    def _apply(self, kind: str, obj: dict[str, Any]) -> None:
+        """A watch event (watch_stream.py decoded it): the objects we know and the
+        revision we resume from follow it, and the handler hears of it."""
         rv = meta_version(obj)
         if _older(rv, self.resource_version):
             key = object_key(obj)
@@ -754,7 +528,6 @@ class Reflector:
         self._backoff.reset()
         if kind == "BOOKMARK":
             self.stats.bookmarks += 1
-            self._stream.bookmarks += 1
             self.resource_version = rv or self.resource_version
             return
         key, named = self._key(obj)
@@ -768,71 +541,16 @@ class Reflector:
             self._objects[key] = (rv, meta_uid(obj))
         if rv:
             self.resource_version = rv
-        self._stream.events += 1
         self._emit(kind, key, obj)
 
-    async def _lines(self, resp: Response, deadline: float) -> AsyncIterator[bytearray]:
-        """JSON lines of a watch stream; raises _Stalled when it goes quiet, _Overdue at
-        `deadline` (loop time).
-
-        A line longer than `max_line_bytes` is dropped as it streams by (never held
-        whole), counted and logged as soon as it crosses the bound (a line that never
-        ends is still told): no real API server sends objects that big (etcd refuses
-        them), so it comes from a broken or hostile server.
-
-        The line yielded is the buffer itself, valid until the next line is asked for
-        (no copy); pieces of chunks are appended through memoryviews (no copy either).
-        """
-        loop = asyncio.get_running_loop()
-        buf = bytearray()
-        discarding = False
-        limit = self.options.max_line_bytes
-        while True:
-            timer = asyncio.timeout_at(min(loop.time() + self.options.stall_timeout, deadline))
-            try:
-                async with timer:
-                    chunk = await resp.readany()
-            except TimeoutError:
-                if not timer.expired():  # the client's own timeout: an error like any other
-                    raise
-                if loop.time() >= deadline:
-                    raise _Overdue() from None
-                raise _Stalled() from None
-            if not chunk:
-                return
-            if loop.time() >= deadline:  # a stream that always has data never times out
-                raise _Overdue()
-            self._stalls_in_a_row = 0  # the server is talking
-            start = 0
-            while True:
-                nl = chunk.find(b"\n", start)
-                end = len(chunk) if nl < 0 else nl
-                if not discarding and len(buf) + end - start > limit:
-                    discarding = True
-                    self._oversized(bytes(buf[:_HEAD]) + chunk[start:start + _HEAD])
-                    buf.clear()
-                if nl < 0:
-                    if not discarding:
-                        buf += memoryview(chunk)[start:]
-                    break
-                if discarding:
-                    discarding = False
-                else:
-                    buf += memoryview(chunk)[start:nl]
-                    if buf and not buf.isspace():
-                        yield buf
-                buf.clear()
-                start = nl + 1
-
-    def _oversized(self, head: bytes) -> None:
-        """A line crossed max_line_bytes: the first in a stream is logged now, more are
-        summed up in one line when the stream ends."""
+    def _oversized(self, head: bytes, nth: int) -> None:
+        """A watch line crossed max_line_bytes, the `nth` in its stream: the first is
+        logged now, more are summed up in one line when the stream ends."""
         self.stats.oversized += 1
-        self._stream.oversized += 1
-        if self._stream.oversized == 1:
+        if nth == 1:
             log.error("watch event of %s over %d bytes: skipping it", self.resource,
                       self.options.max_line_bytes,
-                      extra=self._extra(object=_identify(head)))
+                      extra=self._extra(object=identify_head(head)))
 
     def _key(self, obj: dict[str, Any]) -> tuple[ObjectKey, bool]:
         """The key an object of a list or a watch is kept under (one key whichever way
@@ -868,64 +586,9 @@ class _Tally:
         self.first = self.first or why
 
 
-async def _check_status(resp: Response) -> None:
-    """Raise for a list answer that is not 200."""
-    if resp.status == 410:
-        # An expired continue token: the snapshot is gone; list again.
-        raise _Gone()
-    if resp.status != 200:
-        data = await read_body(resp, ERROR_BODY_BYTES, truncate=True)
-        raise _HttpError(resp.status, _status_message(data), _retry_after(resp.headers))
-
-
-def _check_head(head: dict[str, Any]) -> None:
-    items, meta = head.get("items"), head.get("metadata")
-    if not isinstance(items, list | None) or not isinstance(meta, dict | None):
-        raise _BadList("a list whose items or metadata have the wrong type")
-
-
-def _continue_token(head: dict[str, Any]) -> str | None:
-    """The token for a list's next page; None after the last."""
-    # Read from the head after the items: had they not been cut cleanly, the head is the
-    # whole body's now (listsplit.ItemStream).
-    meta = head.get("metadata")
-    if not isinstance(meta, dict | None):
-        raise _BadList("a list whose metadata has the wrong type")
-    token = (meta or {}).get("continue") or None
-    if token is not None and not isinstance(token, str):
-        raise _BadList(f"a continue token that is no string: {shown(token)}")
-    return token
-
-
 def _why_unkeyed(obj: dict[str, Any]) -> str:
     meta = obj.get("metadata")
     if not isinstance(meta, dict):
         return "metadata missing" if meta is None else f"metadata {shown(meta)}"
     return (f"metadata.name {shown(meta.get('name'))}, "
             f"metadata.namespace {shown(meta.get('namespace'))}")
-
-
-_HEAD = 4096
-_NAME = re.compile(rb'"name":"([^"]{1,253})"')
-_NAMESPACE = re.compile(rb'"namespace":"([^"]{1,63})"')
-
-
-def _identify(head: bytes) -> str:
-    """namespace/name of an object from the start of its JSON, if it shows there (the
-    API server writes metadata.name and namespace before labels and the rest)."""
-    name, namespace = _NAME.search(head), _NAMESPACE.search(head)
-    if name is None:
-        return "?"
-    ns = namespace.group(1).decode("utf-8", "replace") + "/" if namespace else ""
-    return ns + name.group(1).decode("utf-8", "replace")
-
-
-def _status_message(data: bytes | bytearray) -> str:
-    try:
-        status = orjson.loads(data)
-        if isinstance(status, dict) and status.get("message"):
-            return str(status["message"])
-    except orjson.JSONDecodeError:
-        pass
-    return data[:200].decode("utf-8", "replace")
-

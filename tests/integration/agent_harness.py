@@ -38,6 +38,8 @@ class FakeDataPlane:
     threads: set[int] = field(default_factory=set)
     gate: threading.Event = field(default_factory=threading.Event)
     fail_next: int = 0
+    # What each sync, or injected failure, adds to the mode's own counters.
+    counted: dict[str, int] = field(default_factory=dict)
     rendered_ahead: int = 0  # ports handed to render_ahead before the first sync
     housekept: int = 0
     closed: bool = False
@@ -58,14 +60,14 @@ class FakeDataPlane:
             raise ApplyError("gate never opened")
         if self.fail_next:
             self.fail_next -= 1
-            raise ApplyError("injected failure", offending="-A FAKE")
+            raise ApplyError("injected failure", offending="-A FAKE", counted=self.counted)
         old = self._applied.ports if self._applied is not None else {}
         written = tuple(k for k, v in state.ports.items() if full or old.get(k) is not v)
         removed = tuple(k for k in old if k not in state.ports)
         self._applied = state
         self.syncs.append((full, state))
         return SyncReport(full=full, written=written, removed=removed,
-                          operations=len(written) + len(removed))
+                          operations=len(written) + len(removed), counted=dict(self.counted))
 
     @property
     def applied(self) -> DesiredState | None:

@@ -40,8 +40,9 @@ from aiohttp import web
 
 from proxy.agent.logs import LogfmtFormatter
 from proxy.kube.client import ClientOptions, KubeApi
-from proxy.kube.reflector import YIELD_EVERY, Reflector, ReflectorOptions, WatchEvent
+from proxy.kube.reflector import Reflector, ReflectorOptions, WatchEvent
 from proxy.kube.resources import SERVICES
+from proxy.kube.watch_stream import YIELD_EVERY
 from proxy.sim.harness import kubeconfig
 from tests.integration.watchkit import GatedApi, eventually, run
 

@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 import uvloop
 
 from proxy.kube.client import Api, ClientOptions, KubeApi, Response
-from proxy.kube.reflector import ObjectKey, ReflectorOptions, WatchEvent
+from proxy.kube.identity import ObjectKey
+from proxy.kube.reflector import ReflectorOptions, WatchEvent
 from proxy.lab import poll
 from proxy.sim import SimServer
 

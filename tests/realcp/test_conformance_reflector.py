@@ -23,6 +23,7 @@ from labs.realcp.clusters import (
     slices_path,
 )
 from proxy.kube.client import ClientOptions, KubeApi
+from proxy.kube.cluster_watch import ClusterWatch, endpoint_slice_resource
 from proxy.kube.decode import decode_endpoint_slice
 from proxy.kube.ingest import EndpointsSource
 from proxy.kube.reflector import Reflector, ReflectorOptions, WatchEvent
@@ -33,7 +34,6 @@ from proxy.kube.resources import (
     SERVICES,
     Resource,
 )
-from proxy.kube.watch import ClusterWatch, endpoint_slice_resource
 from proxy.lab.poll import eventually
 from proxy.model.types import EndpointSlice
 

@@ -1,4 +1,4 @@
-"""The reflector's backoff (proxy/kube/reflector.py `Backoff`): every delay within its
+"""The reflector's backoff (proxy/kube/backoff.py): every delay within its
 bounds, whatever the parameters, the number of failures in a row and Retry-After; and
 the numbers docs/watch.md gives for the defaults (recovery after an outage, request rate
 from 5,000 nodes), computed from the code so that they cannot drift apart."""
@@ -11,7 +11,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from proxy.kube.reflector import Backoff, ReflectorOptions
+from proxy.kube.backoff import Backoff
+from proxy.kube.reflector import ReflectorOptions
 
 initials = st.floats(min_value=1e-3, max_value=10.0)
 factors = st.floats(min_value=1.0, max_value=1000.0)  # maximum = initial * factor

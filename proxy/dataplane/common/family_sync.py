@@ -99,7 +99,6 @@ class FamilySyncPlane(ABC, Generic[S]):
         self._families: dict[Family, S] = {}
         # The mode's own logger: operators filter on it (docs/logging.md).
         self._log = logging.getLogger(type(self).__module__)
-        self.failures = 0  # applies refused since start (a metric's source)
         # Held while we write, so the legacy canary never reports our own writes.
         self._writing = threading.Lock()
         self._watch: NftablesListener | LegacyCanary | None = None
@@ -209,7 +208,6 @@ class FamilySyncPlane(ABC, Generic[S]):
     def _failed(self, fam: S) -> None:
         """A write or read-back failed: the kernel's rules are no longer certain, so the
         family's next sync is full (the mode logs why, in its own words)."""
-        self.failures += 1
         fam.kept = None
 
     # --- conntrack ---------------------------------------------------------------------------
