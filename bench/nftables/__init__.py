@@ -5,5 +5,5 @@
 - `conn_cost` (`python -m bench.nftables.conn_cost`): what a new connection pays for the
   mode's shard tables (TCP connects through a lab node, sharded against one table).
 
-The mode's own sync cost, side by side with iptables', is bench/iptables_bench.py.
+The mode's own sync cost, side by side with iptables', is bench/rule_sync.py.
 """

@@ -36,6 +36,7 @@ from functools import partial
 from typing import Any
 
 from bench.common import node_namespace, timed
+from proxy.dataplane.common.netlink_constants import NFPROTO_IPV4
 from proxy.lab.netns import entered
 
 TABLE = "spxbench"
@@ -109,7 +110,7 @@ def pyroute2_chains(services: int) -> None:
     """A table and `services` chains in one netlink batch through pyroute2."""
     from pyroute2.nftables.main import NFTables
 
-    nft = NFTables(nfgen_family=2)  # NFPROTO_IPV4
+    nft = NFTables(nfgen_family=NFPROTO_IPV4)
     try:
         nft.begin()
         nft.table("add", name=TABLE)

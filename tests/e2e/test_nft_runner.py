@@ -18,7 +18,13 @@ from typing import Any, TypeVar
 import pytest
 
 from proxy.dataplane.common import processes
-from proxy.dataplane.common.nft_events import NFNLGRP_NFTABLES, Transaction, TransactionReader
+from proxy.dataplane.common.netlink_constants import (
+    NETLINK_ADD_MEMBERSHIP,
+    NETLINK_NETFILTER,
+    NFNLGRP_NFTABLES,
+    SOL_NETLINK,
+)
+from proxy.dataplane.common.nft_events import Transaction, TransactionReader
 from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
 from proxy.lab.netns import entered
 
@@ -230,9 +236,9 @@ class TestKernel:
     def test_started_here_knows_our_commits(self, ns: str, worker: InNamespace) -> None:
         """As the kernel names committers: this thread's id in-process, the child's pid."""
         def listen() -> socket.socket:
-            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 12)  # NETFILTER
+            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
             sock.bind((0, 0))
-            sock.setsockopt(270, 1, NFNLGRP_NFTABLES)  # SOL_NETLINK, ADD_MEMBERSHIP
+            sock.setsockopt(SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, NFNLGRP_NFTABLES)
             return sock
 
         sock = worker.call(listen)

@@ -1,5 +1,5 @@
 """Endpoint deltas against the real kernel: after a run of partial syncs that each
-rendered a large port from its endpoint delta (nftables/delta.py), our tables read back
+rendered a large port from its endpoint delta (nftables/port_edit.py), our tables read back
 as a fresh full sync's do (slot order aside), and the plane's own drift check finds
 nothing."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from proxy.dataplane.nftables import apply as nft_apply
-from proxy.dataplane.nftables.delta import render_edit
+from proxy.dataplane.nftables.port_edit import render_edit
 from proxy.dataplane.nftables.render import SLOT_MAP_MIN
 from proxy.lab import Lab
 from proxy.lab.netns import entered

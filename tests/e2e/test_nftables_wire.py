@@ -6,14 +6,21 @@ expressions; a refused batch names its line and changes nothing."""
 from __future__ import annotations
 
 import json
-import struct
 import subprocess
 from collections.abc import Iterator
 
 import pytest
 
-from proxy.dataplane.common.netlink import NetlinkSocket, Reply, nla
-from proxy.dataplane.common.nfnetlink import NETLINK_NETFILTER, NFNL_SUBSYS_NFTABLES, NFPROTO
+from proxy.dataplane.common.netlink import NFGEN, NetlinkSocket, Reply, nfgen, nla_string
+from proxy.dataplane.common.netlink_constants import (
+    NETLINK_NETFILTER,
+    NFNL_SUBSYS_NFTABLES,
+    NFPROTO,
+    NFTA_ANY_TABLE,
+)
+from proxy.dataplane.common.netlink_constants import NFT_MSG_GETCHAIN as GETCHAIN
+from proxy.dataplane.common.netlink_constants import NFT_MSG_GETRULE as GETRULE
+from proxy.dataplane.common.netlink_constants import NFT_MSG_GETSET as GETSET
 from proxy.dataplane.nftables.runner import NftError, NftRunner
 from proxy.lab import Lab
 from proxy.lab.netns import entered
@@ -21,7 +28,6 @@ from proxy.model.types import Family
 
 pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
 
-GETCHAIN, GETSET, GETRULE = 4, 10, 7
 REF, ENC = "ref", "enc"  # the table nft writes, the table the encoder writes
 
 # What both tables hold before the statements under test (written by nft).
@@ -178,7 +184,7 @@ KERNEL_OWN = {GETCHAIN: {2, 6}, GETSET: {16}}
 def _dump(family: Family, kind: int, table: str) -> list[Reply]:
     sock = NetlinkSocket(NETLINK_NETFILTER)
     try:
-        body = struct.pack("!BBH", NFPROTO[family], 0, 0) + nla(1, table.encode() + b"\0")
+        body = nfgen(NFPROTO[family]) + nla_string(NFTA_ANY_TABLE, table)
         return sock.dump_raw(NFNL_SUBSYS_NFTABLES << 8 | kind, body)
     finally:
         sock.close()
@@ -187,7 +193,8 @@ def _dump(family: Family, kind: int, table: str) -> list[Reply]:
 def kernel_rules(family: Family, table: str) -> list[tuple[bytes, bytes, bytes | None]]:
     """(chain, expressions, user data) of every rule of `table`, as the kernel dumps
     them: its own encoding, so two ways of adding a rule compare byte for byte."""
-    return [(a[2], a[4], a.get(7)) for a in (r.attrs(4) for r in _dump(family, GETRULE, table))]
+    return [(a[2], a[4], a.get(7))
+            for a in (r.attrs(NFGEN.size) for r in _dump(family, GETRULE, table))]
 
 
 def kernel_objects(family: Family, kind: int, table: str) -> list[list[tuple[int, bytes]]]:
@@ -195,7 +202,7 @@ def kernel_objects(family: Family, kind: int, table: str) -> list[list[tuple[int
     (hooks, priorities, key types, flags, user data), but those the kernel makes up."""
     out = []
     for reply in _dump(family, kind, table):
-        attrs = reply.attrs(4)
+        attrs = reply.attrs(NFGEN.size)
         if attrs.get(1, b"").rstrip(b"\0").decode() != table:
             continue  # a dump by table name still lists every table's sets
         out.append(sorted((k, v) for k, v in attrs.items() if k not in KERNEL_OWN[kind]

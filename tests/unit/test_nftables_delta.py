@@ -1,4 +1,4 @@
-"""A port's change rendered from its endpoint delta (nftables/delta.py) changes exactly
+"""A port's change rendered from its endpoint delta (nftables/port_edit.py) changes exactly
 what rendering the port whole would: the same script, the same kept state, through
 random sequences of endpoints added, removed, flipped and moved across the slot-map
 threshold both ways; and the kernel then holds what a fresh full sync writes, but for
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from proxy.dataplane.nftables import delta as delta_module
-from proxy.dataplane.nftables.delta import render_edit
+from proxy.dataplane.nftables import port_edit as port_edit_module
+from proxy.dataplane.nftables.port_edit import render_edit
 from proxy.dataplane.nftables.render import (
     SLOT_MAP_MIN,
     SLOTS,
@@ -207,5 +207,5 @@ def test_a_delta_not_against_the_kept_port_renders_the_port_whole() -> None:
 def test_the_helper_orders_like_the_model() -> None:
     """Values moved back from beyond the end are placed in the model's order, which is
     by address as a number, not as text."""
-    assert delta_module._order_of("198.18.2.9 . 80") < delta_module._order_of(
+    assert port_edit_module._order_of("198.18.2.9 . 80") < port_edit_module._order_of(
         "198.18.2.10 . 80")

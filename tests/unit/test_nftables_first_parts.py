@@ -86,7 +86,8 @@ def test_nothing_a_packet_enters_by_comes_before_the_last_part(
     first, _, full, _, _ = scripts(state, family)
     cut = parts(first)
     assert len(cut) > 5
-    hooked = [[st for st in part if isinstance(st, str) and " hook " in st] for part in cut]
+    hooked = [[line for st in part for line in wire.statement_lines(st, first.ip)
+               if " hook " in line] for part in cut]
     assert not any(hooked[:-1])
     assert sorted(hooked[-1]) == sorted(line for line in full.lines() if " hook " in line)
     # The bases' rules come with the hooked chains, after every port's.
@@ -109,8 +110,8 @@ def test_it_writes_what_one_transaction_writes_and_leaves_the_same_state(
     # Every chain, rule, set and flush of the one-transaction script but the flushes of
     # the bases' sets (nothing in them yet), nothing else.
     ip = "ip" if family is Family.V4 else "ip6"
-    base_flushes = {f"flush {kind} {ip} {b.table} {name}" for b in full_state.bases
-                    for name, _body in b.sets for kind in ("set", "map")}
+    base_flushes = {f"flush {s.kind} {ip} {b.table} {s.name}" for b in full_state.bases
+                    for s in b.sets}
     assert {line for line in first_lines_ if not line.startswith("add element")} \
         == {line for line in full.lines()
             if not line.startswith("add element") and line not in base_flushes}

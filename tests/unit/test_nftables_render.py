@@ -175,7 +175,7 @@ def test_several_cluster_cidrs_go_through_one_shared_chain() -> None:
                                                 ip_network("198.18.6.0/24")))
     lines = pretty(resolve(service(), eps_slice("s1", [ep("198.18.1.10")])), ctx)
     assert "add rule <svc> ip daddr 198.18.128.1 tcp dport 80 jump masq-unless-pod" in lines
-    shard = {name: rules for name, _body, rules in render_shard(ctx, S0).chains}
+    shard = {c.name: c.rules for c in render_shard(ctx, S0).chains}
     assert shard["masq-unless-pod"] == ("ip saddr 198.18.1.0/24 return",
                                        "ip saddr 198.18.6.0/24 return",
                                        "jump mark-for-masquerade")
@@ -184,16 +184,16 @@ def test_several_cluster_cidrs_go_through_one_shared_chain() -> None:
 def test_nodeport_addresses_become_a_set_in_each_table_that_matches_them() -> None:
     ctx = RenderContext(Family.V4, nodeport_ips=(ip_address("198.18.0.2"),))
     shard = render_shard(ctx, S0)
-    rules = {name: rules for name, _body, rules in shard.chains}
+    rules = {c.name: c.rules for c in shard.chains}
     assert rules["nodeports"] == ("ip daddr @nodeport-ips meta l4proto . th dport "
                                   "vmap @service-nodeports",)
     assert [(e.table, e.key) for e in shard.elements] == [(S0, "198.18.0.2")]
     main = render_base(ctx)
     assert [(e.table, e.key) for e in main.elements] == [("sliceproxy", "198.18.0.2")]
-    every = {name: r for name, _b, r in render_shard(CIDR4, S0).chains}
+    every = {c.name: c.rules for c in render_shard(CIDR4, S0).chains}
     assert every["nodeports"][0].startswith("fib daddr type local ip daddr != 127.0.0.0/8 ")
     # Node ports are looked up after every shard's services (priority dstnat + 1).
-    hooks = {name: body for name, body, _r in render_shard(CIDR4, S0).chains if body}
+    hooks = {c.name: c.declaration() for c in render_shard(CIDR4, S0).chains if c.hook}
     assert "priority dstnat;" in hooks["nat-prerouting"]
     assert "priority dstnat + 1;" in hooks["nodeport-prerouting"]
     assert "priority -99;" in hooks["nodeport-output"]
@@ -228,7 +228,7 @@ def test_primary_nodeport_addresses_become_the_set_of_the_nodes_primary_address(
     # The Node shows no address yet: every local address, as upstream.
     every = context_for(Family.V4, options, local, ())
     assert every.nodeport_ips is None
-    chains = {name: rules for name, _body, rules in render_shard(every, S0).chains}
+    chains = {c.name: c.rules for c in render_shard(every, S0).chains}
     assert chains["nodeports"][0].startswith("fib daddr type local ")
 
 

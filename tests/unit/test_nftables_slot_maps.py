@@ -92,12 +92,13 @@ def test_a_large_port_balances_with_one_rule_over_its_slot_map() -> None:
     rsp = resolve(addresses(SLOT_MAP_MIN))
     svc = port_chain("svc", rsp.key, "tcp")
     objects = render_port(rsp, CIDR4)
-    (chain, rules), = objects.chains
-    assert chain == svc
+    (chain,) = objects.chains
+    chain_name, rules = chain.name, chain.rules
+    assert chain_name == svc
     assert rules[-1] == (f"meta l4proto tcp dnat ip to numgen random mod {SLOT_MAP_MIN} "
                          f"map @{SLOTS}{svc} comment \"ns/svc:http\"")
-    assert objects.sets == ((f"{SLOTS}{svc}",
-                             "typeof numgen random mod 1 : ip daddr . tcp dport;"),)
+    assert [(s.name, s.declaration()) for s in objects.sets] == [
+        (f"{SLOTS}{svc}", "typeof numgen random mod 1 : ip daddr . tcp dport;")]
     slots = sorted((int(e.key), e.value) for e in objects.elements if e.set == SLOTS + svc)
     assert slots == [(i, f"{a} . 8080") for i, a in enumerate(addresses(SLOT_MAP_MIN))]
     assert {e.table for e in objects.elements if e.set == SLOTS + svc} == {S0}
@@ -106,7 +107,7 @@ def test_a_large_port_balances_with_one_rule_over_its_slot_map() -> None:
     encode(text, Family.V4, ("sliceproxy", S0), 1)
     # One endpoint fewer: the cascade, one rule per endpoint.
     small = render_port(resolve(addresses(SLOT_MAP_MIN - 1)), CIDR4)
-    assert not small.sets and len(small.chains[0][1]) == SLOT_MAP_MIN - 1 + 1  # + masq
+    assert not small.sets and len(small.chains[0].rules) == SLOT_MAP_MIN - 1 + 1  # + masq
 
 
 def test_one_endpoint_changed_is_a_few_elements_not_the_chain() -> None:
@@ -156,11 +157,11 @@ def test_crossing_the_threshold_swaps_cascade_and_map_in_one_transaction(
     down = change(state, resolve(addresses(3)))
     assert down[-1] == f"delete map ip {S0} {SLOTS}{svc}"
     assert sum("numgen random mod" in line for line in down) == 2  # 1/3, 1/2, the last
-    assert not state.set_names() - {(b.table, name) for b in state.bases for name, _ in b.sets}
+    assert not state.set_names() - {(b.table, s.name) for b in state.bases for s in b.sets}
 
 
 def test_affinity_keeps_the_cascade_whatever_the_size() -> None:
     objs: list[dict[str, Any]] = [service(sessionAffinity="ClientIP"),
                                   eps_slice("s1", [ep(a) for a in addresses(SLOT_MAP_MIN)])]
     objects = render_port(resolve_one(node(), *objs, port="http"), CIDR4)
-    assert not any(name.startswith(SLOTS) for name, _ in objects.sets)
+    assert not any(s.name.startswith(SLOTS) for s in objects.sets)

@@ -17,6 +17,18 @@ from hypothesis import strategies as st
 from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.netlink import replies
 from proxy.dataplane.nftables.expressions import Unencodable
+from proxy.dataplane.nftables.objects import (
+    Chain,
+    Command,
+    Hook,
+    Map,
+    Object,
+    Priority,
+    Set,
+    SlotMap,
+    Table,
+    named,
+)
 from proxy.dataplane.nftables.render import (
     TABLE,
     our_tables,
@@ -166,16 +178,38 @@ def test_a_blank_line_has_no_message_and_the_lines_after_keep_their_numbers() ->
 
 
 def test_statements_are_the_bytes_of_the_lines_they_stand_for() -> None:
-    chains = [("a", ('meta l4proto tcp dnat to 198.19.0.1:80 comment "p"', "drop")),
-              ("b", ())]
+    """Objects and the statements that stand for many lines encode to the batch their
+    text would, line by line."""
+    chains = [Chain("a", ('meta l4proto tcp dnat to 198.19.0.1:80 comment "p"', "drop")),
+              Chain("b")]
+    hooked = Chain("c", ("jump a",), Hook("nat", "prerouting", Priority("dstnat", 1)))
+    declared: list[Object] = [
+        Set("s", ("ipv4_addr",)), Set("h", ("ipv4_addr", "ipv4_addr")),
+        Set("aff", ("ipv4_addr",), ("dynamic", "timeout"), 10800),
+        Map("m", ("ipv4_addr", "inet_proto", "inet_service"), "verdict"),
+        SlotMap("slots", Family.V4, "udp"), hooked,
+        Chain("d", (), Hook("nat", "output", Priority("", -99)))]
     statements: list[Statement] = [
-        "add table ip sliceproxy", Chains([(TABLE, chains), ("sliceproxy-1", chains[:1])]),
-        "", Rules([(TABLE, chains)]), Rules([("sliceproxy-1", chains)], flush=False),
+        Command("add", TABLE, Table(TABLE)),
+        Chains([(TABLE, chains), ("sliceproxy-1", chains[:1])]),
+        "", *(Command("add", TABLE, o) for o in declared),
+        Rules([(TABLE, chains)]), Rules([("sliceproxy-1", chains)], flush=False),
         Elements("add", TABLE, "cluster-ips", [("198.18.0.1", ""), ("198.18.0.2", "")]),
-        Elements("delete", TABLE, "unserved", [("198.18.0.1 . tcp . 80", "")])]
+        Elements("delete", TABLE, "unserved", [("198.18.0.1 . tcp . 80", "")]),
+        Command("flush", TABLE, declared[3]), Command("flush", TABLE, hooked),
+        Command("delete", TABLE, hooked), Command("delete", TABLE, named("set", "s")),
+        Command("delete", "sliceproxy-1", Table("sliceproxy-1"))]
     lines = [line for s in statements for line in statement_lines(s, "ip")]
     assert lines[:5] == ["add table ip sliceproxy", f"add chain ip {TABLE} a",
                          f"add chain ip {TABLE} b", "add chain ip sliceproxy-1 a", ""]
+    assert lines[8:11] == [
+        f"add map ip {TABLE} m {{ type ipv4_addr . inet_proto . inet_service : verdict; }}",
+        f"add map ip {TABLE} slots {{ typeof numgen random mod 1 : ip daddr . udp dport; }}",
+        f"add chain ip {TABLE} c {{ type nat hook prerouting priority dstnat + 1; "
+        "policy accept; }"]
+    assert lines[-5:] == [f"flush map ip {TABLE} m", f"flush chain ip {TABLE} c",
+                          f"delete chain ip {TABLE} c", f"delete set ip {TABLE} s",
+                          "delete table ip sliceproxy-1"]
     assert sum(1 if isinstance(s, str) else s.size for s in statements) == len(lines)
     ours = our_tables()
     batch = encode(statements, Family.V4, ours, 5)

@@ -13,7 +13,7 @@ network namespace. Per family it keeps the `TableState` it last applied:
   object applied last time (found in O(changes): `DesiredState.changed_since`), and
   sends only their chains and elements; a port whose endpoints alone changed (the
   model's `endpoint_delta`) and that balances through slot maps is rendered from the
-  endpoints that changed only (delta.py: O(change), not O(service)).
+  endpoints that changed only (port_edit.py: O(change), not O(service)).
 
 Both are encoded here into netlink (wire.py) rather than handed to nft, which would
 first read our tables back (per change) and parse the text in C into a heap of its own
@@ -43,10 +43,11 @@ from proxy.dataplane.common import heap
 from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.drift_watch import LOST, NftablesListener
 from proxy.dataplane.common.family_sync import FamilyState, FamilySyncPlane, Written
-from proxy.dataplane.common.nfnetlink import NFPROTO, nat_unsupported
+from proxy.dataplane.common.netlink_constants import NFPROTO
+from proxy.dataplane.common.nfnetlink import nat_unsupported
 from proxy.dataplane.common.rtnetlink import node_addresses
-from proxy.dataplane.nftables.delta import render_edit
 from proxy.dataplane.nftables.expressions import Unencodable
+from proxy.dataplane.nftables.port_edit import render_edit
 from proxy.dataplane.nftables.render import (
     MAX_SHARDS,
     TABLE,
@@ -67,7 +68,7 @@ from proxy.dataplane.nftables.transaction import (
     first_lines,
     full_lines,
     kept_slots,
-    partial_script,
+    partial_lines,
     replace_lines,
 )
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
@@ -148,16 +149,17 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
     def _render_partial(self, fam: _FamilyState,
                         ports: Mapping[ServicePortKey, ResolvedServicePort],
                         changed: set[ServicePortKey], ctx: RenderContext
-                        ) -> tuple[str, TableState]:
+                        ) -> tuple[Script | str, TableState]:
         table: TableState = fam.kept
-        return partial_script(table, {k: self._render_change(fam, table, ports.get(k), ctx)
-                                      for k in changed}), table
+        script = partial_lines(table, {k: self._render_change(fam, table, ports.get(k), ctx)
+                                       for k in changed})
+        return script or "", table
 
     def _render_change(self, fam: _FamilyState, table: TableState,
                        rsp: ResolvedServicePort | None, ctx: RenderContext
                        ) -> PortObjects | PortEdit | None:
         """A changed port: only its endpoints that changed when the model says which and
-        the port balances through slot maps (delta.py, O(change)), else whole."""
+        the port balances through slot maps (port_edit.py, O(change)), else whole."""
         if rsp is None:
             return None
         kept = table.ports.get(rsp.key)

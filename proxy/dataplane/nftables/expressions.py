@@ -31,7 +31,7 @@ import struct
 from collections.abc import Callable, Iterable
 
 from proxy.dataplane.common.netlink import nested, nla
-from proxy.dataplane.common.nfnetlink import NFPROTO
+from proxy.dataplane.common.netlink_constants import NFPROTO
 from proxy.model.types import Family
 
 # Verdicts (netfilter's NF_DROP/NF_ACCEPT, nf_tables' own negative codes).

@@ -44,8 +44,9 @@ Why a slot map for large ports: a change to the cascade rewrites the whole chain
 endpoints: 10,000 rules, about 0.2 s of kernel time per change, every change of a rolling
 update). In the slot map an endpoint keeps its slot (`assign_slots`), so one endpoint
 gone or added changes one or two elements and the one rule that holds n (and when the
-model says which endpoints changed, delta.py renders only those: O(change) in Python). Small ports
-keep the cascade: a map is a set, and sets are what makes a large table slow to load.
+model says which endpoints changed, port_edit.py renders only those: O(change) in
+Python). Small ports keep the cascade: a map is a set, and sets are what makes a large
+table slow to load.
 ClientIP affinity keeps it too: its per-endpoint checks are one rule per endpoint anyway.
 
 Hairpin (a pod reaching itself through its service) is one set of `addr . addr` pairs,
@@ -67,12 +68,23 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from proxy.dataplane.common import naming
 from proxy.dataplane.common.context import RenderContext, cluster_ip_masquerade
 from proxy.dataplane.common.naming import address_text, name_hash, port_name
 from proxy.dataplane.common.paths import PortPlan, plan, sorted_nets
+from proxy.dataplane.modes import NFTABLES
+from proxy.dataplane.nftables.objects import (
+    AnySet,
+    Chain,
+    Command,
+    Element,
+    Hook,
+    Map,
+    Priority,
+    Set,
+    SlotMap,
+)
 from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
 from proxy.model.types import (
     DEFAULT_AFFINITY_TIMEOUT,
@@ -82,7 +94,9 @@ from proxy.model.types import (
     ServicePortKey,
 )
 
-TABLE = "sliceproxy"
+# Our tables' names (the main one and the shards) are declared with the mode (modes.py),
+# where another mode's leftovers' probe reads them.
+TABLE = NFTABLES.markers.table
 MASQ_MARK = f"{naming.MASQ_BIT:#010x}"  # as nft prints it
 
 # Sets and maps every port adds elements to (the base declares them).
@@ -97,7 +111,7 @@ SHARED_SETS = (SERVICE_IPS, SERVICE_NODEPORTS, UNSERVED, UNSERVED_NODEPORTS, CLU
                HAIRPIN)
 SHARD_SETS = (SERVICE_IPS, SERVICE_NODEPORTS)  # in each shard; the others in the main table
 SHARD_PORTS = 1000  # service ports per shard, about (module docstring)
-MAX_SHARDS = 64
+MAX_SHARDS = NFTABLES.markers.table_shards
 
 # Endpoints from which a policy chain balances through a slot map (module docstring).
 SLOT_MAP_MIN = 128
@@ -115,12 +129,12 @@ def table_family(family: Family) -> str:
 
 
 def shard_table(index: int) -> str:
-    return f"{TABLE}-{index}"
+    return NFTABLES.markers.shard_table(index)
 
 
 def our_tables() -> tuple[str, ...]:
     """Every table name this mode may use (per family)."""
-    return (TABLE, *(shard_table(i) for i in range(MAX_SHARDS)))
+    return NFTABLES.markers.tables()
 
 
 def shards_for(ports: int) -> int:
@@ -141,33 +155,18 @@ def _addr_type(family: Family) -> str:
     return "ipv4_addr" if family is Family.V4 else "ipv6_addr"
 
 
-class Element(NamedTuple):
-    """One element of a set or map: `key` (and `value` for a map) in nft syntax. A
-    tuple: a 50,000-endpoint port renders 100,000 of them per change, and a frozen
-    dataclass took 1.6 us each to make."""
-
-    set: str
-    key: str
-    value: str = ""
-    table: str = TABLE
-
-    def text(self) -> str:
-        return f"{self.key} : {self.value}" if self.value else self.key
-
-
 @dataclass(frozen=True, slots=True)
 class PortObjects:
     """Everything one service port (in one family) owns or adds."""
 
     key: ServicePortKey
     table: str  # its shard: where its chains, sets and map elements are
-    # Chains owned by this port alone, in write order: (name, rules).
-    chains: tuple[tuple[str, tuple[str, ...]], ...]
+    # Chains owned by this port alone, in write order.
+    chains: tuple[Chain, ...]
     # Its elements in the shared sets and maps.
     elements: tuple[Element, ...]
-    # Sets and maps owned by this port alone (ClientIP affinity, slot maps): (name,
-    # declaration body).
-    sets: tuple[tuple[str, str], ...] = ()
+    # Sets and maps owned by this port alone (ClientIP affinity, slot maps).
+    sets: tuple[Set | SlotMap, ...] = ()
     # Its slot maps' values in slot order, by map (also among `elements`).
     slots: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
@@ -176,9 +175,9 @@ class PortObjects:
         ip = table_family(family)
         t = f"{ip} {self.table}"
         out = [f"add element {ip} {e.table} {e.set} {{ {e.text()} }}" for e in self.elements]
-        out += [f"add {'map' if ' : ' in body else 'set'} {t} {name} {{ {body} }}"
-                for name, body in self.sets]
-        return [*out, *naming.chain_lines(self.chains, f"add chain {t}", f"add rule {t}")]
+        out += [line for s in self.sets for line in Command("add", self.table, s).lines(ip)]
+        return [*out, *naming.chain_lines(((c.name, c.rules) for c in self.chains),
+                                          f"add chain {t}", f"add rule {t}")]
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,10 +186,8 @@ class BaseObjects:
 
     family: Family
     table: str
-    # Sets and maps: (name, declaration body).
-    sets: tuple[tuple[str, str], ...]
-    # Chains: (name, declaration body ("" for a regular chain), rules).
-    chains: tuple[tuple[str, str, tuple[str, ...]], ...]
+    sets: tuple[AnySet, ...]
+    chains: tuple[Chain, ...]  # base chains (with a hook) and regular ones
     # Elements of sets only the base fills (NodePort addresses).
     elements: tuple[Element, ...] = field(default=())
 
@@ -198,25 +195,29 @@ class BaseObjects:
 # --- the fixed part --------------------------------------------------------------------------
 
 
-def _node_destination(ctx: RenderContext) -> tuple[str, list[tuple[str, str]], list[str]]:
+def _node_destination(ctx: RenderContext) -> tuple[str, list[Set], list[str]]:
     """The match for "addressed to this node" (NodePorts): its text, the set it needs
     and that set's elements."""
     ip, addr = table_family(ctx.family), _addr_type(ctx.family)
     if ctx.nodeport_ips is None:
         loopback = "127.0.0.0/8" if ctx.family is Family.V4 else "::1"
         return f"fib daddr type local {ip} daddr != {loopback}", [], []
-    return (f"{ip} daddr @{NODEPORT_IPS}", [(NODEPORT_IPS, f"type {addr};")],
+    return (f"{ip} daddr @{NODEPORT_IPS}", [Set(NODEPORT_IPS, (addr,))],
             [_text(a) for a in sorted(set(ctx.nodeport_ips))])
 
 
 PORTS = "meta l4proto . th dport"
 
 
-def _verdict_maps(addr: str, by_address: str, by_port: str) -> list[tuple[str, str]]:
+def _verdict_maps(addr: str, by_address: str, by_port: str) -> list[Map]:
     """A verdict map keyed by address . protocol . port, and one by protocol . port
     (node ports): how the dispatch maps and the unserved maps are both declared."""
-    return [(by_address, f"type {addr} . inet_proto . inet_service : verdict;"),
-            (by_port, "type inet_proto . inet_service : verdict;")]
+    return [Map(by_address, (addr, "inet_proto", "inet_service"), "verdict"),
+            Map(by_port, ("inet_proto", "inet_service"), "verdict")]
+
+
+def _hook(kind: str, hook: str, priority: str, offset: int = 0) -> Hook:
+    return Hook(kind, hook, Priority(priority, offset))
 
 
 def render_base(ctx: RenderContext) -> BaseObjects:
@@ -225,16 +226,16 @@ def render_base(ctx: RenderContext) -> BaseObjects:
     ip = table_family(family)
     addr = _addr_type(family)
     node_dest, node_sets, node_ips = _node_destination(ctx)
-    sets = [
+    sets: list[AnySet] = [
         *_verdict_maps(addr, UNSERVED, UNSERVED_NODEPORTS),
-        (CLUSTER_IPS, f"type {addr};"),
-        (HAIRPIN, f"type {addr} . {addr};"),
+        Set(CLUSTER_IPS, (addr,)),
+        Set(HAIRPIN, (addr, addr)),
         *node_sets,
     ]
     new = "ct state new"
-    chains: list[tuple[str, str, tuple[str, ...]]] = [
-        (REJECT, "", ("reject",)),
-        ("masquerading", "", (
+    chains = [
+        Chain(REJECT, ("reject",)),
+        Chain("masquerading", (
             # After DNAT the destination is the endpoint: a source equal to it is a pod
             # (or host-network endpoint) reaching itself, whose reply must come back
             # through us.
@@ -244,21 +245,22 @@ def render_base(ctx: RenderContext) -> BaseObjects:
             f"meta mark set meta mark ^ {MASQ_MARK}",
             "masquerade fully-random",
         )),
-        ("unserved-check", "", (
+        Chain("unserved-check", (
             f"{ip} daddr . {PORTS} vmap @{UNSERVED}",
             f"{ip} daddr @{CLUSTER_IPS} goto {REJECT}",
         )),
-        ("unserved-nodeport-check", "", (f"{node_dest} {PORTS} vmap @{UNSERVED_NODEPORTS}",)),
-        ("nat-postrouting", "type nat hook postrouting priority srcnat; policy accept;",
-         ("jump masquerading",)),
-        ("filter-input", "type filter hook input priority filter; policy accept;",
-         (f"{new} jump unserved-nodeport-check", f"{new} jump unserved-check")),
-        ("filter-forward", "type filter hook forward priority filter; policy accept;",
-         (f"{new} jump unserved-nodeport-check", f"{new} jump unserved-check")),
-        ("filter-output", "type filter hook output priority filter; policy accept;",
-         (f"{new} jump unserved-check",)),
+        Chain("unserved-nodeport-check", (f"{node_dest} {PORTS} vmap @{UNSERVED_NODEPORTS}",)),
+        Chain("nat-postrouting", ("jump masquerading",),
+              _hook("nat", "postrouting", "srcnat")),
+        Chain("filter-input", (f"{new} jump unserved-nodeport-check", f"{new} jump unserved-check"),
+              _hook("filter", "input", "filter")),
+        Chain("filter-forward", (f"{new} jump unserved-nodeport-check",
+                                 f"{new} jump unserved-check"),
+              _hook("filter", "forward", "filter")),
+        Chain("filter-output", (f"{new} jump unserved-check",),
+              _hook("filter", "output", "filter")),
     ]
-    elements = tuple(Element(NODEPORT_IPS, a) for a in node_ips)
+    elements = tuple(Element(TABLE, NODEPORT_IPS, a) for a in node_ips)
     return BaseObjects(family, TABLE, tuple(sets), tuple(chains), elements)
 
 
@@ -269,26 +271,23 @@ def render_shard(ctx: RenderContext, table: str) -> BaseObjects:
     ip = table_family(family)
     addr = _addr_type(family)
     node_dest, node_sets, node_ips = _node_destination(ctx)
-    sets = [*_verdict_maps(addr, SERVICE_IPS, SERVICE_NODEPORTS), *node_sets]
-    chains: list[tuple[str, str, tuple[str, ...]]] = [
-        (MARK_FOR_MASQUERADE, "", (f"meta mark set meta mark | {MASQ_MARK}",)),
-        ("services", "", (f"{ip} daddr . {PORTS} vmap @{SERVICE_IPS}",)),
-        ("nodeports", "", (f"{node_dest} {PORTS} vmap @{SERVICE_NODEPORTS}",)),
-        ("nat-prerouting", "type nat hook prerouting priority dstnat; policy accept;",
-         ("jump services",)),
-        ("nat-output", "type nat hook output priority -100; policy accept;",
-         ("jump services",)),
+    sets: list[AnySet] = [*_verdict_maps(addr, SERVICE_IPS, SERVICE_NODEPORTS), *node_sets]
+    chains = [
+        Chain(MARK_FOR_MASQUERADE, (f"meta mark set meta mark | {MASQ_MARK}",)),
+        Chain("services", (f"{ip} daddr . {PORTS} vmap @{SERVICE_IPS}",)),
+        Chain("nodeports", (f"{node_dest} {PORTS} vmap @{SERVICE_NODEPORTS}",)),
+        Chain("nat-prerouting", ("jump services",), _hook("nat", "prerouting", "dstnat")),
+        Chain("nat-output", ("jump services",), _hook("nat", "output", "", -100)),
         # After every shard's services chain (module docstring).
-        ("nodeport-prerouting", "type nat hook prerouting priority dstnat + 1; "
-                                "policy accept;", ("jump nodeports",)),
-        ("nodeport-output", "type nat hook output priority -99; policy accept;",
-         ("jump nodeports",)),
+        Chain("nodeport-prerouting", ("jump nodeports",),
+              _hook("nat", "prerouting", "dstnat", 1)),
+        Chain("nodeport-output", ("jump nodeports",), _hook("nat", "output", "", -99)),
     ]
     if len(ctx.local_cidrs) > 1 and not ctx.masquerade_all:
-        chains.insert(1, (MASQ_UNLESS_POD, "", (
+        chains.insert(1, Chain(MASQ_UNLESS_POD, (
             *(f"{ip} saddr {c} return" for c in sorted_nets(ctx.local_cidrs)),
             f"jump {MARK_FOR_MASQUERADE}")))
-    elements = tuple(Element(NODEPORT_IPS, a, table=table) for a in node_ips)
+    elements = tuple(Element(table, NODEPORT_IPS, a) for a in node_ips)
     return BaseObjects(family, table, tuple(sets), tuple(chains), elements)
 
 
@@ -327,8 +326,8 @@ class _PortBuild:
     ip: str  # "ip" or "ip6"
     proto: str  # "tcp", "udp", "sctp"
     elements: dict[tuple[str, str], str] = field(default_factory=dict)
-    chains: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
-    sets: list[tuple[str, str]] = field(default_factory=list)
+    chains: list[Chain] = field(default_factory=list)
+    sets: list[Set | SlotMap] = field(default_factory=list)
     slot_elements: list[Element] = field(default_factory=list)
     slot_values: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
 
@@ -338,7 +337,7 @@ class _PortBuild:
     def objects(self) -> PortObjects:
         return PortObjects(
             self.key, self.table, tuple(self.chains),
-            (*(Element(s, k, v, self.table if s in SHARD_SETS else TABLE)
+            (*(Element(self.table if s in SHARD_SETS else TABLE, s, k, v)
                for (s, k), v in sorted(self.elements.items())), *self.slot_elements),
             tuple(self.sets), tuple(self.slot_values))
 
@@ -355,10 +354,11 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,
     p = plan(rsp, lambda kind: port_chain(kind, key, proto))
     _dispatch(build, rsp, p)
     if p.ext:
-        build.chains.append((p.ext, _external_rules(build.ip, ctx, p.external_local, p.svc,
-                                                    p.external_policy)))
+        build.chains.append(Chain(p.ext, _external_rules(build.ip, ctx, p.external_local,
+                                                         p.svc, p.external_policy)))
     if p.fw and p.ext:
-        build.chains.append((p.fw, _firewall_rules(build.ip, ctx, p.ranges, p.lb_ips, p.ext)))
+        build.chains.append(Chain(p.fw, _firewall_rules(build.ip, ctx, p.ranges, p.lb_ips,
+                                                        p.ext)))
     texts, addrs = _endpoint_texts(build, (*p.cluster_eps, *p.local_eps), key.family)
     label = comment(port_name(key))
     ep_chains = _affinity_chains(build, rsp.service.affinity_timeout, texts, label)
@@ -449,10 +449,9 @@ def _affinity_chains(build: _PortBuild, affinity: int | None, texts: Mapping[int
     for text in sorted(set(texts.values())):
         chain = chain_of[text] = endpoint_object("ep", build.key, build.proto, text)
         aff = _affinity_set(chain)
-        build.sets.append((aff, f"type {address_type}; flags dynamic,timeout; "
-                                f"timeout {seconds}s;"))
-        build.chains.append((chain, (f"update @{aff} {{ {build.ip} saddr }}",
-                                     f"meta l4proto {build.proto} dnat to {text} {label}")))
+        build.sets.append(Set(aff, (address_type,), ("dynamic", "timeout"), seconds))
+        build.chains.append(Chain(chain, (f"update @{aff} {{ {build.ip} saddr }}",
+                                          f"meta l4proto {build.proto} dnat to {text} {label}")))
     return {i: chain_of[text] for i, text in texts.items()}
 
 
@@ -465,8 +464,8 @@ def _policy_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
     texts, addrs, ep_chains = spelled
     ip, proto = build.ip, build.proto
     if ep_chains or len(eps) < SLOT_MAP_MIN:
-        build.chains.append((chain, (*first, *_balance(ip, proto, eps, texts, ep_chains,
-                                                        label))))
+        build.chains.append(Chain(chain, (*first, *_balance(ip, proto, eps, texts, ep_chains,
+                                                             label))))
         return
     slot_map = SLOTS + chain
     # In the model's order (merge sorts them): only endpoints without a slot yet are
@@ -474,11 +473,11 @@ def _policy_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
     values = list(dict.fromkeys(slot_value(addrs[id(ep)], ep.port) for ep in eps))
     assigned = assign_slots(values, (slots or {}).get(slot_map, ()))
     build.slot_values.append((slot_map, tuple(assigned)))
-    build.sets.append((slot_map, f"typeof numgen random mod 1 : {ip} daddr . {proto} dport;"))
-    build.slot_elements += [Element(slot_map, str(i), v, build.table)
+    build.sets.append(SlotMap(slot_map, build.key.family, proto))
+    build.slot_elements += [Element(build.table, slot_map, str(i), v)
                             for i, v in enumerate(assigned)]
-    build.chains.append((chain, (*first, slot_rule(ip, proto, len(assigned), slot_map,
-                                                   label))))
+    build.chains.append(Chain(chain, (*first, slot_rule(ip, proto, len(assigned), slot_map,
+                                                        label))))
 
 
 def slot_rule(ip: str, proto: str, n: int, slot_map: str, label: str) -> str:

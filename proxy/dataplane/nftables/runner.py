@@ -53,7 +53,13 @@ from typing import Any
 
 from proxy.dataplane.common import processes
 from proxy.dataplane.common.netlink import NetlinkSocket
-from proxy.dataplane.common.nfnetlink import NETLINK_NETFILTER, NFNL_SUBSYS_NFTABLES
+from proxy.dataplane.common.netlink_constants import (
+    NETLINK_NETFILTER,
+    NFNL_SUBSYS_NFTABLES,
+    NFT_MSG_GETCHAIN,
+    NFT_MSG_GETSET,
+    NFT_MSG_GETTABLE,
+)
 from proxy.dataplane.nftables import wire
 from proxy.dataplane.nftables.transaction import Script
 from proxy.model.types import Family
@@ -370,12 +376,12 @@ class NftRunner:
                 found = {kind: [wire.decode_names(kind, r.payload)
                                 for r in sock.dump_raw(NFNL_SUBSYS_NFTABLES << 8 | kind,
                                                        wire.dump_request(family))]
-                         for kind in (wire.GETTABLE, wire.GETCHAIN, wire.GETSET)}
+                         for kind in (NFT_MSG_GETTABLE, NFT_MSG_GETCHAIN, NFT_MSG_GETSET)}
             except OSError as exc:
                 raise NftError(f"nf_tables netlink dump: {exc}") from exc
-        present = {t for t, _n, _k in found[wire.GETTABLE] if t in tables}
-        chains = [(t, n) for t, n, _k in found[wire.GETCHAIN] if t in present]
-        sets = {(t, n): k for t, n, k in found[wire.GETSET] if t in present and k}
+        present = {t for t, _n, _k in found[NFT_MSG_GETTABLE] if t in tables}
+        chains = [(t, n) for t, n, _k in found[NFT_MSG_GETCHAIN] if t in present]
+        sets = {(t, n): k for t, n, k in found[NFT_MSG_GETSET] if t in present and k}
         return present, chains, sets
 
     def _run_child(self, text: str) -> None:

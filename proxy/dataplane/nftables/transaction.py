@@ -14,7 +14,7 @@ slot may hold another endpoint in the kernel than in the script.
 A partial script touches only the service ports that changed: chains whose rules differ
 are flushed and refilled, new ones added, gone ones deleted; elements are added and
 deleted one by one. A port rendered from its endpoint delta comes as a `PortEdit` (what
-changes, delta.py) and is applied to its kept state in place, in O(change). Elements
+changes, port_edit.py) and is applied to its kept state in place, in O(change). Elements
 are shared (two ports of one service share their cluster IP in @cluster-ips, two
 services an endpoint in @hairpin), so `TableState` counts their owners (`Owners`): an
 element leaves the kernel with its last owner. Order inside a transaction: sets, new
@@ -29,11 +29,13 @@ rules (a third of the rendered text), which a change compares by digest.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import islice
 
 from proxy.dataplane.base import rules_digest
+from proxy.dataplane.nftables.objects import Chain, Command, Set, SlotMap, Table, named
 from proxy.dataplane.nftables.render import BaseObjects, PortObjects, table_family
 from proxy.dataplane.nftables.wire import (
     COMMIT,
@@ -148,9 +150,9 @@ def _value(cur: _Owned) -> str:
     return cur[1]
 
 
-class SlotMap:
+class SlotValues:
     """One slot map as the kernel holds it: its values in slot order, and each value's
-    slot, so that an endpoint delta (delta.py) finds an endpoint's slot in O(1)."""
+    slot, so that an endpoint delta (port_edit.py) finds an endpoint's slot in O(1)."""
 
     __slots__ = ("slot_of", "values")
 
@@ -172,8 +174,8 @@ class KeptPort:
     # memory for the many small ports ...
     element_keys: tuple[ElementKey, ...]
     element_values: tuple[str, ...]
-    sets: tuple[tuple[str, str], ...]
-    slots: tuple[tuple[str, SlotMap], ...]  # by slot map, from PortObjects.slots
+    sets: tuple[Set | SlotMap, ...]
+    slots: tuple[tuple[str, SlotValues], ...]  # by slot map, from PortObjects.slots
     # ... while a port with slot maps (SLOT_MAP_MIN endpoints or more) keeps a dict
     # instead, which an endpoint delta edits in place (`apply_edit`): O(change), where
     # new tuples would be O(service).
@@ -182,10 +184,10 @@ class KeptPort:
     @classmethod
     def of(cls, p: PortObjects, elements: dict[ElementKey, str]) -> KeptPort:
         """`elements`: element_map(p), kept as it is (the caller's fresh dict)."""
-        chains = tuple((name, rules_digest(rules)) for name, rules in p.chains)
+        chains = tuple((c.name, rules_digest(c.rules)) for c in p.chains)
         if p.slots:
             return cls(p.table, chains, (), (), p.sets,
-                       tuple((name, SlotMap(values)) for name, values in p.slots), elements)
+                       tuple((name, SlotValues(values)) for name, values in p.slots), elements)
         return cls(p.table, chains, tuple(elements), tuple(elements.values()), p.sets, ())
 
     def elements(self) -> Mapping[ElementKey, str]:
@@ -203,11 +205,11 @@ def kept_slots(kept: KeptPort | None) -> dict[str, Sequence[str]]:
 
 @dataclass(frozen=True, slots=True)
 class PortEdit:
-    """One port's change rendered from its endpoint delta alone (delta.py), to apply to
+    """One port's change rendered from its endpoint delta alone (port_edit.py), to apply to
     the KeptPort it was rendered against: what a whole render would change, and
     nothing it would not."""
 
-    chains: tuple[tuple[str, tuple[str, ...]], ...]  # chains to rewrite: (name, rules)
+    chains: tuple[Chain, ...]  # chains to rewrite
     removed: tuple[ElementKey, ...]  # elements it gives up (or whose value changes)
     added: tuple[tuple[ElementKey, str], ...]  # elements it takes (or their new value)
     # Per slot map: (name, its new size, (slot, value) for each slot that changes).
@@ -235,27 +237,19 @@ class TableState:
         return {b.table for b in self.bases}
 
     def chain_names(self) -> set[Named]:
-        names = {(b.table, name) for b in self.bases for name, _body, _rules in b.chains}
+        names = {(b.table, c.name) for b in self.bases for c in b.chains}
         names.update((p.table, name) for p in self.ports.values() for name, _ in p.chains)
         return names
 
     def set_names(self) -> set[Named]:
-        names = {(b.table, name) for b in self.bases for name, _ in b.sets}
-        names.update((p.table, name) for p in self.ports.values() for name, _ in p.sets)
+        names = {(b.table, s.name) for b in self.bases for s in b.sets}
+        names.update((p.table, s.name) for p in self.ports.values() for s in p.sets)
         return names
 
 
 # The bases' own elements (NodePort addresses) are owned by this pseudo port, which sorts
 # before every real one.
 _BASE = ServicePortKey("", "", "", Family.V4)
-
-
-def _is_map(body: str) -> bool:
-    return " : " in body
-
-
-def _declare_set(table: str, name: str, body: str) -> str:
-    return f"add {'map' if _is_map(body) else 'set'} {table} {name} {{ {body} }}"
 
 
 def _element_groups(verb: str, items: Iterable[tuple[ElementKey, str]]) -> Iterator[Elements]:
@@ -275,19 +269,15 @@ def _element_statements(verb: str, table: str, set_name: str,
         yield Elements(verb, table, set_name, chunk)
 
 
-def _element_lines(verb: str, ip: str, items: Iterable[tuple[ElementKey, str]]) -> list[str]:
-    """`_element_groups` spelled, for a partial script."""
-    return [line for group in _element_groups(verb, items) for line in group.lines(ip)]
-
-
 class Script:
-    """A full script, made statement by statement each time it is read, never held
-    whole: at 10,000 services x 10 endpoints its 17.8 MB of text sat beside the 43 MB
-    netlink batch encoded from it, at the agent's peak. The encoder reads its
-    statements (`statements()`: most of them stand for many lines, wire.Rules, which it
-    encodes without spelling them); `lines()` spells them, `text()` joins them for nft
-    (the fallback), and `line(n)` finds one line for an error message. They are the
-    same every time (made from the TableState and the objects it holds, unchanged)."""
+    """A script, made statement by statement each time it is read: a full one is never
+    held whole (at 10,000 services x 10 endpoints its 17.8 MB of text sat beside the
+    43 MB netlink batch encoded from it, at the agent's peak). The encoder reads its
+    statements (`statements()`: objects' commands, and statements standing for many
+    lines, wire.Rules, which it encodes without spelling them); `lines()` spells them,
+    `text()` joins them for nft (the fallback), and `line(n)` finds one line for an
+    error message. They are the same every time (made from the TableState and the
+    objects it holds, unchanged; a partial script's, from their list)."""
 
     def __init__(self, make: Callable[[], Iterator[Statement]], ip: str,
                  parts: bool = False) -> None:
@@ -359,39 +349,35 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
 
     def make() -> Iterator[Statement]:
         for b in state.bases:
-            yield f"add table {ip} {b.table}"
+            yield Command("add", b.table, Table(b.table))
         for b in state.bases:
-            for name, body in b.sets:
-                yield _declare_set(f"{ip} {b.table}", name, body)
+            for s in b.sets:
+                yield Command("add", b.table, s)
         for _key, p in ordered:
-            for name, body in p.sets:
-                yield _declare_set(f"{ip} {p.table}", name, body)
+            for s in p.sets:
+                yield Command("add", p.table, s)
         for b in state.bases:
-            for name, body, _rules in b.chains:
-                yield f"add chain {ip} {b.table} {name} {{ {body} }}" if body \
-                    else Chains.one(b.table, name)
+            for c in b.chains:
+                yield Command("add", b.table, c)
         yield Chains([(p.table, p.chains) for _key, p in ordered])
         # Every chain flushed, then its rules (the ports' rules read while this lives).
-        yield Rules([(b.table, [(name, rules) for name, _body, rules in b.chains])
-                     for b in state.bases])
+        yield Rules([(b.table, b.chains) for b in state.bases])
         yield Rules([(p.table, p.chains) for _key, p in ordered])
         for b in state.bases:
-            for name, body in b.sets:
-                yield f"flush {'map' if _is_map(body) else 'set'} {ip} {b.table} {name}"
+            for s in b.sets:
+                yield Command("flush", b.table, s)
         for _key, p in ordered:  # slot maps too (affinity sets keep who goes where)
-            for name, body in p.sets:
-                if _is_map(body):
-                    yield f"flush map {ip} {p.table} {name}"
+            yield from _flush_maps(p)
         for table, set_name, pairs in state.owners.sets():
             yield from _element_statements("add", table, set_name, pairs)
         for t, name in stale_chains:
-            yield f"flush chain {ip} {t} {name}"
+            yield Command("flush", t, Chain(name))
         for t, name in stale_chains:
-            yield f"delete chain {ip} {t} {name}"
+            yield Command("delete", t, Chain(name))
         for k in stale_sets:
-            yield f"delete {kernel_sets[k]} {ip} {k[0]} {k[1]}"
+            yield Command("delete", k[0], named(kernel_sets[k], k[1]))
         for t in stale_tables:
-            yield f"delete table {ip} {t}"
+            yield Command("delete", t, Table(t))
 
     return Script(make, ip), state
 
@@ -409,7 +395,7 @@ def replace_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, P
 
     def make() -> Iterator[Statement]:
         for table in sorted(kernel_tables):
-            yield f"delete table {ip} {table}"
+            yield Command("delete", table, Table(table))
         yield from script.statements()
 
     return Script(make, ip)
@@ -435,37 +421,23 @@ def first_lines(bases: Sequence[BaseObjects],
     kernel holds (`Owners`). The state is filled as the script is read: read it
     through first."""
     state = TableState(bases[0].family, tuple(bases))
-    ip = table_family(state.family)
     keys = sorted(ports)
 
     def make() -> Iterator[Statement]:
         sent: set[ElementKey] = set()  # map elements written
-
-        def elements(items: Iterable[tuple[ElementKey, str]]) -> Iterator[Elements]:
-            """A part's elements, each once; a map's only where no part wrote it (a
-            set's element again is harmless: no value to differ)."""
-            fresh: dict[ElementKey, str] = {}
-            for element, value in items:
-                if value:
-                    if element in sent:
-                        continue
-                    sent.add(element)
-                fresh.setdefault(element, value)
-            return _element_groups("add", fresh.items())
-
         for b in state.bases:
-            yield f"add table {ip} {b.table}"
+            yield Command("add", b.table, Table(b.table))
         for b in state.bases:
-            for name, body in b.sets:
-                yield _declare_set(f"{ip} {b.table}", name, body)
+            for s in b.sets:
+                yield Command("add", b.table, s)
         for b in state.bases:
-            for name, _body, _rules in b.chains:
-                if not _body:
-                    yield Chains.one(b.table, name)
+            for c in b.chains:
+                if c.hook is None:
+                    yield Command("add", b.table, c)
             for e in b.elements:
                 state.owners.add((e.table, e.set, e.key), _BASE, e.value)
-        yield from elements(((e.table, e.set, e.key), e.value)
-                            for b in state.bases for e in b.elements)
+        yield from _fresh_elements(sent, (((e.table, e.set, e.key), e.value)
+                                          for b in state.bases for e in b.elements))
         yield COMMIT
         part: list[tuple[PortObjects, dict[ElementKey, str]]] = []
         size = 0
@@ -476,43 +448,76 @@ def first_lines(bases: Sequence[BaseObjects],
             for element, value in own.items():
                 state.owners.add(element, key, value)
             part.append((p, own))
-            size += sum(len(rules) + 1 for _name, rules in p.chains)
+            size += sum(len(c.rules) + 1 for c in p.chains)
             if size < stage_lines and n < len(keys):
                 continue
-            for p, _own in part:
-                for name, body in p.sets:
-                    yield _declare_set(f"{ip} {p.table}", name, body)
-            yield Chains([(p.table, p.chains) for p, _own in part])
-            yield Rules([(p.table, p.chains) for p, _own in part])
-            for p, _own in part:
-                for name, body in p.sets:
-                    if _is_map(body):
-                        yield f"flush map {ip} {p.table} {name}"
-            yield from elements(item for _p, own in part for item in own.items())
+            yield from _ports_part(part, sent)
             yield COMMIT
             part, size = [], 0
         for b in state.bases:
-            for name, body, _rules in b.chains:
-                if body:
-                    yield f"add chain {ip} {b.table} {name} {{ {body} }}"
-        yield Rules([(b.table, [(name, rules) for name, _body, rules in b.chains])
-                     for b in state.bases])
+            for c in b.chains:
+                if c.hook is not None:
+                    yield Command("add", b.table, c)
+        yield Rules([(b.table, b.chains) for b in state.bases])
 
-    return Script(make, ip, parts=True), state
+    return Script(make, table_family(state.family), parts=True), state
+
+
+def _ports_part(part: Sequence[tuple[PortObjects, Mapping[ElementKey, str]]],
+                sent: set[ElementKey]) -> Iterator[Statement]:
+    """One part of a first script (`first_lines`): its ports' sets, chains, rules and
+    elements (`_fresh_elements`)."""
+    for p, _own in part:
+        for s in p.sets:
+            yield Command("add", p.table, s)
+    yield Chains([(p.table, p.chains) for p, _own in part])
+    yield Rules([(p.table, p.chains) for p, _own in part])
+    for p, _own in part:
+        yield from _flush_maps(p)
+    yield from _fresh_elements(sent, (item for _p, own in part for item in own.items()))
+
+
+def _fresh_elements(sent: set[ElementKey], items: Iterable[tuple[ElementKey, str]]
+                    ) -> Iterator[Elements]:
+    """A part's elements, each once; a map's only where no part wrote it (`sent`, which
+    this updates; a set's element again is harmless: no value to differ)."""
+    fresh: dict[ElementKey, str] = {}
+    for element, value in items:
+        if value:
+            if element in sent:
+                continue
+            sent.add(element)
+        fresh.setdefault(element, value)
+    return _element_groups("add", fresh.items())
+
+
+def _flush_maps(p: PortObjects) -> Iterator[Command]:
+    """A port's maps (slot maps) emptied, to be filled again; its sets (affinity) keep
+    what they hold."""
+    for s in p.sets:
+        if s.kind == "map":
+            yield Command("flush", p.table, s)
 
 
 def partial_script(state: TableState,
                    updates: Mapping[ServicePortKey, PortObjects | PortEdit | None]) -> str:
+    """`partial_lines` as one text ("" when the kernel has nothing to change)."""
+    script = partial_lines(state, updates)
+    return script.text() if script is not None else ""
+
+
+def partial_lines(state: TableState,
+                  updates: Mapping[ServicePortKey, PortObjects | PortEdit | None]
+                  ) -> Script | None:
     """The transaction from `state` to `state` with `updates` (None: the port is gone; a
     PortEdit: its endpoint delta against the port in `state`); updates `state` to what
-    the kernel holds once the script is applied. "" when the kernel has nothing to
+    the kernel holds once the script is applied. None when the kernel has nothing to
     change."""
-    ip = table_family(state.family)
-    add_sets: list[str] = []
-    add_chains: list[str] = []
-    write_chains: list[str] = []
+    add_sets: list[Statement] = []
+    add_chains: list[Statement] = []
+    write_chains: list[Statement] = []
     gone_chains: list[Named] = []
-    gone_sets: list[tuple[Named, str]] = []  # with their declaration bodies
+    gone_sets: list[tuple[str, Set | SlotMap]] = []  # (table, set)
     # What the kernel held of each element this script touches, before it did.
     held_before: dict[ElementKey, str | None] = {}
     for key in sorted(updates):
@@ -523,20 +528,20 @@ def partial_script(state: TableState,
             write_chains += _apply_edit(state, key, old, new, held_before)
             continue
         old_chains = {(old.table, n): d for n, d in old.chains} if old else {}
-        new_chains = {(new.table, n): r for n, r in new.chains} if new else {}
-        old_sets = {(old.table, n): b for n, b in old.sets} if old else {}
-        new_sets = {(new.table, n): b for n, b in new.sets} if new else {}
-        add_sets += [_declare_set(f"{ip} {t}", n, b) for (t, n), b in new_sets.items()
-                     if old_sets.get((t, n)) != b]
-        for (t, name), rules in new_chains.items():
+        new_chains = {(new.table, c.name): c for c in new.chains} if new else {}
+        old_sets = {(old.table, s.name): s for s in old.sets} if old else {}
+        new_sets = {(new.table, s.name): s for s in new.sets} if new else {}
+        add_sets += [Command("add", t, s) for (t, n), s in new_sets.items()
+                     if old_sets.get((t, n)) != s]
+        for (t, name), chain in new_chains.items():
             before = old_chains.get((t, name))
-            if before == rules_digest(rules):
+            if before == rules_digest(chain.rules):
                 continue
             if before is None:  # declared before any rule, which may jump to it
-                add_chains += Chains.one(t, name).lines(ip)
-            write_chains += Rules.one(t, name, rules, flush=before is not None).lines(ip)
+                add_chains.append(Chains.one(t, name))
+            write_chains.append(Rules.one(t, chain, flush=before is not None))
         gone_chains += [c for c in old_chains if c not in new_chains]
-        gone_sets += [(c, b) for c, b in old_sets.items() if c not in new_sets]
+        gone_sets += [(t, s) for (t, n), s in old_sets.items() if (t, n) not in new_sets]
         old_el = old.elements() if old else {}
         new_el = element_map(new) if new else {}
         for k, v in old_el.items():
@@ -549,6 +554,21 @@ def partial_script(state: TableState,
             state.ports.pop(key, None)
         else:
             state.ports[key] = KeptPort.of(new, new_el)
+    statements = add_sets + add_chains + write_chains
+    statements += _element_changes(state, held_before)
+    statements += [Command("flush", t, Chain(name)) for t, name in gone_chains]
+    statements += [Command("delete", t, Chain(name)) for t, name in gone_chains]
+    statements += [Command("delete", t, s) for t, s in gone_sets]
+    if not statements:
+        return None
+    return Script(functools.partial(iter, statements), table_family(state.family))
+
+
+def _element_changes(state: TableState, held_before: Mapping[ElementKey, str | None]
+                     ) -> list[Elements]:
+    """What a partial script changes of the elements it touched: deletions, then
+    additions, of those the kernel holds otherwise (another value, or none) than the
+    owners now want."""
     deletes: list[tuple[ElementKey, str]] = []
     adds: list[tuple[ElementKey, str]] = []
     for k in sorted(held_before):
@@ -559,14 +579,7 @@ def partial_script(state: TableState,
             deletes.append((k, ""))  # a map element is deleted by its key alone
         if wanted is not None:
             adds.append((k, wanted))
-    lines = add_sets + add_chains + write_chains
-    lines += _element_lines("delete", ip, deletes)
-    lines += _element_lines("add", ip, adds)
-    lines += [f"flush chain {ip} {t} {name}" for t, name in gone_chains]
-    lines += [f"delete chain {ip} {t} {name}" for t, name in gone_chains]
-    lines += [f"delete {'map' if _is_map(body) else 'set'} {ip} {t} {name}"
-              for (t, name), body in gone_sets]
-    return "\n".join(lines) + "\n" if lines else ""
+    return [*_element_groups("delete", deletes), *_element_groups("add", adds)]
 
 
 def _retire(state: TableState, key: ServicePortKey, element: ElementKey,
@@ -585,10 +598,9 @@ def _claim(state: TableState, key: ServicePortKey, element: ElementKey, value: s
 
 
 def _apply_edit(state: TableState, key: ServicePortKey, old: KeptPort, edit: PortEdit,
-                held_before: dict[ElementKey, str | None]) -> list[str]:
+                held_before: dict[ElementKey, str | None]) -> list[Statement]:
     """Apply `edit` to the port's kept state (its element dict and slot maps, in place)
-    and to the owners; the lines that rewrite its chains. O(edit)."""
-    ip = table_family(state.family)
+    and to the owners; the statements that rewrite its chains. O(edit)."""
     kept = old.element_dict
     assert kept is not None, "edits are for ports with slot maps"
     for k in edit.removed:
@@ -601,19 +613,19 @@ def _apply_edit(state: TableState, key: ServicePortKey, old: KeptPort, edit: Por
     for name, size, assigned in edit.slots:
         _resize(maps[name], size, assigned)
     digests = dict(old.chains)
-    lines: list[str] = []
-    for name, rules in edit.chains:
-        digest = rules_digest(rules)
-        if digests[name] == digest:
+    rewrites: list[Statement] = []
+    for chain in edit.chains:
+        digest = rules_digest(chain.rules)
+        if digests[chain.name] == digest:
             continue
-        digests[name] = digest
-        lines += Rules.one(old.table, name, rules).lines(ip)
-    if lines:
+        digests[chain.name] = digest
+        rewrites.append(Rules.one(old.table, chain))
+    if rewrites:
         state.ports[key] = replace(old, chains=tuple(digests.items()))
-    return lines
+    return rewrites
 
 
-def _resize(slots: SlotMap, size: int, assigned: Iterable[tuple[int, str]]) -> None:
+def _resize(slots: SlotValues, size: int, assigned: Iterable[tuple[int, str]]) -> None:
     """The slot map at `size` slots with `assigned` values put in their slots; values
     gone from it, and those moved, leave their old slots first."""
     values, slot_of = slots.values, slots.slot_of

@@ -7,13 +7,16 @@ and a full sync's text (17 MB at 10,000 services x 10 endpoints) took nft 3.7 s 
 parse and send. Our scripts use a small, closed set of statements, so this module
 encodes them itself, the way nft would, and the kernel gets the same objects.
 
-Input is the very text the fallback would hand to nft, one statement per line, or
-statements that stand for its lines (`Chains`, `Rules`, `Elements`: a full sync's
-chains, rules and set elements as the renderer made them, encoded as their lines would
-be without spelling each line and parsing it back); output is a batch whose message
-i+1 is line i, so a refusal names its line as nft's errors do. A line outside the
-dialect raises `Unencodable`, and the caller hands the whole script to nft instead:
-nothing is ever half-encoded. What is encoded here (rules: expressions.py):
+Input is a script's statements as transaction.py makes them: objects' commands
+(`objects.Command`: a table, chain, set or map added, flushed or deleted, encoded from
+the object's fields) and statements that stand for many lines (`Chains`, `Rules`,
+`Elements`: a full sync's chains, rules and set elements as the renderer made them),
+none of them spelled and parsed back; each stands for the lines the fallback hands to
+nft (`statement_lines`). Text is read too, one statement per line, into the same
+objects (tests, scripts by hand). Output is a batch whose message i+1 is line i, so a
+refusal names its line as nft's errors do. A statement outside the dialect raises
+`Unencodable`, and the caller hands the whole script to nft instead: nothing is ever
+half-encoded. The dialect, as text (rules: expressions.py):
 
     add|delete table <t>
     add chain <t> <name> [{ type nat|filter hook <hook> priority <p>; policy accept; }]
@@ -45,18 +48,66 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from proxy.dataplane.common.netlink import (
-    HEADER,
+from proxy.dataplane.common.netlink import HEADER, frame, nested, nla, parse_attrs
+from proxy.dataplane.common.netlink import NFGEN as _NFGEN
+from proxy.dataplane.common.netlink_constants import (
+    NF_ACCEPT,
+    NF_INET_FORWARD,
+    NF_INET_LOCAL_IN,
+    NF_INET_LOCAL_OUT,
+    NF_INET_POST_ROUTING,
+    NF_INET_PRE_ROUTING,
+    NF_IP_PRI_FILTER,
+    NF_IP_PRI_NAT_DST,
+    NF_IP_PRI_NAT_SRC,
+    NFNL_MSG_BATCH_BEGIN,
+    NFNL_MSG_BATCH_END,
+    NFPROTO,
     NLM_F_ACK,
+    NLM_F_APPEND,
     NLM_F_CREATE,
     NLM_F_REQUEST,
-    frame,
-    nested,
-    nla,
-    parse_attrs,
 )
-from proxy.dataplane.common.nfnetlink import NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END, NFPROTO
-from proxy.dataplane.common.nfnetlink import NFNL_SUBSYS_NFTABLES as SUBSYS
+from proxy.dataplane.common.netlink_constants import NFNL_SUBSYS_NFTABLES as SUBSYS
+from proxy.dataplane.common.netlink_constants import NFT_DATA_VERDICT as DATA_TYPE_VERDICT
+from proxy.dataplane.common.netlink_constants import NFT_MSG_DELCHAIN as DELCHAIN
+from proxy.dataplane.common.netlink_constants import NFT_MSG_DELRULE as DELRULE
+from proxy.dataplane.common.netlink_constants import NFT_MSG_DELSET as DELSET
+from proxy.dataplane.common.netlink_constants import NFT_MSG_DELSETELEM as DELSETELEM
+from proxy.dataplane.common.netlink_constants import NFT_MSG_DELTABLE as DELTABLE
+from proxy.dataplane.common.netlink_constants import NFT_MSG_GETCHAIN as GETCHAIN
+from proxy.dataplane.common.netlink_constants import NFT_MSG_GETTABLE as GETTABLE
+from proxy.dataplane.common.netlink_constants import NFT_MSG_NEWCHAIN as NEWCHAIN
+from proxy.dataplane.common.netlink_constants import NFT_MSG_NEWRULE as NEWRULE
+from proxy.dataplane.common.netlink_constants import NFT_MSG_NEWSET as NEWSET
+from proxy.dataplane.common.netlink_constants import NFT_MSG_NEWSETELEM as NEWSETELEM
+from proxy.dataplane.common.netlink_constants import NFT_MSG_NEWTABLE as NEWTABLE
+from proxy.dataplane.common.netlink_constants import NFT_SET_EVAL as SET_F_EVAL
+from proxy.dataplane.common.netlink_constants import NFT_SET_MAP as SET_F_MAP
+from proxy.dataplane.common.netlink_constants import NFT_SET_TIMEOUT as SET_F_TIMEOUT
+from proxy.dataplane.common.netlink_constants import NFTA_CHAIN_HOOK as CHAIN_HOOK
+from proxy.dataplane.common.netlink_constants import NFTA_CHAIN_NAME as CHAIN_NAME
+from proxy.dataplane.common.netlink_constants import NFTA_CHAIN_POLICY as CHAIN_POLICY
+from proxy.dataplane.common.netlink_constants import NFTA_CHAIN_TABLE as CHAIN_TABLE
+from proxy.dataplane.common.netlink_constants import NFTA_CHAIN_TYPE as CHAIN_TYPE
+from proxy.dataplane.common.netlink_constants import NFTA_HOOK_HOOKNUM as HOOK_NUMBER
+from proxy.dataplane.common.netlink_constants import NFTA_HOOK_PRIORITY as HOOK_PRIORITY
+from proxy.dataplane.common.netlink_constants import NFTA_RULE_CHAIN as RULE_CHAIN
+from proxy.dataplane.common.netlink_constants import NFTA_SET_DATA_LEN as SET_DATA_LEN
+from proxy.dataplane.common.netlink_constants import NFTA_SET_DATA_TYPE as SET_DATA_TYPE
+from proxy.dataplane.common.netlink_constants import NFTA_SET_ELEM_DATA as ELEM_DATA
+from proxy.dataplane.common.netlink_constants import NFTA_SET_ELEM_KEY as ELEM_KEY
+from proxy.dataplane.common.netlink_constants import NFTA_SET_ELEM_LIST_ELEMENTS as ELEMS_LIST
+from proxy.dataplane.common.netlink_constants import NFTA_SET_ELEM_LIST_SET as ELEMS_SET
+from proxy.dataplane.common.netlink_constants import NFTA_SET_FLAGS as SET_FLAGS
+from proxy.dataplane.common.netlink_constants import NFTA_SET_ID as SET_ID
+from proxy.dataplane.common.netlink_constants import NFTA_SET_KEY_LEN as SET_KEY_LEN
+from proxy.dataplane.common.netlink_constants import NFTA_SET_KEY_TYPE as SET_KEY_TYPE
+from proxy.dataplane.common.netlink_constants import NFTA_SET_NAME as SET_NAME
+from proxy.dataplane.common.netlink_constants import NFTA_SET_TABLE as SET_TABLE
+from proxy.dataplane.common.netlink_constants import NFTA_SET_TIMEOUT as SET_TIMEOUT
+from proxy.dataplane.common.netlink_constants import NFTA_SET_USERDATA as SET_USERDATA
+from proxy.dataplane.common.netlink_constants import NFTA_TABLE_NAME as TABLE_NAME
 from proxy.dataplane.nftables.expressions import (
     ADDRESS_WIDTH,
     INET,
@@ -73,24 +124,20 @@ from proxy.dataplane.nftables.expressions import (
     value,
     verdict,
 )
+from proxy.dataplane.nftables.objects import (
+    AnySet,
+    Chain,
+    Command,
+    Hook,
+    Map,
+    Priority,
+    Set,
+    SlotMap,
+    Table,
+    named,
+)
 from proxy.model.types import Family
 
-NLM_F_APPEND = 0x800
-# Messages.
-NEWTABLE, GETTABLE, DELTABLE = 0, 1, 2
-NEWCHAIN, GETCHAIN, DELCHAIN, NEWRULE, DELRULE = 3, 4, 5, 6, 8
-NEWSET, GETSET, DELSET, NEWSETELEM, DELSETELEM = 9, 10, 11, 12, 14
-# Attributes, per object.
-TABLE_NAME = 1
-CHAIN_TABLE, CHAIN_NAME, CHAIN_HOOK, CHAIN_POLICY, CHAIN_TYPE = 1, 3, 4, 5, 7
-HOOK_NUMBER, HOOK_PRIORITY = 1, 2
-RULE_TABLE, RULE_CHAIN = 1, 2
-SET_TABLE, SET_NAME, SET_FLAGS, SET_KEY_TYPE, SET_KEY_LEN = 1, 2, 3, 4, 5
-SET_DATA_TYPE, SET_DATA_LEN, SET_ID, SET_TIMEOUT, SET_USERDATA = 6, 7, 10, 11, 13
-ELEMS_TABLE, ELEMS_SET, ELEMS_LIST = 1, 2, 3
-ELEM_KEY, ELEM_DATA = 1, 2
-SET_F_MAP, SET_F_TIMEOUT, SET_F_EVAL = 0x8, 0x10, 0x20
-DATA_TYPE_VERDICT = 0xFFFFFF00
 # nft's data types for set keys: (its number, bytes); a concatenation's type is their
 # numbers, 6 bits each, and its length their lengths in 32-bit register slots.
 KEY_TYPES = {"ipv4_addr": (7, 4), "ipv6_addr": (8, 16), "inet_proto": (12, 1),
@@ -122,10 +169,11 @@ def _slot_map_userdata(family: Family, proto: str) -> bytes:
 
 
 # Base chains: netfilter's hooks and nft's named priorities.
-HOOKS = {"prerouting": 0, "input": 1, "forward": 2, "output": 3, "postrouting": 4}
-PRIORITIES = {"dstnat": -100, "srcnat": 100, "filter": 0}
-NF_ACCEPT = 1
-_NFGEN = struct.Struct("!BBH")
+HOOKS = {"prerouting": NF_INET_PRE_ROUTING, "input": NF_INET_LOCAL_IN,
+         "forward": NF_INET_FORWARD, "output": NF_INET_LOCAL_OUT,
+         "postrouting": NF_INET_POST_ROUTING}
+PRIORITIES = {"dstnat": NF_IP_PRI_NAT_DST, "srcnat": NF_IP_PRI_NAT_SRC,
+              "filter": NF_IP_PRI_FILTER}
 _MESSAGE_HEAD = struct.Struct(HEADER.format + "4s")  # nlmsghdr, then the nfgenmsg
 _FLAGS = struct.Struct("=H")
 PAGE = 256 * 1024  # bytes per piece of a batch (Batch.pages); sendmsg takes up to 1,024
@@ -225,15 +273,6 @@ def _element(family: Family, key: str, data: str) -> bytes:
                   + verdict(ELEM_DATA, verb, chain))
 
 
-def _element_item(text: str) -> tuple[str, str]:
-    """(key, value or "") of one element as a line spells it: `<key> [: <value>]`."""
-    key, sep, data = text.partition(" : ")
-    data = data.strip()
-    if sep and not data:
-        raise Unencodable(f"element {text!r} without its value")
-    return key.strip(), data
-
-
 def _elements(family: Family, items: Sequence[tuple[str, str]]) -> bytes:
     """The (key, value) elements of one statement, one after the other."""
     return _address_elements(family, items) \
@@ -267,78 +306,145 @@ def _address_elements(family: Family, items: Sequence[tuple[str, str]]) -> bytes
     return b"".join(out)
 
 
-def _key_type(text: str) -> tuple[int, int, bool]:
-    """`ipv4_addr . inet_proto . inet_service` -> (nft's type number, key length,
+def _key_type(types: tuple[str, ...]) -> tuple[int, int, bool]:
+    """(`ipv4_addr`, `inet_proto`, `inet_service`) -> (nft's type number, key length,
     whether it is a concatenation)."""
     number, length = 0, 0
-    parts = text.split(" . ")
-    for part in parts:
+    for part in types:
         known = KEY_TYPES.get(part)
         if known is None:
             raise Unencodable(f"key type {part!r}")
         number = number << TYPE_BITS | known[0]
         length += (known[1] + 3) // 4 * 4
-    return number, length, len(parts) > 1
+    return number, length, len(types) > 1
 
 
-def _set_body(body: str, is_map: bool) -> bytes:
-    """Our four shapes: `type <key>;` (a set of addresses or of concatenations),
-    `type <key> : verdict;` (a verdict map), the affinity sets' `type <address>;
-    flags dynamic,timeout; timeout <n>s;`, and the slot maps' typeof."""
-    parts = [p.strip() for p in body.strip().rstrip(";").split(";")]
-    slot_map = _SLOT_MAP_BODY.fullmatch(parts[0]) if len(parts) == 1 and is_map else None
-    if slot_map is not None:
-        family = Family.V4 if slot_map[1] == "ip" else Family.V6
-        addr = "ipv4_addr" if family is Family.V4 else "ipv6_addr"
-        data_type, data_len, _ = _key_type(f"{addr} . inet_service")
+# A set's flags as nft spells them (objects.Set.flags).
+SET_FLAG_BITS = {"timeout": SET_F_TIMEOUT, "dynamic": SET_F_EVAL}
+
+
+def _set_attrs(declared: AnySet) -> bytes:
+    """A set's or map's declaration (objects.py): our four shapes, a set of addresses or
+    of concatenations, a verdict map, the affinity sets (flags dynamic,timeout and a
+    timeout), and the slot maps' typeof."""
+    if isinstance(declared, SlotMap):
+        addr = "ipv4_addr" if declared.family is Family.V4 else "ipv6_addr"
+        data_type, data_len, _ = _key_type((addr, "inet_service"))
+        if declared.protocol not in _SLOT_MAP_PROTO:
+            raise Unencodable(f"slot map of {declared.protocol!r}")
         return (nla(SET_FLAGS, u32(SET_F_MAP)) + nla(SET_KEY_TYPE, u32(TYPE_INTEGER))
                 + nla(SET_KEY_LEN, u32(4)) + nla(SET_DATA_TYPE, u32(data_type))
                 + nla(SET_DATA_LEN, u32(data_len))
-                + nla(SET_USERDATA, _slot_map_userdata(family, slot_map[2])))
-    if not parts[0].startswith("type "):
-        raise Unencodable(f"set {{ {body} }}")
-    key, sep, data = parts[0].removeprefix("type ").partition(" : ")
-    number, length, concat = _key_type(key)
+                + nla(SET_USERDATA, _slot_map_userdata(declared.family, declared.protocol)))
+    number, length, concat = _key_type(declared.key)
     attrs = nla(SET_KEY_TYPE, u32(number)) + nla(SET_KEY_LEN, u32(length))
-    if is_map != bool(sep) or (sep and (data != "verdict" or len(parts) != 1)):
-        raise Unencodable(f"{'map' if is_map else 'set'} {{ {body} }}")
-    if is_map:
+    if isinstance(declared, Map):
+        if declared.value != "verdict":
+            raise Unencodable(f"map of {declared.value!r}")
         return (nla(SET_FLAGS, u32(SET_F_MAP)) + attrs + nla(SET_DATA_TYPE,
                                                              u32(DATA_TYPE_VERDICT))
                 + nla(SET_USERDATA, _VERDICT_MAP))
-    if len(parts) == 1:
+    assert isinstance(declared, Set)
+    if not declared.flags and declared.timeout is None:
         return attrs + nla(SET_USERDATA, _CONCAT_KEY if concat else _KEY_BIG_ENDIAN)
-    seconds = parts[2].removeprefix("timeout ").removesuffix("s") if len(parts) == 3 else ""
-    if concat or parts[1] != "flags dynamic,timeout" or not parts[2].startswith("timeout ") \
-            or not seconds.isdigit():
-        raise Unencodable(f"set {{ {body} }}")
+    if concat or set(declared.flags) != set(SET_FLAG_BITS) or declared.timeout is None:
+        raise Unencodable(f"set {{ {declared.declaration()} }}")
     return (nla(SET_FLAGS, u32(SET_F_TIMEOUT | SET_F_EVAL)) + attrs
-            + nla(SET_TIMEOUT, struct.pack("!Q", int(seconds) * 1000))
+            + nla(SET_TIMEOUT, struct.pack("!Q", declared.timeout * 1000))
             + nla(SET_USERDATA, _KEY_BIG_ENDIAN))
 
 
-def _hook(body: str) -> bytes:
+def _hook_attrs(hook: Hook) -> bytes:
+    """A base chain's hook, priority, policy and type (objects.Hook)."""
+    priority = hook.priority
+    if hook.hook not in HOOKS or hook.type not in ("nat", "filter") \
+            or hook.policy != "accept" or (priority.name and priority.name not in PRIORITIES):
+        raise Unencodable(f"chain {{ {hook.text()} }}")
+    number = PRIORITIES.get(priority.name, 0) + priority.offset
+    attrs = nla(HOOK_NUMBER, u32(HOOKS[hook.hook])) + nla(HOOK_PRIORITY,
+                                                           struct.pack("!i", number))
+    return (nested(CHAIN_HOOK, attrs) + nla(CHAIN_POLICY, u32(NF_ACCEPT))
+            + string(CHAIN_TYPE, hook.type))
+
+
+def _command(t: bytes, command: Command, set_id: int) -> tuple[int, int, bytes]:
+    """(message type, flags, attributes) of `command` on the table whose name attribute
+    is `t`."""
+    verb, obj = command.verb, command.object
+    kind = type(obj)
+    if kind is Table:
+        if verb == "add":
+            return NEWTABLE, NLM_F_CREATE, t
+        if verb == "delete":
+            return DELTABLE, 0, t
+    elif kind is Chain:
+        assert isinstance(obj, Chain)
+        name = string(CHAIN_NAME, obj.name)
+        if verb == "add":
+            return NEWCHAIN, NLM_F_CREATE, t + name + (_hook_attrs(obj.hook) if obj.hook
+                                                       else b"")
+        if verb == "delete":
+            return DELCHAIN, 0, t + name
+        if verb == "flush":  # every rule of the chain: a rule deletion naming no rule
+            return DELRULE, 0, t + string(RULE_CHAIN, obj.name)
+    else:
+        assert isinstance(obj, Set | Map | SlotMap)
+        if verb == "add":
+            return NEWSET, NLM_F_CREATE, (t + string(SET_NAME, obj.name) + _set_attrs(obj)
+                                          + nla(SET_ID, u32(set_id)))
+        if verb == "delete":
+            return DELSET, 0, t + string(SET_NAME, obj.name)
+        if verb == "flush":  # every element: an element deletion naming none
+            return DELSETELEM, 0, t + string(ELEMS_SET, obj.name)
+    raise Unencodable(f"{verb} {obj.kind}")
+
+
+# --- text input: lines of the dialect, read into objects ------------------------------------
+# For scripts given as text (by tests, or by hand): the renderer's own scripts come as
+# objects and statements, never through here.
+
+
+def _parse_set(body: str, is_map: bool) -> AnySet:
+    """A declaration's body -> the object it declares (the shapes `_set_attrs` takes)."""
+    parts = [p.strip() for p in body.strip().rstrip(";").split(";")]
+    slot_map = _SLOT_MAP_BODY.fullmatch(parts[0]) if len(parts) == 1 and is_map else None
+    if slot_map is not None:
+        return SlotMap("", Family.V4 if slot_map[1] == "ip" else Family.V6, slot_map[2])
+    if not parts[0].startswith("type "):
+        raise Unencodable(f"set {{ {body} }}")
+    key, sep, data = parts[0].removeprefix("type ").partition(" : ")
+    types = tuple(key.split(" . "))
+    if is_map != bool(sep) or (sep and len(parts) != 1):
+        raise Unencodable(f"{'map' if is_map else 'set'} {{ {body} }}")
+    if is_map:
+        return Map("", types, data)
+    if len(parts) == 1:
+        return Set("", types)
+    seconds = parts[2].removeprefix("timeout ").removesuffix("s") if len(parts) == 3 else ""
+    if not parts[1].startswith("flags ") or not parts[2].startswith("timeout ") \
+            or not seconds.isdigit():
+        raise Unencodable(f"set {{ {body} }}")
+    return Set("", types, tuple(parts[1].removeprefix("flags ").split(",")), int(seconds))
+
+
+def _parse_hook(body: str) -> Hook:
     """A base chain's `type nat|filter hook <hook> priority <p>; policy accept;`: its
-    hook, priority (a name of nft's, `name + n`, or a number) and type."""
+    priority a name of nft's, `name + n`, or a number."""
     parts = [p.strip() for p in body.strip().rstrip(";").split(";")]
     words = parts[0].split()
-    if len(parts) != 2 or parts[1] != "policy accept" or len(words) < 6 \
-            or words[0] != "type" or words[1] not in ("nat", "filter") or words[2] != "hook" \
-            or words[3] not in HOOKS or words[4] != "priority":
+    if len(parts) != 2 or not parts[1].startswith("policy ") or len(words) < 6 \
+            or words[0] != "type" or words[2] != "hook" or words[4] != "priority":
         raise Unencodable(f"chain {{ {body} }}")
     priority = words[5:]
     if len(priority) == 1 and priority[0].lstrip("-").isdigit():
-        number = int(priority[0])
+        at = Priority("", int(priority[0]))
     elif priority[0] in PRIORITIES and (len(priority) == 1 or (
             len(priority) == 3 and priority[1] in "+-" and priority[2].isdigit())):
         offset = int(priority[2]) if len(priority) == 3 else 0
-        number = PRIORITIES[priority[0]] + (offset if priority[1:2] != ["-"] else -offset)
+        at = Priority(priority[0], offset if priority[1:2] != ["-"] else -offset)
     else:
         raise Unencodable(f"priority {' '.join(priority)!r}")
-    hook = nla(HOOK_NUMBER, u32(HOOKS[words[3]])) + nla(HOOK_PRIORITY,
-                                                        struct.pack("!i", number))
-    return (nested(CHAIN_HOOK, hook) + nla(CHAIN_POLICY, u32(NF_ACCEPT))
-            + string(CHAIN_TYPE, words[1]))
+    return Hook(words[1], words[3], at, parts[1].removeprefix("policy "))
 
 
 def _braced(rest: str) -> tuple[str, str]:
@@ -355,11 +461,35 @@ def _plain_name(rest: str) -> str:
     return rest
 
 
+def _element_item(text: str) -> tuple[str, str]:
+    """(key, value or "") of one element as a line spells it: `<key> [: <value>]`."""
+    key, sep, data = text.partition(" : ")
+    data = data.strip()
+    if sep and not data:
+        raise Unencodable(f"element {text!r} without its value")
+    return key.strip(), data
+
+
+def _read_command(verb: str, kind: str, table: str, rest: str) -> Command:
+    """One line's table, chain, set or map command as an object (the line split)."""
+    if kind == "chain":
+        if verb == "add" and " { " in rest:  # a base chain
+            name, body = _braced(rest)
+            return Command(verb, table, Chain(name, (), _parse_hook(body)))
+        return Command(verb, table, Chain(_plain_name(rest)))
+    if kind in ("set", "map"):
+        if verb == "add":
+            name, body = _braced(rest)
+            return Command(verb, table, _parse_set(body, kind == "map")._replace(name=name))
+        return Command(verb, table, named(kind, _plain_name(rest)))
+    raise Unencodable(f"{verb} {kind}")
+
+
 # --- statements that stand for lines --------------------------------------------------------
 
 
-# Chains of one table, as render.py keeps a port's: (name, rules), in write order.
-ChainRules = Sequence[tuple[str, Sequence[str]]]
+# Chains of one table, as render.py keeps a port's, in write order.
+ChainRules = Sequence[Chain]
 _SECOND = operator.itemgetter(1)
 
 
@@ -371,7 +501,7 @@ class Chains(NamedTuple):
 
     @classmethod
     def one(cls, table: str, name: str) -> Chains:
-        return cls(((table, ((name, ()),)),))
+        return cls(((table, (Chain(name),)),))
 
     @property
     def size(self) -> int:
@@ -380,8 +510,8 @@ class Chains(NamedTuple):
 
     def lines(self, ip: str) -> Iterator[str]:
         for table, chains in self.tables:
-            for name, _rules in chains:
-                yield f"add chain {ip} {table} {name}"
+            for chain in chains:
+                yield f"add chain {ip} {table} {chain.name}"
 
 
 class Rules(NamedTuple):
@@ -393,8 +523,8 @@ class Rules(NamedTuple):
     flush: bool = True
 
     @classmethod
-    def one(cls, table: str, name: str, rules: Sequence[str], flush: bool = True) -> Rules:
-        return cls(((table, ((name, rules),)),), flush)
+    def one(cls, table: str, chain: Chain, flush: bool = True) -> Rules:
+        return cls(((table, (chain,)),), flush)
 
     @property
     def size(self) -> int:
@@ -403,11 +533,11 @@ class Rules(NamedTuple):
 
     def lines(self, ip: str) -> Iterator[str]:
         for table, chains in self.tables:
-            for name, rules in chains:
+            for chain in chains:
                 if self.flush:
-                    yield f"flush chain {ip} {table} {name}"
-                prefix = f"add rule {ip} {table} {name} "
-                for rule in rules:
+                    yield f"flush chain {ip} {table} {chain.name}"
+                prefix = f"add rule {ip} {table} {chain.name} "
+                for rule in chain.rules:
                     yield prefix + rule
 
 
@@ -444,10 +574,11 @@ class Commit(NamedTuple):
 
 COMMIT = Commit()
 
-# A statement of a script: one line's text, or lines the encoder takes as they are made,
-# without spelling them and parsing them back (at 10,000 services x 10 endpoints, a full
-# sync's 100,000 rules, 20,000 chains and 85,000 set elements).
-Statement = str | Chains | Rules | Elements | Commit
+# A statement of a script: an object's command, or lines the encoder takes as they are
+# made, without spelling them and parsing them back (at 10,000 services x 10 endpoints,
+# a full sync's 100,000 rules, 20,000 chains and 85,000 set elements); or, from text
+# (tests, by hand), one line of it.
+Statement = str | Command | Chains | Rules | Elements | Commit
 
 
 def statement_size(statement: Statement) -> int:
@@ -500,9 +631,8 @@ def _line(family: Family, tables: Collection[str], line: str,
     if len(words) == 4 and words[1] == "table" and words[0] in ("add", "delete"):
         if words[2] != ip or words[3] not in tables:
             raise Unencodable(f"not our {family.label} table: {line!r}")
-        table_name = string(TABLE_NAME, words[3])
-        return ((NEWTABLE, NLM_F_CREATE, table_name) if words[0] == "add"
-                else (DELTABLE, 0, table_name))
+        return _command(string(TABLE_NAME, words[3]),
+                        Command(words[0], words[3], Table(words[3])), set_id)
     if len(words) < 5:
         raise Unencodable(f"{line!r}")
     verb, kind, fam, table, rest = words
@@ -517,28 +647,7 @@ def _line(family: Family, tables: Collection[str], line: str,
         name, inner = _braced(rest)
         return _element_message(verb, t, name, _elements(
             family, [_element_item(e) for e in inner.split(", ")]))
-    if kind == "chain":
-        if verb == "add" and " { " in rest:  # a base chain
-            name, body = _braced(rest)
-            return NEWCHAIN, NLM_F_CREATE, t + string(CHAIN_NAME, name) + _hook(body)
-        named = string(CHAIN_NAME, _plain_name(rest))
-        if verb == "add":
-            return NEWCHAIN, NLM_F_CREATE, t + named
-        if verb == "delete":
-            return DELCHAIN, 0, t + named
-        if verb == "flush":  # every rule of the chain: a rule deletion naming no rule
-            return DELRULE, 0, t + string(RULE_CHAIN, _plain_name(rest))
-    if kind in ("set", "map"):
-        if verb == "add":
-            name, body = _braced(rest)
-            return NEWSET, NLM_F_CREATE, (t + string(SET_NAME, name)
-                                          + _set_body(body, kind == "map")
-                                          + nla(SET_ID, u32(set_id)))
-        if verb == "delete":
-            return DELSET, 0, t + string(SET_NAME, _plain_name(rest))
-        if verb == "flush":  # every element: an element deletion naming none
-            return DELSETELEM, 0, t + string(ELEMS_SET, _plain_name(rest))
-    raise Unencodable(f"{verb} {kind}")
+    return _command(t, _read_command(verb, kind, table, rest), set_id)
 
 
 def _lines(script: str) -> Iterator[str]:
@@ -641,15 +750,18 @@ def encode(script: str | Iterable[Statement], family: Family, tables: Collection
         elif isinstance(statement, Rules):
             for table, chains in statement.tables:
                 t = table_name(table)
-                for name, rules in chains:
-                    head = t + unique_string(RULE_CHAIN, _plain_name(name))
+                for chain in chains:
+                    head = t + unique_string(RULE_CHAIN, _plain_name(chain.name))
                     if statement.flush:
                         add(DELRULE, 0, head)
-                    add(NEWRULE, NLM_F_CREATE | NLM_F_APPEND, head, encode_rules(family, rules))
+                    add(NEWRULE, NLM_F_CREATE | NLM_F_APPEND, head,
+                        encode_rules(family, chain.rules))
         elif isinstance(statement, Chains):
             for table, chains in statement.tables:
                 add(NEWCHAIN, NLM_F_CREATE, table_name(table),
-                    [unique_string(CHAIN_NAME, _plain_name(name)) for name, _rules in chains])
+                    [unique_string(CHAIN_NAME, _plain_name(chain.name)) for chain in chains])
+        elif isinstance(statement, Command):
+            add(*_command(table_name(statement.table), statement, pages.line()))
         elif isinstance(statement, Commit):
             continue  # a whole script in one transaction: nothing to cut
         else:

@@ -30,6 +30,7 @@ from ipaddress import ip_address
 
 from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.naming import address_text, port_name
+from proxy.dataplane.nftables.objects import Chain
 from proxy.dataplane.nftables.render import (
     HAIRPIN,
     SLOT_MAP_MIN,
@@ -43,7 +44,7 @@ from proxy.dataplane.nftables.render import (
     slot_value,
     table_family,
 )
-from proxy.dataplane.nftables.transaction import ElementKey, KeptPort, PortEdit, SlotMap
+from proxy.dataplane.nftables.transaction import ElementKey, KeptPort, PortEdit, SlotValues
 from proxy.model.snapshot import (
     EndpointDelta,
     MergedEndpoint,
@@ -63,7 +64,7 @@ def render_edit(old: ResolvedServicePort, new: ResolvedServicePort, delta: Endpo
         return None
     maps = dict(kept.slots)
     proto = new.port.protocol.value.lower()
-    chains: list[tuple[str, tuple[str, ...]]] = []
+    chains: list[Chain] = []
     removed: list[ElementKey] = []
     added: list[tuple[ElementKey, str]] = []
     resized: list[tuple[str, int, tuple[tuple[int, str], ...]]] = []
@@ -86,7 +87,7 @@ def render_edit(old: ResolvedServicePort, new: ResolvedServicePort, delta: Endpo
         added += [((*element, str(slot)), value) for slot, value in assigned]
         resized.append((SLOTS + chain, size, assigned))
         if size != len(slots.values):
-            chains.append((chain, _slot_chain_rules(new, ctx, kind, chain, size)))
+            chains.append(Chain(chain, _slot_chain_rules(new, ctx, kind, chain, size)))
     removed_pairs, added_pairs = _hairpin_changes(new, delta, kept.element_dict)
     return PortEdit(tuple(chains), (*removed, *removed_pairs),
                     (*added, *((k, "") for k in added_pairs)), tuple(resized))
@@ -113,13 +114,13 @@ def _net_change(delta: EndpointDelta, local: bool) -> tuple[set[str], dict[str, 
     return gone, come
 
 
-def _matches(slots: SlotMap, gone: Iterable[str], come: Iterable[str]) -> bool:
+def _matches(slots: SlotValues, gone: Iterable[str], come: Iterable[str]) -> bool:
     """The delta fits what the kernel holds: what leaves is there, what comes is not."""
     return all(v in slots.slot_of for v in gone) and not any(v in slots.slot_of
                                                              for v in come)
 
 
-def _refill(slots: SlotMap, gone: set[str], come: Mapping[str, Order],
+def _refill(slots: SlotValues, gone: set[str], come: Mapping[str, Order],
             size: int) -> tuple[tuple[int, str], ...]:
     """(slot, value) for every slot whose value changes when the map goes to `size`
     slots: `assign_slots` for only the values that move."""

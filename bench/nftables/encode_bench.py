@@ -1,0 +1,108 @@
+"""The nftables mode's own work for a cold start and one change, without a kernel:
+render and encode to netlink, as `NftablesDataPlane.sync` does, the batches built and
+dropped instead of sent (no root, no namespace).
+
+    .venv/bin/python -m bench.nftables.encode_bench --services 10000 --endpoints 10
+
+Measured in one process (the cluster as bench.common.cluster_model makes it):
+- cold: the first sync onto no tables (transaction.first_lines, in parts);
+- resync: a full sync over our tables (transaction.full_lines);
+- change: one service's endpoint replaced, then a partial sync (`--changes` times,
+  median).
+Run it several times and take medians across runs: one process's cold start is one
+sample. Timings are reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Collection, Iterable
+from ipaddress import ip_address
+from typing import Any, TypeVar
+
+from bench.common import NODE, change_one, cluster_model
+from proxy.dataplane.base import DataplaneOptions
+from proxy.dataplane.nftables import wire
+from proxy.dataplane.nftables.apply import NftablesDataPlane
+from proxy.dataplane.nftables.runner import NftRunner
+from proxy.dataplane.nftables.transaction import Script
+from proxy.model.types import Family
+
+
+class EncodeOnly(NftRunner):
+    """An NftRunner whose `send` encodes and drops the batch; our tables are those
+    sent to before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: set[str] = set()
+        self.messages = 0
+
+    def send(self, script: str | Script, family: Family, tables: Collection[str]) -> None:
+        parts: Iterable[Iterable[wire.Statement] | str]
+        if isinstance(script, Script) and script.parts:
+            parts = wire.stages(script.statements())
+        else:
+            parts = [script.statements() if isinstance(script, Script) else script]
+        for part in parts:
+            self.messages += wire.encode(part, family, tables, 1).count
+        self.tables.update(tables)
+
+    def names(self, family: Family, tables: Collection[str]
+              ) -> tuple[set[str], list[tuple[str, str]], dict[tuple[str, str], str]]:
+        return set(self.tables) & set(tables), [], {}
+
+
+T = TypeVar("T")
+
+
+def timed(fn: Callable[[], T]) -> tuple[float, float, T]:
+    """Wall and CPU seconds `fn` took (CPU time: other work on the machine changes it
+    less), and what it returned."""
+    gc.collect()
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - wall, time.process_time() - cpu, out
+
+
+def run(services: int, endpoints: int, changes: int) -> dict[str, Any]:
+    model, slices = cluster_model(services, endpoints)
+    options = DataplaneOptions(NODE, families=(Family.V4,))
+    runner = EncodeOnly()
+    dp = NftablesDataPlane(options, runner=runner, addresses=lambda: [ip_address("10.0.0.1")],
+                           clear_conntrack=False, probe=False)
+    cold, cold_cpu, report = timed(lambda: dp.sync(model.state, full=True))
+    messages = runner.messages
+    resync, resync_cpu, _ = timed(lambda: dp.sync(model.state, full=True))
+    walls, cpus = [], []
+    for i in range(changes):
+        state = change_one(model, slices[(i * 7919) % len(slices)], i)
+        wall, cpu, r = timed(lambda: dp.sync(state))  # noqa: B023 (called at once)
+        assert not r.full
+        walls.append(wall)
+        cpus.append(cpu)
+    return {"services": services, "endpoints": endpoints,
+            "cold_s": round(cold, 4), "cold_cpu_s": round(cold_cpu, 4),
+            "cold_messages": messages, "cold_lines": report.operations,
+            "resync_s": round(resync, 4), "resync_cpu_s": round(resync_cpu, 4),
+            "change_ms": round(statistics.median(walls) * 1000, 3),
+            "change_cpu_ms": round(statistics.median(cpus) * 1000, 3), "changes": changes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--services", type=int, default=10_000)
+    p.add_argument("--endpoints", type=int, default=10)
+    p.add_argument("--changes", type=int, default=9)
+    args = p.parse_args(argv)
+    print(json.dumps(run(args.services, args.endpoints, args.changes)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
