@@ -89,9 +89,7 @@ from labs.realcp.controlplane import ControlPlane
 from labs.realcp.nodes import ROOT, Sliceproxy, ensure_node
 from labs.realcp.rawapi import RawApi
 from proxy.dataplane.common.netlink import NetlinkSocket
-from proxy.dataplane.common.nfnetlink import (
-    NETLINK_NETFILTER,
-)
+from proxy.dataplane.common.netlink_constants import NETLINK_NETFILTER
 from proxy.lab import Lab
 from proxy.lab.netns import entered
 from proxy.lab.poll import TimedOut, wait

@@ -10,12 +10,15 @@ from typing import Any
 
 from bench.common import cpu_times, size_mib
 from proxy.dataplane.common.netlink import MulticastListener, replies
-from proxy.dataplane.common.nfnetlink import NETLINK_NETFILTER
-from proxy.dataplane.common.nft_events import NFNLGRP_NFTABLES
+from proxy.dataplane.common.netlink_constants import (
+    NETLINK_NETFILTER,
+    NFNL_SUBSYS_NFTABLES,
+    NFNLGRP_NFTABLES,
+    NFT_MSG_NEWRULE,
+    NFT_MSG_NEWSETELEM,
+)
 from proxy.lab.netns import entered
 
-NFNL_SUBSYS_NFTABLES = 10
-NFT_MSG_NEWRULE, NFT_MSG_NEWSETELEM = 6, 12
 ADDING = {NFNL_SUBSYS_NFTABLES << 8 | m for m in (NFT_MSG_NEWRULE, NFT_MSG_NEWSETELEM)}
 # An IPv4 address of the benchmarking range 198.18.0.0/15, wherever it sits (overlapping).
 BENCH_V4 = re.compile(rb"(?=(\xc6[\x12\x13][\x00-\xff]{2}))")

@@ -23,13 +23,13 @@ from bench.realcp_latency.settings import (
     BACKENDS,
     DISPATCH,
     INITIAL_POLL,
-    NFPROTO_IPV4,
     NFT_MAIN,
     NFT_MAX_SHARDS,
     NFTABLES,
     SERVICE_CHAIN,
 )
 from proxy.dataplane.common.drift_watch import NftablesListener
+from proxy.dataplane.common.netlink_constants import NFPROTO_IPV4
 from proxy.lab.netns import entered
 
 # --- measuring ----------------------------------------------------------------------------

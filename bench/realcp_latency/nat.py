@@ -5,27 +5,26 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import struct
 import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from bench.realcp_latency.settings import (
-    NFPROTO_IPV4,
     NFT_LIVE_CHAIN,
     NFT_MAIN,
     NFT_MAX_SHARDS,
     NFTABLES,
 )
-from proxy.dataplane.common.netlink import NetlinkSocket, nla
-from proxy.dataplane.common.nfnetlink import (
+from proxy.dataplane.common.netlink import NetlinkSocket, nfgen, nla_string
+from proxy.dataplane.common.netlink_constants import (
     NETLINK_NETFILTER,
     NFNL_SUBSYS_NFTABLES,
+    NFPROTO_IPV4,
+    NFT_MSG_GETCHAIN,
     NFTA_CHAIN_NAME,
     NFTA_CHAIN_TABLE,
 )
-from proxy.dataplane.nftables.wire import GETCHAIN
 from proxy.dataplane.xtables.saved import target_of
 
 # --- reading a node's nat table (in the calling thread's network namespace) -------------
@@ -138,10 +137,9 @@ def live_chain_lookup() -> tuple[int, int, bytes]:
     or the last of a first start's parts, which adds every hooked chain. A lookup, not
     `nft list chain`: nft reads the whole table first (0.5 s at 10,000 services), and a
     first start in parts has its table, partly filled, a second before its hooks."""
-    return (NFNL_SUBSYS_NFTABLES << 8 | GETCHAIN, 0,
-            struct.pack("!BBH", NFPROTO_IPV4, 0, 0)
-            + nla(NFTA_CHAIN_TABLE, NFT_MAIN.encode() + b"\0")
-            + nla(NFTA_CHAIN_NAME, NFT_LIVE_CHAIN.encode() + b"\0"))
+    return (NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETCHAIN, 0,
+            nfgen(NFPROTO_IPV4) + nla_string(NFTA_CHAIN_TABLE, NFT_MAIN)
+            + nla_string(NFTA_CHAIN_NAME, NFT_LIVE_CHAIN))
 
 
 def nft_live() -> bool:

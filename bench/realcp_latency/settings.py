@@ -44,7 +44,6 @@ NFT_MAX_SHARDS = 64
 # A chain of the main table packets enter by: a first start in parts adds every hooked
 # chain with its last part, so this one says the first sync is live.
 NFT_LIVE_CHAIN = "nat-postrouting"
-NFPROTO_IPV4 = 2
 INITIAL_POLL = 0.25  # seconds between checks of the initial sync
 Obj = dict[str, Any]
 

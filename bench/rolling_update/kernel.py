@@ -7,7 +7,7 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from bench.huge_service import (
     SERVICE_IP,
@@ -16,38 +16,37 @@ from bench.rolling_update.workload import (
     DNAT_IPT,
     DNAT_MAP_NFT,
     DNAT_NFT,
-    NFPROTO_IPV4,
     NFT_MAX_SHARDS,
     NFT_TABLE,
     SLOT_NFT,
 )
 from proxy.dataplane.common.drift_watch import NftablesListener
-from proxy.dataplane.common.netlink import MulticastListener, replies
-from proxy.dataplane.common.nfnetlink import NETLINK_NETFILTER
-from proxy.dataplane.common.nft_events import NFNLGRP_NFTABLES, NFT_MSG_NEWGEN
+from proxy.dataplane.common.netlink import NFGEN, MulticastListener, attributes, replies
+from proxy.dataplane.common.netlink_constants import (
+    NETLINK_NETFILTER,
+    NFNL_SUBSYS_NFTABLES,
+    NFNLGRP_NFTABLES,
+    NFPROTO_IPV4,
+    NFT_MSG_DELSET,
+    NFT_MSG_DELSETELEM,
+    NFT_MSG_DELTABLE,
+    NFT_MSG_NEWGEN,
+    NFT_MSG_NEWSETELEM,
+    NFTA_DATA_VALUE,
+    NFTA_SET_ELEM_DATA,
+    NFTA_SET_ELEM_KEY,
+    NFTA_SET_ELEM_LIST_ELEMENTS,
+    NFTA_SET_ELEM_LIST_SET,
+    NFTA_SET_ELEM_LIST_TABLE,
+    NFTA_SET_NAME,
+    NFTA_SET_TABLE,
+    NFTA_TABLE_NAME,
+)
 from proxy.lab.netns import entered
 
 # --- the kernel: the service's DNAT targets over time ----------------------------------
 
 SLOT_KEYED_NFT = re.compile(r"(\d+) : ([0-9.]+) \. \d+\b")
-NFNL_SUBSYS_NFTABLES = 10
-NFT_MSG_NEWSETELEM, NFT_MSG_DELSETELEM = 12, 14
-NFT_MSG_DELTABLE, NFT_MSG_DELSET = 2, 11
-NFTA_TABLE_NAME, NFTA_SET_TABLE, NFTA_SET_NAME = 1, 1, 2
-NLA = struct.Struct("=HH")
-NLA_TYPE_MASK = 0x3FFF
-NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_ELEM_LIST_SET, NFTA_SET_ELEM_LIST_ELEMENTS = 1, 2, 3
-NFTA_SET_ELEM_KEY, NFTA_SET_ELEM_DATA, NFTA_DATA_VALUE = 1, 2, 1
-
-
-def attributes(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, int]]:
-    """Netlink attributes in data[start:end]: (type, payload start, payload end)."""
-    while start + NLA.size <= end:
-        length, kind = NLA.unpack_from(data, start)
-        if length < NLA.size:
-            return
-        yield kind & NLA_TYPE_MASK, start + NLA.size, start + length
-        start += (length + 3) & ~3
 
 
 def _value(data: bytes, start: int, end: int) -> bytes | None:
@@ -254,9 +253,9 @@ class SlotMapWatch(KernelWatch):
                 continue
             msg, body = message.kind & 0xFF, message.payload  # body: nfgenmsg, attributes
             if msg in (NFT_MSG_NEWSETELEM, NFT_MSG_DELSETELEM):
-                self._elements(body, 4, len(body), msg == NFT_MSG_NEWSETELEM)
+                self._elements(body, NFGEN.size, len(body), msg == NFT_MSG_NEWSETELEM)
             elif msg in (NFT_MSG_DELTABLE, NFT_MSG_DELSET):
-                self._gone(body, 4, len(body), msg)
+                self._gone(body, NFGEN.size, len(body), msg)
             elif msg == NFT_MSG_NEWGEN:
                 self._commits += 1
                 if self._changed:

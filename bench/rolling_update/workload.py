@@ -31,7 +31,6 @@ MAX_ENDPOINTS = (65_536 + _SPILL_SIZE) // 2  # old and new pods both
 PODS_LINK_NODE, PODS_LINK_POD = "198.18.2.1", "198.18.2.2"
 PODS_DEV = "eth0"  # the pods' end of the veth holds every pod address
 SLICES_PATH = f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
-NFPROTO_IPV4 = 2
 NFT_TABLE = "sliceproxy"
 NFT_MAX_SHARDS = 64
 FIRST_SYNC = re.compile(r"first sync done")

@@ -14,18 +14,22 @@ import pytest
 
 from bench import __main__ as bench_main
 from bench.churn import Settings, markdown, run
-from bench.churn.kernel import NFNL_SUBSYS_NFTABLES, NFT_MSG_NEWRULE, AddressWatch
+from bench.churn.kernel import AddressWatch
 from bench.churn.measure import Phase
 from bench.churn.workload import AddressPool
 from bench.common import PACINGS
-from proxy.dataplane.common.netlink import frame
+from proxy.dataplane.common.netlink import frame, nfgen
+from proxy.dataplane.common.netlink_constants import (
+    NFNL_SUBSYS_NFTABLES,
+    NFPROTO_IPV4,
+    NFT_MSG_DELRULE,
+    NFT_MSG_NEWRULE,
+)
 from proxy.lab.netns import NETNS_DIR
-
-NFT_MSG_DELRULE = 8
 
 
 def _message(kind: int, payload: bytes) -> bytes:
-    body = b"\x02\x00\x00\x00" + payload  # nfgenmsg, then what the attributes would hold
+    body = nfgen(NFPROTO_IPV4) + payload  # then what the attributes would hold
     message = frame(NFNL_SUBSYS_NFTABLES << 8 | kind, 0, 0, body)
     return message + b"\0" * (-len(message) % 4)
 

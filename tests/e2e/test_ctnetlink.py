@@ -19,12 +19,14 @@ from proxy.dataplane.common.ctnetlink import (
     IPPROTO_SCTP,
     IPPROTO_TCP,
     IPPROTO_UDP,
+    ConntrackSocket,
+    CtEntry,
+)
+from proxy.dataplane.common.netlink_constants import (
     IPS_ASSURED,
     IPS_CONFIRMED,
     IPS_DST_NAT,
     IPS_SEEN_REPLY,
-    ConntrackSocket,
-    CtEntry,
 )
 from proxy.lab import netns
 from proxy.lab.netns import entered

@@ -16,6 +16,22 @@ from bench.common import ENDPOINTS_PER_SLICE
 from bench.rolling_update import READY, TERMINATING, Roll, Settings, markdown, run
 from bench.rolling_update.kernel import KernelView, SlotMapWatch
 from bench.rolling_update.workload import POD_NETS, pod_address
+from proxy.dataplane.common.netlink import frame, nested, nfgen, nla, nla_string
+from proxy.dataplane.common.netlink_constants import (
+    NFNL_SUBSYS_NFTABLES,
+    NFPROTO_IPV4,
+    NFT_MSG_DELSETELEM,
+    NFT_MSG_DELTABLE,
+    NFT_MSG_NEWGEN,
+    NFT_MSG_NEWSETELEM,
+    NFTA_DATA_VALUE,
+    NFTA_SET_ELEM_DATA,
+    NFTA_SET_ELEM_KEY,
+    NFTA_SET_ELEM_LIST_ELEMENTS,
+    NFTA_SET_ELEM_LIST_SET,
+    NFTA_SET_ELEM_LIST_TABLE,
+    NFTA_TABLE_NAME,
+)
 from proxy.lab.netns import NETNS_DIR
 
 pytestmark = pytest.mark.root
@@ -77,41 +93,43 @@ def test_rolling_update_small(mode: str, tmp_path: Path) -> None:
     assert f"| {mode} | new | 200 |" in markdown([result])
 
 
-def _nla(kind: int, payload: bytes) -> bytes:
-    return struct.pack("=HH", 4 + len(payload), kind) + payload + b"\0" * (-len(payload) % 4)
+def _nft(msg: int, attrs: bytes) -> bytes:
+    return frame(NFNL_SUBSYS_NFTABLES << 8 | msg, 0, 0, nfgen(NFPROTO_IPV4) + attrs)
 
 
 def _elements(kind: int, table: str, slot_map: str, elements: dict[int, str | None]) -> bytes:
     """One NEWSETELEM or DELSETELEM message as nf_tables announces it."""
-    items = b"".join(_nla(1, _nla(1, _nla(1, struct.pack("=I", slot)))  # key: the slot
-                          + (_nla(2, _nla(1, ip_address(a).packed + b"\x1f\x90\0\0"))
-                             if a else b""))
+    def value(kind: int, data: bytes) -> bytes:
+        return nla(kind, nla(NFTA_DATA_VALUE, data))
+
+    items = b"".join(nla(1, value(NFTA_SET_ELEM_KEY, struct.pack("=I", slot))  # the slot
+                         + (value(NFTA_SET_ELEM_DATA, ip_address(a).packed + b"\x1f\x90\0\0")
+                            if a else b""))
                      for slot, a in elements.items())
-    body = (b"\x02\x00\x00\x00" + _nla(1, table.encode() + b"\0")
-            + _nla(2, slot_map.encode() + b"\0") + _nla(3 | 0x8000, items))
-    return struct.pack("=IHHII", 16 + len(body), 10 << 8 | kind, 0, 0, 0) + body
+    return _nft(kind, nla_string(NFTA_SET_ELEM_LIST_TABLE, table)
+                + nla_string(NFTA_SET_ELEM_LIST_SET, slot_map)
+                + nested(NFTA_SET_ELEM_LIST_ELEMENTS, items))
 
 
 def _newgen() -> bytes:
-    return struct.pack("=IHHII", 20, 10 << 8 | 15, 0, 0, 0) + b"\x02\x00\x00\x00"
+    return _nft(NFT_MSG_NEWGEN, b"")
 
 
 def test_a_slot_map_is_followed_from_the_announcements_of_its_elements() -> None:
     watch = SlotMapWatch(KernelView("unused", "nftables"), "sliceproxy-3", "slots-svc-x")
     watch._slots = {struct.pack("=I", 0): "198.19.0.1", struct.pack("=I", 1): "198.19.0.2"}
     # One transaction: slot 1 moves to a new pod; another map's element is not ours.
-    watch._feed(_elements(14, "sliceproxy-3", "slots-svc-x", {1: "198.19.0.2"})
-                + _elements(12, "sliceproxy-3", "slots-svc-x", {1: "198.19.0.9"})
-                + _elements(12, "sliceproxy-3", "slots-svc-y", {2: "198.19.0.7"}))
+    watch._feed(_elements(NFT_MSG_DELSETELEM, "sliceproxy-3", "slots-svc-x", {1: "198.19.0.2"})
+                + _elements(NFT_MSG_NEWSETELEM, "sliceproxy-3", "slots-svc-x", {1: "198.19.0.9"})
+                + _elements(NFT_MSG_NEWSETELEM, "sliceproxy-3", "slots-svc-y", {2: "198.19.0.7"}))
     assert watch.timeline == []  # nothing recorded in the middle of a transaction
     watch._feed(_newgen())
     assert watch.latest() == frozenset({"198.19.0.1", "198.19.0.9"}) and watch.commits == 1
     watch._feed(_newgen())  # a transaction that did not touch the map: nothing new
     assert len(watch.timeline) == 1 and watch.commits == 2
     # The table rebuilt (deleted, then made again by a full sync): only what is re-added.
-    deleted = struct.pack("=IHHII", 0, 10 << 8 | 2, 0, 0, 0) + b"\x02\x00\x00\x00" + \
-        _nla(1, b"sliceproxy-3\0")
-    deleted = struct.pack("=I", len(deleted)) + deleted[4:]
-    watch._feed(deleted + _elements(12, "sliceproxy-3", "slots-svc-x", {0: "198.19.0.9"})
+    deleted = _nft(NFT_MSG_DELTABLE, nla_string(NFTA_TABLE_NAME, "sliceproxy-3"))
+    watch._feed(deleted
+                + _elements(NFT_MSG_NEWSETELEM, "sliceproxy-3", "slots-svc-x", {0: "198.19.0.9"})
                 + _newgen())
     assert watch.latest() == frozenset({"198.19.0.9"})

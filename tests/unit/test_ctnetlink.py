@@ -19,6 +19,15 @@ from proxy.dataplane.common.ctnetlink import (
     CT_DELETE,
     CT_GET,
     CT_NEW,
+    CtEntry,
+    create_body,
+    decode_dump,
+    delete_body,
+    dump_body,
+    tuple_attrs,
+)
+from proxy.dataplane.common.netlink import NetlinkError, frame, nested, nfgen, nla
+from proxy.dataplane.common.netlink_constants import (
     CTA_FILTER_FLAG_CTA_PROTO_NUM,
     CTA_ID,
     CTA_STATUS,
@@ -30,17 +39,12 @@ from proxy.dataplane.common.ctnetlink import (
     IPS_CONFIRMED,
     IPS_DST_NAT,
     IPS_SEEN_REPLY,
-    CtEntry,
-    create_body,
-    decode_dump,
-    delete_body,
-    dump_body,
-    tuple_attrs,
+    NLM_F_MULTI,
+    NLMSG_DONE,
+    NLMSG_ERROR,
 )
-from proxy.dataplane.common.netlink import NLMSG_DONE, NLMSG_ERROR, NetlinkError, frame, nested, nla
 from proxy.model.types import Family
 
-NLM_F_MULTI = 2
 UDP, TCP, SCTP = 17, 6, 132
 CONFIRMED_DNAT = IPS_CONFIRMED | IPS_DST_NAT | IPS_SEEN_REPLY
 
@@ -59,7 +63,7 @@ def kernel_message(e: CtEntry, seq: int, tuple_zone: bool = False) -> bytes:
     """One dump message in the order 6.18 writes it (nests flagged NLA_F_NESTED)."""
     zone = nla(3 | 0x8000, b"") if tuple_zone else b""  # a CTA_TUPLE_ZONE after the nests
     af = {Family.V4: socket.AF_INET, Family.V6: socket.AF_INET6}[e.family]
-    body = struct.pack("!BBH", af, 0, 0)
+    body = nfgen(af)
     body += nested(CTA_TUPLE_ORIG, tuple_attrs(e.family, e.protocol, e.src, e.sport, e.dst,
                                                e.dport) + zone)
     body += nested(CTA_TUPLE_REPLY, tuple_attrs(e.family, e.protocol, e.reply_src,

@@ -12,15 +12,14 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.dataplane.common.drift_watch import LegacyCanary
-from proxy.dataplane.common.netlink import frame, nla
-from proxy.dataplane.common.nft_events import (
+from proxy.dataplane.common.netlink import frame, nfgen, nla
+from proxy.dataplane.common.netlink_constants import (
     NFNL_SUBSYS_NFTABLES,
     NFT_MSG_NEWGEN,
     NFTA_GEN_PROC_NAME,
     NFTA_GEN_PROC_PID,
-    Transaction,
-    TransactionReader,
 )
+from proxy.dataplane.common.nft_events import Transaction, TransactionReader
 from proxy.dataplane.iptables.apply import IptablesDataPlane
 from proxy.dataplane.xtables.saved import Saved, Table
 from proxy.model.types import Family
@@ -84,7 +83,7 @@ def test_rules_others_add_are_not_drift() -> None:
 
 
 def _message(msg: int, family: int, attrs: bytes, port_id: int = 0) -> bytes:
-    body = struct.pack("!BBH", family, 0, 0) + attrs
+    body = nfgen(family) + attrs
     data = bytearray(frame(NFNL_SUBSYS_NFTABLES << 8 | msg, 0, 0, body))
     struct.pack_into("=I", data, 12, port_id)
     return bytes(data)

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.dataplane.common.conntrack import IPPROTO, used_endpoints
-from proxy.dataplane.common.ctnetlink import IPS_DST_NAT, ConntrackSocket, CtEntry
+from proxy.dataplane.common.ctnetlink import ConntrackSocket, CtEntry
 from proxy.dataplane.common.naming import port_name
+from proxy.dataplane.common.netlink_constants import IPS_DST_NAT
 from proxy.model.snapshot import ResolvedServicePort
 from proxy.model.types import Family, IPAddress, ServicePortKey
 

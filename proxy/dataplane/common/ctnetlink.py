@@ -47,46 +47,68 @@ from dataclasses import dataclass, fields
 from ipaddress import IPv4Address, IPv6Address
 
 from proxy.dataplane.common.netlink import (
-    HEADER,
+    ATTR,
+    NetlinkError,
+    NetlinkSocket,
+    attributes,
+    frame,
+    messages,
+    nested,
+    nfgen,
+    nla,
+    parse_attrs,
+)
+from proxy.dataplane.common.netlink_constants import (
+    CTA_FILTER,
+    CTA_FILTER_FLAG_CTA_PROTO_NUM,
+    CTA_FILTER_ORIG_FLAGS,
+    CTA_ID,
+    CTA_IP_V4_DST,
+    CTA_IP_V4_SRC,
+    CTA_IP_V6_DST,
+    CTA_IP_V6_SRC,
+    CTA_MARK,
+    CTA_NAT_DST,
+    CTA_NAT_PROTO,
+    CTA_NAT_V4_MAXIP,
+    CTA_NAT_V4_MINIP,
+    CTA_NAT_V6_MAXIP,
+    CTA_NAT_V6_MINIP,
+    CTA_PROTO_DST_PORT,
+    CTA_PROTO_NUM,
+    CTA_PROTO_SRC_PORT,
+    CTA_PROTONAT_PORT_MAX,
+    CTA_PROTONAT_PORT_MIN,
+    CTA_STATUS,
+    CTA_TIMEOUT,
+    CTA_TUPLE_IP,
+    CTA_TUPLE_ORIG,
+    CTA_TUPLE_PROTO,
+    CTA_TUPLE_REPLY,
+    CTA_ZONE,
+    IPCTNL_MSG_CT_DELETE,
+    IPCTNL_MSG_CT_GET,
+    IPCTNL_MSG_CT_NEW,
+    IPS_ASSURED,
+    IPS_CONFIRMED,
+    IPS_DST_NAT,
+    IPS_SEEN_REPLY,
+    NETLINK_NETFILTER,
+    NFNL_SUBSYS_CTNETLINK,
     NLA_F_NESTED,
-    NLA_TYPE_MASK,
     NLM_F_CREATE,
     NLM_F_DUMP,
     NLM_F_EXCL,
     NLM_F_REQUEST,
     NLMSG_DONE,
     NLMSG_ERROR,
-    NetlinkError,
-    NetlinkSocket,
-    frame,
-    nested,
-    nla,
-    parse_attrs,
 )
-from proxy.dataplane.common.nfnetlink import NETLINK_NETFILTER
 from proxy.model.types import Family, IPAddress
 
-NFNL_SUBSYS_CTNETLINK = 1
-IPCTNL_MSG_CT_NEW, IPCTNL_MSG_CT_GET, IPCTNL_MSG_CT_DELETE = 0, 1, 2
 CT_NEW = NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_NEW
 CT_GET = NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_GET
 CT_DELETE = NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_DELETE
 
-# enum ctattr_type and its nested enums.
-CTA_TUPLE_ORIG, CTA_TUPLE_REPLY, CTA_STATUS, CTA_TIMEOUT, CTA_MARK = 1, 2, 3, 7, 8
-CTA_ID, CTA_NAT_DST, CTA_ZONE, CTA_FILTER = 12, 13, 18, 25
-CTA_TUPLE_IP, CTA_TUPLE_PROTO = 1, 2
-CTA_IP_V4_SRC, CTA_IP_V4_DST, CTA_IP_V6_SRC, CTA_IP_V6_DST = 1, 2, 3, 4
-CTA_PROTO_NUM, CTA_PROTO_SRC_PORT, CTA_PROTO_DST_PORT = 1, 2, 3
-CTA_NAT_V4_MINIP, CTA_NAT_V4_MAXIP, CTA_NAT_PROTO, CTA_NAT_V6_MINIP, CTA_NAT_V6_MAXIP = (
-    1, 2, 3, 4, 5)
-CTA_PROTONAT_PORT_MIN, CTA_PROTONAT_PORT_MAX = 1, 2
-CTA_FILTER_ORIG_FLAGS = 1
-CTA_FILTER_FLAG_CTA_PROTO_NUM = 1 << 3
-
-# enum ip_conntrack_status
-IPS_EXPECTED, IPS_SEEN_REPLY, IPS_ASSURED, IPS_CONFIRMED = 1, 1 << 1, 1 << 2, 1 << 3
-IPS_SRC_NAT, IPS_DST_NAT = 1 << 4, 1 << 5
 # What CTA_STATUS may ask for when creating (with IPS_CONFIRMED, which 6.18 requires):
 # the rest is the kernel's (refused, or silently ignored: NAT, dying, offload...).
 IPS_SETTABLE = IPS_SEEN_REPLY | IPS_ASSURED
@@ -97,8 +119,6 @@ AF = {Family.V4: socket.AF_INET, Family.V6: socket.AF_INET6}
 # Which dump to use by default, from bench/conntrack.py (see `ConntrackSocket.dump`).
 KERNEL_FILTER = True
 
-_NFGEN = struct.Struct("!BBH")  # nfgenmsg: family, version, resource id
-_NLA = struct.Struct("=HH")
 _U32 = struct.Struct("!I")
 _U16 = struct.Struct("!H")
 _ERRNO = struct.Struct("=i")  # nlmsgerr's error: negative errno, host order
@@ -130,7 +150,7 @@ class CtEntry:
 
 
 def _nfgen(family: Family) -> bytes:
-    return _NFGEN.pack(AF[family], 0, 0)
+    return nfgen(AF[family])
 
 
 def tuple_attrs(family: Family, protocol: int, src: IPAddress, sport: int, dst: IPAddress,
@@ -205,7 +225,7 @@ def create_body(entry: CtEntry, timeout: int) -> bytes:
 
 def _word(size: int, kind: int) -> int:
     """An attribute header as `!I` reads it (the header itself is in host order)."""
-    value: int = _U32.unpack(_NLA.pack(size, kind))[0]
+    value: int = _U32.unpack(ATTR.pack(size, kind))[0]
     return value
 
 
@@ -287,22 +307,17 @@ def _rest(buf: bytes | bytearray, p: int, end: int) -> tuple[int, int, int]:
     """(status, id, zone) from the attributes after the tuples, in any order."""
     status = ct_id = zone = 0
     wanted = 2  # CTA_STATUS and CTA_ID; CTA_ZONE, when there, comes before both
-    while p + 4 <= end:
-        size, kind = _NLA.unpack_from(buf, p)
-        if size < 4:
-            break
-        kind &= NLA_TYPE_MASK
+    for kind, at, _stop in attributes(buf, p, end):
         if kind == CTA_STATUS:
-            status = _U32.unpack_from(buf, p + 4)[0]
+            status = _U32.unpack_from(buf, at)[0]
             wanted -= 1
         elif kind == CTA_ID:
-            ct_id = _U32.unpack_from(buf, p + 4)[0]
+            ct_id = _U32.unpack_from(buf, at)[0]
             wanted -= 1
         elif kind == CTA_ZONE:
-            zone = _U16.unpack_from(buf, p + 4)[0]
+            zone = _U16.unpack_from(buf, at)[0]
         if not wanted:
             break
-        p += (size + 3) & ~3
     return status, ct_id, zone
 
 
@@ -329,22 +344,17 @@ class Decoder:
     def feed(self, buf: bytes | bytearray, size: int, seq: int) -> bool:
         """Decode the first `size` bytes of `buf` (one datagram); True once the dump
         answering request `seq` is done. A refusal raises NetlinkError."""
-        i = 0
-        while i + 16 <= size:
-            length, kind, _flags, msg_seq, _pid = HEADER.unpack_from(buf, i)
-            if length < 16:
-                break
+        for kind, _flags, msg_seq, _pid, body, end in messages(buf, size):
             if msg_seq == seq:
                 if kind == CT_NEW:
-                    self._message(buf, i + 16, i + length)
+                    self._message(buf, body, end)
                 elif kind == NLMSG_DONE:
                     return True
                 elif kind == NLMSG_ERROR:
-                    code = -_ERRNO.unpack_from(buf, i + 16)[0]
+                    code = -_ERRNO.unpack_from(buf, body)[0]
                     if code:
                         raise NetlinkError(code, "conntrack dump")
                     return True
-            i += (length + 3) & ~3
         return False
 
     def _message(self, buf: bytes | bytearray, start: int, end: int) -> None:

@@ -29,8 +29,8 @@ from typing import Protocol
 
 from proxy.dataplane.common import processes
 from proxy.dataplane.common.netlink import MulticastListener
-from proxy.dataplane.common.nfnetlink import NETLINK_NETFILTER, NFPROTO
-from proxy.dataplane.common.nft_events import NFNLGRP_NFTABLES, TransactionReader
+from proxy.dataplane.common.netlink_constants import NETLINK_NETFILTER, NFNLGRP_NFTABLES, NFPROTO
+from proxy.dataplane.common.nft_events import TransactionReader
 from proxy.model.types import Family
 
 # Room for a burst of notifications: a full sync at 10,000 services announces ~300,000

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import errno
 import socket
-import struct
 import subprocess
 import time
 from collections.abc import Callable, Hashable
@@ -48,31 +47,49 @@ from proxy.dataplane.common.kube_proxy_objects import (
     saved_marks,
 )
 from proxy.dataplane.common.netlink import (
-    NLA_TYPE_MASK,
-    NLM_F_ACK,
-    NLM_F_REQUEST,
-    NLMSG_ERROR,
+    NFGEN,
     NetlinkError,
     NetlinkSocket,
     Reply,
+    find_attr,
     frame,
+    nfgen,
     nla,
+    nla_string,
 )
-from proxy.dataplane.common.nfnetlink import NETLINK_NETFILTER, NFNL_SUBSYS_NFTABLES
-from proxy.dataplane.common.rtnetlink import NETLINK_ROUTE, decode_address
+from proxy.dataplane.common.netlink_constants import (
+    NETLINK_GET_STRICT_CHK,
+    NETLINK_NETFILTER,
+    NETLINK_ROUTE,
+    NFNL_SUBSYS_NFTABLES,
+    NFPROTO,
+    NFPROTO_NAMES,
+    NFT_MSG_GETCHAIN,
+    NFT_MSG_GETGEN,
+    NFT_MSG_GETRULE,
+    NFT_MSG_GETTABLE,
+    NFTA_CHAIN_HANDLE,
+    NFTA_CHAIN_NAME,
+    NFTA_CHAIN_TABLE,
+    NFTA_GEN_ID,
+    NFTA_RULE_CHAIN,
+    NFTA_RULE_HANDLE,
+    NFTA_RULE_TABLE,
+    NFTA_TABLE_HANDLE,
+    NFTA_TABLE_NAME,
+    NLM_F_ACK,
+    NLM_F_REQUEST,
+    NLMSG_ERROR,
+    RTM_GETADDR,
+    SOL_NETLINK,
+)
+from proxy.dataplane.common.rtnetlink import IFADDR, decode_address
+from proxy.model.types import Family
 
-_GETTABLE, _GETCHAIN, _GETRULE, _GETGEN = 1, 4, 7, 16  # NFT_MSG_*
-_TABLE_NAME, _TABLE_HANDLE = 1, 4  # NFTA_TABLE_*
-_CHAIN_TABLE, _CHAIN_HANDLE, _CHAIN_NAME = 1, 2, 3  # NFTA_CHAIN_*
-_RULE_TABLE, _RULE_CHAIN, _RULE_HANDLE = 1, 2, 3  # NFTA_RULE_*
-_GEN_ID = 1  # NFTA_GEN_ID
-_NFGEN_SIZE = 4
-_FAMILIES = {2: ("ip", "IPv4"), 10: ("ip6", "IPv6")}  # NFPROTO_IPV4, NFPROTO_IPV6
+# (nft's family name, the label kube_proxy_objects uses) of each NFPROTO family read.
+_FAMILIES = {NFPROTO[f]: (NFPROTO_NAMES[NFPROTO[f]], f.label) for f in Family}
 _LEGACY = (("IPv4", "ip_tables_names", "iptables-legacy-save"),
            ("IPv6", "ip6_tables_names", "ip6tables-legacy-save"))
-_RTM_GETADDR, _SOL_NETLINK, _NETLINK_GET_STRICT_CHK = 22, 270, 12
-_IFADDR = struct.Struct("=BBBBI")
-_NLA = struct.Struct("=HH")
 # nf_tables or its netlink subsystem absent: nothing of kube-proxy's can be in it.
 _ABSENT = {errno.EPROTONOSUPPORT, errno.ENOENT, errno.EAFNOSUPPORT, errno.EOPNOTSUPP}
 _SAVE_TIMEOUT = 30.0
@@ -98,15 +115,7 @@ class _Socket(NetlinkSocket):
 
     def strict(self) -> None:
         """Let the kernel filter dumps by the request's keys (rtnetlink: an interface)."""
-        self._sock.setsockopt(_SOL_NETLINK, _NETLINK_GET_STRICT_CHK, 1)
-
-
-def _nfgen(family: int) -> bytes:
-    return bytes((family, 0, 0, 0))
-
-
-def _string(kind: int, text: str) -> bytes:
-    return nla(kind, text.encode() + b"\0")
+        self._sock.setsockopt(SOL_NETLINK, NETLINK_GET_STRICT_CHK, 1)
 
 
 def _u64(raw: bytes) -> int:
@@ -193,22 +202,22 @@ class KubeProxyReader:
         if nl is None:
             return {}
         try:
-            gen_reply = nl.get(NFNL_SUBSYS_NFTABLES << 8 | _GETGEN, _nfgen(0))
+            gen_reply = nl.get(NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETGEN, nfgen(0))
         except NetlinkError as exc:
             if exc.errno in _ABSENT:
                 return {}
             raise
         gen = None
         if gen_reply is not None:
-            raw = gen_reply.attrs(_NFGEN_SIZE).get(_GEN_ID)
+            raw = gen_reply.attrs(NFGEN.size).get(NFTA_GEN_ID)
             gen = int.from_bytes(raw[:4], "big") if raw else None
         if gen is not None and gen == self._gen and "nf_tables" in self._last:
             return self._last["nf_tables"]
         tables: dict[tuple[int, str], int] = {}
-        for reply in nl.dump_raw(NFNL_SUBSYS_NFTABLES << 8 | _GETTABLE, _nfgen(0)):
-            attrs = reply.attrs(_NFGEN_SIZE)
-            name = attrs.get(_TABLE_NAME, b"").split(b"\0", 1)[0].decode(errors="replace")
-            tables[reply.payload[0], name] = _u64(attrs.get(_TABLE_HANDLE, b""))
+        for reply in nl.dump_raw(NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETTABLE, nfgen(0)):
+            attrs = reply.attrs(NFGEN.size)
+            name = attrs.get(NFTA_TABLE_NAME, b"").split(b"\0", 1)[0].decode(errors="replace")
+            tables[reply.payload[0], name] = _u64(attrs.get(NFTA_TABLE_HANDLE, b""))
         out: Reading = {}
         for family, (nft_family, label) in _FAMILIES.items():
             if (family, "nat") in tables:
@@ -225,20 +234,21 @@ class KubeProxyReader:
         out: Reading = {}
         for name in NAT_CHAINS:
             place = Place(PROXY, "iptables-nft", label, f"nat chain {name}")
-            key = _nfgen(family) + _string(_CHAIN_TABLE, "nat") + _string(_CHAIN_NAME, name)
-            reply = nl.get(NFNL_SUBSYS_NFTABLES << 8 | _GETCHAIN, key)
+            key = (nfgen(family) + nla_string(NFTA_CHAIN_TABLE, "nat")
+                   + nla_string(NFTA_CHAIN_NAME, name))
+            reply = nl.get(NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETCHAIN, key)
             if reply is None:
                 self._probe.pop(place, None)
                 continue
-            chain = _u64(reply.attrs(_NFGEN_SIZE).get(_CHAIN_HANDLE, b""))
-            rule_key = (_nfgen(family) + _string(_RULE_TABLE, "nat")
-                        + _string(_RULE_CHAIN, name))
+            chain = _u64(reply.attrs(NFGEN.size).get(NFTA_CHAIN_HANDLE, b""))
+            rule_key = (nfgen(family) + nla_string(NFTA_RULE_TABLE, "nat")
+                        + nla_string(NFTA_RULE_CHAIN, name))
             last = self._probe.get(place)
             previous = self._last.get("nf_tables", {}).get(place)
             if last is not None and last[:2] == (table, chain) and previous is not None:
                 probe = last[2]
-                if probe is None or nl.get(NFNL_SUBSYS_NFTABLES << 8 | _GETRULE,
-                                           rule_key + nla(_RULE_HANDLE,
+                if probe is None or nl.get(NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETRULE,
+                                           rule_key + nla(NFTA_RULE_HANDLE,
                                                           probe.to_bytes(8, "big"))):
                     # Unchanged since (an empty chain: only its handle tells).
                     out[place] = previous
@@ -255,24 +265,11 @@ def _rule_handles(nl: _Socket, key: bytes) -> list[int]:
     the handle is read from each rule (before its expressions), not every attribute:
     KUBE-SERVICES has two rules per service port."""
     out = []
-    for reply in nl.dump_raw(NFNL_SUBSYS_NFTABLES << 8 | _GETRULE, key):
-        raw = _attribute(reply.payload, _NFGEN_SIZE, _RULE_HANDLE)
+    for reply in nl.dump_raw(NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETRULE, key):
+        raw = find_attr(reply.payload, NFGEN.size, NFTA_RULE_HANDLE)
         if raw:
             out.append(_u64(raw))
     return out
-
-
-def _attribute(data: bytes, start: int, kind: int) -> bytes | None:
-    """One attribute's payload, walking the headers up to it."""
-    i = start
-    while i + 4 <= len(data):
-        size, found = _NLA.unpack_from(data, i)
-        if size < 4:
-            return None
-        if found & NLA_TYPE_MASK == kind:
-            return data[i + 4:i + size]
-        i += (size + 3) & ~3
-    return None
 
 
 def _kube_proxy_table(nl: _Socket, family: int, nft_family: str, label: str,
@@ -282,8 +279,8 @@ def _kube_proxy_table(nl: _Socket, family: int, nft_family: str, label: str,
     name = f"table {nft_family} {NFT_TABLE}"
     out: Reading = {Place(PROXY, "nftables", label, name): Marks(frozenset([table]))}
     for chain in NFT_BASE_CHAINS:
-        handles = _rule_handles(nl, _nfgen(family) + _string(_RULE_TABLE, NFT_TABLE)
-                                + _string(_RULE_CHAIN, chain))
+        handles = _rule_handles(nl, nfgen(family) + nla_string(NFTA_RULE_TABLE, NFT_TABLE)
+                                + nla_string(NFTA_RULE_CHAIN, chain))
         if handles:
             out[Place(PROXY, "nftables", label, f"{name} chain {chain}")] = Marks(
                 frozenset((table, h) for h in handles))
@@ -336,7 +333,7 @@ def _ipvs_part() -> Reading:
     try:
         sock.strict()
         for af in (socket.AF_INET, socket.AF_INET6):
-            for reply in sock.dump_raw(_RTM_GETADDR, _IFADDR.pack(af, 0, 0, 0, index)):
+            for reply in sock.dump_raw(RTM_GETADDR, IFADDR.pack(af, 0, 0, 0, index)):
                 found = decode_address(reply.payload)
                 if found is not None and found[0] == index:
                     tokens.add(found)

@@ -1,6 +1,8 @@
-"""Netlink, the parts every client of ours shares: message and attribute encoding and
-decoding (pure), a socket that sends acknowledged requests in batches and reads dumps,
-and a thread listening to a multicast group. The protocol families on top: rtnetlink
+"""Netlink, the parts every client of ours shares: the headers (nlmsghdr, nlattr,
+nfnetlink's nfgenmsg), message and attribute encoding and the one walk over messages
+and over attributes (pure), a socket that sends acknowledged requests in batches and
+reads dumps, and a thread listening to a multicast group. The kernel's numbers are in
+common/netlink_constants.py. The protocol families on top: rtnetlink
 (common/rtnetlink.py), nfnetlink (common/nfnetlink.py, common/nft_events.py, and
 nftables/wire.py for our rules), IPVS's generic netlink (ipvs/netlink.py).
 """
@@ -18,18 +20,31 @@ import threading
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
+from proxy.dataplane.common.netlink_constants import (
+    NETLINK_ADD_MEMBERSHIP,
+    NETLINK_CAP_ACK,
+    NETLINK_DROP_MEMBERSHIP,
+    NLA_F_NESTED,
+    NLA_TYPE_MASK,
+    NLM_F_ACK,
+    NLM_F_DUMP,
+    NLM_F_REQUEST,
+    NLMSG_DONE,
+    NLMSG_ERROR,
+    SOL_NETLINK,
+)
+
 log = logging.getLogger(__name__)
 
-NLM_F_REQUEST, NLM_F_ACK, NLM_F_DUMP = 0x1, 0x4, 0x300
-NLM_F_CREATE, NLM_F_EXCL = 0x400, 0x200
-NLMSG_ERROR, NLMSG_DONE = 2, 3
-NLA_F_NESTED = 0x8000
-NLA_TYPE_MASK = 0x3FFF
 BATCH = 128  # requests per datagram: the acknowledgements must fit the receive buffer
 RCVBUF = 1 << 20
 TIMEOUT = 30.0
 
 HEADER = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
+ATTR = struct.Struct("=HH")  # nlattr: len, type
+# nfgenmsg, nfnetlink's header after nlmsghdr: family (NFPROTO_*, or AF_* for
+# conntrack), version (NFNETLINK_V0), resource id (big endian: a batch's subsystem).
+NFGEN = struct.Struct("!BBH")
 
 
 class NetlinkError(OSError):
@@ -44,12 +59,18 @@ class NetlinkError(OSError):
 
 
 def nla(kind: int, payload: bytes) -> bytes:
+    """One attribute, padded to its 4-byte alignment."""
     size = 4 + len(payload)
-    return struct.pack("=HH", size, kind) + payload + b"\0" * (-size % 4)
+    return ATTR.pack(size, kind) + payload + b"\0" * (-size % 4)
 
 
 def nested(kind: int, payload: bytes) -> bytes:
     return nla(kind | NLA_F_NESTED, payload)
+
+
+def nla_string(kind: int, text: str) -> bytes:
+    """A string attribute (NLA_NUL_STRING: the kernel wants the terminating NUL)."""
+    return nla(kind, text.encode() + b"\0")
 
 
 def frame(kind: int, flags: int, seq: int, body: bytes) -> bytes:
@@ -57,20 +78,41 @@ def frame(kind: int, flags: int, seq: int, body: bytes) -> bytes:
     return HEADER.pack(HEADER.size + len(body), kind, flags, seq, 0) + body
 
 
+def nfgen(family: int, resource: int = 0) -> bytes:
+    """An nfnetlink message's header (nfgenmsg), version 0."""
+    return NFGEN.pack(family, 0, resource)
+
 
 # --- decoding (pure) -------------------------------------------------------------------
 
 
-def parse_attrs(data: bytes) -> dict[int, bytes]:
-    out: dict[int, bytes] = {}
-    i = 0
-    while i + 4 <= len(data):
-        size, kind = struct.unpack_from("=HH", data, i)
+def attributes(data: bytes | bytearray, start: int = 0,
+               end: int | None = None) -> Iterator[tuple[int, int, int]]:
+    """The attributes in data[start:end], read in place: (type without its flags,
+    payload start, payload end). Stops at a malformed one (shorter than its header); a
+    truncated last one ends past `end`."""
+    stop = len(data) if end is None else end
+    unpack = ATTR.unpack_from
+    while start + 4 <= stop:
+        size, kind = unpack(data, start)
         if size < 4:
-            break
-        out[kind & NLA_TYPE_MASK] = data[i + 4:i + size]
-        i += (size + 3) & ~3
-    return out
+            return
+        yield kind & NLA_TYPE_MASK, start + 4, start + size
+        start += (size + 3) & ~3  # NLA_ALIGN
+
+
+def parse_attrs(data: bytes) -> dict[int, bytes]:
+    """Every attribute of `data` by type (the last one of a type repeated)."""
+    return {kind: data[a:b] for kind, a, b in attributes(data)}
+
+
+def find_attr(data: bytes, start: int, kind: int) -> bytes | None:
+    """The payload of the first attribute of type `kind` in data[start:], walking only
+    the headers up to it."""
+    for found, a, b in attributes(data, start):
+        if found == kind:
+            return data[a:b]
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,20 +132,30 @@ class Reply:
         return parse_attrs(self.payload[family_header:])
 
 
-def replies(data: bytes) -> Iterator[Reply]:
+def messages(data: bytes | bytearray,
+             end: int | None = None) -> Iterator[tuple[int, int, int, int, int, int]]:
+    """The netlink messages in data[:end], read in place: (type, flags, seq, port id,
+    body start, message end). Stops at a malformed one; a truncated last one ends past
+    `end`."""
+    stop = len(data) if end is None else end
+    unpack, head = HEADER.unpack_from, HEADER.size
     i = 0
-    while i + HEADER.size <= len(data):
-        size, kind, _flags, seq, port_id = HEADER.unpack_from(data, i)
-        if size < HEADER.size:
-            break
-        yield Reply(kind, seq, data[i + HEADER.size:i + size], port_id)
-        i += (size + 3) & ~3
+    while i + head <= stop:
+        size, kind, flags, seq, port_id = unpack(data, i)
+        if size < head:
+            return
+        yield kind, flags, seq, port_id, i + head, i + size
+        i += (size + 3) & ~3  # NLMSG_ALIGN
+
+
+def replies(data: bytes) -> Iterator[Reply]:
+    for kind, _flags, seq, port_id, body, end in messages(data):
+        yield Reply(kind, seq, data[body:end], port_id)
 
 
 # --- sockets ---------------------------------------------------------------------------
 
 
-SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, NETLINK_DROP_MEMBERSHIP, NETLINK_CAP_ACK = 270, 1, 2, 10
 SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
 LISTEN_POLL = 0.5  # how often a listener thread looks at its stop flag
 

@@ -1,7 +1,5 @@
-"""nfnetlink's constants for nf_tables (subsystem, batch framing, NFPROTO families; the
-encoder in nftables/wire.py and the drift listeners use them), and the one question we
-ask with them here: can this kernel's nf_tables do NAT? Asked in one transaction that
-changes nothing.
+"""The one question we ask nf_tables here: can this kernel's nf_tables do NAT? Asked in
+one transaction that changes nothing.
 
 iptables' nf_tables back end (Debian's default `iptables`) writes the nat table as
 nf_tables chains of type "nat" (module nft_chain_nat). A kernel may have nf_tables without
@@ -24,41 +22,39 @@ import socket
 import struct
 from contextlib import closing
 
-from proxy.dataplane.common.netlink import (
+from proxy.dataplane.common.netlink import NetlinkSocket, frame, nested, nfgen, nla, nla_string
+from proxy.dataplane.common.netlink_constants import (
+    NETLINK_NETFILTER,
+    NF_INET_POST_ROUTING,
+    NF_IP_PRI_NAT_SRC,
+    NFNL_MSG_BATCH_BEGIN,
+    NFNL_MSG_BATCH_END,
+    NFNL_SUBSYS_NFTABLES,
+    NFPROTO,
+    NFT_MSG_DELTABLE,
+    NFT_MSG_NEWCHAIN,
+    NFT_MSG_NEWTABLE,
+    NFTA_CHAIN_HOOK,
+    NFTA_CHAIN_NAME,
+    NFTA_CHAIN_TABLE,
+    NFTA_CHAIN_TYPE,
+    NFTA_HOOK_HOOKNUM,
+    NFTA_HOOK_PRIORITY,
+    NFTA_TABLE_NAME,
     NLM_F_ACK,
     NLM_F_CREATE,
     NLM_F_REQUEST,
-    NetlinkSocket,
-    frame,
-    nested,
-    nla,
 )
 from proxy.model.types import Family
 
 log = logging.getLogger(__name__)
 
-NETLINK_NETFILTER = 12
-NFNL_SUBSYS_NFTABLES = 10
-NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END = 0x10, 0x11
-NFT_MSG_NEWTABLE, NFT_MSG_DELTABLE, NFT_MSG_NEWCHAIN = 0, 2, 3
-NFTA_TABLE_NAME = 1
-NFTA_CHAIN_TABLE, NFTA_CHAIN_NAME, NFTA_CHAIN_HOOK, NFTA_CHAIN_TYPE = 1, 3, 4, 7
-NFTA_HOOK_HOOKNUM, NFTA_HOOK_PRIORITY = 1, 2
-NF_INET_POST_ROUTING = 4
-NF_IP_PRI_NAT_SRC = 100
-NFPROTO = {Family.V4: 2, Family.V6: 10}
 SCRATCH_TABLE = "sliceproxy-nat-probe"
-
-_NFGEN = struct.Struct("!BBH")  # nfgenmsg: family, version, resource id (big endian)
-
-
-def _string(kind: int, text: str) -> bytes:
-    return nla(kind, text.encode() + b"\0")
 
 
 def _message(msg: int, flags: int, seq: int, family: int, attrs: bytes) -> bytes:
     kind = NFNL_SUBSYS_NFTABLES << 8 | msg
-    return frame(kind, NLM_F_REQUEST | flags, seq, _NFGEN.pack(family, 0, 0) + attrs)
+    return frame(kind, NLM_F_REQUEST | flags, seq, nfgen(family) + attrs)
 
 
 def probe_batch(family: Family, chain_type: str = "nat",
@@ -68,21 +64,21 @@ def probe_batch(family: Family, chain_type: str = "nat",
     postrouting, source-NAT priority), delete the table."""
     nfproto = NFPROTO[family]
     begin = frame(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, first_seq,
-                  _NFGEN.pack(socket.AF_UNSPEC, 0, NFNL_SUBSYS_NFTABLES))
+                  nfgen(socket.AF_UNSPEC, NFNL_SUBSYS_NFTABLES))
     seqs = [first_seq + 1, first_seq + 2, first_seq + 3]
-    table = _string(NFTA_TABLE_NAME, SCRATCH_TABLE)
+    table = nla_string(NFTA_TABLE_NAME, SCRATCH_TABLE)
     hook = nested(NFTA_CHAIN_HOOK,
                   nla(NFTA_HOOK_HOOKNUM, struct.pack("!I", NF_INET_POST_ROUTING))
                   + nla(NFTA_HOOK_PRIORITY, struct.pack("!i", NF_IP_PRI_NAT_SRC)))
-    chain = (_string(NFTA_CHAIN_TABLE, SCRATCH_TABLE) + _string(NFTA_CHAIN_NAME, "probe")
-             + hook + _string(NFTA_CHAIN_TYPE, chain_type))
+    chain = (nla_string(NFTA_CHAIN_TABLE, SCRATCH_TABLE) + nla_string(NFTA_CHAIN_NAME, "probe")
+             + hook + nla_string(NFTA_CHAIN_TYPE, chain_type))
     body = [
         _message(NFT_MSG_NEWTABLE, NLM_F_CREATE | NLM_F_ACK, seqs[0], nfproto, table),
         _message(NFT_MSG_NEWCHAIN, NLM_F_CREATE | NLM_F_ACK, seqs[1], nfproto, chain),
         _message(NFT_MSG_DELTABLE, NLM_F_ACK, seqs[2], nfproto, table),
     ]
     end = frame(NFNL_MSG_BATCH_END, NLM_F_REQUEST, first_seq + 4,
-                _NFGEN.pack(socket.AF_UNSPEC, 0, NFNL_SUBSYS_NFTABLES))
+                nfgen(socket.AF_UNSPEC, NFNL_SUBSYS_NFTABLES))
     return begin + b"".join(body) + end, [first_seq, *seqs]
 
 

@@ -19,20 +19,16 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from proxy.dataplane.common.netlink import HEADER as _HEADER
-from proxy.dataplane.common.netlink import NLA_TYPE_MASK, parse_attrs
-
-NFNLGRP_NFTABLES = 7
-NFNL_SUBSYS_NFTABLES = 10
-NFT_MSG_NEWGEN = 15
-NFTA_GEN_PROC_PID, NFTA_GEN_PROC_NAME = 2, 3
-# Attribute 1 names the table in every object message (NFTA_TABLE_NAME for tables,
-# NFTA_{CHAIN,RULE,SET,SET_ELEM_LIST,OBJ,FLOWTABLE}_TABLE for the rest).
-TABLE_ATTRIBUTE = 1
-NFPROTO_NAMES = {1: "inet", 2: "ip", 3: "arp", 5: "netdev", 7: "bridge", 10: "ip6"}
-
-_NFGEN = 4  # nfgenmsg: family, version, resource id
-_ATTR = struct.Struct("=HH")
+from proxy.dataplane.common.netlink import ATTR, NFGEN, messages, parse_attrs
+from proxy.dataplane.common.netlink_constants import (
+    NFNL_SUBSYS_NFTABLES,
+    NFPROTO_NAMES,
+    NFT_MSG_NEWGEN,
+    NFTA_ANY_TABLE,
+    NFTA_GEN_PROC_NAME,
+    NFTA_GEN_PROC_PID,
+    NLA_TYPE_MASK,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,16 +68,11 @@ class TransactionReader:
         message's table is its first attribute (the kernel writes it first), so only
         that is read, raw, and only a NEWGEN is parsed whole."""
         done: list[Transaction] = []
-        i, end = 0, len(data)
-        unpack = _HEADER.unpack_from
-        while i + _HEADER.size <= end:
-            size, kind, _flags, _seq, port_id = unpack(data, i)
-            if size < _HEADER.size:
-                break
-            body = i + _HEADER.size
-            stop = min(i + size, end)  # a truncated datagram claims more than it has
-            if kind >> 8 == NFNL_SUBSYS_NFTABLES and size >= _HEADER.size + _NFGEN:
-                first = body + _NFGEN
+        end = len(data)
+        for kind, _flags, _seq, port_id, body, claimed in messages(data):
+            stop = min(claimed, end)  # a truncated datagram claims more than it has
+            if kind >> 8 == NFNL_SUBSYS_NFTABLES and claimed - body >= NFGEN.size:
+                first = body + NFGEN.size
                 if kind & 0xFF == NFT_MSG_NEWGEN:
                     attrs = parse_attrs(data[first:stop])
                     pid = attrs.get(NFTA_GEN_PROC_PID, b"")
@@ -91,12 +82,11 @@ class TransactionReader:
                         frozenset((f, _text(t)) for f, t in self._tables)))
                     self._tables.clear()
                 elif first + 4 <= stop:
-                    length, attr = _ATTR.unpack_from(data, first)
-                    if attr & NLA_TYPE_MASK == TABLE_ATTRIBUTE and length >= 4:
+                    length, attr = ATTR.unpack_from(data, first)
+                    if attr & NLA_TYPE_MASK == NFTA_ANY_TABLE and length >= 4:
                         self._tables.add((data[body], data[first + 4:first + length]))
                     else:  # not first after all: look through them
-                        table = parse_attrs(data[first:stop]).get(TABLE_ATTRIBUTE)
+                        table = parse_attrs(data[first:stop]).get(NFTA_ANY_TABLE)
                         if table is not None:
                             self._tables.add((data[body], table))
-            i += (size + 3) & ~3
         return done

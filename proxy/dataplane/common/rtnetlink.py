@@ -11,22 +11,23 @@ import struct
 from collections.abc import Sequence
 from ipaddress import IPv4Address, IPv6Address, ip_address
 
-from proxy.dataplane.common.netlink import (
+from proxy.dataplane.common.netlink import NetlinkSocket, nla, parse_attrs
+from proxy.dataplane.common.netlink_constants import (
+    IFA_ADDRESS,
+    IFA_F_NODAD,
+    IFA_LOCAL,
+    NETLINK_ROUTE,
     NLM_F_CREATE,
     NLM_F_EXCL,
-    NetlinkSocket,
-    nla,
-    parse_attrs,
+    RTM_DELADDR,
+    RTM_GETADDR,
+    RTM_NEWADDR,
 )
 from proxy.model.types import IPAddress
 
 # --- messages (pure) --------------------------------------------------------
 
-NETLINK_ROUTE = 0
-RTM_NEWADDR, RTM_DELADDR, RTM_GETADDR = 20, 21, 22
-IFA_ADDRESS, IFA_LOCAL = 1, 2
-IFA_F_NODAD = 0x02
-_IFADDR = struct.Struct("=BBBBI")  # ifaddrmsg: family, prefixlen, flags, scope, index
+IFADDR = struct.Struct("=BBBBI")  # ifaddrmsg: family, prefixlen, flags, scope, index
 
 
 def address_body(index: int, address: IPv4Address | IPv6Address) -> bytes:
@@ -36,15 +37,15 @@ def address_body(index: int, address: IPv4Address | IPv6Address) -> bytes:
     attrs = nla(IFA_ADDRESS, address.packed)
     if address.version == 4:
         attrs = nla(IFA_LOCAL, address.packed) + attrs
-    return _IFADDR.pack(family, address.max_prefixlen, IFA_F_NODAD, 0, index) + attrs
+    return IFADDR.pack(family, address.max_prefixlen, IFA_F_NODAD, 0, index) + attrs
 
 
 def decode_address(payload: bytes) -> tuple[int, IPv4Address | IPv6Address] | None:
     """(interface index, address) of an RTM_NEWADDR message."""
-    if len(payload) < _IFADDR.size:
+    if len(payload) < IFADDR.size:
         return None
-    family, _plen, _flags, _scope, index = _IFADDR.unpack_from(payload)
-    attrs = parse_attrs(payload[_IFADDR.size:])
+    family, _plen, _flags, _scope, index = IFADDR.unpack_from(payload)
+    attrs = parse_attrs(payload[IFADDR.size:])
     raw = attrs.get(IFA_LOCAL) or attrs.get(IFA_ADDRESS)
     if raw is None or family not in (socket.AF_INET, socket.AF_INET6):
         return None
@@ -70,7 +71,7 @@ class RouteSocket(NetlinkSocket):
         """(interface index, address) of every address of every interface."""
         out = []
         for family in (socket.AF_INET, socket.AF_INET6):
-            for reply in self.dump_raw(RTM_GETADDR, _IFADDR.pack(family, 0, 0, 0, 0)):
+            for reply in self.dump_raw(RTM_GETADDR, IFADDR.pack(family, 0, 0, 0, 0)):
                 found = decode_address(reply.payload)
                 if found is not None:
                     out.append(found)
