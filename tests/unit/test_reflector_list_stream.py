@@ -1,4 +1,4 @@
-"""A list's items are passed on as the body arrives (reflector._list_page with
+"""A list's items are passed on as the body arrives (list_pager.py with
 listsplit.ItemStream): the first item reaches the handler while the server has not sent
 the rest, and the time the handler takes does not count against request_timeout."""
 
