@@ -39,11 +39,12 @@ from proxy.config.options import Config, format_cpu_budget, format_duration
 from proxy.dataplane.base import DataPlane, DataplaneOptions
 from proxy.dataplane.common.heap import release_free_memory
 from proxy.dataplane.factory import make_dataplane
+from proxy.kube.backoff import Backoff
 from proxy.kube.client import Api, ClientOptions, KubeApi
+from proxy.kube.cluster_watch import ClusterWatch, endpoint_slice_resource
 from proxy.kube.ingest import EndpointsSource, apply_object, delete_object
-from proxy.kube.reflector import Backoff, ReflectorOptions, WatchEvent
+from proxy.kube.reflector import ReflectorOptions, WatchEvent
 from proxy.kube.resources import ENDPOINTS, Resource
-from proxy.kube.watch import ClusterWatch, endpoint_slice_resource
 from proxy.model.snapshot import DesiredState
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import LABEL_SERVICE_NAME, IPAddress, ServicePortKey

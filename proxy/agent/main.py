@@ -15,7 +15,8 @@ from proxy.agent.node_setup import warn_unkept
 from proxy.agent.nodeport_warnings import warn_unset
 from proxy.agent.startup_gc import PAUSE_LIMIT, StartupPause
 from proxy.config.options import Config
-from proxy.dataplane.factory import PLANES, DataplaneUnavailable, make_dataplane
+from proxy.dataplane import modes
+from proxy.dataplane.factory import DataplaneUnavailable, make_dataplane
 
 log = logging.getLogger("proxy.agent")
 _GC = StartupPause()  # the process's collector: off until the first sync (startup_gc.py)
@@ -106,7 +107,7 @@ def cleanup(config: Config) -> int:
     logs.setup(config.verbosity, fmt=config.logging_format)
     options = dataplane_options(config)
     status = EXIT_OK
-    for mode in [config.proxy_mode, *(m for m in PLANES if m != config.proxy_mode)]:
+    for mode in [config.proxy_mode, *(m for m in modes.names() if m != config.proxy_mode)]:
         chosen = mode == config.proxy_mode
         try:
             dp = make_dataplane(mode, options)

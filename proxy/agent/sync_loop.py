@@ -337,6 +337,7 @@ class SyncLoop:
         m.syncs.labels(kind, "ok").inc()
         m.last_sync.set(self._wall())
         m.count_conntrack(report.conntrack_deleted)
+        m.count_mode(report.counted)
         if trigger is not Trigger.INITIAL:
             # Start-up is not programming latency: its changes are the initial list.
             touched = _refs(self._unapplied)
@@ -400,10 +401,7 @@ class SyncLoop:
                                  "retry_in": f"{delay:g}s", "failures": self._failures}
         if isinstance(exc, ApplyError):
             m.apply_failures.labels(mode).inc()
-            if mode == "iptables":
-                m.iptables_restore_failures.inc()
-                if not full:
-                    m.iptables_partial_restore_failures.inc()
+            m.count_mode(exc.counted)
             if exc.offending:
                 extra["offending"] = exc.offending
             log.error("sync failed; the previous rules stay in place",

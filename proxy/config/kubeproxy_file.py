@@ -59,12 +59,12 @@ from typing import Any
 
 import yaml
 
+from proxy.dataplane import modes
+
 API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
 KIND = "KubeProxyConfiguration"
 CONFIGMAP_KEY = "config.conf"  # where kubeadm's kube-proxy ConfigMap holds the file
 
-# Upstream's modes and ours: "" is upstream's default on Linux (iptables).
-MODES = {"": "iptables", "iptables": "iptables", "ipvs": "ipvs", "nftables": "nftables"}
 MASQUERADE_BIT = 14  # the bit sliceproxy always uses (0x4000), upstream's default
 
 
@@ -199,11 +199,7 @@ def translate(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str], dict[s
     if doc.get("kind") != KIND:
         raise KubeProxyConfigError(f"kind: {doc.get('kind')!r} is not {KIND}")
     fields = _flatten(doc)
-    mode_value = fields.get("mode") or ""
-    if mode_value not in MODES:
-        raise KubeProxyConfigError(f"mode: {mode_value!r} is not a mode sliceproxy has "
-                                   "(iptables, ipvs, nftables; empty means iptables)")
-    mode = MODES[mode_value]
+    mode = _mode(fields)
     _refuse_what_would_move_packets(fields, mode)
     out: dict[str, Any] = {"proxy_mode": mode}
     origin = {"proxy_mode": "mode"}
@@ -249,34 +245,53 @@ def translate(doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[str], dict[s
             raise KubeProxyConfigError(f"nodePortAddresses: must be a list, got {addresses!r}")
         out["nodeport_addresses"] = [str(a) for a in addresses]
         origin["nodeport_addresses"] = "nodePortAddresses"
-    # The mode's own periods and masquerading, as kube-proxy reads them (the IPVS mode
-    # masquerades by the iptables section; v1alpha1 has no top-level periods).
-    for name, dest in (("syncPeriod", "sync_period"), ("minSyncPeriod", "min_sync_period")):
-        path = f"{mode}.{name}"
-        value = _duration(fields.get(path))
-        if value is not None:
-            out[dest], origin[dest] = value, path
-    masq = f"{'nftables' if mode == 'nftables' else 'iptables'}.masqueradeAll"
-    if not _zero(fields.get(masq)):
-        out["masquerade_all"], origin["masquerade_all"] = fields[masq], masq
+    _take_mode_sections(fields, modes.get(mode), out, origin)
     ignored = [f"{path}={_show(fields[path])}" for path in sorted(fields)
                if path in NOT_IMPLEMENTED and not _zero(fields[path])
                and fields[path] not in NOT_IMPLEMENTED[path]
                and mode in READ_IN_MODES.get(path, (mode,))]
     if bind is not None and not bind.is_unspecified:
-        # Also kube-proxy's primary node IP. Where NodePorts open by it (`primary`, the
-        # nftables mode's default) it would move them: refused; else only kube-proxy's
-        # loadBalancerSourceRanges check reads it (docs/upstream-differences.md K6).
-        addresses = fields.get("nodePortAddresses") or []
-        if "primary" in addresses or (mode == "nftables" and not addresses):
-            raise KubeProxyConfigError(
-                f"bindAddress: {fields['bindAddress']!r} is kube-proxy's primary node IP, "
-                "where nodePortAddresses 'primary' opens NodePorts; sliceproxy takes the "
-                "primary IPs from the Node object: set bindAddress to 0.0.0.0 (or ::), or "
-                "list nodePortAddresses as CIDRs")
+        _refuse_primary_bind_address(fields, modes.get(mode))
         ignored.append(f"bindAddress={_show(fields['bindAddress'])} "
                        "(as the node's primary IP)")
     return out, ignored, origin
+
+
+def _mode(fields: Mapping[str, Any]) -> str:
+    mode = fields.get("mode") or modes.DEFAULT  # "": upstream's default on Linux
+    if mode not in modes.names():
+        raise KubeProxyConfigError(f"mode: {mode!r} is not a mode sliceproxy has "
+                                   f"({', '.join(sorted(modes.names()))}; empty means "
+                                   f"{modes.DEFAULT})")
+    return str(mode)
+
+
+def _take_mode_sections(fields: Mapping[str, Any], mode: modes.Mode, out: dict[str, Any],
+                        origin: dict[str, str]) -> None:
+    """The mode's own periods and masquerading, as kube-proxy reads them (the IPVS mode
+    masquerades by the iptables section; v1alpha1 has no top-level periods)."""
+    for name, dest in (("syncPeriod", "sync_period"), ("minSyncPeriod", "min_sync_period")):
+        path = f"{mode.config_section}.{name}"
+        value = _duration(fields.get(path))
+        if value is not None:
+            out[dest], origin[dest] = value, path
+    masq = f"{mode.masquerade_section}.masqueradeAll"
+    if not _zero(fields.get(masq)):
+        out["masquerade_all"], origin["masquerade_all"] = fields[masq], masq
+
+
+def _refuse_primary_bind_address(fields: Mapping[str, Any], mode: modes.Mode) -> None:
+    """A specific bindAddress is also kube-proxy's primary node IP. Where NodePorts open
+    by it (`primary`, or the mode's default: nftables) it would move them: refused;
+    else only kube-proxy's loadBalancerSourceRanges check reads it
+    (docs/upstream-differences.md K6)."""
+    addresses = fields.get("nodePortAddresses") or []
+    if "primary" in addresses or (mode.nodeports_on_primary_ips and not addresses):
+        raise KubeProxyConfigError(
+            f"bindAddress: {fields['bindAddress']!r} is kube-proxy's primary node IP, "
+            "where nodePortAddresses 'primary' opens NodePorts; sliceproxy takes the "
+            "primary IPs from the Node object: set bindAddress to 0.0.0.0 (or ::), or "
+            "list nodePortAddresses as CIDRs")
 
 
 def _strict_bool(value: Any) -> bool:
@@ -306,7 +321,7 @@ def _refuse_what_would_move_packets(fields: Mapping[str, Any], mode: str) -> Non
             "by clusterCIDR alone (detectLocalMode ClusterCIDR), so what it masquerades "
             "would differ; set detectLocalMode: ClusterCIDR and clusterCIDR to the pod "
             "network")
-    bit = f"{'nftables' if mode == 'nftables' else 'iptables'}.masqueradeBit"
+    bit = f"{modes.get(mode).masquerade_section}.masqueradeBit"
     if fields.get(bit) not in (None, MASQUERADE_BIT):
         raise KubeProxyConfigError(
             f"{bit}: {fields[bit]!r} is not supported: sliceproxy always marks the packets "

@@ -23,6 +23,7 @@ from proxy.config.kubeproxy_file import (
     is_kube_proxy_config,
     translate,
 )
+from proxy.dataplane import modes
 from proxy.kube.ingest import EndpointsSource
 from proxy.model import nodeport_addresses
 from proxy.model.types import IPNetwork
@@ -150,7 +151,7 @@ class Config:
     kubeconfig: str | None = None
     master: str | None = None
     hostname_override: str | None = None
-    proxy_mode: str = "iptables"
+    proxy_mode: str = modes.DEFAULT
     endpoints_source: EndpointsSource = EndpointsSource.ENDPOINT_SLICES
     min_sync_period: float | None = None  # None: paced by cost alone (schedule.py)
     sync_cpu_budget: float | None = 0.2  # share of one core; None: off
@@ -159,7 +160,8 @@ class Config:
     masquerade_all: bool = False
     nodeport_addresses: tuple[IPNetwork, ...] = ()
     # `primary` in --nodeport-addresses: the node's primary addresses (its Node object's)
-    # accept NodePorts too; nftables mode's default when no CIDR is given (from_values).
+    # accept NodePorts too; the default of a mode that says so (modes.py: nftables) when
+    # no CIDR is given (from_values).
     nodeport_primary: bool = False
     healthz_bind_address: tuple[str, int] = ("0.0.0.0", HEALTHZ_PORT)  # both families
     metrics_bind_address: tuple[str, int] = ("127.0.0.1", METRICS_PORT)
@@ -224,13 +226,21 @@ class Config:
 
 CONNTRACK_TIMEOUTS = ("conntrack_tcp_timeout_established", "conntrack_tcp_timeout_close_wait",
                       "conntrack_udp_timeout", "conntrack_udp_timeout_stream")
-PROXY_MODES = ("iptables", "ipvs", "nftables")
 IPTABLES_APPLIERS = ("restore", "iptc")
 LOGGING_FORMATS = ("text", "json")
 IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq", "mh")
-# The settings that take one of a few words.
-_CHOICES = {"proxy_mode": PROXY_MODES, "iptables_applier": IPTABLES_APPLIERS,
-            "logging_format": LOGGING_FORMATS, "ipvs_scheduler": IPVS_SCHEDULERS}
+# The settings that take one of a few words (the proxy modes: modes.py's, when asked).
+_CHOICES = {"iptables_applier": IPTABLES_APPLIERS, "logging_format": LOGGING_FORMATS,
+            "ipvs_scheduler": IPVS_SCHEDULERS}
+
+
+def choices(dest: str) -> tuple[str, ...]:
+    return tuple(sorted(modes.names())) if dest == "proxy_mode" else _CHOICES[dest]
+
+
+def _modes_help() -> str:
+    return ", ".join(f"{m} (default)" if m == modes.DEFAULT else m
+                     for m in choices("proxy_mode"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -239,7 +249,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="sliceproxy: a Kubernetes service proxy (iptables, nftables or IPVS).",
         epilog="Other commands: python -m proxy explain --help; python -m proxy dump --help",
     )
-    add = p.add_argument
+    _cluster_flags(p.add_argument_group("cluster and mode"))
+    _sync_flags(p.add_argument_group("syncs"))
+    _server_flags(p.add_argument_group("addresses and servers"))
+    _node_setting_flags(p.add_argument_group("node settings"))
+    _command_flags(p.add_argument_group("one-shot commands and logging"))
+    return p
+
+
+def _cluster_flags(g: argparse._ArgumentGroup) -> None:
+    """Where the cluster is, who this node is, which mode and sources."""
+    add = g.add_argument
     add("--config", metavar="FILE", help="YAML file with any of these flags as keys "
         "(e.g. min-sync-period: 250ms), or kube-proxy's KubeProxyConfiguration "
         "(kubeproxy.config.k8s.io/v1alpha1, or kubeadm's kube-proxy ConfigMap holding "
@@ -247,8 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--kubeconfig", help="kubeconfig file (default: in-cluster service account)")
     add("--master", help="API server address, overriding the kubeconfig's")
     add("--hostname-override", help="this node's name (default: the host name)")
-    add("--proxy-mode", help="iptables (default), ipvs or nftables")
+    add("--proxy-mode", help=_modes_help())
     add("--endpoints-source", help="endpointslices (default) or endpoints (legacy)")
+
+
+def _sync_flags(g: argparse._ArgumentGroup) -> None:
+    """When syncs run, and what is masqueraded."""
+    add = g.add_argument
     add("--min-sync-period", metavar="DURATION",
         help="kube-proxy's pacing: at most 2 syncs at once, then one per DURATION; the "
              "first change after a quiet period syncs at once (default unset: a change "
@@ -262,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="pod network; traffic to service IPs from outside it is masqueraded")
     add("--masquerade-all", action="store_true", default=None,
         help="masquerade all traffic sent to service IPs")
+
+
+def _server_flags(g: argparse._ArgumentGroup) -> None:
+    """Which addresses take NodePorts; the health, metrics and dump servers."""
+    add = g.add_argument
     add("--nodeport-addresses", metavar="CIDR|primary[,...]",
         help="node addresses that accept NodePort traffic: CIDRs, and/or primary (the "
              "node's primary IPs in its Node object) (default: all local addresses; "
@@ -287,6 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="sliceproxy only: how often to look for another service proxy (kube-proxy) "
              "writing its rules on this node, reported in the log, /metrics and /healthz "
              "(default 10s; 0 turns the check off)")
+
+
+def _node_setting_flags(g: argparse._ArgumentGroup) -> None:
+    """IPVS and conntrack: the node's kernel settings."""
+    add = g.add_argument
     add("--ipvs-scheduler", help="IPVS scheduler (default rr)")
     add("--ipvs-strict-arp", action="store_true", default=None,
         help="IPVS mode: set arp_ignore=1 and arp_announce=2 (with --init-only)")
@@ -305,6 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="idle timeout of UDP flows not yet replied to (default 0: leave it alone)")
     add("--conntrack-udp-timeout-stream", metavar="DURATION",
         help="idle timeout of UDP flows that saw replies (default 0: leave it alone)")
+
+
+def _command_flags(g: argparse._ArgumentGroup) -> None:
+    """Commands that run once and exit; logging; the event loop."""
+    add = g.add_argument
     add("--init-only", action="store_true", default=None,
         help="set kube-proxy's node settings (conntrack table and timeouts; the IPVS "
              "sysctls in IPVS mode) where they differ, and exit; needs a writable "
@@ -324,7 +364,6 @@ def build_parser() -> argparse.ArgumentParser:
              "keys); docs/logging.md")
     add("--no-uvloop", action="store_true", default=None,
         help="use the standard asyncio event loop instead of uvloop")
-    return p
 
 
 def _cidrs(raw: Any, flag: str) -> tuple[IPNetwork, ...]:
@@ -400,8 +439,8 @@ def from_values(values: dict[str, Any]) -> Config:
                 case "kubeconfig" | "master" | "hostname_override" | "service_proxy_name":
                     kw[dest] = str(value) if value is not None else None
                 case "proxy_mode" | "iptables_applier" | "logging_format" | "ipvs_scheduler":
-                    if value not in _CHOICES[dest]:
-                        raise ValueError(f"must be one of {', '.join(_CHOICES[dest])}")
+                    if value not in choices(dest):
+                        raise ValueError(f"must be one of {', '.join(choices(dest))}")
                     kw[dest] = value
                 case "endpoints_source":
                     kw[dest] = EndpointsSource(value)
@@ -453,7 +492,8 @@ def from_values(values: dict[str, Any]) -> Config:
                 detail = "must be endpointslices or endpoints"
             raise ConfigError(f"{flag}: invalid value {value!r}: {detail}") from None
     cfg = Config(**kw)
-    if cfg.proxy_mode == "nftables" and not (cfg.nodeport_addresses or cfg.nodeport_primary):
+    if modes.get(cfg.proxy_mode).nodeports_on_primary_ips and not (
+            cfg.nodeport_addresses or cfg.nodeport_primary):
         # Upstream's nftables default (KEP-3866; its platformApplyDefaults): NodePorts on
         # the node's primary addresses only, not on every local address.
         cfg = replace(cfg, nodeport_primary=True)

@@ -65,24 +65,30 @@ class SyncReport:
     conntrack_cleared: int = 0
     conntrack_deleted: dict[str, int] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
+    # What to add to the counters only this mode has (modes.py declares them), by name:
+    # the agent counts them without knowing which mode it runs.
+    counted: dict[str, int] = field(default_factory=dict)
 
 
 class ApplyError(Exception):
     """An apply failed; the kernel still holds the previously applied rules.
 
-    `offending` is the line or operation the kernel refused, when known. The data
-    plane has already arranged for its next sync to be a full one.
+    `offending` is the line or operation the kernel refused, when known; `counted`, as
+    SyncReport's, what the failure adds to the mode's own counters. The data plane has
+    already arranged for its next sync to be a full one.
     """
 
-    def __init__(self, message: str, offending: str | None = None) -> None:
+    def __init__(self, message: str, offending: str | None = None,
+                 counted: Mapping[str, int] | None = None) -> None:
         super().__init__(message)
         self.offending = offending
+        self.counted = dict(counted or {})
 
 
 class DataPlane(Protocol):
     @property
     def mode(self) -> str:
-        """"iptables", "nftables" or "ipvs"."""
+        """The mode's name, as proxy/dataplane/modes.py declares it."""
         ...
 
     def sync(self, state: DesiredState, full: bool = False) -> SyncReport:

@@ -1,20 +1,14 @@
 """Pick the data plane for `--proxy-mode`, importing only that one: the IPVS plane pulls
-in pyroute2's netlink stack, which an iptables-mode agent has no use for."""
+in pyroute2's netlink stack, which an iptables-mode agent has no use for. Which class a
+mode uses is in modes.py."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import cast
 
+from proxy.dataplane import modes
 from proxy.dataplane.base import DataPlane, DataplaneOptions
-
-# mode -> (module, class); each class takes DataplaneOptions.
-PLANES = {
-    "iptables": ("proxy.dataplane.iptables.apply", "IptablesDataPlane"),
-    "ipvs": ("proxy.dataplane.ipvs.apply", "IpvsDataPlane"),
-    "nftables": ("proxy.dataplane.nftables.apply", "NftablesDataPlane"),
-}
 
 
 class DataplaneUnavailable(Exception):
@@ -22,12 +16,13 @@ class DataplaneUnavailable(Exception):
 
 
 def dataplane_class(mode: str) -> Callable[[DataplaneOptions], DataPlane]:
-    if mode not in PLANES:
-        raise DataplaneUnavailable(f"unknown proxy mode {mode!r} (one of {', '.join(PLANES)})")
-    module_name, class_name = PLANES[mode]
     try:
-        module = importlib.import_module(module_name)
-        return cast(Callable[[DataplaneOptions], DataPlane], getattr(module, class_name))
+        path = modes.get(mode).plane
+    except KeyError:
+        raise DataplaneUnavailable(
+            f"unknown proxy mode {mode!r} (one of {', '.join(sorted(modes.names()))})") from None
+    try:
+        return cast(Callable[[DataplaneOptions], DataPlane], modes.load(path))
     except (ImportError, AttributeError) as exc:
         raise DataplaneUnavailable(f"proxy mode {mode} is not available: {exc}") from exc
 

@@ -20,8 +20,9 @@ mode's chains are all `SPX-IPVS-*`), so every mode removes both others':
 
 A mode never touches its own rules: a restart keeps serving.
 
-Cheap when there is nothing to clean (the usual restart): probes first, and only what
-they find is cleaned, importing that plane's code only then.
+Each mode's names, its cleaner and the order of the clean-ups are in modes.py (the names
+below are its). Cheap when there is nothing to clean (the usual restart): probes first,
+and only what they find is cleaned, importing that plane's code only then.
 - our nf_tables tables: one netlink dump of table names (every family);
 - the iptables mode's chains: the marker chain `SPX-SERVICES` (nat; every iptables-mode
   ruleset has it), asked by name over netlink from nf_tables where an `ip`/`ip6` `nat`
@@ -42,40 +43,37 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
+from proxy.dataplane import modes
 from proxy.dataplane.base import DataplaneOptions
-from proxy.dataplane.common.netlink import NetlinkSocket, nla
-from proxy.dataplane.common.nfnetlink import NETLINK_NETFILTER, NFNL_SUBSYS_NFTABLES, NFPROTO
+from proxy.dataplane.common.netlink import NFGEN, NetlinkSocket, nla
+from proxy.dataplane.common.netlink_constants import (
+    NETLINK_NETFILTER,
+    NFNL_SUBSYS_NFTABLES,
+    NFPROTO,
+    NFPROTO_NAMES,
+)
+from proxy.dataplane.common.netlink_constants import NFT_MSG_GETCHAIN as _GETCHAIN
+from proxy.dataplane.common.netlink_constants import NFT_MSG_GETTABLE as _GETTABLE
+from proxy.dataplane.common.netlink_constants import NFTA_CHAIN_NAME as _CHAIN_NAME
+from proxy.dataplane.common.netlink_constants import NFTA_CHAIN_TABLE as _CHAIN_TABLE
+from proxy.dataplane.common.netlink_constants import NFTA_TABLE_NAME as _TABLE_NAME
 from proxy.model.types import Family
 
 log = logging.getLogger(__name__)
 
-# Cleaned in this order: the IPVS mode's chains go before the iptables mode's sweep of
-# every SPX- chain (nftables mode), so the IPVS clean-up finds them and then frees the
-# ipsets they use.
-ORDER = ("ipvs", "iptables", "nftables")
+# Each mode's names (its markers), its cleaner and the order in which modes are cleaned
+# are in modes.py, which imports no mode: importing a plane's modules costs 5 to 30 ms.
 
-# Names the planes use (pinned to theirs by tests/unit/test_leftovers.py; not imported,
-# since importing a plane's modules costs 5 to 30 ms at every start).
-IPTABLES_PREFIX = "SPX-"  # proxy.dataplane.iptables.render.PREFIX
-IPTABLES_MARKER = "SPX-SERVICES"  # render.SERVICES, in nat
-IPVS_PREFIX = "SPX-IPVS-"  # proxy.dataplane.ipvs.netfilter.CHAIN_PREFIX
-IPVS_MARKER = "SPX-IPVS-SERVICES"  # netfilter.SERVICES_CHAIN, in nat
-DUMMY_INTERFACE = "spx-ipvs0"  # proxy.dataplane.ipvs.render.DUMMY_INTERFACE
-NFT_TABLE = re.compile(r"sliceproxy(?:-(?:[0-9]|[1-5][0-9]|6[0-3]))?")  # nftables.render
-
-NFT_FAMILIES = {2: "ip", 10: "ip6"}  # NFPROTO_IPV4, NFPROTO_IPV6: our tables' families
-_GETTABLE, _GETCHAIN = 1, 4  # NFT_MSG_GET*
-_CHAIN_TABLE, _CHAIN_NAME = 1, 3  # NFTA_CHAIN_*
-_TABLE_NAME = 1  # NFTA_TABLE_NAME
-_NFGEN_SIZE = 4
+# Our tables' families, by number, as nft names them.
+NFT_FAMILIES = {NFPROTO[f]: NFPROTO_NAMES[NFPROTO[f]] for f in Family}
+_NFGEN_SIZE = NFGEN.size
 # nf_tables or its netlink subsystem absent: nothing of ours can be in it.
 _ABSENT = {errno.EPROTONOSUPPORT, errno.ENOENT, errno.EAFNOSUPPORT, errno.EOPNOTSUPP}
 _SAVE_TIMEOUT = 30.0
@@ -102,43 +100,62 @@ class Found:
 
     nft_tables: list[tuple[str, str]] = field(default_factory=list)  # ("ip", "sliceproxy")
     chains: list[Chain] = field(default_factory=list)
-    dummy: bool = False
+    dummy_interfaces: list[str] = field(default_factory=list)
+
+    def of(self, mode: str) -> Found:
+        """What of this is `mode`'s."""
+        return Found([t for t in self.nft_tables if table_mode(t[1]) == mode],
+                     [c for c in self.chains if chain_mode(c.name) == mode],
+                     [i for i in self.dummy_interfaces if interface_mode(i) == mode])
 
 
-# Removes one mode's leftovers given the probes' findings; says what it removed.
-Cleaner = Callable[[Found], str]
+# Removes one mode's leftovers (modes.Mode.cleaner names it): given what the probes found
+# of that mode, the mode running and its options; says what it removed.
+Cleaner = Callable[[Found, str, DataplaneOptions], str]
 
 
 def chain_mode(name: str) -> str | None:
-    """Which mode an iptables chain belongs to: "ipvs", "iptables", or None (not ours)."""
-    if name.startswith(IPVS_PREFIX):
-        return "ipvs"
-    if name.startswith(IPTABLES_PREFIX):
-        return "iptables"
-    return None
+    """Which mode an x_tables chain belongs to, by the longest chain prefix that names it
+    (the IPVS mode's SPX-IPVS- is within the iptables mode's SPX-); None: not ours."""
+    owner, longest = None, 0
+    for mode in modes.MODES:
+        prefix = mode.markers.chain_prefix
+        if prefix and len(prefix) > longest and name.startswith(prefix):
+            owner, longest = mode.name, len(prefix)
+    return owner
+
+
+def table_mode(name: str) -> str | None:
+    """Which mode an nf_tables table (ip or ip6) belongs to; None: not ours."""
+    return next((m.name for m in modes.MODES if name in m.markers.tables()), None)
+
+
+def interface_mode(name: str) -> str | None:
+    """Which mode a dummy interface belongs to; None: not ours."""
+    return next((m.name for m in modes.MODES if name and m.markers.dummy_interface == name),
+                None)
 
 
 def swept(mode: str) -> Callable[[str], bool]:
-    """The chains the iptables mode's leftovers are, when running in `mode`: every `SPX-`
-    chain, but in IPVS mode not its own `SPX-IPVS-` ones."""
-    if mode == "ipvs":
-        return lambda chain: chain_mode(chain) == "iptables"
-    return lambda chain: chain_mode(chain) is not None
+    """The chains the iptables mode's clean-up removes when running in `mode`: every
+    chain of ours but `mode`'s own (in IPVS mode, its SPX-IPVS- ones stay)."""
+    return lambda chain: chain_mode(chain) not in (None, mode)
 
 
 def leftovers(mode: str, found: Found) -> dict[str, list[str]]:
     """The other modes' leftovers in `found`: mode -> what was seen of it (non-empty),
     in clean-up order. Never `mode` itself."""
-    seen: dict[str, list[str]] = {m: [] for m in ORDER}
-    seen["nftables"] += [f"table {family} {name}" for family, name in found.nft_tables
-                         if NFT_TABLE.fullmatch(name)]
-    for chain in found.chains:
-        owner = chain_mode(chain.name)
-        if owner is not None:
-            seen[owner].append(f"chain {chain}")
-    if found.dummy:
-        seen["ipvs"].append(f"dummy interface {DUMMY_INTERFACE}")
-    return {m: sorted(what) for m, what in seen.items() if what and m != mode}
+    out: dict[str, list[str]] = {}
+    for other in modes.names():
+        if other == mode:
+            continue
+        mine = found.of(other)
+        what = [*(f"table {family} {name}" for family, name in mine.nft_tables),
+                *(f"chain {chain}" for chain in mine.chains),
+                *(f"dummy interface {name}" for name in mine.dummy_interfaces)]
+        if what:
+            out[other] = sorted(what)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,14 +165,16 @@ class Probes:
     nft_tables: bool
     nft_markers: tuple[str, ...]
     legacy_nat: bool
-    dummy: bool
+    dummy_interfaces: tuple[str, ...]
 
 
 def probes(mode: str) -> Probes:
-    markers = tuple(m for owner, m in (("iptables", IPTABLES_MARKER), ("ipvs", IPVS_MARKER))
-                    if owner != mode)
-    return Probes(nft_tables=True, nft_markers=markers,
-                  legacy_nat=mode != "iptables", dummy=mode != "ipvs")
+    others = [m.markers for m in modes.MODES if m.name != mode]
+    return Probes(nft_tables=True,
+                  nft_markers=tuple(m.marker_chain for m in others if m.marker_chain),
+                  legacy_nat=modes.get(mode).probe_legacy_nat,
+                  dummy_interfaces=tuple(m.dummy_interface for m in others
+                                         if m.dummy_interface))
 
 
 def table_names(text: str) -> set[str]:
@@ -166,7 +185,7 @@ def table_names(text: str) -> set[str]:
 def saved_chains(text: str) -> list[str]:
     """Our chain names declared in `iptables-save` output."""
     return [line[1:].split(" ", 1)[0] for line in text.splitlines()
-            if line.startswith(":" + IPTABLES_PREFIX)]
+            if line.startswith(":" + modes.CHAIN_PREFIX)]
 
 
 # --- probes (kernel) ---------------------------------------------------------------------
@@ -203,7 +222,7 @@ def _nft(found: Found, wanted: Probes) -> None:
             tables.add((reply.payload[0], name))
         if wanted.nft_tables:
             found.nft_tables += sorted((NFT_FAMILIES[f], n) for f, n in tables
-                                       if f in NFT_FAMILIES and NFT_TABLE.fullmatch(n))
+                                       if f in NFT_FAMILIES and table_mode(n) is not None)
         asks = [(family, marker) for family in Family for marker in wanted.nft_markers
                 if (NFPROTO[family], "nat") in tables]
         if not asks:
@@ -245,12 +264,16 @@ def _legacy(found: Found) -> None:
         found.chains += [Chain("legacy", family, name) for name in saved_chains(result.stdout)]
 
 
-def _dummy() -> bool:
-    try:
-        socket.if_nametoindex(DUMMY_INTERFACE)
-    except OSError:
-        return False
-    return True
+def _interfaces(names: Sequence[str]) -> list[str]:
+    """Those of `names` that are network interfaces in this namespace."""
+    present = []
+    for name in names:
+        try:
+            socket.if_nametoindex(name)
+        except OSError:
+            continue
+        present.append(name)
+    return present
 
 
 def probe(mode: str) -> Found:
@@ -261,21 +284,19 @@ def probe(mode: str) -> Found:
         _nft(found, wanted)
     if wanted.legacy_nat:
         _legacy(found)
-    if wanted.dummy:
-        found.dummy = _dummy()
+    found.dummy_interfaces = _interfaces(wanted.dummy_interfaces)
     return found
 
 
 # --- cleaning (kernel) -------------------------------------------------------------------
 
 
-def _clean_nftables(found: Found) -> str:
+def clean_nftables(found: Found, running: str, options: DataplaneOptions) -> str:
     """Delete exactly the tables found (an `add` first makes each delete succeed even if
     the table went away since), in one transaction."""
     from proxy.dataplane.nftables.runner import NftRunner
 
-    tables = [f"{family} {name}" for family, name in found.nft_tables
-              if NFT_TABLE.fullmatch(name)]
+    tables = [f"{family} {name}" for family, name in found.nft_tables]
     with NftRunner() as runner:
         runner.run("".join(f"add table {t}\ndelete table {t}\n" for t in tables))
     return f"tables {', '.join(tables)}"
@@ -287,11 +308,15 @@ def _chains_removed(done: Sequence[tuple[Any, int]]) -> str:
     return f"{total} chains ({where or 'none left'})"
 
 
-def _clean_iptables(mode: str, options: DataplaneOptions) -> str:
+def clean_iptables(found: Found, running: str, options: DataplaneOptions) -> str:
+    """Every chain of ours but the running mode's own, in both back ends and families
+    (the IPVS mode's too, cleaned before: what its clean-up left)."""
     from proxy.dataplane.xtables.cleanup import cleanup_runners, remove_chains
 
-    removed = _chains_removed(remove_chains(cleanup_runners(options.families), swept(mode)))
-    return removed + (f"; {IPVS_PREFIX}* kept" if mode == "ipvs" else "")
+    removed = _chains_removed(remove_chains(cleanup_runners(options.families),
+                                            swept(running)))
+    own = modes.get(running).markers.chain_prefix
+    return removed + (f"; {own}* kept" if own else "")
 
 
 def ipvs_in_kernel() -> bool:
@@ -305,21 +330,21 @@ def ipvs_in_kernel() -> bool:
     return True
 
 
-def _clean_ipvs(found: Found, options: DataplaneOptions,
-                in_kernel: Callable[[], bool] = ipvs_in_kernel) -> str:
+def clean_ipvs(found: Found, running: str, options: DataplaneOptions,
+               in_kernel: Callable[[], bool] = ipvs_in_kernel) -> str:
     from proxy.dataplane.xtables.cleanup import cleanup_runners, remove_chains
 
-    if not found.dummy and not in_kernel():
+    if not found.dummy_interfaces and not in_kernel():
         # Only chains: without IPVS in the kernel there are no virtual servers either
         # (and the IPVS plane, which needs it, cannot start).
         done = remove_chains(cleanup_runners(options.families),
-                             lambda chain: chain_mode(chain) == "ipvs")
+                             lambda chain: chain_mode(chain) == modes.IPVS.name)
         return _chains_removed(done) + "; IPVS is not in this kernel"
     from proxy.dataplane.ipvs.apply import IpvsDataPlane
     from proxy.dataplane.xtables.restore_runner import Backend
 
     # Its chains' back end, when the probes saw them in one; else the plane detects it.
-    seen = {c.backend for c in found.chains if chain_mode(c.name) == "ipvs"}
+    seen = {c.backend for c in found.chains}
     backend = Backend(seen.pop()) if len(seen) == 1 else None
     plane = IpvsDataPlane(options, iptables_backend=backend)
     try:
@@ -331,10 +356,11 @@ def _clean_ipvs(found: Found, options: DataplaneOptions,
 
 def clean(mode: str, options: DataplaneOptions,
           probe_fn: Callable[[str], Found] = probe,
-          cleaners: dict[str, Cleaner] | None = None) -> dict[str, str]:
-    """Remove the other modes' leftovers, in this thread's network namespace. Never
-    raises: a failed probe or clean-up is a warning. Returns what was removed (mode ->
-    a description). `probe_fn` and `cleaners` replace the kernel in tests."""
+          cleaners: Mapping[str, Cleaner] | None = None) -> dict[str, str]:
+    """Remove the other modes' leftovers, in this thread's network namespace, each by
+    its mode's cleaner (modes.py). Never raises: a failed probe or clean-up is a
+    warning. Returns what was removed (mode -> a description). `probe_fn` and
+    `cleaners` replace the kernel in tests."""
     started = time.perf_counter()
     try:
         found = probe_fn(mode)
@@ -348,17 +374,13 @@ def clean(mode: str, options: DataplaneOptions,
         log.log(logging.INFO - 2, "no other proxy mode's leftovers",  # -v 2
                 extra={"mode": mode, "probe_seconds": f"{probed:.4f}"})
         return {}
-    if cleaners is None:
-        cleaners = {
-            "nftables": _clean_nftables,
-            "iptables": lambda f: _clean_iptables(mode, options),
-            "ipvs": lambda f: _clean_ipvs(f, options),
-        }
     removed: dict[str, str] = {}
     for other, what in others.items():
         began = time.perf_counter()
         try:
-            result = cleaners[other](found)
+            cleaner = (cleaners[other] if cleaners is not None
+                       else cast(Cleaner, modes.load(modes.get(other).cleaner)))
+            result = cleaner(found.of(other), mode, options)
         except Exception as exc:
             log.warning("cannot remove the %s mode's leftovers: %s; they stay until "
                         "`--cleanup --proxy-mode %s`", other, exc, other, extra={

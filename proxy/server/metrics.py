@@ -23,6 +23,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from proxy.dataplane import modes
 from proxy.kube.reflector import Reflector, ReflectorStats
 from proxy.model.tracker import ClusterModel
 
@@ -59,19 +60,26 @@ class AgentMetrics:
     def __init__(self) -> None:
         # kube-proxy exports no *_created series; they would only double the output.
         disable_created_metrics()  # type: ignore[no-untyped-call]
-        r = self.registry = CollectorRegistry(auto_describe=True)
-
+        self.registry = CollectorRegistry(auto_describe=True)
         # Each metric below: its attribute, name and help, in the order of the output.
-        def histogram(name: str, doc: str, buckets: tuple[float, ...] = SYNC_BUCKETS,
-                      ) -> Histogram:
-            return Histogram(name, doc, buckets=buckets, registry=r)
+        self._kube_proxy_syncs()
+        self._kube_proxy_events_and_health()
+        self._syncs()
+        self._node()
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, registry=r)
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...] = SYNC_BUCKETS,
+                   ) -> Histogram:
+        return Histogram(name, doc, buckets=buckets, registry=self.registry)
 
-        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, labels, registry=r)
+    def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+        return Gauge(name, doc, labels, registry=self.registry)
 
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        return Counter(name, doc, labels, registry=self.registry)
+
+    def _kube_proxy_syncs(self) -> None:
+        """kube-proxy's sync histograms and timestamps, under its names."""
+        histogram, gauge = self._histogram, self._gauge
         self.sync_duration = histogram(
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds (resolve + render + apply)")
@@ -91,6 +99,10 @@ class AgentMetrics:
         self.last_queued = gauge(
             "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
             "The last time a sync of proxy rules was queued")
+
+    def _kube_proxy_events_and_health(self) -> None:
+        """kube-proxy's change counters and gauges, the mode counters, health answers."""
+        gauge, counter = self._gauge, self._counter
         self.endpoint_changes_pending = gauge(
             "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
             "Services with endpoint changes not yet synced")
@@ -103,18 +115,19 @@ class AgentMetrics:
         self.service_changes = counter(
             "kubeproxy_sync_proxy_rules_service_changes",
             "Service events received")
-        self.iptables_restore_failures = counter(
-            "kubeproxy_sync_proxy_rules_iptables_restore_failures",
-            "iptables-restore failures (iptables mode)")
-        self.iptables_partial_restore_failures = counter(
-            "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures",
-            "iptables-restore failures of partial syncs (iptables mode)")
+        # Those only one mode has, as modes.py declares them (count_mode).
+        self.mode_counters = {c.name: counter(c.name, c.help)
+                              for mode in modes.MODES for c in mode.counters}
         self.healthz = counter(
             "kubeproxy_proxy_healthz",
             "/healthz answers by HTTP code", ("code",))
         self.livez = counter(
             "kubeproxy_proxy_livez",
             "/livez answers by HTTP code", ("code",))
+
+    def _syncs(self) -> None:
+        """What only sliceproxy counts about its syncs and conntrack clean-up."""
+        counter = self._counter
         self.syncs = counter(
             "sliceproxy_syncs",
             "Syncs by kind (full, partial) and result (ok, error)", ("kind", "result"))
@@ -128,6 +141,10 @@ class AgentMetrics:
         self.conntrack_cleared = counter("sliceproxy_conntrack_entries_cleared", CLEARED_HELP)
         self.conntrack_deleted = counter("sliceproxy_conntrack_entries_deleted", DELETED_HELP,
                                          ("reason",))
+
+    def _node(self) -> None:
+        """Drift of our rules, other proxies on the node, the first sync."""
+        gauge, counter = self._gauge, self._counter
         self.drift_checks = counter(
             "sliceproxy_rules_drift_checks",
             "Checks of our rules after another process changed the tables they live in")
@@ -135,8 +152,8 @@ class AgentMetrics:
             "sliceproxy_rules_drift_repairs",
             "Full syncs run because another process had changed or removed our rules")
         # Their series start at 0 when the agent's check starts (agent/foreign_proxy.py).
-        self.foreign_proxy_active = Gauge(
-            "sliceproxy_foreign_proxy_active", FOREIGN_ACTIVE_HELP, ("proxy",), registry=r)
+        self.foreign_proxy_active = gauge(
+            "sliceproxy_foreign_proxy_active", FOREIGN_ACTIVE_HELP, ("proxy",))
         self.foreign_proxy_detections = counter(
             "sliceproxy_foreign_proxy_detections", FOREIGN_DETECTIONS_HELP, ("proxy",))
         self.foreign_proxy_checks = counter(
@@ -152,6 +169,12 @@ class AgentMetrics:
             if count:
                 self.conntrack_deleted.labels(reason).inc(count)
                 self.conntrack_cleared.inc(count)
+
+    def count_mode(self, counted: Mapping[str, int]) -> None:
+        """What a sync or a failed one adds to its mode's own counters, by name (a data
+        plane takes the names from modes.py, where every one is declared)."""
+        for name, count in counted.items():
+            self.mode_counters[name].inc(count)
 
     def watch_model(self, model: Callable[[], ClusterModel | None]) -> None:
         self.registry.register(ModelCollector(model))

@@ -1,20 +1,32 @@
 """The import rules of docs/architecture.md, checked: which package of `proxy/` may import
 which, no data-plane mode importing another, and mode packages that load only their own
 code. Read from the source (every import statement, at module level or inside a
-function), so a new module cannot break a rule unnoticed."""
+function), so a new module cannot break a rule unnoticed.
+
+And the mode registry (proxy/dataplane/modes.py), checked against the modes' code: each
+mode package is registered, each registered class, cleaner, kube-proxy section, object
+name and counter is the one its code uses, and a mode added to the registry alone
+reaches the flags, the factory, kube-proxy's file, the leftovers and the metrics."""
 
 from __future__ import annotations
 
 import ast
+import functools
+import inspect
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from proxy.dataplane import modes
+
 ROOT = Path(__file__).resolve().parents[2]
 PROXY = ROOT / "proxy"
-MODES = ("iptables", "nftables", "ipvs")
+MODES = modes.names()
+# The packages of proxy/dataplane/ that every mode shares; each other one is a mode's.
+SHARED = {"common", "xtables"}
 
 # Package -> the packages it may import (besides itself). The dependency arrows of
 # docs/architecture.md's layout, one way: model at the bottom, cmd at the top.
@@ -22,24 +34,29 @@ ALLOWED: dict[str, set[str]] = {
     "model": set(),
     "lab": set(),
     "kube": {"model"},
-    "config": {"kube", "model"},
+    # The registry of modes (import-free: data and dotted paths) is read by the options,
+    # the metrics (each mode's own counters) and the modes themselves (their names).
+    "dataplane.modes": set(),
+    "config": {"kube", "model", "dataplane.modes"},
     "sim": {"kube", "model"},
-    "server": {"kube", "model"},
+    "server": {"kube", "model", "dataplane.modes"},
     "dataplane.base": {"model"},
     "dataplane.common": {"dataplane.base", "model"},
-    "dataplane.xtables": {"dataplane.base", "dataplane.common", "model"},
-    "dataplane.iptables": {"dataplane.base", "dataplane.common", "dataplane.xtables", "model"},
-    "dataplane.ipvs": {"dataplane.base", "dataplane.common", "dataplane.xtables", "model"},
-    "dataplane.nftables": {"dataplane.base", "dataplane.common", "model"},
-    # Picks a mode by name (importlib) and cleans up after any mode: the two places
-    # that know every mode, and they import a mode only inside a function.
-    "dataplane.factory": {"dataplane.base"},
+    "dataplane.xtables": {"dataplane.base", "dataplane.common", "dataplane.modes", "model"},
+    "dataplane.iptables": {"dataplane.base", "dataplane.common", "dataplane.xtables",
+                           "dataplane.modes", "model"},
+    "dataplane.ipvs": {"dataplane.base", "dataplane.common", "dataplane.xtables",
+                       "dataplane.modes", "model"},
+    "dataplane.nftables": {"dataplane.base", "dataplane.common", "dataplane.modes", "model"},
+    # Build a mode's plane and clean up after any mode, by the registry's dotted paths:
+    # they import a mode only inside a function.
+    "dataplane.factory": {"dataplane.base", "dataplane.modes"},
     "dataplane.leftovers": {"dataplane.base", "dataplane.common", "dataplane.xtables",
-                            "model", *(f"dataplane.{m}" for m in MODES)},
-    # The agent sees the data planes through their contract, the factory and the
-    # clean-up (and gives freed memory back with common.heap).
+                            "dataplane.modes", "model", *(f"dataplane.{m}" for m in MODES)},
+    # The agent sees the data planes through their contract, the registry, the factory
+    # and the clean-up (and gives freed memory back with common.heap).
     "agent": {"config", "kube", "model", "server", "dataplane.base", "dataplane.factory",
-              "dataplane.leftovers", "dataplane.common"},
+              "dataplane.leftovers", "dataplane.common", "dataplane.modes"},
     "cmd": {"agent", "config", "kube", "lab", "model", "server", "sim"},
     "__main__": {"cmd"},
 }
@@ -88,6 +105,7 @@ def imports(path: Path) -> list[tuple[str, bool]]:
     return found
 
 
+@functools.cache  # the source does not change during a run: read it once
 def edges(with_target: bool = False) -> list[tuple[str, str, str, bool]]:
     """(importing module, its package, imported package (or module), at module level?)"""
     out = []
@@ -143,3 +161,138 @@ def test_a_mode_module_loads_no_other_mode(module: str) -> None:
     others = [m for m in loaded if package(m).removeprefix("dataplane.") in MODES
               and package(m) != f"dataplane.{mine}"]
     assert others == []
+
+
+def test_what_starts_every_agent_loads_no_mode() -> None:
+    """The options, the factory and the leftovers' probes read the registry at every
+    start: none of them loads a mode's code (5 to 30 ms each) until asked to."""
+    code = ("import sys; import proxy.config.options, proxy.dataplane.factory, "
+            "proxy.dataplane.leftovers, proxy.server.metrics; "
+            "print('\\n'.join(m for m in sys.modules if m.startswith('proxy.dataplane.')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, cwd=ROOT, timeout=60).stdout.split()
+    assert "proxy.dataplane.modes" in loaded
+    assert [m for m in loaded if package(m).removeprefix("dataplane.") in MODES] == []
+
+
+# --- the registry against the modes' code ----------------------------------------------
+
+
+def test_every_mode_package_is_registered_and_every_mode_has_one() -> None:
+    packages = {p.name for p in (PROXY / "dataplane").iterdir()
+                if (p / "__init__.py").exists()} - SHARED
+    assert packages == set(MODES)
+    for mode in modes.MODES:
+        assert mode.plane.startswith(f"proxy.dataplane.{mode.name}."), mode.name
+
+
+@pytest.mark.parametrize("mode", modes.MODES, ids=MODES)
+def test_each_mode_s_plane_and_cleaner_are_what_the_registry_names(mode: modes.Mode) -> None:
+    from proxy.dataplane.factory import dataplane_class
+
+    plane = dataplane_class(mode.name)
+    said = inspect.getattr_static(plane, "mode")  # a class attribute, or a property
+    assert (said.fget(None) if isinstance(said, property) else said) == mode.name
+    cleaner: Any = modes.load(mode.cleaner)
+    assert list(inspect.signature(cleaner).parameters)[:3] == ["found", "running",
+                                                              "options"]
+
+
+def test_each_mode_reads_its_own_sections_of_kube_proxy_s_file() -> None:
+    from proxy.config import kubeproxy_file
+
+    for mode in modes.MODES:
+        assert f"{mode.config_section}.syncPeriod" in kubeproxy_file.HONOURED
+        assert f"{mode.config_section}.minSyncPeriod" in kubeproxy_file.HONOURED
+        assert f"{mode.masquerade_section}.masqueradeAll" in kubeproxy_file.HONOURED
+        assert f"{mode.masquerade_section}.masqueradeBit" in kubeproxy_file.GUARDED
+
+
+def test_the_names_the_leftovers_know_are_the_ones_each_mode_writes() -> None:
+    from proxy.dataplane.iptables import render as iptables_render
+    from proxy.dataplane.ipvs import netfilter as ipvs_netfilter
+    from proxy.dataplane.ipvs import render as ipvs_render
+    from proxy.dataplane.leftovers import chain_mode, interface_mode, table_mode
+    from proxy.dataplane.nftables import render as nft_render
+    from proxy.dataplane.xtables.saved import Table
+
+    # Every chain each x_tables mode declares is told to be its own, and its marker is
+    # one of its nat chains.
+    assert iptables_render.PREFIX == modes.CHAIN_PREFIX
+    iptables_chains = {c for _, c in iptables_render.DISPATCH_CHAINS} | {
+        iptables_render.MARK_MASQ, iptables_render.MASQ_UNLESS_POD}
+    assert {chain_mode(c) for c in iptables_chains} == {"iptables"}
+    assert (Table.NAT, modes.IPTABLES.markers.marker_chain) in iptables_render.DISPATCH_CHAINS
+    ipvs_chains = {c for chains in ipvs_netfilter.CHAINS.values() for c in chains}
+    assert {chain_mode(c) for c in ipvs_chains} == {"ipvs"}
+    assert modes.IPVS.markers.marker_chain in ipvs_netfilter.CHAINS["nat"]
+    assert interface_mode(ipvs_render.DUMMY_INTERFACE) == "ipvs"
+    # The nftables mode's tables, shards included.
+    assert nft_render.our_tables() == modes.NFTABLES.markers.tables()
+    assert {table_mode(nft_render.shard_table(i)) for i in range(nft_render.MAX_SHARDS)} \
+        == {"nftables"}
+    # No two modes claim one name.
+    for kind in ("marker_chain", "dummy_interface", "table"):
+        named = [getattr(m.markers, kind) for m in modes.MODES if getattr(m.markers, kind)]
+        assert len(named) == len(set(named)), kind
+
+
+def test_each_mode_counter_is_declared_once_and_served() -> None:
+    from proxy.server.metrics import AgentMetrics
+
+    declared = [c for c in vars(modes).values() if isinstance(c, modes.ModeCounter)]
+    registered = [c for m in modes.MODES for c in m.counters]
+    assert sorted(c.name for c in declared) == sorted(c.name for c in registered)
+    assert set(AgentMetrics().mode_counters) == {c.name for c in registered}
+
+
+# --- a mode added to the registry alone ---------------------------------------------
+
+
+class ToyPlane:
+    mode = "toy"
+
+    def __init__(self, options: object) -> None:
+        self.options = options
+
+
+def clean_toy(found: Any, running: str, options: object) -> str:
+    return f"{len(found.chains)} toy chains, running {running}"
+
+
+TOY = modes.Mode(
+    name="toy", plane=f"{__name__}:ToyPlane", cleaner=f"{__name__}:clean_toy",
+    markers=modes.Markers(chain_prefix="SPX-TOY-", marker_chain="SPX-TOY-SERVICES"),
+    config_section="nftables", masquerade_section="nftables",
+    counters=(modes.ModeCounter("sliceproxy_toy_failures", "toy failures"),))
+
+
+def test_a_mode_in_the_registry_alone_reaches_everything_that_knows_modes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from proxy.config import kubeproxy_file, options
+    from proxy.dataplane import leftovers
+    from proxy.dataplane.base import DataplaneOptions
+    from proxy.dataplane.factory import make_dataplane
+    from proxy.model.types import Family
+    from proxy.server.metrics import AgentMetrics
+
+    monkeypatch.setattr(modes, "MODES", (*modes.MODES, TOY))
+    # The flags (and a config file's `proxy-mode`), and kube-proxy's file.
+    assert "toy" in options.choices("proxy_mode")
+    assert options.parse_args(["--proxy-mode", "toy"]).proxy_mode == "toy"
+    settings, _, _ = kubeproxy_file.translate({
+        "apiVersion": kubeproxy_file.API_VERSION, "kind": kubeproxy_file.KIND,
+        "mode": "toy", "nftables": {"syncPeriod": "5m"}})
+    assert (settings["proxy_mode"], settings["sync_period"]) == ("toy", "5m")
+    # The factory.
+    plane: Any = make_dataplane("toy", DataplaneOptions("node-a"))
+    assert isinstance(plane, ToyPlane)
+    # The leftovers: probed for and removed when another mode runs, by its cleaner.
+    assert "SPX-TOY-SERVICES" in leftovers.probes("nftables").nft_markers
+    found = leftovers.Found(chains=[leftovers.Chain("nft", Family.V4, "SPX-TOY-SERVICES")])
+    assert leftovers.clean("nftables", DataplaneOptions("node-a"), lambda mode: found) == {
+        "toy": "1 toy chains, running nftables"}
+    # Its own counter.
+    metrics = AgentMetrics()
+    metrics.count_mode({"sliceproxy_toy_failures": 2})
+    assert metrics.registry.get_sample_value("sliceproxy_toy_failures_total") == 2

@@ -9,32 +9,22 @@ import logging
 
 import pytest
 
-from proxy.dataplane import leftovers
+from proxy.dataplane import leftovers, modes
 from proxy.dataplane.base import DataplaneOptions
-from proxy.dataplane.leftovers import Chain, Found, chain_mode, clean, swept
+from proxy.dataplane.leftovers import Chain, Found, chain_mode, clean, swept, table_mode
 from proxy.dataplane.xtables.saved import cleanup_restore, parse_save
 from proxy.model.types import Family
 
 OPTIONS = DataplaneOptions("node-a")
-MODES = ("iptables", "ipvs", "nftables")
+MODES = modes.names()
 
 
-def test_names_are_the_planes_own() -> None:
-    from proxy.dataplane.iptables import render as iptables_render
-    from proxy.dataplane.ipvs import netfilter
-    from proxy.dataplane.ipvs import render as ipvs_render
-    from proxy.dataplane.nftables import render as nft_render
-
-    assert leftovers.IPTABLES_PREFIX == iptables_render.PREFIX
-    assert leftovers.IPTABLES_MARKER == iptables_render.SERVICES
-    assert leftovers.IPVS_PREFIX == netfilter.CHAIN_PREFIX
-    assert leftovers.IPVS_MARKER == netfilter.SERVICES_CHAIN
-    assert leftovers.DUMMY_INTERFACE == ipvs_render.DUMMY_INTERFACE
-    ours = set(nft_render.our_tables())
-    assert {t for t in ours if leftovers.NFT_TABLE.fullmatch(t)} == ours
-    for other in ("sliceproxy-64", "sliceproxy-", "sliceproxy-01x", "xsliceproxy", "nat",
-                  "sliceproxy-nat-probe"):
-        assert not leftovers.NFT_TABLE.fullmatch(other), other
+def test_our_tables_are_told_from_others() -> None:
+    # (That these are the names the planes use: tests/unit/test_layout.py.)
+    assert table_mode("sliceproxy") == table_mode("sliceproxy-63") == "nftables"
+    for other in ("sliceproxy-64", "sliceproxy-", "sliceproxy-01", "sliceproxy-01x",
+                  "xsliceproxy", "nat", "sliceproxy-nat-probe", "kube-proxy"):
+        assert table_mode(other) is None, other
 
 
 def test_iptables_mode_chains_and_ipvs_mode_chains_are_told_apart() -> None:
@@ -51,7 +41,7 @@ def found_everything() -> Found:
         nft_tables=[("ip", "sliceproxy"), ("ip6", "sliceproxy-3")],
         chains=[Chain("nft", Family.V4, "SPX-SERVICES"),
                 Chain("legacy", Family.V4, "SPX-IPVS-SERVICES")],
-        dummy=True)
+        dummy_interfaces=["spx-ipvs0"])
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -59,7 +49,7 @@ def test_each_mode_cleans_the_other_two_and_never_its_own(mode: str) -> None:
     found = leftovers.leftovers(mode, found_everything())
     assert set(found) == set(MODES) - {mode}
     # In clean-up order: the IPVS mode's chains before the sweep of every SPX- chain.
-    assert list(found) == [m for m in leftovers.ORDER if m != mode]
+    assert list(found) == [m for m in modes.names() if m != mode]
     if mode != "ipvs":
         assert found["ipvs"] == ["chain legacy IPv4 nat SPX-IPVS-SERVICES",
                                  "dummy interface spx-ipvs0"]
@@ -79,12 +69,13 @@ def test_nothing_found_is_nothing_to_do() -> None:
 def test_probes_skip_a_mode_s_own_things() -> None:
     # iptables mode: its own nat table may hold 100,000 rules; never read it at start.
     assert leftovers.probes("iptables") == leftovers.Probes(
-        nft_tables=True, nft_markers=("SPX-IPVS-SERVICES",), legacy_nat=False, dummy=True)
+        nft_tables=True, nft_markers=("SPX-IPVS-SERVICES",), legacy_nat=False,
+        dummy_interfaces=("spx-ipvs0",))
     assert leftovers.probes("ipvs") == leftovers.Probes(
-        nft_tables=True, nft_markers=("SPX-SERVICES",), legacy_nat=True, dummy=False)
+        nft_tables=True, nft_markers=("SPX-SERVICES",), legacy_nat=True, dummy_interfaces=())
     assert leftovers.probes("nftables") == leftovers.Probes(
-        nft_tables=True, nft_markers=("SPX-SERVICES", "SPX-IPVS-SERVICES"),
-        legacy_nat=True, dummy=True)
+        nft_tables=True, nft_markers=("SPX-IPVS-SERVICES", "SPX-SERVICES"),
+        legacy_nat=True, dummy_interfaces=("spx-ipvs0",))
 
 
 def test_legacy_listings_are_read_for_our_chains() -> None:
@@ -122,9 +113,8 @@ def test_ipvs_mode_removes_the_iptables_mode_chains_but_keeps_its_own() -> None:
     assert "CNI-NAT" not in text
 
 
-@pytest.mark.parametrize("mode", ["iptables", "nftables"])
-def test_other_modes_sweep_every_spx_chain(mode: str) -> None:
-    text = cleanup_restore(parse_save(SAVED), swept(mode)).render()
+def test_nftables_mode_sweeps_every_spx_chain() -> None:
+    text = cleanup_restore(parse_save(SAVED), swept("nftables")).render()
     for chain in ("SPX-SERVICES", "SPX-SVC-AAAA", "SPX-IPVS-SERVICES", "SPX-IPVS-MARK-MASQ"):
         assert f"-X {chain}" in text
     assert "-D PREROUTING" in text and "CNI-NAT" not in text
@@ -136,8 +126,10 @@ def test_clean_runs_only_what_was_found_in_order_and_says_what_it_removed(
     calls: list[str] = []
 
     def cleaner(mode: str) -> leftovers.Cleaner:
-        def run(found: Found) -> str:
+        def run(found: Found, running: str, options: DataplaneOptions) -> str:
+            assert running == "nftables" and options is OPTIONS
             calls.append(mode)
+            assert found == found_everything().of(mode)  # only its own things
             return f"{mode} things"
         return run
 
@@ -162,10 +154,10 @@ def test_clean_runs_only_what_was_found_in_order_and_says_what_it_removed(
 
 def test_a_failed_probe_or_clean_up_is_a_warning_and_the_rest_still_runs(
         caplog: pytest.LogCaptureFixture) -> None:
-    def broken(found: Found) -> str:
+    def broken(found: Found, running: str, options: DataplaneOptions) -> str:
         raise OSError("the kernel said no")
 
-    def fine(found: Found) -> str:
+    def fine(found: Found, running: str, options: DataplaneOptions) -> str:
         return "tables ip sliceproxy"
 
     def no_probe(mode: str) -> Found:
@@ -199,6 +191,6 @@ def test_ipvs_chains_without_ipvs_in_the_kernel_go_without_the_ipvs_plane(
     monkeypatch.setattr(cleanup, "remove_chains", remove_chains)
     monkeypatch.setattr(cleanup, "cleanup_runners", lambda families: [])
     found = Found(chains=[Chain("nft", Family.V4, "SPX-IPVS-SERVICES")])
-    said = leftovers._clean_ipvs(found, OPTIONS, in_kernel=lambda: False)
+    said = leftovers.clean_ipvs(found, "nftables", OPTIONS, in_kernel=lambda: False)
     assert seen == [["SPX-IPVS-INPUT"]]
     assert "IPVS is not in this kernel" in said

@@ -15,6 +15,7 @@ import pytest
 from proxy.agent.changes import ChangeLog
 from proxy.agent.sync_loop import SyncLoop
 from proxy.agent.worker import Worker
+from proxy.dataplane.modes import IPTABLES_RESTORE_FAILURES
 from proxy.kube.ingest import apply_object
 from proxy.model.tracker import ClusterModel
 from proxy.server.health import ProxyHealth
@@ -184,6 +185,9 @@ def test_a_failed_apply_is_retried_as_full_and_keeps_its_changes_pending() -> No
         await settle(b, lambda: len(b.dp.syncs) == 1, "first sync")
         b.clock.now += 10
         b.dp.fail_next = 1
+        # The failure's own counters, as the plane reports them: counted whatever the
+        # mode (this one is "fake"), the agent knowing no mode's metrics.
+        b.dp.counted = {IPTABLES_RESTORE_FAILURES.name: 1}
         b.event(web_slice("198.18.1.10"))
         await settle(b, lambda: len(b.runner.history) == 2, "failed sync")
         failed = b.runner.history[-1]
@@ -192,6 +196,8 @@ def test_a_failed_apply_is_retried_as_full_and_keeps_its_changes_pending() -> No
         assert b.health.status().oldest_queued_age is not None
         assert b.metrics.registry.get_sample_value(
             "sliceproxy_sync_apply_failures_total", {"mode": "fake"}) == 1
+        assert b.metric(f"{IPTABLES_RESTORE_FAILURES.name}_total") == 1
+        b.dp.counted = {}
         # The retry waits for its backoff (1s here), then runs as a full sync.
         b.clock.now += 0.5
         for _ in range(30):

@@ -37,6 +37,11 @@ from proxy.dataplane.common.family_sync import FamilyState, FamilySyncPlane, Wri
 from proxy.dataplane.common.rtnetlink import node_addresses
 from proxy.dataplane.iptables.render import render_base, render_port
 from proxy.dataplane.iptables.ruleset import Ruleset, Wanted
+from proxy.dataplane.modes import (
+    IPTABLES,
+    IPTABLES_PARTIAL_RESTORE_FAILURES,
+    IPTABLES_RESTORE_FAILURES,
+)
 from proxy.dataplane.xtables.cleanup import cleanup_runners, remove_chains
 from proxy.dataplane.xtables.restore_runner import (
     Backend,
@@ -59,7 +64,7 @@ APPLIERS = ("restore", "iptc")
 
 # A full sync on nf_tables declares at most about this many chains per restore (a
 # service port has 2-5): iptables-nft-restore's time grows with the square of the chains
-# in one transaction. bench/iptables_bench: 10,000 services in one restore 256 s.
+# in one transaction. bench/rule_sync: 10,000 services in one restore 256 s.
 NFT_CHAINS_PER_RESTORE = 4000
 
 
@@ -81,7 +86,7 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
     (a `simulate.SimulatedRunner` for pure tests); `clear_conntrack=False` skips
     conntrack cleanup (with simulated runners there is no kernel to clean)."""
 
-    mode = "iptables"
+    mode = IPTABLES.name
 
     def __init__(self, options: DataplaneOptions, *, applier: str | None = None,
                  backend: Backend | None = None, lock_wait: float = 5.0,
@@ -174,8 +179,12 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
             # nf_tables reports some errors (a jump to a missing chain) only at COMMIT,
             # so the binary's own words go in the message too.
             said = str(exc).split(": ", 1)[-1].splitlines()[0] if str(exc) else ""
+            counted = {IPTABLES_RESTORE_FAILURES.name: 1}
+            if not full:
+                counted[IPTABLES_PARTIAL_RESTORE_FAILURES.name] = 1
             raise ApplyError(f"{fam.runner.restore_cmd} refused line {exc.line} "
-                             f"({exc.offending!r}): {said}", offending=exc.offending) from exc
+                             f"({exc.offending!r}): {said}", offending=exc.offending,
+                             counted=counted) from exc
 
     def _failed_apply(self, fam: _FamilyState, error: str, offending: str | None,
                       line: int | None = None, full: bool = True) -> None:

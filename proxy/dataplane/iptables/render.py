@@ -50,6 +50,7 @@ from proxy.dataplane.common.naming import (
     port_name,
 )
 from proxy.dataplane.common.paths import PortPlan, plan, sorted_nets
+from proxy.dataplane.modes import IPTABLES
 from proxy.dataplane.xtables.saved import PREFIX, Table
 from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
 from proxy.model.types import (
@@ -60,7 +61,7 @@ from proxy.model.types import (
     ServicePortKey,
 )
 
-SERVICES = "SPX-SERVICES"
+SERVICES = IPTABLES.markers.marker_chain  # declared with the mode: leftovers probe for it
 NODEPORTS = "SPX-NODEPORTS"
 EXTERNAL_SERVICES = "SPX-EXTERNAL-SERVICES"
 FIREWALL = "SPX-FIREWALL"

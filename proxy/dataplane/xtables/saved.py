@@ -11,9 +11,11 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from proxy.dataplane import modes
+
 # Every chain sliceproxy writes, in any mode, begins with this (the IPVS mode's with
 # "SPX-IPVS-"); nothing else is ever ours.
-PREFIX = "SPX-"
+PREFIX = modes.CHAIN_PREFIX
 
 
 class Table(enum.Enum):
