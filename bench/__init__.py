@@ -11,7 +11,7 @@ Scale scenarios (`python -m bench --only NAME`):
 
 The data planes and the model:
   model_bench.py    decoding and resolving N services, one endpoint change
-  iptables_bench.py each rule-based applier's sync (iptables back ends, nftables mode)
+  rule_sync.py      each rule-based applier's sync (iptables back ends, nftables mode)
   nftables/         appliers: ways to program nf_tables; conn_cost: the shards' price
   ipvs/             pyroute2 against our netlink client and IpvsDataPlane, in the
                     kernel lab (its guest side runs inside the QEMU guest)

@@ -157,7 +157,7 @@ def simulator(ns: str, manifest: Path, work: Path, watch_cache: bool,
 
 # --- the synthetic cluster ----------------------------------------------------------------
 # N services of one TCP port (80 -> 8080) with M ready endpoints each: the model
-# benchmark decodes and resolves it; iptables_bench, nftables/conn_cost and the IPVS
+# benchmark decodes and resolves it; rule_sync, nftables/conn_cost and the IPVS
 # guest program it. Addresses stay in the benchmarking range 198.18.0.0/15 (they repeat
 # past its size, which the model does not mind: they belong to different services).
 

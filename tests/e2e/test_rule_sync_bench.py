@@ -1,17 +1,18 @@
-"""The iptables/nftables benchmark keeps working (tiny; timings reported, never asserted). It
-builds its own network namespaces, so it needs root like the e2e tests."""
+"""The rule-based modes' sync benchmark (bench/rule_sync.py: iptables back ends and the
+nftables mode) keeps working (tiny; timings reported, never asserted). It builds its own
+network namespaces, so it needs root like the e2e tests."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.iptables_bench import APPLIERS, markdown, run_one
+from bench.rule_sync import APPLIERS, markdown, run_one
 
 pytestmark = pytest.mark.root
 
 
 @pytest.mark.parametrize("applier", list(APPLIERS))
-def test_iptables_bench_runs_small(applier: str) -> None:
+def test_rule_sync_bench_runs_small(applier: str) -> None:
     result = run_one(applier, services=12, endpoints=3, repeat=1)
     # Per service, iptables: a dispatch rule, 3 statistic jumps, 3 endpoint chains x 2
     # rules; nftables: one chain of 3 numgen DNAT rules (dispatch is a map element).

@@ -1,7 +1,7 @@
 """iptables and nftables data-plane benchmark: program N services, then change one
 service, per applier (`nftables` is the native mode, NftablesDataPlane).
 
-    sudo .venv/bin/python -m bench.iptables_bench --sizes 1000 10000 --repeat 3
+    sudo .venv/bin/python -m bench.rule_sync --sizes 1000 10000 --repeat 3
 
 Each applier runs in a fresh network namespace of its own (never the host's). The
 cluster has FINDINGS' shape: one port per service, 3 ready endpoints (no
@@ -78,7 +78,7 @@ def _size(dp: IptablesDataPlane | NftablesDataPlane) -> tuple[int, int]:
         assert table is not None
         rules = sum(line.startswith("add rule ") for key in table.ports
                     for line in dp.applied_rules(key))
-        base_rules = sum(len(r) for b in table.bases for _n, _b, r in b.chains)
+        base_rules = sum(len(c.rules) for b in table.bases for c in b.chains)
         return rules + base_rules, len(table.chain_names())
     fam = dp._families[Family.V4]
     assert fam.ruleset is not None
