@@ -22,7 +22,7 @@ run, test_scenario = scenario_module("scenario_faults.py", timeout=720.0)
 @pytest.mark.slow
 def test_figures(run: KernelResult, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Print the table the guest wrote (and copy it to $SLICEPROXY_FAULT_REPORT)."""
-    found = sorted(tmp_path_factory.getbasetemp().glob("scenario_faults*/**/faults.json"))
+    found = sorted(tmp_path_factory.getbasetemp().glob("scenarios*/out/faults.json"))
     assert found, "the scenarios wrote no figures"
     rows = [FaultRecord(**r) for r in json.loads(found[-1].read_text())]
     print("\nfault suite, IPVS mode in the kernel lab (emulated; behaviour, not timing):")

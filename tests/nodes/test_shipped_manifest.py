@@ -11,9 +11,10 @@ Checked in order on one cluster: one agent per Linux node, Ready through its own
 on its service account under RBAC; its logs, /metrics and dump on every node; traffic
 from pods on every node (ClusterIP TCP and UDP, cluster DNS through its ClusterIP,
 NodePort from outside, externalTrafficPolicy Local, a topology preference, the API
-server through the `kubernetes` Service); a fourth node joining with no rules of anyone;
-with clients connecting throughout: a rollout to an image whose rules differ in layout
-and its rollback, nftables mode by the ConfigMap and its rollback.
+server through the `kubernetes` Service); with clients connecting throughout: a rollout
+to an image whose rules differ in layout and its rollback, nftables mode by the
+ConfigMap and its rollback; a fourth node joining with no rules of anyone; the
+uninstall as documented.
 """
 
 from __future__ import annotations
@@ -177,45 +178,6 @@ def test_a_pod_reaches_the_api_server_through_the_kubernetes_service(
     assert out.split() == [KUBERNETES_SERVICE_IP, "v1.20.2"], out
 
 
-# --- a node with no rules of anyone -------------------------------------------------------
-
-
-def test_a_fourth_node_without_any_rules_serves_within_30s(workload: Workload) -> None:
-    c = workload.cluster
-    spec = NodeSpec("node-4", "zone-b", 3)
-    node = c.add_node(spec, wait=False)
-    # Nothing programs service addresses on it: no proxy ever ran there.
-    rules = node.exec(["iptables-save", "-t", "nat"]).stdout + \
-        node.exec(["nft", "list", "ruleset"]).stdout
-    assert "SPX-" not in rules and "KUBE-SERVICES" not in rules and "sliceproxy" not in rules
-    c.kubectl("apply", "-f", "-", stdin=wl.as_list(wl.client_pod(spec.name, c.pause.ref)))
-
-    def served() -> bool:
-        pods = [p for p in c.pods(wl.NAMESPACE, "app=client")
-                if p["spec"]["nodeName"] == spec.name and ready(p)]
-        if not pods:
-            return False
-        got = asks(c.pod_netns(pods[0]), workload.ips["echo"], 80, count=3)
-        return set(got) <= set(workload.echo)
-
-    took = waited(served, 120, "a pod on the new node served through a ClusterIP",
-                interval=0.5)
-    since_kubelet = time.monotonic() - node.kubelet_started
-    report.append(f"fourth node: kubelet start -> its pod served {since_kubelet:.1f}s "
-                  f"({took:.1f}s after the node was made)")
-    assert since_kubelet <= 30.0, f"{since_kubelet:.1f}s from kubelet start to traffic"
-
-    def agent_ready() -> bool:
-        mine = [p for p in agents(c) if p["spec"]["nodeName"] == spec.name]
-        assert len(mine) <= 1, mine
-        return bool(mine) and ready(mine[0])
-
-    # Ready follows through its readiness probe (every 5 s in the shipped manifest).
-    wait(agent_ready, 60, "the new node's agent Ready", interval=0.5)
-    report.append(f"fourth node: its agent Ready {time.monotonic() - node.kubelet_started:.1f}s"
-                  " after kubelet start")
-
-
 # --- upgrades and rollbacks with traffic flowing ------------------------------------------
 
 # Another version of the agent, whose iptables rules differ in layout from this tree's:
@@ -372,6 +334,46 @@ def test_the_mode_switch_rolled_back_by_the_configmap(workload: Workload) -> Non
         assert "sliceproxy" not in node.exec(["nft", "list", "tables"]).stdout
     assert set(nat_layout(c).values()) == {"1"}, nat_layout(c)
     converged(c)
+
+
+# --- a node with no rules of anyone (after the rollouts: they roll over three nodes, not
+# four) ----------------------------------------------------------------------------------
+
+
+def test_a_fourth_node_without_any_rules_serves_within_30s(workload: Workload) -> None:
+    c = workload.cluster
+    spec = NodeSpec("node-4", "zone-b", 3)
+    node = c.add_node(spec, wait=False)
+    # Nothing programs service addresses on it: no proxy ever ran there.
+    rules = node.exec(["iptables-save", "-t", "nat"]).stdout + \
+        node.exec(["nft", "list", "ruleset"]).stdout
+    assert "SPX-" not in rules and "KUBE-SERVICES" not in rules and "sliceproxy" not in rules
+    c.kubectl("apply", "-f", "-", stdin=wl.as_list(wl.client_pod(spec.name, c.pause.ref)))
+
+    def served() -> bool:
+        pods = [p for p in c.pods(wl.NAMESPACE, "app=client")
+                if p["spec"]["nodeName"] == spec.name and ready(p)]
+        if not pods:
+            return False
+        got = asks(c.pod_netns(pods[0]), workload.ips["echo"], 80, count=3)
+        return set(got) <= set(workload.echo)
+
+    took = waited(served, 120, "a pod on the new node served through a ClusterIP",
+                interval=0.5)
+    since_kubelet = time.monotonic() - node.kubelet_started
+    report.append(f"fourth node: kubelet start -> its pod served {since_kubelet:.1f}s "
+                  f"({took:.1f}s after the node was made)")
+    assert since_kubelet <= 30.0, f"{since_kubelet:.1f}s from kubelet start to traffic"
+
+    def agent_ready() -> bool:
+        mine = [p for p in agents(c) if p["spec"]["nodeName"] == spec.name]
+        assert len(mine) <= 1, mine
+        return bool(mine) and ready(mine[0])
+
+    # Ready follows through its readiness probe (every 5 s in the shipped manifest).
+    wait(agent_ready, 60, "the new node's agent Ready", interval=0.5)
+    report.append(f"fourth node: its agent Ready {time.monotonic() - node.kubelet_started:.1f}s"
+                  " after kubelet start")
 
 
 # --- uninstall (last: it leaves the cluster without a proxy) ------------------------------

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
-from hypothesis import strategies as st
+from typing import TYPE_CHECKING, Any
 
 from proxy.kube.ingest import EndpointsSource, apply_object
 from proxy.model.snapshot import ResolvedServicePort
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import Endpoint, Family, IPAddress, ServicePortKey
+
+if TYPE_CHECKING:
+    # Imported where used: the kernel lab's scenarios import these builders, and
+    # hypothesis costs seconds to import in an emulated guest.
+    from hypothesis import strategies as st
 
 NODE = "node-a"
 ZONE = "zone-a"
@@ -134,6 +137,8 @@ def addrs(eps: Any) -> list[str]:
 def endpoints_from(addresses: Sequence[IPAddress]) -> st.SearchStrategy[Endpoint]:
     """Hypothesis: endpoints at one of `addresses`, every condition, node and zone
     combination (the merge and memo properties draw slices of these)."""
+    from hypothesis import strategies as st
+
     return st.builds(
         Endpoint,
         address=st.sampled_from(list(addresses)),

@@ -4,8 +4,9 @@ outcome of every test back to the host (as $KERNEL_RESULT JSON, via guest.write_
     python tests/kernel/scenarios/run.py scenario_traffic.py [more.py ...] [-k EXPR]
 
 Scenario files are named scenario_*.py so the host's pytest never collects them (they
-need IPVS); the host side (tests/kernel/test_ipvs_*.py) boots one kernel per module and
-turns each scenario's outcome into a host test.
+need IPVS); the host side (tests/kernel/scenario_host.py) boots one kernel for every
+selected module that needs the same kernel and turns each scenario's outcome into a host
+test.
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ class Collector:
         self.tests: dict[str, dict[str, Any]] = {}
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        name = report.nodeid.split("::", 1)[-1]
+        # "scenario_x.py::test_y[case]": several modules may run in one boot.
+        path, _, test = report.nodeid.partition("::")
+        name = f"{Path(path).name}::{test}"
         entry = self.tests.setdefault(name, {"outcome": "passed", "seconds": 0.0,
-                                             "longrepr": ""})
+                                             "phases": {}, "longrepr": ""})
         entry["seconds"] = round(entry["seconds"] + report.duration, 3)
+        entry["phases"][report.when] = round(report.duration, 3)  # where the time went
         if report.failed:
             entry["outcome"] = "failed" if report.when == "call" else f"error ({report.when})"
             entry["longrepr"] += str(report.longrepr)
@@ -48,6 +52,9 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     code = pytest.main([
         "-p", "no:cacheprovider",  # the root file system is read-only
+        # Its summary hook imports hypothesis whatever ran: seconds in an emulated guest.
+        # Scenarios that use @given still run and report without it.
+        "-p", "no:hypothesispytest",
         "-o", "python_files=scenario_*.py",
         "-q", "-rA", "--tb=short", *extra, *files,
     ], plugins=[collector])
