@@ -52,18 +52,18 @@ from typing import Any, cast
 
 from proxy.dataplane import modes
 from proxy.dataplane.base import DataplaneOptions
-from proxy.dataplane.common.netlink import NFGEN, NetlinkSocket, nla
+from proxy.dataplane.common.netlink import NFGEN, NetlinkSocket, nfgen, nla_string
 from proxy.dataplane.common.netlink_constants import (
     NETLINK_NETFILTER,
     NFNL_SUBSYS_NFTABLES,
     NFPROTO,
     NFPROTO_NAMES,
+    NFT_MSG_GETCHAIN,
+    NFT_MSG_GETTABLE,
+    NFTA_CHAIN_NAME,
+    NFTA_CHAIN_TABLE,
+    NFTA_TABLE_NAME,
 )
-from proxy.dataplane.common.netlink_constants import NFT_MSG_GETCHAIN as _GETCHAIN
-from proxy.dataplane.common.netlink_constants import NFT_MSG_GETTABLE as _GETTABLE
-from proxy.dataplane.common.netlink_constants import NFTA_CHAIN_NAME as _CHAIN_NAME
-from proxy.dataplane.common.netlink_constants import NFTA_CHAIN_TABLE as _CHAIN_TABLE
-from proxy.dataplane.common.netlink_constants import NFTA_TABLE_NAME as _TABLE_NAME
 from proxy.model.types import Family
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,6 @@ log = logging.getLogger(__name__)
 
 # Our tables' families, by number, as nft names them.
 NFT_FAMILIES = {NFPROTO[f]: NFPROTO_NAMES[NFPROTO[f]] for f in Family}
-_NFGEN_SIZE = NFGEN.size
 # nf_tables or its netlink subsystem absent: nothing of ours can be in it.
 _ABSENT = {errno.EPROTONOSUPPORT, errno.ENOENT, errno.EAFNOSUPPORT, errno.EOPNOTSUPP}
 _SAVE_TIMEOUT = 30.0
@@ -191,14 +190,6 @@ def saved_chains(text: str) -> list[str]:
 # --- probes (kernel) ---------------------------------------------------------------------
 
 
-def _nfgen(family: int) -> bytes:
-    return bytes((family, 0, 0, 0))
-
-
-def _string(kind: int, text: str) -> bytes:
-    return nla(kind, text.encode() + b"\0")
-
-
 def _nft(found: Found, wanted: Probes) -> None:
     """Table names of every family in one dump; then the marker chains by name, where
     an `ip`/`ip6` nat table exists (iptables-nft's)."""
@@ -210,15 +201,15 @@ def _nft(found: Found, wanted: Probes) -> None:
         raise
     try:
         try:
-            replies = sock.dump_raw(NFNL_SUBSYS_NFTABLES << 8 | _GETTABLE, _nfgen(0))
+            replies = sock.dump_raw(NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETTABLE, nfgen(0))
         except OSError as exc:
             if exc.errno in _ABSENT:
                 return
             raise
         tables: set[tuple[int, str]] = set()
         for reply in replies:
-            attrs = reply.attrs(_NFGEN_SIZE)
-            name = attrs.get(_TABLE_NAME, b"").split(b"\0", 1)[0].decode(errors="replace")
+            attrs = reply.attrs(NFGEN.size)
+            name = attrs.get(NFTA_TABLE_NAME, b"").split(b"\0", 1)[0].decode(errors="replace")
             tables.add((reply.payload[0], name))
         if wanted.nft_tables:
             found.nft_tables += sorted((NFT_FAMILIES[f], n) for f, n in tables
@@ -227,10 +218,10 @@ def _nft(found: Found, wanted: Probes) -> None:
                 if (NFPROTO[family], "nat") in tables]
         if not asks:
             return
-        kind = NFNL_SUBSYS_NFTABLES << 8 | _GETCHAIN
+        kind = NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETCHAIN
         codes = sock.execute_raw([
-            (kind, 0, _nfgen(NFPROTO[family]) + _string(_CHAIN_TABLE, "nat")
-             + _string(_CHAIN_NAME, marker)) for family, marker in asks])
+            (kind, 0, nfgen(NFPROTO[family]) + nla_string(NFTA_CHAIN_TABLE, "nat")
+             + nla_string(NFTA_CHAIN_NAME, marker)) for family, marker in asks])
         for (family, marker), code in zip(asks, codes, strict=True):
             if code == 0:
                 found.chains.append(Chain("nft", family, marker))

@@ -16,11 +16,17 @@ from proxy.dataplane.common.netlink_constants import (
     NETLINK_NETFILTER,
     NFNL_SUBSYS_NFTABLES,
     NFPROTO,
+    NFT_MSG_GETCHAIN,
+    NFT_MSG_GETRULE,
+    NFT_MSG_GETSET,
     NFTA_ANY_TABLE,
+    NFTA_CHAIN_HANDLE,
+    NFTA_CHAIN_USE,
+    NFTA_RULE_CHAIN,
+    NFTA_RULE_EXPRESSIONS,
+    NFTA_RULE_USERDATA,
+    NFTA_SET_HANDLE,
 )
-from proxy.dataplane.common.netlink_constants import NFT_MSG_GETCHAIN as GETCHAIN
-from proxy.dataplane.common.netlink_constants import NFT_MSG_GETRULE as GETRULE
-from proxy.dataplane.common.netlink_constants import NFT_MSG_GETSET as GETSET
 from proxy.dataplane.nftables.runner import NftError, NftRunner
 from proxy.lab import Lab
 from proxy.lab.netns import entered
@@ -178,7 +184,8 @@ def nft(ns: str, *args: str, stdin: str | None = None) -> str:
 
 
 # What the kernel says of itself rather than of what it was sent: handles, use counts.
-KERNEL_OWN = {GETCHAIN: {2, 6}, GETSET: {16}}
+KERNEL_OWN = {NFT_MSG_GETCHAIN: {NFTA_CHAIN_HANDLE, NFTA_CHAIN_USE},
+              NFT_MSG_GETSET: {NFTA_SET_HANDLE}}
 
 
 def _dump(family: Family, kind: int, table: str) -> list[Reply]:
@@ -193,8 +200,8 @@ def _dump(family: Family, kind: int, table: str) -> list[Reply]:
 def kernel_rules(family: Family, table: str) -> list[tuple[bytes, bytes, bytes | None]]:
     """(chain, expressions, user data) of every rule of `table`, as the kernel dumps
     them: its own encoding, so two ways of adding a rule compare byte for byte."""
-    return [(a[2], a[4], a.get(7))
-            for a in (r.attrs(NFGEN.size) for r in _dump(family, GETRULE, table))]
+    return [(a[NFTA_RULE_CHAIN], a[NFTA_RULE_EXPRESSIONS], a.get(NFTA_RULE_USERDATA))
+            for a in (r.attrs(NFGEN.size) for r in _dump(family, NFT_MSG_GETRULE, table))]
 
 
 def kernel_objects(family: Family, kind: int, table: str) -> list[list[tuple[int, bytes]]]:
@@ -203,10 +210,10 @@ def kernel_objects(family: Family, kind: int, table: str) -> list[list[tuple[int
     out = []
     for reply in _dump(family, kind, table):
         attrs = reply.attrs(NFGEN.size)
-        if attrs.get(1, b"").rstrip(b"\0").decode() != table:
+        if attrs.get(NFTA_ANY_TABLE, b"").rstrip(b"\0").decode() != table:
             continue  # a dump by table name still lists every table's sets
         out.append(sorted((k, v) for k, v in attrs.items() if k not in KERNEL_OWN[kind]
-                          and k != 1))
+                          and k != NFTA_ANY_TABLE))
     return sorted(out)
 
 
@@ -229,7 +236,7 @@ def same_tables(ns: str, family: Family) -> None:
     with entered(ns):
         ref, enc = kernel_rules(family, REF), kernel_rules(family, ENC)
         assert enc == ref
-        for kind in (GETCHAIN, GETSET):
+        for kind in (NFT_MSG_GETCHAIN, NFT_MSG_GETSET):
             assert kernel_objects(family, kind, ENC) == kernel_objects(family, kind, REF)
     assert listing(ns, family, ENC) == listing(ns, family, REF)
 

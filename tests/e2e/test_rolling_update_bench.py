@@ -25,6 +25,7 @@ from proxy.dataplane.common.netlink_constants import (
     NFT_MSG_NEWGEN,
     NFT_MSG_NEWSETELEM,
     NFTA_DATA_VALUE,
+    NFTA_LIST_ELEM,
     NFTA_SET_ELEM_DATA,
     NFTA_SET_ELEM_KEY,
     NFTA_SET_ELEM_LIST_ELEMENTS,
@@ -102,7 +103,8 @@ def _elements(kind: int, table: str, slot_map: str, elements: dict[int, str | No
     def value(kind: int, data: bytes) -> bytes:
         return nla(kind, nla(NFTA_DATA_VALUE, data))
 
-    items = b"".join(nla(1, value(NFTA_SET_ELEM_KEY, struct.pack("=I", slot))  # the slot
+    items = b"".join(nla(NFTA_LIST_ELEM,
+                         value(NFTA_SET_ELEM_KEY, struct.pack("=I", slot))  # the slot
                          + (value(NFTA_SET_ELEM_DATA, ip_address(a).packed + b"\x1f\x90\0\0")
                             if a else b""))
                      for slot, a in elements.items())

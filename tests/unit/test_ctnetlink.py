@@ -30,10 +30,12 @@ from proxy.dataplane.common.netlink import NetlinkError, frame, nested, nfgen, n
 from proxy.dataplane.common.netlink_constants import (
     CTA_FILTER_FLAG_CTA_PROTO_NUM,
     CTA_ID,
+    CTA_MARK,
     CTA_STATUS,
     CTA_TIMEOUT,
     CTA_TUPLE_ORIG,
     CTA_TUPLE_REPLY,
+    CTA_USE,
     CTA_ZONE,
     IPS_ASSURED,
     IPS_CONFIRMED,
@@ -70,8 +72,8 @@ def kernel_message(e: CtEntry, seq: int, tuple_zone: bool = False) -> bytes:
                                                 e.reply_sport, e.src, e.sport) + zone)
     if e.zone:
         body += nla(CTA_ZONE, struct.pack("!H", e.zone))
-    body += nla(CTA_STATUS, struct.pack("!I", e.status)) + nla(8, b"\0" * 4)  # CTA_MARK
-    body += nla(CTA_ID, struct.pack("!I", e.ct_id)) + nla(11, b"\0\0\0\1")  # CTA_USE
+    body += nla(CTA_STATUS, struct.pack("!I", e.status)) + nla(CTA_MARK, b"\0" * 4)
+    body += nla(CTA_ID, struct.pack("!I", e.ct_id)) + nla(CTA_USE, b"\0\0\0\1")
     body += nla(CTA_TIMEOUT, b"\0\0\0\x1e")
     return frame(CT_NEW, NLM_F_MULTI, seq, body)
 

@@ -14,7 +14,10 @@ from hypothesis import strategies as st
 from proxy.dataplane.common.drift_watch import LegacyCanary
 from proxy.dataplane.common.netlink import frame, nfgen, nla
 from proxy.dataplane.common.netlink_constants import (
+    IPCTNL_MSG_CT_NEW,
+    NFNL_SUBSYS_CTNETLINK,
     NFNL_SUBSYS_NFTABLES,
+    NFPROTO_IPV4,
     NFT_MSG_NEWGEN,
     NFTA_GEN_PROC_NAME,
     NFTA_GEN_PROC_PID,
@@ -115,7 +118,7 @@ def test_a_transaction_is_closed_by_its_generation_message() -> None:
 
 def test_other_subsystems_and_truncated_messages_are_ignored() -> None:
     reader = TransactionReader()
-    conntrack = frame(1 << 8 | 0, 0, 0, b"\x02\x00\x00\x00")
+    conntrack = frame(NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_NEW, 0, 0, nfgen(NFPROTO_IPV4))
     assert reader.feed(conntrack + _object(8, 2, "nat")[:10]) == []
     assert reader.feed(_gen(1, "x", 1)) == [Transaction(1, 1, "x", frozenset())]
 

@@ -13,9 +13,16 @@ import pytest
 
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.common.netlink import Reply, nla
-from proxy.dataplane.common.netlink_constants import RTM_DELADDR, RTM_NEWADDR
+from proxy.dataplane.common.netlink_constants import (
+    IFF_UP,
+    IFLA_IFNAME,
+    RTM_DELADDR,
+    RTM_DELLINK,
+    RTM_NEWADDR,
+    RTM_NEWLINK,
+)
 from proxy.dataplane.common.rtnetlink import address_body
-from proxy.dataplane.ipvs.drift import IFF_UP, RTM_DELLINK, RTM_NEWLINK, link_change
+from proxy.dataplane.ipvs.drift import link_change
 from proxy.dataplane.ipvs.netfilter import differences, restore_text
 from proxy.dataplane.xtables.saved import Table, parse_save
 from proxy.dataplane.xtables.simulate import SimulatedRunner
@@ -35,7 +42,7 @@ def addr(kind: int, address: str, index: int = INDEX, port: int = 0) -> Reply:
 def link(kind: int, index: int = INDEX, flags: int = IFF_UP, name: str = NAME,
          port: int = 0) -> Reply:
     body = struct.pack("=BxHiII", socket.AF_UNSPEC, 1, index, flags, 0)
-    return Reply(kind, 0, body + nla(3, name.encode() + b"\0"), port)
+    return Reply(kind, 0, body + nla(IFLA_IFNAME, name.encode() + b"\0"), port)
 
 
 @pytest.mark.parametrize(("msg", "want"), [

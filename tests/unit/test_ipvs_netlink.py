@@ -128,12 +128,12 @@ def test_acknowledgements_carry_the_errno() -> None:
 def test_address_messages_match_pyroute2s_codec() -> None:
     from pyroute2.netlink.rtnl.ifaddrmsg import ifaddrmsg
 
-    from proxy.dataplane.common.netlink_constants import IFA_F_NODAD
+    from proxy.dataplane.common.netlink_constants import IFA_F_NODAD, RTM_NEWADDR
     from proxy.dataplane.common.rtnetlink import address_body, decode_address
 
     for address in (ip_address("198.18.128.10"), ip_address("fd00:198:18::10")):
         body = address_body(7, address)
-        msg = ifaddrmsg(struct.pack("=IHHII", 16 + len(body), 20, 0, 1, 0) + body)
+        msg = ifaddrmsg(struct.pack("=IHHII", 16 + len(body), RTM_NEWADDR, 0, 1, 0) + body)
         msg.decode()
         assert msg["index"] == 7 and msg["prefixlen"] == address.max_prefixlen
         assert msg["flags"] == IFA_F_NODAD

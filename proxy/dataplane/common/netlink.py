@@ -1,5 +1,6 @@
 """Netlink, the parts every client of ours shares: the headers (nlmsghdr, nlattr,
-nfnetlink's nfgenmsg), message and attribute encoding and the one walk over messages
+nfnetlink's nfgenmsg, generic netlink's genlmsghdr; rtnetlink's own are in
+common/rtnetlink.py), message and attribute encoding and the one walk over messages
 and over attributes (pure), a socket that sends acknowledged requests in batches and
 reads dumps, and a thread listening to a multicast group. The kernel's numbers are in
 common/netlink_constants.py. The protocol families on top: rtnetlink
@@ -45,6 +46,7 @@ ATTR = struct.Struct("=HH")  # nlattr: len, type
 # nfgenmsg, nfnetlink's header after nlmsghdr: family (NFPROTO_*, or AF_* for
 # conntrack), version (NFNETLINK_V0), resource id (big endian: a batch's subsystem).
 NFGEN = struct.Struct("!BBH")
+GENL = struct.Struct("=BBH")  # genlmsghdr, generic netlink's: cmd, version, reserved
 
 
 class NetlinkError(OSError):

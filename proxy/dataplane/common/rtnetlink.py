@@ -28,6 +28,7 @@ from proxy.model.types import IPAddress
 # --- messages (pure) --------------------------------------------------------
 
 IFADDR = struct.Struct("=BBBBI")  # ifaddrmsg: family, prefixlen, flags, scope, index
+IFINFO = struct.Struct("=BxHiII")  # ifinfomsg: family, pad, type, index, flags, change
 
 
 def address_body(index: int, address: IPv4Address | IPv6Address) -> bytes:

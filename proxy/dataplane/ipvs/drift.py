@@ -21,29 +21,32 @@ reads back and compares; only a real difference costs a full sync:
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 from ipaddress import IPv4Address, IPv6Address
 
 from proxy.dataplane.common.netlink import MulticastListener, Reply, parse_attrs, replies
-from proxy.dataplane.common.netlink_constants import NETLINK_ROUTE, RTM_DELADDR, RTM_NEWADDR
-from proxy.dataplane.common.rtnetlink import decode_address
+from proxy.dataplane.common.netlink_constants import (
+    IFF_UP,
+    IFLA_IFNAME,
+    NETLINK_ROUTE,
+    RTM_DELADDR,
+    RTM_DELLINK,
+    RTM_NEWADDR,
+    RTM_NEWLINK,
+    RTMGRP_IPV4_IFADDR,
+    RTMGRP_IPV6_IFADDR,
+    RTMGRP_LINK,
+)
+from proxy.dataplane.common.rtnetlink import IFINFO, decode_address
 from proxy.dataplane.ipvs.render import usable_node_address
 
-# Legacy multicast group bits of rtnetlink (bind's groups mask): links, IPv4 and IPv6
-# interface addresses.
-RTMGRP_LINK, RTMGRP_IPV4_IFADDR, RTMGRP_IPV6_IFADDR = 0x1, 0x10, 0x100
-RTM_NEWLINK, RTM_DELLINK = 16, 17
-IFLA_IFNAME = 3
-IFF_UP = 0x1
-_IFINFO = struct.Struct("=BxHiII")  # ifinfomsg: family, pad, type, index, flags, change
 LISTEN_BUFFER = 4 << 20
 
 Notify = Callable[[str], None]
 
 
 def _ifname(payload: bytes) -> str | None:
-    raw = parse_attrs(payload[_IFINFO.size:]).get(IFLA_IFNAME)
+    raw = parse_attrs(payload[IFINFO.size:]).get(IFLA_IFNAME)
     return raw.split(b"\0", 1)[0].decode("utf-8", "replace") if raw is not None else None
 
 
@@ -63,8 +66,8 @@ def link_change(msg: Reply, name: str, index: int | None,
         if msg.kind == RTM_DELADDR:
             return f"address {address} deleted from {name}"
         return f"address {address} added to {name}"
-    if msg.kind in (RTM_NEWLINK, RTM_DELLINK) and len(msg.payload) >= _IFINFO.size:
-        _family, _type, link, flags, _change = _IFINFO.unpack_from(msg.payload)
+    if msg.kind in (RTM_NEWLINK, RTM_DELLINK) and len(msg.payload) >= IFINFO.size:
+        _family, _type, link, flags, _change = IFINFO.unpack_from(msg.payload)
         label = _ifname(msg.payload)
         if link != index and label != name:
             return None

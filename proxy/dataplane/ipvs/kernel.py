@@ -20,6 +20,7 @@ from pathlib import Path
 from pyroute2 import IPRoute
 
 from proxy.dataplane.common.netlink import NetlinkError, nested
+from proxy.dataplane.common.netlink_constants import IFF_UP
 from proxy.dataplane.common.netlink_constants import IPVS_CMD_ATTR_DEST as ATTR_DEST
 from proxy.dataplane.common.netlink_constants import IPVS_CMD_ATTR_SERVICE as ATTR_SERVICE
 from proxy.dataplane.common.netlink_constants import IPVS_CMD_GET_DEST as CMD_GET_DEST
@@ -38,8 +39,6 @@ from proxy.dataplane.ipvs.render import RsKey, VsKey
 from proxy.model.types import Family, IPAddress
 
 log = logging.getLogger(__name__)
-
-IFF_UP = 0x1
 
 # Upstream's IPVS proxier sets these (why: common/node_settings.py, which the
 # --init-only step writes them from; here the agent tries again where it may).

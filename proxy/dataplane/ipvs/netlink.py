@@ -25,6 +25,7 @@ import sys
 from collections.abc import Sequence
 
 from proxy.dataplane.common.netlink import (
+    GENL,
     NetlinkError,
     NetlinkSocket,
     frame,
@@ -88,7 +89,6 @@ FLAGS_MASK = 0xFFFF
 # attribute; the kernel refuses 0 or more than 128 (and needs the attribute either way).
 V4_NETMASK = b"\xff\xff\xff\xff"
 V6_PREFIX = struct.pack("=I", 128)
-GENL = struct.Struct("=BBH")  # genlmsghdr: cmd, version, reserved
 
 
 # --- encoding (pure) -------------------------------------------------------------------

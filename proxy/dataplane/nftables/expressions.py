@@ -31,31 +31,94 @@ import struct
 from collections.abc import Callable, Iterable
 
 from proxy.dataplane.common.netlink import nested, nla
-from proxy.dataplane.common.netlink_constants import NFPROTO
+from proxy.dataplane.common.netlink_constants import (
+    ICMP_PORT_UNREACH,
+    ICMPV6_PORT_UNREACH,
+    IPS_DST_NAT,
+    NF_ACCEPT,
+    NF_CT_STATE_NEW,
+    NF_DROP,
+    NF_NAT_RANGE_PROTO_RANDOM_FULLY,
+    NF_NAT_RANGE_PROTO_SPECIFIED,
+    NFPROTO,
+    NFT_CMP_EQ,
+    NFT_CMP_NEQ,
+    NFT_CT_STATE,
+    NFT_CT_STATUS,
+    NFT_DYNSET_OP_UPDATE,
+    NFT_FIB_RESULT_ADDRTYPE,
+    NFT_GOTO,
+    NFT_JUMP,
+    NFT_META_L4PROTO,
+    NFT_META_MARK,
+    NFT_NAT_DNAT,
+    NFT_NG_RANDOM,
+    NFT_PAYLOAD_NETWORK_HEADER,
+    NFT_PAYLOAD_TRANSPORT_HEADER,
+    NFT_REG32_00,
+    NFT_REG_1,
+    NFT_REG_2,
+    NFT_REG_VERDICT,
+    NFT_REJECT_ICMP_UNREACH,
+    NFT_RETURN,
+    NFTA_BITWISE_DREG,
+    NFTA_BITWISE_LEN,
+    NFTA_BITWISE_MASK,
+    NFTA_BITWISE_SREG,
+    NFTA_BITWISE_XOR,
+    NFTA_CMP_DATA,
+    NFTA_CMP_OP,
+    NFTA_CMP_SREG,
+    NFTA_CT_DREG,
+    NFTA_CT_KEY,
+    NFTA_DATA_VALUE,
+    NFTA_DATA_VERDICT,
+    NFTA_DYNSET_OP,
+    NFTA_DYNSET_SET_NAME,
+    NFTA_DYNSET_SREG_KEY,
+    NFTA_EXPR_DATA,
+    NFTA_EXPR_NAME,
+    NFTA_FIB_DREG,
+    NFTA_FIB_F_DADDR,
+    NFTA_FIB_F_SADDR,
+    NFTA_FIB_FLAGS,
+    NFTA_FIB_RESULT,
+    NFTA_IMMEDIATE_DATA,
+    NFTA_IMMEDIATE_DREG,
+    NFTA_LIST_ELEM,
+    NFTA_LOOKUP_DREG,
+    NFTA_LOOKUP_SET,
+    NFTA_LOOKUP_SREG,
+    NFTA_MASQ_FLAGS,
+    NFTA_META_DREG,
+    NFTA_META_KEY,
+    NFTA_META_SREG,
+    NFTA_NAT_FAMILY,
+    NFTA_NAT_FLAGS,
+    NFTA_NAT_REG_ADDR_MIN,
+    NFTA_NAT_REG_PROTO_MIN,
+    NFTA_NAT_TYPE,
+    NFTA_NG_DREG,
+    NFTA_NG_MODULUS,
+    NFTA_NG_OFFSET,
+    NFTA_NG_TYPE,
+    NFTA_PAYLOAD_BASE,
+    NFTA_PAYLOAD_DREG,
+    NFTA_PAYLOAD_LEN,
+    NFTA_PAYLOAD_OFFSET,
+    NFTA_REJECT_ICMP_CODE,
+    NFTA_REJECT_TYPE,
+    NFTA_RULE_EXPRESSIONS,
+    NFTA_RULE_USERDATA,
+    NFTA_VERDICT_CHAIN,
+    NFTA_VERDICT_CODE,
+    RTN_LOCAL,
+)
 from proxy.model.types import Family
 
-# Verdicts (netfilter's NF_DROP/NF_ACCEPT, nf_tables' own negative codes).
-VERDICTS = {"drop": 0, "accept": 1, "jump": -3, "goto": -4, "return": -5}
-DATA_VALUE, DATA_VERDICT = 1, 2
-VERDICT_CODE, VERDICT_CHAIN = 1, 2
-LIST_ELEM = 1
-EXPR_NAME, EXPR_DATA = 1, 2
-RULE_EXPRESSIONS, RULE_USERDATA = 4, 7
-REG_VERDICT, REG_1, REG_2 = 0, 1, 2
-REG32_00 = 8
-CMP_EQ, CMP_NEQ = 0, 1
-BASE_NETWORK, BASE_TRANSPORT = 1, 2
-META_MARK, META_L4PROTO = 3, 16
-CT_STATE, CT_STATUS = 0, 2
-CT_STATE_NEW = 1 << 3  # NF_CT_STATE_BIT(IP_CT_NEW)
-IPS_DST_NAT = 1 << 5
-NG_RANDOM = 1
-FIB_RESULT_ADDRTYPE, FIB_F_SADDR, FIB_F_DADDR = 3, 1, 2
-RTN_LOCAL = 2
-NAT_DNAT, NAT_RANGE_PROTO_SPECIFIED, NAT_RANGE_PROTO_RANDOM_FULLY = 1, 2, 0x10
-DYNSET_OP_UPDATE = 1
-REJECT_ICMP_UNREACH = 0
-PORT_UNREACHABLE = {Family.V4: 3, Family.V6: 4}  # ICMP_PORT_UNREACH, ICMPV6_PORT_UNREACH
+VERDICTS = {"drop": NF_DROP, "accept": NF_ACCEPT, "jump": NFT_JUMP, "goto": NFT_GOTO,
+            "return": NFT_RETURN}
+PORT_UNREACHABLE = {Family.V4: ICMP_PORT_UNREACH, Family.V6: ICMPV6_PORT_UNREACH}
 PROTOCOLS = {"tcp": socket.IPPROTO_TCP, "udp": socket.IPPROTO_UDP, "sctp": 132}
 # Where the addresses are in each family's header.
 ADDRESS_OFFSETS = {Family.V4: {"saddr": 12, "daddr": 16}, Family.V6: {"saddr": 8, "daddr": 24}}
@@ -86,7 +149,7 @@ string = functools.lru_cache(maxsize=256)(unique_string)
 
 
 def value(kind: int, data: bytes) -> bytes:
-    return nested(kind, nla(DATA_VALUE, data))
+    return nested(kind, nla(NFTA_DATA_VALUE, data))
 
 
 def verdict(kind: int, verb: str, chain: str = "") -> bytes:
@@ -99,8 +162,8 @@ def verdict(kind: int, verb: str, chain: str = "") -> bytes:
 @functools.lru_cache(maxsize=256)
 def _verdict(kind: int, verb: str, chain: str) -> bytes:
     code = struct.pack("!i", VERDICTS[verb])
-    body = nla(VERDICT_CODE, code) + (string(VERDICT_CHAIN, chain) if chain else b"")
-    return nested(kind, nested(DATA_VERDICT, body))
+    body = nla(NFTA_VERDICT_CODE, code) + (string(NFTA_VERDICT_CHAIN, chain) if chain else b"")
+    return nested(kind, nested(NFTA_DATA_VERDICT, body))
 
 
 @functools.lru_cache(maxsize=256)
@@ -110,99 +173,110 @@ def _verdict_head(kind: int, verb: str, length: int) -> bytes:
 
 
 def _expr(name: str, attrs: bytes) -> bytes:
-    return nested(LIST_ELEM, string(EXPR_NAME, name) + nested(EXPR_DATA, attrs))
+    return nested(NFTA_LIST_ELEM, string(NFTA_EXPR_NAME, name) + nested(NFTA_EXPR_DATA, attrs))
 
 
 def register(slot: int) -> int:
     """nft's register for the 32-bit slot `slot` of a concatenation: a whole 128-bit
     register where one starts (the old numbering, as nft keeps it), else a 32-bit one."""
-    return REG_1 + slot // 4 if slot % 4 == 0 else REG32_00 + slot
+    return NFT_REG_1 + slot // 4 if slot % 4 == 0 else NFT_REG32_00 + slot
 
 
 # --- expressions (cached: the same few appear in every rule) ---------------------------------
 
 
 @functools.cache
-def payload(base: int, offset: int, length: int, reg: int = REG_1) -> bytes:
-    return _expr("payload", nla(1, u32(reg)) + nla(2, u32(base)) + nla(3, u32(offset))
-                 + nla(4, u32(length)))
+def payload(base: int, offset: int, length: int, reg: int = NFT_REG_1) -> bytes:
+    return _expr("payload", nla(NFTA_PAYLOAD_DREG, u32(reg))
+                 + nla(NFTA_PAYLOAD_BASE, u32(base)) + nla(NFTA_PAYLOAD_OFFSET, u32(offset))
+                 + nla(NFTA_PAYLOAD_LEN, u32(length)))
 
 
 @functools.lru_cache(maxsize=256)
 def cmp(op: int, data: bytes) -> bytes:
-    return _expr("cmp", nla(1, u32(REG_1)) + nla(2, u32(op)) + value(3, data))
+    return _expr("cmp", nla(NFTA_CMP_SREG, u32(NFT_REG_1)) + nla(NFTA_CMP_OP, u32(op))
+                 + value(NFTA_CMP_DATA, data))
 
 
 @functools.cache
-def meta_load(key: int, reg: int = REG_1) -> bytes:
-    return _expr("meta", nla(2, u32(key)) + nla(1, u32(reg)))
+def meta_load(key: int, reg: int = NFT_REG_1) -> bytes:
+    return _expr("meta", nla(NFTA_META_KEY, u32(key)) + nla(NFTA_META_DREG, u32(reg)))
 
 
 @functools.cache
 def _ct_load(key: int) -> bytes:
-    return _expr("ct", nla(2, u32(key)) + nla(1, u32(REG_1)))
+    return _expr("ct", nla(NFTA_CT_KEY, u32(key)) + nla(NFTA_CT_DREG, u32(NFT_REG_1)))
 
 
 @functools.cache
 def _bitwise(width: int, mask: bytes, xor: bytes) -> bytes:
-    return _expr("bitwise", nla(1, u32(REG_1)) + nla(2, u32(REG_1)) + nla(3, u32(width))
-                 + value(4, mask) + value(5, xor))
+    return _expr("bitwise", nla(NFTA_BITWISE_SREG, u32(NFT_REG_1))
+                 + nla(NFTA_BITWISE_DREG, u32(NFT_REG_1)) + nla(NFTA_BITWISE_LEN, u32(width))
+                 + value(NFTA_BITWISE_MASK, mask) + value(NFTA_BITWISE_XOR, xor))
 
 
 @functools.lru_cache(maxsize=256)
 def _immediate_verdict(verb: str, chain: str = "") -> bytes:
-    return _expr("immediate", nla(1, u32(REG_VERDICT)) + verdict(2, verb, chain))
+    return _expr("immediate", nla(NFTA_IMMEDIATE_DREG, u32(NFT_REG_VERDICT))
+                 + verdict(NFTA_IMMEDIATE_DATA, verb, chain))
 
 
 def _immediate_data(reg: int, data: bytes) -> bytes:
-    return _expr("immediate", nla(1, u32(reg)) + value(2, data))
+    return _expr("immediate", nla(NFTA_IMMEDIATE_DREG, u32(reg)) + value(NFTA_IMMEDIATE_DATA, data))
 
 
 @functools.lru_cache(maxsize=256)
 def _lookup(set_name: str, dreg: int | None = None) -> bytes:
-    attrs = nla(2, u32(REG_1)) + string(1, set_name)
+    attrs = nla(NFTA_LOOKUP_SREG, u32(NFT_REG_1)) + string(NFTA_LOOKUP_SET, set_name)
     if dreg is not None:
-        attrs += nla(3, u32(dreg))
+        attrs += nla(NFTA_LOOKUP_DREG, u32(dreg))
     return _expr("lookup", attrs)
 
 
 @functools.cache
 def _protocol_match(proto: int) -> bytes:
-    return meta_load(META_L4PROTO) + cmp(CMP_EQ, bytes([proto]))
+    return meta_load(NFT_META_L4PROTO) + cmp(NFT_CMP_EQ, bytes([proto]))
+
+
+def _numgen_random(modulus: int) -> bytes:
+    """numgen's attributes: `numgen random mod <modulus>` (offset 0) into register 1."""
+    return (nla(NFTA_NG_DREG, u32(NFT_REG_1)) + nla(NFTA_NG_MODULUS, u32(modulus))
+            + nla(NFTA_NG_TYPE, u32(NFT_NG_RANDOM)) + nla(NFTA_NG_OFFSET, u32(0)))
 
 
 @functools.cache
 def _numgen(modulus: int) -> bytes:
-    ng = nla(1, u32(REG_1)) + nla(2, u32(modulus)) + nla(3, u32(NG_RANDOM)) + nla(4, u32(0))
-    return _expr("numgen", ng) + cmp(CMP_EQ, _HOST_U32.pack(0))
+    return _expr("numgen", _numgen_random(modulus)) + cmp(NFT_CMP_EQ, _HOST_U32.pack(0))
 
 
 @functools.cache
 def _fib_local(flag: int) -> bytes:
-    fib = nla(3, u32(flag)) + nla(2, u32(FIB_RESULT_ADDRTYPE)) + nla(1, u32(REG_1))
-    return _expr("fib", fib) + cmp(CMP_EQ, _HOST_U32.pack(RTN_LOCAL))
+    fib = (nla(NFTA_FIB_FLAGS, u32(flag)) + nla(NFTA_FIB_RESULT, u32(NFT_FIB_RESULT_ADDRTYPE))
+           + nla(NFTA_FIB_DREG, u32(NFT_REG_1)))
+    return _expr("fib", fib) + cmp(NFT_CMP_EQ, _HOST_U32.pack(RTN_LOCAL))
 
 
 @functools.cache
-def _nat(family: Family, port_reg: int = REG_2) -> bytes:
-    return _expr("nat", nla(1, u32(NAT_DNAT)) + nla(2, u32(NFPROTO[family]))
-                 + nla(3, u32(REG_1)) + nla(5, u32(port_reg))
-                 + nla(7, u32(NAT_RANGE_PROTO_SPECIFIED)))
+def _nat(family: Family, port_reg: int = NFT_REG_2) -> bytes:
+    return _expr("nat", nla(NFTA_NAT_TYPE, u32(NFT_NAT_DNAT))
+                 + nla(NFTA_NAT_FAMILY, u32(NFPROTO[family]))
+                 + nla(NFTA_NAT_REG_ADDR_MIN, u32(NFT_REG_1))
+                 + nla(NFTA_NAT_REG_PROTO_MIN, u32(port_reg))
+                 + nla(NFTA_NAT_FLAGS, u32(NF_NAT_RANGE_PROTO_SPECIFIED)))
 
 
 @functools.lru_cache(maxsize=256)
 def _dnat_slot_map(family: Family, modulus: int, set_name: str) -> bytes:
     """`dnat ip to numgen random mod <n> map @<slots>`: a slot into register 1, looked
     up into the address (from register 1) and the port (the register slot after it)."""
-    ng = nla(1, u32(REG_1)) + nla(2, u32(modulus)) + nla(3, u32(NG_RANDOM)) + nla(4, u32(0))
-    return (_expr("numgen", ng) + _lookup(set_name, REG_1)
+    return (_expr("numgen", _numgen_random(modulus)) + _lookup(set_name, NFT_REG_1)
             + _nat(family, register(ADDRESS_WIDTH[family] // 4)))
 
 
 def _dnat_tail(family: Family, port_text: str) -> bytes:
     """What follows the address in `dnat to <addr>:<port>`: the port's immediate, then
     the nat expression (the same length for every port)."""
-    return _immediate_data(REG_2, port(port_text)) + _nat(family)
+    return _immediate_data(NFT_REG_2, port(port_text)) + _nat(family)
 
 
 def protocol(name: str) -> int:
@@ -254,18 +328,19 @@ def _address_match(family: Family, field: str, op: int, operand: str) -> bytes:
     offset = ADDRESS_OFFSETS[family][field]
     width = ADDRESS_WIDTH[family]
     if operand.startswith("@"):
-        if op != CMP_EQ:
+        if op != NFT_CMP_EQ:
             raise Unencodable("a negated set lookup")
-        return payload(BASE_NETWORK, offset, width) + _lookup(operand[1:])
+        return payload(NFT_PAYLOAD_NETWORK_HEADER, offset, width) + _lookup(operand[1:])
     if "/" not in operand:
-        return payload(BASE_NETWORK, offset, width) + cmp(op, address(operand, family))
+        return (payload(NFT_PAYLOAD_NETWORK_HEADER, offset, width)
+                + cmp(op, address(operand, family)))
     raw, bits = _network(operand, family)
     if bits and bits % 8 == 0:
         size = bits // 8
-        return payload(BASE_NETWORK, offset, size) + cmp(op, raw[:size])
+        return payload(NFT_PAYLOAD_NETWORK_HEADER, offset, size) + cmp(op, raw[:size])
     mask = ((((1 << bits) - 1) << (width * 8 - bits)) if bits else 0).to_bytes(width, "big")
-    return payload(BASE_NETWORK, offset, width) + _bitwise(width, mask, bytes(width)) \
-        + cmp(op, raw)
+    return (payload(NFT_PAYLOAD_NETWORK_HEADER, offset, width)
+            + _bitwise(width, mask, bytes(width)) + cmp(op, raw))
 
 
 @functools.cache
@@ -273,7 +348,7 @@ def _immediate_address_head(family: Family) -> bytes:
     """An immediate of an address into register 1, but the address's bytes, which end
     it (4 or 16 bytes: no padding follows)."""
     width = ADDRESS_WIDTH[family]
-    return _immediate_data(REG_1, bytes(width))[:-width]
+    return _immediate_data(NFT_REG_1, bytes(width))[:-width]
 
 
 def _dnat_address(family: Family, host: str) -> bytes:
@@ -311,11 +386,11 @@ def _selector(family: Family, tokens: list[str], i: int) -> tuple[int, int] | No
 
 def _load(family: Family, words: list[str], reg: int) -> bytes:
     if words[0] in ("ip", "ip6"):
-        return payload(BASE_NETWORK, ADDRESS_OFFSETS[family][words[1]], ADDRESS_WIDTH[family],
-                       reg)
+        return payload(NFT_PAYLOAD_NETWORK_HEADER, ADDRESS_OFFSETS[family][words[1]],
+                       ADDRESS_WIDTH[family], reg)
     if words[0] == "meta":
-        return meta_load(META_L4PROTO, reg)
-    return payload(BASE_TRANSPORT, 2, 2, reg)  # th dport
+        return meta_load(NFT_META_L4PROTO, reg)
+    return payload(NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2, reg)  # th dport
 
 
 def _concatenation(family: Family, tokens: list[str], i: int) -> tuple[int, bytes] | None:
@@ -377,7 +452,7 @@ def rule_expressions(family: Family, tokens: list[str]) -> bytes:
     exprs, _ = _expressions(family, tokens)
     if not exprs:
         raise Unencodable("an empty rule")
-    return nested(RULE_EXPRESSIONS, exprs)
+    return nested(NFTA_RULE_EXPRESSIONS, exprs)
 
 
 def rule_body(family: Family, body: str) -> bytes:
@@ -387,7 +462,7 @@ def rule_body(family: Family, body: str) -> bytes:
     words = body.split(None, 3)
     if len(words) == 4 and words[0] == _ip(family) and words[1] in ("saddr", "daddr") \
             and words[2] not in (".", "!="):
-        return nested(RULE_EXPRESSIONS, _address_match(family, words[1], CMP_EQ, words[2])
+        return nested(NFTA_RULE_EXPRESSIONS, _address_match(family, words[1], NFT_CMP_EQ, words[2])
                       + _after_address(family, words[3]))
     return rule_expressions(family, body.split())
 
@@ -432,7 +507,7 @@ def _dnat_rule_head(family: Family, matches: str) -> bytes:
         raise Unencodable(f"{matches!r}: a statement after the verdict")
     exprs += _immediate_address_head(family)
     rest = ADDRESS_WIDTH[family] + len(_dnat_tail(family, "0"))
-    return nested(RULE_EXPRESSIONS, exprs + bytes(rest))[:-rest]
+    return nested(NFTA_RULE_EXPRESSIONS, exprs + bytes(rest))[:-rest]
 
 
 def _rule_comment(note: str) -> bytes:
@@ -502,7 +577,7 @@ def _concatenation_lookup(family: Family, cur: _Cursor) -> tuple[list[bytes], bo
         set_ref = cur.take(1)[0]
         if not set_ref.startswith("@"):
             raise Unencodable(f"vmap {set_ref}")
-        return [loads, _lookup(set_ref[1:], REG_VERDICT)], True
+        return [loads, _lookup(set_ref[1:], NFT_REG_VERDICT)], True
     if target.startswith("@"):
         return [loads, _lookup(target[1:])], False
     raise Unencodable(f"a concatenation compared with {target!r}")
@@ -513,14 +588,14 @@ def _match(family: Family, cur: _Cursor) -> list[bytes] | None:
     ip, word = _ip(family), cur.at(0)
     if word == ip and cur.at(1) in ("saddr", "daddr"):
         _, field, operand = cur.take(3)
-        op = CMP_EQ
+        op = NFT_CMP_EQ
         if operand == "!=":
-            op, operand = CMP_NEQ, cur.take(1)[0]
+            op, operand = NFT_CMP_NEQ, cur.take(1)[0]
         return [_address_match(family, field, op, operand)]
     if word in PROTOCOLS and cur.at(1) == "dport":
         proto, _, port_text = cur.take(3)
-        return [_protocol_match(protocol(proto)), payload(BASE_TRANSPORT, 2, 2),
-                cmp(CMP_EQ, port(port_text))]
+        return [_protocol_match(protocol(proto)), payload(NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2),
+                cmp(NFT_CMP_EQ, port(port_text))]
     if word == "meta" and cur.at(1) == "mark":
         return [_mark(cur.take(6 if cur.at(2) == "&" else 7))]
     if word == "meta":
@@ -534,7 +609,7 @@ def _match(family: Family, cur: _Cursor) -> list[bytes] | None:
         _, field, kw, what = cur.take(4)
         if field not in ("saddr", "daddr") or kw != "type" or what != "local":
             raise Unencodable(f"fib {field} {kw} {what}")
-        return [_fib_local(FIB_F_SADDR if field == "saddr" else FIB_F_DADDR)]
+        return [_fib_local(NFTA_FIB_F_SADDR if field == "saddr" else NFTA_FIB_F_DADDR)]
     if word == "numgen":
         _, kind, mod, modulus, start = cur.take(5)
         if kind != "random" or mod != "mod" or not modulus.isdigit() or start != "0":
@@ -546,12 +621,12 @@ def _match(family: Family, cur: _Cursor) -> list[bytes] | None:
 def _ct_match(words: list[str]) -> list[bytes]:
     _, key, what = words
     if (key, what) == ("state", "new"):
-        load, bits = _ct_load(CT_STATE), CT_STATE_NEW
+        load, bits = _ct_load(NFT_CT_STATE), NF_CT_STATE_NEW
     elif (key, what) == ("status", "dnat"):
-        load, bits = _ct_load(CT_STATUS), IPS_DST_NAT
+        load, bits = _ct_load(NFT_CT_STATUS), IPS_DST_NAT
     else:
         raise Unencodable(f"ct {key} {what}")
-    return [load, _bitwise(4, _HOST_U32.pack(bits), bytes(4)), cmp(CMP_NEQ, bytes(4))]
+    return [load, _bitwise(4, _HOST_U32.pack(bits), bytes(4)), cmp(NFT_CMP_NEQ, bytes(4))]
 
 
 def _ip(family: Family) -> str:
@@ -592,26 +667,29 @@ def _statement(family: Family, cur: _Cursor) -> tuple[list[bytes], bool]:
         if (not set_ref.startswith("@") or (open_, close) != ("{", "}") or proto != ip
                 or field != "saddr"):
             raise Unencodable(f"update {set_ref} {open_} {proto} {field} {close}")
-        dynset = nla(4, u32(REG_1)) + nla(3, u32(DYNSET_OP_UPDATE)) + string(1, set_ref[1:])
-        return [payload(BASE_NETWORK, ADDRESS_OFFSETS[family]["saddr"], ADDRESS_WIDTH[family]),
-                _expr("dynset", dynset)], False
+        dynset = (nla(NFTA_DYNSET_SREG_KEY, u32(NFT_REG_1))
+                  + nla(NFTA_DYNSET_OP, u32(NFT_DYNSET_OP_UPDATE))
+                  + string(NFTA_DYNSET_SET_NAME, set_ref[1:]))
+        return [payload(NFT_PAYLOAD_NETWORK_HEADER, ADDRESS_OFFSETS[family]["saddr"],
+                        ADDRESS_WIDTH[family]), _expr("dynset", dynset)], False
     raise Unencodable(f"{word!r}")
 
 
-_SET_MARK = _expr("meta", nla(2, u32(META_MARK)) + nla(3, u32(REG_1)))
+_SET_MARK = _expr("meta", nla(NFTA_META_KEY, u32(NFT_META_MARK))
+                  + nla(NFTA_META_SREG, u32(NFT_REG_1)))
 
 
 def _mark(words: list[str]) -> bytes:
     """`meta mark & <mask> == <value>` (a match) or `meta mark set meta mark ^ <bits>` (or `|`)
     (a statement): the mark is in host byte order, as nft writes it."""
     if words[2] == "&" and len(words) == 6 and words[4] == "==":
-        return (meta_load(META_MARK) + _bitwise(4, _HOST_U32.pack(_number(words[3])), bytes(4))
-                + cmp(CMP_EQ, _HOST_U32.pack(_number(words[5]))))
+        return (meta_load(NFT_META_MARK) + _bitwise(4, _HOST_U32.pack(_number(words[3])), bytes(4))
+                + cmp(NFT_CMP_EQ, _HOST_U32.pack(_number(words[5]))))
     if words[2] == "set" and len(words) == 7 and words[3:5] == ["meta", "mark"] \
             and words[5] in ("^", "|"):
         bits = _number(words[6])
         keep = 0xFFFFFFFF if words[5] == "^" else 0xFFFFFFFF & ~bits
-        return (meta_load(META_MARK) + _bitwise(4, _HOST_U32.pack(keep), _HOST_U32.pack(bits))
+        return (meta_load(NFT_META_MARK) + _bitwise(4, _HOST_U32.pack(keep), _HOST_U32.pack(bits))
                 + _SET_MARK)
     raise Unencodable(f"{' '.join(words)!r}")
 
@@ -619,15 +697,16 @@ def _mark(words: list[str]) -> bytes:
 @functools.cache
 def _reject(family: Family) -> bytes:
     """nft's plain `reject` in an ip or ip6 table: ICMP port unreachable."""
-    return _expr("reject", nla(1, u32(REJECT_ICMP_UNREACH))
-                 + nla(2, bytes([PORT_UNREACHABLE[family]])))
+    return _expr("reject", nla(NFTA_REJECT_TYPE, u32(NFT_REJECT_ICMP_UNREACH))
+                 + nla(NFTA_REJECT_ICMP_CODE, bytes([PORT_UNREACHABLE[family]])))
 
 
-_MASQUERADE_FULLY_RANDOM = _expr("masq", nla(1, u32(NAT_RANGE_PROTO_RANDOM_FULLY)))
+_MASQUERADE_FULLY_RANDOM = _expr("masq", nla(NFTA_MASQ_FLAGS,
+                                              u32(NF_NAT_RANGE_PROTO_RANDOM_FULLY)))
 
 
 def comment(text: str) -> bytes:
     data = text.encode() + b"\0"
     if len(data) > 255:
         raise Unencodable("a comment over 254 bytes")
-    return nla(RULE_USERDATA, bytes([0, len(data)]) + data)
+    return nla(NFTA_RULE_USERDATA, bytes([0, len(data)]) + data)

@@ -48,8 +48,7 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from proxy.dataplane.common.netlink import HEADER, frame, nested, nla, parse_attrs
-from proxy.dataplane.common.netlink import NFGEN as _NFGEN
+from proxy.dataplane.common.netlink import HEADER, NFGEN, frame, nested, nfgen, nla, parse_attrs
 from proxy.dataplane.common.netlink_constants import (
     NF_ACCEPT,
     NF_INET_FORWARD,
@@ -62,56 +61,58 @@ from proxy.dataplane.common.netlink_constants import (
     NF_IP_PRI_NAT_SRC,
     NFNL_MSG_BATCH_BEGIN,
     NFNL_MSG_BATCH_END,
+    NFNL_SUBSYS_NFTABLES,
     NFPROTO,
+    NFT_DATA_VERDICT,
+    NFT_MSG_DELCHAIN,
+    NFT_MSG_DELRULE,
+    NFT_MSG_DELSET,
+    NFT_MSG_DELSETELEM,
+    NFT_MSG_DELTABLE,
+    NFT_MSG_GETCHAIN,
+    NFT_MSG_GETTABLE,
+    NFT_MSG_NEWCHAIN,
+    NFT_MSG_NEWRULE,
+    NFT_MSG_NEWSET,
+    NFT_MSG_NEWSETELEM,
+    NFT_MSG_NEWTABLE,
+    NFT_SET_ANONYMOUS,
+    NFT_SET_EVAL,
+    NFT_SET_MAP,
+    NFT_SET_TIMEOUT,
+    NFTA_ANY_TABLE,
+    NFTA_CHAIN_HOOK,
+    NFTA_CHAIN_NAME,
+    NFTA_CHAIN_POLICY,
+    NFTA_CHAIN_TABLE,
+    NFTA_CHAIN_TYPE,
+    NFTA_HOOK_HOOKNUM,
+    NFTA_HOOK_PRIORITY,
+    NFTA_LIST_ELEM,
+    NFTA_RULE_CHAIN,
+    NFTA_SET_DATA_LEN,
+    NFTA_SET_DATA_TYPE,
+    NFTA_SET_ELEM_DATA,
+    NFTA_SET_ELEM_KEY,
+    NFTA_SET_ELEM_LIST_ELEMENTS,
+    NFTA_SET_ELEM_LIST_SET,
+    NFTA_SET_FLAGS,
+    NFTA_SET_ID,
+    NFTA_SET_KEY_LEN,
+    NFTA_SET_KEY_TYPE,
+    NFTA_SET_NAME,
+    NFTA_SET_TABLE,
+    NFTA_SET_TIMEOUT,
+    NFTA_SET_USERDATA,
+    NFTA_TABLE_NAME,
     NLM_F_ACK,
     NLM_F_APPEND,
     NLM_F_CREATE,
     NLM_F_REQUEST,
 )
-from proxy.dataplane.common.netlink_constants import NFNL_SUBSYS_NFTABLES as SUBSYS
-from proxy.dataplane.common.netlink_constants import NFT_DATA_VERDICT as DATA_TYPE_VERDICT
-from proxy.dataplane.common.netlink_constants import NFT_MSG_DELCHAIN as DELCHAIN
-from proxy.dataplane.common.netlink_constants import NFT_MSG_DELRULE as DELRULE
-from proxy.dataplane.common.netlink_constants import NFT_MSG_DELSET as DELSET
-from proxy.dataplane.common.netlink_constants import NFT_MSG_DELSETELEM as DELSETELEM
-from proxy.dataplane.common.netlink_constants import NFT_MSG_DELTABLE as DELTABLE
-from proxy.dataplane.common.netlink_constants import NFT_MSG_GETCHAIN as GETCHAIN
-from proxy.dataplane.common.netlink_constants import NFT_MSG_GETTABLE as GETTABLE
-from proxy.dataplane.common.netlink_constants import NFT_MSG_NEWCHAIN as NEWCHAIN
-from proxy.dataplane.common.netlink_constants import NFT_MSG_NEWRULE as NEWRULE
-from proxy.dataplane.common.netlink_constants import NFT_MSG_NEWSET as NEWSET
-from proxy.dataplane.common.netlink_constants import NFT_MSG_NEWSETELEM as NEWSETELEM
-from proxy.dataplane.common.netlink_constants import NFT_MSG_NEWTABLE as NEWTABLE
-from proxy.dataplane.common.netlink_constants import NFT_SET_EVAL as SET_F_EVAL
-from proxy.dataplane.common.netlink_constants import NFT_SET_MAP as SET_F_MAP
-from proxy.dataplane.common.netlink_constants import NFT_SET_TIMEOUT as SET_F_TIMEOUT
-from proxy.dataplane.common.netlink_constants import NFTA_CHAIN_HOOK as CHAIN_HOOK
-from proxy.dataplane.common.netlink_constants import NFTA_CHAIN_NAME as CHAIN_NAME
-from proxy.dataplane.common.netlink_constants import NFTA_CHAIN_POLICY as CHAIN_POLICY
-from proxy.dataplane.common.netlink_constants import NFTA_CHAIN_TABLE as CHAIN_TABLE
-from proxy.dataplane.common.netlink_constants import NFTA_CHAIN_TYPE as CHAIN_TYPE
-from proxy.dataplane.common.netlink_constants import NFTA_HOOK_HOOKNUM as HOOK_NUMBER
-from proxy.dataplane.common.netlink_constants import NFTA_HOOK_PRIORITY as HOOK_PRIORITY
-from proxy.dataplane.common.netlink_constants import NFTA_RULE_CHAIN as RULE_CHAIN
-from proxy.dataplane.common.netlink_constants import NFTA_SET_DATA_LEN as SET_DATA_LEN
-from proxy.dataplane.common.netlink_constants import NFTA_SET_DATA_TYPE as SET_DATA_TYPE
-from proxy.dataplane.common.netlink_constants import NFTA_SET_ELEM_DATA as ELEM_DATA
-from proxy.dataplane.common.netlink_constants import NFTA_SET_ELEM_KEY as ELEM_KEY
-from proxy.dataplane.common.netlink_constants import NFTA_SET_ELEM_LIST_ELEMENTS as ELEMS_LIST
-from proxy.dataplane.common.netlink_constants import NFTA_SET_ELEM_LIST_SET as ELEMS_SET
-from proxy.dataplane.common.netlink_constants import NFTA_SET_FLAGS as SET_FLAGS
-from proxy.dataplane.common.netlink_constants import NFTA_SET_ID as SET_ID
-from proxy.dataplane.common.netlink_constants import NFTA_SET_KEY_LEN as SET_KEY_LEN
-from proxy.dataplane.common.netlink_constants import NFTA_SET_KEY_TYPE as SET_KEY_TYPE
-from proxy.dataplane.common.netlink_constants import NFTA_SET_NAME as SET_NAME
-from proxy.dataplane.common.netlink_constants import NFTA_SET_TABLE as SET_TABLE
-from proxy.dataplane.common.netlink_constants import NFTA_SET_TIMEOUT as SET_TIMEOUT
-from proxy.dataplane.common.netlink_constants import NFTA_SET_USERDATA as SET_USERDATA
-from proxy.dataplane.common.netlink_constants import NFTA_TABLE_NAME as TABLE_NAME
 from proxy.dataplane.nftables.expressions import (
     ADDRESS_WIDTH,
     INET,
-    LIST_ELEM,
     PROTOCOLS,
     VERDICTS,
     Unencodable,
@@ -250,7 +251,7 @@ def _value_head(kind: int, length: int) -> bytes:
 @functools.cache
 def _set_element_head(length: int) -> bytes:
     """What comes before a set element's key of `length` bytes (it has no value)."""
-    return nested(LIST_ELEM, _value_head(ELEM_KEY, length) + bytes(length))[:-length]
+    return nested(NFTA_LIST_ELEM, _value_head(NFTA_SET_ELEM_KEY, length) + bytes(length))[:-length]
 
 
 def _element(family: Family, key: str, data: str) -> bytes:
@@ -259,18 +260,18 @@ def _element(family: Family, key: str, data: str) -> bytes:
         slot = int(key)
         if slot > 0xFFFFFFFF:
             raise Unencodable(f"slot {key}")
-        attrs = value(ELEM_KEY, struct.pack("=I", slot))
+        attrs = value(NFTA_SET_ELEM_KEY, struct.pack("=I", slot))
         if data:
-            attrs += value(ELEM_DATA, _element_key(family, data))
-        return nested(LIST_ELEM, attrs)
+            attrs += value(NFTA_SET_ELEM_DATA, _element_key(family, data))
+        return nested(NFTA_LIST_ELEM, attrs)
     raw = _element_key(family, key)
     if not data:
         return _set_element_head(len(raw)) + raw
     verb, _, chain = data.partition(" ")
     if verb not in VERDICTS or bool(chain) != (verb in ("jump", "goto")):
         raise Unencodable(f"element value {data!r}")
-    return nested(LIST_ELEM, _value_head(ELEM_KEY, len(raw)) + raw
-                  + verdict(ELEM_DATA, verb, chain))
+    return nested(NFTA_LIST_ELEM, _value_head(NFTA_SET_ELEM_KEY, len(raw)) + raw
+                  + verdict(NFTA_SET_ELEM_DATA, verb, chain))
 
 
 def _elements(family: Family, items: Sequence[tuple[str, str]]) -> bytes:
@@ -320,7 +321,7 @@ def _key_type(types: tuple[str, ...]) -> tuple[int, int, bool]:
 
 
 # A set's flags as nft spells them (objects.Set.flags).
-SET_FLAG_BITS = {"timeout": SET_F_TIMEOUT, "dynamic": SET_F_EVAL}
+SET_FLAG_BITS = {"timeout": NFT_SET_TIMEOUT, "dynamic": NFT_SET_EVAL}
 
 
 def _set_attrs(declared: AnySet) -> bytes:
@@ -332,26 +333,26 @@ def _set_attrs(declared: AnySet) -> bytes:
         data_type, data_len, _ = _key_type((addr, "inet_service"))
         if declared.protocol not in _SLOT_MAP_PROTO:
             raise Unencodable(f"slot map of {declared.protocol!r}")
-        return (nla(SET_FLAGS, u32(SET_F_MAP)) + nla(SET_KEY_TYPE, u32(TYPE_INTEGER))
-                + nla(SET_KEY_LEN, u32(4)) + nla(SET_DATA_TYPE, u32(data_type))
-                + nla(SET_DATA_LEN, u32(data_len))
-                + nla(SET_USERDATA, _slot_map_userdata(declared.family, declared.protocol)))
+        return (nla(NFTA_SET_FLAGS, u32(NFT_SET_MAP)) + nla(NFTA_SET_KEY_TYPE, u32(TYPE_INTEGER))
+                + nla(NFTA_SET_KEY_LEN, u32(4)) + nla(NFTA_SET_DATA_TYPE, u32(data_type))
+                + nla(NFTA_SET_DATA_LEN, u32(data_len))
+                + nla(NFTA_SET_USERDATA, _slot_map_userdata(declared.family, declared.protocol)))
     number, length, concat = _key_type(declared.key)
-    attrs = nla(SET_KEY_TYPE, u32(number)) + nla(SET_KEY_LEN, u32(length))
+    attrs = nla(NFTA_SET_KEY_TYPE, u32(number)) + nla(NFTA_SET_KEY_LEN, u32(length))
     if isinstance(declared, Map):
         if declared.value != "verdict":
             raise Unencodable(f"map of {declared.value!r}")
-        return (nla(SET_FLAGS, u32(SET_F_MAP)) + attrs + nla(SET_DATA_TYPE,
-                                                             u32(DATA_TYPE_VERDICT))
-                + nla(SET_USERDATA, _VERDICT_MAP))
+        return (nla(NFTA_SET_FLAGS, u32(NFT_SET_MAP)) + attrs
+                + nla(NFTA_SET_DATA_TYPE, u32(NFT_DATA_VERDICT))
+                + nla(NFTA_SET_USERDATA, _VERDICT_MAP))
     assert isinstance(declared, Set)
     if not declared.flags and declared.timeout is None:
-        return attrs + nla(SET_USERDATA, _CONCAT_KEY if concat else _KEY_BIG_ENDIAN)
+        return attrs + nla(NFTA_SET_USERDATA, _CONCAT_KEY if concat else _KEY_BIG_ENDIAN)
     if concat or set(declared.flags) != set(SET_FLAG_BITS) or declared.timeout is None:
         raise Unencodable(f"set {{ {declared.declaration()} }}")
-    return (nla(SET_FLAGS, u32(SET_F_TIMEOUT | SET_F_EVAL)) + attrs
-            + nla(SET_TIMEOUT, struct.pack("!Q", declared.timeout * 1000))
-            + nla(SET_USERDATA, _KEY_BIG_ENDIAN))
+    return (nla(NFTA_SET_FLAGS, u32(NFT_SET_TIMEOUT | NFT_SET_EVAL)) + attrs
+            + nla(NFTA_SET_TIMEOUT, struct.pack("!Q", declared.timeout * 1000))
+            + nla(NFTA_SET_USERDATA, _KEY_BIG_ENDIAN))
 
 
 def _hook_attrs(hook: Hook) -> bytes:
@@ -361,10 +362,10 @@ def _hook_attrs(hook: Hook) -> bytes:
             or hook.policy != "accept" or (priority.name and priority.name not in PRIORITIES):
         raise Unencodable(f"chain {{ {hook.text()} }}")
     number = PRIORITIES.get(priority.name, 0) + priority.offset
-    attrs = nla(HOOK_NUMBER, u32(HOOKS[hook.hook])) + nla(HOOK_PRIORITY,
-                                                           struct.pack("!i", number))
-    return (nested(CHAIN_HOOK, attrs) + nla(CHAIN_POLICY, u32(NF_ACCEPT))
-            + string(CHAIN_TYPE, hook.type))
+    attrs = (nla(NFTA_HOOK_HOOKNUM, u32(HOOKS[hook.hook]))
+             + nla(NFTA_HOOK_PRIORITY, struct.pack("!i", number)))
+    return (nested(NFTA_CHAIN_HOOK, attrs) + nla(NFTA_CHAIN_POLICY, u32(NF_ACCEPT))
+            + string(NFTA_CHAIN_TYPE, hook.type))
 
 
 def _command(t: bytes, command: Command, set_id: int) -> tuple[int, int, bytes]:
@@ -374,28 +375,29 @@ def _command(t: bytes, command: Command, set_id: int) -> tuple[int, int, bytes]:
     kind = type(obj)
     if kind is Table:
         if verb == "add":
-            return NEWTABLE, NLM_F_CREATE, t
+            return NFT_MSG_NEWTABLE, NLM_F_CREATE, t
         if verb == "delete":
-            return DELTABLE, 0, t
+            return NFT_MSG_DELTABLE, 0, t
     elif kind is Chain:
         assert isinstance(obj, Chain)
-        name = string(CHAIN_NAME, obj.name)
+        name = string(NFTA_CHAIN_NAME, obj.name)
         if verb == "add":
-            return NEWCHAIN, NLM_F_CREATE, t + name + (_hook_attrs(obj.hook) if obj.hook
-                                                       else b"")
+            hook = _hook_attrs(obj.hook) if obj.hook else b""
+            return NFT_MSG_NEWCHAIN, NLM_F_CREATE, t + name + hook
         if verb == "delete":
-            return DELCHAIN, 0, t + name
+            return NFT_MSG_DELCHAIN, 0, t + name
         if verb == "flush":  # every rule of the chain: a rule deletion naming no rule
-            return DELRULE, 0, t + string(RULE_CHAIN, obj.name)
+            return NFT_MSG_DELRULE, 0, t + string(NFTA_RULE_CHAIN, obj.name)
     else:
         assert isinstance(obj, Set | Map | SlotMap)
         if verb == "add":
-            return NEWSET, NLM_F_CREATE, (t + string(SET_NAME, obj.name) + _set_attrs(obj)
-                                          + nla(SET_ID, u32(set_id)))
+            return NFT_MSG_NEWSET, NLM_F_CREATE, (t + string(NFTA_SET_NAME, obj.name)
+                                                  + _set_attrs(obj)
+                                                  + nla(NFTA_SET_ID, u32(set_id)))
         if verb == "delete":
-            return DELSET, 0, t + string(SET_NAME, obj.name)
+            return NFT_MSG_DELSET, 0, t + string(NFTA_SET_NAME, obj.name)
         if verb == "flush":  # every element: an element deletion naming none
-            return DELSETELEM, 0, t + string(ELEMS_SET, obj.name)
+            return NFT_MSG_DELSETELEM, 0, t + string(NFTA_SET_ELEM_LIST_SET, obj.name)
     raise Unencodable(f"{verb} {obj.kind}")
 
 
@@ -615,11 +617,11 @@ def stages(statements: Iterable[Statement]) -> Iterator[list[Statement]]:
 def _element_message(verb: str, t: bytes, name: str, elements: bytes
                      ) -> tuple[int, int, bytes]:
     """An `add|delete element` of the encoded `elements` of set `name` of table `t`."""
-    attrs = t + string(ELEMS_SET, name) + nested(ELEMS_LIST, elements)
+    attrs = t + string(NFTA_SET_ELEM_LIST_SET, name) + nested(NFTA_SET_ELEM_LIST_ELEMENTS, elements)
     if verb == "add":
-        return NEWSETELEM, NLM_F_CREATE, attrs
+        return NFT_MSG_NEWSETELEM, NLM_F_CREATE, attrs
     if verb == "delete":
-        return DELSETELEM, 0, attrs
+        return NFT_MSG_DELSETELEM, 0, attrs
     raise Unencodable(f"{verb} element")
 
 
@@ -631,18 +633,18 @@ def _line(family: Family, tables: Collection[str], line: str,
     if len(words) == 4 and words[1] == "table" and words[0] in ("add", "delete"):
         if words[2] != ip or words[3] not in tables:
             raise Unencodable(f"not our {family.label} table: {line!r}")
-        return _command(string(TABLE_NAME, words[3]),
+        return _command(string(NFTA_TABLE_NAME, words[3]),
                         Command(words[0], words[3], Table(words[3])), set_id)
     if len(words) < 5:
         raise Unencodable(f"{line!r}")
     verb, kind, fam, table, rest = words
     if fam != ip or table not in tables:
         raise Unencodable(f"not our {family.label} table: {line!r}")
-    t = string(1, table)
+    t = string(NFTA_ANY_TABLE, table)
     if kind == "rule" and verb == "add":
         chain, _, rule = rest.partition(" ")
-        return (NEWRULE, NLM_F_CREATE | NLM_F_APPEND,
-                t + string(RULE_CHAIN, _plain_name(chain)) + encode_rules(family, (rule,))[0])
+        return (NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND,
+                t + string(NFTA_RULE_CHAIN, _plain_name(chain)) + encode_rules(family, (rule,))[0])
     if kind == "element" and verb in ("add", "delete"):
         name, inner = _braced(rest)
         return _element_message(verb, t, name, _elements(
@@ -666,10 +668,10 @@ class _Pages:
     """A batch as it is framed: messages appended to pages of about PAGE bytes."""
 
     def __init__(self, family: Family, first_seq: int, first_line: int = 1) -> None:
-        self.nfgen = _NFGEN.pack(NFPROTO[family], 0, 0)
+        self.family_head = nfgen(NFPROTO[family])
         self.first_seq = self.seq = first_seq
         self.out = bytearray(frame(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, first_seq,
-                                   _NFGEN.pack(socket.AF_UNSPEC, 0, SUBSYS)))
+                                   nfgen(socket.AF_UNSPEC, NFNL_SUBSYS_NFTABLES)))
         self.pages = [self.out]
         self.runs = [(0, first_line)]
         self.blank = first_line - 1  # blank lines so far (and lines before this batch)
@@ -677,8 +679,8 @@ class _Pages:
 
     def add(self, msg: int, flags: int, head: bytes, tails: Iterable[bytes] = (b"",)) -> None:
         """The next lines' messages: `head` then a tail, for each of `tails`."""
-        kind, flags = SUBSYS << 8 | msg, NLM_F_REQUEST | flags
-        out, seq, nfgen, pack = self.out, self.seq, self.nfgen, _MESSAGE_HEAD.pack
+        kind, flags = NFNL_SUBSYS_NFTABLES << 8 | msg, NLM_F_REQUEST | flags
+        out, seq, family_head, pack = self.out, self.seq, self.family_head, _MESSAGE_HEAD.pack
         fixed = _MESSAGE_HEAD.size + len(head)
         size = 0
         for tail in tails:
@@ -689,7 +691,7 @@ class _Pages:
             seq += 1
             # Past 2**32 - 1 the numbers wrap; such a batch is never sent, the caller
             # numbers it again from 1 (NetlinkSocket.reserve), but it must encode.
-            out += pack(size, kind, flags, seq & 0xFFFFFFFF, 0, nfgen)
+            out += pack(size, kind, flags, seq & 0xFFFFFFFF, 0, family_head)
             out += head
             out += tail
         if size:
@@ -715,7 +717,7 @@ class _Pages:
             (flags,) = _FLAGS.unpack_from(out, self.last + 6)
             _FLAGS.pack_into(out, self.last + 6, flags | NLM_F_ACK)
         out += frame(NFNL_MSG_BATCH_END, NLM_F_REQUEST, (self.seq + 1) & 0xFFFFFFFF,
-                     _NFGEN.pack(socket.AF_UNSPEC, 0, SUBSYS))
+                     nfgen(socket.AF_UNSPEC, NFNL_SUBSYS_NFTABLES))
         return Batch(self.pages, self.first_seq, self.seq - self.first_seq, self.runs)
 
 
@@ -733,7 +735,7 @@ def encode(script: str | Iterable[Statement], family: Family, tables: Collection
     that at the agent's peak, in small objects the allocator keeps afterwards."""
     pages = _Pages(family, first_seq, first_line)
     add = pages.add
-    table_names = {table: string(TABLE_NAME, table) for table in tables}
+    table_names = {table: string(NFTA_ANY_TABLE, table) for table in tables}
 
     def table_name(table: str) -> bytes:
         found = table_names.get(table)
@@ -751,15 +753,15 @@ def encode(script: str | Iterable[Statement], family: Family, tables: Collection
             for table, chains in statement.tables:
                 t = table_name(table)
                 for chain in chains:
-                    head = t + unique_string(RULE_CHAIN, _plain_name(chain.name))
+                    head = t + unique_string(NFTA_RULE_CHAIN, _plain_name(chain.name))
                     if statement.flush:
-                        add(DELRULE, 0, head)
-                    add(NEWRULE, NLM_F_CREATE | NLM_F_APPEND, head,
+                        add(NFT_MSG_DELRULE, 0, head)
+                    add(NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, head,
                         encode_rules(family, chain.rules))
         elif isinstance(statement, Chains):
             for table, chains in statement.tables:
-                add(NEWCHAIN, NLM_F_CREATE, table_name(table),
-                    [unique_string(CHAIN_NAME, _plain_name(chain.name)) for chain in chains])
+                add(NFT_MSG_NEWCHAIN, NLM_F_CREATE, table_name(table),
+                    [unique_string(NFTA_CHAIN_NAME, _plain_name(chain.name)) for chain in chains])
         elif isinstance(statement, Command):
             add(*_command(table_name(statement.table), statement, pages.line()))
         elif isinstance(statement, Commit):
@@ -772,26 +774,23 @@ def encode(script: str | Iterable[Statement], family: Family, tables: Collection
 
 # --- reading names back (pure) ---------------------------------------------------------------
 
-SET_F_ANONYMOUS = 0x1
-
-
 def dump_request(family: Family) -> bytes:
     """The body of a dump of every table, chain or set of `family`."""
-    return _NFGEN.pack(NFPROTO[family], 0, 0)
+    return nfgen(NFPROTO[family])
 
 
 def decode_names(kind: int, payload: bytes) -> tuple[str, str, str]:
     """(table, name, "set" | "map" | "") of one dumped table, chain or set (for a table:
     its name twice). Anonymous sets (nft's `{ ... }` in a rule) have kind ""."""
-    attrs = parse_attrs(payload[_NFGEN.size:])
+    attrs = parse_attrs(payload[NFGEN.size:])
 
     def text(attr: int) -> str:
         return attrs.get(attr, b"").split(b"\0", 1)[0].decode(errors="replace")
 
-    if kind == GETTABLE:
-        return text(1), text(1), ""
-    if kind == GETCHAIN:
-        return text(CHAIN_TABLE), text(CHAIN_NAME), ""
-    flags = int.from_bytes(attrs.get(SET_FLAGS, b"\0\0\0\0"), "big")
-    what = "" if flags & SET_F_ANONYMOUS else "map" if flags & SET_F_MAP else "set"
-    return text(SET_TABLE), text(SET_NAME), what
+    if kind == NFT_MSG_GETTABLE:
+        return text(NFTA_TABLE_NAME), text(NFTA_TABLE_NAME), ""
+    if kind == NFT_MSG_GETCHAIN:
+        return text(NFTA_CHAIN_TABLE), text(NFTA_CHAIN_NAME), ""
+    flags = int.from_bytes(attrs.get(NFTA_SET_FLAGS, b"\0\0\0\0"), "big")
+    what = "" if flags & NFT_SET_ANONYMOUS else "map" if flags & NFT_SET_MAP else "set"
+    return text(NFTA_SET_TABLE), text(NFTA_SET_NAME), what
