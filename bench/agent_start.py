@@ -44,7 +44,7 @@ from bench.common import (
     size_mib,
     stop,
 )
-from proxy.lab.poll import TimedOut, wait
+from proxy.netns_lab.poll import TimedOut, wait
 
 POD_BASE = IPv4Address("198.19.0.1")
 POD_ADDRESSES = 65_000

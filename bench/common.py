@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from proxy.kube.decode import decode_endpoint_slice, decode_service
-from proxy.lab import Lab
-from proxy.lab.poll import TimedOut, wait
 from proxy.model.snapshot import DesiredState
 from proxy.model.tracker import ClusterModel
+from proxy.netns_lab import Lab
+from proxy.netns_lab.poll import TimedOut, wait
 
 ROOT = Path(__file__).resolve().parents[1]
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

@@ -37,9 +37,9 @@ from proxy.dataplane.common.ctnetlink import (
     ConntrackSocket,
     CtEntry,
 )
-from proxy.lab import netns
-from proxy.lab.netns import entered
 from proxy.model.types import Family
+from proxy.netns_lab import netns
+from proxy.netns_lab.netns import entered
 
 CLIENTS = IPv4Address("198.18.0.0")  # 198.18.0.0/16: clients
 SERVICES = IPv4Address("198.19.0.0")  # 198.19.0.0/17: service addresses

@@ -36,7 +36,7 @@ from bench.common import print_results
 from labs.kube_proxy_rules import hooks, iptables_restore, nftables
 from proxy.dataplane.common.foreign_proxy import KubeProxyReader
 from proxy.dataplane.common.kube_proxy_objects import writes
-from proxy.lab.netns import entered, scratch
+from proxy.netns_lab.netns import entered, scratch
 
 BACKENDS = ("iptables-nft", "iptables-legacy", "nftables", "ipvs")
 

@@ -179,7 +179,7 @@ def _plane(name: str, options: DataplaneOptions) -> Any:
 
 def _kernel_step(name: str, model: ClusterModel, endpoints: int, count: int,
                  out: dict[str, Any], rows: dict[str, list[float]]) -> None:
-    from proxy.lab.netns import entered
+    from proxy.netns_lab.netns import entered
 
     options = DataplaneOptions(NODE, families=(Family.V4,))
     with node_namespace() as ns, entered(ns):

@@ -90,10 +90,10 @@ from labs.realcp.nodes import ROOT, Sliceproxy, ensure_node
 from labs.realcp.rawapi import RawApi
 from proxy.dataplane.common.netlink import NetlinkSocket
 from proxy.dataplane.common.netlink_constants import NETLINK_NETFILTER
-from proxy.lab import Lab
-from proxy.lab.netns import entered
-from proxy.lab.poll import TimedOut, wait
-from proxy.lab.topology import NODE_LAN4, ip
+from proxy.netns_lab import Lab
+from proxy.netns_lab.netns import entered
+from proxy.netns_lab.poll import TimedOut, wait
+from proxy.netns_lab.topology import NODE_LAN4, ip
 
 SOURCES = ("endpoints", "endpointslices")
 SIDE = "sliceproxy-nftables"  # realcp_latency's name for the mode; its flags

@@ -29,8 +29,8 @@ from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.iptables.apply import IptablesDataPlane
 from proxy.dataplane.nftables.apply import NftablesDataPlane
 from proxy.dataplane.xtables.restore_runner import Backend
-from proxy.lab.netns import entered
 from proxy.model.types import Family
+from proxy.netns_lab.netns import entered
 
 # name -> (back end, applier)
 APPLIERS: dict[str, tuple[Backend | None, str]] = {

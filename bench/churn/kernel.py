@@ -17,7 +17,7 @@ from proxy.dataplane.common.netlink_constants import (
     NFT_MSG_NEWRULE,
     NFT_MSG_NEWSETELEM,
 )
-from proxy.lab.netns import entered
+from proxy.netns_lab.netns import entered
 
 ADDING = {NFNL_SUBSYS_NFTABLES << 8 | m for m in (NFT_MSG_NEWRULE, NFT_MSG_NEWSETELEM)}
 # An IPv4 address of the benchmarking range 198.18.0.0/15, wherever it sits (overlapping).

@@ -29,8 +29,8 @@ from bench.churn.workload import (
 from bench.common import PACINGS, ROOT, agent_pid, simulator, size_mib
 from bench.rolling_update.api import Api
 from bench.rolling_update.lab import logged_syncs, ms_summary
-from proxy.lab import Lab
-from proxy.lab.poll import TimedOut, wait
+from proxy.netns_lab import Lab
+from proxy.netns_lab.poll import TimedOut, wait
 
 SLICES = f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
 SERVICES = f"/api/v1/namespaces/{NAMESPACE}/services"

@@ -46,8 +46,8 @@ from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.ipvs.apply import IpvsDataPlane
 from proxy.dataplane.ipvs.render import DUMMY_INTERFACE
 from proxy.dataplane.xtables.restore_runner import Backend
-from proxy.lab.netns import entered
 from proxy.model.types import Family
+from proxy.netns_lab.netns import entered
 
 CLIENTS = ("pyroute2", "ours")
 DUMMY = "spx-bench0"  # the dummy interface the raw clients put addresses on

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from proxy.lab.poll import TimedOut, wait
+from proxy.netns_lab.poll import TimedOut, wait
 
 V1 = Path("/sys/fs/cgroup/memory")
 MIB = 1024 * 1024

@@ -62,7 +62,7 @@ from bench.common import (
 )
 from bench.memory.cgroup import MemoryCgroup
 from bench.rolling_update.api import Api
-from proxy.lab.poll import TimedOut, wait
+from proxy.netns_lab.poll import TimedOut, wait
 
 SITUATIONS = ("cold_start", "burst_new", "burst_replace", "resync", "restart")
 NAMESPACE = "default"

@@ -37,7 +37,7 @@ from typing import Any
 
 from bench.common import node_namespace, timed
 from proxy.dataplane.common.netlink_constants import NFPROTO_IPV4
-from proxy.lab.netns import entered
+from proxy.netns_lab.netns import entered
 
 TABLE = "spxbench"
 

@@ -38,11 +38,11 @@ from proxy.dataplane.nftables import apply as nft_apply
 from proxy.dataplane.nftables.apply import NftablesDataPlane
 from proxy.dataplane.nftables.render import shards_for
 from proxy.kube.decode import decode_endpoint_slice
-from proxy.lab import BackendSpec, Lab
-from proxy.lab.netns import entered
-from proxy.lab.topology import TCP_PORT
 from proxy.model.snapshot import DesiredState
 from proxy.model.types import Family
+from proxy.netns_lab import BackendSpec, Lab
+from proxy.netns_lab.netns import entered
+from proxy.netns_lab.topology import TCP_PORT
 
 
 def connect_times(ns: str, ip: str, port: int, count: int) -> list[float]:

@@ -30,7 +30,7 @@ from bench.realcp_latency.settings import (
 )
 from proxy.dataplane.common.drift_watch import NftablesListener
 from proxy.dataplane.common.netlink_constants import NFPROTO_IPV4
-from proxy.lab.netns import entered
+from proxy.netns_lab.netns import entered
 
 # --- measuring ----------------------------------------------------------------------------
 

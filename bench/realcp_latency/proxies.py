@@ -13,7 +13,7 @@ from bench.realcp_latency.nat import NatView
 from labs.realcp.nodes import (
     NodeProxy,
 )
-from proxy.lab import Lab
+from proxy.netns_lab import Lab
 
 # --- the proxies --------------------------------------------------------------------------
 

@@ -51,8 +51,8 @@ from labs.realcp.nodes import (
     pod_status,
 )
 from labs.realcp.rawapi import RawApi
-from proxy.lab import Lab
-from proxy.lab.topology import NODE_LAN4
+from proxy.netns_lab import Lab
+from proxy.netns_lab.topology import NODE_LAN4
 
 
 def _parallel(settings: Settings, jobs: Sequence[Callable[[], object]], what: str,

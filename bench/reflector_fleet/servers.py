@@ -82,7 +82,7 @@ def real_target(cp: Any) -> Iterator[Target]:
     """A running labs/realcp ControlPlane as a target, with a network namespace of its
     own for the agents, linked to the control plane's (removed on the way out)."""
     from labs.realcp.rawapi import RawApi
-    from proxy.lab.topology import delete_namespace, ip
+    from proxy.netns_lab.topology import delete_namespace, ip
 
     api = RawApi(cp.host_url, token=cp.token, context=cp.ssl_context())
     with contextlib.ExitStack() as stack:

@@ -7,7 +7,7 @@ between the API and the kernel, the agent's CPU and memory.
         --mode nftables --traffic-rate 100
     flock /tmp/spx-heavy.lock .venv/bin/python -m bench.rolling_update --endpoints 10000
 
-The set-up, every part of it in network namespaces of a lab (`proxy.lab`) made for the
+The set-up, every part of it in network namespaces of a lab (`proxy.netns_lab`) made for the
 run and removed after it (also on SIGTERM):
 
 - node: the simulator (`python -m proxy.sim`, its own process, as bench/agent_start.py
@@ -17,9 +17,9 @@ run and removed after it (also on SIGTERM):
   198.19.0.0/16 and 198.18.4.0-198.18.254.255 there: 50,000 old and 50,000 new pods),
   every pod's address a local /32 route there (as good as an address to a socket, and
   1,000 times cheaper to add at 100,000 than addresses on one device), and ONE
-  listener on 0.0.0.0:8080 (`proxy.lab.echo` answering with the address reached), so
+  listener on 0.0.0.0:8080 (`proxy.netns_lab.echo` answering with the address reached), so
   every endpoint really accepts connections, and stops doing so once its route goes;
-- client: short TCP connections to the ClusterIP (`proxy.lab.probe.ask_once`: connect,
+- client: short TCP connections to the ClusterIP (`proxy.netns_lab.probe.ask_once`: connect,
   one line, the answer) at `--traffic-rate` a second, from a little before the roll to
   a little after it; each one's outcome (the pod that answered, or refused, reset,
   timeout) is kept with its time.

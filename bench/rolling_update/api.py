@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.rolling_update.workload import Obj
-from proxy.lab.netns import entered
+from proxy.netns_lab.netns import entered
 
 # --- the API, from the node's namespace ------------------------------------------------
 

@@ -42,7 +42,7 @@ from proxy.dataplane.common.netlink_constants import (
     NFTA_SET_TABLE,
     NFTA_TABLE_NAME,
 )
-from proxy.lab.netns import entered
+from proxy.netns_lab.netns import entered
 
 # --- the kernel: the service's DNAT targets over time ----------------------------------
 

@@ -27,9 +27,9 @@ from bench.rolling_update.workload import (
     Roll,
     pod_address,
 )
-from proxy.lab import Lab
-from proxy.lab.echo import LOCAL_ADDRESS
-from proxy.lab.topology import ip
+from proxy.netns_lab import Lab
+from proxy.netns_lab.echo import LOCAL_ADDRESS
+from proxy.netns_lab.topology import ip
 
 # --- the lab -------------------------------------------------------------------------------
 
@@ -73,7 +73,7 @@ def pods_namespace(lab: Lab) -> str:
         ip("-n", node, "route", "add", str(net), "via", PODS_LINK_POD)
     # Fresh source ports for every connection of a long run (TIME_WAIT keeps each 60 s).
     lab.sysctl(lab.client_ns, "net.ipv4.ip_local_port_range", "1024 65535")
-    proc = lab.popen(node, [sys.executable, "-m", "proxy.lab.echo", "--tcp", str(POD_PORT),
+    proc = lab.popen(node, [sys.executable, "-m", "proxy.netns_lab.echo", "--tcp", str(POD_PORT),
                             "--backend", f"{LOCAL_ADDRESS}={pods}=0.0.0.0"],
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                      env={**os.environ, "PYTHONPATH": str(ROOT)})

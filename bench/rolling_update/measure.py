@@ -40,8 +40,8 @@ from bench.rolling_update.workload import (
     Write,
     pod_address,
 )
-from proxy.lab import Lab
-from proxy.lab.poll import TimedOut, wait
+from proxy.netns_lab import Lab
+from proxy.netns_lab.poll import TimedOut, wait
 
 # --- one run ---------------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from bench.huge_service import (
     SERVICE_IP,
 )
 from bench.rolling_update.workload import SERVICE_PORT
-from proxy.lab.probe import ask_once
+from proxy.netns_lab.probe import ask_once
 
 # --- traffic -----------------------------------------------------------------------------
 
@@ -21,7 +21,7 @@ class Outcome:
     due: float
     started: float
     ended: float
-    answer: str  # the pod's address, or a failure kind of proxy.lab.probe
+    answer: str  # the pod's address, or a failure kind of proxy.netns_lab.probe
 
 
 class Traffic:

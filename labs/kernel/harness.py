@@ -59,7 +59,7 @@ DEFAULT_MODULES: tuple[str, ...] = (
     "ip_vs_mh",
     "veth",
     "dummy",
-    "bridge",  # proxy/lab's pod bridge
+    "bridge",  # proxy/netns_lab's pod bridge
     "x_tables",
     "ip_tables",
     "iptable_nat",

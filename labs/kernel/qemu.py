@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from labs.kernel.debian_kernel import DebianKernel, KernelError, ensure
-from proxy.lab.poll import TimedOut, wait
+from proxy.netns_lab.poll import TimedOut, wait
 
 QEMU = "qemu-system-x86_64"
 BUSYBOX = Path("/bin/busybox")

@@ -63,9 +63,9 @@ from labs.realcp.addressing import IPV4, IPV4_ONLY, IPAddress, Stack, dual, url_
 from labs.realcp.build import Binaries
 from labs.realcp.forward import NetnsForwarder
 from labs.realcp.pki import Pki, make_pki
-from proxy.lab.netns import entered
-from proxy.lab.poll import TimedOut, wait
-from proxy.lab.topology import delete_namespace, ip, pid_alive, sweep_stale
+from proxy.netns_lab.netns import entered
+from proxy.netns_lab.poll import TimedOut, wait
+from proxy.netns_lab.topology import delete_namespace, ip, pid_alive, sweep_stale
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class ControlPlane:
     _ns_created: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        # Same naming scheme as proxy.lab, so Lab's sweep removes what a killed run left.
+        # Same naming scheme as proxy.netns_lab, so Lab's sweep removes what a killed run left.
         self.prefix = f"spx-{os.getpid()}-{secrets.token_hex(3)}"
         self.namespace = f"{self.prefix}-cp"
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))

@@ -19,7 +19,7 @@ import logging
 import socket
 import threading
 
-from proxy.lab.netns import entered
+from proxy.netns_lab.netns import entered
 
 log = logging.getLogger(__name__)
 

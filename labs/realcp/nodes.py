@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any, Self
 
 from labs.realcp.rawapi import RawApi
-from proxy.lab import Lab
-from proxy.lab.poll import wait
-from proxy.lab.probe import http_get
+from proxy.netns_lab import Lab
+from proxy.netns_lab.poll import wait
+from proxy.netns_lab.probe import http_get
 
 ROOT = Path(__file__).resolve().parents[2]
 POD_CIDR = "198.18.1.0/24"

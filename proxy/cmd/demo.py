@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from proxy.kube.manifests import load_paths
-from proxy.lab import BackendSpec, Lab, poll
-from proxy.lab.netns import entered
-from proxy.lab.probe import http_get
+from proxy.netns_lab import BackendSpec, Lab, poll
+from proxy.netns_lab.netns import entered
+from proxy.netns_lab.probe import http_get
 from proxy.sim import SimServer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,10 +22,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from proxy.lab import BackendSpec, Lab
-from proxy.lab.netns import entered
-from proxy.lab.poll import wait as wait_for  # the name the e2e, fault and kernel tiers use
-from proxy.lab.probe import http_get
+from proxy.netns_lab import BackendSpec, Lab
+from proxy.netns_lab.netns import entered
+from proxy.netns_lab.poll import wait as wait_for  # the name the e2e, fault and kernel tiers use
+from proxy.netns_lab.probe import http_get
 from proxy.sim import SimServer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,9 +15,9 @@ from proxy.dataplane.iptables.apply import IptablesDataPlane
 from proxy.dataplane.nftables.apply import NftablesDataPlane
 from proxy.dataplane.xtables.restore_runner import Backend
 from proxy.kube.ingest import apply_object, delete_object
-from proxy.lab.netns import entered
 from proxy.model.snapshot import DesiredState
 from proxy.model.tracker import ClusterModel
+from proxy.netns_lab.netns import entered
 from tests.unit.builders import node
 
 POD_CIDRS = (ip_network("198.18.1.0/24"), ip_network("fd00:18:1::/64"))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.lab import BackendSpec, Lab
+from proxy.netns_lab import BackendSpec, Lab
 from proxy.sim import SimServer
 from tests.e2e.agent_support import (
     AgentProcess,

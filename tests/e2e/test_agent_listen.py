@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy.lab import Lab
-from proxy.lab.poll import wait as wait_for
-from proxy.lab.probe import http_get
+from proxy.netns_lab import Lab
+from proxy.netns_lab.poll import wait as wait_for
+from proxy.netns_lab.probe import http_get
 from proxy.sim import SimServer
 from tests.e2e.agent_support import (
     HEALTHZ_PORT,

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from proxy.lab import BackendSpec, Lab
+from proxy.netns_lab import BackendSpec, Lab
 from proxy.sim import SimServer
 from tests.e2e.agent_support import (
     AgentProcess,

@@ -25,7 +25,7 @@ from proxy.dataplane.common.netlink_constants import (
     NFT_MSG_DELRULE,
     NFT_MSG_NEWRULE,
 )
-from proxy.lab.netns import NETNS_DIR
+from proxy.netns_lab.netns import NETNS_DIR
 
 
 def _message(kind: int, payload: bytes) -> bytes:

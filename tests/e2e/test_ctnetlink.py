@@ -28,9 +28,9 @@ from proxy.dataplane.common.netlink_constants import (
     IPS_DST_NAT,
     IPS_SEEN_REPLY,
 )
-from proxy.lab import netns
-from proxy.lab.netns import entered
 from proxy.model.types import Family
+from proxy.netns_lab import netns
+from proxy.netns_lab.netns import entered
 
 pytestmark = pytest.mark.root
 

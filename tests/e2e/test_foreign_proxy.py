@@ -20,8 +20,8 @@ import pytest
 from labs.kube_proxy_rules import cleanup, hooks, iptables_restore, nftables
 from proxy.dataplane.common.foreign_proxy import KubeProxyReader
 from proxy.dataplane.common.kube_proxy_objects import writes
-from proxy.lab import Lab
-from proxy.lab.netns import entered
+from proxy.netns_lab import Lab
+from proxy.netns_lab.netns import entered
 from tests.e2e.agent_support import (
     HEALTHZ_PORT,
     AgentProcess,

@@ -20,7 +20,7 @@ import pytest
 
 from proxy.kube import identity
 from proxy.kube.ingest import EndpointsSource
-from proxy.lab import Lab
+from proxy.netns_lab import Lab
 from proxy.sim import SimServer
 from proxy.sim.store import type_of
 from tests.corpus import hostile, pipeline

@@ -23,9 +23,9 @@ from proxy.dataplane.xtables.restore_runner import (
     encoded,
 )
 from proxy.dataplane.xtables.saved import RestoreText, Table, ours, parse_save
-from proxy.lab import Lab
-from proxy.lab.netns import entered
 from proxy.model.types import Family
+from proxy.netns_lab import Lab
+from proxy.netns_lab.netns import entered
 from tests.e2e.conftest import Cluster, NodePlane
 from tests.unit.builders import ep, eps_slice, service
 from tests.unit.test_iptables_sync import clusters

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.lab import BackendSpec, Lab, LabError, sweep_stale
-from proxy.lab.topology import ip
+from proxy.netns_lab import BackendSpec, Lab, LabError, sweep_stale
+from proxy.netns_lab.topology import ip
 
 pytestmark = pytest.mark.root
 

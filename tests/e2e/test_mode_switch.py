@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.lab import BackendSpec, Lab
-from proxy.lab.poll import wait as wait_for
+from proxy.netns_lab import BackendSpec, Lab
+from proxy.netns_lab.poll import wait as wait_for
 from proxy.sim import SimServer
 from tests.e2e.agent_support import (
     AgentProcess,

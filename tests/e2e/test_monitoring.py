@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy.lab import Lab
-from proxy.lab.topology import CLIENT4, NODE_LAN4
+from proxy.netns_lab import Lab
+from proxy.netns_lab.topology import CLIENT4, NODE_LAN4
 from tests.e2e.agent_support import (
     METRICS_PORT,
     AgentProcess,

@@ -26,7 +26,7 @@ from proxy.dataplane.common.netlink_constants import (
 )
 from proxy.dataplane.common.nft_events import Transaction, TransactionReader
 from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
-from proxy.lab.netns import entered
+from proxy.netns_lab.netns import entered
 
 T = TypeVar("T")
 TABLE = "spxrun"

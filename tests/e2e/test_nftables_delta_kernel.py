@@ -13,10 +13,10 @@ import pytest
 from proxy.dataplane.nftables import apply as nft_apply
 from proxy.dataplane.nftables.port_edit import render_edit
 from proxy.dataplane.nftables.render import SLOT_MAP_MIN
-from proxy.lab import Lab
-from proxy.lab.netns import entered
 from proxy.model.snapshot import DesiredState
 from proxy.model.types import Family, ServicePortKey
+from proxy.netns_lab import Lab
+from proxy.netns_lab.netns import entered
 from tests.e2e.conftest import Cluster, NodePlane
 from tests.e2e.test_nftables_kernel import ADDRESSES, dump_rules, listing, wipe
 from tests.unit.builders import NODE, ep, eps_slice, service

@@ -21,9 +21,9 @@ from proxy.dataplane.nftables import wire
 from proxy.dataplane.nftables.expressions import Unencodable
 from proxy.dataplane.nftables.runner import NftError, NftRunner
 from proxy.dataplane.nftables.transaction import Script, first_lines
-from proxy.lab import Lab
-from proxy.lab.netns import entered
 from proxy.model.types import Family
+from proxy.netns_lab import Lab
+from proxy.netns_lab.netns import entered
 from tests.e2e.conftest import POD_CIDRS, Cluster, NodePlane
 from tests.e2e.test_nftables_kernel import ADDRESSES, listing, nft, wipe
 from tests.unit.builders import ep, eps_slice, service

@@ -21,9 +21,9 @@ from proxy.dataplane.nftables import render
 from proxy.dataplane.nftables.render import SLOTS
 from proxy.dataplane.nftables.runner import NftRunner
 from proxy.dataplane.nftables.transaction import Script
-from proxy.lab import Lab
-from proxy.lab.netns import entered
 from proxy.model.types import Family, ServicePortKey
+from proxy.netns_lab import Lab
+from proxy.netns_lab.netns import entered
 from tests.e2e.agent_support import wait_for
 from tests.e2e.conftest import Cluster, NodePlane
 from tests.unit.builders import ep, eps_slice, service

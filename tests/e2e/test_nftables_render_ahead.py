@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from proxy.dataplane.nftables import apply as nft_apply
-from proxy.lab import Lab
-from proxy.lab.netns import entered
 from proxy.model.types import Family
+from proxy.netns_lab import Lab
+from proxy.netns_lab.netns import entered
 from tests.e2e.conftest import Cluster, NodePlane
 from tests.e2e.test_nftables_kernel import ADDRESSES, listing, wipe
 from tests.unit.builders import ep, eps_slice, service

@@ -28,9 +28,9 @@ from proxy.dataplane.common.netlink_constants import (
     NFTA_SET_HANDLE,
 )
 from proxy.dataplane.nftables.runner import NftError, NftRunner
-from proxy.lab import Lab
-from proxy.lab.netns import entered
 from proxy.model.types import Family
+from proxy.netns_lab import Lab
+from proxy.netns_lab.netns import entered
 
 pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
 

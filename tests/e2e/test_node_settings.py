@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.lab import netns
+from proxy.netns_lab import netns
 
 pytestmark = pytest.mark.root
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from proxy.lab import Lab
-from proxy.lab.topology import POD_GW4
+from proxy.netns_lab import Lab
+from proxy.netns_lab.topology import POD_GW4
 from tests.e2e.agent_support import (
     AgentProcess,
     endpoint,

@@ -33,7 +33,7 @@ from proxy.dataplane.common.netlink_constants import (
     NFTA_SET_ELEM_LIST_TABLE,
     NFTA_TABLE_NAME,
 )
-from proxy.lab.netns import NETNS_DIR
+from proxy.netns_lab.netns import NETNS_DIR
 
 pytestmark = pytest.mark.root
 

@@ -19,9 +19,9 @@ import pytest
 
 from proxy.dataplane.base import ApplyError
 from proxy.dataplane.xtables.restore_runner import Backend, IptablesRunner, RestoreInput, whole
-from proxy.lab import BackendSpec, Lab
-from proxy.lab.netns import entered
 from proxy.model.types import Family
+from proxy.netns_lab import BackendSpec, Lab
+from proxy.netns_lab.netns import entered
 from tests.e2e.conftest import Cluster, NodePlane
 from tests.unit.builders import ep, eps_slice, service
 

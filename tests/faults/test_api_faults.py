@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from proxy.lab import Lab
-from proxy.lab.netns import entered
-from proxy.lab.poll import wait
-from proxy.lab.probe import ask_once
+from proxy.netns_lab import Lab
+from proxy.netns_lab.netns import entered
+from proxy.netns_lab.poll import wait
+from proxy.netns_lab.probe import ask_once
 from proxy.sim import SimServer
 from tests.e2e.agent_support import endpoint, endpoint_slice, service
 from tests.faults.conftest import FaultNode, bulk_services, make_node, settle

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from proxy.lab.probe import UdpFlow
+from proxy.netns_lab.probe import UdpFlow
 from tests.e2e.agent_support import endpoint, endpoint_slice, node_object, service, wait_for
 from tests.faults.conftest import BOTH_PORTS, FaultNode, settle
 

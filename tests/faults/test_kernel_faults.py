@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.lab import Lab
-from proxy.lab.probe import Flow
+from proxy.netns_lab import Lab
+from proxy.netns_lab.probe import Flow
 from tests.e2e.agent_support import endpoint, endpoint_slice, wait_for
 from tests.faults.conftest import (
     BOTH_PORTS,

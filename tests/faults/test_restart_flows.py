@@ -28,7 +28,7 @@ from datetime import datetime
 
 import pytest
 
-from proxy.lab.probe import UdpFlow
+from proxy.netns_lab.probe import UdpFlow
 from tests.e2e.agent_support import AgentProcess, PortSpec, endpoint, endpoint_slice, service
 from tests.faults.conftest import FAULTS, FaultNode, FaultRecord
 from tests.faults.traffic import FlowLog, UdpFlows, pinned_flows

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy.lab import Lab
-from proxy.lab.netns import entered
-from proxy.lab.probe import ask_once
+from proxy.netns_lab import Lab
+from proxy.netns_lab.netns import entered
+from proxy.netns_lab.probe import ask_once
 from tests.e2e.agent_support import endpoint, endpoint_slice, service, wait_for
 from tests.faults.conftest import ANY, FaultNode, make_node, settle
 from tests.faults.test_api_faults import add_probe, answered

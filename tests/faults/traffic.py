@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from proxy.lab import poll, probe
+from proxy.netns_lab import poll, probe
 
 
 @dataclass(frozen=True, slots=True)

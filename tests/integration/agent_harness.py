@@ -21,9 +21,9 @@ from proxy.agent.app import Agent
 from proxy.config.options import Config, parse_args
 from proxy.dataplane.base import ApplyError, SyncReport
 from proxy.kube.reflector import ReflectorOptions
-from proxy.lab.poll import wait
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
 from proxy.model.types import Family, IPAddress, ServicePortKey, format_endpoint
+from proxy.netns_lab.poll import wait
 from proxy.sim import SimServer
 
 T = TypeVar("T")

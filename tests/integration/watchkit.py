@@ -18,7 +18,7 @@ import uvloop
 from proxy.kube.client import Api, ClientOptions, KubeApi, Response
 from proxy.kube.identity import ObjectKey
 from proxy.kube.reflector import ReflectorOptions, WatchEvent
-from proxy.lab import poll
+from proxy.netns_lab import poll
 from proxy.sim import SimServer
 
 T = TypeVar("T")

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from proxy.lab import Lab
+from proxy.netns_lab import Lab
 from proxy.sim import SimServer
 from tests.e2e.agent_support import POD_CIDR
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from proxy.lab.poll import wait
+from proxy.netns_lab.poll import wait
 
 SYS = Path("/proc/sys")
 HASHSIZE = Path("/sys/module/nf_conntrack/parameters/hashsize")

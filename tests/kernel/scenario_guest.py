@@ -37,11 +37,11 @@ from proxy.dataplane.ipvs.render import (
 )
 from proxy.dataplane.xtables.restore_runner import Backend
 from proxy.kube.ingest import apply_object, delete_object
-from proxy.lab.netns import CLONE_NEWNET
-from proxy.lab.netns import path as netns_path
 from proxy.model.snapshot import DesiredState
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import Family, IPAddress
+from proxy.netns_lab.netns import CLONE_NEWNET
+from proxy.netns_lab.netns import path as netns_path
 from tests.unit import builders
 
 T = TypeVar("T")

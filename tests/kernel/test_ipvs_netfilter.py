@@ -18,8 +18,8 @@ from proxy.dataplane.ipvs.netfilter import JUMPS, cleanup_text, ipset_replace, r
 from proxy.dataplane.ipvs.render import SET_PREFIX, SetEntry, SetRole
 from proxy.dataplane.xtables.restore_runner import Backend, IptablesRunner
 from proxy.dataplane.xtables.saved import parse_save
-from proxy.lab.netns import entered
 from proxy.model.types import Family
+from proxy.netns_lab.netns import entered
 
 pytestmark = pytest.mark.root
 

@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from proxy.lab.poll import TimedOut, wait
+from proxy.netns_lab.poll import TimedOut, wait
 
 STATE = Path(os.environ.get("SLICEPROXY_CLUSTER_STATE", "/run/sliceproxy-cluster"))
 PIDFILE, INFO, LOG = STATE / "pid", STATE / "cluster.json", STATE / "cluster.log"

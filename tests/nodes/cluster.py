@@ -50,8 +50,8 @@ from labs.realcp.addressing import IPV4, IPV4_ONLY, Stack
 from labs.realcp.build import PAUSE, Binaries
 from labs.realcp.controlplane import API_NAME, API_PORT, ControlPlane
 from labs.realcp.rawapi import RawApi
-from proxy.lab.poll import wait, waited
-from proxy.lab.topology import delete_namespace, ip
+from proxy.netns_lab.poll import wait, waited
+from proxy.netns_lab.topology import delete_namespace, ip
 from tests.nodes import images as imgs
 from tests.nodes.dns import (
     LabDns,

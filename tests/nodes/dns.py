@@ -40,8 +40,8 @@ from typing import Any
 
 from labs.realcp.addressing import IPV4, Family, IPAddress
 from labs.realcp.controlplane import API_NAME, BRIDGE, add_address
-from proxy.lab.netns import entered
-from proxy.lab.poll import TimedOut, wait
+from proxy.netns_lab.netns import entered
+from proxy.netns_lab.poll import TimedOut, wait
 
 DNSMASQ = "dnsmasq"
 CLUSTER_DOMAIN = "cluster.local"

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from labs.realcp.addressing import IPV4_ONLY, IPAddress, IPNetwork, Stack, dual
-from proxy.lab.poll import TimedOut, wait
-from proxy.lab.topology import delete_namespace, ip, pid_alive
+from proxy.netns_lab.poll import TimedOut, wait
+from proxy.netns_lab.topology import delete_namespace, ip, pid_alive
 from tests.nodes.dns import CLUSTER_DOMAIN
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from ipaddress import ip_address
 from typing import Any
 
 from labs.realcp.addressing import IPV4_ONLY, dual, url_host
-from proxy.lab import probe
-from proxy.lab.poll import wait
+from proxy.netns_lab import probe
+from proxy.netns_lab.poll import wait
 from tests.nodes import workload as wl
 from tests.nodes.cluster import ClusterError, NodeCluster
 from tests.nodes.conftest import LONG

@@ -28,7 +28,7 @@ import yaml
 
 from labs.realcp.addressing import IPV6, IPV6_ONLY, url_host
 from labs.realcp.controlplane import API_PORT
-from proxy.lab.poll import wait
+from proxy.netns_lab.poll import wait
 from tests.nodes import workload as wl
 from tests.nodes.cluster import NodeCluster
 from tests.nodes.conftest import LONG, report, started_cluster

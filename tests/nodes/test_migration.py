@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from proxy.lab.poll import wait
+from proxy.netns_lab.poll import wait
 from tests.nodes import workload as wl
 from tests.nodes.cluster import NodeCluster
 from tests.nodes.conftest import LONG, report, started_cluster

@@ -31,8 +31,8 @@ import pytest
 from labs.realcp.addressing import url_host
 from labs.realcp.controlplane import API_PORT, KUBERNETES_SERVICE_IP
 from proxy.dataplane.common.node_settings import NodeSettingsOptions, wanted
-from proxy.lab.poll import wait, waited
-from proxy.lab.probe import http_get
+from proxy.netns_lab.poll import wait, waited
+from proxy.netns_lab.probe import http_get
 from tests.nodes import workload as wl
 from tests.nodes.cluster import SHIPPED_IMAGE_REF, WINDOWS_NODE, NodeCluster
 from tests.nodes.conftest import report

@@ -10,8 +10,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from proxy.lab import probe
-from proxy.lab.poll import wait
+from proxy.netns_lab import probe
+from proxy.netns_lab.poll import wait
 
 ROUND_PAUSE = 0.02  # pacing of the load between rounds (not synchronisation)
 

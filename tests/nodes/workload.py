@@ -2,7 +2,7 @@
 operator to set, and a workload of real pods (Deployment, Services, client pods).
 
 The workload's image is sliceproxy's own, run as the lab's echo server
-(`python -m proxy.lab.echo`): each pod answers TCP lines and UDP datagrams with its own
+(`python -m proxy.netns_lab.echo`): each pod answers TCP lines and UDP datagrams with its own
 name, so a client sees which pod it reached. Client pods are the sandbox image alone
 (`pause`): the test sends from their network namespaces directly.
 """
@@ -106,7 +106,7 @@ def echo_deployment(image: str, replicas: int, listen: str = "0.0.0.0") -> Obj:
                 "terminationGracePeriodSeconds": 5,
                 "containers": [{
                     "name": "echo", "image": image,
-                    "command": ["python", "-m", "proxy.lab.echo"],
+                    "command": ["python", "-m", "proxy.netns_lab.echo"],
                     "args": ["--backend", f"$(POD_NAME)=={listen}", "--tcp", str(TCP_PORT),
                              "--udp", str(UDP_PORT)],
                     "env": [{"name": "POD_NAME", "valueFrom": {

@@ -34,8 +34,8 @@ from proxy.kube.resources import (
     SERVICES,
     Resource,
 )
-from proxy.lab.poll import eventually
 from proxy.model.types import EndpointSlice
+from proxy.netns_lab.poll import eventually
 
 pytestmark = [pytest.mark.realcp, pytest.mark.root]
 

@@ -22,8 +22,8 @@ from labs.realcp.nodes import (
     slice_ips,
 )
 from labs.realcp.rawapi import RawApi
-from proxy.lab import BackendSpec, Lab
-from proxy.lab.poll import wait
+from proxy.netns_lab import BackendSpec, Lab
+from proxy.netns_lab.poll import wait
 
 pytestmark = [pytest.mark.realcp, pytest.mark.root, pytest.mark.slow]
 

@@ -23,8 +23,8 @@ from labs.realcp.clusters import service, services_path
 from labs.realcp.controlplane import ControlPlane
 from labs.realcp.nodes import KubeProxy, NodeProxy, Sliceproxy, Workload, ensure_node, slice_ips
 from labs.realcp.rawapi import RawApi
-from proxy.lab import BackendSpec, Lab
-from proxy.lab.poll import wait
+from proxy.netns_lab import BackendSpec, Lab
+from proxy.netns_lab.poll import wait
 
 pytestmark = [pytest.mark.realcp, pytest.mark.root, pytest.mark.slow]
 

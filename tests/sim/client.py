@@ -11,7 +11,7 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 from labs.realcp.rawapi import WatchStream
-from proxy.lab.poll import wait
+from proxy.netns_lab.poll import wait
 
 Obj = dict[str, Any]
 

@@ -19,7 +19,7 @@ import yaml
 from proxy.agent.app import Agent
 from proxy.config.options import Config, parse_args
 from proxy.kube.client import ClientOptions, KubeApi, Response
-from proxy.lab.poll import eventually
+from proxy.netns_lab.poll import eventually
 from proxy.sim import SimServer
 from tests.integration.agent_harness import FakeDataPlane
 

@@ -142,7 +142,7 @@ def test_the_wheel_built_from_the_context_runs_the_entrypoint(tmp_path: Path) ->
                    check=True, timeout=300, capture_output=True)
     env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}
     where = subprocess.run(
-        [sys.executable, "-c", "import proxy.agent.app, proxy.sim, proxy.lab; "
+        [sys.executable, "-c", "import proxy.agent.app, proxy.sim, proxy.netns_lab; "
                                "print(proxy.__file__)"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=True)
     assert where.stdout.strip().startswith(str(site))

@@ -32,7 +32,7 @@ SHARED = {"common", "xtables"}
 # docs/architecture.md's layout, one way: model at the bottom, cmd at the top.
 ALLOWED: dict[str, set[str]] = {
     "model": set(),
-    "lab": set(),
+    "netns_lab": set(),
     "kube": {"model"},
     # The registry of modes (import-free: data and dotted paths) is read by the options,
     # the metrics (each mode's own counters) and the modes themselves (their names).
@@ -57,7 +57,7 @@ ALLOWED: dict[str, set[str]] = {
     # and the clean-up (and gives freed memory back with common.heap).
     "agent": {"config", "kube", "model", "server", "dataplane.base", "dataplane.factory",
               "dataplane.leftovers", "dataplane.common", "dataplane.modes"},
-    "cmd": {"agent", "config", "kube", "lab", "model", "server", "sim"},
+    "cmd": {"agent", "config", "kube", "model", "netns_lab", "server", "sim"},
     "__main__": {"cmd"},
 }
 LAZY_ONLY = {("dataplane.leftovers", f"dataplane.{m}") for m in MODES}

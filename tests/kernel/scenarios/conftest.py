@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.lab import BackendSpec, Lab
+from proxy.netns_lab import BackendSpec, Lab
 from proxy.sim import SimServer
 from tests.e2e.agent_support import namespace_object, node_object, start_sim
 from tests.kernel.scenario_guest import Cluster, NodeThread

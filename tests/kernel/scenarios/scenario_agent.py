@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from proxy.dataplane.ipvs.render import DUMMY_INTERFACE
-from proxy.lab import BackendSpec, Lab
+from proxy.netns_lab import BackendSpec, Lab
 from proxy.sim import SimServer
 from tests.e2e.agent_support import (
     AgentProcess,

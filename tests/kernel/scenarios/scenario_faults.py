@@ -29,9 +29,9 @@ from typing import Any
 import pytest
 
 from proxy.dataplane.ipvs.render import DUMMY_INTERFACE
-from proxy.lab import BackendSpec, Lab
-from proxy.lab.netns import entered
-from proxy.lab.probe import Flow, UdpFlow
+from proxy.netns_lab import BackendSpec, Lab
+from proxy.netns_lab.netns import entered
+from proxy.netns_lab.probe import Flow, UdpFlow
 from proxy.sim import SimServer
 from tests.e2e.agent_support import (
     AgentProcess,

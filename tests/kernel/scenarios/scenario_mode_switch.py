@@ -25,8 +25,8 @@ from proxy.dataplane.common.kube_proxy_objects import ipvs_set_names
 from proxy.dataplane.ipvs.handover import kube_proxy_chain
 from proxy.dataplane.ipvs.render import DUMMY_INTERFACE
 from proxy.dataplane.xtables.saved import Table
-from proxy.lab import Lab
-from proxy.lab.poll import wait as wait_for
+from proxy.netns_lab import Lab
+from proxy.netns_lab.poll import wait as wait_for
 from proxy.sim import SimServer, v1beta1
 from tests.e2e.agent_support import (
     ROOT,

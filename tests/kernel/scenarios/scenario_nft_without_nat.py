@@ -20,9 +20,9 @@ from proxy.dataplane.xtables.restore_runner import (
     RestoreError,
     detect_backend,
 )
-from proxy.lab import Lab
-from proxy.lab.netns import entered
 from proxy.model.types import Family
+from proxy.netns_lab import Lab
+from proxy.netns_lab.netns import entered
 from proxy.sim import SimServer
 from tests.e2e.agent_support import (
     AgentProcess,

@@ -24,10 +24,10 @@ import pytest
 
 from proxy.dataplane.base import SyncReport
 from proxy.dataplane.xtables.restore_runner import Backend
-from proxy.lab import Lab
-from proxy.lab.netns import entered
-from proxy.lab.poll import wait
 from proxy.model.snapshot import DesiredState
+from proxy.netns_lab import Lab
+from proxy.netns_lab.netns import entered
+from proxy.netns_lab.poll import wait
 from tests.e2e.conftest import Cluster, NodePlane
 from tests.kernel.scenario_guest import NodeThread, read_kernel
 from tests.unit.builders import ep, eps_slice, service

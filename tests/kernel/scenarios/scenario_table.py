@@ -28,8 +28,8 @@ from proxy.dataplane.ipvs.netfilter import JUMPS
 from proxy.dataplane.ipvs.render import VirtualServer, VsKey, VsKind
 from proxy.dataplane.ipvs.sample import TableSampler
 from proxy.dataplane.xtables.restore_runner import Backend, binary
-from proxy.lab import Lab
 from proxy.model.types import Family, Protocol
+from proxy.netns_lab import Lab
 from tests.kernel.scenario_guest import (
     Cluster,
     NodeThread,

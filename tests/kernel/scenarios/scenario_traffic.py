@@ -19,9 +19,9 @@ import pytest
 
 from proxy.dataplane.base import ApplyError
 from proxy.dataplane.ipvs.kernel import IpvsTable
-from proxy.lab import Lab
-from proxy.lab.netns import entered
-from proxy.lab.poll import wait
+from proxy.netns_lab import Lab
+from proxy.netns_lab.netns import entered
+from proxy.netns_lab.poll import wait
 from tests.kernel.scenario_guest import Cluster, NodeThread, options, read_kernel, rendered_view
 from tests.unit.builders import ep, eps_slice, service
 

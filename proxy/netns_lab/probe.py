@@ -17,7 +17,7 @@ from collections import Counter
 from ipaddress import ip_address
 from typing import Self
 
-from proxy.lab.netns import entered
+from proxy.netns_lab.netns import entered
 
 REFUSED, TIMEOUT, UNREACHABLE, RESET = "refused", "timeout", "unreachable", "reset"
 

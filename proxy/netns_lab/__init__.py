@@ -4,6 +4,6 @@ the kernel-lab (QEMU) tests and the demo; never touches the host's namespace. po
 the one wait-with-deadline helper of tests, benchmarks and the demo.
 """
 
-from proxy.lab.topology import Backend, BackendSpec, Lab, LabError, sweep_stale
+from proxy.netns_lab.topology import Backend, BackendSpec, Lab, LabError, sweep_stale
 
 __all__ = ["Backend", "BackendSpec", "Lab", "LabError", "sweep_stale"]

@@ -35,8 +35,8 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from pathlib import Path
 from typing import Any
 
-from proxy.lab import poll, probe
-from proxy.lab.netns import NETNS_DIR
+from proxy.netns_lab import poll, probe
+from proxy.netns_lab.netns import NETNS_DIR
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class Lab:
         """Echo servers on every backend (one process for all); returns once they listen."""
         if not self.backends:
             return
-        cmd = [sys.executable, "-m", "proxy.lab.echo",
+        cmd = [sys.executable, "-m", "proxy.netns_lab.echo",
                "--tcp", ",".join(map(str, tcp_ports)), "--udp", ",".join(map(str, udp_ports))]
         for b in self.backends.values():
             addrs = [str(b.ipv4)] + ([str(b.ipv6)] if self.ipv6 else [])

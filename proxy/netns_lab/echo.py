@@ -12,7 +12,7 @@ Protocol (kept trivial so any client can use it):
 - TCP on a backend named `@addr` answers with the local address the connection reached
   instead: one listener on 0.0.0.0 then tells which of many addresses answered.
 
-`python -m proxy.lab.echo --backend NAME=NS=IP[,IP...] ... --tcp 8080 --udp 8081`
+`python -m proxy.netns_lab.echo --backend NAME=NS=IP[,IP...] ... --tcp 8080 --udp 8081`
 prints `ready` on stdout once every listener is bound, then serves until killed. An empty
 NS listens where the process already is (a pod: `--backend $(POD_NAME)==0.0.0.0`).
 """
@@ -27,7 +27,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
-from proxy.lab.netns import entered
+from proxy.netns_lab.netns import entered
 
 MAX_LINE = 4096
 LOCAL_ADDRESS = "@addr"
@@ -132,7 +132,7 @@ def _ports(raw: list[str]) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m proxy.lab.echo")
+    p = argparse.ArgumentParser(prog="python -m proxy.netns_lab.echo")
     p.add_argument("--backend", action="append", default=[], metavar="NAME=NS=IP[,IP]")
     p.add_argument("--tcp", action="append", default=[], metavar="PORT[,PORT]")
     p.add_argument("--udp", action="append", default=[], metavar="PORT[,PORT]")
