@@ -30,8 +30,8 @@ Measured per phase, from /proc: the API server's and etcd's CPU seconds and RSS 
 every 0.2 s: the peak; VmHWM too), the workers' CPU; from the clients: the bytes of
 response bodies each agent read (lists and watch streams, after TLS and chunked
 decoding; a wrapper around the `Api` object), events received. A measurement, never a
-pass/fail on time; `run()` is the core; tests/realcp/test_bench_main.py (through `python -m bench
---size small`) and tests/integration/test_fleet_bench_sim.py run it tiny.
+pass/fail on time; `run()` is the core; tests/realcp/test_bench_main_realcp.py (through
+`python -m bench --size small`) and tests/integration/test_fleet_bench_sim.py run it tiny.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`python -m bench --size small` keeps working for the scenarios that need no real
-control plane (tests/realcp/test_bench_main.py runs the others): each scenario's table
+control plane (tests/realcp/test_bench_main_realcp.py runs the others): each scenario's table
 and plot land in RESULTS.md, the hand-written record after it is kept, and a failing
 scenario is reported, not fatal to the rest. Nothing is asserted on time."""
 

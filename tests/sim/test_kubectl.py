@@ -19,7 +19,7 @@ import pytest
 
 from proxy.kube.manifests import load_paths
 from proxy.sim import SimServer
-from tests.sim.test_cli import run_sim
+from tests.sim.test_sim_cli import run_sim
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBECTL_120 = ROOT / ".cache" / "kubectl-1.20" / "usr" / "bin" / "kubectl"

@@ -1,7 +1,7 @@
 """ctnetlink's codec (proxy/dataplane/common/ctnetlink.py): dumps decoded from messages
 laid out as the kernel writes them (the fast path) and as pyroute2 encodes them (no
 nested flags: the generic path), and our requests read back by pyroute2's own codec.
-The kernel's answers: tests/e2e/test_ctnetlink.py."""
+The kernel's answers: tests/e2e/test_ctnetlink_kernel.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The one-service-many-endpoints benchmark keeps working (tiny; timings reported, never
 asserted): the planes that need no kernel. The iptables and nftables runs build a
-network namespace of their own, so they need root: tests/e2e/test_huge_service_bench.py."""
+network namespace of their own, so they need root: tests/e2e/test_huge_service_bench_kernel.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Golden text for the rules; restore/cleanup round trips through the iptables plane's
 restore simulator (strict like the kernel: jumps need chains, -X needs empty chains).
-The same text against the real binaries and kernel: tests/kernel/test_ipvs_netfilter.py.
+The same text against the real binaries and kernel: tests/kernel/test_ipvs_netfilter_tools.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 script a partial sync can produce is inside its dialect (or the fast path would quietly
 be the slow one), anything else is refused before a byte is sent, and messages map back
 to their lines. That the kernel reads the encoding as nft's is tested in
-tests/e2e/test_nftables_wire.py."""
+tests/e2e/test_nftables_wire_kernel.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 records each setting's original the first time it changes it, and
 `--restore-node-settings` writes it back only where the node still holds sliceproxy's
 value. On a fake node (tests/unit/test_node_settings.py's); the real kernel in a network
-namespace: tests/e2e/test_node_settings.py."""
+namespace: tests/e2e/test_node_settings_kernel.py."""
 
 from __future__ import annotations
 

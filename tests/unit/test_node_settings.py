@@ -3,7 +3,7 @@ start): the values worked out from each configuration (flags, kube-proxy's defau
 file, kubeadm's ConfigMap, explicit fields, 0 meaning "leave it"), and what is written
 to a fake node (a folder standing for / with the /proc/sys and /sys files): only what
 differs, refusals logged and never fatal, nothing written by the agent's check. The
-real kernel's refusals: tests/e2e/test_node_settings.py; kube-proxy v1.20.2 itself
+real kernel's refusals: tests/e2e/test_node_settings_kernel.py; kube-proxy v1.20.2 itself
 beside ours: tests/kernel/scenarios/scenario_mode_switch.py."""
 
 from __future__ import annotations

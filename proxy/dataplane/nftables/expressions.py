@@ -2,7 +2,7 @@
 
 One rule's text (after `add rule <family> <table> <chain>`; with its comment, in
 `encode_rules`) becomes the expressions nft would send for it, so the kernel holds the
-same rule whichever way it came (tests/e2e/test_nftables_wire.py compares both, byte
+same rule whichever way it came (tests/e2e/test_nftables_wire_kernel.py compares both, byte
 for byte, as the kernel dumps them).
 The dialect, closed; anything else raises `Unencodable`:
 

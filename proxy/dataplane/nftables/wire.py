@@ -30,7 +30,7 @@ half-encoded. The dialect, as text (rules: expressions.py):
     add rule <t> <chain> <rule> [comment "<text>"]
 
 Equivalence with nft's own encoding is tested against the kernel: each shape added
-both ways reads back with the same expressions (tests/e2e/test_nftables_wire.py), and a
+both ways reads back with the same expressions (tests/e2e/test_nftables_wire_kernel.py), and a
 partial sync through this encoder ends where a full sync through nft does.
 The wire format is include/uapi/linux/netfilter/nf_tables.h.
 """

@@ -1,5 +1,5 @@
 """Switching between the IPVS mode and the iptables mode with no `--cleanup` in between,
-inside the kernel lab (run by tests/kernel/test_mode_switch.py; never on the host): the
+inside the kernel lab (run by tests/kernel/test_ipvs_mode_switch.py; never on the host): the
 real agent, stopped in one mode (SIGTERM leaves its rules), started in the other, serves
 and, once its first sync is in the kernel, removes the old mode's leftovers. Both modes write `SPX-`
 chains; each must remove exactly the other's (proxy/dataplane/leftovers.py).
