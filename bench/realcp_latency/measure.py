@@ -69,8 +69,9 @@ class Commits:
             self._heard_one.wait_for(lambda: any(t > after for t in self._times),
                                      timeout=max(0.0, until + self.GRACE - time.monotonic()))
             heard = [t for t in self._times if after < t <= until]
-            late = [t for t in self._times if t > until]
-            return heard or [until] * min(1, len(late))
+            if heard or not any(t > until for t in self._times):
+                return heard
+            return [until]
 
     def stop(self) -> None:
         self._listener.stop()

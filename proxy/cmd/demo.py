@@ -28,6 +28,7 @@ from ipaddress import ip_address
 from pathlib import Path
 from typing import Any, TypeVar
 
+from proxy.dataplane import modes
 from proxy.kube.manifests import load_paths
 from proxy.netns_lab import BackendSpec, Lab, poll
 from proxy.netns_lab.netns import entered
@@ -157,11 +158,12 @@ def our_rules(lab: Lab) -> int:
     for tool in ("iptables-save", "ip6tables-save", "iptables-legacy-save",
                  "ip6tables-legacy-save"):
         out = lab.exec(lab.node_ns, [tool]).stdout
-        total += sum(1 for ln in out.splitlines() if ln.startswith("-A") and "SPX-" in ln)
+        total += sum(1 for ln in out.splitlines()
+                     if ln.startswith("-A") and modes.CHAIN_PREFIX in ln)
     tables = lab.exec(lab.node_ns, ["nft", "list", "tables"]).stdout.split("\n")
     for line in tables:
         parts = line.split()
-        if len(parts) == 3 and parts[2].startswith("sliceproxy"):
+        if len(parts) == 3 and parts[2].startswith(modes.NFTABLES.markers.table):
             out = lab.exec(lab.node_ns, ["nft", "-a", "list", "table", parts[1],
                                          parts[2]]).stdout
             total += sum(1 for ln in out.splitlines() if "# handle" in ln

@@ -62,15 +62,16 @@ from proxy.model.types import (
 )
 
 SERVICES = IPTABLES.markers.marker_chain  # declared with the mode: leftovers probe for it
-NODEPORTS = "SPX-NODEPORTS"
-EXTERNAL_SERVICES = "SPX-EXTERNAL-SERVICES"
-FIREWALL = "SPX-FIREWALL"
-FORWARD = "SPX-FORWARD"
-POSTROUTING = "SPX-POSTROUTING"
-MARK_MASQ = "SPX-MARK-MASQ"
+_PREFIX = IPTABLES.markers.chain_prefix
+NODEPORTS = f"{_PREFIX}NODEPORTS"
+EXTERNAL_SERVICES = f"{_PREFIX}EXTERNAL-SERVICES"
+FIREWALL = f"{_PREFIX}FIREWALL"
+FORWARD = f"{_PREFIX}FORWARD"
+POSTROUTING = f"{_PREFIX}POSTROUTING"
+MARK_MASQ = f"{_PREFIX}MARK-MASQ"
 # Marks for masquerade unless the source is in a cluster CIDR (only with several CIDRs
 # in a family: one fits in the rule itself, as upstream writes it).
-MASQ_UNLESS_POD = "SPX-MASQ-UNLESS-POD"
+MASQ_UNLESS_POD = f"{_PREFIX}MASQ-UNLESS-POD"
 MASQ_MARK = f"{MASQ_BIT:#x}"
 
 

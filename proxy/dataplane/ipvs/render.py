@@ -164,7 +164,8 @@ SET_TYPES = {
     SetRole.VIPS: "hash:ip",
 }
 
-SET_PREFIX = "SPX-IPVS"
+# Our ipsets share the mode's chain prefix (without its dash: SPX-IPVS4-..., SPX-IPVS6-...).
+SET_PREFIX = IPVS.markers.chain_prefix.rstrip("-")
 
 
 def set_name(role: SetRole, family: Family) -> str:
