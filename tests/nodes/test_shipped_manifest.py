@@ -186,8 +186,8 @@ def test_a_pod_reaches_the_api_server_through_the_kubernetes_service(
 # from PREROUTING, OUTPUT and FORWARD written with another comment. (old, new), each
 # once in proxy/dataplane/iptables/render.py.
 LAYOUT_2 = (
-    ('POSTROUTING = "SPX-POSTROUTING"', 'POSTROUTING = "SPX-POSTROUTING-2"'),
-    ('MARK_MASQ = "SPX-MARK-MASQ"', 'MARK_MASQ = "SPX-MASQ-MARK"'),
+    ('POSTROUTING = f"{_PREFIX}POSTROUTING"', 'POSTROUTING = f"{_PREFIX}POSTROUTING-2"'),
+    ('MARK_MASQ = f"{_PREFIX}MARK-MASQ"', 'MARK_MASQ = f"{_PREFIX}MASQ-MARK"'),
     ('return f"{PREFIX}SEP-{', 'return f"{PREFIX}EP-{'),
     ('comment("sliceproxy service portals")', 'comment("sliceproxy service portals, v2")'),
 )
