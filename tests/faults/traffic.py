@@ -5,7 +5,8 @@ fresh source port) every `interval` seconds from the client namespace, and recor
 it started, what answered and whether that was acceptable (a backend the target allows).
 `Report` turns the record into what the fault table shows: attempts, failures and the
 longest failure window (from the first failed attempt of a run of failures to the next
-success). Every loop is bounded in time (`limit`) and stops on `stop()`.
+success) and the longest run of failures in a row. Every loop is bounded in time
+(`limit`) and stops on `stop()`.
 
 `UdpFlows` is the other kind of client: long-lived UDP flows, each one socket (one source
 port, one conntrack entry) asked again and again, each datagram recorded with who
@@ -49,6 +50,7 @@ class TargetReport:
     attempts: int = 0
     failed: int = 0
     longest_window: float = 0.0  # seconds
+    longest_run: int = 0  # the most failures in a row
     answers: dict[str, int] = field(default_factory=dict)
     failed_at: list[float] = field(default_factory=list)  # failures' starts, from `since`
 
@@ -70,6 +72,10 @@ class Report:
     def longest_window(self) -> float:
         return max((t.longest_window for t in self.targets), default=0.0)
 
+    @property
+    def longest_run(self) -> int:
+        return max((t.longest_run for t in self.targets), default=0)
+
     def failures(self) -> str:
         """The targets that failed and how, for an assertion message."""
         return "; ".join(f"{t.target}: {t.failed}/{t.attempts} failed, answers {t.answers}, "
@@ -82,6 +88,7 @@ def report(attempts: Iterable[tuple[Target, Attempt]], targets: Sequence[Target]
     """The attempts started in [since, until), target by target."""
     by_target = {t: TargetReport(t) for t in targets}
     runs: dict[Target, float | None] = dict.fromkeys(targets)
+    in_a_row: dict[Target, int] = dict.fromkeys(targets, 0)
     last_end: dict[Target, float] = {}
     for target, a in attempts:
         if not since <= a.started < until:
@@ -90,6 +97,8 @@ def report(attempts: Iterable[tuple[Target, Attempt]], targets: Sequence[Target]
         rep.attempts += 1
         rep.answers[a.answer] = rep.answers.get(a.answer, 0) + 1
         last_end[target] = a.ended
+        in_a_row[target] = 0 if a.ok else in_a_row[target] + 1
+        rep.longest_run = max(rep.longest_run, in_a_row[target])
         if a.ok:
             began = runs[target]
             if began is not None:

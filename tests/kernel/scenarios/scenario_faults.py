@@ -369,13 +369,14 @@ def test_sigkill_in_the_middle_of_a_full_sync(node: IpvsFaultNode) -> None:
                 restarts=node.restarts(), notes="converge: from the first stop to the "
                 "change's traffic through the successor", fewest_vs=min(sampler.samples))
     healthy(node)
-    # Two Python agents start on the emulated CPUs here, and once in a CI run (not in
-    # the runs before or since) two lone connections of 188 timed out. What this fault
+    # Two Python agents start on the emulated CPUs here, and in some CI runs a lone
+    # connection timed out (once while the agent was merely stopped). What this fault
     # could break shows otherwise: a moment without virtual servers (the sampler), an
-    # established flow moving, or a window of failures (every connection for its length:
-    # two in a row, 2.2 s at these settings). A lone timeout is reported, not fatal.
+    # established flow moving, or a window of failures, every connection for its
+    # length: two in a row. The window is counted in attempts, not seconds: a lone
+    # timeout on emulated CPUs has spanned 2.1 s from its start to the next answer.
     where = f"{report.failures()}; events (s): {', '.join(events)}"
-    assert report.longest_window < 2 * TIMEOUT, where
+    assert report.longest_run < 2, where
     assert report.failed <= max(2, report.attempts // 100), where
     assert min(sampler.samples) >= count, sampler.samples[:50]
 
