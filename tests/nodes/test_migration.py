@@ -77,6 +77,27 @@ class Life:
     workload: Workload
 
 
+class Laps:
+    """Where a timed change spent its time, step by step, for the report (a step that
+    waits on a kubelet or a controller can take seconds or a minute)."""
+
+    def __init__(self) -> None:
+        self.started = self._last = time.monotonic()
+        self.laps: list[str] = []
+
+    def __call__(self, step: str) -> None:
+        now = time.monotonic()
+        self.laps.append(f"{step} {now - self._last:.1f}s")
+        self._last = now
+
+    @property
+    def took(self) -> float:
+        return self._last - self.started
+
+    def __str__(self) -> str:
+        return ", ".join(self.laps)
+
+
 @pytest.fixture(scope="module")
 def life(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Life]:
     started = time.monotonic()
@@ -142,8 +163,8 @@ def check_node_settings(cluster: NodeCluster) -> None:
         assert "node settings differ" not in agent, agent[:2000]
 
 
-def check(tally: Tally, what: str, took: float, flows: int, *, to_sliceproxy: bool) -> None:
-    report.append(f"{what}: took {took:.1f}s; {tally.summary()}")
+def check(tally: Tally, what: str, laps: Laps, flows: int, *, to_sliceproxy: bool) -> None:
+    report.append(f"{what}: took {laps.took:.1f}s ({laps}); {tally.summary()}")
     assert tally.attempts > 50, tally.summary()
     assert tally.failures == [], f"{what}: {tally.failures[:10]}"
     assert tally.broken_long == [], f"{what}: {tally.broken_long}"
@@ -210,21 +231,24 @@ def test_back_to_kube_proxy_by_kubeadms_addon_phase(life: Life, tmp_path: Path) 
     c, w = life.cluster, life.workload
     back = steps(doc_block("migrate.md", "## sliceproxy → kube-proxy"))
     with clients(w) as there:
-        started = time.monotonic()
+        lap = Laps()
         run_documented(c, back["3"], tmp_path)
         gone(c, AGENTS)
+        lap("step 3, agents gone")
         reset_conntrack_timeouts(c)
         install_kube_proxy(c, tmp_path)
         rollout_status(c, SYSTEM, "ds/kube-proxy")
+        lap("add-on phase, kube-proxy rolled out")
         run_once_on_every_node(c, wl.sliceproxy_cleanup(c.image.ref), "sliceproxy-cleanup")
+        lap("cleanup")
         run_documented(c, back["6"], tmp_path)
-        took = time.monotonic() - started
+        lap("step 6")
         there.more_rounds(SETTLE_ROUNDS)
     assert_one_proxy(c, "kube-proxy")
     w.check_cluster_ip("back on kube-proxy, by kubeadm")
     # kube-proxy's node settings, as its defaults set them on every node.
     assert conntrack_timeouts(c) == dict.fromkeys(c.nodes, KUBE_PROXY_TIMEOUTS)
-    check(there.tally, "sliceproxy -> kube-proxy (kubeadm's add-on phase)", took,
+    check(there.tally, "sliceproxy -> kube-proxy (kubeadm's add-on phase)", lap,
           len(w.clients), to_sliceproxy=False)
 
 
@@ -236,21 +260,25 @@ def test_switch_survives_kubeadm_and_back(life: Life, tmp_path: Path, mode: str)
     switch = steps(doc_block("migrate.md", "## kube-proxy → sliceproxy"))
     step_1 = switch["1"] if mode == "iptables" else uncommented(switch["1"], "sed -i")
     with clients(w) as there:
-        started = time.monotonic()
+        lap = Laps()
         kube_proxy_image = run_documented(c, switch["0"], tmp_path).strip()
         assert kube_proxy_image == c.kube_proxy.ref, kube_proxy_image
         run_documented(c, step_1, tmp_path)
         run_documented(c, switch["2"], tmp_path)
+        lap("steps 0-2")
         gone(c, KUBE_PROXY)
+        lap("kube-proxy's pods gone")
         reset_conntrack_timeouts(c)
         run_documented(c, switch["3"], tmp_path)
+        lap("step 3")
         # Step 4 with its two images set, as its comment says.
         run_once_on_every_node(c, wl.kube_proxy_cleanup(kube_proxy_image, c.image.ref),
                                "kube-proxy-cleanup")
+        lap("step 4 (cleanup)")
         # Step 5 but kubeadm-config's edit: v1.20's ClusterConfiguration (v1beta2) has no
         # proxy.disabled; its upgrades go by the ConfigMap alone.
         run_documented(c, without(switch["5"], "kubectl -n kube-system edit"), tmp_path)
-        took = time.monotonic() - started
+        lap("step 5")
         there.more_rounds(SETTLE_ROUNDS)
         # kube-proxy's step of `kubeadm upgrade apply`, by v1.20's rule.
         assert upgrade_apply_addon_phase(c, tmp_path) == SKIPPED
@@ -263,7 +291,7 @@ def test_switch_survives_kubeadm_and_back(life: Life, tmp_path: Path, mode: str)
     w.check_cluster_dns(f"after the switch to sliceproxy ({mode})")
     check_node_settings(c)
     check(there.tally, f"kube-proxy -> sliceproxy ({mode}), then kubeadm upgrade's add-on "
-          "step (skipped)", took, len(w.clients), to_sliceproxy=True)
+          "step (skipped)", lap, len(w.clients), to_sliceproxy=True)
 
     # kube-proxy brought back anyway (the add-on phase itself, as `kubeadm init phase
     # addon kube-proxy` or an upgrade that does not skip it runs it), then put right.
@@ -283,12 +311,14 @@ def test_switch_survives_kubeadm_and_back(life: Life, tmp_path: Path, mode: str)
                  "every agent's /healthz naming another proxy", interval=1.0,
                  detail=lambda: foreign_in_health(c))
         seen_at = time.monotonic() - started
-        fixed_at = time.monotonic()
+        lap = Laps()
         run_documented(c, recovery, tmp_path)
+        lap("recovery's commands")
         gone(c, KUBE_PROXY)
+        lap("kube-proxy's pods gone")
         run_once_on_every_node(c, wl.kube_proxy_cleanup(kube_proxy_image, c.image.ref),
                                "kube-proxy-cleanup")
-        took = time.monotonic() - fixed_at
+        lap("cleanup")
         again.more_rounds(SETTLE_ROUNDS)
     assert_one_proxy(c, sliceproxy)
     if DETECTS_FOREIGN:  # and the agents see it gone
@@ -300,24 +330,28 @@ def test_switch_survives_kubeadm_and_back(life: Life, tmp_path: Path, mode: str)
                   f"node {both_at:.1f}s after kubeadm's add-on phase"
                   + (f", every agent's log line and /healthz said so at {seen_at:.1f}s"
                      if DETECTS_FOREIGN else ""))
-    check(again.tally, f"kube-proxy back beside sliceproxy ({mode}), recovery", took,
+    check(again.tally, f"kube-proxy back beside sliceproxy ({mode}), recovery", lap,
           len(w.clients), to_sliceproxy=False)
 
     # And back, from the files step 0 saved.
     back = steps(doc_block("migrate.md", "## sliceproxy → kube-proxy"))
     with clients(w) as home:
-        started = time.monotonic()
+        lap = Laps()
         run_documented(c, back["2"], tmp_path)
         run_documented(c, back["3"], tmp_path)
+        lap("steps 2-3")
         gone(c, AGENTS)
+        lap("agents gone")
         run_documented(c, back["4"], tmp_path)
+        lap("step 4")
         run_once_on_every_node(c, wl.sliceproxy_cleanup(c.image.ref), "sliceproxy-cleanup")
+        lap("step 5 (cleanup)")
         run_documented(c, back["6"], tmp_path)
-        took = time.monotonic() - started
+        lap("step 6")
         home.more_rounds(SETTLE_ROUNDS)
     assert_one_proxy(c, "kube-proxy")
     assert c.kubectl("get", "serviceaccount,configmap", "-n", SYSTEM, "sliceproxy",
                      check=False).returncode != 0
     w.check_cluster_ip(f"back on kube-proxy from sliceproxy ({mode})")
-    check(home.tally, f"sliceproxy ({mode}) -> kube-proxy", took, len(w.clients),
+    check(home.tally, f"sliceproxy ({mode}) -> kube-proxy", lap, len(w.clients),
           to_sliceproxy=False)
