@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -106,8 +107,37 @@ def life(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Life]:
     report.append(f"kubeadm life module: {time.monotonic() - started:.0f}s")
 
 
+LINGER = 20.0  # seconds after which pods still there are described in the report
+
+
 def gone(cluster: NodeCluster, selector: str) -> None:
-    wait(lambda: not cluster.pods(SYSTEM, selector), 120, f"pods {selector} gone", interval=0.2)
+    """Wait until no pod of `selector` is left. Most go within 10 s; some have taken
+    50: then the report says what the pods and their kubelets were doing at LINGER s."""
+    began = time.monotonic()
+    seen: list[str] = []
+
+    def none_left() -> bool:
+        pods = cluster.pods(SYSTEM, selector)
+        if pods and not seen and time.monotonic() - began > LINGER:
+            seen.append("; ".join(lingering(cluster, pod) for pod in pods))
+        return not pods
+
+    wait(none_left, 120, f"pods {selector} gone", interval=0.2)
+    if seen:
+        report.append(f"pods {selector} gone after {time.monotonic() - began:.1f}s; "
+                      f"at {LINGER:g}s: {seen[0]}")
+
+
+def lingering(cluster: NodeCluster, pod: dict[str, Any]) -> str:
+    """A pod that is taking long to go: its containers' states and its kubelet's last
+    lines about it."""
+    name, node = pod["metadata"]["name"], pod["spec"].get("nodeName", "")
+    states = [f"{c['name']} {next(iter(c.get('state') or {'?': 0}))}"
+              for c in pod.get("status", {}).get("containerStatuses", [])]
+    deleting = "deleting" if pod["metadata"].get("deletionTimestamp") else "not deleted"
+    kubelet = cluster.nodes[node].log_tail("kubelet", 200_000) if node in cluster.nodes else ""
+    about = [line[-240:] for line in kubelet.splitlines() if name in line][-4:]
+    return f"{name} on {node} ({deleting}, {', '.join(states)}): {' | '.join(about)}"
 
 
 def run_once_on_every_node(cluster: NodeCluster, manifest: str, name: str) -> None:
