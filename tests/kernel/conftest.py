@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from labs.kernel.harness import BOOTS, DEFAULT_TIMEOUT, KernelResult, run_in_kernel
+from tests.kernel.scenario_host import SCENARIO_SECONDS
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -55,3 +56,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write_line(f"kernel lab: {described}")
         terminalreporter.write_line(
             f"kernel lab: {BOOTS.count} boots, {BOOTS.seconds:.0f} s of kernel wall time")
+    if SCENARIO_SECONDS:  # where a shared boot's time went (pytest shows it as one setup)
+        modules: dict[str, float] = {}
+        for case, seconds in SCENARIO_SECONDS.items():
+            module = case.split("::", 1)[0]
+            modules[module] = modules.get(module, 0.0) + seconds
+        terminalreporter.write_line("kernel lab, scenario seconds inside the kernel: " + ", ".join(
+            f"{m} {s:.0f}" for m, s in sorted(modules.items(), key=lambda kv: -kv[1])))
+        slowest = sorted(SCENARIO_SECONDS.items(), key=lambda kv: -kv[1])[:8]
+        terminalreporter.write_line("kernel lab, slowest scenarios: " + ", ".join(
+            f"{case.split('::', 1)[1]} {s:.0f}" for case, s in slowest))

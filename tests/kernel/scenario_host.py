@@ -44,6 +44,8 @@ class Needs:
 
 
 REGISTERED: dict[str, Needs] = {}
+# Seconds each scenario took inside its kernel, for the tier's summary (conftest.py).
+SCENARIO_SECONDS: dict[str, float] = {}
 _BOOTED: dict[tuple[str, ...], KernelResult | BaseException] = {}
 
 
@@ -102,6 +104,7 @@ def outcome(run: KernelResult, module: str, name: str) -> None:
         pytest.fail(f"scenario {name} did not run in the kernel (collection error?)\n"
                     f"{run.describe()}")
     for case, entry in cases.items():
+        SCENARIO_SECONDS[f"{module}::{case}"] = entry["seconds"]
         phases = ", ".join(f"{k} {v:.1f}" for k, v in entry.get("phases", {}).items())
         print(f"{case}: {entry['outcome']} in {entry['seconds']:.2f} s (inside the kernel; "
               f"{phases})")
