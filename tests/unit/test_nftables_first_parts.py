@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from proxy.dataplane.nftables import wire
+from proxy.dataplane.nftables.objects import Value
 from proxy.dataplane.nftables.render import (
     PortObjects,
     our_tables,
@@ -21,6 +22,7 @@ from proxy.dataplane.nftables.render import (
     shards_for,
 )
 from proxy.dataplane.nftables.transaction import (
+    ElementKey,
     Script,
     TableState,
     first_lines,
@@ -63,10 +65,10 @@ def parts(script: Script) -> list[list[wire.Statement]]:
     return list(wire.stages(script.statements()))
 
 
-def elements(statements: Iterator[wire.Statement]) -> dict[tuple[str, str, str], str]:
+def elements(statements: Iterator[wire.Statement]) -> dict[ElementKey, Value]:
     """What the kernel's sets and maps hold after `statements`, applied in order; a
     map's key written again with another value fails (the kernel refuses it)."""
-    held: dict[tuple[str, str, str], str] = {}
+    held: dict[ElementKey, Value] = {}
     for st in statements:
         if not isinstance(st, wire.Elements):
             continue

@@ -9,12 +9,14 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.dataplane.nftables.transaction import Owners
+from proxy.dataplane.nftables.objects import Value, Verdict
+from proxy.dataplane.nftables.transaction import ElementKey, Owners
 from proxy.model.types import Family, ServicePortKey
 
 PORTS = [ServicePortKey("ns", f"s{i}", "", Family.V4) for i in range(3)]
-ELEMENTS = [("t", "hairpin", "198.18.0.1 . 198.18.0.1"), ("t", "services", "198.18.128.1")]
-VALUES = ["", "goto svc-a", "goto svc-b"]
+ELEMENTS: list[ElementKey] = [("t", "hairpin", ("198.18.0.1", "198.18.0.1")),
+                              ("t", "services", ("198.18.128.1",))]
+VALUES: list[Value] = [(), Verdict("goto", "svc-a"), Verdict("goto", "svc-b")]
 
 ops = st.lists(st.tuples(st.booleans(), st.sampled_from(ELEMENTS), st.sampled_from(PORTS),
                          st.sampled_from(VALUES)), max_size=40)
@@ -22,10 +24,10 @@ ops = st.lists(st.tuples(st.booleans(), st.sampled_from(ELEMENTS), st.sampled_fr
 
 @settings(max_examples=300, deadline=None)
 @given(ops)
-def test_owners_answer_as_a_plain_map_would(operations: list[tuple[bool, tuple[str, str, str],
-                                                                    ServicePortKey, str]]) -> None:
+def test_owners_answer_as_a_plain_map_would(
+        operations: list[tuple[bool, ElementKey, ServicePortKey, Value]]) -> None:
     owners = Owners()
-    plain: dict[tuple[str, str, str], dict[ServicePortKey, str]] = {}
+    plain: dict[ElementKey, dict[ServicePortKey, Value]] = {}
     for add, element, port, value in operations:
         if add:
             owners.add(element, port, value)
@@ -46,9 +48,9 @@ def test_owners_answer_as_a_plain_map_would(operations: list[tuple[bool, tuple[s
 
 def test_a_set_element_owned_once_is_the_port_alone_and_a_map_element_a_pair() -> None:
     owners = Owners()
-    owners.add(ELEMENTS[0], PORTS[0], "")
-    owners.add(ELEMENTS[1], PORTS[0], "goto svc-a")
-    owners.add(ELEMENTS[1], PORTS[1], "goto svc-b")
+    owners.add(ELEMENTS[0], PORTS[0], ())
+    owners.add(ELEMENTS[1], PORTS[0], VALUES[1])
+    owners.add(ELEMENTS[1], PORTS[1], VALUES[2])
     owners.remove(ELEMENTS[1], PORTS[0])
     assert owners._sets == {("t", "hairpin"): {ELEMENTS[0][2]: PORTS[0]},
-                            ("t", "services"): {ELEMENTS[1][2]: (PORTS[1], "goto svc-b")}}
+                            ("t", "services"): {ELEMENTS[1][2]: (PORTS[1], VALUES[2])}}

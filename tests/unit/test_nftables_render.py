@@ -187,9 +187,9 @@ def test_nodeport_addresses_become_a_set_in_each_table_that_matches_them() -> No
     rules = {c.name: c.rules for c in shard.chains}
     assert rules["nodeports"] == ("ip daddr @nodeport-ips meta l4proto . th dport "
                                   "vmap @service-nodeports",)
-    assert [(e.table, e.key) for e in shard.elements] == [(S0, "198.18.0.2")]
+    assert [(e.table, e.key) for e in shard.elements] == [(S0, ("198.18.0.2",))]
     main = render_base(ctx)
-    assert [(e.table, e.key) for e in main.elements] == [("sliceproxy", "198.18.0.2")]
+    assert [(e.table, e.key) for e in main.elements] == [("sliceproxy", ("198.18.0.2",))]
     every = {c.name: c.rules for c in render_shard(CIDR4, S0).chains}
     assert every["nodeports"][0].startswith("fib daddr type local ip daddr != 127.0.0.0/8 ")
     # Node ports are looked up after every shard's services (priority dstnat + 1).

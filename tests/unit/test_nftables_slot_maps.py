@@ -83,9 +83,9 @@ def change(state: TableState, rsp: ResolvedServicePort) -> list[str]:
     return text.splitlines()
 
 
-def slots_of(state: TableState) -> dict[int, str]:
+def slots_of(state: TableState) -> dict[Any, Any]:
     (port,) = state.ports.values()
-    return {int(k[2]): v for k, v in port.elements().items() if k[1].startswith(SLOTS)}
+    return {k[2][0]: v for k, v in port.elements().items() if k[1].startswith(SLOTS)}
 
 
 def test_a_large_port_balances_with_one_rule_over_its_slot_map() -> None:
@@ -99,8 +99,8 @@ def test_a_large_port_balances_with_one_rule_over_its_slot_map() -> None:
                          f"map @{SLOTS}{svc} comment \"ns/svc:http\"")
     assert [(s.name, s.declaration()) for s in objects.sets] == [
         (f"{SLOTS}{svc}", "typeof numgen random mod 1 : ip daddr . tcp dport;")]
-    slots = sorted((int(e.key), e.value) for e in objects.elements if e.set == SLOTS + svc)
-    assert slots == [(i, f"{a} . 8080") for i, a in enumerate(addresses(SLOT_MAP_MIN))]
+    slots = sorted((e.key, e.value) for e in objects.elements if e.set == SLOTS + svc)
+    assert slots == [((i,), (a, 8080)) for i, a in enumerate(addresses(SLOT_MAP_MIN))]
     assert {e.table for e in objects.elements if e.set == SLOTS + svc} == {S0}
     text, _ = start(rsp)
     assert f"flush map ip {S0} {SLOTS}{svc}" in text.splitlines()
@@ -129,20 +129,20 @@ def test_one_endpoint_changed_is_a_few_elements_not_the_chain() -> None:
         f"delete element {slot_map} {{ 10, {n - 1} }}",
         f"add element {slot_map} {{ 10 : {addrs[-1]} . 8080 }}",
     ]
-    assert slots_of(state)[10] == f"{addrs[-1]} . 8080" and len(slots_of(state)) == n - 1
+    assert slots_of(state)[10] == (addrs[-1], 8080) and len(slots_of(state)) == n - 1
     # Replaced by a new pod (one write of a rolling update): one slot, no rule.
     now = [a for a in addrs if a != gone]
     fresh = addresses(1, start=n)[0]
     lines = change(state, resolve([*now[:5], fresh, *now[6:]]))
     replaced = slots_of(state)
-    assert replaced[5] == f"{fresh} . 8080"
+    assert replaced[5] == (fresh, 8080)
     assert not any(" chain " in line or " rule " in line for line in lines), lines
     assert len(lines) == 4  # hairpin out and in, the slot out and in
     # Added: the new last slot.
     more = addresses(1, start=n + 1)[0]
     lines = change(state, resolve([*now[:5], fresh, *now[6:], more]))
     assert f"add element {slot_map} {{ {n - 1} : {more} . 8080 }}" in lines
-    assert slots_of(state) == {**replaced, n - 1: f"{more} . 8080"}
+    assert slots_of(state) == {**replaced, n - 1: (more, 8080)}
 
 
 def test_crossing_the_threshold_swaps_cascade_and_map_in_one_transaction(

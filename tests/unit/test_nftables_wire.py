@@ -21,12 +21,15 @@ from proxy.dataplane.nftables.objects import (
     Chain,
     Command,
     Hook,
+    Key,
     Map,
     Object,
     Priority,
     Set,
     SlotMap,
     Table,
+    Value,
+    Verdict,
     named,
 )
 from proxy.dataplane.nftables.render import (
@@ -194,8 +197,11 @@ def test_statements_are_the_bytes_of_the_lines_they_stand_for() -> None:
         Chains([(TABLE, chains), ("sliceproxy-1", chains[:1])]),
         "", *(Command("add", TABLE, o) for o in declared),
         Rules([(TABLE, chains)]), Rules([("sliceproxy-1", chains)], flush=False),
-        Elements("add", TABLE, "cluster-ips", [("198.18.0.1", ""), ("198.18.0.2", "")]),
-        Elements("delete", TABLE, "unserved", [("198.18.0.1 . tcp . 80", "")]),
+        Elements("add", TABLE, "cluster-ips", [(("198.18.0.1",), ()), (("198.18.0.2",), ())]),
+        Elements("delete", TABLE, "unserved", [(("198.18.0.1", "tcp", 80), ())]),
+        Elements("add", TABLE, "m", [(("198.18.0.1", "tcp", 80), Verdict("goto", "a")),
+                                     (("198.18.0.2", "udp", 53), Verdict("drop"))]),
+        Elements("add", TABLE, "slots", [((0,), ("198.19.0.1", 80)), ((1,), ("198.19.0.2", 81))]),
         Command("flush", TABLE, declared[3]), Command("flush", TABLE, hooked),
         Command("delete", TABLE, hooked), Command("delete", TABLE, named("set", "s")),
         Command("delete", "sliceproxy-1", Table("sliceproxy-1"))]
@@ -207,6 +213,12 @@ def test_statements_are_the_bytes_of_the_lines_they_stand_for() -> None:
         f"add map ip {TABLE} slots {{ typeof numgen random mod 1 : ip daddr . udp dport; }}",
         f"add chain ip {TABLE} c {{ type nat hook prerouting priority dstnat + 1; "
         "policy accept; }"]
+    assert [line for line in lines if " element " in line] == [
+        f"add element ip {TABLE} cluster-ips {{ 198.18.0.1, 198.18.0.2 }}",
+        f"delete element ip {TABLE} unserved {{ 198.18.0.1 . tcp . 80 }}",
+        f"add element ip {TABLE} m {{ 198.18.0.1 . tcp . 80 : goto a, "
+        "198.18.0.2 . udp . 53 : drop }",
+        f"add element ip {TABLE} slots {{ 0 : 198.19.0.1 . 80, 1 : 198.19.0.2 . 81 }}"]
     assert lines[-5:] == [f"flush map ip {TABLE} m", f"flush chain ip {TABLE} c",
                           f"delete chain ip {TABLE} c", f"delete set ip {TABLE} s",
                           "delete table ip sliceproxy-1"]
@@ -218,23 +230,28 @@ def test_statements_are_the_bytes_of_the_lines_they_stand_for() -> None:
     with pytest.raises(Unencodable):
         encode([Rules([("other", chains)])], Family.V4, ours, 1)
     with pytest.raises(Unencodable):
-        encode([Elements("flush", TABLE, "cluster-ips", [("198.18.0.1", "")])], Family.V4, ours, 1)
+        encode([Elements("flush", TABLE, "cluster-ips", [(("198.18.0.1",), ())])], Family.V4,
+               ours, 1)
 
 
 @pytest.mark.parametrize(("family", "items", "bulk"), [
-    (Family.V4, [("198.18.0.1", ""), ("198.18.0.2", "")], True),
-    (Family.V4, [("198.18.0.1 . 198.18.0.3", ""), ("198.18.0.2 . 198.18.0.4", "")], True),
-    (Family.V6, [("fd00::1 . fd00::3", ""), ("fd00::2 . fd00::4", "")], True),
-    (Family.V4, [("198.18.0.1", ""), ("198.18.0.1 . 198.18.0.2", "")], False),
-    (Family.V4, [("198.18.0.1 . tcp . 80", ""), ("198.18.0.2 . udp . 53", "")], False),
-    (Family.V4, [("198.18.0.1", ""), ("7", "")], False),
-    (Family.V4, [("198.18.0.1", ""), ("198.18.0.2", "drop")], False),
-    (Family.V4, [("198.18.0.1 . tcp . 80", "goto svc-a"), ("0", "198.19.0.1 . 80")], False),
-    (Family.V6, [("fd00::1", ""), ("198.18.0.1", "")], None),
-    (Family.V4, [("198.18.0.1", ""), ("198.18.0.1 . ", "")], None),
+    (Family.V4, [(("198.18.0.1",), ()), (("198.18.0.2",), ())], True),
+    (Family.V4, [(("198.18.0.1", "198.18.0.3"), ()), (("198.18.0.2", "198.18.0.4"), ())], True),
+    (Family.V6, [(("fd00::1", "fd00::3"), ()), (("fd00::2", "fd00::4"), ())], True),
+    (Family.V4, [(("198.18.0.1",), ()), (("198.18.0.1", "198.18.0.2"), ())], False),
+    (Family.V4, [(("198.18.0.1", "tcp", 80), ()), (("198.18.0.2", "udp", 53), ())], False),
+    (Family.V4, [(("198.18.0.1",), ()), ((7,), ())], False),
+    (Family.V4, [(("198.18.0.1",), ()), (("198.18.0.2",), Verdict("drop"))], False),
+    (Family.V4, [(("198.18.0.1", "tcp", 80), Verdict("goto", "svc-a")),
+                 ((0,), ("198.19.0.1", 80))], False),
+    (Family.V6, [(("fd00::1",), ()), (("198.18.0.1",), ())], None),
+    (Family.V4, [(("198.18.0.1",), ()), (("198.18.0.1", ""), ())], None),
+    (Family.V4, [(("198.18.0.1", "tcp", 70000), Verdict("drop"))], None),
+    (Family.V4, [(("198.18.0.1", "tcp", 80), Verdict("goto"))], None),
+    (Family.V4, [((0,), Verdict("goto", "svc-a"))], None),
 ])
 def test_a_set_of_addresses_is_encoded_whole_as_element_by_element(
-        family: Family, items: list[tuple[str, str]], bulk: bool | None) -> None:
+        family: Family, items: list[tuple[Key, Value]], bulk: bool | None) -> None:
     """The encoder reads a set's addresses in one pass (`_address_elements`); anything
     else element by element. Both ways are the same bytes; None: both refuse."""
     if bulk is None:

@@ -4,10 +4,13 @@ renderer makes is parsed back from text (knftables' Table, Chain, Set, Map, Rule
 Element, in this mode's few shapes).
 
 A rule stays text, as knftables' `Rule.Rule` is: a chain holds its rules' texts
-(`Chain.rules`), which expressions.py compiles. An element's key and value are spelled
-as nft spells them (`198.18.0.1 . tcp . 80`, `goto svc-...`): a full sync holds about
-85,000 of them at 10,000 services x 10 endpoints, kept by text in transaction.Owners,
-and the encoder reads the addresses of a whole statement's keys in one pass.
+(`Chain.rules`), which expressions.py compiles. An element's key is its parts (`Key`:
+`("198.18.0.1", "tcp", 80)`, spelled `198.18.0.1 . tcp . 80`), and its value a
+`Verdict` (a verdict map's) or parts too (a slot map's address and port): the encoder
+reads each part as what it is, an address's text, a protocol's name or a number, and
+the text joins them. A full sync holds about 85,000 elements at 10,000 services x 10
+endpoints, kept by (table, set, key) in transaction.Owners, and the encoder reads the
+addresses of a whole statement's keys in one pass.
 
 Objects are NamedTuples: cheap to make (a port renders a few chains and sets each
 time it changes) and compared by value (a set whose declaration changed is declared
@@ -145,18 +148,49 @@ def named(kind: str, name: str) -> Set | Map:
     return Map(name, (), "") if kind == "map" else Set(name, ())
 
 
+# One part of an element's key or value: an address (as naming.address_text spells it)
+# or a protocol's name; a port, or a slot map's slot (numgen's pick).
+Part = str | int
+Key = tuple[Part, ...]
+
+
+class Verdict(NamedTuple):
+    """A verdict map's value: `goto <chain>`, `jump <chain>`, `drop`, `accept`."""
+
+    verb: str
+    chain: str = ""
+
+    def text(self) -> str:
+        return f"{self.verb} {self.chain}" if self.chain else self.verb
+
+
+# An element's value: a verdict (verdict maps), the parts of an address . port (slot
+# maps), or () (a set's element, which has none).
+Value = Verdict | Key
+
+
+def parts_text(parts: Key) -> str:
+    """`("198.18.0.1", "tcp", 80)` -> `198.18.0.1 . tcp . 80`."""
+    return " . ".join(map(str, parts))
+
+
+def value_text(value: Value) -> str:
+    return value.text() if type(value) is Verdict else parts_text(value)
+
+
 class Element(NamedTuple):
-    """One element of set or map `set` of `table`: `key` (and `value` for a map) in nft
-    syntax. A tuple: a 50,000-endpoint port renders 100,000 of them per change, and a
-    frozen dataclass took 1.6 us each to make."""
+    """One element of set or map `set` of `table`: its `key` and, in a map, its `value`
+    (module docstring). A tuple: a 50,000-endpoint port renders 100,000 of them per
+    change, and a frozen dataclass took 1.6 us each to make."""
 
     table: str
     set: str
-    key: str
-    value: str = ""
+    key: Key
+    value: Value = ()
 
     def text(self) -> str:
-        return f"{self.key} : {self.value}" if self.value else self.key
+        key = parts_text(self.key)
+        return f"{key} : {value_text(self.value)}" if self.value else key
 
 
 Object = Table | Chain | Set | Map | SlotMap

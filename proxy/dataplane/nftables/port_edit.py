@@ -30,7 +30,7 @@ from ipaddress import ip_address
 
 from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.naming import address_text, port_name
-from proxy.dataplane.nftables.objects import Chain
+from proxy.dataplane.nftables.objects import Chain, Key, Value
 from proxy.dataplane.nftables.render import (
     HAIRPIN,
     SLOT_MAP_MIN,
@@ -66,8 +66,8 @@ def render_edit(old: ResolvedServicePort, new: ResolvedServicePort, delta: Endpo
     proto = new.port.protocol.value.lower()
     chains: list[Chain] = []
     removed: list[ElementKey] = []
-    added: list[tuple[ElementKey, str]] = []
-    resized: list[tuple[str, int, tuple[tuple[int, str], ...]]] = []
+    added: list[tuple[ElementKey, Value]] = []
+    resized: list[tuple[str, int, tuple[tuple[int, Key], ...]]] = []
     for kind, uses in (("svc", new.uses_cluster), ("svl", new.uses_local)):
         if not uses:
             continue
@@ -83,25 +83,25 @@ def render_edit(old: ResolvedServicePort, new: ResolvedServicePort, delta: Endpo
         element = (kept.table, SLOTS + chain)
         for slot in (*range(size, len(slots.values)), *(s for s, _ in assigned
                                                          if s < len(slots.values))):
-            removed.append((*element, str(slot)))
-        added += [((*element, str(slot)), value) for slot, value in assigned]
+            removed.append((*element, (slot,)))
+        added += [((*element, (slot,)), value) for slot, value in assigned]
         resized.append((SLOTS + chain, size, assigned))
         if size != len(slots.values):
             chains.append(Chain(chain, _slot_chain_rules(new, ctx, kind, chain, size)))
     removed_pairs, added_pairs = _hairpin_changes(new, delta, kept.element_dict)
     return PortEdit(tuple(chains), (*removed, *removed_pairs),
-                    (*added, *((k, "") for k in added_pairs)), tuple(resized))
+                    (*added, *((k, ()) for k in added_pairs)), tuple(resized))
 
 
 def _in_path(s: SelectedEndpoint, local: bool) -> bool:
     return s.in_local if local else s.in_cluster
 
 
-def _value(ep: MergedEndpoint) -> str:
+def _value(ep: MergedEndpoint) -> Key:
     return slot_value(address_text(ep.address), ep.port)
 
 
-def _net_change(delta: EndpointDelta, local: bool) -> tuple[set[str], dict[str, Order]]:
+def _net_change(delta: EndpointDelta, local: bool) -> tuple[set[Key], dict[Key, Order]]:
     """The slot values one path loses and gains (with their order); an endpoint in both
     `removed` and `added` that stays in the path is neither."""
     gone = {_value(s.endpoint) for s in delta.removed if _in_path(s, local)}
@@ -114,14 +114,14 @@ def _net_change(delta: EndpointDelta, local: bool) -> tuple[set[str], dict[str, 
     return gone, come
 
 
-def _matches(slots: SlotValues, gone: Iterable[str], come: Iterable[str]) -> bool:
+def _matches(slots: SlotValues, gone: Iterable[Key], come: Iterable[Key]) -> bool:
     """The delta fits what the kernel holds: what leaves is there, what comes is not."""
     return all(v in slots.slot_of for v in gone) and not any(v in slots.slot_of
                                                              for v in come)
 
 
-def _refill(slots: SlotValues, gone: set[str], come: Mapping[str, Order],
-            size: int) -> tuple[tuple[int, str], ...]:
+def _refill(slots: SlotValues, gone: set[Key], come: Mapping[Key, Order],
+            size: int) -> tuple[tuple[int, Key], ...]:
     """(slot, value) for every slot whose value changes when the map goes to `size`
     slots: `assign_slots` for only the values that move."""
     n = len(slots.values)
@@ -134,8 +134,9 @@ def _refill(slots: SlotValues, gone: set[str], come: Mapping[str, Order],
     return tuple((slot, value) for (value, _), slot in zip(homeless, free, strict=True))
 
 
-def _order_of(value: str) -> Order:
-    address, port = value.rsplit(" . ", 1)
+def _order_of(value: Key) -> Order:
+    """A kept slot's (address, port) in the model's order: the address as a number."""
+    address, port = value
     return int(ip_address(address)), int(port)
 
 
@@ -150,7 +151,7 @@ def _slot_chain_rules(rsp: ResolvedServicePort, ctx: RenderContext, kind: str, c
 
 
 def _hairpin_changes(new: ResolvedServicePort, delta: EndpointDelta,
-                     kept: Mapping[ElementKey, str]) -> tuple[list[ElementKey],
+                     kept: Mapping[ElementKey, Value]) -> tuple[list[ElementKey],
                                                               list[ElementKey]]:
     """Hairpin pairs of the delta's addresses that the port stops and starts wanting: it
     wants one while some endpoint at that address is in a path it uses."""

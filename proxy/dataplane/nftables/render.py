@@ -66,8 +66,9 @@ other ports of a cluster IP are rejected, as upstream's nftables mode does.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from proxy.dataplane.common import naming
 from proxy.dataplane.common.context import RenderContext, cluster_ip_masquerade
@@ -80,10 +81,13 @@ from proxy.dataplane.nftables.objects import (
     Command,
     Element,
     Hook,
+    Key,
     Map,
     Priority,
     Set,
     SlotMap,
+    Value,
+    Verdict,
 )
 from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
 from proxy.model.types import (
@@ -98,6 +102,7 @@ from proxy.model.types import (
 # where another mode's leftovers' probe reads them.
 TABLE = NFTABLES.markers.table
 MASQ_MARK = f"{naming.MASQ_BIT:#010x}"  # as nft prints it
+V = TypeVar("V", bound=Hashable)  # a slot's value (assign_slots)
 
 # Sets and maps every port adds elements to (the base declares them).
 SERVICE_IPS = "service-ips"
@@ -120,8 +125,8 @@ SLOTS = "slots-"  # the slot maps' prefix: slots-<policy chain>
 MARK_FOR_MASQUERADE = "mark-for-masquerade"
 MASQ_UNLESS_POD = "masq-unless-pod"
 REJECT = "reject-chain"
-REJECT_VERDICT = f"goto {REJECT}"
-DROP_VERDICT = "drop"
+REJECT_VERDICT = Verdict("goto", REJECT)
+DROP_VERDICT = Verdict("drop")
 
 
 def table_family(family: Family) -> str:
@@ -168,7 +173,7 @@ class PortObjects:
     # Sets and maps owned by this port alone (ClientIP affinity, slot maps).
     sets: tuple[Set | SlotMap, ...] = ()
     # Its slot maps' values in slot order, by map (also among `elements`).
-    slots: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    slots: tuple[tuple[str, tuple[Key, ...]], ...] = ()
 
     def lines(self, family: Family) -> list[str]:
         """Readable, copy-pasteable `nft` lines for the debug dump."""
@@ -260,7 +265,7 @@ def render_base(ctx: RenderContext) -> BaseObjects:
         Chain("filter-output", (f"{new} jump unserved-check",),
               _hook("filter", "output", "filter")),
     ]
-    elements = tuple(Element(TABLE, NODEPORT_IPS, a) for a in node_ips)
+    elements = tuple(Element(TABLE, NODEPORT_IPS, (a,)) for a in node_ips)
     return BaseObjects(family, TABLE, tuple(sets), tuple(chains), elements)
 
 
@@ -287,7 +292,7 @@ def render_shard(ctx: RenderContext, table: str) -> BaseObjects:
         chains.insert(1, Chain(MASQ_UNLESS_POD, (
             *(f"{ip} saddr {c} return" for c in sorted_nets(ctx.local_cidrs)),
             f"jump {MARK_FOR_MASQUERADE}")))
-    elements = tuple(Element(table, NODEPORT_IPS, a) for a in node_ips)
+    elements = tuple(Element(table, NODEPORT_IPS, (a,)) for a in node_ips)
     return BaseObjects(family, table, tuple(sets), tuple(chains), elements)
 
 
@@ -325,25 +330,31 @@ class _PortBuild:
     table: str
     ip: str  # "ip" or "ip6"
     proto: str  # "tcp", "udp", "sctp"
-    elements: dict[tuple[str, str], str] = field(default_factory=dict)
+    elements: dict[str, dict[Key, Value]] = field(default_factory=dict)  # by set
     chains: list[Chain] = field(default_factory=list)
     sets: list[Set | SlotMap] = field(default_factory=list)
     slot_elements: list[Element] = field(default_factory=list)
-    slot_values: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    slot_values: list[tuple[str, tuple[Key, ...]]] = field(default_factory=list)
 
-    def element(self, set_name: str, k: str, value: str = "") -> None:
-        self.elements.setdefault((set_name, k), value)
+    def element(self, set_name: str, k: Key, value: Value = ()) -> None:
+        members = self.elements.get(set_name)
+        if members is None:
+            members = self.elements[set_name] = {}
+        members.setdefault(k, value)
 
     def objects(self) -> PortObjects:
-        return PortObjects(
-            self.key, self.table, tuple(self.chains),
-            (*(Element(self.table if s in SHARD_SETS else TABLE, s, k, v)
-               for (s, k), v in sorted(self.elements.items())), *self.slot_elements),
-            tuple(self.sets), tuple(self.slot_values))
+        """Its elements by set, then key (sorted: the same port renders the same)."""
+        elements = []
+        for s in sorted(self.elements):
+            table, members = self.table if s in SHARD_SETS else TABLE, self.elements[s]
+            elements += [Element(table, s, k, members[k]) for k in sorted(members)]
+        return PortObjects(self.key, self.table, tuple(self.chains),
+                           (*elements, *self.slot_elements), tuple(self.sets),
+                           tuple(self.slot_values))
 
 
 def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,
-                slots: Mapping[str, Sequence[str]] | None = None) -> PortObjects:
+                slots: Mapping[str, Sequence[Key]] | None = None) -> PortObjects:
     """The chains and elements of one service port (the iptables renderer's semantics),
     in its shard of `shards`. `slots`: what the kernel's slot maps hold of this port
     (map -> endpoints in slot order), so that endpoints keep their slots
@@ -379,20 +390,21 @@ def _dispatch(build: _PortBuild, rsp: ResolvedServicePort, p: PortPlan) -> None:
     # dropped when only the policy keeps it from the endpoints that exist.
     unserved = REJECT_VERDICT if not p.has_endpoints else DROP_VERDICT
 
-    def dest(a: IPAddress) -> str:
-        return f"{_text(a)} . {proto} . {port.port}"
+    def dest(a: IPAddress) -> Key:
+        return (_text(a), proto, port.port)
 
     for a in rsp.cluster_ips:
-        build.element(CLUSTER_IPS, _text(a))
+        at = _text(a)
+        build.element(CLUSTER_IPS, (at,))
         if p.internal:
-            build.element(SERVICE_IPS, dest(a), f"goto {p.internal}")
+            build.element(SERVICE_IPS, (at, proto, port.port), Verdict("goto", p.internal))
         else:
-            build.element(UNSERVED, dest(a), unserved)
+            build.element(UNSERVED, (at, proto, port.port), unserved)
     external_unserved = not p.external_policy or not p.has_endpoints
     for ips, target in ((p.external_ips, p.ext), (p.lb_ips, p.fw or p.ext)):
         for a in ips:
             if target:
-                build.element(SERVICE_IPS, dest(a), f"goto {target}")
+                build.element(SERVICE_IPS, dest(a), Verdict("goto", target))
             if external_unserved:
                 build.element(UNSERVED, dest(a), unserved)
     if p.fw:
@@ -400,9 +412,9 @@ def _dispatch(build: _PortBuild, rsp: ResolvedServicePort, p: PortPlan) -> None:
         for a in p.lb_ips:
             build.element(UNSERVED, dest(a), DROP_VERDICT)
     if port.node_port:
-        nport = f"{proto} . {port.node_port}"
+        nport = (proto, port.node_port)
         if p.ext:
-            build.element(SERVICE_NODEPORTS, nport, f"goto {p.ext}")
+            build.element(SERVICE_NODEPORTS, nport, Verdict("goto", p.ext))
         if external_unserved:
             build.element(UNSERVED_NODEPORTS, nport, unserved)
 
@@ -458,7 +470,7 @@ def _affinity_chains(build: _PortBuild, affinity: int | None, texts: Mapping[int
 def _policy_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
                   first: tuple[str, ...],
                   spelled: tuple[Mapping[int, str], Mapping[int, str], Mapping[int, str]],
-                  label: str, slots: Mapping[str, Sequence[str]] | None) -> None:
+                  label: str, slots: Mapping[str, Sequence[Key]] | None) -> None:
     """A path's chain: `first` (cluster-IP masquerade), then the endpoints, as a cascade
     (affinity, or few endpoints) or one numgen lookup in a slot map (`assign_slots`)."""
     texts, addrs, ep_chains = spelled
@@ -474,7 +486,7 @@ def _policy_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
     assigned = assign_slots(values, (slots or {}).get(slot_map, ()))
     build.slot_values.append((slot_map, tuple(assigned)))
     build.sets.append(SlotMap(slot_map, build.key.family, proto))
-    build.slot_elements += [Element(build.table, slot_map, str(i), v)
+    build.slot_elements += [Element(build.table, slot_map, (i,), v)
                             for i, v in enumerate(assigned)]
     build.chains.append(Chain(chain, (*first, slot_rule(ip, proto, len(assigned), slot_map,
                                                         label))))
@@ -485,16 +497,16 @@ def slot_rule(ip: str, proto: str, n: int, slot_map: str, label: str) -> str:
     return f"meta l4proto {proto} dnat {ip} to numgen random mod {n} map @{slot_map} {label}"
 
 
-def slot_value(address: str, port: int) -> str:
+def slot_value(address: str, port: int) -> Key:
     """What a slot holds: an endpoint's address (as address_text spells it) and port."""
-    return f"{address} . {port}"
+    return (address, port)
 
 
-def hairpin_element(address: str) -> str:
-    return f"{address} . {address}"
+def hairpin_element(address: str) -> Key:
+    return (address, address)
 
 
-def assign_slots(values: Sequence[str], before: Sequence[str]) -> list[str]:
+def assign_slots(values: Sequence[V], before: Sequence[V]) -> list[V]:
     """Slot -> value for the distinct `values`, slots 0..n-1 all used (numgen picks any
     of them), given the values `before` in their slots: a value keeps its slot while
     that is below n; the others fill the free slots in order. So an endpoint gone moves
@@ -502,7 +514,7 @@ def assign_slots(values: Sequence[str], before: Sequence[str]) -> list[str]:
     last slot."""
     previous = dict(zip(before, range(len(before)), strict=True))
     n = len(values)
-    slots: list[str | None] = [None] * n
+    slots: list[V | None] = [None] * n
     homeless = []
     for v in values:
         s = previous.get(v)

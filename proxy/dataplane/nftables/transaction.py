@@ -35,7 +35,17 @@ from dataclasses import dataclass, field, replace
 from itertools import islice
 
 from proxy.dataplane.base import rules_digest
-from proxy.dataplane.nftables.objects import Chain, Command, Set, SlotMap, Table, named
+from proxy.dataplane.nftables.objects import (
+    Chain,
+    Command,
+    Element,
+    Key,
+    Set,
+    SlotMap,
+    Table,
+    Value,
+    named,
+)
 from proxy.dataplane.nftables.render import BaseObjects, PortObjects, table_family
 from proxy.dataplane.nftables.wire import (
     COMMIT,
@@ -57,7 +67,7 @@ ELEMENTS_PER_LINE = 500
 # against 1.75 s for parts of 1,000 ports and 2.0 s in one transaction).
 STAGE_LINES = 3_000
 
-ElementKey = tuple[str, str, str]  # (table, set or map, key)
+ElementKey = tuple[str, str, Key]  # (table, set or map, key)
 Named = tuple[str, str]  # (table, chain or set)
 
 
@@ -74,20 +84,32 @@ class Owners:
     __slots__ = ("_sets",)
 
     def __init__(self) -> None:
-        self._sets: dict[Named, dict[str, _Owned]] = {}  # (table, set) -> key -> owners
+        self._sets: dict[Named, dict[Key, _Owned]] = {}  # (table, set) -> key -> owners
 
     def __len__(self) -> int:
         return sum(len(members) for members in self._sets.values())
 
-    def add(self, element: ElementKey, port: ServicePortKey, value: str) -> None:
-        table, set_name, key = element
+    def add(self, element: ElementKey, port: ServicePortKey, value: Value) -> None:
+        self._add(*element, port, value)
+
+    def add_rendered(self, port: ServicePortKey, elements: Iterable[Element]) -> None:
+        """`add` of each of `elements`, as a port (or base) rendered them."""
+        add = self._add
+        for e in elements:
+            add(e.table, e.set, e.key, port, e.value)
+
+    def _add(self, table: str, set_name: str, key: Key, port: ServicePortKey,
+             value: Value) -> None:
         members = self._sets.get((table, set_name))
         if members is None:
             members = self._sets[table, set_name] = {}
-        cur = members.get(key)
-        one = None if cur is None else _sole(cur)
-        if cur is None or (one is not None and one[0] == port):
-            members[key] = _owned(port, value)
+        owned = _owned(port, value)
+        cur = members.setdefault(key, owned)  # most elements: their first owner
+        if cur is owned:
+            return
+        one = _sole(cur)
+        if one is not None and one[0] == port:
+            members[key] = owned
         elif one is not None:
             members[key] = {one[0]: one[1], port: value}
         else:
@@ -110,41 +132,41 @@ class Owners:
             if len(cur) == 1:
                 members[key] = _owned(*next(iter(cur.items())))
 
-    def held(self, element: ElementKey) -> str | None:
+    def held(self, element: ElementKey) -> Value | None:
         table, set_name, key = element
         cur = self._sets.get((table, set_name), {}).get(key)
         return None if cur is None else _value(cur)
 
-    def sets(self) -> Iterator[tuple[str, str, Iterator[tuple[str, str]]]]:
+    def sets(self) -> Iterator[tuple[str, str, Iterator[tuple[Key, Value]]]]:
         """(table, set, its elements as (key, held value)), set by set."""
         for (table, set_name), members in self._sets.items():
             yield table, set_name, ((key, _value(cur)) for key, cur in members.items())
 
-    def elements(self) -> Iterator[tuple[ElementKey, str]]:
+    def elements(self) -> Iterator[tuple[ElementKey, Value]]:
         for table, set_name, members in self.sets():
             for key, value in members:
                 yield (table, set_name, key), value
 
 
 # One owner: the port (a set's element has no value), or (port, value); several: a dict.
-_Owned = ServicePortKey | tuple[ServicePortKey, str] | dict[ServicePortKey, str]
+_Owned = ServicePortKey | tuple[ServicePortKey, Value] | dict[ServicePortKey, Value]
 
 
-def _owned(port: ServicePortKey, value: str) -> _Owned:
+def _owned(port: ServicePortKey, value: Value) -> _Owned:
     return (port, value) if value else port
 
 
-def _sole(cur: _Owned) -> tuple[ServicePortKey, str] | None:
+def _sole(cur: _Owned) -> tuple[ServicePortKey, Value] | None:
     if type(cur) is ServicePortKey:
-        return cur, ""
+        return cur, ()
     if isinstance(cur, dict):
         return None
     return cur  # type: ignore[return-value]
 
 
-def _value(cur: _Owned) -> str:
-    if type(cur) is ServicePortKey:
-        return ""
+def _value(cur: _Owned) -> Value:
+    if isinstance(cur, ServicePortKey):
+        return ()
     if isinstance(cur, dict):
         return cur[min(cur)]
     return cur[1]
@@ -156,7 +178,7 @@ class SlotValues:
 
     __slots__ = ("slot_of", "values")
 
-    def __init__(self, values: Sequence[str]) -> None:
+    def __init__(self, values: Sequence[Key]) -> None:
         self.values = list(values)
         self.slot_of = dict(zip(self.values, range(len(self.values)), strict=True))
 
@@ -169,35 +191,35 @@ class KeptPort:
 
     table: str
     chains: tuple[tuple[str, int], ...]  # (name, rules_digest(rules)), in write order
-    # Its elements: the keys (the same tuples as the owners' map's keys, where they
-    # were first) and, apart, their values (a set's are ""). Two tuples are the least
+    # Its elements as rendered (PortObjects.elements, kept as they are): the least
     # memory for the many small ports ...
-    element_keys: tuple[ElementKey, ...]
-    element_values: tuple[str, ...]
+    rendered: tuple[Element, ...]
     sets: tuple[Set | SlotMap, ...]
     slots: tuple[tuple[str, SlotValues], ...]  # by slot map, from PortObjects.slots
     # ... while a port with slot maps (SLOT_MAP_MIN endpoints or more) keeps a dict
     # instead, which an endpoint delta edits in place (`apply_edit`): O(change), where
     # new tuples would be O(service).
-    element_dict: dict[ElementKey, str] | None = None
+    element_dict: dict[ElementKey, Value] | None = None
 
     @classmethod
-    def of(cls, p: PortObjects, elements: dict[ElementKey, str]) -> KeptPort:
-        """`elements`: element_map(p), kept as it is (the caller's fresh dict)."""
+    def of(cls, p: PortObjects, elements: dict[ElementKey, Value] | None = None) -> KeptPort:
+        """`elements`: element_map(p) if the caller made it, then kept as it is for a
+        port with slot maps (the caller's fresh dict)."""
         chains = tuple((c.name, rules_digest(c.rules)) for c in p.chains)
         if p.slots:
-            return cls(p.table, chains, (), (), p.sets,
-                       tuple((name, SlotValues(values)) for name, values in p.slots), elements)
-        return cls(p.table, chains, tuple(elements), tuple(elements.values()), p.sets, ())
+            return cls(p.table, chains, (), p.sets,
+                       tuple((name, SlotValues(values)) for name, values in p.slots),
+                       element_map(p) if elements is None else elements)
+        return cls(p.table, chains, p.elements, p.sets, ())
 
-    def elements(self) -> Mapping[ElementKey, str]:
+    def elements(self) -> Mapping[ElementKey, Value]:
         """Read-only: the kept dict itself for a port with slot maps."""
         if self.element_dict is not None:
             return self.element_dict
-        return dict(zip(self.element_keys, self.element_values, strict=True))
+        return {(e.table, e.set, e.key): e.value for e in self.rendered}
 
 
-def kept_slots(kept: KeptPort | None) -> dict[str, Sequence[str]]:
+def kept_slots(kept: KeptPort | None) -> dict[str, Sequence[Key]]:
     """What the kernel's slot maps hold of a port (map -> endpoints in slot order):
     what render_port needs to keep each endpoint where it is."""
     return {name: m.values for name, m in kept.slots} if kept is not None else {}
@@ -211,12 +233,12 @@ class PortEdit:
 
     chains: tuple[Chain, ...]  # chains to rewrite
     removed: tuple[ElementKey, ...]  # elements it gives up (or whose value changes)
-    added: tuple[tuple[ElementKey, str], ...]  # elements it takes (or their new value)
+    added: tuple[tuple[ElementKey, Value], ...]  # elements it takes (or their new value)
     # Per slot map: (name, its new size, (slot, value) for each slot that changes).
-    slots: tuple[tuple[str, int, tuple[tuple[int, str], ...]], ...] = ()
+    slots: tuple[tuple[str, int, tuple[tuple[int, Key], ...]], ...] = ()
 
 
-def element_map(p: PortObjects) -> dict[ElementKey, str]:
+def element_map(p: PortObjects) -> dict[ElementKey, Value]:
     return {(e.table, e.set, e.key): e.value for e in p.elements}
 
 
@@ -252,17 +274,19 @@ class TableState:
 _BASE = ServicePortKey("", "", "", Family.V4)
 
 
-def _element_groups(verb: str, items: Iterable[tuple[ElementKey, str]]) -> Iterator[Elements]:
-    """`add|delete element` statements for (element, value) pairs, grouped per set."""
-    by_set: dict[Named, list[tuple[str, str]]] = {}
-    for (table, set_name, key), value in items:
+def _element_groups(verb: str, elements: Iterable[tuple[str, str, Key, Value]]
+                    ) -> Iterator[Elements]:
+    """`add|delete element` statements for `elements` (objects.Element's fields),
+    grouped per set."""
+    by_set: dict[Named, list[tuple[Key, Value]]] = {}
+    for table, set_name, key, value in elements:
         by_set.setdefault((table, set_name), []).append((key, value))
     for (table, set_name), pairs in by_set.items():
         yield from _element_statements(verb, table, set_name, pairs)
 
 
 def _element_statements(verb: str, table: str, set_name: str,
-                        pairs: Iterable[tuple[str, str]]) -> Iterator[Elements]:
+                        pairs: Iterable[tuple[Key, Value]]) -> Iterator[Elements]:
     """`add|delete element` statements for the (key, value) pairs of one set."""
     pairs = iter(pairs)
     while chunk := list(islice(pairs, ELEMENTS_PER_LINE)):
@@ -332,13 +356,10 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
     state = TableState(bases[0].family, tuple(bases))
     ordered = [(key, ports[key]) for key in sorted(ports)]
     for key, p in ordered:
-        elements = element_map(p)
-        state.ports[key] = KeptPort.of(p, elements)
-        for element, value in elements.items():
-            state.owners.add(element, key, value)
+        state.ports[key] = KeptPort.of(p)
+        state.owners.add_rendered(key, p.elements)
     for b in bases:
-        for e in b.elements:
-            state.owners.add((e.table, e.set, e.key), _BASE, e.value)
+        state.owners.add_rendered(_BASE, b.elements)
     wanted = state.tables()
     stale_chains = sorted(c for c in set(kernel_chains) - state.chain_names() if c[0] in wanted)
     kernel_sets = dict(kernel_sets or {})
@@ -434,20 +455,16 @@ def first_lines(bases: Sequence[BaseObjects],
             for c in b.chains:
                 if c.hook is None:
                     yield Command("add", b.table, c)
-            for e in b.elements:
-                state.owners.add((e.table, e.set, e.key), _BASE, e.value)
-        yield from _fresh_elements(sent, (((e.table, e.set, e.key), e.value)
-                                          for b in state.bases for e in b.elements))
+            state.owners.add_rendered(_BASE, b.elements)
+        yield from _fresh_elements(sent, (e for b in state.bases for e in b.elements))
         yield COMMIT
-        part: list[tuple[PortObjects, dict[ElementKey, str]]] = []
+        part: list[PortObjects] = []
         size = 0
         for n, key in enumerate(keys, 1):
             p = ports[key]()
-            own = element_map(p)
-            state.ports[key] = KeptPort.of(p, own)
-            for element, value in own.items():
-                state.owners.add(element, key, value)
-            part.append((p, own))
+            state.ports[key] = KeptPort.of(p)
+            state.owners.add_rendered(key, p.elements)
+            part.append(p)
             size += sum(len(c.rules) + 1 for c in p.chains)
             if size < stage_lines and n < len(keys):
                 continue
@@ -463,32 +480,31 @@ def first_lines(bases: Sequence[BaseObjects],
     return Script(make, table_family(state.family), parts=True), state
 
 
-def _ports_part(part: Sequence[tuple[PortObjects, Mapping[ElementKey, str]]],
-                sent: set[ElementKey]) -> Iterator[Statement]:
+def _ports_part(part: Sequence[PortObjects], sent: set[ElementKey]) -> Iterator[Statement]:
     """One part of a first script (`first_lines`): its ports' sets, chains, rules and
     elements (`_fresh_elements`)."""
-    for p, _own in part:
+    for p in part:
         for s in p.sets:
             yield Command("add", p.table, s)
-    yield Chains([(p.table, p.chains) for p, _own in part])
-    yield Rules([(p.table, p.chains) for p, _own in part])
-    for p, _own in part:
+    yield Chains([(p.table, p.chains) for p in part])
+    yield Rules([(p.table, p.chains) for p in part])
+    for p in part:
         yield from _flush_maps(p)
-    yield from _fresh_elements(sent, (item for _p, own in part for item in own.items()))
+    yield from _fresh_elements(sent, (e for p in part for e in p.elements))
 
 
-def _fresh_elements(sent: set[ElementKey], items: Iterable[tuple[ElementKey, str]]
-                    ) -> Iterator[Elements]:
+def _fresh_elements(sent: set[ElementKey], elements: Iterable[Element]) -> Iterator[Elements]:
     """A part's elements, each once; a map's only where no part wrote it (`sent`, which
     this updates; a set's element again is harmless: no value to differ)."""
-    fresh: dict[ElementKey, str] = {}
-    for element, value in items:
-        if value:
+    fresh: dict[Element, None] = {}  # a set's equal elements are one: their value is ()
+    for e in elements:
+        if e.value:
+            element = (e.table, e.set, e.key)
             if element in sent:
                 continue
             sent.add(element)
-        fresh.setdefault(element, value)
-    return _element_groups("add", fresh.items())
+        fresh[e] = None
+    return _element_groups("add", fresh)
 
 
 def _flush_maps(p: PortObjects) -> Iterator[Command]:
@@ -519,7 +535,7 @@ def partial_lines(state: TableState,
     gone_chains: list[Named] = []
     gone_sets: list[tuple[str, Set | SlotMap]] = []  # (table, set)
     # What the kernel held of each element this script touches, before it did.
-    held_before: dict[ElementKey, str | None] = {}
+    held_before: dict[ElementKey, Value | None] = {}
     for key in sorted(updates):
         new = updates[key]
         old = state.ports.get(key)
@@ -564,41 +580,41 @@ def partial_lines(state: TableState,
     return Script(functools.partial(iter, statements), table_family(state.family))
 
 
-def _element_changes(state: TableState, held_before: Mapping[ElementKey, str | None]
+def _element_changes(state: TableState, held_before: Mapping[ElementKey, Value | None]
                      ) -> list[Elements]:
     """What a partial script changes of the elements it touched: deletions, then
     additions, of those the kernel holds otherwise (another value, or none) than the
     owners now want."""
-    deletes: list[tuple[ElementKey, str]] = []
-    adds: list[tuple[ElementKey, str]] = []
+    deletes: list[tuple[str, str, Key, Value]] = []
+    adds: list[tuple[str, str, Key, Value]] = []
     for k in sorted(held_before):
         held, wanted = held_before[k], state.owners.held(k)
         if held == wanted:
             continue
         if held is not None:
-            deletes.append((k, ""))  # a map element is deleted by its key alone
+            deletes.append((*k, ()))  # a map element is deleted by its key alone
         if wanted is not None:
-            adds.append((k, wanted))
+            adds.append((*k, wanted))
     return [*_element_groups("delete", deletes), *_element_groups("add", adds)]
 
 
 def _retire(state: TableState, key: ServicePortKey, element: ElementKey,
-            held_before: dict[ElementKey, str | None]) -> None:
+            held_before: dict[ElementKey, Value | None]) -> None:
     """`key` no longer wants `element` (or not with the value it had)."""
     if element not in held_before:
         held_before[element] = state.owners.held(element)
     state.owners.remove(element, key)
 
 
-def _claim(state: TableState, key: ServicePortKey, element: ElementKey, value: str,
-           held_before: dict[ElementKey, str | None]) -> None:
+def _claim(state: TableState, key: ServicePortKey, element: ElementKey, value: Value,
+           held_before: dict[ElementKey, Value | None]) -> None:
     if element not in held_before:
         held_before[element] = state.owners.held(element)
     state.owners.add(element, key, value)
 
 
 def _apply_edit(state: TableState, key: ServicePortKey, old: KeptPort, edit: PortEdit,
-                held_before: dict[ElementKey, str | None]) -> list[Statement]:
+                held_before: dict[ElementKey, Value | None]) -> list[Statement]:
     """Apply `edit` to the port's kept state (its element dict and slot maps, in place)
     and to the owners; the statements that rewrite its chains. O(edit)."""
     kept = old.element_dict
@@ -625,14 +641,14 @@ def _apply_edit(state: TableState, key: ServicePortKey, old: KeptPort, edit: Por
     return rewrites
 
 
-def _resize(slots: SlotValues, size: int, assigned: Iterable[tuple[int, str]]) -> None:
+def _resize(slots: SlotValues, size: int, assigned: Iterable[tuple[int, Key]]) -> None:
     """The slot map at `size` slots with `assigned` values put in their slots; values
     gone from it, and those moved, leave their old slots first."""
     values, slot_of = slots.values, slots.slot_of
     for value in values[size:]:
         del slot_of[value]
     del values[size:]
-    values.extend([""] * (size - len(values)))
+    values.extend([()] * (size - len(values)))
     for slot, value in assigned:
         if slot_of.get(values[slot]) == slot:
             del slot_of[values[slot]]

@@ -10,13 +10,15 @@ encodes them itself, the way nft would, and the kernel gets the same objects.
 Input is a script's statements as transaction.py makes them: objects' commands
 (`objects.Command`: a table, chain, set or map added, flushed or deleted, encoded from
 the object's fields) and statements that stand for many lines (`Chains`, `Rules`,
-`Elements`: a full sync's chains, rules and set elements as the renderer made them),
-none of them spelled and parsed back; each stands for the lines the fallback hands to
-nft (`statement_lines`). Text is read too, one statement per line, into the same
-objects (tests, scripts by hand). Output is a batch whose message i+1 is line i, so a
-refusal names its line as nft's errors do. A statement outside the dialect raises
-`Unencodable`, and the caller hands the whole script to nft instead: nothing is ever
-half-encoded. The dialect, as text (rules: expressions.py):
+`Elements`: a full sync's chains, rules and set elements as the renderer made them,
+an element's key and value as their typed parts), none of them spelled and parsed
+back; each stands for the lines the fallback hands to nft (`statement_lines`). Text
+is read too, one statement per line, into the same objects ("text input" below): that
+is input (tests, scripts by hand), and the renderer's output never goes through it.
+Output is a batch whose message i+1 is line i, so a refusal names its line as nft's
+errors do. A statement outside the dialect raises `Unencodable`, and the caller hands
+the whole script to nft instead: nothing is ever half-encoded. The dialect, as text
+(rules: expressions.py):
 
     add|delete table <t>
     add chain <t> <name> [{ type nat|filter hook <hook> priority <p>; policy accept; }]
@@ -118,7 +120,6 @@ from proxy.dataplane.nftables.expressions import (
     Unencodable,
     address,
     encode_rules,
-    port,
     string,
     u32,
     unique_string,
@@ -130,12 +131,17 @@ from proxy.dataplane.nftables.objects import (
     Chain,
     Command,
     Hook,
+    Key,
     Map,
     Priority,
     Set,
     SlotMap,
     Table,
+    Value,
+    Verdict,
     named,
+    parts_text,
+    value_text,
 )
 from proxy.model.types import Family
 
@@ -224,19 +230,21 @@ _KEY_PROTOCOLS = {name: bytes([number]) + b"\0\0\0" for name, number in PROTOCOL
 
 
 @functools.lru_cache(maxsize=1024)
-def _key_port(text: str) -> bytes:
-    return port(text) + b"\0\0"
+def _key_port(number: int) -> bytes:
+    if not 0 <= number <= 0xFFFF:
+        raise Unencodable(f"port {number}")
+    return struct.pack("!H", number) + b"\0\0"
 
 
-def _element_key(family: Family, text: str) -> bytes:
-    """`198.18.0.1 . tcp . 80` -> each part in its own 32-bit register slot, as the
+def _element_key(family: Family, parts: Key) -> bytes:
+    """`("198.18.0.1", "tcp", 80)` -> each part in its own 32-bit register slot, as the
     kernel lays out concatenations (an address fills its slots: 4 or 16 bytes)."""
     out = []
-    for part in text.split(" . "):
-        raw = _KEY_PROTOCOLS.get(part)
-        if raw is None:
-            raw = _key_port(part) if part.isdigit() else address(part, family)
-        out.append(raw)
+    for part in parts:
+        if isinstance(part, int):
+            out.append(_key_port(part))
+        else:
+            out.append(_KEY_PROTOCOLS.get(part) or address(part, family))
     return b"".join(out)
 
 
@@ -254,12 +262,12 @@ def _set_element_head(length: int) -> bytes:
     return nested(NFTA_LIST_ELEM, _value_head(NFTA_SET_ELEM_KEY, length) + bytes(length))[:-length]
 
 
-def _element(family: Family, key: str, data: str) -> bytes:
-    """One element: its key and, in a map, its value (`data`; "" in a set)."""
-    if key.isdigit():  # a lone number is a slot map's key: numgen's host-order u32
-        slot = int(key)
-        if slot > 0xFFFFFFFF:
-            raise Unencodable(f"slot {key}")
+def _element(family: Family, key: Key, data: Value) -> bytes:
+    """One element: its key and, in a map, its value (`data`; () in a set)."""
+    if len(key) == 1 and isinstance(key[0], int):  # a slot map's key: numgen's host-order u32
+        slot = key[0]
+        if not 0 <= slot <= 0xFFFFFFFF or type(data) is Verdict:
+            raise Unencodable(f"slot {slot} : {data}")
         attrs = value(NFTA_SET_ELEM_KEY, struct.pack("=I", slot))
         if data:
             attrs += value(NFTA_SET_ELEM_DATA, _element_key(family, data))
@@ -267,20 +275,20 @@ def _element(family: Family, key: str, data: str) -> bytes:
     raw = _element_key(family, key)
     if not data:
         return _set_element_head(len(raw)) + raw
-    verb, _, chain = data.partition(" ")
-    if verb not in VERDICTS or bool(chain) != (verb in ("jump", "goto")):
+    if type(data) is not Verdict or data.verb not in VERDICTS \
+            or bool(data.chain) != (data.verb in ("jump", "goto")):
         raise Unencodable(f"element value {data!r}")
     return nested(NFTA_LIST_ELEM, _value_head(NFTA_SET_ELEM_KEY, len(raw)) + raw
-                  + verdict(NFTA_SET_ELEM_DATA, verb, chain))
+                  + verdict(NFTA_SET_ELEM_DATA, data.verb, data.chain))
 
 
-def _elements(family: Family, items: Sequence[tuple[str, str]]) -> bytes:
+def _elements(family: Family, items: Sequence[tuple[Key, Value]]) -> bytes:
     """The (key, value) elements of one statement, one after the other."""
     return _address_elements(family, items) \
         or b"".join([_element(family, key, data) for key, data in items])
 
 
-def _address_elements(family: Family, items: Sequence[tuple[str, str]]) -> bytes | None:
+def _address_elements(family: Family, items: Sequence[tuple[Key, Value]]) -> bytes | None:
     """`_elements` of a set's elements whose keys are addresses, or concatenations of as
     many addresses each (at 10,000 services x 10 endpoints, a full sync's 75,000
     hairpin pairs and cluster IPs): the parts read by inet_pton in one pass, the
@@ -291,14 +299,13 @@ def _address_elements(family: Family, items: Sequence[tuple[str, str]]) -> bytes
     keys, values = zip(*items, strict=True)
     if any(values):
         return None
-    splits = list(map(str.split, keys, itertools.repeat(" . ")))
-    parts_per_key = len(splits[0])
-    if len(set(map(len, splits))) != 1:
+    parts_per_key = len(keys[0])
+    if len(set(map(len, keys))) != 1:
         return None
-    try:  # a part that is no address (a protocol, a port, a slot) is refused here
+    try:  # a protocol's name (OSError), a port or a slot (TypeError) is refused here
         raws = list(map(functools.partial(socket.inet_pton, INET[family]),
-                        itertools.chain.from_iterable(splits)))
-    except OSError:
+                        itertools.chain.from_iterable(keys)))
+    except (OSError, TypeError):
         return None
     stride = parts_per_key + 1  # an element: its head, then its parts
     out = [_set_element_head(parts_per_key * ADDRESS_WIDTH[family])] * (len(keys) * stride)
@@ -463,13 +470,22 @@ def _plain_name(rest: str) -> str:
     return rest
 
 
-def _element_item(text: str) -> tuple[str, str]:
-    """(key, value or "") of one element as a line spells it: `<key> [: <value>]`."""
+def _element_item(text: str) -> tuple[Key, Value]:
+    """(key, value or ()) of one element as a line spells it: `<key> [: <value>]`, a
+    value a verdict or parts as a key's."""
     key, sep, data = text.partition(" : ")
     data = data.strip()
     if sep and not data:
         raise Unencodable(f"element {text!r} without its value")
-    return key.strip(), data
+    verb, _, chain = data.partition(" ")
+    if verb in VERDICTS:
+        return _parts(key.strip()), Verdict(verb, chain)
+    return _parts(key.strip()), _parts(data) if data else ()
+
+
+def _parts(text: str) -> Key:
+    """`198.18.0.1 . tcp . 80` -> ("198.18.0.1", "tcp", 80): a number is a port or a slot."""
+    return tuple(int(p) if p.isdigit() else p for p in text.split(" . "))
 
 
 def _read_command(verb: str, kind: str, table: str, rest: str) -> Command:
@@ -545,19 +561,20 @@ class Rules(NamedTuple):
 
 class Elements(NamedTuple):
     """`add|delete element <ip> <table> <set> { <key> [: <value>], ... }`: one line of
-    `items`, (key, value) pairs (a set's elements have the value "")."""
+    `items`, (key, value) pairs (objects.Element's; a set's elements have the value ())."""
 
     verb: str
     table: str
     set: str
-    items: Sequence[tuple[str, str]]
+    items: Sequence[tuple[Key, Value]]
 
     @property
     def size(self) -> int:
         return 1
 
     def lines(self, ip: str) -> Iterator[str]:
-        texts = ", ".join(f"{key} : {data}" if data else key for key, data in self.items)
+        texts = ", ".join(f"{parts_text(key)} : {value_text(data)}" if data else parts_text(key)
+                          for key, data in self.items)
         yield f"{self.verb} element {ip} {self.table} {self.set} {{ {texts} }}"
 
 
@@ -735,18 +752,21 @@ def encode(script: str | Iterable[Statement], family: Family, tables: Collection
     that at the agent's peak, in small objects the allocator keeps afterwards."""
     pages = _Pages(family, first_seq, first_line)
     add = pages.add
-    table_names = {table: string(NFTA_ANY_TABLE, table) for table in tables}
+    # Encoded when first used: a change touches one or two of our 65 tables per family.
+    table_names: dict[str, bytes] = {}
 
     def table_name(table: str) -> bytes:
         found = table_names.get(table)
         if found is None:
-            raise Unencodable(f"not our {family.label} table: {table!r}")
+            if table not in tables:
+                raise Unencodable(f"not our {family.label} table: {table!r}")
+            found = table_names[table] = string(NFTA_ANY_TABLE, table)
         return found
 
     for statement in _lines(script) if isinstance(script, str) else script:
         if isinstance(statement, str):
             if statement:
-                add(*_line(family, table_names, statement, pages.line()))
+                add(*_line(family, tables, statement, pages.line()))
             else:
                 pages.skip()
         elif isinstance(statement, Rules):
