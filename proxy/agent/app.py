@@ -47,7 +47,7 @@ from proxy.kube.reflector import ReflectorOptions, WatchEvent
 from proxy.kube.resources import ENDPOINTS, Resource
 from proxy.model.snapshot import DesiredState
 from proxy.model.tracker import ClusterModel
-from proxy.model.types import LABEL_SERVICE_NAME, IPAddress, ServicePortKey
+from proxy.model.types import LABEL_SERVICE_NAME, Balancing, IPAddress, ServicePortKey
 from proxy.server.dump import build_dump, selected_keys
 from proxy.server.health import ProxyHealth, node_eligible
 from proxy.server.http import health_app, metrics_app, serve
@@ -100,6 +100,7 @@ def dataplane_options(config: Config) -> DataplaneOptions:
         nodeport_primary=config.nodeport_primary,
         ipvs_scheduler=config.ipvs_scheduler,
         iptables_applier=config.iptables_applier,
+        fail_fast=config.fail_fast,
     )
 
 
@@ -131,7 +132,8 @@ class Agent:
         self.started_at = self.clock() - process_age() if started_at is None else started_at
         self.metrics = AgentMetrics()
         self.health = ProxyHealth(health_threshold(config))
-        self.model = ClusterModel(config.node_name, config.service_proxy_name)
+        self.model = ClusterModel(config.node_name, config.service_proxy_name,
+                                  Balancing(config.default_balancing))
         self.changes = ChangeLog(self.clock)
         self.worker = Worker()
         self.dataplane: DataPlane | None = None

@@ -16,6 +16,7 @@ from proxy.agent.nodeport_warnings import warn_unset
 from proxy.agent.startup_gc import PAUSE_LIMIT, StartupPause
 from proxy.config.options import Config
 from proxy.dataplane import modes
+from proxy.dataplane.common.fail_fast import remove_table as remove_fail_fast_table
 from proxy.dataplane.factory import DataplaneUnavailable, make_dataplane
 
 log = logging.getLogger("proxy.agent")
@@ -124,4 +125,6 @@ def cleanup(config: Config) -> int:
                         extra={"mode": mode})
             continue
         log.info("removed sliceproxy's rules", extra={"mode": mode})
+    if remove_fail_fast_table():  # every mode's: common/fail_fast.py
+        log.info("removed sliceproxy's fail-fast table")
     return status

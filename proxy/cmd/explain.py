@@ -22,7 +22,7 @@ from proxy.kube.ingest import EndpointsSource, apply_object
 from proxy.kube.manifests import ManifestError, load_paths, parse_documents
 from proxy.model import nodeport_addresses
 from proxy.model.tracker import ClusterModel
-from proxy.model.types import IPNetwork, Node
+from proxy.model.types import Balancing, IPNetwork, Node
 from proxy.model.view import node_view, service_port_view
 
 
@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read EndpointSlices (default) or legacy Endpoints")
     p.add_argument("--service-proxy-name", default="",
                    help="treat services labelled with this service-proxy-name as ours")
+    p.add_argument("--default-balancing", choices=[b.value for b in Balancing],
+                   default=Balancing.RANDOM.value,
+                   help="the agent's --default-balancing: for services without the "
+                        "sliceproxy.io/balancing annotation (default random)")
     p.add_argument("--service", metavar="NAMESPACE/NAME",
                    help="only show this service")
     p.add_argument("--nodeport-addresses", metavar="CIDR|primary[,...]",
@@ -108,10 +112,11 @@ def explain(
     proxy_name: str = "",
     service: str | None = None,
     nodeports: tuple[tuple[IPNetwork, ...], bool] | None = None,
+    balancing: Balancing = Balancing.RANDOM,
 ) -> dict[str, Any]:
     """`nodeports`: --nodeport-addresses (CIDRs, `primary`), to show where NodePorts
-    listen."""
-    model = ClusterModel(node_name, proxy_name)
+    listen; `balancing`: --default-balancing."""
+    model = ClusterModel(node_name, proxy_name, balancing)
     node_seen = False
     for obj in objects:
         apply_object(model, obj, source)
@@ -160,6 +165,6 @@ def main(argv: list[str], stdin: str | None = None, prog: str | None = None) -> 
     result = explain(objects, node_name=node, node_labels=labels,
                      source=EndpointsSource(args.endpoints_source),
                      proxy_name=args.service_proxy_name, service=args.service,
-                     nodeports=nodeports)
+                     nodeports=nodeports, balancing=Balancing(args.default_balancing))
     write(result, args.output)
     return 0

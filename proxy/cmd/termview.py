@@ -54,6 +54,8 @@ def service_port(sp: Mapping[str, Any]) -> list[str]:
             f"{policies.get('external', '?')}")
     if sp.get("session_affinity_seconds"):
         line += f", ClientIP affinity {sp['session_affinity_seconds']}s"
+    if sp.get("balancing") not in (None, "random"):
+        line += f", {sp['balancing']} balancing"
     line += f"   topology  {topo.get('mode', '?')} ({topo.get('reason', '')})"
     out = [head, line]
     endpoints = sp.get("endpoints") or []

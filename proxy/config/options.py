@@ -26,7 +26,7 @@ from proxy.config.kubeproxy_file import (
 from proxy.dataplane import modes
 from proxy.kube.ingest import EndpointsSource
 from proxy.model import nodeport_addresses
-from proxy.model.types import IPNetwork
+from proxy.model.types import Balancing, IPNetwork
 
 
 class ConfigError(Exception):
@@ -172,6 +172,11 @@ class Config:
     foreign_proxy_check_interval: float = 10.0
     service_proxy_name: str = ""
     ipvs_scheduler: str = "rr"
+    # How services without the sliceproxy.io/balancing annotation balance (model/balancing.py).
+    default_balancing: str = Balancing.RANDOM.value
+    # End TCP flows to an endpoint that left, for services without the
+    # sliceproxy.io/fail-fast annotation (dataplane/common/fail_fast.py).
+    fail_fast: bool = False
     iptables_applier: str = "restore"
     cleanup: bool = False
     verbosity: int = 0
@@ -229,9 +234,10 @@ CONNTRACK_TIMEOUTS = ("conntrack_tcp_timeout_established", "conntrack_tcp_timeou
 IPTABLES_APPLIERS = ("restore", "iptc")
 LOGGING_FORMATS = ("text", "json")
 IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq", "mh")
+BALANCINGS = tuple(b.value for b in Balancing)
 # The settings that take one of a few words (the proxy modes: modes.py's, when asked).
 _CHOICES = {"iptables_applier": IPTABLES_APPLIERS, "logging_format": LOGGING_FORMATS,
-            "ipvs_scheduler": IPVS_SCHEDULERS}
+            "ipvs_scheduler": IPVS_SCHEDULERS, "default_balancing": BALANCINGS}
 
 
 def choices(dest: str) -> tuple[str, ...]:
@@ -269,6 +275,10 @@ def _cluster_flags(g: argparse._ArgumentGroup) -> None:
     add("--hostname-override", help="this node's name (default: the host name)")
     add("--proxy-mode", help=_modes_help())
     add("--endpoints-source", help="endpointslices (default) or endpoints (legacy)")
+    add("--default-balancing", metavar="ALGORITHM",
+        help="sliceproxy only: how a service without the sliceproxy.io/balancing "
+             "annotation picks an endpoint: random (default, kube-proxy's), maglev "
+             "(consistent hashing of the source address and port) or source-hash")
 
 
 def _sync_flags(g: argparse._ArgumentGroup) -> None:
@@ -287,6 +297,11 @@ def _sync_flags(g: argparse._ArgumentGroup) -> None:
         help="pod network; traffic to service IPs from outside it is masqueraded")
     add("--masquerade-all", action="store_true", default=None,
         help="masquerade all traffic sent to service IPs")
+    add("--fail-fast", action="store_true", default=None,
+        help="sliceproxy only: when an endpoint leaves a service (not while it is "
+             "terminating and still serving), reset its clients' TCP connections at "
+             "once, for services without the sliceproxy.io/fail-fast annotation "
+             "(default off)")
 
 
 def _server_flags(g: argparse._ArgumentGroup) -> None:
@@ -438,7 +453,8 @@ def from_values(values: dict[str, Any]) -> Config:
             match dest:
                 case "kubeconfig" | "master" | "hostname_override" | "service_proxy_name":
                     kw[dest] = str(value) if value is not None else None
-                case "proxy_mode" | "iptables_applier" | "logging_format" | "ipvs_scheduler":
+                case ("proxy_mode" | "iptables_applier" | "logging_format" | "ipvs_scheduler"
+                      | "default_balancing"):
                     if value not in choices(dest):
                         raise ValueError(f"must be one of {', '.join(choices(dest))}")
                     kw[dest] = value
@@ -457,7 +473,7 @@ def from_values(values: dict[str, Any]) -> Config:
                         kw[dest], kw["nodeport_primary"] = nodeport_addresses.parse(items)
                     except ValueError as exc:
                         raise ConfigError(f"{flag}: {exc}") from None
-                case "masquerade_all" | "cleanup":
+                case "masquerade_all" | "cleanup" | "fail_fast":
                     kw[dest] = _bool(value)
                 case "debug_dump":
                     kw[dest] = parse_debug_dump(value)

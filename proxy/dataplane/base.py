@@ -46,6 +46,9 @@ class DataplaneOptions:
     # IPVS only: how long a real server that left keeps weight 0 for its open
     # connections before it is deleted anyway.
     ipvs_drain_timeout: float = 900.0
+    # --fail-fast: reset TCP flows to endpoints that left, for services without the
+    # sliceproxy.io/fail-fast annotation (common/fail_fast.py).
+    fail_fast: bool = False
 
 
 @dataclass(frozen=True, slots=True)

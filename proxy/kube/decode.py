@@ -43,6 +43,8 @@ from proxy.kube import identity
 from proxy.model import skips as why
 from proxy.model.skips import Skip, clip, shown
 from proxy.model.types import (
+    ANNOTATION_BALANCING,
+    ANNOTATION_FAIL_FAST,
     ANNOTATION_TOPOLOGY_HINTS,
     ANNOTATION_TOPOLOGY_MODE,
     ANNOTATION_TOPOLOGY_PREFERENCE,
@@ -52,6 +54,7 @@ from proxy.model.types import (
     LABEL_SERVICE_NAME,
     LABEL_SERVICE_PROXY_NAME,
     LABEL_ZONE,
+    Balancing,
     Endpoint,
     EndpointSlice,
     Family,
@@ -426,6 +429,8 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
         traffic_distribution=_traffic_distribution(ctx, spec.get("trafficDistribution")),
         topology_mode=_topology_mode(ctx, annotations),
         topology_preference=_preference(ctx, annotations.get(ANNOTATION_TOPOLOGY_PREFERENCE)),
+        balancing=_balancing(ctx, annotations.get(ANNOTATION_BALANCING)),
+        fail_fast=_fail_fast(ctx, annotations.get(ANNOTATION_FAIL_FAST)),
         proxy_name=labels.get(LABEL_SERVICE_PROXY_NAME),
         uid=clip(str(meta.get("uid") or "")),
         resource_version=clip(str(meta.get("resourceVersion") or "")),
@@ -641,6 +646,33 @@ def _preference(ctx: _Ctx, raw: str | None) -> tuple[str, ...] | None:
              f"{MAX_PREFERENCE_KEYS} label keys or '*'; ignored",
              f"metadata.annotations[{ANNOTATION_TOPOLOGY_PREFERENCE}]")
     return None
+
+
+_BALANCINGS = {b.value: b for b in Balancing}
+
+
+def _fail_fast(ctx: _Ctx, raw: str | None) -> bool | None:
+    """None (the node's --fail-fast) when absent or not a boolean (a skip record)."""
+    if raw is None:
+        return None
+    found = {"true": True, "false": False}.get(raw.strip().lower())
+    if found is None:
+        ctx.skip(why.INVALID_VALUE, f"{shown(raw)} is not true or false; using the "
+                 f"node's --fail-fast", f"metadata.annotations[{ANNOTATION_FAIL_FAST}]")
+    return found
+
+
+def _balancing(ctx: _Ctx, raw: str | None) -> Balancing | None:
+    """None (the node's --default-balancing) when absent, or when not one we know: a
+    skip record names the service and the value, logged once (ingest.py)."""
+    if raw is None:
+        return None
+    found = _BALANCINGS.get(raw.strip().lower())
+    if found is None:
+        ctx.skip(why.INVALID_VALUE, f"{shown(raw)} is not one of "
+                 f"{', '.join(_BALANCINGS)}; using the node's --default-balancing",
+                 f"metadata.annotations[{ANNOTATION_BALANCING}]")
+    return found
 
 
 # --- EndpointSlice -------------------------------------------------------------------

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from proxy.model.types import (
+    Balancing,
     IPAddress,
     Service,
     ServicePort,
@@ -122,6 +123,9 @@ class ResolvedServicePort:
     endpoints: tuple[SelectedEndpoint, ...]  # every merged endpoint, sorted by address, port
     topology: Topology
     conflicts: tuple[Conflict, ...] = ()
+    # How a new connection picks its endpoint: the service's annotation, else the node's
+    # --default-balancing (balancing.choose).
+    balancing: Balancing = Balancing.RANDOM
     # Identity of this resolution, and how its endpoints differ from the previous one
     # (None: unknown, or more than the endpoints changed). Not part of equality.
     token: object = field(default_factory=object, compare=False, repr=False)
@@ -245,4 +249,5 @@ def same_but_endpoints(a: ResolvedServicePort, b: ResolvedServicePort) -> bool:
     return (a.key == b.key and a.service == b.service and a.port == b.port
             and a.cluster_ips == b.cluster_ips and a.uses_cluster == b.uses_cluster
             and a.uses_local == b.uses_local and a.topology.mode == b.topology.mode
-            and a.topology.requested == b.topology.requested and a.conflicts == b.conflicts)
+            and a.topology.requested == b.topology.requested and a.conflicts == b.conflicts
+            and a.balancing is b.balancing)

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 from proxy.model import skips as why
+from proxy.model.balancing import choose
 from proxy.model.incremental import PortIndex, PortResolution, endpoint_changes
 from proxy.model.merge import merge_port
 from proxy.model.nodeport_addresses import primary_ips
@@ -33,6 +34,7 @@ from proxy.model.snapshot import (
     same_but_endpoints,
 )
 from proxy.model.types import (
+    Balancing,
     EndpointSlice,
     Family,
     IPAddress,
@@ -152,9 +154,11 @@ def service_keys(service: Service) -> Iterator[ServicePortKey]:
 
 
 class ClusterModel:
-    def __init__(self, node_name: str, proxy_name: str | None = None) -> None:
+    def __init__(self, node_name: str, proxy_name: str | None = None,
+                 balancing: Balancing = Balancing.RANDOM) -> None:
         self.node_name = node_name
         self.proxy_name = proxy_name or None
+        self.balancing = balancing  # --default-balancing: for services that name none
         self._node = NodeView(node_name)
         self._node_obj: Node | None = None
         self._primary_ips: tuple[IPAddress, ...] = ()
@@ -491,6 +495,7 @@ class ClusterModel:
             endpoints=res.endpoints,
             topology=res.topology,
             conflicts=res.conflicts,
+            balancing=choose(service, self.balancing),
         )
         resolved = _with_delta(resolved, previous, res, index)
         if index is not None:

@@ -28,6 +28,8 @@ LABEL_HEADLESS = "service.kubernetes.io/headless"
 ANNOTATION_TOPOLOGY_MODE = "service.kubernetes.io/topology-mode"
 ANNOTATION_TOPOLOGY_HINTS = "service.kubernetes.io/topology-aware-hints"
 ANNOTATION_TOPOLOGY_PREFERENCE = "sliceproxy.io/topology-preference"
+ANNOTATION_BALANCING = "sliceproxy.io/balancing"
+ANNOTATION_FAIL_FAST = "sliceproxy.io/fail-fast"
 
 DEFAULT_AFFINITY_TIMEOUT = 10800
 
@@ -61,6 +63,16 @@ class Family(enum.IntEnum):
 class TrafficPolicy(enum.Enum):
     CLUSTER = "Cluster"
     LOCAL = "Local"
+
+
+class Balancing(enum.Enum):
+    """How a service port picks an endpoint for a new connection (proxy/model/balancing.py)."""
+
+    RANDOM = "random"  # kube-proxy's: uniform at random, per connection
+    MAGLEV = "maglev"  # consistent hashing of the source address and port
+    SOURCE_HASH = "source-hash"  # hashing of the source address
+
+    __hash__ = object.__hash__
 
 
 class ServiceType(enum.Enum):
@@ -100,6 +112,11 @@ class Service:
     topology_mode: str | None = None
     # sliceproxy.io/topology-preference, split on commas, stripped; None when absent.
     topology_preference: tuple[str, ...] | None = None
+    # sliceproxy.io/balancing; None when absent or invalid: the node's --default-balancing.
+    balancing: Balancing | None = None
+    # sliceproxy.io/fail-fast ("true"/"false"); None when absent or invalid: the node's
+    # --fail-fast (dataplane/common/fail_fast.py).
+    fail_fast: bool | None = None
     # Value of the service-proxy-name label; services for another proxy are not ours.
     proxy_name: str | None = None
     uid: str = field(default="", compare=False)

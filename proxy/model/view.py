@@ -28,6 +28,8 @@ def service_port_view(rsp: ResolvedServicePort) -> dict[str, Any]:
             str(ip) for ip in svc.load_balancer_ips if ip.version == rsp.key.family
         ],
         "session_affinity_seconds": svc.affinity_timeout,
+        # random, maglev or source-hash: the annotation's, else --default-balancing.
+        "balancing": rsp.balancing.value,
         "policies": {
             "internal": svc.internal_traffic_policy.value,
             "external": svc.external_traffic_policy.value,

@@ -88,6 +88,10 @@ add rule ip {t} big meta l4proto tcp dnat ip to numgen random mod 3 map @slots-a
 comment "ns/big:http"
 add element ip {t} slots-a {{ 0 : 198.18.1.2 . 8080, 1 : 198.18.1.3 . 80, \
 2 : 198.18.1.4 . 80 }}
+add rule ip {t} big meta l4proto tcp dnat ip to jhash ip saddr . tcp sport mod 3 \
+seed 0x5a175eed map @slots-a comment "ns/maglev:http"
+add rule ip {t} big meta l4proto tcp dnat ip to jhash ip saddr mod 3 seed 0x5a175eed \
+map @slots-a
 add element ip {t} service-ips {{ 198.18.0.1 . tcp . 80 : goto svc, \
 198.18.0.2 . udp . 53 : drop, 198.18.0.3 . sctp . 9 : jump target }}
 add element ip {t} service-nodeports {{ tcp . 30080 : goto svc }}
@@ -124,6 +128,8 @@ add rule ip6 {t} svc meta l4proto udp dnat to [fd00::6]:53
 add map ip6 {t} slots-b {{ typeof numgen random mod 1 : ip6 daddr . udp dport; }}
 add chain ip6 {t} big
 add rule ip6 {t} big meta l4proto udp dnat ip6 to numgen random mod 2 map @slots-b
+add rule ip6 {t} big meta l4proto udp dnat ip6 to jhash ip6 saddr . udp sport mod 2 \
+seed 0x5a175eed map @slots-b
 add element ip6 {t} slots-b {{ 0 : fd00::5 . 8080, 1 : fd00::6 . 53 }}
 add element ip6 {t} service-ips {{ fd00::1 . tcp . 80 : goto svc }}
 add element ip6 {t} hairpin {{ fd00::5 . fd00::5 }}

@@ -15,8 +15,9 @@ order, as the kernel does:
 
 At a hook, once a nat chain has translated the connection the later nat chains do not
 run (nf_nat's rule). `numgen random` forks the trace, so every endpoint comes back
-with its probability. Any statement or expression outside the subset the mode writes
-raises TraceError.
+with its probability; `jhash` is computed as the kernel does (jhash.py) from the
+packet's addresses and ports, so a hashed lookup takes one way. Any statement or
+expression outside the subset the mode writes raises TraceError.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ipaddress import ip_address
 
 from proxy.dataplane.nftables.transaction import Script
 from proxy.model.types import Family
+from tests.fakekernel.jhash import nft_jhash
 from tests.fakekernel.packet import (
     Node,
     Outcome,
@@ -525,4 +527,39 @@ class NftTracer:
                 text = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
                 out.append((replace(s, endpoint=text), "accept"))
             return out
+        if rest[0] in ("ip", "ip6") and rest[1:3] == ["to", "jhash"]:
+            return self._dnat_hashed(table, rest[3:], st)
         raise TraceError(f"dnat {' '.join(rest)}")
+
+    def _dnat_hashed(self, table: str, words: list[str], st: Walk
+                     ) -> list[tuple[Walk, str]]:
+        """`dnat ip to jhash <fields> mod M seed S map @slots`: the slot the kernel's
+        jhash gives this packet, and the endpoint that slot holds."""
+        mod = words.index("mod")
+        if words[mod + 2] != "seed" or words[mod + 4] != "map" or len(words) != mod + 6:
+            raise TraceError(f"jhash {' '.join(words)}")
+        slot = self.hashed(words[:mod], int(words[mod + 1]), int(words[mod + 3], 0), st)
+        value = self._set(table, words[mod + 5].removeprefix("@")).elements.get((str(slot),))
+        if value is None:
+            return [(st, NEXT)]  # a failed lookup ends the rule, not the chain
+        address, port = value.split(" . ")
+        text = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+        return [(replace(st, endpoint=text), "accept")]
+
+    def hashed(self, fields: list[str], modulus: int, seed: int, st: Walk) -> int:
+        """`jhash <fields> mod <modulus> seed <seed>` of this packet (fields such as
+        `ip saddr . tcp sport`)."""
+        values: list[bytes] = []
+        for sel in " ".join(fields).split(" . "):
+            match sel.split():
+                case ["ip" | "ip6", "saddr"]:
+                    values.append(st.packet.source.packed)
+                case ["ip" | "ip6", "daddr"]:
+                    values.append(st.destination.packed)
+                case ["tcp" | "udp" | "sctp" as proto, "sport"] if proto == st.packet.protocol:
+                    values.append(st.packet.sport.to_bytes(2, "big"))
+                case ["tcp" | "udp" | "sctp" as proto, "dport"] if proto == st.packet.protocol:
+                    values.append(st.dport.to_bytes(2, "big"))
+                case _:
+                    raise TraceError(f"jhash of {sel!r} ({st.packet.protocol})")
+        return nft_jhash(values, modulus, seed)

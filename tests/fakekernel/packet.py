@@ -28,18 +28,21 @@ class Verdict(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class Packet:
     """The first packet of a new connection. `local`: sent by the node itself (the
-    output path); otherwise it arrives from outside on an interface (prerouting)."""
+    output path); otherwise it arrives from outside on an interface (prerouting).
+    `sport`: the source port, which only hashing rules (nftables `jhash`) read."""
 
     source: IPAddress
     destination: IPAddress
     port: int
     protocol: str = "tcp"
     local: bool = False
+    sport: int = 40000
 
     @classmethod
     def of(cls, source: str, destination: str, port: int, protocol: str = "tcp",
-           local: bool = False) -> Packet:
-        return cls(ip_address(source), ip_address(destination), port, protocol, local)
+           local: bool = False, sport: int = 40000) -> Packet:
+        return cls(ip_address(source), ip_address(destination), port, protocol, local,
+                   sport)
 
 
 @dataclass(frozen=True, slots=True)

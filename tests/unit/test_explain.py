@@ -189,3 +189,18 @@ def test_the_nodes_primary_addresses_and_where_nodeports_listen() -> None:
     table = run_explain("--nodeport-addresses", "primary", "-o", "table", stdin=listing)
     assert ("  NodePorts  IPv4 198.18.0.1/32; IPv6 every local address  "
             "(--nodeport-addresses primary)") in table.stdout.splitlines()
+
+
+def test_balancing_shown_with_the_node_default_and_a_bad_annotation_skipped() -> None:
+    objects = [node(), service("a", annotations={"sliceproxy.io/balancing": "source-hash"}),
+               service("b", ips=("198.18.128.2",)),
+               service("c", ips=("198.18.128.3",),
+                       annotations={"sliceproxy.io/balancing": "fastest"}),
+               *(eps_slice(f"{s}-1", [ep("198.18.1.10")], service_name=s) for s in "abc")]
+    stdin = "\n---\n".join(yaml.safe_dump(o) for o in objects)
+    proc = run_explain("--default-balancing", "maglev", "-o", "json", stdin=stdin)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert [entry(out, f"ns/{s}")["balancing"] for s in "abc"] == [
+        "source-hash", "maglev", "maglev"]
+    assert [(s["name"], s["reason"]) for s in out["skipped"]] == [("c", "invalid-value")]

@@ -362,3 +362,26 @@ def test_a_failing_save_stops_a_full_sync_before_any_restore() -> None:
         dp.sync(cluster.become(web("198.18.1.10")), full=True)
     assert kernels == before and all(not r.restores for r in runners.values())
     assert tried == [Family.V4, Family.V6]  # the other family is still tried
+
+
+def test_maglev_and_source_hash_balance_at_random_said_once_per_service(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """x_tables has no hash -> endpoint map: the rules are random's, and the log says so."""
+    def state(balancing: str | None, *names: str) -> DesiredState:
+        model = ClusterModel(NODE)
+        for i, name in enumerate(names):
+            notes = {"sliceproxy.io/balancing": balancing} if balancing else None
+            apply_object(model, service(name, ips=(f"198.18.128.{i + 1}",), annotations=notes))
+            apply_object(model, eps_slice(f"{name}-1", [ep("198.18.1.10")], service_name=name))
+        return model.resolve()
+
+    random_rules, at_random = plane(foreign())
+    random_rules.sync(state(None, "a", "b"), full=True)
+    dp, runners = plane(foreign())
+    with caplog.at_level("WARNING", logger="proxy.dataplane.iptables.apply"):
+        dp.sync(state("maglev", "a", "b"), full=True)
+        dp.sync(state("maglev", "a", "b"), full=True)
+    assert runners[Family.V4].save() == at_random[Family.V4].save()
+    told = sorted(r.__dict__["service"] for r in caplog.records
+                  if r.getMessage() == "balancing not available in iptables mode; random used")
+    assert told == ["ns/a", "ns/b"]

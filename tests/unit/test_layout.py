@@ -69,7 +69,9 @@ ONLY = {("agent", "dataplane.common"): {"proxy.dataplane.common.heap",
                                         "proxy.dataplane.common.node_settings",
                                         "proxy.dataplane.common.node_originals",
                                         "proxy.dataplane.common.foreign_proxy",
-                                        "proxy.dataplane.common.kube_proxy_objects"}}
+                                        "proxy.dataplane.common.kube_proxy_objects",
+                                        # --cleanup: the table every mode shares
+                                        "proxy.dataplane.common.fail_fast"}}
 
 
 def package(module: str) -> str:

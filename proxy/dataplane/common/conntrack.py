@@ -1,9 +1,10 @@
 """Clearing stale UDP and SCTP conntrack entries after the rules changed.
 
-TCP needs nothing: a connection to a gone endpoint fails and the client reconnects. A
-UDP (or SCTP) "flow" is only a conntrack entry, refreshed by every datagram: a client
-that keeps sending keeps being DNATed to the endpoint chosen when the entry was made,
-even after that endpoint left. As upstream (pkg/proxy/conntrack), we delete:
+TCP entries are not deleted: that would change nothing for a client that sends
+nothing (fail_fast.py ends such flows, where asked). A UDP (or SCTP) "flow" is only a
+conntrack entry, refreshed by every datagram: a client that keeps sending keeps being
+DNATed to the endpoint chosen when the entry was made, even after that endpoint left.
+As upstream (pkg/proxy/conntrack), we delete:
 
 - entries DNATed to an endpoint that no longer receives traffic for the service port,
   for each address the port was reachable on (cluster, external and LB IPs, and its
@@ -67,7 +68,7 @@ def _any_used(rsp: ResolvedServicePort | None) -> bool:
     return rsp is not None and any(_used(s, rsp) for s in rsp.endpoints)
 
 
-def _gone(old: ResolvedServicePort, new: ResolvedServicePort | None
+def gone_endpoints(old: ResolvedServicePort, new: ResolvedServicePort | None
           ) -> set[tuple[IPAddress, int]]:
     """Endpoints `old` used that `new` does not: from the model's endpoint delta when it
     has one (O(change)), else by comparing every endpoint."""
@@ -81,7 +82,7 @@ def _gone(old: ResolvedServicePort, new: ResolvedServicePort | None
     return used_endpoints(old) - (used_endpoints(new) if same_protocol else set())
 
 
-def _frontends(rsp: ResolvedServicePort) -> list[tuple[IPAddress | None, int]]:
+def frontends(rsp: ResolvedServicePort) -> list[tuple[IPAddress | None, int]]:
     family, svc, port = rsp.key.family, rsp.service, rsp.port.port
     out: list[tuple[IPAddress | None, int]] = [(ip, port) for ip in rsp.cluster_ips]
     out += [(ip, port) for ip in (*svc.external_ips, *svc.load_balancer_ips)
@@ -96,16 +97,16 @@ def stale_flows(old: ResolvedServicePort | None,
     """What to clear when one service port goes from `old` to `new` (None: absent)."""
     out: list[StaleFlows] = []
     if old is not None and old.port.protocol in IPPROTO:
-        for address, port in sorted(_gone(old, new), key=lambda e: (e[0].packed, e[1])):
+        for address, port in sorted(gone_endpoints(old, new), key=lambda e: (e[0].packed, e[1])):
             out += [StaleFlows(port_name(old.key), old.key.family, old.port.protocol, dst, dport,
                                address, port, "endpoint gone")
-                    for dst, dport in _frontends(old)]
+                    for dst, dport in frontends(old)]
     if new is not None and new.port.protocol is Protocol.UDP and _any_used(new):
         had = old is not None and old.port.protocol is Protocol.UDP and _any_used(old)
         if not had:
             out += [StaleFlows(port_name(new.key), new.key.family, Protocol.UDP, dst, dport,
                                reason="first endpoint")
-                    for dst, dport in _frontends(new)]
+                    for dst, dport in frontends(new)]
     return out
 
 

@@ -77,6 +77,10 @@ from proxy.dataplane.common.netlink_constants import (
     CTA_PROTO_DST_PORT,
     CTA_PROTO_NUM,
     CTA_PROTO_SRC_PORT,
+    CTA_PROTOINFO,
+    CTA_PROTOINFO_TCP,
+    CTA_PROTOINFO_TCP_FLAGS_ORIGINAL,
+    CTA_PROTOINFO_TCP_FLAGS_REPLY,
     CTA_PROTONAT_PORT_MAX,
     CTA_PROTONAT_PORT_MIN,
     CTA_STATUS,
@@ -86,6 +90,7 @@ from proxy.dataplane.common.netlink_constants import (
     CTA_TUPLE_PROTO,
     CTA_TUPLE_REPLY,
     CTA_ZONE,
+    IP_CT_TCP_FLAG_BE_LIBERAL,
     IPCTNL_MSG_CT_DELETE,
     IPCTNL_MSG_CT_GET,
     IPCTNL_MSG_CT_NEW,
@@ -96,6 +101,7 @@ from proxy.dataplane.common.netlink_constants import (
     NETLINK_NETFILTER,
     NFNL_SUBSYS_CTNETLINK,
     NLA_F_NESTED,
+    NLM_F_ACK,
     NLM_F_CREATE,
     NLM_F_DUMP,
     NLM_F_EXCL,
@@ -218,6 +224,21 @@ def create_body(entry: CtEntry, timeout: int) -> bytes:
     if entry.status & IPS_SETTABLE:
         body += nla(CTA_STATUS, _U32.pack(entry.status & IPS_SETTABLE | IPS_CONFIRMED))
     return body + extra + _zone(entry)
+
+
+def liberal_body(entry: CtEntry) -> bytes:
+    """Update TCP `entry` (no NLM_F_CREATE) so conntrack stops checking its window in
+    both directions: a segment out of window is then still this flow's, and NATed."""
+    flags = struct.pack("BB", IP_CT_TCP_FLAG_BE_LIBERAL, IP_CT_TCP_FLAG_BE_LIBERAL)
+    tcp = (nla(CTA_PROTOINFO_TCP_FLAGS_ORIGINAL, flags)
+           + nla(CTA_PROTOINFO_TCP_FLAGS_REPLY, flags))
+    return (_nfgen(entry.family) + _orig(entry)
+            + nested(CTA_PROTOINFO, nested(CTA_PROTOINFO_TCP, tcp)) + _zone(entry))
+
+
+def get_body(entry: CtEntry) -> bytes:
+    """Ask for the entry with `entry`'s original tuple."""
+    return _nfgen(entry.family) + _orig(entry) + _zone(entry)
 
 
 # --- decoding (pure) -------------------------------------------------------------------
@@ -465,6 +486,21 @@ class ConntrackSocket(NetlinkSocket):
         """Delete each entry by original tuple and id; one errno each (0: deleted,
         ENOENT: gone already, or its tuple now belongs to a newer flow)."""
         return self.execute_raw([(CT_DELETE, 0, delete_body(e)) for e in entries])
+
+    def make_liberal(self, entries: Sequence[CtEntry]) -> list[int]:
+        """`liberal_body` for each TCP entry; one errno each (ENOENT: gone already)."""
+        return self.execute_raw([(CT_NEW, 0, liberal_body(e)) for e in entries])
+
+    def reply_tuple(self, entry: CtEntry) -> Tuple | None:
+        """The reply tuple of the entry with `entry`'s original tuple (a dump's CtEntry
+        keeps only its source); None when it is gone."""
+        seq = self._next()
+        self._sock.send(frame(CT_GET, NLM_F_REQUEST | NLM_F_ACK, seq, get_body(entry)))
+        found = None
+        for reply in self._receive_until(seq):
+            if reply.kind == CT_NEW:
+                found = decode_tuple(reply.attrs(4).get(CTA_TUPLE_REPLY, b""))
+        return found
 
     def create(self, entries: Sequence[CtEntry], timeout: int = 600) -> list[int]:
         """Create each entry (see `create_body`); one errno each (EEXIST: the tuple is

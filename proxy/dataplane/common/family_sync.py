@@ -7,7 +7,8 @@ or partial (only the service ports whose snapshot entry is not the very object a
 last time, found in O(changes): `DesiredState.changed_since`). A family whose write
 fails keeps its previous rules and forgets what it applied, so its next sync is full;
 the other family is still synced, then the first failure is raised. Conntrack entries
-made stale by what was applied are cleared once, after every family.
+made stale by what was applied are cleared once, after every family, and the TCP flows
+of endpoints that left are ended where asked (fail_fast.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
-from proxy.dataplane.common import conntrack, conntrack_reconcile
+from proxy.dataplane.common import conntrack, conntrack_reconcile, fail_fast
 from proxy.dataplane.common.context import RenderContext, context_for
 from proxy.dataplane.common.drift_watch import LegacyCanary, NftablesListener, deaf_while
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
@@ -72,6 +73,7 @@ class _Totals:
     written: list[ServicePortKey] = field(default_factory=list)
     removed: list[ServicePortKey] = field(default_factory=list)
     flows: list[conntrack.StaleFlows] = field(default_factory=list)
+    vanished: list[fail_fast.Vanished] = field(default_factory=list)
     # Families synced whole (start, resync, repair): their conntrack is reconciled.
     whole: list[Family] = field(default_factory=list)
     operations: int = 0
@@ -103,6 +105,7 @@ class FamilySyncPlane(ABC, Generic[S]):
         self._writing = threading.Lock()
         self._watch: NftablesListener | LegacyCanary | None = None
         self._next_reconcile = 0.0
+        self._fail_fast = fail_fast.FailFast()
 
     @property
     def families(self) -> tuple[Family, ...]:
@@ -162,13 +165,15 @@ class FamilySyncPlane(ABC, Generic[S]):
                 failure = failure or exc
         deleted = self._clear_conntrack(totals, node_ips)
         cleared = sum(deleted.values())
+        reset = self._fail_fast.end(totals.vanished)
         self._after_sync(totals.full)
         if failure is not None:
             raise failure
         self._log.info(f"{self.mode} sync applied", extra={
             "full": totals.full, "written": len(totals.written),
             "removed": len(totals.removed), "lines": totals.operations,
-            "apply_seconds": round(totals.apply_seconds, 4), "conntrack_cleared": cleared})
+            "apply_seconds": round(totals.apply_seconds, 4), "conntrack_cleared": cleared,
+            "flows_reset": reset})
         return SyncReport(full=totals.full, written=tuple(sorted(totals.written)),
                           removed=tuple(sorted(totals.removed)), operations=totals.operations,
                           apply_seconds=totals.apply_seconds, conntrack_cleared=cleared,
@@ -199,6 +204,8 @@ class FamilySyncPlane(ABC, Generic[S]):
         if fam.last is not None:
             # After a change; a first sync has no "before": the reconcile decides alone.
             totals.flows += conntrack.stale_flows_between(fam.last.ports, ports, changed)
+            totals.vanished += fail_fast.vanished_between(fam.last.ports, ports, changed,
+                                                          self.options.fail_fast)
         totals.written += [k for k in changed if k in ports]
         totals.removed += [k for k in changed if k not in ports]
         fam.kept, fam.context, fam.last = kept, ctx, state

@@ -22,7 +22,7 @@ the next sync is full.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from proxy.dataplane.base import ApplyError, DataplaneOptions
@@ -52,7 +52,7 @@ from proxy.dataplane.xtables.restore_runner import (
 )
 from proxy.dataplane.xtables.saved import RestoreText, Saved, parse_save
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
-from proxy.model.types import Family, IPAddress, ServicePortKey
+from proxy.model.types import Balancing, Family, IPAddress, ServicePortKey
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,8 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
                 log.warning("iptables family unavailable; not programming it", extra={
                     "family": family.label, "binary": runner.restore_cmd})
         self.backend = backend
+        # Services already told that this mode balances at random (_random_only).
+        self._told: set[tuple[str, Balancing]] = set()
 
     def _runner(self, family: Family, backend: Backend | None, lock_wait: float) -> Runner:
         runner = IptablesRunner(family, backend, lock_wait)
@@ -134,6 +136,7 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
 
     def _render_full(self, fam: _FamilyState, state: DesiredState,
                      ctx: RenderContext) -> tuple[list[RestoreText], Ruleset]:
+        self._random_only(state.ports.values())
         wanted = Wanted(render_base(ctx), {k: render_port(v, ctx)
                                            for k, v in state.ports.items()
                                            if k.family is ctx.family})
@@ -149,9 +152,21 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
                         changed: set[ServicePortKey], ctx: RenderContext
                         ) -> tuple[list[RestoreText], Ruleset]:
         applied: Ruleset = fam.kept
+        self._random_only(ports[k] for k in changed if k in ports)
         updates = {k: (render_port(ports[k], ctx) if k in ports else None) for k in changed}
         text, ruleset = applied.partial_restore(updates)
         return ([text] if text.operations() else []), ruleset
+
+    def _random_only(self, ports: Iterable[ResolvedServicePort]) -> None:
+        """Say once per service and choice that maglev and source-hash balance at random
+        here: x_tables has no map from a hash to an endpoint, so a Maglev table would be
+        one rule per slot, thousands per service port (docs/dataplanes.md#balancing)."""
+        for rsp in ports:
+            told = (rsp.key.service, rsp.balancing)
+            if rsp.balancing is not Balancing.RANDOM and told not in self._told:
+                self._told.add(told)
+                log.warning("balancing not available in iptables mode; random used", extra={
+                    "service": rsp.key.service, "balancing": rsp.balancing.value})
 
     def _write(self, fam: _FamilyState, texts: list[RestoreText], full: bool) -> Written:
         with self._writing:

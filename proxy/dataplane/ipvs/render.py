@@ -49,6 +49,7 @@ from proxy.model.snapshot import (
     SelectedEndpoint,
 )
 from proxy.model.types import (
+    Balancing,
     Family,
     IPAddress,
     IPNetwork,
@@ -309,13 +310,26 @@ def render_port(rsp: ResolvedServicePort, ctx: IpvsContext) -> PortRules:
     )
 
 
+def _scheduler(balancing: Balancing, node_scheduler: str) -> str:
+    """The kernel's own schedulers for the hashing choices: `mh` is Maglev (with
+    FLAG_SCHED2, on the source address and port; its hash keys are fixed in
+    ip_vs_mh.c, so every node's kernel agrees), `sh` hashes the source address.
+    `random` keeps the node's --ipvs-scheduler, as before there was a choice."""
+    if balancing is Balancing.MAGLEV:
+        return "mh"
+    if balancing is Balancing.SOURCE_HASH:
+        return "sh"
+    return node_scheduler
+
+
 def _virtual_server(rsp: ResolvedServicePort, ctx: IpvsContext, key: VsKey, kind: VsKind,
                     local: bool) -> VirtualServer:
     """One address's virtual server; `local`: its traffic policy is Local."""
     flags, timeout = 0, 0
     if rsp.service.affinity_timeout is not None:
         flags, timeout = FLAG_PERSISTENT, rsp.service.affinity_timeout
-    if ctx.scheduler == "mh":
+    scheduler = _scheduler(rsp.balancing, ctx.scheduler)
+    if scheduler == "mh":
         flags |= FLAG_SCHED2
     # A Local policy without a local endpoint drops traffic only when endpoints exist
     # elsewhere; with none at all the (empty) virtual server refuses it, as upstream.
@@ -328,7 +342,7 @@ def _virtual_server(rsp: ResolvedServicePort, ctx: IpvsContext, key: VsKey, kind
         chosen = rsp.cluster_endpoints
     reals = _real_servers(chosen)
     return VirtualServer(
-        key=key, kind=kind, scheduler=ctx.scheduler, flags=flags, timeout=timeout,
+        key=key, kind=kind, scheduler=scheduler, flags=flags, timeout=timeout,
         real_servers=reals,
         endpoint_set="local" if local and not inside_only else "cluster",
         drop=local and not reals and any_endpoints,

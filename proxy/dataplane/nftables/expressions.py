@@ -14,6 +14,8 @@ The dialect, closed; anything else raises `Unencodable`:
     statement: jump|goto <chain>;  drop;  accept;  return;  reject;
                dnat to <addr>:<port> | [<addr6>]:<port>;  update @<set> { ip|ip6 saddr };
                dnat ip|ip6 to numgen random mod <n> map @<slot map>;
+               dnat ip|ip6 to jhash <hashed> mod <n> seed <seed> map @<slot map>
+               (hashed: ip|ip6 saddr [. tcp|udp|sctp sport]);
                masquerade fully-random;  meta mark set meta mark ^ <bits> (or |);
                <concatenation> vmap @<map>
 
@@ -48,6 +50,7 @@ from proxy.dataplane.common.netlink_constants import (
     NFT_DYNSET_OP_UPDATE,
     NFT_FIB_RESULT_ADDRTYPE,
     NFT_GOTO,
+    NFT_HASH_JENKINS,
     NFT_JUMP,
     NFT_META_L4PROTO,
     NFT_META_MARK,
@@ -83,6 +86,13 @@ from proxy.dataplane.common.netlink_constants import (
     NFTA_FIB_F_SADDR,
     NFTA_FIB_FLAGS,
     NFTA_FIB_RESULT,
+    NFTA_HASH_DREG,
+    NFTA_HASH_LEN,
+    NFTA_HASH_MODULUS,
+    NFTA_HASH_OFFSET,
+    NFTA_HASH_SEED,
+    NFTA_HASH_SREG,
+    NFTA_HASH_TYPE,
     NFTA_IMMEDIATE_DATA,
     NFTA_IMMEDIATE_DREG,
     NFTA_LIST_ELEM,
@@ -271,6 +281,53 @@ def _dnat_slot_map(family: Family, modulus: int, set_name: str) -> bytes:
     up into the address (from register 1) and the port (the register slot after it)."""
     return (_expr("numgen", _numgen_random(modulus)) + _lookup(set_name, NFT_REG_1)
             + _nat(family, register(ADDRESS_WIDTH[family] // 4)))
+
+
+@functools.lru_cache(maxsize=256)
+def _dnat_hashed(family: Family, fields: tuple[str, ...], modulus: int, seed: int,
+                 set_name: str) -> bytes:
+    """`dnat ip to jhash <fields> mod <n> seed <seed> map @<slots>` as nft sends it: the
+    fields loaded from register 2 on, hashed into register 1, looked up as a slot."""
+    loads, width = b"", 0
+    for field in fields:
+        if field == "saddr":
+            size = ADDRESS_WIDTH[family]
+            loads += payload(NFT_PAYLOAD_NETWORK_HEADER, ADDRESS_OFFSETS[family]["saddr"], size,
+                             register(4 + width // 4))
+        else:  # the source port
+            size = 2
+            loads += payload(NFT_PAYLOAD_TRANSPORT_HEADER, 0, size, register(4 + width // 4))
+        width += (size + 3) // 4 * 4
+    hashed = (nla(NFTA_HASH_SREG, u32(NFT_REG_2)) + nla(NFTA_HASH_DREG, u32(NFT_REG_1))
+              + nla(NFTA_HASH_LEN, u32(width)) + nla(NFTA_HASH_MODULUS, u32(modulus))
+              + nla(NFTA_HASH_SEED, u32(seed)) + nla(NFTA_HASH_OFFSET, u32(0))
+              + nla(NFTA_HASH_TYPE, u32(NFT_HASH_JENKINS)))
+    return (loads + _expr("hash", hashed) + _lookup(set_name, NFT_REG_1)
+            + _nat(family, register(ADDRESS_WIDTH[family] // 4)))
+
+
+def _hashed_fields(family: Family, words: list[str]) -> tuple[str, ...]:
+    """`ip saddr [. tcp sport]` -> ("saddr"[, "sport"])."""
+    if words[:2] == [_ip(family), "saddr"] and len(words) == 2:
+        return ("saddr",)
+    if words[:3] == [_ip(family), "saddr", "."] and len(words) == 5 \
+            and words[3] in PROTOCOLS and words[4] == "sport":
+        return ("saddr", "sport")
+    raise Unencodable(f"jhash {' '.join(words)}")
+
+
+def _dnat_hash_statement(family: Family, cur: _Cursor) -> list[bytes]:
+    """`dnat ip to jhash <fields> mod <n> seed <seed> map @<slots>` at the cursor."""
+    cur.take(4)  # dnat ip to jhash
+    fields: list[str] = []
+    while cur.more() and cur.at(0) != "mod":
+        fields += cur.take(1)
+    _, modulus, seed_kw, seed, map_, set_ref = cur.take(6)
+    if (seed_kw, map_) != ("seed", "map") or not modulus.isdigit() \
+            or not 0 < int(modulus) <= 0xFFFFFFFF or not set_ref.startswith("@"):
+        raise Unencodable(f"jhash ... mod {modulus} {seed_kw} {seed} {map_} {set_ref}")
+    return [_dnat_hashed(family, _hashed_fields(family, fields), int(modulus),
+                         _number(seed), set_ref[1:])]
 
 
 def _dnat_tail(family: Family, port_text: str) -> bytes:
@@ -649,6 +706,8 @@ def _statement(family: Family, cur: _Cursor) -> tuple[list[bytes], bool]:
         if how != "fully-random":
             raise Unencodable(f"masquerade {how}")
         return [_MASQUERADE_FULLY_RANDOM], True
+    if word == "dnat" and cur.at(1) == ip and cur.at(3) == "jhash":
+        return _dnat_hash_statement(family, cur), True
     if word == "dnat" and cur.at(1) == ip:
         _, _, to, ng, kind, mod, modulus, map_, set_ref = cur.take(9)
         if (to, ng, kind, mod, map_) != ("to", "numgen", "random", "mod", "map") \

@@ -21,6 +21,9 @@ Per family, one main table and K shard tables, holding nothing but ours:
                     `dnat to numgen random mod n map @slots-svc-<h>` instead
       svl-<h>       Local-policy endpoints, the same shape
       slots-svc-<h> slot (0..n-1) -> endpoint address . port, for a port that large
+      hash-svc-<h>  with maglev or source-hash balancing (no affinity): slot (0..M-1) ->
+                    endpoint address . port, Maglev's table; the chain's one rule is
+                    `dnat to jhash <source> mod M seed HASH_SEED map @hash-svc-<h>`
       ext-<h>       external traffic (NodePort, externalIP, LB IP) -> policy chain
       fw-<h>        loadBalancerSourceRanges in front of ext-<h>
       ep-<h>        one per endpoint, only with ClientIP affinity: remember, DNAT
@@ -48,6 +51,18 @@ model says which endpoints changed, port_edit.py renders only those: O(change) i
 Python). Small ports keep the cascade: a map is a set, and sets are what makes a large
 table slow to load.
 ClientIP affinity keeps it too: its per-endpoint checks are one rule per endpoint anyway.
+
+Why jhash of the source for maglev and source-hash (model/balancing.py): the same flow
+must reach the same endpoint from every node and after its conntrack entry is lost.
+The table depends on the endpoints alone, and the kernel's jhash with a fixed seed
+(never nft's default, a random one per rule) on the packet alone. maglev hashes the
+source address and port, source-hash the source address only. Not the destination: a
+policy chain serves one service port, so its address and port say nothing a chain does
+not already know, and they differ between nodes for the same flow where it matters
+(a NodePort is the node's own address: an ECMP'd load balancer sending a flow's packets
+to two nodes would see two endpoints). A change of endpoints is rendered whole (the
+table is O(M), about 3 ms at M = 4093) but written as the slots whose endpoint changed,
+element by element, and the rule only when M moves to another rung.
 
 Hairpin (a pod reaching itself through its service) is one set of `addr . addr` pairs,
 looked up after DNAT in postrouting, instead of a chain per endpoint as upstream: the
@@ -89,9 +104,11 @@ from proxy.dataplane.nftables.objects import (
     Value,
     Verdict,
 )
+from proxy.model.balancing import maglev_table
 from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
 from proxy.model.types import (
     DEFAULT_AFFINITY_TIMEOUT,
+    Balancing,
     Family,
     IPAddress,
     IPNetwork,
@@ -121,6 +138,9 @@ MAX_SHARDS = NFTABLES.markers.table_shards
 # Endpoints from which a policy chain balances through a slot map (module docstring).
 SLOT_MAP_MIN = 128
 SLOTS = "slots-"  # the slot maps' prefix: slots-<policy chain>
+HASHED = "hash-"  # Maglev tables' prefix: hash-<policy chain>
+# jhash's seed, the same on every node (module docstring); nft's default is random.
+HASH_SEED = 0x5A175EED
 
 MARK_FOR_MASQUERADE = "mark-for-masquerade"
 MASQ_UNLESS_POD = "masq-unless-pod"
@@ -377,6 +397,10 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,
     for policy_chain, eps in ((p.svc, p.cluster_eps), (p.svl, p.local_eps)):
         if policy_chain:
             first = masq if policy_chain == p.internal else ()
+            if rsp.balancing is not Balancing.RANDOM and not ep_chains and eps:
+                _hashed_chain(build, policy_chain, eps, first, addrs, label,
+                              rsp.balancing)
+                continue
             _policy_chain(build, policy_chain, eps, first, (texts, addrs, ep_chains), label,
                           slots)
     return build.objects()
@@ -490,6 +514,30 @@ def _policy_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
                             for i, v in enumerate(assigned)]
     build.chains.append(Chain(chain, (*first, slot_rule(ip, proto, len(assigned), slot_map,
                                                         label))))
+
+
+def _hashed_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
+                  first: tuple[str, ...], addrs: Mapping[int, str], label: str,
+                  balancing: Balancing) -> None:
+    """A path's chain balancing by a hash of the source into Maglev's table of its
+    endpoints (module docstring): `first`, then the one rule."""
+    values = {(ep.address, ep.port): slot_value(addrs[id(ep)], ep.port) for ep in eps}
+    table = maglev_table(values)
+    slot_map = HASHED + chain
+    build.sets.append(SlotMap(slot_map, build.key.family, build.proto))
+    build.slot_elements += [Element(build.table, slot_map, (i,), values[b])
+                            for i, b in enumerate(table)]
+    build.chains.append(Chain(chain, (*first, hashed_rule(build.ip, build.proto, len(table),
+                                                          slot_map, label, balancing))))
+
+
+def hashed_rule(ip: str, proto: str, m: int, slot_map: str, label: str,
+                balancing: Balancing) -> str:
+    """A hashed chain's one rule: the source (and its port, for maglev) hashed as every
+    node hashes it, into one of the `m` slots."""
+    source = f"{ip} saddr . {proto} sport" if balancing is Balancing.MAGLEV else f"{ip} saddr"
+    return (f"meta l4proto {proto} dnat {ip} to jhash {source} mod {m} seed {HASH_SEED:#x} "
+            f"map @{slot_map} {label}")
 
 
 def slot_rule(ip: str, proto: str, n: int, slot_map: str, label: str) -> str:
