@@ -132,7 +132,8 @@ def lingering(cluster: NodeCluster, pod: dict[str, Any]) -> str:
     """A pod that is taking long to go: its containers' states and its kubelet's last
     lines about it."""
     name, node = pod["metadata"]["name"], pod["spec"].get("nodeName", "")
-    states = [f"{c['name']} {next(iter(c.get('state') or {'?': 0}))}"
+    states = [f"{c['name']} {next(iter(c.get('state') or {'?': 0}))}, "
+              f"{c.get('restartCount', 0)} restarts, last {c.get('lastState') or 'none'}"
               for c in pod.get("status", {}).get("containerStatuses", [])]
     deleting = "deleting" if pod["metadata"].get("deletionTimestamp") else "not deleted"
     kubelet = cluster.nodes[node].log_tail("kubelet", 200_000) if node in cluster.nodes else ""
@@ -253,6 +254,9 @@ def test_a_new_cluster_without_kube_proxy_runs_the_variant_from_a_written_config
     w.check_cluster_dns("a new cluster, sliceproxy")
     check_node_settings(c)
     assert_one_proxy(c, "sliceproxy iptables")
+    restarts = {p["metadata"]["name"]: s.get("restartCount", 0) for p in c.pods(SYSTEM, AGENTS)
+                for s in p["status"].get("containerStatuses", [])}
+    assert set(restarts.values()) == {0}, restarts
 
 
 def test_back_to_kube_proxy_by_kubeadms_addon_phase(life: Life, tmp_path: Path) -> None:
