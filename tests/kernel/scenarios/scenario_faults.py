@@ -66,8 +66,10 @@ CHANGE_DEADLINE = 60.0
 OUTAGE = float(os.environ.get("SLICEPROXY_KERNEL_FAULT_OUTAGE", "10"))
 STORM = float(os.environ.get("SLICEPROXY_KERNEL_FAULT_STORM", "5"))
 # Emulated, a connection through IPVS can take longer than the host suite's 0.5 s while
-# an agent starts on the same two virtual CPUs: a failure here is no answer in 1 s.
-TIMEOUT, INTERVAL = 1.0, 0.1
+# an agent starts on the same two virtual CPUs, and the guest itself can stall for over
+# a second while the real-node tier loads the host (seen once in CI: a lone connection
+# timed out at 1 s with no agent running): a failure here is no answer in 2 s.
+TIMEOUT, INTERVAL = 2.0, 0.1
 FLAP = "198.18.128.40"
 
 
@@ -283,7 +285,7 @@ def test_foreign_changes_are_repaired(node: IpvsFaultNode) -> None:
             wait_for(restored, CHANGE_DEADLINE,
                      f"ours back after: {name}", interval=0.1)
             repaired = time.monotonic()
-            settle(2.0)
+            settle(2.0 + TIMEOUT)  # connections started after the repair, answered
         report = traffic.report(since=began)
         after = traffic.report(since=repaired + TIMEOUT)
         node.record(f"foreign change: {name}", report, repaired - began,
@@ -389,6 +391,6 @@ def test_restarts_move_no_udp_flow(node: IpvsFaultNode) -> None:
     and the agent's start leaves conntrack alone. Emulated, an answer may take longer
     than the host suite's 1 s while an agent starts on the same two virtual CPUs: a
     datagram counts as unanswered here after 2 s."""
-    restarts_under_udp_flows(node, ready_deadline=READY_DEADLINE, timeout=2 * TIMEOUT,
+    restarts_under_udp_flows(node, ready_deadline=READY_DEADLINE, timeout=TIMEOUT,
                              interval=0.25)  # light: the agent starts on the same CPUs
     healthy(node)

@@ -216,7 +216,9 @@ def test_from_kube_proxy_its_node_settings_are_kept(
 # --- IPVS both ways: kube-proxy v1.20.2 in IPVS mode <-> sliceproxy in IPVS mode ---------
 
 HANDOVER, GONE = "198.18.128.60", "198.18.128.61"
-TRAFFIC_TIMEOUT, TRAFFIC_INTERVAL = 1.0, 0.05  # an emulated machine: 1 s to answer
+# An emulated machine beside a loaded host (the real-node tier): 2 s to answer, as the
+# fault scenarios allow.
+TRAFFIC_TIMEOUT, TRAFFIC_INTERVAL = 2.0, 0.05
 
 
 def web_v1beta1(sim: SimServer, lab: Lab, name: str, vip: str) -> None:
