@@ -337,6 +337,7 @@ class SyncLoop:
         m.syncs.labels(kind, "ok").inc()
         m.last_sync.set(self._wall())
         m.count_conntrack(report.conntrack_deleted)
+        m.tcp_flows_reset.inc(report.flows_reset)
         m.count_mode(report.counted)
         if trigger is not Trigger.INITIAL:
             # Start-up is not programming latency: its changes are the initial list.

@@ -67,6 +67,8 @@ class SyncReport:
     # (conntrack.py's after a change, conntrack_reconcile.py's after a first or full sync).
     conntrack_cleared: int = 0
     conntrack_deleted: dict[str, int] = field(default_factory=dict)
+    # TCP flows to endpoints that left, reset (common/fail_fast.py; opt-in).
+    flows_reset: int = 0
     details: dict[str, Any] = field(default_factory=dict)
     # What to add to the counters only this mode has (modes.py declares them), by name:
     # the agent counts them without knowing which mode it runs.

@@ -43,6 +43,8 @@ PROGRAMMING_BUCKETS = (
 
 
 CLEARED_HELP = "Stale UDP/SCTP conntrack entries deleted (after syncs and by the reconcile)"
+FLOWS_RESET_HELP = ("TCP flows to endpoints that left their service, reset (--fail-fast, "
+                    "the sliceproxy.io/fail-fast annotation)")
 DELETED_HELP = ("Stale UDP/SCTP conntrack entries deleted, by reason: endpoint-gone and "
                 "first-endpoint after a change, stale-dnat and missing-dnat by the reconcile")
 SYNC_CPU_HELP = ("CPU seconds syncs used: resolve, render and apply on the agent's "
@@ -141,6 +143,7 @@ class AgentMetrics:
         self.conntrack_cleared = counter("sliceproxy_conntrack_entries_cleared", CLEARED_HELP)
         self.conntrack_deleted = counter("sliceproxy_conntrack_entries_deleted", DELETED_HELP,
                                          ("reason",))
+        self.tcp_flows_reset = counter("sliceproxy_tcp_flows_reset", FLOWS_RESET_HELP)
 
     def _node(self) -> None:
         """Drift of our rules, other proxies on the node, the first sync."""

@@ -218,6 +218,10 @@ def test_real_agent_resets_within_2s_of_the_slice_write(lab: Lab, tmp_path: Path
                 assert took <= GOAL
             finally:
                 waiting.close()
+            # Counted once the sync that reset it has reported (it logs after the reset).
+            poll.wait(lambda: agent.metrics().get("sliceproxy_tcp_flows_reset_total", 0) >= 1,
+                      10, "the reset counted in /metrics",
+                      detail=lambda: agent.metrics().get("sliceproxy_tcp_flows_reset_total"))
         finally:
             agent.stop()
 

@@ -33,6 +33,7 @@ OURS = {
     "sliceproxy_sync_apply_failures": "counter",
     "sliceproxy_conntrack_entries_cleared": "counter",
     "sliceproxy_conntrack_entries_deleted": "counter",
+    "sliceproxy_tcp_flows_reset": "counter",
     "sliceproxy_first_sync_seconds": "gauge",
     "sliceproxy_skipped_objects": "gauge",
     "sliceproxy_endpoint_conflicts": "gauge",

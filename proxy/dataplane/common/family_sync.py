@@ -177,7 +177,7 @@ class FamilySyncPlane(ABC, Generic[S]):
         return SyncReport(full=totals.full, written=tuple(sorted(totals.written)),
                           removed=tuple(sorted(totals.removed)), operations=totals.operations,
                           apply_seconds=totals.apply_seconds, conntrack_cleared=cleared,
-                          conntrack_deleted=deleted, details=details)
+                          conntrack_deleted=deleted, flows_reset=reset, details=details)
 
     def _sync_family(self, fam: S, state: DesiredState, full: bool,
                      node_ips: Sequence[IPAddress], totals: _Totals) -> dict[str, Any]:
