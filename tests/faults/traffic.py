@@ -12,6 +12,9 @@ success) and the longest run of failures in a row. Every loop is bounded in time
 port, one conntrack entry) asked again and again, each datagram recorded with who
 answered it, so that a test can say which flow moved to another backend and how many
 datagrams went unanswered (`pinned_flows` opens them, so many per backend).
+
+`Laps` says when each step of a scenario ended, so that a failure `Report.failed_at`
+places can be put beside the step that caused it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,28 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from proxy.netns_lab import poll, probe
+
+
+class Laps:
+    """Where a timed change spent its time, step by step, for the report: each step's
+    length and when it ended, in seconds since `started` (a step that waits on a kubelet
+    or a controller can take seconds or a minute)."""
+
+    def __init__(self, started: float | None = None) -> None:
+        self.started = self._last = time.monotonic() if started is None else started
+        self.laps: list[str] = []
+
+    def __call__(self, step: str) -> None:
+        now = time.monotonic()
+        self.laps.append(f"{step} {now - self._last:.1f}s (at {now - self.started:.1f}s)")
+        self._last = now
+
+    @property
+    def took(self) -> float:
+        return self._last - self.started
+
+    def __str__(self) -> str:
+        return ", ".join(self.laps)
 
 
 @dataclass(frozen=True, slots=True)

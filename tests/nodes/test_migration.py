@@ -34,6 +34,7 @@ import pytest
 import yaml
 
 from proxy.netns_lab.poll import wait
+from tests.faults.traffic import Laps
 from tests.nodes import workload as wl
 from tests.nodes.cluster import NodeCluster
 from tests.nodes.conftest import LONG, report, started_cluster
@@ -76,27 +77,6 @@ KUBE_PROXY_TIMEOUTS = {"nf_conntrack_tcp_timeout_established": "86400",
 class Life:
     cluster: NodeCluster
     workload: Workload
-
-
-class Laps:
-    """Where a timed change spent its time, step by step, for the report (a step that
-    waits on a kubelet or a controller can take seconds or a minute)."""
-
-    def __init__(self) -> None:
-        self.started = self._last = time.monotonic()
-        self.laps: list[str] = []
-
-    def __call__(self, step: str) -> None:
-        now = time.monotonic()
-        self.laps.append(f"{step} {now - self._last:.1f}s")
-        self._last = now
-
-    @property
-    def took(self) -> float:
-        return self._last - self.started
-
-    def __str__(self) -> str:
-        return ", ".join(self.laps)
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,7 @@ from tests.e2e.agent_support import (
     service,
     start_sim,
 )
-from tests.faults.traffic import Target, Traffic
+from tests.faults.traffic import Laps, Target, Traffic
 from tests.kernel import kube_proxy_guest as kube_proxy
 from tests.kernel import node_settings_guest as settings
 from tests.kernel.kube_proxy_guest import KubeProxy
@@ -328,13 +328,17 @@ def test_ipvs_from_kube_proxy_and_back_with_traffic(
         # kube-proxy -> sliceproxy. A service deleted while neither proxy runs leaves a
         # virtual server of kube-proxy's that sliceproxy never serves.
         began = time.monotonic()
+        steps = Laps(began)
         first.stop()
+        steps("kube-proxy stopped")
         sim.delete("v1", "Service", "gone", "demo")
         agent = start(lab, sim, workdir, agents, "ipvs")
+        steps("sliceproxy ready")
         ours = virtual_servers(lab)
         assert ours[vs] and f"-t {GONE}:80" in ours
         assert kube_proxy_objects(lab)
         step = handover(lab)
+        steps("handover done")
         assert step.returncode == 0, step.stderr
         assert f"1 virtual servers (kube-proxy's alone, first TCP {GONE}:80), 1 interface" \
             in step.stdout, step.stdout
@@ -345,18 +349,23 @@ def test_ipvs_from_kube_proxy_and_back_with_traffic(
         print(f"\n{step.stdout.strip()}")
         lab.wait_for(c, HANDOVER, 80, WEB, deadline=CHANGE_DEADLINE)
         to_sliceproxy = traffic.report(since=began)
+        there = str(steps)
 
         # sliceproxy -> kube-proxy.
         began = time.monotonic()
+        steps = Laps(began)
         agent.stop()
+        steps("sliceproxy stopped")
         second = KubeProxy(lab, sim, kube_proxy_binary, workdir, "kube-proxy-2").start()
         kube_proxies.append(second)
         wait_for(lambda: HANDOVER in (interface_addresses(lab, "kube-ipvs0") or ())
                  and len(virtual_servers(lab).get(vs, ())) == 2, READY_DEADLINE,
                  "kube-proxy's first sync after sliceproxy", detail=second.log_tail)
+        steps("kube-proxy synced")
         theirs = virtual_servers(lab)
         step = run_cli(lab, ["--cleanup", "--proxy-mode", "ipvs",
                              "--hostname-override", "node-a"])
+        steps("sliceproxy --cleanup done")
         assert step.returncode == 0, step.stderr
         assert virtual_servers(lab) == theirs  # every one of kube-proxy's kept
         assert our_rules(lab) == [] and interface_addresses(lab, DUMMY_INTERFACE) is None
@@ -364,8 +373,10 @@ def test_ipvs_from_kube_proxy_and_back_with_traffic(
             step.stderr
         lab.wait_for(c, HANDOVER, 80, WEB, deadline=CHANGE_DEADLINE)
         to_kube_proxy = traffic.report(since=began)
+        back = str(steps)
+    print(f"\nsteps to sliceproxy: {there}; back: {back}")
     print(f"\nIPVS kube-proxy -> sliceproxy: {to_sliceproxy.attempts} connections, "
           f"{to_sliceproxy.failed} failed; sliceproxy -> kube-proxy: "
           f"{to_kube_proxy.attempts} connections, {to_kube_proxy.failed} failed")
-    assert to_sliceproxy.failed == 0, to_sliceproxy.failures()
-    assert to_kube_proxy.failed == 0, to_kube_proxy.failures()
+    assert to_sliceproxy.failed == 0, f"{to_sliceproxy.failures()}; steps: {there}"
+    assert to_kube_proxy.failed == 0, f"{to_kube_proxy.failures()}; steps: {back}"
