@@ -53,6 +53,7 @@ from proxy.server.health import ProxyHealth, node_eligible
 from proxy.server.http import health_app, metrics_app, serve
 from proxy.server.metrics import AgentMetrics
 from proxy.server.nodeports import HealthCheckPorts, LocalEndpointTracker
+from proxy.server.traffic import TrafficReading
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ def dataplane_options(config: Config) -> DataplaneOptions:
         ipvs_scheduler=config.ipvs_scheduler,
         iptables_applier=config.iptables_applier,
         fail_fast=config.fail_fast,
+        traffic_per_endpoint=config.traffic_per_endpoint,
     )
 
 
@@ -153,6 +155,8 @@ class Agent:
         self.metrics.watch_model(lambda: self.model)
         self.metrics.watch_reflectors(
             lambda: self.watch.reflectors if self.watch is not None else ())
+        self.traffic = TrafficReading()
+        self.metrics.watch_traffic(self.traffic)
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -182,7 +186,8 @@ class Agent:
     async def _start_http(self) -> None:
         cfg = self.config
         dump = metrics_app(self.metrics, None if cfg.debug_dump == "false" else self,
-                           loopback_only=cfg.debug_dump == "local")
+                           loopback_only=cfg.debug_dump == "local",
+                           refresh=self.refresh_traffic)
         for (host, port), app, what in (
             (cfg.healthz_bind_address, health_app(self.health, self.metrics), "healthz"),
             (cfg.metrics_bind_address, dump, "metrics"),
@@ -448,25 +453,16 @@ class Agent:
 
     # --- /debug/dump -----------------------------------------------------------------
 
-    async def _applied_rules(
-        self, keys: Sequence[ServicePortKey]
-    ) -> tuple[Mapping[ServicePortKey, Sequence[str]] | None, str | None]:
+    async def refresh_traffic(self) -> None:
+        """The kernel's traffic counters read on the data plane's thread (server/traffic.py)."""
         dp = self.dataplane
-        if dp is None:
-            return None, "the data plane is not running"
-        try:
-            async with asyncio.timeout(DUMP_RULES_TIMEOUT):
-                rules = await self.worker.call(
-                    lambda: {k: list(dp.applied_rules(k)) for k in keys})
-        except TimeoutError:
-            return None, (f"the data plane was busy for {DUMP_RULES_TIMEOUT:g}s (a sync in "
-                          "progress, or blocked); applied_rules left out")
-        except Exception as exc:
-            return None, f"reading applied rules failed: {exc}"
-        return rules, None
+        if dp is not None:
+            await self.traffic.refresh(lambda: self.worker.call(dp.traffic), DUMP_RULES_TIMEOUT)
 
     async def debug_dump(self, service: str | None) -> dict[str, Any]:
-        applied, note = await self._applied_rules(selected_keys(self.model, service))
+        await self.refresh_traffic()
+        applied, note = await _applied_rules(self.worker, self.dataplane,
+                                             selected_keys(self.model, service))
         st = self.health.status()
         health = {
             "healthy": st.healthy, "ready": st.ready, "node_eligible": st.node_eligible,
@@ -491,11 +487,27 @@ class Agent:
         return build_dump(
             config={**self.config.as_dict(), "healthz-threshold": format_duration(
                 self.health.threshold)},
-            model=self.model, applied=applied, applied_note=note,
+            model=self.model, applied=applied, applied_note=note, traffic=self.traffic.ports,
             syncs=[r.as_dict() for r in reversed(history)],
             health=health, watch=watch, service=service,
             pacing=self.runner.pacing() if self.runner is not None else None,
             nodeports=(self.config.nodeport_addresses, self.config.nodeport_primary))
+
+
+async def _applied_rules(worker: Worker, dp: DataPlane | None, keys: Sequence[ServicePortKey]
+                         ) -> tuple[Mapping[ServicePortKey, Sequence[str]] | None, str | None]:
+    """The dump's applied_rules, read on the data plane's thread, or why not."""
+    if dp is None:
+        return None, "the data plane is not running"
+    try:
+        async with asyncio.timeout(DUMP_RULES_TIMEOUT):
+            rules = await worker.call(lambda: {k: list(dp.applied_rules(k)) for k in keys})
+    except TimeoutError:
+        return None, (f"the data plane was busy for {DUMP_RULES_TIMEOUT:g}s (a sync in "
+                      "progress, or blocked); applied_rules left out")
+    except Exception as exc:
+        return None, f"reading applied rules failed: {exc}"
+    return rules, None
 
 
 def _service_of(ev: WatchEvent) -> str | None:

@@ -177,6 +177,9 @@ class Config:
     # End TCP flows to an endpoint that left, for services without the
     # sliceproxy.io/fail-fast annotation (dataplane/common/fail_fast.py).
     fail_fast: bool = False
+    # Count each endpoint's new connections (and show them in /metrics), for services
+    # without the sliceproxy.io/traffic-per-endpoint annotation (dataplane/common/traffic.py).
+    traffic_per_endpoint: bool = False
     iptables_applier: str = "restore"
     cleanup: bool = False
     verbosity: int = 0
@@ -302,6 +305,11 @@ def _sync_flags(g: argparse._ArgumentGroup) -> None:
              "terminating and still serving), reset its clients' TCP connections at "
              "once, for services without the sliceproxy.io/fail-fast annotation "
              "(default off)")
+    add("--traffic-per-endpoint", action="store_true", default=None,
+        help="sliceproxy only: count each endpoint's new connections in the kernel and "
+             "export them in /metrics (one series per endpoint), for services without "
+             "the sliceproxy.io/traffic-per-endpoint annotation (default off: per "
+             "service port)")
 
 
 def _server_flags(g: argparse._ArgumentGroup) -> None:
@@ -473,7 +481,7 @@ def from_values(values: dict[str, Any]) -> Config:
                         kw[dest], kw["nodeport_primary"] = nodeport_addresses.parse(items)
                     except ValueError as exc:
                         raise ConfigError(f"{flag}: {exc}") from None
-                case "masquerade_all" | "cleanup" | "fail_fast":
+                case "masquerade_all" | "cleanup" | "fail_fast" | "traffic_per_endpoint":
                     kw[dest] = _bool(value)
                 case "debug_dump":
                     kw[dest] = parse_debug_dump(value)

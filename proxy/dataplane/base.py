@@ -49,6 +49,9 @@ class DataplaneOptions:
     # --fail-fast: reset TCP flows to endpoints that left, for services without the
     # sliceproxy.io/fail-fast annotation (common/fail_fast.py).
     fail_fast: bool = False
+    # --traffic-per-endpoint: count each endpoint's new connections, for services without
+    # the sliceproxy.io/traffic-per-endpoint annotation (common/traffic.py).
+    traffic_per_endpoint: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +76,36 @@ class SyncReport:
     # What to add to the counters only this mode has (modes.py declares them), by name:
     # the agent counts them without knowing which mode it runs.
     counted: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Counted:
+    """What the kernel counted: new connections (a UDP or SCTP flow is one), and where
+    the mode's counters see every packet (IPVS), packets and bytes both ways."""
+
+    connections: int
+    packets: int | None = None
+    bytes: int | None = None
+
+    def __add__(self, other: Counted) -> Counted:
+        return Counted(self.connections + other.connections,
+                       _plus(self.packets, other.packets), _plus(self.bytes, other.bytes))
+
+
+def _plus(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else a + b
+
+
+NOTHING = Counted(0)
+
+
+@dataclass(frozen=True, slots=True)
+class PortTraffic:
+    """One service port's traffic (common/traffic.py): in total, and by endpoint
+    (address, port) where the port is counted per endpoint (None where it is not)."""
+
+    total: Counted
+    endpoints: Mapping[tuple[IPAddress, int], Counted] | None = None
 
 
 class ApplyError(Exception):
@@ -112,6 +145,12 @@ class DataPlane(Protocol):
         are still what it applies. `expected`: how many service ports each family will
         have; `primary_ips`: the node's primary addresses, as the first snapshot will
         carry them. May do nothing. Blocking, on the data plane's thread, as `sync`."""
+        ...
+
+    def traffic(self) -> Mapping[ServicePortKey, PortTraffic]:
+        """What the kernel has counted for each service port applied, read now: totals
+        since the port was first programmed, kept across rule rewrites and agent restarts
+        where the kernel keeps them (common/traffic.py). Blocking, as `sync`."""
         ...
 
     def applied_rules(self, key: ServicePortKey) -> Sequence[str]:

@@ -48,6 +48,7 @@ from proxy.model.types import (
     ANNOTATION_TOPOLOGY_HINTS,
     ANNOTATION_TOPOLOGY_MODE,
     ANNOTATION_TOPOLOGY_PREFERENCE,
+    ANNOTATION_TRAFFIC_PER_ENDPOINT,
     DEFAULT_AFFINITY_TIMEOUT,
     LABEL_HEADLESS,
     LABEL_HOSTNAME,
@@ -430,7 +431,9 @@ def _service_body(ctx: _Ctx, obj: dict[str, Any]) -> Service:
         topology_mode=_topology_mode(ctx, annotations),
         topology_preference=_preference(ctx, annotations.get(ANNOTATION_TOPOLOGY_PREFERENCE)),
         balancing=_balancing(ctx, annotations.get(ANNOTATION_BALANCING)),
-        fail_fast=_fail_fast(ctx, annotations.get(ANNOTATION_FAIL_FAST)),
+        fail_fast=_boolean(ctx, annotations, ANNOTATION_FAIL_FAST, "--fail-fast"),
+        traffic_per_endpoint=_boolean(ctx, annotations, ANNOTATION_TRAFFIC_PER_ENDPOINT,
+                                      "--traffic-per-endpoint"),
         proxy_name=labels.get(LABEL_SERVICE_PROXY_NAME),
         uid=clip(str(meta.get("uid") or "")),
         resource_version=clip(str(meta.get("resourceVersion") or "")),
@@ -651,14 +654,16 @@ def _preference(ctx: _Ctx, raw: str | None) -> tuple[str, ...] | None:
 _BALANCINGS = {b.value: b for b in Balancing}
 
 
-def _fail_fast(ctx: _Ctx, raw: str | None) -> bool | None:
-    """None (the node's --fail-fast) when absent or not a boolean (a skip record)."""
+def _boolean(ctx: _Ctx, annotations: dict[str, str], name: str, flag: str) -> bool | None:
+    """A true/false annotation; None (the node's `flag`) when absent or not a boolean (a
+    skip record)."""
+    raw = annotations.get(name)
     if raw is None:
         return None
     found = {"true": True, "false": False}.get(raw.strip().lower())
     if found is None:
         ctx.skip(why.INVALID_VALUE, f"{shown(raw)} is not true or false; using the "
-                 f"node's --fail-fast", f"metadata.annotations[{ANNOTATION_FAIL_FAST}]")
+                 f"node's {flag}", f"metadata.annotations[{name}]")
     return found
 
 

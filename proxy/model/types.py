@@ -30,6 +30,7 @@ ANNOTATION_TOPOLOGY_HINTS = "service.kubernetes.io/topology-aware-hints"
 ANNOTATION_TOPOLOGY_PREFERENCE = "sliceproxy.io/topology-preference"
 ANNOTATION_BALANCING = "sliceproxy.io/balancing"
 ANNOTATION_FAIL_FAST = "sliceproxy.io/fail-fast"
+ANNOTATION_TRAFFIC_PER_ENDPOINT = "sliceproxy.io/traffic-per-endpoint"
 
 DEFAULT_AFFINITY_TIMEOUT = 10800
 
@@ -117,6 +118,9 @@ class Service:
     # sliceproxy.io/fail-fast ("true"/"false"); None when absent or invalid: the node's
     # --fail-fast (dataplane/common/fail_fast.py).
     fail_fast: bool | None = None
+    # sliceproxy.io/traffic-per-endpoint ("true"/"false"); None when absent or invalid:
+    # the node's --traffic-per-endpoint (dataplane/common/traffic.py).
+    traffic_per_endpoint: bool | None = None
     # Value of the service-proxy-name label; services for another proxy are not ours.
     proxy_name: str | None = None
     uid: str = field(default="", compare=False)

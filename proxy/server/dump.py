@@ -15,9 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from proxy.dataplane.base import PortTraffic
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import IPNetwork, ServicePortKey
 from proxy.model.view import node_view, service_port_view
+from proxy.server.traffic import traffic_view
 
 SKIPPED_SHOWN = 500  # records in `skipped`
 SKIPPED_RECENT = 20  # records in `skipped_summary.recent`
@@ -44,12 +46,15 @@ def build_dump(
     service: str | None = None,
     pacing: Mapping[str, Any] | None = None,
     nodeports: tuple[tuple[IPNetwork, ...], bool] | None = None,
+    traffic: Mapping[ServicePortKey, PortTraffic] | None = None,
 ) -> dict[str, Any]:
-    """`nodeports`: --nodeport-addresses (CIDRs, `primary`), for the node's `nodeports`."""
+    """`nodeports`: --nodeport-addresses (CIDRs, `primary`), for the node's `nodeports`;
+    `traffic`: the kernel's counts by port (server/traffic.py), null where not read."""
     services = []
     for key in selected_keys(model, service):
         entry = service_port_view(model.state.ports[key])
         entry["applied_rules"] = list(applied.get(key, ())) if applied is not None else None
+        entry["traffic"] = traffic_view((traffic or {}).get(key))
         services.append(entry)
     records = [s for s in model.skipped()
                if service is None or f"{s.namespace}/{s.name}" == service]

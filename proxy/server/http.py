@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address, ip_address
 from typing import Any, Protocol
@@ -88,10 +89,14 @@ DUMP_LOCAL_ONLY = (
 
 
 def metrics_app(metrics: AgentMetrics, source: DumpSource | None, *,
-                loopback_only: bool = True) -> web.Application:
+                loopback_only: bool = True,
+                refresh: Callable[[], Awaitable[None]] | None = None) -> web.Application:
     """`source` None: /debug/dump answers 404 and says why (--debug-dump=false);
-    `loopback_only`: it answers 403 to a client that is not on a loopback address."""
+    `loopback_only`: it answers 403 to a client that is not on a loopback address;
+    `refresh`: what a scrape awaits first (the kernel's traffic counters read)."""
     async def serve_metrics(_: web.Request) -> web.Response:
+        if refresh is not None:
+            await refresh()
         return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def dump(request: web.Request) -> web.Response:

@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 from proxy.dataplane import modes
 from proxy.kube.reflector import Reflector, ReflectorStats
 from proxy.model.tracker import ClusterModel
+from proxy.server.traffic import TrafficCollector, TrafficReading
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -184,6 +185,11 @@ class AgentMetrics:
 
     def watch_reflectors(self, reflectors: Callable[[], Iterable[Reflector]]) -> None:
         self.registry.register(WatchCollector(reflectors))
+
+    def watch_traffic(self, reading: TrafficReading) -> None:
+        """Each service port's (and counted endpoint's) traffic, from the last reading
+        (server/traffic.py), which the scrape refreshes first."""
+        self.registry.register(TrafficCollector(reading))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

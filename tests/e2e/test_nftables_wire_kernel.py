@@ -76,6 +76,11 @@ add rule ip {t} svc ip saddr @aff-a goto ep
 add rule ip {t} svc numgen random mod 3 0 goto ep
 add rule ip {t} svc numgen random mod 2 0 meta l4proto tcp dnat to 198.18.1.2:8080 \
 comment "ns/web:http"
+add counter ip {t} cnt-a
+add counter ip {t} cep-a
+add rule ip {t} svc counter name "cnt-a"
+add rule ip {t} svc numgen random mod 2 0 counter name "cep-a" meta l4proto tcp \
+dnat to 198.18.1.5:8080 comment "ns/web:http"
 add rule ip {t} svc meta l4proto sctp dnat to 198.18.1.3:9 comment "ns/a-b_c.d:?x"
 add rule ip {t} svc meta l4proto udp dnat to 198.18.1.4:53
 add rule ip {t} svc drop
@@ -125,6 +130,8 @@ add rule ip6 {t} svc update @aff-b {{ ip6 saddr }}
 add rule ip6 {t} svc numgen random mod 2 0 meta l4proto tcp dnat to [fd00::5]:8080 \
 comment "ns/v6:http"
 add rule ip6 {t} svc meta l4proto udp dnat to [fd00::6]:53
+add counter ip6 {t} cep-b
+add rule ip6 {t} svc counter name "cep-b" meta l4proto udp dnat to [fd00::7]:53
 add map ip6 {t} slots-b {{ typeof numgen random mod 1 : ip6 daddr . udp dport; }}
 add chain ip6 {t} big
 add rule ip6 {t} big meta l4proto udp dnat ip6 to numgen random mod 2 map @slots-b
@@ -157,6 +164,7 @@ delete set ip {t} aff-old
 flush map ip {t} service-nodeports
 flush set ip {t} cluster-ips
 delete element ip {t} slots-a {{ 2, 0 }}
+add counter ip {t} cnt-a
 add element ip {t} slots-a {{ 0 : 198.18.1.9 . 80 }}
 flush chain ip {t} big
 add rule ip {t} big meta l4proto tcp dnat ip to numgen random mod 2 map @slots-a
@@ -165,6 +173,7 @@ add rule ip {t} big meta l4proto tcp dnat ip to numgen random mod 2 map @slots-a
 delete element ip6 {t} service-ips {{ fd00::1 . tcp . 80 }}
 flush chain ip6 {t} svc
 delete chain ip6 {t} svc
+delete counter ip6 {t} cep-b
 delete set ip6 {t} aff-b
 flush set ip6 {t} hairpin
 flush chain ip6 {t} big

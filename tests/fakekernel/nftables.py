@@ -81,6 +81,7 @@ class NftSet:
 class NftTable:
     chains: dict[str, Chain] = field(default_factory=dict)
     sets: dict[str, NftSet] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)  # named counters: packets
 
 
 def _part(text: str) -> str:
@@ -145,6 +146,15 @@ class FakeNft:
                 for s, v in self.tables[ip, t].sets.items()}
         return present, chains, sets
 
+    def counters(self, family: Family, tables: Collection[str]) -> dict[tuple[str, str], int]:
+        ip = "ip" if family is Family.V4 else "ip6"
+        return {(t, n): v for (f, t), table in self.tables.items() if f == ip and t in tables
+                for n, v in table.counters.items()}
+
+    def count(self, family: Family, table: str, name: str, packets: int = 1) -> None:
+        """Packets counted into a named counter, as traffic through its rule would."""
+        self.tables["ip" if family is Family.V4 else "ip6", table].counters[name] += packets
+
     def started_here(self, pid: int) -> bool:
         return True
 
@@ -192,6 +202,10 @@ def _apply(tables: Tables, line: str) -> None:
         _set_command(table, verb, what == "map", obj, tail)
     elif what == "element":
         _element_command(table, verb, obj, tail)
+    elif what == "counter" and verb == "add":
+        table.counters.setdefault(obj, 0)  # one that exists keeps its count
+    elif what == "counter" and verb == "delete":
+        del table.counters[obj]
     else:
         raise NftFakeError(f"{verb} {what}")
 
@@ -261,6 +275,7 @@ def _element_command(table: NftTable, verb: str, name: str, text: str) -> None:
 
 _REFERENCE = re.compile(r"(?:^| )(?:jump|goto) (\S+)")
 _SET_REFERENCE = re.compile(r"@([\w-]+)")
+_COUNTER_REFERENCE = re.compile(r'counter name "([^"]+)"')
 
 
 def _check_references(tables: Tables) -> None:
@@ -276,6 +291,9 @@ def _check_references(tables: Tables) -> None:
             for set_name in _SET_REFERENCE.findall(text):
                 if set_name not in table.sets:
                     raise NftFakeError(f"{ip} {name}: no set {set_name} for: {text}")
+            for counter in _COUNTER_REFERENCE.findall(text):
+                if counter not in table.counters:
+                    raise NftFakeError(f"{ip} {name}: no counter {counter} for: {text}")
 
 
 # --- the tracer -----------------------------------------------------------------------------------
@@ -401,6 +419,9 @@ class NftTracer:
                 else [(st, NEXT)]
         if pair == ("meta", "mark"):
             return self._mark(table, words, i, st)
+        if pair == ("counter", "name"):  # counts; decides nothing
+            return self._eval(table, words, i + 3, replace(
+                st, counted=(*st.counted, words[i + 2].strip('"'))))
         if pair == ("numgen", "random"):
             return self._numgen(table, words, i, st)
         if w == "dnat":

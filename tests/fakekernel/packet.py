@@ -72,6 +72,8 @@ class Outcome:
     # Affinity records (iptables `recent` lists, nftables timeout sets) the connection
     # leaves: pass them to the next trace from the same source.
     remembered: frozenset[str] = frozenset()
+    # Named counters the connection counted into, in order (nftables `counter name`).
+    counted: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,7 @@ class Walk:
     mark: int = 0
     masquerade: bool = False
     remembered: frozenset[str] = frozenset()
+    counted: tuple[str, ...] = ()
 
     @property
     def destination(self) -> IPAddress:
@@ -99,7 +102,7 @@ class Walk:
 
     def outcome(self, verdict: Verdict) -> Outcome:
         return Outcome(verdict, self.endpoint, self.masquerade, self.probability,
-                       self.remembered)
+                       self.remembered, self.counted)
 
 
 @dataclass(frozen=True, slots=True)

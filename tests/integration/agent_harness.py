@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from proxy.agent.app import Agent
 from proxy.config.options import Config, parse_args
-from proxy.dataplane.base import ApplyError, SyncReport
+from proxy.dataplane.base import ApplyError, Counted, PortTraffic, SyncReport
 from proxy.kube.reflector import ReflectorOptions
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
 from proxy.model.types import Family, IPAddress, ServicePortKey, format_endpoint
@@ -86,6 +86,11 @@ class FakeDataPlane:
         if rsp is None:
             return []
         return [f"-> {format_endpoint(ep.address, ep.port)}" for ep in rsp.cluster_endpoints]
+
+    def traffic(self) -> Mapping[ServicePortKey, PortTraffic]:
+        """One connection counted per applied port (a fake kernel counts nothing)."""
+        ports = self._applied.ports if self._applied is not None else {}
+        return {k: PortTraffic(Counted(1)) for k in ports}
 
     def housekeeping(self) -> None:
         self.threads.add(threading.get_ident())

@@ -39,7 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "dataplane.modes": set(),
     "config": {"kube", "model", "dataplane.modes"},
     "sim": {"kube", "model"},
-    "server": {"kube", "model", "dataplane.modes"},
+    "server": {"kube", "model", "dataplane.modes", "dataplane.base"},
     "dataplane.base": {"model"},
     "dataplane.common": {"dataplane.base", "model"},
     "dataplane.xtables": {"dataplane.base", "dataplane.common", "dataplane.modes", "model"},

@@ -179,9 +179,9 @@ def test_one_endpoint_flip_in_a_large_port_is_a_few_elements_and_one_rule() -> N
     lines = partial_script(state, {new.key: edit}).splitlines()
     # The rule that says 299 slots, the hairpin pair out, slot 10 refilled by the last.
     assert [line.split(" ", 2)[:2] for line in lines] == [
-        ["flush", "chain"], ["add", "rule"], ["add", "rule"],
+        ["flush", "chain"], ["add", "rule"], ["add", "rule"], ["add", "rule"],
         ["delete", "element"], ["delete", "element"], ["add", "element"]]
-    assert "mod 299 map" in lines[2]
+    assert "mod 299 map" in lines[3]
 
 
 def test_a_delta_not_against_the_kept_port_renders_the_port_whole() -> None:

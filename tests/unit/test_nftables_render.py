@@ -34,11 +34,11 @@ S0 = "sliceproxy-0"  # the one shard of a small table
 def pretty(rsp: ResolvedServicePort, ctx: RenderContext = CIDR4) -> list[str]:
     proto = rsp.port.protocol.value.lower()
     names = {port_chain(kind, rsp.key, proto): f"<{kind}>"
-             for kind in ("svc", "svl", "ext", "fw")}
+             for kind in ("svc", "svl", "ext", "fw", "cnt")}
     for s in rsp.endpoints:
         e = s.endpoint
         text = f"[{e.address}]:{e.port}" if e.address.version == 6 else f"{e.address}:{e.port}"
-        for kind in ("ep", "aff"):
+        for kind in ("ep", "aff", "cep"):
             names[endpoint_object(kind, rsp.key, proto, text)] = f"<{kind} {text}>"
     out = []
     for line in render_port(rsp, ctx).lines(rsp.key.family):
@@ -61,7 +61,10 @@ def test_cluster_ip_dispatches_by_map_and_balances_with_numgen() -> None:
         "add element hairpin { 198.18.1.11 . 198.18.1.11 }",
         "add element hairpin { 198.18.1.12 . 198.18.1.12 }",
         "add element service-ips { 198.18.128.1 . tcp . 80 : goto <svc> }",
+        "add counter <cnt>",
         "add chain <svc>",
+        # Every new connection of the port counted (common/traffic.py).
+        'add rule <svc> counter name "<cnt>"',
         # Off-cluster clients (not from --cluster-cidr) are masqueraded.
         "add rule <svc> ip daddr 198.18.128.1 tcp dport 80 ip saddr != 198.18.1.0/24 "
         "jump mark-for-masquerade",
@@ -145,7 +148,7 @@ def test_client_ip_affinity_uses_a_dynamic_set_and_a_chain_per_endpoint() -> Non
     a, b = "198.18.1.10:8080", "198.18.1.11:8080"
     assert f"add set <aff {a}> {{ type ipv4_addr; flags dynamic,timeout; timeout 60s; }}" \
         in lines
-    assert [line for line in lines if line.startswith("add rule <svc>")][1:] == [
+    assert [line for line in lines if line.startswith("add rule <svc>")][2:] == [
         f"add rule <svc> ip saddr @<aff {a}> goto <ep {a}>",
         f"add rule <svc> ip saddr @<aff {b}> goto <ep {b}>",
         f"add rule <svc> numgen random mod 2 0 goto <ep {a}>",
@@ -277,6 +280,8 @@ def test_partial_script_touches_only_what_changed_and_counts_shared_elements() -
         f"delete element ip {S0} service-ips {{ 198.18.128.1 . tcp . 81 }}",
         f"flush chain ip {S0} {alt_chain}",
         f"delete chain ip {S0} {alt_chain}",
+        # Its counter goes once no rule counts into it.
+        f"delete counter ip {S0} {port_chain('cnt', alt.key, 'tcp')}",
     ]
     # Nothing changed: nothing to send.
     assert partial_script(state, {http.key: objects[http.key]}) == ""
@@ -294,11 +299,13 @@ def test_full_script_deletes_what_our_tables_hold_that_nobody_wants() -> None:
                                kernel_chains=[(S0, "svc-OLD"), (S0, "services"),
                                               ("sliceproxy-3", "svc-X")],
                                kernel_sets={(S0, "aff-OLD"): "set", (S0, "service-ips"): "map"},
-                               kernel_tables=["sliceproxy", S0, "sliceproxy-3"])
+                               kernel_tables=["sliceproxy", S0, "sliceproxy-3"],
+                               kernel_counters=[(S0, "cnt-OLD"), ("sliceproxy-3", "cnt-X")])
     lines = text.splitlines()
     # A shard no longer used goes whole, with whatever it holds.
-    assert lines[-4:] == [f"flush chain ip {S0} svc-OLD", f"delete chain ip {S0} svc-OLD",
-                          f"delete set ip {S0} aff-OLD", "delete table ip sliceproxy-3"]
+    assert lines[-5:] == [f"flush chain ip {S0} svc-OLD", f"delete chain ip {S0} svc-OLD",
+                          f"delete set ip {S0} aff-OLD", f"delete counter ip {S0} cnt-OLD",
+                          "delete table ip sliceproxy-3"]
     assert f"flush map ip {S0} service-ips" in lines
 
 

@@ -107,7 +107,8 @@ def test_a_large_port_balances_with_one_rule_over_its_slot_map() -> None:
     encode(text, Family.V4, ("sliceproxy", S0), 1)
     # One endpoint fewer: the cascade, one rule per endpoint.
     small = render_port(resolve(addresses(SLOT_MAP_MIN - 1)), CIDR4)
-    assert not small.sets and len(small.chains[0].rules) == SLOT_MAP_MIN - 1 + 1  # + masq
+    # + the port's counter and the masquerade mark
+    assert not small.sets and len(small.chains[0].rules) == SLOT_MAP_MIN - 1 + 2
 
 
 def test_one_endpoint_changed_is_a_few_elements_not_the_chain() -> None:
@@ -121,6 +122,7 @@ def test_one_endpoint_changed_is_a_few_elements_not_the_chain() -> None:
     lines = change(state, resolve([a for a in addrs if a != gone]))
     assert lines == [
         f"flush chain ip {S0} {svc}",
+        f'add rule ip {S0} {svc} counter name "{port_chain("cnt", resolve(addrs).key, "tcp")}"',
         f"add rule ip {S0} {svc} ip daddr 198.18.128.1 tcp dport 80 ip saddr != "
         "198.18.1.0/24 jump mark-for-masquerade",
         f"add rule ip {S0} {svc} meta l4proto tcp dnat ip to numgen random mod {n - 1} "

@@ -42,7 +42,7 @@ def dump(model: ClusterModel, service: str | None = None, applied: Any = None,
                       health={"ready": True}, watch={"synced": True}, service=service)
 
 
-def test_services_are_explains_shape_plus_applied_rules() -> None:
+def test_services_are_explains_shape_plus_applied_rules_and_traffic() -> None:
     model, objects = example_model()
     rules = {key: [f"rule for {key}"] for key in model.state.ports}
     doc = dump(model, applied=rules)
@@ -51,15 +51,17 @@ def test_services_are_explains_shape_plus_applied_rules() -> None:
     offline = explain(objects, node_name="node-a", node_labels={},
                       source=EndpointsSource.ENDPOINT_SLICES)
     assert doc["node"] == offline["node"]
-    stripped = [{k: v for k, v in s.items() if k != "applied_rules"} for s in doc["services"]]
+    stripped = [{k: v for k, v in s.items() if k not in ("applied_rules", "traffic")}
+                for s in doc["services"]]
     assert stripped == offline["services"]
     assert doc["skipped"] == offline["skipped"]
     for entry in doc["services"]:
         key = next(k for k in model.state.ports
                    if k.service == entry["service"] and k.port == entry["port"])
         assert entry["applied_rules"] == [f"rule for {key}"]
-        assert {k: v for k, v in entry.items() if k != "applied_rules"} == service_port_view(
-            model.state.ports[key])
+        shown = {k: v for k, v in entry.items() if k not in ("applied_rules", "traffic")}
+        assert shown == service_port_view(model.state.ports[key])
+        assert entry["traffic"] is None  # no reading given
 
 
 def test_service_filter_and_busy_note() -> None:

@@ -25,6 +25,9 @@ class RenderContext:
     # Every address of this node in this family (LB source ranges that contain one
     # also admit traffic the node sends to its own LB IPs, as upstream).
     node_ips: tuple[IPAddress, ...] = ()
+    # --traffic-per-endpoint: count each endpoint's connections, for services without
+    # the annotation (common/traffic.py).
+    traffic_per_endpoint: bool = False
 
     @property
     def host_mask(self) -> str:
@@ -79,4 +82,5 @@ def context_for(family: Family, options: DataplaneOptions,
     mine = tuple(ip for ip in node_ips if Family.of(ip) is family)
     cidrs = [c for c in options.cluster_cidrs if Family.of(c) is family]
     nodeport_ips = nodeport_selection(family, nodeport_cidrs_for(options, primary_ips), mine)
-    return RenderContext(family, options.masquerade_all, tuple(cidrs), nodeport_ips, mine)
+    return RenderContext(family, options.masquerade_all, tuple(cidrs), nodeport_ips, mine,
+                         options.traffic_per_endpoint)

@@ -38,7 +38,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
-from proxy.dataplane.base import ApplyError, DataplaneOptions
+from proxy.dataplane.base import ApplyError, Counted, DataplaneOptions, PortTraffic
 from proxy.dataplane.common import heap
 from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.drift_watch import LOST, NftablesListener
@@ -46,6 +46,7 @@ from proxy.dataplane.common.family_sync import FamilyState, FamilySyncPlane, Wri
 from proxy.dataplane.common.netlink_constants import NFPROTO
 from proxy.dataplane.common.nfnetlink import nat_unsupported
 from proxy.dataplane.common.rtnetlink import node_addresses
+from proxy.dataplane.common.traffic import port_traffic
 from proxy.dataplane.nftables.expressions import Unencodable
 from proxy.dataplane.nftables.port_edit import render_edit
 from proxy.dataplane.nftables.render import (
@@ -62,6 +63,7 @@ from proxy.dataplane.nftables.render import (
 )
 from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
 from proxy.dataplane.nftables.transaction import (
+    KeptPort,
     PortEdit,
     Script,
     TableState,
@@ -207,7 +209,8 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
         rendered = {k: objects(k, v) for k, v in ports.items()}
         if fam.state is None:  # not written by this process since: maybe another version
             fam.replacement = functools.partial(replace_lines, bases, rendered, tables)
-        return full_lines(bases, rendered, chains, sets, tables)
+        return full_lines(bases, rendered, chains, sets, tables,
+                          self._kernel_counters(fam))
 
     def _render_ahead(self, fam: _FamilyState, ports: Sequence[ResolvedServicePort],
                       ctx: RenderContext, expected: int) -> None:
@@ -226,6 +229,15 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
         except NftError as exc:
             self._failed_transaction(fam, str(exc), None, True)
             raise ApplyError(f"cannot read back our {table_family(fam.family)} tables: "
+                             f"{exc}") from exc
+
+    def _kernel_counters(self, fam: _FamilyState) -> dict[tuple[str, str], int]:
+        """Our named counters as the kernel holds them now: (table, name) -> count."""
+        try:
+            return self.runner.counters(fam.family, OUR_TABLES)
+        except NftError as exc:
+            self._failed_transaction(fam, str(exc), None, True)
+            raise ApplyError(f"cannot read back our {table_family(fam.family)} counters: "
                              f"{exc}") from exc
 
     def _run(self, fam: _FamilyState, text: str | Script, full: bool) -> str:
@@ -300,6 +312,24 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
         objects = render_port(rsp, ctx, fam.state.shards, kept_slots(fam.state.ports[key]))
         return objects.lines(key.family)
 
+    def traffic(self) -> Mapping[ServicePortKey, PortTraffic]:
+        """Each applied port's named counters (render.py), read in one dump per family:
+        the port's own, and its endpoints' where they are counted one by one."""
+        out: dict[ServicePortKey, PortTraffic] = {}
+        for fam in self._families.values():
+            state = fam.state
+            if state is None:
+                continue
+            try:
+                counted = self.runner.counters(fam.family, OUR_TABLES)
+            except NftError as exc:
+                log.warning("cannot read our nftables counters", extra={
+                    "family": fam.family.label, "error": str(exc)})
+                continue
+            for key, kept in state.ports.items():
+                out[key] = _port_traffic(kept, counted)
+        return out
+
     def watch_drift(self, notify: Callable[[str], None]) -> None:
         """Listen to nf_tables' announcements; a transaction on one of our tables that we
         did not make is drift (`check_drift` then says so, and the next sync repairs)."""
@@ -370,3 +400,15 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
     def close(self) -> None:
         super().close()
         self.runner.close()
+
+
+def _port_traffic(kept: KeptPort, counted: Mapping[tuple[str, str], int]) -> PortTraffic:
+    total: Counted | None = None
+    endpoints: list[tuple[tuple[IPAddress, int], Counted]] = []
+    for name, endpoint in kept.counters:
+        n = Counted(counted.get((kept.table, name), 0))
+        if endpoint is None:
+            total = n
+        else:
+            endpoints.append((endpoint, n))
+    return port_traffic(total, endpoints if endpoints else None)

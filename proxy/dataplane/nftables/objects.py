@@ -129,6 +129,21 @@ class SlotMap(NamedTuple):
 AnySet = Set | Map | SlotMap
 
 
+class Counter(NamedTuple):
+    """A named counter (`counter name "<name>"` in a rule counts into it): the kernel
+    keeps it apart from the rules, so a rewritten chain, a full sync or a restart keeps
+    its count (common/traffic.py). `add` of one that exists leaves it as it is."""
+
+    name: str
+
+    @property
+    def kind(self) -> str:
+        return "counter"
+
+    def declaration(self) -> str:
+        return ""
+
+
 class Table(NamedTuple):
     """One of our tables (its family is the script's)."""
 
@@ -193,7 +208,7 @@ class Element(NamedTuple):
         return f"{key} : {value_text(self.value)}" if self.value else key
 
 
-Object = Table | Chain | Set | Map | SlotMap
+Object = Table | Chain | Set | Map | SlotMap | Counter
 
 
 class Command(NamedTuple):

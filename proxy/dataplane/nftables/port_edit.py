@@ -36,9 +36,9 @@ from proxy.dataplane.nftables.render import (
     SLOT_MAP_MIN,
     SLOTS,
     TABLE,
-    cluster_masquerade,
     comment,
     hairpin_element,
+    policy_first,
     port_chain,
     slot_rule,
     slot_value,
@@ -142,11 +142,11 @@ def _order_of(value: Key) -> Order:
 
 def _slot_chain_rules(rsp: ResolvedServicePort, ctx: RenderContext, kind: str, chain: str,
                       size: int) -> tuple[str, ...]:
-    """A slot-mapped policy chain's rules, as render_port writes them: the cluster-IP
-    masquerade first when it is the path cluster-IP traffic takes, then the one rule."""
+    """A slot-mapped policy chain's rules, as render_port writes them: policy_first,
+    then the one rule."""
     ip, proto = table_family(rsp.key.family), rsp.port.protocol.value.lower()
     internal = "svl" if rsp.service.internal_traffic_policy is TrafficPolicy.LOCAL else "svc"
-    first = cluster_masquerade(rsp, ctx, ip, proto) if kind == internal else ()
+    first = policy_first(rsp, ctx, kind == internal)
     return (*first, slot_rule(ip, proto, size, SLOTS + chain, comment(port_name(rsp.key))))
 
 

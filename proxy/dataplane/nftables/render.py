@@ -89,6 +89,7 @@ from proxy.dataplane.common import naming
 from proxy.dataplane.common.context import RenderContext, cluster_ip_masquerade
 from proxy.dataplane.common.naming import address_text, name_hash, port_name
 from proxy.dataplane.common.paths import PortPlan, plan, sorted_nets
+from proxy.dataplane.common.traffic import per_endpoint
 from proxy.dataplane.modes import NFTABLES
 from proxy.dataplane.nftables.objects import (
     AnySet,
@@ -194,6 +195,9 @@ class PortObjects:
     sets: tuple[Set | SlotMap, ...] = ()
     # Its slot maps' values in slot order, by map (also among `elements`).
     slots: tuple[tuple[str, tuple[Key, ...]], ...] = ()
+    # Its named counters (common/traffic.py), each with the endpoint (address, port) it
+    # counts, or None: the port's own, which every new connection of the port passes.
+    counters: tuple[tuple[str, tuple[IPAddress, int] | None], ...] = ()
 
     def lines(self, family: Family) -> list[str]:
         """Readable, copy-pasteable `nft` lines for the debug dump."""
@@ -201,6 +205,7 @@ class PortObjects:
         t = f"{ip} {self.table}"
         out = [f"add element {ip} {e.table} {e.set} {{ {e.text()} }}" for e in self.elements]
         out += [line for s in self.sets for line in Command("add", self.table, s).lines(ip)]
+        out += [f"add counter {t} {name}" for name, _ in self.counters]
         return [*out, *naming.chain_lines(((c.name, c.rules) for c in self.chains),
                                           f"add chain {t}", f"add rule {t}")]
 
@@ -355,6 +360,12 @@ class _PortBuild:
     sets: list[Set | SlotMap] = field(default_factory=list)
     slot_elements: list[Element] = field(default_factory=list)
     slot_values: list[tuple[str, tuple[Key, ...]]] = field(default_factory=list)
+    counters: dict[str, tuple[IPAddress, int] | None] = field(default_factory=dict)
+
+    def count(self, name: str, endpoint: tuple[IPAddress, int] | None) -> str:
+        """The statement counting into the named counter `name`, which this port owns."""
+        self.counters[name] = endpoint
+        return f'counter name "{name}"'
 
     def element(self, set_name: str, k: Key, value: Value = ()) -> None:
         members = self.elements.get(set_name)
@@ -370,7 +381,7 @@ class _PortBuild:
             elements += [Element(table, s, k, members[k]) for k in sorted(members)]
         return PortObjects(self.key, self.table, tuple(self.chains),
                            (*elements, *self.slot_elements), tuple(self.sets),
-                           tuple(self.slot_values))
+                           tuple(self.slot_values), tuple(self.counters.items()))
 
 
 def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,
@@ -392,18 +403,53 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,
                                                         p.ext)))
     texts, addrs = _endpoint_texts(build, (*p.cluster_eps, *p.local_eps), key.family)
     label = comment(port_name(key))
-    ep_chains = _affinity_chains(build, rsp.service.affinity_timeout, texts, label)
-    masq = cluster_masquerade(rsp, ctx, build.ip, proto) if p.internal else ()
+    # Endpoints are counted one by one where a rule of their own picks them (a cascade,
+    # or affinity's chains); a slot or hash map's pick is counted as the port's alone.
+    cascade = rsp.service.affinity_timeout is not None or (
+        rsp.balancing is Balancing.RANDOM
+        and max(len(p.cluster_eps), len(p.local_eps)) < SLOT_MAP_MIN)
+    counts = _endpoint_counters(build, (*p.cluster_eps, *p.local_eps), texts) \
+        if cascade and per_endpoint(rsp.service, ctx.traffic_per_endpoint) else {}
+    ep_chains = _affinity_chains(build, rsp.service.affinity_timeout, texts, label, counts)
     for policy_chain, eps in ((p.svc, p.cluster_eps), (p.svl, p.local_eps)):
         if policy_chain:
-            first = masq if policy_chain == p.internal else ()
+            build.count(port_counter(key, proto), None)
+            first = policy_first(rsp, ctx, policy_chain == p.internal)
             if rsp.balancing is not Balancing.RANDOM and not ep_chains and eps:
                 _hashed_chain(build, policy_chain, eps, first, addrs, label,
                               rsp.balancing)
                 continue
             _policy_chain(build, policy_chain, eps, first, (texts, addrs, ep_chains), label,
-                          slots)
+                          slots, counts)
     return build.objects()
+
+
+def port_counter(key: ServicePortKey, protocol: str) -> str:
+    """The named counter of a service port's new connections (common/traffic.py)."""
+    return port_chain("cnt", key, protocol)
+
+
+def policy_first(rsp: ResolvedServicePort, ctx: RenderContext, internal: bool
+                 ) -> tuple[str, ...]:
+    """What a policy chain does before it picks an endpoint: count the connection as the
+    port's, then (on the path cluster-IP traffic takes) mark off-cluster clients for
+    masquerade."""
+    ip, proto = table_family(rsp.key.family), rsp.port.protocol.value.lower()
+    count = f'counter name "{port_counter(rsp.key, proto)}"'
+    return (count, *cluster_masquerade(rsp, ctx, ip, proto)) if internal else (count,)
+
+
+def _endpoint_counters(build: _PortBuild, eps: Sequence[MergedEndpoint],
+                       texts: Mapping[int, str]) -> dict[str, str]:
+    """Per endpoint (by its DNAT target's text): the statement counting into its own
+    named counter, which the port owns (common/traffic.py)."""
+    counts: dict[str, str] = {}
+    for ep in eps:
+        text = texts[id(ep)]
+        if text not in counts:
+            name = endpoint_object("cep", build.key, build.proto, text)
+            counts[text] = build.count(name, (ep.address, ep.port))
+    return counts
 
 
 def _dispatch(build: _PortBuild, rsp: ResolvedServicePort, p: PortPlan) -> None:
@@ -474,7 +520,7 @@ def _endpoint_texts(build: _PortBuild, eps: Sequence[MergedEndpoint],
 
 
 def _affinity_chains(build: _PortBuild, affinity: int | None, texts: Mapping[int, str],
-                     label: str) -> dict[int, str]:
+                     label: str, counts: Mapping[str, str]) -> dict[int, str]:
     """With ClientIP affinity: one chain and one timeout set per endpoint text (equal
     endpoints share them), in text order; the chain of each endpoint, by id."""
     if affinity is None:
@@ -486,22 +532,26 @@ def _affinity_chains(build: _PortBuild, affinity: int | None, texts: Mapping[int
         chain = chain_of[text] = endpoint_object("ep", build.key, build.proto, text)
         aff = _affinity_set(chain)
         build.sets.append(Set(aff, (address_type,), ("dynamic", "timeout"), seconds))
+        count = f"{counts[text]} " if text in counts else ""
         build.chains.append(Chain(chain, (f"update @{aff} {{ {build.ip} saddr }}",
-                                          f"meta l4proto {build.proto} dnat to {text} {label}")))
+                                          f"{count}meta l4proto {build.proto} dnat to {text} "
+                                          f"{label}")))
     return {i: chain_of[text] for i, text in texts.items()}
 
 
 def _policy_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
                   first: tuple[str, ...],
                   spelled: tuple[Mapping[int, str], Mapping[int, str], Mapping[int, str]],
-                  label: str, slots: Mapping[str, Sequence[Key]] | None) -> None:
-    """A path's chain: `first` (cluster-IP masquerade), then the endpoints, as a cascade
-    (affinity, or few endpoints) or one numgen lookup in a slot map (`assign_slots`)."""
+                  label: str, slots: Mapping[str, Sequence[Key]] | None,
+                  counts: Mapping[str, str]) -> None:
+    """A path's chain: `first` (policy_first), then the endpoints, as a cascade
+    (affinity, or few endpoints) or one numgen lookup in a slot map (`assign_slots`;
+    its endpoints are not counted one by one)."""
     texts, addrs, ep_chains = spelled
     ip, proto = build.ip, build.proto
     if ep_chains or len(eps) < SLOT_MAP_MIN:
         build.chains.append(Chain(chain, (*first, *_balance(ip, proto, eps, texts, ep_chains,
-                                                             label))))
+                                                             label, counts))))
         return
     slot_map = SLOTS + chain
     # In the model's order (merge sorts them): only endpoints without a slot yet are
@@ -609,7 +659,7 @@ def _firewall_rules(ip: str, ctx: RenderContext, ranges: Sequence[IPNetwork],
 
 def _balance(ip: str, proto: str, eps: Sequence[MergedEndpoint],
              texts: Mapping[int, str], ep_chains: Mapping[int, str],
-             label: str) -> tuple[str, ...]:
+             label: str, counts: Mapping[str, str]) -> tuple[str, ...]:
     """Affinity checks first, then endpoint i (of n) with probability 1/(n-i) among what
     is left, the last one always: uniform, like iptables' `statistic` cascade. In the
     order of `eps`: a resolved port's, by address and port (ResolvedServicePort)."""
@@ -624,7 +674,9 @@ def _balance(ip: str, proto: str, eps: Sequence[MergedEndpoint],
         if ep_chains:
             rules.append(f"{pick}goto {ep_chains[id(ep)]}")
         else:
-            rules.append(f"{pick}meta l4proto {proto} dnat to {texts[id(ep)]} {label}")
+            text = texts[id(ep)]
+            count = f"{counts[text]} " if text in counts else ""
+            rules.append(f"{pick}{count}meta l4proto {proto} dnat to {text} {label}")
     return tuple(rules)
 
 

@@ -57,6 +57,7 @@ from proxy.dataplane.common.netlink_constants import (
     NETLINK_NETFILTER,
     NFNL_SUBSYS_NFTABLES,
     NFT_MSG_GETCHAIN,
+    NFT_MSG_GETOBJ,
     NFT_MSG_GETSET,
     NFT_MSG_GETTABLE,
 )
@@ -383,6 +384,20 @@ class NftRunner:
         chains = [(t, n) for t, n, _k in found[NFT_MSG_GETCHAIN] if t in present]
         sets = {(t, n): k for t, n, k in found[NFT_MSG_GETSET] if t in present and k}
         return present, chains, sets
+
+    def counters(self, family: Family, tables: Collection[str]) -> dict[tuple[str, str], int]:
+        """The named counters of `tables` in `family`: (table, name) -> packets counted
+        (render.py counts a connection's first packet: new connections). One netlink
+        dump of every named object of the family."""
+        self._check_home()
+        with self._lock:
+            try:
+                replies = self._netlink().dump_raw(NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETOBJ,
+                                                   wire.dump_request(family))
+                found = [wire.decode_counter(r.payload) for r in replies]
+            except OSError as exc:
+                raise NftError(f"nf_tables netlink dump of counters: {exc}") from exc
+        return {(t, n): packets for t, n, packets in filter(None, found) if t in tables}
 
     def _run_child(self, text: str) -> None:
         cmd = [NFT, "-f", "-"]

@@ -38,6 +38,7 @@ from proxy.dataplane.base import rules_digest
 from proxy.dataplane.nftables.objects import (
     Chain,
     Command,
+    Counter,
     Element,
     Key,
     Set,
@@ -56,7 +57,7 @@ from proxy.dataplane.nftables.wire import (
     statement_lines,
     statement_size,
 )
-from proxy.model.types import Family, ServicePortKey
+from proxy.model.types import Family, IPAddress, ServicePortKey
 
 # Elements per `add element` statement: one statement per element makes nft slower to
 # parse; one per set makes error messages name a huge line.
@@ -200,17 +201,20 @@ class KeptPort:
     # instead, which an endpoint delta edits in place (`apply_edit`): O(change), where
     # new tuples would be O(service).
     element_dict: dict[ElementKey, Value] | None = None
+    # Its named counters, in its table, with what each counts (PortObjects.counters).
+    counters: tuple[tuple[str, tuple[IPAddress, int] | None], ...] = ()
 
     @classmethod
     def of(cls, p: PortObjects, elements: dict[ElementKey, Value] | None = None) -> KeptPort:
         """`elements`: element_map(p) if the caller made it, then kept as it is for a
         port with slot maps (the caller's fresh dict)."""
         chains = tuple((c.name, rules_digest(c.rules)) for c in p.chains)
+        counters = p.counters
         if p.slots:
             return cls(p.table, chains, (), p.sets,
                        tuple((name, SlotValues(values)) for name, values in p.slots),
-                       element_map(p) if elements is None else elements)
-        return cls(p.table, chains, p.elements, p.sets, ())
+                       element_map(p) if elements is None else elements, counters)
+        return cls(p.table, chains, p.elements, p.sets, (), None, counters)
 
     def elements(self) -> Mapping[ElementKey, Value]:
         """Read-only: the kept dict itself for a port with slot maps."""
@@ -262,6 +266,9 @@ class TableState:
         names = {(b.table, c.name) for b in self.bases for c in b.chains}
         names.update((p.table, name) for p in self.ports.values() for name, _ in p.chains)
         return names
+
+    def counter_names(self) -> set[Named]:
+        return {(p.table, name) for p in self.ports.values() for name, _ in p.counters}
 
     def set_names(self) -> set[Named]:
         names = {(b.table, s.name) for b in self.bases for s in b.sets}
@@ -339,20 +346,24 @@ class Script:
 def full_script(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
                 kernel_chains: Iterable[Named] = (),
                 kernel_sets: Mapping[Named, str] | None = None,
-                kernel_tables: Iterable[str] = ()) -> tuple[str, TableState]:
+                kernel_tables: Iterable[str] = (),
+                kernel_counters: Iterable[Named] = ()) -> tuple[str, TableState]:
     """`full_lines` as one text."""
-    script, state = full_lines(bases, ports, kernel_chains, kernel_sets, kernel_tables)
+    script, state = full_lines(bases, ports, kernel_chains, kernel_sets, kernel_tables,
+                               kernel_counters)
     return script.text(), state
 
 
 def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
                kernel_chains: Iterable[Named] = (),
                kernel_sets: Mapping[Named, str] | None = None,
-               kernel_tables: Iterable[str] = ()) -> tuple[Script, TableState]:
+               kernel_tables: Iterable[str] = (),
+               kernel_counters: Iterable[Named] = ()) -> tuple[Script, TableState]:
     """Everything we own, in one transaction. `kernel_chains`, `kernel_sets` ((table,
-    name) -> "set" or "map") and `kernel_tables` are what our tables hold now (read
-    back): what nobody wants any more is deleted. The state is made now, the script's
-    lines when read."""
+    name) -> "set" or "map"), `kernel_tables` and `kernel_counters` are what our tables
+    hold now (read back): what nobody wants any more is deleted. Counters are added
+    (one that exists keeps its count) and never flushed. The state is made now, the
+    script's lines when read."""
     state = TableState(bases[0].family, tuple(bases))
     ordered = [(key, ports[key]) for key in sorted(ports)]
     for key, p in ordered:
@@ -364,6 +375,8 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
     stale_chains = sorted(c for c in set(kernel_chains) - state.chain_names() if c[0] in wanted)
     kernel_sets = dict(kernel_sets or {})
     stale_sets = sorted(k for k in set(kernel_sets) - state.set_names() if k[0] in wanted)
+    stale_counters = sorted(c for c in set(kernel_counters) - state.counter_names()
+                            if c[0] in wanted)
     # Shards no longer used (there were more at the last start): whole tables.
     stale_tables = sorted(set(kernel_tables) - wanted)
     ip = table_family(state.family)
@@ -377,6 +390,7 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
         for _key, p in ordered:
             for s in p.sets:
                 yield Command("add", p.table, s)
+            yield from _counters("add", p)
         for b in state.bases:
             for c in b.chains:
                 yield Command("add", b.table, c)
@@ -397,6 +411,8 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
             yield Command("delete", t, Chain(name))
         for k in stale_sets:
             yield Command("delete", k[0], named(kernel_sets[k], k[1]))
+        for t, name in stale_counters:
+            yield Command("delete", t, Counter(name))
         for t in stale_tables:
             yield Command("delete", t, Table(t))
 
@@ -486,6 +502,7 @@ def _ports_part(part: Sequence[PortObjects], sent: set[ElementKey]) -> Iterator[
     for p in part:
         for s in p.sets:
             yield Command("add", p.table, s)
+        yield from _counters("add", p)
     yield Chains([(p.table, p.chains) for p in part])
     yield Rules([(p.table, p.chains) for p in part])
     for p in part:
@@ -505,6 +522,11 @@ def _fresh_elements(sent: set[ElementKey], elements: Iterable[Element]) -> Itera
             sent.add(element)
         fresh[e] = None
     return _element_groups("add", fresh)
+
+
+def _counters(verb: str, p: PortObjects) -> Iterator[Command]:
+    for name, _ in p.counters:
+        yield Command(verb, p.table, Counter(name))
 
 
 def _flush_maps(p: PortObjects) -> Iterator[Command]:
@@ -534,6 +556,7 @@ def partial_lines(state: TableState,
     write_chains: list[Statement] = []
     gone_chains: list[Named] = []
     gone_sets: list[tuple[str, Set | SlotMap]] = []  # (table, set)
+    gone_counters: list[Named] = []
     # What the kernel held of each element this script touches, before it did.
     held_before: dict[ElementKey, Value | None] = {}
     for key in sorted(updates):
@@ -549,6 +572,10 @@ def partial_lines(state: TableState,
         new_sets = {(new.table, s.name): s for s in new.sets} if new else {}
         add_sets += [Command("add", t, s) for (t, n), s in new_sets.items()
                      if old_sets.get((t, n)) != s]
+        old_counters = {(old.table, n) for n, _ in old.counters} if old else set()
+        new_counters = {(new.table, n) for n, _ in new.counters} if new else set()
+        add_sets += [Command("add", t, Counter(n)) for t, n in sorted(new_counters - old_counters)]
+        gone_counters += sorted(old_counters - new_counters)
         for (t, name), chain in new_chains.items():
             before = old_chains.get((t, name))
             if before == rules_digest(chain.rules):
@@ -575,6 +602,7 @@ def partial_lines(state: TableState,
     statements += [Command("flush", t, Chain(name)) for t, name in gone_chains]
     statements += [Command("delete", t, Chain(name)) for t, name in gone_chains]
     statements += [Command("delete", t, s) for t, s in gone_sets]
+    statements += [Command("delete", t, Counter(n)) for t, n in gone_counters]
     if not statements:
         return None
     return Script(functools.partial(iter, statements), table_family(state.family))
