@@ -60,9 +60,10 @@ def connect_times(ns: str, ip: str, port: int, count: int) -> list[float]:
     return out
 
 
-def desired(services: int, backend: str) -> tuple[DesiredState, str]:
-    """N services; the first one's endpoint is the lab's backend. (state, its VIP)."""
-    model, slices = cluster_model(services, 1)
+def desired(services: int, backend: str, endpoints: int = 1) -> tuple[DesiredState, str]:
+    """N services of `endpoints` each; the first one's only endpoint is the lab's
+    backend. (state, its VIP)."""
+    model, slices = cluster_model(services, endpoints)
     probe = dict(slices[0])
     probe["endpoints"] = [{"addresses": [backend], "nodeName": NODE,
                            "conditions": {"ready": True, "serving": True,

@@ -5,8 +5,12 @@ contract for scripts; this text may change between versions.
 
     demo/web:http  IPv4 TCP 80  cluster IP 198.18.128.10  node port 30080
       policy  internal Cluster, external Local   topology  none (no topology requested)
-      ENDPOINT          STATE        NODE    ZONE    CHOSEN   REASON
-      198.18.1.11:8080  ready        node-a  zone-a  cluster  cluster: ready
+      traffic  1204 new connections
+      ENDPOINT          STATE        NODE    ZONE    CHOSEN   CONNS  REASON
+      198.18.1.11:8080  ready        node-a  zone-a  cluster  602    cluster: ready
+
+CONNS (a dump's `traffic`, where the port is counted per endpoint) is what the kernel
+sent each endpoint, beside CHOSEN, what the rules allow.
 """
 
 from __future__ import annotations
@@ -58,14 +62,20 @@ def service_port(sp: Mapping[str, Any]) -> list[str]:
         line += f", {sp['balancing']} balancing"
     line += f"   topology  {topo.get('mode', '?')} ({topo.get('reason', '')})"
     out = [head, line]
+    traffic = sp.get("traffic")
+    counted = traffic.get("endpoints") if isinstance(traffic, Mapping) else None
+    if isinstance(traffic, Mapping):
+        out.append(f"  traffic  {_traffic(traffic)}")
     endpoints = sp.get("endpoints") or []
     if endpoints:
-        rows = [COLUMNS]
+        rows = [COLUMNS if counted is None else (*COLUMNS[:-1], "CONNS", COLUMNS[-1])]
         for ep in endpoints:
             chosen = ",".join(ep.get("selected_for") or []) or "-"
-            rows.append((ep["endpoint"] + (" (conflict)" if ep.get("conflict") else ""),
-                         _state(ep), ep.get("node") or "-", ep.get("zone") or "-", chosen,
-                         ep.get("reason") or ""))
+            row = [ep["endpoint"] + (" (conflict)" if ep.get("conflict") else ""),
+                   _state(ep), ep.get("node") or "-", ep.get("zone") or "-", chosen]
+            if counted is not None:
+                row.append(str((counted.get(ep["endpoint"]) or {}).get("connections", 0)))
+            rows.append((*row, ep.get("reason") or ""))
         out += table(rows)
     else:
         out.append("  no endpoints")
@@ -76,6 +86,15 @@ def service_port(sp: Mapping[str, Any]) -> list[str]:
         out.append(f"  rules  {len(rules)} in the kernel for this port"
                    " (-o json lists them)")
     return out
+
+
+def _traffic(traffic: Mapping[str, Any]) -> str:
+    text = f"{traffic.get('connections', 0)} new connections"
+    if traffic.get("packets") is not None:
+        text += f", {traffic['packets']} packets, {traffic.get('bytes', 0)} bytes"
+    if traffic.get("endpoints") is None:
+        text += " (counted per port: sliceproxy.io/traffic-per-endpoint for each endpoint's)"
+    return text
 
 
 def _flat(value: Any) -> str:

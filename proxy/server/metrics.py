@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 from proxy.dataplane import modes
 from proxy.kube.reflector import Reflector, ReflectorStats
 from proxy.model.tracker import ClusterModel
-from proxy.server.traffic import TrafficCollector, TrafficReading
+from proxy.server.traffic import TrafficReading, series_text
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -64,6 +64,7 @@ class AgentMetrics:
         # kube-proxy exports no *_created series; they would only double the output.
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
+        self._traffic: TrafficReading | None = None  # watch_traffic
         # Each metric below: its attribute, name and help, in the order of the output.
         self._kube_proxy_syncs()
         self._kube_proxy_events_and_health()
@@ -189,10 +190,11 @@ class AgentMetrics:
     def watch_traffic(self, reading: TrafficReading) -> None:
         """Each service port's (and counted endpoint's) traffic, from the last reading
         (server/traffic.py), which the scrape refreshes first."""
-        self.registry.register(TrafficCollector(reading))
+        self._traffic = reading
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry)
+        return text + series_text(self._traffic) if self._traffic is not None else text
 
 
 class ModelCollector(Collector):

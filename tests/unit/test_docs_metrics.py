@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from ipaddress import ip_address
 from pathlib import Path
 
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.dataplane.base import Counted, PortTraffic
 from proxy.kube.reflector import ReflectorStats
 from proxy.kube.resources import SERVICES
+from proxy.model.types import Family, ServicePortKey
 from proxy.server.metrics import AgentMetrics
+from proxy.server.traffic import TrafficReading
 from tests.unit.builders import model_of, service
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "monitoring.md"
@@ -35,8 +40,13 @@ def served() -> dict[str, tuple[str, frozenset[str]]]:
     model.resolve()
     metrics.watch_model(lambda: model)
     metrics.watch_reflectors(lambda: [_Reflector()])
+    # Traffic as the IPVS mode reads it (packets and bytes too), counted per endpoint.
+    reading = TrafficReading()
+    reading.update({ServicePortKey("demo", "web", "http", Family.V4): PortTraffic(
+        Counted(1, 2, 3), {(ip_address("198.18.1.10"), 8080): Counted(1, 2, 3)})})
+    metrics.watch_traffic(reading)
     out = {}
-    for family in metrics.registry.collect():
+    for family in text_string_to_metric_families(metrics.render().decode()):
         name = family.name + ("_total" if family.type == "counter" else "")
         labels = {key for sample in family.samples for key in sample.labels} - {"le"}
         out[name] = (family.type, frozenset(labels))

@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 from ipaddress import ip_address
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.dataplane.base import Counted, PortTraffic
 from proxy.model.types import Family, ServicePortKey
-from proxy.server.traffic import TrafficCollector, TrafficReading, traffic_view
+from proxy.server.metrics import AgentMetrics
+from proxy.server.traffic import TrafficReading, traffic_view
 
 WEB = ServicePortKey("demo", "web", "http", Family.V4)
 DNS = ServicePortKey("kube-system", "dns", "", Family.V6)
@@ -33,21 +34,26 @@ def test_the_dump_shows_totals_and_endpoints_as_the_dump_spells_them() -> None:
 
 def test_metrics_have_a_series_per_port_and_per_counted_endpoint_only() -> None:
     reading = TrafficReading()
-    registry = CollectorRegistry()
-    registry.register(TrafficCollector(reading))
-    assert "sliceproxy_service_connections_total{" not in generate_latest(registry).decode()
+    metrics = AgentMetrics()
+    metrics.watch_traffic(reading)
+    assert "sliceproxy_service_connections_total{" not in metrics.render().decode()
     reading.update({WEB: PER_ENDPOINT, DNS: PortTraffic(Counted(9))})
-    text = generate_latest(registry).decode()
-    assert ('sliceproxy_service_connections_total{family="IPv4",namespace="demo",port="http",'
-            'service="web"} 7.0') in text
-    assert ('sliceproxy_service_connections_total{family="IPv6",namespace="kube-system",'
-            'port="",service="dns"} 9.0') in text
-    assert ('sliceproxy_endpoint_connections_total{endpoint="198.18.1.10:8080",family="IPv4",'
-            'namespace="demo",port="http",service="web"} 4.0') in text
+    text = metrics.render().decode()
+    assert "# TYPE sliceproxy_service_connections_total counter" in text.splitlines()
+    assert ('sliceproxy_service_connections_total{namespace="demo",service="web",port="http",'
+            'family="IPv4"} 7') in text.splitlines()
+    assert ('sliceproxy_service_connections_total{namespace="kube-system",service="dns",'
+            'port="",family="IPv6"} 9') in text.splitlines()
+    assert ('sliceproxy_endpoint_connections_total{namespace="demo",service="web",port="http",'
+            'family="IPv4",endpoint="198.18.1.10:8080"} 4') in text.splitlines()
     endpoint_series = [line for line in text.splitlines()
                        if line.startswith("sliceproxy_endpoint_connections_total{")]
     assert len(endpoint_series) == 2  # the DNS port is counted per port only
-    assert "sliceproxy_service_packets_total{" not in text  # no mode here counts packets
+    assert "sliceproxy_service_packets_total" not in text  # no mode here counts packets
+    # The whole scrape is Prometheus text a parser takes: our families are counters.
+    parsed = {f.name: (f.type, len(f.samples)) for f in text_string_to_metric_families(text)}
+    assert parsed["sliceproxy_service_connections"] == ("counter", 2)
+    assert parsed["sliceproxy_endpoint_connections"] == ("counter", 2)
 
 
 def test_a_reading_that_fails_or_waits_too_long_keeps_the_last_one() -> None:

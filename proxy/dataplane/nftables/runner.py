@@ -390,14 +390,21 @@ class NftRunner:
         (render.py counts a connection's first packet: new connections). One netlink
         dump of every named object of the family."""
         self._check_home()
+        found: dict[tuple[str, str], int] = {}
+        decode = wire.decode_counter
+
+        def read(data: bytes, start: int, end: int) -> None:
+            counter = decode(data, start, end)
+            if counter is not None and counter[0] in tables:
+                found[counter[0], counter[1]] = counter[2]
+
         with self._lock:
             try:
-                replies = self._netlink().dump_raw(NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETOBJ,
-                                                   wire.dump_request(family))
-                found = [wire.decode_counter(r.payload) for r in replies]
+                self._netlink().dump_walk(NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETOBJ,
+                                          wire.dump_request(family), read)
             except OSError as exc:
                 raise NftError(f"nf_tables netlink dump of counters: {exc}") from exc
-        return {(t, n): packets for t, n, packets in filter(None, found) if t in tables}
+        return found
 
     def _run_child(self, text: str) -> None:
         cmd = [NFT, "-f", "-"]

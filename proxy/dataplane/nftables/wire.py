@@ -835,12 +835,45 @@ def decode_names(kind: int, payload: bytes) -> tuple[str, str, str]:
     return text(NFTA_SET_TABLE), text(NFTA_SET_NAME), what
 
 
-def decode_counter(payload: bytes) -> tuple[str, str, int] | None:
-    """(table, name, packets) of one dumped named counter; None for another object."""
-    attrs = parse_attrs(payload[NFGEN.size:])
-    if int.from_bytes(attrs.get(NFTA_OBJ_TYPE, b""), "big") != NFT_OBJECT_COUNTER:
+def decode_counter(payload: bytes, start: int = 0, end: int | None = None
+                   ) -> tuple[str, str, int] | None:
+    """(table, name, packets) of one dumped named counter (the message body in
+    payload[start:end]); None for another object. Walked attribute by attribute, no dict
+    per message: a scrape reads one message per service port (10,000 took 0.2 s
+    through parse_attrs)."""
+    table = name = b""
+    kind = packets = 0
+    pos, end = start + NFGEN.size, len(payload) if end is None else end
+    while pos + 4 <= end:
+        length, attr = _ATTR_HEAD.unpack_from(payload, pos)
+        if length < 4:
+            break
+        attr &= _ATTR_TYPE
+        if attr == NFTA_OBJ_TABLE:
+            table = payload[pos + 4:pos + length].rstrip(b"\0")
+        elif attr == NFTA_OBJ_NAME:
+            name = payload[pos + 4:pos + length].rstrip(b"\0")
+        elif attr == NFTA_OBJ_TYPE:
+            kind = int.from_bytes(payload[pos + 4:pos + 8], "big")
+        elif attr == NFTA_OBJ_DATA:
+            packets = _nested_u64(payload, pos + 4, pos + length, NFTA_COUNTER_PACKETS)
+        pos += (length + 3) & ~3
+    if kind != NFT_OBJECT_COUNTER:
         return None
-    data = parse_attrs(attrs.get(NFTA_OBJ_DATA, b""))
-    return (attrs.get(NFTA_OBJ_TABLE, b"").split(b"\0", 1)[0].decode(errors="replace"),
-            attrs.get(NFTA_OBJ_NAME, b"").split(b"\0", 1)[0].decode(errors="replace"),
-            int.from_bytes(data.get(NFTA_COUNTER_PACKETS, b""), "big"))
+    return table.decode(errors="replace"), name.decode(errors="replace"), packets
+
+
+_ATTR_HEAD = struct.Struct("=HH")
+_ATTR_TYPE = 0x3FFF  # without NLA_F_NESTED and NLA_F_NET_BYTEORDER
+
+
+def _nested_u64(payload: bytes, pos: int, end: int, wanted: int) -> int:
+    """The big-endian 64-bit attribute `wanted` among payload[pos:end]'s; 0 if absent."""
+    while pos + 4 <= end:
+        length, attr = _ATTR_HEAD.unpack_from(payload, pos)
+        if length < 4:
+            break
+        if attr & _ATTR_TYPE == wanted:
+            return int.from_bytes(payload[pos + 4:pos + 12], "big")
+        pos += (length + 3) & ~3
+    return 0
