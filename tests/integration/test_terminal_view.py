@@ -57,8 +57,8 @@ def offline(service: str) -> list[dict[str, Any]]:
 
 def agents_view(agent: AgentThread, service: str) -> list[dict[str, Any]]:
     """The running agent's service ports (the cluster as the API server keeps it: node
-    ports allocated), without the rules: explain's shape."""
-    return [{k: v for k, v in s.items() if k != "applied_rules"}
+    ports allocated), without the rules and the kernel's counts: explain's shape."""
+    return [{k: v for k, v in s.items() if k not in ("applied_rules", "traffic")}
             for s in agent.dump(service)["services"]]
 
 
@@ -76,13 +76,17 @@ def test_dump_shows_a_running_agent_as_a_table_and_as_its_json(
     assert any(line.split()[:4] == ["198.18.1.13:8080", "not", "ready", "node-b"]
                for line in lines)
     assert "  rules  2 in the kernel for this port (-o json lists them)" in lines
+    # The data plane's counts (the harness's fake counts one connection per port).
+    assert ("  traffic  1 new connections (counted per port: "
+            "sliceproxy.io/traffic-per-endpoint for each endpoint's)") in lines
     assert not any(line.startswith("demo/nearby") for line in lines)  # --service
     # -o json: the very document the agent serves (with its rules), as explain's shape.
     proc = run(sys.executable, "-m", "proxy", "dump", address(agent), "--service",
                "demo/web", "-o", "json")
     doc = json.loads(proc.stdout)
-    assert [{k: v for k, v in s.items() if k != "applied_rules"} for s in doc["services"]] \
-        == agents_view(agent, "demo/web")
+    assert [{k: v for k, v in s.items() if k not in ("applied_rules", "traffic")}
+            for s in doc["services"]] == agents_view(agent, "demo/web")
+    assert doc["services"][1]["traffic"] == {"connections": 1, "endpoints": None}
     assert doc["services"][1]["applied_rules"] == ["-> 198.18.1.11:8080", "-> 198.18.1.12:8080"]
 
 

@@ -322,3 +322,16 @@ def test_a_full_script_made_as_it_is_read_is_the_same_every_time() -> None:
     assert [script.line(n) for n in (1, len(text.splitlines()))] == \
         [text.splitlines()[0], text.splitlines()[-1]]
     assert script.line(len(text.splitlines()) + 1) == ""
+
+
+def test_a_full_script_adds_only_the_counters_the_kernel_lacks_and_never_flushes_one() -> None:
+    rsp = resolve(service(), eps_slice("s1", [ep("198.18.1.10")]))
+    bases = [render_base(CIDR4), render_shard(CIDR4, S0)]
+    port = port_chain("cnt", rsp.key, "tcp")
+    fresh, _ = full_script(bases, {rsp.key: render_port(rsp, CIDR4)})
+    assert f"add counter ip {S0} {port}" in fresh.splitlines()
+    again, _ = full_script(bases, {rsp.key: render_port(rsp, CIDR4)},
+                           kernel_tables=["sliceproxy", S0], kernel_counters=[(S0, port)])
+    assert not any(line.split()[:2] in (["add", "counter"], ["flush", "counter"])
+                   for line in again.splitlines())
+    assert f'counter name "{port}"' in again  # the rules still count into it

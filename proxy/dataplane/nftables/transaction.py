@@ -361,8 +361,8 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
                kernel_counters: Iterable[Named] = ()) -> tuple[Script, TableState]:
     """Everything we own, in one transaction. `kernel_chains`, `kernel_sets` ((table,
     name) -> "set" or "map"), `kernel_tables` and `kernel_counters` are what our tables
-    hold now (read back): what nobody wants any more is deleted. Counters are added
-    (one that exists keeps its count) and never flushed. The state is made now, the
+    hold now (read back): what nobody wants any more is deleted. Counters the kernel
+    lacks are added, and none is ever flushed: each keeps its count. The state is made now, the
     script's lines when read."""
     state = TableState(bases[0].family, tuple(bases))
     ordered = [(key, ports[key]) for key in sorted(ports)]
@@ -375,8 +375,8 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
     stale_chains = sorted(c for c in set(kernel_chains) - state.chain_names() if c[0] in wanted)
     kernel_sets = dict(kernel_sets or {})
     stale_sets = sorted(k for k in set(kernel_sets) - state.set_names() if k[0] in wanted)
-    stale_counters = sorted(c for c in set(kernel_counters) - state.counter_names()
-                            if c[0] in wanted)
+    held = set(kernel_counters)
+    stale_counters = sorted(c for c in held - state.counter_names() if c[0] in wanted)
     # Shards no longer used (there were more at the last start): whole tables.
     stale_tables = sorted(set(kernel_tables) - wanted)
     ip = table_family(state.family)
@@ -390,7 +390,9 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
         for _key, p in ordered:
             for s in p.sets:
                 yield Command("add", p.table, s)
-            yield from _counters("add", p)
+            # Only those the kernel lacks: adding one it holds changes nothing.
+            yield from (Command("add", p.table, Counter(name)) for name, _ in p.counters
+                        if (p.table, name) not in held)
         for b in state.bases:
             for c in b.chains:
                 yield Command("add", b.table, c)
