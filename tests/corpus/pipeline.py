@@ -33,6 +33,7 @@ from itertools import pairwise
 from typing import Any
 
 from proxy.dataplane.base import DataplaneOptions
+from proxy.dataplane.common import nfacct
 from proxy.dataplane.common.context import context_for
 from proxy.dataplane.iptables import render as ipt
 from proxy.dataplane.iptables.ruleset import Wanted
@@ -156,7 +157,7 @@ _VOCABULARY = frozenset({
     "--set",
 })
 _MODULES = frozenset({"comment", "tcp", "udp", "sctp", "statistic", "recent", "mark",
-                      "conntrack", "addrtype"})
+                      "conntrack", "addrtype", "nfacct"})
 _SIMPLE_VALUES = {
     "--mode": {"random"},
     "--ctstate": {"NEW", "RELATED,ESTABLISHED"},
@@ -222,6 +223,8 @@ def spec_problems(spec: str, family: Family) -> list[str]:
             why = _chain(value)
         elif word == "-m":
             why = None if value in _MODULES else f"module {value!r}"
+        elif word == "--nfacct-name":
+            why = None if nfacct.ours(value) else f"nfacct object {value!r}"
         elif word == "--probability":
             why = None if re.fullmatch(r"0\.[0-9]{11}", value) else f"probability {value!r}"
         elif word in _SIMPLE_VALUES:

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
 
 COUNTED, PLAIN = "198.18.128.30", "198.18.128.31"
 PER_ENDPOINT = {"sliceproxy.io/traffic-per-endpoint": "true"}
-MODES = ["nftables"]
+MODES = ["nftables", "iptables"]
 
 
 @pytest.fixture

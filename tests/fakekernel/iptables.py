@@ -10,7 +10,7 @@ model of `iptables-restore --noflush`): write them with `SimulatedRunner`s (or
 - sent by the node: nat OUTPUT, filter OUTPUT, nat POSTROUTING.
 
 Every match the iptables renderer writes is evaluated (addresses and CIDRs with `!`,
-`-p`, `--dport`, addrtype, comment, statistic, recent, mark, conntrack state); a
+`-p`, `--dport`, addrtype, comment, nfacct, statistic, recent, mark, conntrack state); a
 `statistic` rule forks the trace, so every endpoint comes back with its probability.
 Anything else raises TraceError: the tracer never guesses.
 """
@@ -54,7 +54,7 @@ class _Rule:
 
 
 _MODULES = frozenset({"comment", "tcp", "udp", "sctp", "addrtype", "statistic", "recent",
-                      "mark", "conntrack"})
+                      "mark", "conntrack", "nfacct"})
 _TARGET_OPTIONS = {"--to-destination", "--set-xmark", "--reject-with"}
 _FLAGS = frozenset({"--rcheck", "--reap", "--rsource", "--set"})
 
@@ -95,8 +95,9 @@ def parse_rule(spec: str) -> _Rule:
         value = words[i + 1] if i + 1 < len(words) else ""
         if word == "--probability":
             probability = float(value)
-        elif (word == "--mode" and value == "random") or word == "--comment":
-            pass
+        elif (word == "--mode" and value == "random") or word in ("--comment",
+                                                                   "--nfacct-name"):
+            pass  # always match (nfacct counts: what the trace's path shows)
         elif word in ("--name", "--seconds", "--mask"):
             recent[word] = value
         elif word in _TARGET_OPTIONS:

@@ -15,7 +15,9 @@ from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.common.context import RenderContext, context_for
 from proxy.dataplane.iptables.render import (
     endpoint_chain,
+    endpoint_counter,
     port_chain,
+    port_counter,
     probability,
     quote,
     render_base,
@@ -29,14 +31,22 @@ from tests.unit.builders import NODE, ep, eps_slice, node, resolve_one, service
 CIDR4 = RenderContext(Family.V4, local_cidrs=(ip_network("198.18.1.0/24"),))
 
 
-def pretty(rsp: ResolvedServicePort, ctx: RenderContext = CIDR4) -> list[str]:
-    rules = render_port(rsp, ctx)
+def pretty(rsp: ResolvedServicePort, ctx: RenderContext = CIDR4, *,
+           counted: bool = False, per_endpoint: bool = False) -> list[str]:
+    """The port's lines with readable names; the traffic-counting rules (nfacct) left
+    out unless `counted` (test_iptables_traffic.py shows them)."""
+    rules = render_port(rsp, ctx, per_endpoint)
     proto = rsp.port.protocol.value.lower()
     names = {port_chain(kind, rsp.key, proto): f"<{kind}>" for kind in ("SVC", "SVL", "EXT", "FW")}
     names.update({endpoint_chain(rsp.key, proto, str(s.endpoint)): f"<SEP {s.endpoint}>"
                   for s in rsp.endpoints})
+    names[port_counter(rsp.key, proto)] = "<COUNT>"
+    names.update({endpoint_counter(rsp.key, proto, str(s.endpoint)): f"<COUNT {s.endpoint}>"
+                  for s in rsp.endpoints})
     out = []
     for line in rules.lines():
+        if not counted and " -m nfacct " in line:
+            continue
         for name, label in names.items():
             line = line.replace(name, label)
         out.append(line.replace(' -m comment --comment "', ' "'))

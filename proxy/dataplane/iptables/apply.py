@@ -12,6 +12,12 @@ service ports it was rendered from:
 - a partial sync renders only the service ports whose snapshot entry is not the very
   object applied last time, and writes only what differs (see `ruleset`).
 
+Traffic is counted in nfacct objects (common/nfacct.py; render.PortCounters says which):
+the objects a restore will name are created before it (a rule naming a missing one is
+refused), and those no rule of ours names any more are deleted after it; a full sync
+reads the kernel's first, so one left by an earlier run is kept, counts and all, and
+one nobody wants goes. `traffic()` reads them all in one dump.
+
 iptables-restore commits each table at its COMMIT: if it refuses a line, that table
 keeps its previous rules. nat is written before filter, so the one window where tables
 disagree (nat committed, filter refused) leaves old REJECT rules that no longer match
@@ -22,10 +28,13 @@ the next sync is full.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.dataplane.base import ApplyError, DataplaneOptions
+from proxy.dataplane.base import NOTHING, ApplyError, Counted, DataplaneOptions, PortTraffic
+from proxy.dataplane.common import nfacct
 from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.drift_watch import (
     LegacyCanary,
@@ -35,7 +44,8 @@ from proxy.dataplane.common.drift_watch import (
 )
 from proxy.dataplane.common.family_sync import FamilyState, FamilySyncPlane, Written
 from proxy.dataplane.common.rtnetlink import node_addresses
-from proxy.dataplane.iptables.render import render_base, render_port
+from proxy.dataplane.common.traffic import port_traffic
+from proxy.dataplane.iptables.render import PortCounters, render_base, render_port
 from proxy.dataplane.iptables.ruleset import Ruleset, Wanted
 from proxy.dataplane.modes import (
     IPTABLES,
@@ -51,6 +61,7 @@ from proxy.dataplane.xtables.restore_runner import (
     RunnerError,
 )
 from proxy.dataplane.xtables.saved import RestoreText, Saved, parse_save
+from proxy.dataplane.xtables.simulate import SimulatedRunner
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
 from proxy.model.types import Balancing, Family, IPAddress, ServicePortKey
 
@@ -74,6 +85,9 @@ class _FamilyState(FamilyState):
     def __init__(self, runner: Runner) -> None:
         super().__init__(runner.family)
         self.runner = runner
+        # The nfacct objects of each service port as last written (kept when a write
+        # fails: what traffic() reads is what the kernel's rules still count into).
+        self.counters: dict[ServicePortKey, PortCounters] = {}
 
     @property
     def ruleset(self) -> Ruleset | None:
@@ -81,10 +95,23 @@ class _FamilyState(FamilyState):
         return kept
 
 
+@dataclass(slots=True)
+class _Payload:
+    """One family's write: the restores, and the nfacct objects of the ports they
+    write (a full sync: every port; a partial one: the changed ports, None: removed)."""
+
+    texts: list[RestoreText]
+    counters: dict[ServicePortKey, PortCounters | None]
+    full: bool
+    stale: set[str] = field(default_factory=set)  # ours, to delete once written
+
+
 class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
     """`runners` and `addresses` replace the real binaries and the netlink address dump
     (a `simulate.SimulatedRunner` for pure tests); `clear_conntrack=False` skips
-    conntrack cleanup (with simulated runners there is no kernel to clean)."""
+    conntrack cleanup (with simulated runners there is no kernel to clean);
+    `accounting` replaces the kernel's nfacct objects (a `MemoryNfacct` by default with
+    simulated runners)."""
 
     mode = IPTABLES.name
 
@@ -92,7 +119,8 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
                  backend: Backend | None = None, lock_wait: float = 5.0,
                  clear_conntrack: bool = True,
                  runners: Mapping[Family, Runner] | None = None,
-                 addresses: Callable[[], Sequence[IPAddress]] | None = None) -> None:
+                 addresses: Callable[[], Sequence[IPAddress]] | None = None,
+                 accounting: nfacct.Accounting | None = None) -> None:
         applier = applier or options.iptables_applier
         if applier not in APPLIERS:
             raise ValueError(f"unknown iptables applier {applier!r}; supported: "
@@ -100,6 +128,10 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
         super().__init__(options, clear_conntrack, addresses or node_addresses)
         self.applier = applier
         self._injected = runners is not None
+        simulated = runners is not None and all(isinstance(r, SimulatedRunner)
+                                                for r in runners.values())
+        self._accounting: nfacct.Accounting = accounting or (
+            nfacct.MemoryNfacct() if simulated else nfacct.Nfacct())
         for family in options.families:
             runner: Runner
             if runners is not None:
@@ -117,6 +149,9 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
         self.backend = backend
         # Services already told that this mode balances at random (_random_only).
         self._told: set[tuple[str, Balancing]] = set()
+        # Traffic counting, until the kernel shows it has no nfacct (_without_counting);
+        # whether it was asked (once, at the first full sync).
+        self._counting, self._probed = True, False
 
     def _runner(self, family: Family, backend: Backend | None, lock_wait: float) -> Runner:
         runner = IptablesRunner(family, backend, lock_wait)
@@ -135,9 +170,11 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
         return {"backend": self.backend.value if self.backend else None}
 
     def _render_full(self, fam: _FamilyState, state: DesiredState,
-                     ctx: RenderContext) -> tuple[list[RestoreText], Ruleset]:
+                     ctx: RenderContext) -> tuple[_Payload, Ruleset]:
         self._random_only(state.ports.values())
-        wanted = Wanted(render_base(ctx), {k: render_port(v, ctx)
+        self._probe_counting()
+        each, counted = self.options.traffic_per_endpoint, self._counting
+        wanted = Wanted(render_base(ctx), {k: render_port(v, ctx, each, counted)
                                            for k, v in state.ports.items()
                                            if k.family is ctx.family})
         kernel = self._saved(fam)
@@ -145,17 +182,21 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
             batches = wanted.full_restore_batches(kernel, NFT_CHAINS_PER_RESTORE)
         else:  # legacy rewrites the whole table per restore: one is cheapest
             batches = [wanted.full_restore(kernel)]
-        return [b for b in batches if b.operations()], wanted.kept()
+        counters = {k: r.counters for k, r in wanted.ports.items()}
+        return _Payload([b for b in batches if b.operations()], counters, True), wanted.kept()
 
     def _render_partial(self, fam: _FamilyState,
                         ports: Mapping[ServicePortKey, ResolvedServicePort],
                         changed: set[ServicePortKey], ctx: RenderContext
-                        ) -> tuple[list[RestoreText], Ruleset]:
+                        ) -> tuple[_Payload, Ruleset]:
         applied: Ruleset = fam.kept
         self._random_only(ports[k] for k in changed if k in ports)
-        updates = {k: (render_port(ports[k], ctx) if k in ports else None) for k in changed}
+        each = self.options.traffic_per_endpoint
+        updates = {k: (render_port(ports[k], ctx, each, self._counting) if k in ports
+                       else None) for k in changed}
         text, ruleset = applied.partial_restore(updates)
-        return ([text] if text.operations() else []), ruleset
+        counters = {k: (r.counters if r is not None else None) for k, r in updates.items()}
+        return _Payload(([text] if text.operations() else []), counters, False), ruleset
 
     def _random_only(self, ports: Iterable[ResolvedServicePort]) -> None:
         """Say once per service and choice that maglev and source-hash balance at random
@@ -168,7 +209,9 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
                 log.warning("balancing not available in iptables mode; random used", extra={
                     "service": rsp.key.service, "balancing": rsp.balancing.value})
 
-    def _write(self, fam: _FamilyState, texts: list[RestoreText], full: bool) -> Written:
+    def _write(self, fam: _FamilyState, payload: _Payload, full: bool) -> Written:
+        texts = payload.texts
+        created = self._create_counters(fam, payload)
         with self._writing:
             try:
                 for text in texts:
@@ -176,7 +219,100 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
             finally:
                 if isinstance(self._watch, LegacyCanary):
                     self._watch.rebaseline()
-        return Written(sum(text.line_count() for text in texts), {"restores": len(texts)})
+        deleted = self._retire_counters(fam, payload)
+        return Written(sum(text.line_count() for text in texts), {
+            "restores": len(texts), "counters_created": created,
+            "counters_deleted": deleted})
+
+    # --- traffic counters (nfacct) ------------------------------------------------------------
+
+    def _probe_counting(self) -> None:
+        """Once: whether this kernel has nfacct at all (nfnetlink_acct); without it the
+        rules are written without counting rather than not at all."""
+        if self._probed or not self._counting:
+            return
+        self._probed = True
+        try:
+            self._accounting.dump()
+        except OSError as exc:
+            self._without_counting(str(exc))
+
+    def _without_counting(self, why: str) -> None:
+        self._counting = False
+        log.error("traffic counting unavailable: this kernel lacks nfacct "
+                  "(nfnetlink_acct, xt_nfacct); rules are written without it and "
+                  "traffic reads 0", extra={"error": why[-500:]})
+
+    def _create_counters(self, fam: _FamilyState, payload: _Payload) -> int:
+        """Create the objects the restores will name that may not exist yet: a full sync
+        reads the kernel's (and notes ours of this family nobody wants: `stale`), a
+        partial one takes the changed ports' new names. Never resets one."""
+        if not self._counting:
+            return 0
+        new = {n for c in payload.counters.values() if c is not None for n in c.names()}
+        try:
+            if payload.full:
+                present = set(self._accounting.dump())
+                digit = "4" if fam.family is Family.V4 else "6"
+                payload.stale = {n for n in present
+                                 if nfacct.of_family(n, digit) and n not in new}
+                return self._accounting.create(new - present)
+            old = {n for k in payload.counters if k in fam.counters
+                   for n in fam.counters[k].names()}
+            payload.stale = old - new
+            return self._accounting.create(new - old)
+        except OSError as exc:
+            self._failed(fam)
+            log.error("nfacct objects could not be created; rules not written", extra={
+                "family": fam.family.label, "error": str(exc)})
+            raise ApplyError(f"creating nfacct objects (traffic counters) failed: {exc} "
+                             "(does the kernel have nfnetlink_acct and xt_nfacct?)") from exc
+
+    def _retire_counters(self, fam: _FamilyState, payload: _Payload) -> int:
+        """After a write: record the ports' objects, delete those no rule of ours names.
+        One still held (a rule of someone else's, or of the other back end) stays until
+        a later full sync finds it free; a failure here costs nothing but an object."""
+        if payload.full:
+            fam.counters = {k: c for k, c in payload.counters.items() if c is not None}
+        else:
+            for key, counters in payload.counters.items():
+                if counters is None:
+                    fam.counters.pop(key, None)
+                else:
+                    fam.counters[key] = counters
+        if not payload.stale:
+            return 0
+        try:
+            busy = self._accounting.delete(payload.stale)
+        except OSError as exc:
+            log.warning("nfacct objects not deleted", extra={
+                "family": fam.family.label, "error": str(exc)})
+            return 0
+        if busy:
+            log.info("nfacct objects still in use; kept", extra={
+                "family": fam.family.label, "objects": len(busy), "first": busy[0]})
+        return len(payload.stale) - len(busy)
+
+    def traffic(self) -> dict[ServicePortKey, PortTraffic]:
+        """Each applied service port's new connections, from one dump of our nfacct
+        objects (common/traffic.py): an object's packets are the connections its rules
+        saw, as nat chains see only a connection's first packet."""
+        if not self._counting:
+            return {k: PortTraffic(NOTHING) for fam in self._families.values()
+                    if fam.last is not None for k in fam.last.ports if k.family is fam.family}
+        readings = self._accounting.dump()
+        out: dict[ServicePortKey, PortTraffic] = {}
+        for fam in self._families.values():
+            for key, counters in fam.counters.items():
+                found = readings.get(counters.port)
+                total = Counted(found.packets) if found is not None else NOTHING
+                if counters.endpoints is None:
+                    out[key] = PortTraffic(total)
+                    continue
+                out[key] = port_traffic(total, [
+                    ((ip, port), Counted(readings[name].packets))
+                    for name, ip, port in counters.endpoints if name in readings])
+        return out
 
     def _saved(self, fam: _FamilyState) -> Saved:
         """What the tables hold, our chains' rules skipped (read line by line)."""
@@ -190,6 +326,8 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
         try:
             fam.runner.restore(text)
         except RestoreError as exc:
+            if self._counting and _counting_refused(exc):
+                self._without_counting(str(exc))  # no xt_nfacct: the retry goes without
             self._failed_apply(fam, str(exc), exc.offending, exc.line, full)
             # nf_tables reports some errors (a jump to a missing chain) only at COMMIT,
             # so the binary's own words go in the message too.
@@ -217,7 +355,8 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
             return ()
         # The ruleset keeps digests, not rules: render them again from what they were
         # rendered from (pure, so the same text).
-        return render_port(*applied).lines()
+        return render_port(*applied, self.options.traffic_per_endpoint,
+                           self._counting).lines()
 
     # --- drift: someone else changed our rules ----------------------------------------------
 
@@ -264,4 +403,21 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
         for runner, _chains in remove_chains(runners):
             log.info("removed sliceproxy's iptables rules", extra={
                 "family": runner.family.label, "backend": runner.backend.value})
+        # Our traffic counters, now that no rule of ours holds them.
+        deleted, busy = nfacct.remove_ours(self._accounting)
+        if deleted or busy:
+            log.info("removed sliceproxy's nfacct objects", extra={
+                "deleted": deleted, "still_in_use": len(busy)})
         self._forget_all()
+        for fam in self._families.values():
+            fam.counters = {}
+
+
+# A counting rule as restore text writes it: nothing but the match.
+_COUNTING_LINE = re.compile(r"-[AI] \S+ (?:\d+ )?-m nfacct --nfacct-name +\S+$")
+
+
+def _counting_refused(exc: RestoreError) -> bool:
+    """Whether the restore failed on a counting rule (a kernel or iptables without
+    xt_nfacct): the refused line is one, or the binary could not load the match."""
+    return bool(_COUNTING_LINE.match(exc.offending or "")) or "match `nfacct'" in str(exc)

@@ -41,6 +41,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from proxy.dataplane.common import nfacct
 from proxy.dataplane.common.context import RenderContext, cluster_ip_masquerade
 from proxy.dataplane.common.naming import (
     MASQ_BIT,
@@ -50,6 +51,7 @@ from proxy.dataplane.common.naming import (
     port_name,
 )
 from proxy.dataplane.common.paths import PortPlan, plan, sorted_nets
+from proxy.dataplane.common.traffic import per_endpoint
 from proxy.dataplane.modes import IPTABLES
 from proxy.dataplane.xtables.saved import PREFIX, Table
 from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
@@ -90,6 +92,23 @@ DISPATCH_CHAINS: tuple[tuple[Table, str], ...] = (
 
 
 @dataclass(frozen=True, slots=True)
+class PortCounters:
+    """The nfacct objects (common/nfacct.py) counting one service port's new
+    connections: `port`, matched at the top of its policy chains (every connection it
+    sends to an endpoint passes one, once), and, where counted per endpoint,
+    (name, address, port) of each endpoint's, matched in its SEP chain. A port's object
+    exists as long as the port does, its endpoints' as long as they are in its slices,
+    whether a rule matches them now or not (no endpoints, not ready): a count is not
+    reset by an endpoint flapping."""
+
+    port: str
+    endpoints: tuple[tuple[str, IPAddress, int], ...] | None = None
+
+    def names(self) -> tuple[str, ...]:
+        return (self.port, *(name for name, _, _ in self.endpoints or ()))
+
+
+@dataclass(frozen=True, slots=True)
 class PortRules:
     """Everything one service port (in one family) contributes."""
 
@@ -98,6 +117,8 @@ class PortRules:
     chains: tuple[tuple[str, tuple[str, ...]], ...]
     # Its rules in the shared dispatch chains, in order.
     entries: tuple[Entry, ...]
+    # The nfacct objects its rules match (created before they are written).
+    counters: PortCounters | None = None
 
     def lines(self) -> list[str]:
         """Readable, copy-pasteable lines (`-t nat -A CHAIN spec`) for the debug dump."""
@@ -130,6 +151,29 @@ def port_chain(kind: str, key: ServicePortKey, protocol: str) -> str:
 
 def endpoint_chain(key: ServicePortKey, protocol: str, endpoint: str) -> str:
     return f"{PREFIX}SEP-{name_hash(port_name(key), protocol, endpoint)}"
+
+
+def _digit(key: ServicePortKey) -> str:
+    return "4" if key.family is Family.V4 else "6"
+
+
+def port_counter(key: ServicePortKey, protocol: str) -> str:
+    """The nfacct object counting a service port (per family: objects are not)."""
+    return nfacct.object_name("p", _digit(key), name_hash(port_name(key), protocol,
+                                                           key.family.label))
+
+
+def endpoint_counter(key: ServicePortKey, protocol: str, endpoint: str) -> str:
+    """The nfacct object counting one endpoint (`endpoint_text`) of a service port."""
+    return nfacct.object_name("e", _digit(key), name_hash(port_name(key), protocol,
+                                                           key.family.label, endpoint))
+
+
+def counting(name: str) -> str:
+    """A rule with no target that counts into nfacct object `name`, spelt as
+    iptables-save prints it back (two spaces: libxt_nfacct's own). No comment: with no
+    target of its own, a `-j` in a service's name would read as the rule's target."""
+    return f"-m nfacct --nfacct-name  {name}"
 
 
 _NO_QUOTE = frozenset("_-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
@@ -249,8 +293,12 @@ def render_base(ctx: RenderContext) -> BaseRules:
 # --- one service port ------------------------------------------------------------------------
 
 
-def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortRules:
-    """The chains and dispatch entries of one service port (upstream's per-service loop)."""
+def render_port(rsp: ResolvedServicePort, ctx: RenderContext,
+                traffic_per_endpoint: bool = False, counted: bool = True) -> PortRules:
+    """The chains and dispatch entries of one service port (upstream's per-service loop).
+    `traffic_per_endpoint`: the node's --traffic-per-endpoint (the service's annotation
+    wins: common/traffic.py); `counted=False`: no counting rules (a kernel without
+    nfacct)."""
     key = rsp.key
     name = port_name(key)
     proto = rsp.port.protocol.value.lower()
@@ -274,18 +322,40 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext) -> PortRules:
             text = endpoint_text(ep)
             seps[id(ep)] = (text, endpoint_chain(key, proto, text))
             by_text.setdefault(text, ep)
-    # The cluster-IP masquerade rules go first in the internal chain.
+    counters, by_endpoint = _counters(rsp, proto,
+                                      per_endpoint(rsp.service, traffic_per_endpoint))
+    label = comment(name)
+    # Counted first: the cluster-IP masquerade rules go next in the internal chain.
+    count = (counting(counters.port),) if counted else ()
+    if not counted:
+        by_endpoint = {}
     masq = _cluster_masquerade(rsp, ctx, name, proto) if p.internal else ()
     for chain, eps in ((p.svc, p.cluster_eps), (p.svl, p.local_eps)):
         if chain:
-            first = masq if chain == p.internal else ()
+            first = count + (masq if chain == p.internal else ())
             chains.append((chain, first + _balance(name, eps, seps, affinity, ctx)))
-    label = comment(name)
     for text in sorted(by_text):
         ep = by_text[text]
-        chains.append((seps[id(ep)][1], _endpoint_rules(label, proto, ep, text, seps[id(ep)][1],
-                                                        affinity is not None, ctx)))
-    return PortRules(key, tuple(chains), tuple(dict.fromkeys(entries)))
+        rules = _endpoint_rules(label, proto, ep, text, seps[id(ep)][1],
+                                affinity is not None, ctx)
+        if text in by_endpoint:
+            rules = (counting(by_endpoint[text]), *rules)
+        chains.append((seps[id(ep)][1], rules))
+    return PortRules(key, tuple(chains), tuple(dict.fromkeys(entries)),
+                     counters if counted else None)
+
+
+def _counters(rsp: ResolvedServicePort, proto: str, each_endpoint: bool
+              ) -> tuple[PortCounters, dict[str, str]]:
+    """The port's nfacct objects: its own; each merged endpoint's where counted per
+    endpoint (every endpoint of its slices, used now or not), also by endpoint text."""
+    port = port_counter(rsp.key, proto)
+    if not each_endpoint:
+        return PortCounters(port), {}
+    by_text = {endpoint_text(s.endpoint): s.endpoint for s in rsp.endpoints}
+    names = {text: endpoint_counter(rsp.key, proto, text) for text in by_text}
+    eps = tuple((names[text], ep.address, ep.port) for text, ep in by_text.items())
+    return PortCounters(port, eps), names
 
 
 def _dispatch_entries(rsp: ResolvedServicePort, p: PortPlan, ctx: RenderContext, name: str,
