@@ -4,7 +4,8 @@ interface and the node's addresses) and ipsets, for unit tests of the plane itse
 
 `on_fakes` gives an IpvsDataPlane these handles instead of netlink sockets and the
 ipset binary. Every operation succeeds; what the plane asked is recorded (`FakeIpvs.ops`
-as diff.Op prints them, `FakeIpsets.lines`).
+as diff.Op prints them, `FakeIpsets.lines`). The table's statistics are what a test puts
+in `FakeIpvs.counted` (virtual servers) and `FakeIpvs.dest_counted` (real servers).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from ipaddress import ip_address
 from typing import Any, cast
 
-from proxy.dataplane.base import DataplaneOptions
+from proxy.dataplane.base import Counted, DataplaneOptions
 from proxy.dataplane.common.kube_proxy_objects import IPVS_INTERFACE as KUBE_IPVS_INTERFACE
 from proxy.dataplane.ipvs.apply import IpvsDataPlane, KernelHandles
 from proxy.dataplane.ipvs.diff import KernelDest, KernelService, Op
+from proxy.dataplane.ipvs.netlink import RawVsKey, raw_key
 from proxy.dataplane.ipvs.render import RsKey, VsKey
 from proxy.model.types import IPAddress
 
@@ -35,6 +37,9 @@ class FakeIpvs:
         self.ops: list[str] = []
         self.held: Mapping[VsKey, KernelService] = dict(held or {})
         self.asked: list[list[VsKey]] = []  # by `missing` (the table sampler)
+        self.counted: dict[VsKey, Counted] = {}
+        self.dest_counted: dict[VsKey, dict[RsKey, Counted]] = {}
+        self.dumps: list[VsKey | None] = []  # statistics dumps: None for the services'
 
     @classmethod
     def holding(cls, keys: Iterable[VsKey]) -> FakeIpvs:
@@ -56,6 +61,14 @@ class FakeIpvs:
     def missing(self, keys: Sequence[VsKey]) -> list[VsKey]:
         self.asked.append(list(keys))
         return [k for k in keys if k not in self.held]
+
+    def service_stats(self) -> dict[RawVsKey, Counted]:
+        self.dumps.append(None)
+        return {raw_key(k): c for k, c in self.counted.items()}
+
+    def dest_stats(self, key: VsKey) -> dict[RsKey, Counted]:
+        self.dumps.append(key)
+        return dict(self.dest_counted.get(key, {}))
 
     def dests(self, key: VsKey) -> dict[RsKey, KernelDest]:
         held = self.held[key].dests

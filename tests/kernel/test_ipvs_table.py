@@ -2,7 +2,8 @@
 boot runs every scenario of scenarios/scenario_table.py (the read-back property, drift
 repair, clean-up, both proxies' claims, the table sampler, schedulers); each scenario is
 reported here on its own. SLICEPROXY_SAMPLER_TABLE=10000 measures the sampler's cost at
-10,000 virtual servers (docs/reliability.md#ipvs-mode)."""
+10,000 virtual servers (docs/reliability.md#ipvs-mode), and reading traffic counts there
+(docs/dataplanes.md)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from proxy.dataplane.base import ApplyError, DataplaneOptions, SyncReport
+from proxy.dataplane.base import ApplyError, DataplaneOptions, PortTraffic, SyncReport
 from proxy.dataplane.common import conntrack
 from proxy.dataplane.common.drift_watch import (
     LegacyCanary,
@@ -57,6 +57,7 @@ from proxy.dataplane.ipvs.render import (
 )
 from proxy.dataplane.ipvs.run_record import RunRecord
 from proxy.dataplane.ipvs.sample import TableSampler
+from proxy.dataplane.ipvs.traffic import TrafficReader
 from proxy.dataplane.ipvs.virtual_servers import VirtualServers
 from proxy.dataplane.xtables.restore_runner import Backend, IptablesRunner
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
@@ -133,6 +134,7 @@ class IpvsDataPlane:
         self._need_full = True
         self._watches: list[NftablesListener | LegacyCanary | LinkListener] = []
         self._sampler: TableSampler | None = None
+        self._traffic = TrafficReader()
         # What the last `cleanup` removed (for its caller's log line).
         self.cleaned: dict[str, int] = {}
 
@@ -239,6 +241,14 @@ class IpvsDataPlane:
             lines.extend(describe_vs(vs, weights))
         lines.extend(describe_entries(rules))
         return lines
+
+    def traffic(self) -> Mapping[ServicePortKey, PortTraffic]:
+        """Each applied port's counts from IPVS's statistics of its virtual servers (and
+        real servers, where counted per endpoint): traffic.py."""
+        if self._h is None or self._last is None:
+            return {}
+        return self._traffic.read(self._applied, self._index, self._handles().ipvs,
+                                  self.options.traffic_per_endpoint)
 
     def housekeeping(self) -> None:
         """Delete draining real servers that have no connections left or drained long

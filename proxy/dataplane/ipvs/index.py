@@ -124,6 +124,10 @@ class RenderIndex:
                 out[vs_key] = tuple(sorted(claims))
         return out
 
+    def contested(self) -> set[VsKey]:
+        """The virtual servers more than one port claims (rare: none, as a rule)."""
+        return {vs_key for vs_key, claims in self._claims.items() if len(claims) > 1}
+
     def entries(self) -> set[SetEntry]:
         return set(self._entries)
 

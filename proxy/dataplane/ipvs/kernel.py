@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pyroute2 import IPRoute
 
+from proxy.dataplane.base import Counted
 from proxy.dataplane.common.netlink import NetlinkError, nested
 from proxy.dataplane.common.netlink_constants import IFF_UP
 from proxy.dataplane.common.netlink_constants import IPVS_CMD_ATTR_DEST as ATTR_DEST
@@ -30,8 +31,11 @@ from proxy.dataplane.common.rtnetlink import RouteSocket
 from proxy.dataplane.ipvs.diff import KernelDest, KernelService, Op
 from proxy.dataplane.ipvs.netlink import (
     IpvsSocket,
+    RawVsKey,
     decode_dest,
+    decode_dest_stats,
     decode_service,
+    decode_service_stats,
     request,
     service_key_attrs,
 )
@@ -92,6 +96,27 @@ class IpvsTable:
                 out[svc.key] = svc
         return out
 
+    def service_stats(self) -> dict[RawVsKey, Counted]:
+        """Every address/port virtual server's statistics, by `netlink.raw_key`: one dump."""
+        self.calls += 1
+        out: dict[RawVsKey, Counted] = {}
+        for attrs in self._nl.dump_one(CMD_GET_SERVICE, ATTR_SERVICE):
+            found = decode_service_stats(attrs)
+            if found is not None:
+                out[found[0]] = found[1]
+        return out
+
+    def dest_stats(self, key: VsKey) -> dict[RsKey, Counted]:
+        """The statistics of one virtual server's real servers (none if it does not
+        exist): a dump of its own."""
+        af = socket.AF_INET if key.family is Family.V4 else socket.AF_INET6
+        out: dict[RsKey, Counted] = {}
+        for attrs in self._dest_dump(key):
+            found = decode_dest_stats(attrs, af)
+            if found is not None:
+                out[found[0]] = found[1]
+        return out
+
     def missing(self, keys: Sequence[VsKey]) -> list[VsKey]:
         """Which of `keys` the table lacks: one GET per key (no dump, nothing decoded),
         batched into one exchange; the cheap look of `sample.TableSampler`."""
@@ -107,20 +132,26 @@ class IpvsTable:
 
     def dests(self, key: VsKey) -> dict[RsKey, KernelDest]:
         """The real servers of one virtual server (none if it does not exist)."""
-        self.calls += 1
-        try:
-            replies = self._nl.dump(CMD_GET_DEST, nested(ATTR_SERVICE, service_key_attrs(key)))
-        except NetlinkError as exc:
-            if exc.code in (errno.ENOENT, errno.ESRCH):
-                return {}
-            raise
         af = socket.AF_INET if key.family is Family.V4 else socket.AF_INET6
         out = {}
-        for attrs in replies:
-            found = decode_dest(attrs.get(ATTR_DEST, b""), af)
+        for attrs in self._dest_dump(key):
+            found = decode_dest(attrs, af)
             if found is not None:
                 out[found[0]] = found[1]
         return out
+
+    def _dest_dump(self, key: VsKey) -> list[bytes]:
+        """The nested destination attribute of each of one virtual server's real servers:
+        a dump of its own (the kernel dumps real servers one service at a time); none if
+        the virtual server does not exist."""
+        self.calls += 1
+        try:
+            return self._nl.dump_one(CMD_GET_DEST, ATTR_DEST,
+                                     nested(ATTR_SERVICE, service_key_attrs(key)))
+        except NetlinkError as exc:
+            if exc.code in (errno.ENOENT, errno.ESRCH):
+                return []
+            raise
 
     def apply(self, op: Op) -> None:
         """Carry out one operation; raises NetlinkError on failure."""

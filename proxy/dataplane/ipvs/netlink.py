@@ -23,11 +23,16 @@ import socket
 import struct
 import sys
 from collections.abc import Sequence
+from typing import Literal
 
+from proxy.dataplane.base import Counted
 from proxy.dataplane.common.netlink import (
+    ATTR,
     GENL,
     NetlinkError,
     NetlinkSocket,
+    attributes,
+    find_attr,
     frame,
     nested,
     nla,
@@ -41,6 +46,7 @@ from proxy.dataplane.common.netlink_constants import (
     IPVS_GENL_NAME,
     IPVS_GENL_VERSION,
     NETLINK_GENERIC,
+    NLA_TYPE_MASK,
     NLM_F_ACK,
     NLM_F_REQUEST,
     NLMSG_ERROR,
@@ -89,6 +95,13 @@ FLAGS_MASK = 0xFFFF
 # attribute; the kernel refuses 0 or more than 128 (and needs the attribute either way).
 V4_NETMASK = b"\xff\xff\xff\xff"
 V6_PREFIX = struct.pack("=I", 128)
+# Statistics (include/uapi/linux/ip_vs.h): a service's and a destination's, nested; the
+# 64-bit ones (Linux 4.2+) where the kernel sends them, else the older ones (32-bit
+# counts of connections and packets, 64-bit bytes). Both are counts since the object was
+# made; the kernel refreshes what it reports every 2 s (its rate estimator's tick).
+SVC_STATS, SVC_STATS64 = 10, 12
+DEST_STATS, DEST_STATS64 = 10, 12
+STATS_CONNS, STATS_INPKTS, STATS_OUTPKTS, STATS_INBYTES, STATS_OUTBYTES = 1, 2, 3, 4, 5
 
 
 # --- encoding (pure) -------------------------------------------------------------------
@@ -195,6 +208,126 @@ def decode_dest(attrs: bytes, default_af: int) -> tuple[RsKey, KernelDest] | Non
     )
 
 
+# The five counts of a 64-bit statistics attribute as the kernel lays them out (each
+# 8 bytes after its 4-byte header, in type order): read with one unpack where they are.
+_STATS64_HEAD = struct.Struct("=" + "HHQ" * 5)
+_STATS64_SHAPE = (12, STATS_CONNS, 12, STATS_INPKTS, 12, STATS_OUTPKTS, 12, STATS_INBYTES,
+                  12, STATS_OUTBYTES)
+
+
+def decode_stats(data: bytes, wide: bool) -> Counted:
+    """Connections, packets and bytes both ways of a nested statistics attribute
+    (`wide`: the 64-bit one)."""
+    if wide and len(data) >= _STATS64_HEAD.size:
+        f = _STATS64_HEAD.unpack_from(data)
+        if (f[0], f[1], f[3], f[4], f[6], f[7], f[9], f[10], f[12], f[13]) == _STATS64_SHAPE:
+            return Counted(f[2], f[5] + f[8], f[11] + f[14])
+    counts = dict.fromkeys((STATS_CONNS, STATS_INPKTS, STATS_OUTPKTS, STATS_INBYTES,
+                            STATS_OUTBYTES), 0)
+    for kind, a, b in attributes(data):
+        if kind in counts:
+            counts[kind] = int.from_bytes(data[a:b], sys.byteorder)
+    return Counted(counts[STATS_CONNS], counts[STATS_INPKTS] + counts[STATS_OUTPKTS],
+                   counts[STATS_INBYTES] + counts[STATS_OUTBYTES])
+
+
+def _spans(attrs: bytes, wanted: frozenset[int]) -> dict[int, tuple[int, int]]:
+    """Where the `wanted` attributes' payloads are in `attrs` (start, end), read in place:
+    statistics are read for every virtual server at once, so nothing else is copied."""
+    out: dict[int, tuple[int, int]] = {}
+    unpack, i, stop = ATTR.unpack_from, 0, len(attrs)
+    while i + 4 <= stop:
+        size, kind = unpack(attrs, i)
+        if size < 4:
+            break
+        kind &= NLA_TYPE_MASK
+        if kind in wanted:
+            out[kind] = (i + 4, i + size)
+        i += (size + 3) & ~3
+    return out
+
+
+def _stats_at(attrs: bytes, spans: dict[int, tuple[int, int]], stats64: int,
+              stats: int) -> Counted | None:
+    found = spans.get(stats64)
+    if found is not None:
+        return decode_stats(attrs[found[0]:found[1]], True)
+    found = spans.get(stats)
+    return decode_stats(attrs[found[0]:found[1]], False) if found is not None else None
+
+
+def _u16_at(attrs: bytes, span: tuple[int, int] | None,
+            order: Literal["little", "big"] = sys.byteorder) -> int:
+    return int.from_bytes(attrs[span[0]:span[0] + 2], order) if span is not None else 0
+
+
+SVC_WANTED = frozenset((SVC_AF, SVC_PROTOCOL, SVC_ADDR, SVC_PORT, SVC_STATS, SVC_STATS64))
+DEST_WANTED = frozenset((DEST_ADDR, DEST_PORT, DEST_ADDR_FAMILY, DEST_STATS, DEST_STATS64))
+
+
+# A virtual server as its statistics are looked up: (IP protocol number, packed address,
+# port). Builtins only, so that 10,000 of them hash in C: a VsKey's address and protocol
+# hash in Python.
+RawVsKey = tuple[int, bytes, int]
+
+
+def raw_key(key: VsKey) -> RawVsKey:
+    return IPPROTO[key.protocol], key.address.packed, key.port
+
+
+# How the kernel lays out a service (ip_vs_ctl.c, ip_vs_genl_fill_service): family,
+# protocol, address (16 bytes for both families) and port first, the 64-bit statistics
+# last. Read where they are with two unpacks, else attribute by attribute.
+_SVC_HEAD = struct.Struct("=HHH2xHHH2xHH16sHH2s2x")
+_SVC_HEAD_SHAPE = (6, SVC_AF, 6, SVC_PROTOCOL, 20, SVC_ADDR, 6, SVC_PORT)
+_STATS64_TAIL = 4 + 12 * 10  # the nested header and ten 64-bit counts
+_STATS64_IN_PLACE = struct.Struct("=HH" + _STATS64_HEAD.format[1:])
+_STATS64_IN_PLACE_SHAPE = (_STATS64_TAIL, SVC_STATS64, *_STATS64_SHAPE)
+
+
+def service_stats_in_place(attrs: bytes) -> tuple[RawVsKey, Counted] | None:
+    """decode_service_stats where the service is laid out as the kernel lays it out;
+    None where it is not."""
+    if len(attrs) <= _SVC_HEAD.size + _STATS64_TAIL:
+        return None
+    h = _SVC_HEAD.unpack_from(attrs)
+    t = _STATS64_IN_PLACE.unpack_from(attrs, len(attrs) - _STATS64_TAIL)
+    if ((h[0], h[1], h[3], h[4], h[6], h[7], h[9], h[10]) != _SVC_HEAD_SHAPE
+            or (t[0], t[1] & NLA_TYPE_MASK, t[2], t[3], t[5], t[6], t[8], t[9], t[11], t[12],
+                t[14], t[15]) != _STATS64_IN_PLACE_SHAPE):
+        return None
+    address = h[8][:4] if h[2] == socket.AF_INET else h[8]
+    return ((h[5], address, int.from_bytes(h[11], "big")),
+            Counted(t[4], t[7] + t[10], t[13] + t[16]))
+
+
+def decode_service_stats(attrs: bytes) -> tuple[RawVsKey, Counted] | None:
+    """A GET_SERVICE reply's service (as `raw_key` gives it) and statistics; None for
+    fwmark services."""
+    found = service_stats_in_place(attrs)
+    if found is not None:
+        return found
+    spans = _spans(attrs, SVC_WANTED)
+    addr, port = spans.get(SVC_ADDR), spans.get(SVC_PORT)
+    counted = _stats_at(attrs, spans, SVC_STATS64, SVC_STATS)
+    if addr is None or port is None or counted is None:
+        return None
+    size = 4 if _u16_at(attrs, spans.get(SVC_AF)) == socket.AF_INET else 16
+    return (_u16_at(attrs, spans.get(SVC_PROTOCOL)), attrs[addr[0]:addr[0] + size],
+            _u16_at(attrs, port, "big")), counted
+
+
+def decode_dest_stats(attrs: bytes, default_af: int) -> tuple[RsKey, Counted] | None:
+    """A GET_DEST reply's real server and its statistics."""
+    spans = _spans(attrs, DEST_WANTED)
+    addr, port = spans.get(DEST_ADDR), spans.get(DEST_PORT)
+    counted = _stats_at(attrs, spans, DEST_STATS64, DEST_STATS)
+    if addr is None or port is None or counted is None:
+        return None
+    af = _u16_at(attrs, spans.get(DEST_ADDR_FAMILY)) or default_af
+    return RsKey(address_of(attrs[addr[0]:addr[1]], af), _u16_at(attrs, port, "big")), counted
+
+
 # --- sockets ---------------------------------------------------------------------------
 
 
@@ -236,3 +369,21 @@ class IpvsSocket(NetlinkSocket):
         """A dump request: the top-level attributes of every reply."""
         body = GENL.pack(cmd, IPVS_GENL_VERSION, 0) + attrs
         return [reply.attrs(GENL.size) for reply in self.dump_raw(self.family_id, body)]
+
+    def dump_one(self, cmd: int, kind: int, attrs: bytes = b"") -> list[bytes]:
+        """A dump request: attribute `kind` (the nested service or destination) of every
+        reply that has it, found without parsing the rest."""
+        body = GENL.pack(cmd, IPVS_GENL_VERSION, 0) + attrs
+        found = (_first_attr(reply.payload, GENL.size, kind)
+                 for reply in self.dump_raw(self.family_id, body))
+        return [a for a in found if a is not None]
+
+
+def _first_attr(data: bytes, start: int, kind: int) -> bytes | None:
+    """find_attr, quicker where the attribute is the first one (as in the kernel's
+    replies: a dump's replies each carry one)."""
+    if len(data) >= start + 4:
+        size, found = ATTR.unpack_from(data, start)
+        if found & NLA_TYPE_MASK == kind and size >= 4:
+            return data[start + 4:start + size]
+    return find_attr(data, start, kind)

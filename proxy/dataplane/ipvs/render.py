@@ -189,6 +189,9 @@ class PortRules:
     virtual_servers: tuple[VirtualServer, ...]
     addresses: tuple[IPAddress, ...]  # for the dummy interface, sorted
     entries: frozenset[SetEntry]
+    # The service's sliceproxy.io/traffic-per-endpoint (None: the node's flag decides):
+    # whether traffic.py reads its real servers' counts too.
+    traffic_per_endpoint: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,6 +310,7 @@ def render_port(rsp: ResolvedServicePort, ctx: IpvsContext) -> PortRules:
         virtual_servers=tuple(servers),
         addresses=tuple(sorted(addresses, key=address_order)),
         entries=frozenset(entries),
+        traffic_per_endpoint=rsp.service.traffic_per_endpoint,
     )
 
 
@@ -451,8 +455,8 @@ def render_change(old: ResolvedServicePort, new: ResolvedServicePort,
         changed[vs.key] = change
     gone, come = _loopback_change(new, delta, ctx)
     entries = rules.entries - gone | come if gone or come else rules.entries
-    return PortChange(PortRules(rules.key, tuple(servers), rules.addresses, entries),
-                      changed, gone, come)
+    return PortChange(PortRules(rules.key, tuple(servers), rules.addresses, entries,
+                                rules.traffic_per_endpoint), changed, gone, come)
 
 
 def _net_change(delta: EndpointDelta, local: bool) -> RealServerChange:

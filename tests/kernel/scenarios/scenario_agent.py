@@ -22,13 +22,23 @@ import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from proxy.dataplane.ipvs.render import DUMMY_INTERFACE
+from proxy.dataplane.base import PortTraffic
+from proxy.dataplane.ipvs.index import RenderIndex
+from proxy.dataplane.ipvs.kernel import IpvsTable, Links
+from proxy.dataplane.ipvs.render import DUMMY_INTERFACE, IpvsContext, render_all
+from proxy.dataplane.ipvs.traffic import TrafficReader
+from proxy.model.types import (
+    ANNOTATION_TRAFFIC_PER_ENDPOINT,
+    Family,
+    ServicePortKey,
+    format_endpoint,
+)
 from proxy.netns_lab import BackendSpec, Lab
 from proxy.sim import SimServer
 from tests.e2e.agent_support import (
@@ -42,7 +52,7 @@ from tests.e2e.agent_support import (
     service,
     wait_for,
 )
-from tests.kernel.scenario_guest import KernelView, NodeThread, read_kernel
+from tests.kernel.scenario_guest import Cluster, KernelView, NodeThread, options, read_kernel
 
 BACKENDS = {"web-1": "node-a", "web-2": "node-b", "web-3": "node-b"}
 NAMES = set(BACKENDS)
@@ -170,6 +180,46 @@ def leftovers(lab: Lab, reader: NodeThread) -> list[str]:
 def answered_by(got: Counter[str]) -> set[str]:
     """The backends among the answers (failures left out)."""
     return set(got) & NAMES
+
+
+# A reading: by service port name, its new connections and each endpoint's ("ip:port").
+Reading = dict[str, tuple[int, dict[str, int]]]
+
+
+def kernel_traffic(reader: NodeThread, objects: Sequence[dict[str, Any]]) -> Reading:
+    """What IpvsDataPlane.traffic() reads from the node's kernel for the IPv4 service
+    ports of `objects`, rendered here as an agent renders them (for a reading while no
+    agent runs)."""
+    state = Cluster().apply(*objects)
+
+    def read() -> dict[ServicePortKey, PortTraffic]:
+        links, table = Links(DUMMY_INTERFACE), IpvsTable()
+        try:
+            ctx = IpvsContext.build(options(), links.node_addresses(exclude=links.index()))
+            index = RenderIndex(render_all(state, ctx, (Family.V4,)))
+            return TrafficReader().read(index.ports, index, table, False)
+        finally:
+            links.close()
+            table.close()
+
+    return {k.port: (t.total.connections, {format_endpoint(*ep): c.connections
+                                           for ep, c in (t.endpoints or {}).items()})
+            for k, t in reader.run(read).items()}
+
+
+def metrics_traffic(agent: AgentProcess, service: str, ports: Sequence[str]) -> Reading:
+    """The same from the agent's /metrics (IPv4 ports of demo/`service`)."""
+    samples = agent.metrics()
+    out: Reading = {}
+    for port in ports:
+        labels = f'namespace="demo",service="{service}",port="{port}",family="IPv4"'
+        prefix = f"sliceproxy_endpoint_connections_total{{{labels},endpoint=\""
+        endpoints = {k[len(prefix):-2]: int(v) for k, v in samples.items()
+                     if k.startswith(prefix)}
+        total = samples.get(f"sliceproxy_service_connections_total{{{labels}}}")
+        if total is not None:
+            out[port] = (int(total), endpoints)
+    return out
 
 
 # --- scenarios -------------------------------------------------------------------------
@@ -416,3 +466,63 @@ def test_sigterm_restart_and_cleanup(lab: Lab, sim: SimServer, agents: Agents,
         got = lab.ask(c, vip, 80, count=3, timeout=0.5)
         assert not answered_by(got), got
     print(f"\nSIGTERM to exit: {seconds:.2f} s; probes during the restart: {during}")
+
+
+def test_traffic_counts_per_endpoint_across_a_restart(lab: Lab, sim: SimServer,
+                                                     agents: Agents, reader: NodeThread) -> None:
+    """Fresh connections counted per endpoint, exactly as the backends answered them,
+    by IPVS's own statistics, in /metrics: before a restart, while no agent runs (read
+    from the kernel as the data plane reads it), and after."""
+    vip, c, rounds = "198.18.128.40", lab.client_ns, (30, 9, 21)
+    objects = [{**service("count", [vip], BOTH),
+                "metadata": {"name": "count", "namespace": "demo",
+                             "annotations": {ANNOTATION_TRAFFIC_PER_ENDPOINT: "true"}}},
+               *slices(lab, "count", {name: {} for name in NAMES})]
+    for obj in objects:
+        sim.apply(obj)
+    first = agents.start(name="first")
+    first.wait_ready(READY_DEADLINE)
+    # No probe before counting: the virtual servers are read until all are there.
+    wait_for(lambda: dests(reader, f"TCP {vip}:80") == {rs(lab, n): 1 for n in NAMES}
+             and dests(reader, f"UDP {vip}:53") == {rs(lab, n, 8081): 1 for n in NAMES},
+             CHANGE_DEADLINE, "the virtual servers with their three real servers",
+             interval=0.2)
+    answered = {"tcp": Counter[str](), "udp": Counter[str]()}
+    wanted: Reading = {}
+
+    def send(count: int) -> None:
+        for proto, port, name, target in (("tcp", 80, "http", 8080), ("udp", 53, "dns", 8081)):
+            got = lab.ask(c, vip, port, proto, count=count)
+            assert set(got) <= NAMES and sum(got.values()) == count, (proto, got)
+            answered[proto].update(got)
+            wanted[name] = (sum(answered[proto].values()), {
+                rs(lab, n, target): answered[proto][n] for n in NAMES})
+
+    def as_answered(read: Callable[[], Reading]) -> Callable[[], Reading | None]:
+        # IPVS publishes its statistics every 2 s (its estimator's tick): read until then.
+        def check() -> Reading | None:
+            got = read()
+            return got if got == wanted else None
+
+        return check
+
+    send(rounds[0])
+    wait_for(as_answered(lambda: metrics_traffic(first, "count", ("http", "dns"))),
+             CHANGE_DEADLINE, "the first round in /metrics", interval=0.5)
+    first.stop()
+    send(rounds[1])  # no agent: the kernel counts on
+    wait_for(as_answered(lambda: kernel_traffic(reader, objects)), CHANGE_DEADLINE,
+             "the round without an agent, in the kernel", interval=0.5)
+    second = agents.start(name="second")
+    second.wait_ready(READY_DEADLINE)
+    send(rounds[2])
+    wait_for(as_answered(lambda: metrics_traffic(second, "count", ("http", "dns"))),
+             CHANGE_DEADLINE, "every round in the second agent's /metrics", interval=0.5)
+    assert wanted["http"][0] == wanted["dns"][0] == sum(rounds)
+    samples = second.metrics()
+    labels = 'namespace="demo",service="count",port="http",family="IPv4"'
+    assert samples[f"sliceproxy_service_packets_total{{{labels}}}"] > 0
+    assert samples[f"sliceproxy_service_bytes_total{{{labels}}}"] > 0
+    print(f"\nper endpoint, TCP: {dict(answered['tcp'])}; UDP: {dict(answered['udp'])}; "
+          f"packets {samples[f'sliceproxy_service_packets_total{{{labels}}}']:.0f}, bytes "
+          f"{samples[f'sliceproxy_service_bytes_total{{{labels}}}']:.0f}")

@@ -21,14 +21,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.dataplane.base import ApplyError
+from proxy.dataplane.common.netlink_constants import IPVS_CMD_ATTR_SERVICE, IPVS_CMD_GET_SERVICE
 from proxy.dataplane.ipvs.diff import Op, OpKind
 from proxy.dataplane.ipvs.handover import remove_kube_proxy_ipvs
+from proxy.dataplane.ipvs.index import RenderIndex
 from proxy.dataplane.ipvs.kernel import IpvsTable
 from proxy.dataplane.ipvs.netfilter import JUMPS
-from proxy.dataplane.ipvs.render import VirtualServer, VsKey, VsKind
+from proxy.dataplane.ipvs.netlink import (
+    IpvsSocket,
+    decode_service_stats,
+    raw_key,
+    service_stats_in_place,
+)
+from proxy.dataplane.ipvs.render import PortRules, RsKey, VirtualServer, VsKey, VsKind
 from proxy.dataplane.ipvs.sample import TableSampler
+from proxy.dataplane.ipvs.traffic import TrafficReader
 from proxy.dataplane.xtables.restore_runner import Backend, binary
-from proxy.model.types import Family, Protocol
+from proxy.model.types import Family, Protocol, ServicePortKey
 from proxy.netns_lab import Lab
 from tests.kernel.scenario_guest import (
     Cluster,
@@ -320,8 +329,9 @@ def test_each_proxys_cleanup_leaves_what_the_other_claims(node: NodeThread) -> N
             node.exec(*cmd)
 
 
-# The size of the table the sampler's cost is measured at: 10,000 for the figure in
-# docs/reliability.md; 1,000 in the suite, where building it costs time under emulation.
+# The size of the table the sampler's cost (and reading traffic counts) is measured at:
+# 10,000 for the figures in docs/reliability.md and docs/dataplanes.md; 1,000 in the
+# suite, where building it costs time under emulation.
 SAMPLED_TABLE = int(os.environ.get("SLICEPROXY_SAMPLER_TABLE", "1000"))
 
 
@@ -376,3 +386,68 @@ def test_the_sampler_sees_a_flush_at_its_next_look_and_its_cost(node: NodeThread
           f"{cost['look'] * per_second * 1e3:.2f} ms per second at {per_second:g} looks/s; "
           f"a dump of every key {cost['dump'] * 1e3:.1f} ms CPU (at 1/s: "
           f"{cost['dump'] * 1e3:.1f} ms per second)")
+
+
+def test_reading_traffic_counts_and_its_cost(node: NodeThread) -> None:
+    """IPVS's statistics as ipvs/traffic.py reads them, over SAMPLED_TABLE virtual
+    servers of 10 real servers each: one dump of every virtual server's (per service
+    port), and a dump of each one's real servers (per endpoint, where every virtual
+    server counted something); wall time reported, not asserted."""
+    keys = [VsKey(Protocol.TCP, ip_address(f"198.19.{i // 250}.{i % 250 + 1}"), 80)
+            for i in range(SAMPLED_TABLE)]
+    real = [RsKey(ip_address(f"198.20.{k}.1"), 8080) for k in range(10)]
+
+    def measure() -> dict[str, float]:
+        table = IpvsTable()
+        try:
+            ops = [Op(OpKind.ADD_SERVICE, k, service=VirtualServer(
+                k, VsKind.CLUSTER_IP, "rr", 0, 0, (), "cluster")) for k in keys]
+            ops += [Op(OpKind.ADD_DEST, k, rs=r, weight=1) for k in keys for r in real]
+            assert not any(table.apply_many(ops))
+            began = time.perf_counter()
+            counts = table.service_stats()
+            dump = time.perf_counter() - began
+            began = time.perf_counter()
+            dests = [table.dest_stats(k) for k in keys]
+            per_endpoint = time.perf_counter() - began
+            # The whole reading (IpvsDataPlane.traffic) over these as service ports: the
+            # first after a sync, then again.
+            index = RenderIndex({p.key: p for p in (PortRules(
+                ServicePortKey("ns", f"s{i}", "http", Family.V4),
+                (VirtualServer(k, VsKind.CLUSTER_IP, "rr", 0, 0, tuple(real), "cluster"),),
+                (), frozenset()) for i, k in enumerate(keys))})
+            reader, reads = TrafficReader(), []
+            for _ in range(2):
+                began = time.perf_counter()
+                traffic = reader.read(index.ports, index, table, False)
+                reads.append(time.perf_counter() - began)
+            assert len(traffic) == len(keys)
+            assert set(counts) == {raw_key(k) for k in keys}
+            assert all(set(d) == set(real) for d in dests)
+            assert {c.connections for c in counts.values()} == {0}
+            # This kernel lays its services out as the quick reading expects.
+            sock = IpvsSocket()
+            try:
+                replies = sock.dump_one(IPVS_CMD_GET_SERVICE, IPVS_CMD_ATTR_SERVICE)
+            finally:
+                sock.close()
+            assert all(service_stats_in_place(a) is not None for a in replies)
+            began = time.perf_counter()
+            for attrs in replies:  # the Python side of the dump alone
+                decode_service_stats(attrs)
+            decode = time.perf_counter() - began
+            return {"dump": dump, "decode": decode, "per_endpoint": per_endpoint,
+                    "first": reads[0], "again": reads[1]}
+        finally:
+            table.close()
+
+    try:
+        cost = node.run(measure, timeout=600)
+    finally:
+        node.exec("ipvsadm", "-C")
+    print(f"\nIPVS statistics at {SAMPLED_TABLE:,} virtual servers x 10 real servers: "
+          f"every virtual server's in one dump {cost['dump'] * 1e3:.1f} ms (of which "
+          f"decoding {cost['decode'] * 1e3:.1f} ms); a reading of "
+          f"as many service ports {cost['first'] * 1e3:.1f} ms (first), "
+          f"{cost['again'] * 1e3:.1f} ms (again); every real server's, a dump per virtual "
+          f"server, {cost['per_endpoint'] * 1e3:.0f} ms")
