@@ -306,6 +306,13 @@ def clean_iptables(found: Found, running: str, options: DataplaneOptions) -> str
 
     removed = _chains_removed(remove_chains(cleanup_runners(options.families),
                                             swept(running)))
+    if running != modes.IPTABLES.name:
+        # The iptables mode's traffic counters, which no rule names any more.
+        from proxy.dataplane.common.nfacct import remove_ours
+
+        counters, _held = remove_ours()
+        if counters:
+            removed += f", {counters} nfacct counters"
     own = modes.get(running).markers.chain_prefix
     return removed + (f"; {own}* kept" if own else "")
 

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from proxy.dataplane.common.nfacct import Nfacct
 from proxy.netns_lab import BackendSpec, Lab
+from proxy.netns_lab.netns import entered
 from proxy.netns_lab.poll import wait as wait_for
 from proxy.sim import SimServer
 from tests.e2e.agent_support import (
@@ -174,6 +176,11 @@ def switch(lab: Lab, sim: SimServer, tmp_path: Path, agents: list[AgentProcess],
     return new
 
 
+def nfacct_objects(lab: Lab) -> list[str]:
+    with entered(lab.node_ns):
+        return sorted(Nfacct().dump())
+
+
 def test_iptables_then_nftables_removes_the_iptables_rules(
         lab: Lab, sim: SimServer, tmp_path: Path, agents: list[AgentProcess]) -> None:
     before = foreign(lab)
@@ -182,8 +189,10 @@ def test_iptables_then_nftables_removes_the_iptables_rules(
     assert our_rules(lab, ["nft"]) and not our_rules(lab, ["legacy"])
     assert set(lab.ask(lab.client_ns, VIP, 80, count=20)) == WEB
     assert removal_lines(first) == []  # nothing to remove in a fresh namespace
+    assert nfacct_objects(lab)  # the iptables mode's traffic counters
     second = switch(lab, sim, tmp_path, agents, first, "nftables")
     assert our_rules(lab) == []  # neither back end, neither family
+    assert nfacct_objects(lab) == []  # its counters went with its rules
     assert {"table ip sliceproxy", "table ip6 sliceproxy"} <= set(our_tables(lab))
     assert set(lab.ask(lab.client_ns, VIP, 80, count=20)) == WEB
     (line,) = removal_lines(second)
