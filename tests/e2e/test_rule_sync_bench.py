@@ -14,9 +14,10 @@ pytestmark = pytest.mark.root
 @pytest.mark.parametrize("applier", list(APPLIERS))
 def test_rule_sync_bench_runs_small(applier: str) -> None:
     result = run_one(applier, services=12, endpoints=3, repeat=1)
-    # Per service, iptables: a dispatch rule, 3 statistic jumps, 3 endpoint chains x 2
-    # rules; nftables: one chain of 3 numgen DNAT rules (dispatch is a map element).
-    rules, chains = (3, 1) if applier == "nftables" else (10, 4)
+    # Per service, iptables: a dispatch rule, the port's traffic count, 3 statistic
+    # jumps, 3 endpoint chains x 2 rules; nftables: one chain of the port's count and 3
+    # numgen DNAT rules (dispatch is a map element).
+    rules, chains = (4, 1) if applier == "nftables" else (11, 4)
     one = run_one(applier, 1, 3, 1)
     assert result["rules"] - 12 * rules == one["rules"] - rules
     assert result["chains"] - 12 * chains == one["chains"] - chains

@@ -155,10 +155,12 @@ def nft_objects(ruleset: str) -> list[str]:
             continue
         if not table or line == "}":
             continue
-        head = re.match(r"^(chain|set|map) (\S+) \{$", line)
+        head = re.match(r"^(chain|set|map|counter) (\S+) \{$", line)
         if head:
             kind, where = head[1], f"{table} {head[2]}"
             out.append(f"{kind} {where}")
+        elif kind == "counter":  # its count, which traffic moves: not a rule
+            continue
         elif pending or line.startswith("elements = {"):
             pending += " " + line.removeprefix("elements = {")
             if line.endswith("}"):

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 
 from proxy.dataplane.common.conntrack import StaleFlows, _matches, stale_flows
+from proxy.dataplane.common.ctnetlink import CtEntry
+from proxy.dataplane.common.netlink_constants import IPS_DST_NAT
 from proxy.model.snapshot import ResolvedServicePort
 from proxy.model.types import Family, Protocol
 from tests.unit.builders import NODE, ep, eps_slice, node, resolve_one, service
@@ -77,18 +79,36 @@ def test_an_endpoint_still_receiving_some_traffic_is_not_cleared() -> None:
                        udp(ep("198.18.1.10"))) == []
 
 
+def entry(dst: str, dport: int, reply_src: str, reply_sport: int, dnat: bool = True
+          ) -> CtEntry:
+    """A UDP flow from a client to `dst`:`dport`, answered by `reply_src` (DNATed to it,
+    or, with dnat False, not DNATed: answered by whoever `dst` is)."""
+    return CtEntry(Family.V4, 17, ip_address("198.18.0.99"), 40000, ip_address(dst), dport,
+                   ip_address(reply_src), reply_sport, IPS_DST_NAT if dnat else 0)
+
+
 def test_matching_uses_the_original_destination_and_the_reply_source() -> None:
     flow = StaleFlows("ns/svc:dns", Family.V4, Protocol.UDP, ip_address("198.18.128.1"), 53,
                       ip_address("198.18.1.10"), 5353)
-    vip, pod = ip_address("198.18.128.1"), ip_address("198.18.1.10")
-    assert _matches(flow, vip, 53, pod, 5353)
-    assert not _matches(flow, vip, 53, ip_address("198.18.1.11"), 5353)  # other endpoint
-    assert not _matches(flow, vip, 53, pod, 5354)
-    assert not _matches(flow, ip_address("198.18.128.2"), 53, pod, 5353)
+    vip, pod = "198.18.128.1", "198.18.1.10"
+    assert _matches(flow, entry(vip, 53, pod, 5353))
+    assert not _matches(flow, entry(vip, 53, "198.18.1.11", 5353))  # other endpoint
+    assert not _matches(flow, entry(vip, 53, pod, 5354))
+    assert not _matches(flow, entry("198.18.128.2", 53, pod, 5353))
     anywhere = StaleFlows("ns/svc:dns", Family.V4, Protocol.UDP, None, 30053)
-    assert _matches(anywhere, ip_address("198.18.0.1"), 30053, pod, 5353)
-    assert not _matches(anywhere, ip_address("198.18.0.1"), 30054, pod, 5353)
+    assert _matches(anywhere, entry("198.18.0.1", 30053, pod, 5353))
+    assert not _matches(anywhere, entry("198.18.0.1", 30054, pod, 5353))
 
+
+def test_a_first_endpoint_clears_only_flows_no_rule_dnated() -> None:
+    """A flow sent while the port had no endpoint was not DNATed: it goes. One our new
+    rules already DNATed (a client quick to use them) stays where it is: deleting it
+    would move it (upstream deletes both)."""
+    (first, *_rest) = stale_flows(None, udp(ep("198.18.1.10")))
+    assert first.reason == "first endpoint" and first.undnated
+    vip = "198.18.128.1"
+    assert _matches(first, entry(vip, 53, vip, 53, dnat=False))
+    assert not _matches(first, entry(vip, 53, "198.18.1.10", 5353))
 
 
 UDP = ({"name": "http", "port": 80, "protocol": "UDP", "nodePort": 30080},)

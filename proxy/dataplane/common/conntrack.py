@@ -9,9 +9,12 @@ As upstream (pkg/proxy/conntrack), we delete:
 - entries DNATed to an endpoint that no longer receives traffic for the service port,
   for each address the port was reachable on (cluster, external and LB IPs, and its
   NodePort on any address);
-- for a UDP service port that gains its first endpoint, every entry to its addresses:
-  datagrams sent while it had none (REJECTed, or routed elsewhere) left entries that
-  would otherwise keep its new endpoints out of reach.
+- for a UDP service port that gains its first endpoint, every entry to its addresses
+  that was not DNATed: datagrams sent while it had none (REJECTed, or routed elsewhere)
+  left entries that would otherwise keep its new endpoints out of reach. Upstream deletes
+  the DNATed ones too; those are flows our new rules already sent to the new endpoints
+  (a client quick to use them, between the rules and this clean-up): deleting them would
+  move them.
 
 `stale_flows` works that out (pure); `clear` finds and deletes the entries over our own
 ctnetlink client (common/ctnetlink.py) in the calling thread's network namespace. The
@@ -41,7 +44,8 @@ IPPROTO = {Protocol.UDP: socket.IPPROTO_UDP, Protocol.SCTP: 132}
 @dataclass(frozen=True, slots=True)
 class StaleFlows:
     """Conntrack entries to delete: original destination `dst`:`dport` (`dst` None: any
-    address, for NodePorts), and, when `endpoint` is set, only those DNATed to it."""
+    address, for NodePorts), and, when `endpoint` is set, only those DNATed to it; with
+    `undnated`, only those not DNATed at all."""
 
     service: str  # ns/name:port, for logs
     family: Family
@@ -51,6 +55,7 @@ class StaleFlows:
     endpoint: IPAddress | None = None
     endpoint_port: int | None = None
     reason: str = ""
+    undnated: bool = False
 
 
 def used_endpoints(rsp: ResolvedServicePort | None) -> set[tuple[IPAddress, int]]:
@@ -105,7 +110,7 @@ def stale_flows(old: ResolvedServicePort | None,
         had = old is not None and old.port.protocol is Protocol.UDP and _any_used(old)
         if not had:
             out += [StaleFlows(port_name(new.key), new.key.family, Protocol.UDP, dst, dport,
-                               reason="first endpoint")
+                               reason="first endpoint", undnated=True)
                     for dst, dport in frontends(new)]
     return out
 
@@ -124,11 +129,12 @@ def stale_flows_between(old: Mapping[ServicePortKey, ResolvedServicePort],
 # --- kernel -----------------------------------------------------------------------------------
 
 
-def _matches(flow: StaleFlows, daddr: IPAddress, dport: int, raddr: IPAddress,
-             rport: int) -> bool:
-    return (flow.dport == dport and (flow.dst is None or flow.dst == daddr)
-            and (flow.endpoint is None
-                 or (flow.endpoint == raddr and flow.endpoint_port in (None, rport))))
+def _matches(flow: StaleFlows, entry: CtEntry) -> bool:
+    return (flow.dport == entry.dport and (flow.dst is None or flow.dst == entry.dst)
+            and not (flow.undnated and entry.dnat)
+            and (flow.endpoint is None  # the reply comes from whoever it was DNATed to
+                 or (flow.endpoint == entry.reply_src
+                     and flow.endpoint_port in (None, entry.reply_sport))))
 
 
 def clear(flows: Iterable[StaleFlows]) -> dict[str, int]:
@@ -147,9 +153,7 @@ def clear(flows: Iterable[StaleFlows]) -> dict[str, int]:
                 candidates = by_port.get(entry.dport)
                 if not candidates:
                     continue
-                # The reply comes from whoever the flow was DNATed to.
-                hit = next((f for f in candidates if _matches(
-                    f, entry.dst, entry.dport, entry.reply_src, entry.reply_sport)), None)
+                hit = next((f for f in candidates if _matches(f, entry)), None)
                 if hit is not None:
                     hits.append((entry, hit))
             # By tuple and id: a newer flow that took the tuple since the dump stays.
