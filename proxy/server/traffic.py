@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,13 +24,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrafficReading:
-    """The last reading the agent took (`ports`), and when (monotonic seconds)."""
+    """The last reading the agent took, by service port."""
 
     ports: Mapping[ServicePortKey, PortTraffic] = field(default_factory=dict)
-    taken: float | None = None
 
     def update(self, ports: Mapping[ServicePortKey, PortTraffic]) -> None:
-        self.ports, self.taken = ports, time.monotonic()
+        self.ports = ports
 
     async def refresh(self, read: Callable[[], Awaitable[Mapping[ServicePortKey, PortTraffic]]],
                       timeout: float) -> None:

@@ -35,7 +35,7 @@ def pretty(rsp: ResolvedServicePort, ctx: RenderContext = CIDR4, *,
            counted: bool = False, per_endpoint: bool = False) -> list[str]:
     """The port's lines with readable names; the traffic-counting rules (nfacct) left
     out unless `counted` (test_iptables_traffic.py shows them)."""
-    rules = render_port(rsp, ctx, per_endpoint)
+    rules = render_port(rsp, replace(ctx, traffic_per_endpoint=per_endpoint))
     proto = rsp.port.protocol.value.lower()
     names = {port_chain(kind, rsp.key, proto): f"<{kind}>" for kind in ("SVC", "SVL", "EXT", "FW")}
     names.update({endpoint_chain(rsp.key, proto, str(s.endpoint)): f"<SEP {s.endpoint}>"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import struct
+from dataclasses import replace
 from ipaddress import ip_address, ip_network
 from typing import Any
 
@@ -15,6 +16,16 @@ import pytest
 from proxy.dataplane.base import ApplyError, Counted, DataplaneOptions, PortTraffic
 from proxy.dataplane.common import nfacct
 from proxy.dataplane.common.netlink import Reply, frame, nfgen, nla, nla_string
+from proxy.dataplane.common.netlink_constants import (
+    NFACCT_BYTES,
+    NFACCT_NAME,
+    NFACCT_NAME_MAX,
+    NFACCT_PAD,
+    NFACCT_PKTS,
+    NFACCT_USE,
+    NFNL_MSG_ACCT_NEW,
+    NFNL_SUBSYS_ACCT,
+)
 from proxy.dataplane.iptables.apply import IptablesDataPlane
 from proxy.dataplane.iptables.render import endpoint_counter, port_counter, render_port
 from proxy.dataplane.xtables.simulate import SimulatedRunner
@@ -22,6 +33,9 @@ from proxy.model.types import Family, ServicePortKey
 from tests.e2e.conftest import Cluster
 from tests.unit.builders import ep, eps_slice, service
 from tests.unit.test_iptables_render import CIDR4, pretty, resolve
+
+# The node's --traffic-per-endpoint, for services without the annotation.
+FLAG_ON = replace(CIDR4, traffic_per_endpoint=True)
 
 PER_ENDPOINT = {"sliceproxy.io/traffic-per-endpoint": "true"}
 KEY = ServicePortKey("ns", "svc", "http", Family.V4)
@@ -65,10 +79,10 @@ def test_the_annotation_counts_each_endpoint_before_its_dnat() -> None:
         assert "DNAT" in lines[first + 2]
     # The node's flag does it too; the annotation "false" wins over the flag.
     flagged = resolve(*web("198.18.1.10"))
-    assert render_port(flagged, CIDR4, True).counters.endpoints  # type: ignore[union-attr]
+    assert render_port(flagged, FLAG_ON).counters.endpoints  # type: ignore[union-attr]
     off = resolve(*web("198.18.1.10", annotations={
         "sliceproxy.io/traffic-per-endpoint": "false"}))
-    assert render_port(off, CIDR4, True).counters.endpoints is None  # type: ignore[union-attr]
+    assert render_port(off, FLAG_ON).counters.endpoints is None  # type: ignore[union-attr]
 
 
 def test_every_endpoint_of_the_slices_has_an_object_used_or_not() -> None:
@@ -100,7 +114,7 @@ def test_object_names_are_ours_short_per_family_and_hold_no_user_text() -> None:
              endpoint_counter(v4, "tcp", "198.18.1.11:80"), port_counter(v4, "udp")}
     assert len(names) == 5
     for name in names:
-        assert nfacct.ours(name) and len(name.encode()) < nfacct.NFACCT_NAME_MAX
+        assert nfacct.ours(name) and len(name.encode()) < NFACCT_NAME_MAX
         assert "n" not in name
     assert nfacct.of_family(port_counter(v6, "tcp"), "6")
     assert not nfacct.of_family(port_counter(v6, "tcp"), "4")
@@ -236,12 +250,12 @@ def test_no_object_is_ever_replaced_nor_anyone_elses_deleted() -> None:
 def acct_message(name: str, packets: int, count: int, use: int, pad: bool = False) -> Reply:
     """One object as nfnl_acct_fill_info writes it (`pad`: with the empty NFACCT_PAD
     attribute before each 64-bit value, as on machines that align them)."""
-    padding = nla(8, b"") if pad else b""
-    body = (nfgen(0) + nla_string(nfacct.NFACCT_NAME, name)
-            + padding + nla(nfacct.NFACCT_PKTS, struct.pack("!Q", packets))
-            + padding + nla(nfacct.NFACCT_BYTES, struct.pack("!Q", count))
-            + nla(nfacct.NFACCT_USE, struct.pack("!I", use)))
-    return Reply(nfacct.NFNL_SUBSYS_ACCT << 8 | nfacct.NFNL_MSG_ACCT_NEW, 1, body)
+    padding = nla(NFACCT_PAD, b"") if pad else b""
+    body = (nfgen(0) + nla_string(NFACCT_NAME, name)
+            + padding + nla(NFACCT_PKTS, struct.pack("!Q", packets))
+            + padding + nla(NFACCT_BYTES, struct.pack("!Q", count))
+            + nla(NFACCT_USE, struct.pack("!I", use)))
+    return Reply(NFNL_SUBSYS_ACCT << 8 | NFNL_MSG_ACCT_NEW, 1, body)
 
 
 def test_a_dump_is_read_for_our_objects_only() -> None:

@@ -18,7 +18,7 @@ import socket
 import struct
 import sys
 import threading
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from proxy.dataplane.common.netlink_constants import (
@@ -379,29 +379,10 @@ class NetlinkSocket:
         except OSError:  # without CAP_NET_ADMIN: as much as wmem_max allows
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size + 4096)
 
-    def dump_datagrams(self, kind: int, body: bytes) -> list[bytes]:
-        """A dump's answer as the datagrams the kernel sent, for a caller that reads
-        them in bulk (10,000 nfacct objects as `Reply` objects cost 10x the kernel's
-        own time): up to the one holding NLMSG_DONE; NetlinkError if refused."""
-        seq = self._next()
-        self._sock.send(frame(kind, NLM_F_REQUEST | NLM_F_DUMP, seq, body))
-        out = []
-        while True:
-            data = self._recv()
-            out.append(data)
-            for found, _flags, got, _port, start, _end in messages(data):
-                if got != seq:
-                    continue
-                if found == NLMSG_DONE:
-                    return out
-                if found == NLMSG_ERROR and (code := Reply(found, got, data[start:]).error):
-                    raise NetlinkError(code, f"dump of message type {kind}")
-
-    def dump_walk(self, kind: int, body: bytes,
-                  read: Callable[[bytes, int, int], None]) -> None:
-        """A dump whose messages `read(data, body start, message end)` takes where they
-        lie in the datagram: no Reply, no copy per message (a scrape reads a message per
-        service port: 10,000 of them)."""
+    def dump_messages(self, kind: int, body: bytes) -> Iterator[tuple[bytes, int, int]]:
+        """A dump's messages where they lie in the datagrams the kernel sent: (datagram,
+        body start, message end), no Reply and no copy per message (a scrape reads one
+        per service port: 10,000 of them); NetlinkError if refused."""
         seq = self._next()
         self._sock.send(frame(kind, NLM_F_REQUEST | NLM_F_DUMP, seq, body))
         while True:
@@ -416,7 +397,17 @@ class NetlinkSocket:
                     if error:
                         raise NetlinkError(error, f"dump of message type {kind}")
                     return
-                read(data, start, end)
+                yield data, start, end
+
+    def dump_datagrams(self, kind: int, body: bytes) -> list[bytes]:
+        """A dump's answer as the datagrams holding its messages, for a caller that reads
+        them in bulk (10,000 nfacct objects as `Reply` objects cost 10x the kernel's own
+        time)."""
+        out: list[bytes] = []
+        for data, _start, _end in self.dump_messages(kind, body):
+            if not out or out[-1] is not data:
+                out.append(data)
+        return out
 
     def dump_raw(self, kind: int, body: bytes) -> list[Reply]:
         seq = self._next()

@@ -26,12 +26,12 @@ import logging
 import re
 import socket
 import struct
-import sys
 from collections.abc import Iterable
 from contextlib import closing
 from typing import NamedTuple, Protocol
 
 from proxy.dataplane.common.netlink import (
+    ATTR,
     NetlinkError,
     NetlinkSocket,
     nfgen,
@@ -39,22 +39,26 @@ from proxy.dataplane.common.netlink import (
 )
 from proxy.dataplane.common.netlink_constants import (
     NETLINK_NETFILTER,
+    NFACCT_BYTES,
+    NFACCT_NAME,
+    NFACCT_PAD,
+    NFACCT_PKTS,
+    NFACCT_USE,
+    NFNL_MSG_ACCT_DEL,
+    NFNL_MSG_ACCT_GET,
+    NFNL_MSG_ACCT_NEW,
+    NFNL_SUBSYS_ACCT,
     NLM_F_CREATE,
     NLM_F_EXCL,
 )
 
 log = logging.getLogger(__name__)
 
-# linux/netfilter/nfnetlink.h and nfnetlink_acct.h (kept here: nothing else speaks it).
-NFNL_SUBSYS_ACCT = 7
-NFNL_MSG_ACCT_NEW, NFNL_MSG_ACCT_GET, NFNL_MSG_ACCT_DEL = 0, 1, 3
-NFACCT_NAME, NFACCT_PKTS, NFACCT_BYTES, NFACCT_USE = 1, 2, 3, 4
-NFACCT_NAME_MAX = 32  # with the terminating NUL
-
 # Ours: `spx-` and a kind, a family digit, a dash and a 16-digit hash (common/naming's
 # name_hash): "spx-p4-0123456789ABCDEF", 23 bytes.
 PREFIX = "spx-"
-_OURS = re.compile(r"spx-[a-z][46]-[0-9A-F]{16}")
+_NAME = r"spx-[a-z][46]-[0-9A-F]{16}"
+_OURS = re.compile(_NAME)
 _VALUES = struct.Struct("!QQI")  # packets, bytes, use
 
 
@@ -71,7 +75,8 @@ def ours(name: str) -> bool:
 
 
 def object_name(kind: str, family_digit: str, digest: str) -> str:
-    """`spx-{kind}{4|6}-{digest}`: never user text, always within NFACCT_NAME_MAX."""
+    """`spx-{kind}{4|6}-{digest}`: never user text, always within NFACCT_NAME_MAX
+    (netlink_constants)."""
     name = f"{PREFIX}{kind}{family_digit}-{digest}"
     if not ours(name):
         raise ValueError(f"not an nfacct name of ours: {name!r}")
@@ -109,16 +114,15 @@ def request(msg: int, name: str | None = None) -> tuple[int, bytes]:
 # order: the name (23 bytes, its NUL: an attribute of 28 bytes), packets, bytes (each
 # after a padding attribute where 64-bit values must be aligned), the use count. A name
 # cannot hold a NUL, so these bytes are only ever found as attributes of one of ours.
-_HOST = "<" if sys.byteorder == "little" else ">"
-_PAD = re.escape(struct.pack(f"{_HOST}HH", 4, 8))  # NFACCT_PAD, empty
+_PAD = re.escape(ATTR.pack(4, NFACCT_PAD))  # empty
 
 
 def _attr(kind: int, size: int) -> bytes:
-    return re.escape(struct.pack(f"{_HOST}HH", 4 + size, kind))
+    return re.escape(ATTR.pack(4 + size, kind))
 
 
 _OUR_MESSAGE = re.compile(
-    _attr(NFACCT_NAME, 24) + rb"(spx-[a-z][46]-[0-9A-F]{16})\0"
+    _attr(NFACCT_NAME, 24) + rb"(" + _NAME.encode() + rb")\0"
     + rb"(?:" + _PAD + rb")?" + _attr(NFACCT_PKTS, 8) + rb"(.{8})"
     + rb"(?:" + _PAD + rb")?" + _attr(NFACCT_BYTES, 8) + rb"(.{8})"
     + _attr(NFACCT_USE, 4) + rb"(.{4})", re.DOTALL)

@@ -50,17 +50,19 @@ def port_traffic(total: Counted | None,
         for ep, counted in endpoints:
             by_endpoint[ep] = by_endpoint[ep] + counted if ep in by_endpoint else counted
     if total is None:
-        total = summed(by_endpoint or {}, by_endpoint or ()) or NOTHING
+        total = _sum((by_endpoint or {}).values()) or NOTHING
     return PortTraffic(total, by_endpoint)
 
 
 def summed(readings: Mapping[K, Counted], names: Iterable[K]) -> Counted | None:
     """The sum of the counters `names` found in `readings` (by name, or any key); None
     when none of them is there (not programmed yet, or removed by someone else)."""
-    found = [readings[n] for n in names if n in readings]
-    if not found:
-        return None
-    total = found[0]
-    for counted in found[1:]:
-        total = total + counted
+    return _sum(readings[n] for n in names if n in readings)
+
+
+def _sum(counts: Iterable[Counted]) -> Counted | None:
+    """Their sum (packets and bytes only where every one has them); None for none."""
+    total: Counted | None = None
+    for counted in counts:
+        total = counted if total is None else total + counted
     return total

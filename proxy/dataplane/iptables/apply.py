@@ -173,8 +173,7 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
                      ctx: RenderContext) -> tuple[_Payload, Ruleset]:
         self._random_only(state.ports.values())
         self._probe_counting()
-        each, counted = self.options.traffic_per_endpoint, self._counting
-        wanted = Wanted(render_base(ctx), {k: render_port(v, ctx, each, counted)
+        wanted = Wanted(render_base(ctx), {k: render_port(v, ctx, self._counting)
                                            for k, v in state.ports.items()
                                            if k.family is ctx.family})
         kernel = self._saved(fam)
@@ -191,8 +190,7 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
                         ) -> tuple[_Payload, Ruleset]:
         applied: Ruleset = fam.kept
         self._random_only(ports[k] for k in changed if k in ports)
-        each = self.options.traffic_per_endpoint
-        updates = {k: (render_port(ports[k], ctx, each, self._counting) if k in ports
+        updates = {k: (render_port(ports[k], ctx, self._counting) if k in ports
                        else None) for k in changed}
         text, ruleset = applied.partial_restore(updates)
         counters = {k: (r.counters if r is not None else None) for k, r in updates.items()}
@@ -355,8 +353,7 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
             return ()
         # The ruleset keeps digests, not rules: render them again from what they were
         # rendered from (pure, so the same text).
-        return render_port(*applied, self.options.traffic_per_endpoint,
-                           self._counting).lines()
+        return render_port(*applied, self._counting).lines()
 
     # --- drift: someone else changed our rules ----------------------------------------------
 

@@ -294,11 +294,11 @@ def render_base(ctx: RenderContext) -> BaseRules:
 
 
 def render_port(rsp: ResolvedServicePort, ctx: RenderContext,
-                traffic_per_endpoint: bool = False, counted: bool = True) -> PortRules:
+                counted: bool = True) -> PortRules:
     """The chains and dispatch entries of one service port (upstream's per-service loop).
-    `traffic_per_endpoint`: the node's --traffic-per-endpoint (the service's annotation
-    wins: common/traffic.py); `counted=False`: no counting rules (a kernel without
-    nfacct)."""
+    Counted per endpoint as the service's annotation says, else the node's
+    --traffic-per-endpoint (`ctx`; common/traffic.py); `counted=False`: no counting rules
+    (a kernel without nfacct)."""
     key = rsp.key
     name = port_name(key)
     proto = rsp.port.protocol.value.lower()
@@ -323,7 +323,7 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext,
             seps[id(ep)] = (text, endpoint_chain(key, proto, text))
             by_text.setdefault(text, ep)
     counters, by_endpoint = _counters(rsp, proto,
-                                      per_endpoint(rsp.service, traffic_per_endpoint))
+                                      per_endpoint(rsp.service, ctx.traffic_per_endpoint))
     label = comment(name)
     # Counted first: the cluster-IP masquerade rules go next in the internal chain.
     count = (counting(counters.port),) if counted else ()

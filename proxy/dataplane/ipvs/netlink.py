@@ -68,8 +68,15 @@ from proxy.dataplane.common.netlink_constants import IPVS_DEST_ATTR_FWD_METHOD a
 from proxy.dataplane.common.netlink_constants import IPVS_DEST_ATTR_INACT_CONNS as DEST_INACT_CONNS
 from proxy.dataplane.common.netlink_constants import IPVS_DEST_ATTR_L_THRESH as DEST_L_THRESH
 from proxy.dataplane.common.netlink_constants import IPVS_DEST_ATTR_PORT as DEST_PORT
+from proxy.dataplane.common.netlink_constants import IPVS_DEST_ATTR_STATS as DEST_STATS
+from proxy.dataplane.common.netlink_constants import IPVS_DEST_ATTR_STATS64 as DEST_STATS64
 from proxy.dataplane.common.netlink_constants import IPVS_DEST_ATTR_U_THRESH as DEST_U_THRESH
 from proxy.dataplane.common.netlink_constants import IPVS_DEST_ATTR_WEIGHT as DEST_WEIGHT
+from proxy.dataplane.common.netlink_constants import IPVS_STATS_ATTR_CONNS as STATS_CONNS
+from proxy.dataplane.common.netlink_constants import IPVS_STATS_ATTR_INBYTES as STATS_INBYTES
+from proxy.dataplane.common.netlink_constants import IPVS_STATS_ATTR_INPKTS as STATS_INPKTS
+from proxy.dataplane.common.netlink_constants import IPVS_STATS_ATTR_OUTBYTES as STATS_OUTBYTES
+from proxy.dataplane.common.netlink_constants import IPVS_STATS_ATTR_OUTPKTS as STATS_OUTPKTS
 from proxy.dataplane.common.netlink_constants import IPVS_SVC_ATTR_ADDR as SVC_ADDR
 from proxy.dataplane.common.netlink_constants import IPVS_SVC_ATTR_AF as SVC_AF
 from proxy.dataplane.common.netlink_constants import IPVS_SVC_ATTR_FLAGS as SVC_FLAGS
@@ -77,6 +84,8 @@ from proxy.dataplane.common.netlink_constants import IPVS_SVC_ATTR_NETMASK as SV
 from proxy.dataplane.common.netlink_constants import IPVS_SVC_ATTR_PORT as SVC_PORT
 from proxy.dataplane.common.netlink_constants import IPVS_SVC_ATTR_PROTOCOL as SVC_PROTOCOL
 from proxy.dataplane.common.netlink_constants import IPVS_SVC_ATTR_SCHED_NAME as SVC_SCHED_NAME
+from proxy.dataplane.common.netlink_constants import IPVS_SVC_ATTR_STATS as SVC_STATS
+from proxy.dataplane.common.netlink_constants import IPVS_SVC_ATTR_STATS64 as SVC_STATS64
 from proxy.dataplane.common.netlink_constants import IPVS_SVC_ATTR_TIMEOUT as SVC_TIMEOUT
 from proxy.dataplane.common.rtnetlink import address_of
 from proxy.dataplane.ipvs.diff import FWD_MASQ, KernelDest, KernelService, Op, OpKind
@@ -95,13 +104,6 @@ FLAGS_MASK = 0xFFFF
 # attribute; the kernel refuses 0 or more than 128 (and needs the attribute either way).
 V4_NETMASK = b"\xff\xff\xff\xff"
 V6_PREFIX = struct.pack("=I", 128)
-# Statistics (include/uapi/linux/ip_vs.h): a service's and a destination's, nested; the
-# 64-bit ones (Linux 4.2+) where the kernel sends them, else the older ones (32-bit
-# counts of connections and packets, 64-bit bytes). Both are counts since the object was
-# made; the kernel refreshes what it reports every 2 s (its rate estimator's tick).
-SVC_STATS, SVC_STATS64 = 10, 12
-DEST_STATS, DEST_STATS64 = 10, 12
-STATS_CONNS, STATS_INPKTS, STATS_OUTPKTS, STATS_INBYTES, STATS_OUTBYTES = 1, 2, 3, 4, 5
 
 
 # --- encoding (pure) -------------------------------------------------------------------
@@ -208,6 +210,11 @@ def decode_dest(attrs: bytes, default_af: int) -> tuple[RsKey, KernelDest] | Non
     )
 
 
+# Statistics (include/uapi/linux/ip_vs.h): a service's and a destination's, nested; the
+# 64-bit ones (Linux 4.2+) where the kernel sends them, else the older ones (32-bit
+# counts of connections and packets, 64-bit bytes). Both are counts since the object was
+# made; the kernel refreshes what it reports every 2 s (its rate estimator's tick).
+#
 # The five counts of a 64-bit statistics attribute as the kernel lays them out (each
 # 8 bytes after its 4-byte header, in type order): read with one unpack where they are.
 _STATS64_HEAD = struct.Struct("=" + "HHQ" * 5)
@@ -234,17 +241,7 @@ def decode_stats(data: bytes, wide: bool) -> Counted:
 def _spans(attrs: bytes, wanted: frozenset[int]) -> dict[int, tuple[int, int]]:
     """Where the `wanted` attributes' payloads are in `attrs` (start, end), read in place:
     statistics are read for every virtual server at once, so nothing else is copied."""
-    out: dict[int, tuple[int, int]] = {}
-    unpack, i, stop = ATTR.unpack_from, 0, len(attrs)
-    while i + 4 <= stop:
-        size, kind = unpack(attrs, i)
-        if size < 4:
-            break
-        kind &= NLA_TYPE_MASK
-        if kind in wanted:
-            out[kind] = (i + 4, i + size)
-        i += (size + 3) & ~3
-    return out
+    return {kind: (a, b) for kind, a, b in attributes(attrs) if kind in wanted}
 
 
 def _stats_at(attrs: bytes, spans: dict[int, tuple[int, int]], stats64: int,

@@ -37,6 +37,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 from proxy.dataplane.base import ApplyError, Counted, DataplaneOptions, PortTraffic
 from proxy.dataplane.common import heap
@@ -77,6 +78,7 @@ from proxy.model.snapshot import DesiredState, ResolvedServicePort
 from proxy.model.types import Family, IPAddress, ServicePortKey
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 OUR_TABLES = frozenset(our_tables())
 
 
@@ -224,20 +226,21 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
                         ) -> tuple[set[str], list[tuple[str, str]], dict[tuple[str, str], str]]:
         """Our tables, and the (table, name) of their chains and of their sets and maps
         (-> "set" or "map"), as the kernel holds them now."""
-        try:
-            return self.runner.names(fam.family, OUR_TABLES)
-        except NftError as exc:
-            self._failed_transaction(fam, str(exc), None, True)
-            raise ApplyError(f"cannot read back our {table_family(fam.family)} tables: "
-                             f"{exc}") from exc
+        return self._read_back(fam, "tables", self.runner.names)
 
     def _kernel_counters(self, fam: _FamilyState) -> dict[tuple[str, str], int]:
         """Our named counters as the kernel holds them now: (table, name) -> count."""
+        return self._read_back(fam, "counters", self.runner.counters)
+
+    def _read_back(self, fam: _FamilyState, what: str,
+                   read: Callable[[Family, frozenset[str]], T]) -> T:
+        """`read` of our tables in `fam`'s family; a failure drops what we knew (the next
+        sync is a full one) and is the sync's ApplyError."""
         try:
-            return self.runner.counters(fam.family, OUR_TABLES)
+            return read(fam.family, OUR_TABLES)
         except NftError as exc:
             self._failed_transaction(fam, str(exc), None, True)
-            raise ApplyError(f"cannot read back our {table_family(fam.family)} counters: "
+            raise ApplyError(f"cannot read back our {table_family(fam.family)} {what}: "
                              f"{exc}") from exc
 
     def _run(self, fam: _FamilyState, text: str | Script, full: bool) -> str:

@@ -365,7 +365,7 @@ class _PortBuild:
     def count(self, name: str, endpoint: tuple[IPAddress, int] | None) -> str:
         """The statement counting into the named counter `name`, which this port owns."""
         self.counters[name] = endpoint
-        return f'counter name "{name}"'
+        return count_statement(name)
 
     def element(self, set_name: str, k: Key, value: Value = ()) -> None:
         members = self.elements.get(set_name)
@@ -424,6 +424,11 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,
     return build.objects()
 
 
+def count_statement(name: str) -> str:
+    """A rule's statement counting the packet into the named counter `name`."""
+    return f'counter name "{name}"'
+
+
 def port_counter(key: ServicePortKey, protocol: str) -> str:
     """The named counter of a service port's new connections (common/traffic.py)."""
     return port_chain("cnt", key, protocol)
@@ -435,7 +440,7 @@ def policy_first(rsp: ResolvedServicePort, ctx: RenderContext, internal: bool
     port's, then (on the path cluster-IP traffic takes) mark off-cluster clients for
     masquerade."""
     ip, proto = table_family(rsp.key.family), rsp.port.protocol.value.lower()
-    count = f'counter name "{port_counter(rsp.key, proto)}"'
+    count = count_statement(port_counter(rsp.key, proto))
     return (count, *cluster_masquerade(rsp, ctx, ip, proto)) if internal else (count,)
 
 

@@ -392,16 +392,13 @@ class NftRunner:
         self._check_home()
         found: dict[tuple[str, str], int] = {}
         decode = wire.decode_counter
-
-        def read(data: bytes, start: int, end: int) -> None:
-            counter = decode(data, start, end)
-            if counter is not None and counter[0] in tables:
-                found[counter[0], counter[1]] = counter[2]
-
         with self._lock:
             try:
-                self._netlink().dump_walk(NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETOBJ,
-                                          wire.dump_request(family), read)
+                for data, start, end in self._netlink().dump_messages(
+                        NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETOBJ, wire.dump_request(family)):
+                    counter = decode(data, start, end)
+                    if counter is not None and counter[0] in tables:
+                        found[counter[0], counter[1]] = counter[2]
             except OSError as exc:
                 raise NftError(f"nf_tables netlink dump of counters: {exc}") from exc
         return found

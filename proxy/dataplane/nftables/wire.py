@@ -50,7 +50,16 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from proxy.dataplane.common.netlink import HEADER, NFGEN, frame, nested, nfgen, nla, parse_attrs
+from proxy.dataplane.common.netlink import (
+    HEADER,
+    NFGEN,
+    attributes,
+    frame,
+    nested,
+    nfgen,
+    nla,
+    parse_attrs,
+)
 from proxy.dataplane.common.netlink_constants import (
     NF_ACCEPT,
     NF_INET_FORWARD,
@@ -406,7 +415,7 @@ def _command(t: bytes, command: Command, set_id: int) -> tuple[int, int, bytes]:
             return NFT_MSG_DELRULE, 0, t + string(NFTA_RULE_CHAIN, obj.name)
     elif kind is Counter:
         # Without NLM_F_EXCL an existing counter is "updated" with this empty one, which
-        # the counter type ignores: its count stays (tests/e2e/test_nftables_counters.py).
+        # the counter type ignores: its count stays (tests/e2e/test_nftables_wire_kernel.py).
         attrs = t + string(NFTA_OBJ_NAME, obj.name) + nla(NFTA_OBJ_TYPE, u32(NFT_OBJECT_COUNTER))
         if verb == "add":
             return NFT_MSG_NEWOBJ, NLM_F_CREATE, attrs + nested(NFTA_OBJ_DATA, b"")
@@ -838,42 +847,21 @@ def decode_names(kind: int, payload: bytes) -> tuple[str, str, str]:
 def decode_counter(payload: bytes, start: int = 0, end: int | None = None
                    ) -> tuple[str, str, int] | None:
     """(table, name, packets) of one dumped named counter (the message body in
-    payload[start:end]); None for another object. Walked attribute by attribute, no dict
-    per message: a scrape reads one message per service port (10,000 took 0.2 s
-    through parse_attrs)."""
+    payload[start:end]); None for another object. Read in place, no dict per message: a
+    scrape reads one message per service port (parse_attrs took 0.2 s for 20,000)."""
     table = name = b""
     kind = packets = 0
-    pos, end = start + NFGEN.size, len(payload) if end is None else end
-    while pos + 4 <= end:
-        length, attr = _ATTR_HEAD.unpack_from(payload, pos)
-        if length < 4:
-            break
-        attr &= _ATTR_TYPE
+    for attr, a, b in attributes(payload, start + NFGEN.size, end):
         if attr == NFTA_OBJ_TABLE:
-            table = payload[pos + 4:pos + length].rstrip(b"\0")
+            table = payload[a:b].rstrip(b"\0")
         elif attr == NFTA_OBJ_NAME:
-            name = payload[pos + 4:pos + length].rstrip(b"\0")
+            name = payload[a:b].rstrip(b"\0")
         elif attr == NFTA_OBJ_TYPE:
-            kind = int.from_bytes(payload[pos + 4:pos + 8], "big")
+            kind = int.from_bytes(payload[a:b], "big")
         elif attr == NFTA_OBJ_DATA:
-            packets = _nested_u64(payload, pos + 4, pos + length, NFTA_COUNTER_PACKETS)
-        pos += (length + 3) & ~3
+            packets = next((int.from_bytes(payload[x:y], "big")
+                            for inner, x, y in attributes(payload, a, b)
+                            if inner == NFTA_COUNTER_PACKETS), 0)
     if kind != NFT_OBJECT_COUNTER:
         return None
     return table.decode(errors="replace"), name.decode(errors="replace"), packets
-
-
-_ATTR_HEAD = struct.Struct("=HH")
-_ATTR_TYPE = 0x3FFF  # without NLA_F_NESTED and NLA_F_NET_BYTEORDER
-
-
-def _nested_u64(payload: bytes, pos: int, end: int, wanted: int) -> int:
-    """The big-endian 64-bit attribute `wanted` among payload[pos:end]'s; 0 if absent."""
-    while pos + 4 <= end:
-        length, attr = _ATTR_HEAD.unpack_from(payload, pos)
-        if length < 4:
-            break
-        if attr & _ATTR_TYPE == wanted:
-            return int.from_bytes(payload[pos + 4:pos + 12], "big")
-        pos += (length + 3) & ~3
-    return 0
