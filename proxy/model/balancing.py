@@ -71,26 +71,37 @@ def _offset_skip(backend: Backend, size: int) -> tuple[int, int]:
 def maglev_table(endpoints: Iterable[Backend], size: int | None = None) -> tuple[Backend, ...]:
     """Slot -> endpoint for the set `endpoints` (order and repeats do not matter), of
     `size` slots (default `table_size`). Empty when there is no endpoint."""
-    backends: Sequence[Backend] = sorted(set(endpoints), key=_order)
+    backends = ordered(endpoints)
+    return tuple(backends[i] for i in maglev_slots(backends, size))
+
+
+def ordered(endpoints: Iterable[Backend]) -> list[Backend]:
+    """The distinct `endpoints` in the order they take turns (the same on every node)."""
+    return sorted(set(endpoints), key=_order)
+
+
+def maglev_slots(backends: Sequence[Backend], size: int | None = None) -> list[int]:
+    """Maglev's table as indexes into `backends` (distinct, in `ordered` order)."""
     m = table_size(len(backends)) if size is None else size
     if not backends or m <= 0:
-        return ()
-    perms = [_offset_skip(b, m) for b in backends]
-    nexts = [0] * len(backends)
+        return []
+    # Each endpoint's position in its permutation: offset, then + skip (mod m) per step.
+    at, skips = map(list, zip(*(_offset_skip(b, m) for b in backends), strict=True))
     entry: list[int] = [-1] * m
     filled = 0
     while True:
-        for i, (offset, skip) in enumerate(perms):
-            j = nexts[i]
-            c = (offset + j * skip) % m
+        for i, skip in enumerate(skips):
+            c = at[i]
             while entry[c] >= 0:
-                j += 1
-                c = (offset + j * skip) % m
+                c += skip
+                if c >= m:
+                    c -= m
             entry[c] = i
-            nexts[i] = j + 1
+            c += skip
+            at[i] = c - m if c >= m else c
             filled += 1
             if filled == m:
-                return tuple(backends[i] for i in entry)
+                return entry
 
 
 def _order(backend: Backend) -> tuple[int, int, int]:

@@ -15,6 +15,7 @@ import pytest
 from proxy.dataplane.nftables import port_edit as port_edit_module
 from proxy.dataplane.nftables.port_edit import render_edit
 from proxy.dataplane.nftables.render import (
+    HASHED,
     SLOT_MAP_MIN,
     SLOTS,
     render_base,
@@ -210,3 +211,37 @@ def test_the_helper_orders_like_the_model() -> None:
     by address as a number, not as text."""
     assert port_edit_module._order_of(("198.18.2.9", 80)) < port_edit_module._order_of(
         ("198.18.2.10", 80))
+
+
+@pytest.mark.parametrize("balancing", ["maglev", "source-hash"])
+@pytest.mark.parametrize("spec", sorted(SPECS))
+def test_a_hashed_port_s_deltas_write_only_the_slots_that_change(balancing: str,
+                                                                  spec: str) -> None:
+    """Maglev's table is a function of the endpoint set: an edit writes exactly what a
+    whole render would change (the slots whose endpoint changes), the kernel then holds
+    what a fresh full sync writes, slot for slot, and the table's size changing (5 to 20
+    endpoints cross two rungs) renders the port whole."""
+    rng = random.Random(7)
+    spec_ = {**SPECS[spec], "annotations": {"sliceproxy.io/balancing": balancing}}
+    pods = {a: Pod(local=rng.random() < 0.9) for a in POOL[:12]}
+    rsp = resolve(pods, spec_)
+    by_edit, whole = start(rsp), start(rsp)
+    edits = wholes = 0
+    for n in range(40):
+        step(pods, rng, shrink=len(pods) > (6 if 10 <= n < 25 else 18))
+        new = with_delta(rsp, resolve(pods, spec_))
+        key = new.key
+        delta = new.endpoint_delta(rsp)
+        assert delta is not None
+        edit = render_edit(rsp, new, delta, CIDR4, by_edit.ports[key])
+        edits += edit is not None
+        wholes += edit is None
+        script = partial_script(by_edit, {key: edit or render_port(
+            new, CIDR4, 1, kept_slots(by_edit.ports[key]))})
+        assert script == partial_script(whole, {key: render_port(new, CIDR4)}), f"step {n}"
+        assert kept(by_edit) == kept(whole) == kept(start(new)), f"step {n}"
+        if edit is not None:  # the slots that changed, never the whole table
+            slots = [k for (_, name, k), _ in edit.added if name.startswith(HASHED)]
+            assert len(slots) < max(len(m.values) for _, m in by_edit.ports[key].slots)
+        rsp = new
+    assert edits > 20 and wholes > 0, (edits, wholes)

@@ -12,6 +12,9 @@ what `render_port` would change against the kept port (transaction.PortEdit):
   keeps its slot while it is below the new size; newcomers, and those beyond the end,
   take the free slots in ascending order, in the model's order: address, then port);
   the chain's one rule is rewritten when the size changes;
+- each policy chain balancing by a hash (maglev, source-hash): Maglev's table of the new
+  set, written only where a slot's endpoint changes (a removal of 1 of 10 rewrites about
+  450 of 4,093 slots); a change of the table's size is rendered whole;
 - the hairpin pair of each address whose use by the port starts or ends.
 
 Everything else a port renders depends on its service, its context or on whether it
@@ -33,6 +36,7 @@ from proxy.dataplane.common.naming import address_text, port_name
 from proxy.dataplane.nftables.objects import Chain, Key, Value
 from proxy.dataplane.nftables.render import (
     HAIRPIN,
+    HASHED,
     SLOT_MAP_MIN,
     SLOTS,
     TABLE,
@@ -45,6 +49,7 @@ from proxy.dataplane.nftables.render import (
     table_family,
 )
 from proxy.dataplane.nftables.transaction import ElementKey, KeptPort, PortEdit, SlotValues
+from proxy.model.balancing import maglev_slots, ordered, table_size
 from proxy.model.snapshot import (
     EndpointDelta,
     MergedEndpoint,
@@ -74,6 +79,16 @@ def render_edit(old: ResolvedServicePort, new: ResolvedServicePort, delta: Endpo
         chain = port_chain(kind, new.key, proto)
         gone, come = _net_change(delta, local=kind == "svl")
         if not gone and not come:
+            continue
+        hashed = maps.get(HASHED + chain)
+        if hashed is not None:
+            changes = _rehash(hashed, gone, come)
+            if changes is None:
+                return None
+            element = (kept.table, HASHED + chain)
+            removed += [(*element, (slot,)) for slot, _ in changes]
+            added += [((*element, (slot,)), value) for slot, value in changes]
+            resized.append((HASHED + chain, len(hashed.values), changes))
             continue
         slots = maps.get(SLOTS + chain)
         size = len(slots.values) - len(gone) + len(come) if slots else 0
@@ -132,6 +147,26 @@ def _refill(slots: SlotValues, gone: set[Key], come: Mapping[Key, Order],
     homeless = sorted([*come.items(), *((v, _order_of(v)) for v in beyond)],
                       key=lambda item: item[1])
     return tuple((slot, value) for (value, _), slot in zip(homeless, free, strict=True))
+
+
+def _rehash(kept: SlotValues, gone: set[Key], come: Mapping[Key, Order]
+            ) -> tuple[tuple[int, Key], ...] | None:
+    """(slot, value) for every slot of a hash map whose endpoint changes: Maglev's table
+    of the new set (a function of the set alone, so what render_port builds), against
+    the kept one. None when the table changes size (the rule holds it: rendered whole),
+    loses its last endpoint, or does not match the delta."""
+    before = set(kept.values)
+    if not gone <= before or not come.keys().isdisjoint(before):
+        return None
+    after = (before - gone) | come.keys()
+    size = len(kept.values)
+    if not after or table_size(len(after)) != size:
+        return None
+    value_of = {(ip_address(address), int(port)): (address, port) for address, port in after}
+    backends = ordered(value_of)
+    values = [value_of[b] for b in backends]
+    return tuple((slot, values[i]) for slot, (i, old) in enumerate(zip(
+        maglev_slots(backends, size), kept.values, strict=True)) if values[i] != old)
 
 
 def _order_of(value: Key) -> Order:

@@ -580,6 +580,8 @@ def _hashed_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
     table = maglev_table(values)
     slot_map = HASHED + chain
     build.sets.append(SlotMap(slot_map, build.key.family, build.proto))
+    # Kept, so that a change of endpoints writes only the slots that change (port_edit.py).
+    build.slot_values.append((slot_map, tuple(values[b] for b in table)))
     build.slot_elements += [Element(build.table, slot_map, (i,), values[b])
                             for i, b in enumerate(table)]
     build.chains.append(Chain(chain, (*first, hashed_rule(build.ip, build.proto, len(table),

@@ -175,7 +175,8 @@ def _value(cur: _Owned) -> Value:
 
 class SlotValues:
     """One slot map as the kernel holds it: its values in slot order, and each value's
-    slot, so that an endpoint delta (port_edit.py) finds an endpoint's slot in O(1)."""
+    slot, so that an endpoint delta (port_edit.py) finds an endpoint's slot in O(1). In
+    a hash map (Maglev's table) a value fills many slots: only `values` is used."""
 
     __slots__ = ("slot_of", "values")
 
