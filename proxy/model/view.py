@@ -30,6 +30,10 @@ def service_port_view(rsp: ResolvedServicePort) -> dict[str, Any]:
         "session_affinity_seconds": svc.affinity_timeout,
         # random, maglev or source-hash: the annotation's, else --default-balancing.
         "balancing": rsp.balancing.value,
+        # The service's sliceproxy.io/fail-fast and traffic-per-endpoint annotations;
+        # null: the node's --fail-fast, --traffic-per-endpoint (the dump's `config`).
+        "fail_fast": svc.fail_fast,
+        "traffic_per_endpoint": svc.traffic_per_endpoint,
         "policies": {
             "internal": svc.internal_traffic_policy.value,
             "external": svc.external_traffic_policy.value,

@@ -192,8 +192,10 @@ def test_the_nodes_primary_addresses_and_where_nodeports_listen() -> None:
 
 
 def test_balancing_shown_with_the_node_default_and_a_bad_annotation_skipped() -> None:
-    objects = [node(), service("a", annotations={"sliceproxy.io/balancing": "source-hash"}),
-               service("b", ips=("198.18.128.2",)),
+    objects = [node(), service("a", annotations={"sliceproxy.io/balancing": "source-hash",
+                                                 "sliceproxy.io/fail-fast": "true"}),
+               service("b", ips=("198.18.128.2",),
+                       annotations={"sliceproxy.io/traffic-per-endpoint": "false"}),
                service("c", ips=("198.18.128.3",),
                        annotations={"sliceproxy.io/balancing": "fastest"}),
                *(eps_slice(f"{s}-1", [ep("198.18.1.10")], service_name=s) for s in "abc")]
@@ -203,4 +205,7 @@ def test_balancing_shown_with_the_node_default_and_a_bad_annotation_skipped() ->
     out = json.loads(proc.stdout)
     assert [entry(out, f"ns/{s}")["balancing"] for s in "abc"] == [
         "source-hash", "maglev", "maglev"]
+    # The other opt-ins: the annotation's value, null where the node's flag decides.
+    assert [(entry(out, f"ns/{s}")["fail_fast"], entry(out, f"ns/{s}")["traffic_per_endpoint"])
+            for s in "abc"] == [(True, None), (None, False), (None, None)]
     assert [(s["name"], s["reason"]) for s in out["skipped"]] == [("c", "invalid-value")]
