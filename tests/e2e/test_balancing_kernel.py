@@ -16,6 +16,7 @@ import pytest
 
 from proxy.dataplane.nftables.render import HASH_SEED
 from proxy.model.balancing import maglev_table
+from proxy.model.types import IPAddress
 from proxy.netns_lab import BackendSpec, Lab
 from proxy.netns_lab.netns import entered
 from proxy.netns_lab.topology import CLIENT4
@@ -72,7 +73,7 @@ def ask_from(ns: str, sport: int) -> str:
 def predicted(lab: Lab, names: list[str], fields: int) -> dict[int, str]:
     """Source port -> the backend the kernel should pick: the model's Maglev table,
     indexed by jhash(source address [. source port]) as nft_hash.c computes it."""
-    by_address = {lab.backends[n].ipv4: n for n in names}
+    by_address: dict[IPAddress, str] = {lab.backends[n].ipv4: n for n in names}
     table = maglev_table((lab.backends[n].ipv4, 8080) for n in names)
     out = {}
     for sport in SOURCE_PORTS:
@@ -120,3 +121,46 @@ def test_source_hash_sends_every_connection_of_a_client_to_one_endpoint(
     assert len(want) == 1
     got = {ask_from(lab.client_ns, sport) for sport in SOURCE_PORTS[:30]}
     assert got == want
+
+
+def objects_with(lab: Lab, balancing: str, names: list[str], annotations: dict[str, str],
+                 **spec: object) -> list[dict[str, object]]:
+    svc, sl = objects(lab, balancing, names)
+    svc["metadata"]["annotations"].update(annotations)  # type: ignore[index]
+    svc["spec"].update(spec)  # type: ignore[attr-defined]
+    return [svc, sl]
+
+
+def test_maglev_counted_per_endpoint_counts_each_connection_where_it_landed(
+        lab: Lab, plane: NodePlane) -> None:
+    """With sliceproxy.io/traffic-per-endpoint, a hashed port's table sends each flow to
+    its endpoint's chain, which counts it: the kernel's counts per endpoint equal the
+    connections each backend answered, and every flow still lands where the table says."""
+    plane.sync(Cluster().become(*objects_with(
+        lab, "maglev", NAMES, {"sliceproxy.io/traffic-per-endpoint": "true"})), full=True)
+    want = predicted(lab, NAMES, fields=2)
+    got = {sport: ask_from(lab.client_ns, sport) for sport in SOURCE_PORTS[:60]}
+    assert got == {s: want[s] for s in SOURCE_PORTS[:60]}
+    with entered(lab.node_ns):
+        (traffic,) = plane.dp.traffic().values()
+    assert traffic.total.connections == 60
+    assert traffic.endpoints is not None
+    by_address: dict[IPAddress, str] = {lab.backends[n].ipv4: n for n in NAMES}
+    counted = {by_address[address]: c.connections
+               for (address, _), c in traffic.endpoints.items() if c.connections}
+    answered = {n: list(got.values()).count(n) for n in set(got.values())}
+    assert counted == answered
+
+
+def test_maglev_with_client_ip_affinity_hashes_a_new_client_then_keeps_it(
+        lab: Lab, plane: NodePlane) -> None:
+    """ClientIP affinity on top: the client's first connection goes where the table says
+    for its source port; the next ones, from other ports, follow the affinity entry."""
+    plane.sync(Cluster().become(*objects_with(lab, "maglev", NAMES, {},
+                                              sessionAffinity="ClientIP")), full=True)
+    want = predicted(lab, NAMES, fields=2)
+    first = SOURCE_PORTS[0]
+    assert ask_from(lab.client_ns, first) == want[first]
+    others = {ask_from(lab.client_ns, sport) for sport in SOURCE_PORTS[1:30]}
+    assert others == {want[first]}
+    assert len({want[s] for s in SOURCE_PORTS[1:30]}) > 1  # not vacuous: the table spreads

@@ -97,6 +97,11 @@ add rule ip {t} big meta l4proto tcp dnat ip to jhash ip saddr . tcp sport mod 3
 seed 0x5a175eed map @slots-a comment "ns/maglev:http"
 add rule ip {t} big meta l4proto tcp dnat ip to jhash ip saddr mod 3 seed 0x5a175eed \
 map @slots-a
+add map ip {t} hashv-a {{ typeof numgen random mod 1 : verdict; }}
+add rule ip {t} big meta l4proto tcp jhash ip saddr . tcp sport mod 3 seed 0x5a175eed \
+vmap @hashv-a comment "ns/maglev-affinity:http"
+add rule ip {t} big meta l4proto tcp jhash ip saddr mod 3 seed 0x5a175eed vmap @hashv-a
+add element ip {t} hashv-a {{ 0 : goto ep, 1 : goto target, 2 : goto ep }}
 add element ip {t} service-ips {{ 198.18.0.1 . tcp . 80 : goto svc, \
 198.18.0.2 . udp . 53 : drop, 198.18.0.3 . sctp . 9 : jump target }}
 add element ip {t} service-nodeports {{ tcp . 30080 : goto svc }}
@@ -137,6 +142,10 @@ add chain ip6 {t} big
 add rule ip6 {t} big meta l4proto udp dnat ip6 to numgen random mod 2 map @slots-b
 add rule ip6 {t} big meta l4proto udp dnat ip6 to jhash ip6 saddr . udp sport mod 2 \
 seed 0x5a175eed map @slots-b
+add map ip6 {t} hashv-b {{ typeof numgen random mod 1 : verdict; }}
+add rule ip6 {t} big meta l4proto udp jhash ip6 saddr . udp sport mod 2 seed 0x5a175eed \
+vmap @hashv-b
+add element ip6 {t} hashv-b {{ 0 : goto target, 1 : goto target }}
 add element ip6 {t} slots-b {{ 0 : fd00::5 . 8080, 1 : fd00::6 . 53 }}
 add element ip6 {t} service-ips {{ fd00::1 . tcp . 80 : goto svc }}
 add element ip6 {t} hairpin {{ fd00::5 . fd00::5 }}
@@ -179,6 +188,7 @@ flush set ip6 {t} hairpin
 flush chain ip6 {t} big
 delete chain ip6 {t} big
 delete map ip6 {t} slots-b
+delete map ip6 {t} hashv-b
 """,
 }
 

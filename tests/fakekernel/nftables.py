@@ -424,6 +424,8 @@ class NftTracer:
                 st, counted=(*st.counted, words[i + 2].strip('"'))))
         if pair == ("numgen", "random"):
             return self._numgen(table, words, i, st)
+        if w == "jhash":
+            return self._jhash_vmap(table, words[i + 1:], st)
         if w == "dnat":
             return self._dnat(table, words, i, st)
         if w == "masquerade":
@@ -566,6 +568,19 @@ class NftTracer:
         address, port = value.split(" . ")
         text = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
         return [(replace(st, endpoint=text), "accept")]
+
+    def _jhash_vmap(self, table: str, words: list[str], st: Walk
+                    ) -> list[tuple[Walk, str]]:
+        """`jhash <fields> mod M seed S vmap @slots`: the verdict of the slot the kernel's
+        jhash gives this packet (none: the rule ends, not the chain)."""
+        mod = words.index("mod")
+        if words[mod + 2] != "seed" or words[mod + 4] != "vmap" or len(words) < mod + 6:
+            raise TraceError(f"jhash {' '.join(words)}")
+        slot = self.hashed(words[:mod], int(words[mod + 1]), int(words[mod + 3], 0), st)
+        verdict = self._set(table, words[mod + 5].removeprefix("@")).elements.get((str(slot),))
+        if verdict is None:
+            return [(st, NEXT)]
+        return self._verdict(table, verdict.split(), st)
 
     def hashed(self, fields: list[str], modulus: int, seed: int, st: Walk) -> int:
         """`jhash <fields> mod <modulus> seed <seed>` of this packet (fields such as

@@ -129,15 +129,45 @@ def test_random_back_again_drops_the_table() -> None:
     assert len(reached) == 3 and abs(sum(reached.values()) - 1) < 1e-9
 
 
-def test_client_ip_affinity_is_still_checked_first() -> None:
+@pytest.mark.parametrize("balancing", ["maglev", "source-hash"])
+def test_client_ip_affinity_is_still_checked_first_and_a_new_client_is_hashed(
+        balancing: str) -> None:
+    """A client without an affinity entry goes where the table says (into its endpoint's
+    chain, which remembers it); one with an entry goes back to its endpoint."""
     plane = FakePlane("nftables")
-    plane.become(*cluster("maglev", ENDPOINTS[:3], sessionAffinity="ClientIP"))
+    plane.become(*cluster(balancing, ENDPOINTS[:3], sessionAffinity="ClientIP"))
+    sport = 30000 if balancing == "maglev" else None
+    for port in (30000, 30001, 30002, 40000):
+        assert plane.trace(Packet.of(POD, VIP, 80, sport=port)).endpoints() == {
+            predicted(ENDPOINTS[:3], POD, port if sport else None): 1.0}
     first = plane.trace(Packet.of(POD, VIP, 80, sport=30000))
     endpoint = next(iter(first.endpoints()))
     remembered = first.outcome_at(endpoint).remembered
-    for sport in (30001, 40000, 50000):
-        assert plane.trace(Packet.of(POD, VIP, 80, sport=sport), remembered).endpoints() == {
+    assert remembered
+    for port in (30001, 40000, 50000):
+        assert plane.trace(Packet.of(POD, VIP, 80, sport=port), remembered).endpoints() == {
             endpoint: 1.0}
+
+
+def test_a_hashed_port_counted_per_endpoint_counts_where_the_table_sends() -> None:
+    """With sliceproxy.io/traffic-per-endpoint, a hashed port's table holds each
+    endpoint's chain, which counts it: the flow is counted into the counter of the
+    endpoint it reaches, and the port's own counter."""
+    plane = FakePlane("nftables")
+    svc, sl = cluster("maglev", ENDPOINTS)
+    svc["metadata"]["annotations"]["sliceproxy.io/traffic-per-endpoint"] = "true"
+    plane.become(svc, sl)
+    for sport in range(30000, 30040):
+        trace = plane.trace(Packet.of(POD, VIP, 80, sport=sport))
+        want = predicted(ENDPOINTS, POD, sport)
+        assert trace.endpoints() == {want: 1.0}
+        counted = trace.outcome_at(want).counted
+        assert len(counted) == 2 and counted[0].startswith("cnt-") \
+            and counted[1].startswith("cep-"), counted
+    names = {trace_counter for sport in range(30000, 30040)
+             for trace_counter in plane.trace(Packet.of(POD, VIP, 80, sport=sport))
+             .outcome_at(predicted(ENDPOINTS, POD, sport)).counted[1:]}
+    assert len(names) > 5  # one counter per endpoint, not one for the port
 
 
 def test_three_nodes_with_different_histories_agree_on_every_flow() -> None:

@@ -248,7 +248,8 @@ def test_statements_are_the_bytes_of_the_lines_they_stand_for() -> None:
     (Family.V4, [(("198.18.0.1",), ()), (("198.18.0.1", ""), ())], None),
     (Family.V4, [(("198.18.0.1", "tcp", 70000), Verdict("drop"))], None),
     (Family.V4, [(("198.18.0.1", "tcp", 80), Verdict("goto"))], None),
-    (Family.V4, [((0,), Verdict("goto", "svc-a"))], None),
+    (Family.V4, [((0,), Verdict("goto", "ep-a")), ((1,), Verdict("goto", "ep-b"))], False),
+    (Family.V4, [((0,), Verdict("drop"))], None),
 ])
 def test_a_set_of_addresses_is_encoded_whole_as_element_by_element(
         family: Family, items: list[tuple[Key, Value]], bulk: bool | None) -> None:

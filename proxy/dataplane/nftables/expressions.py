@@ -16,6 +16,7 @@ The dialect, closed; anything else raises `Unencodable`:
                dnat ip|ip6 to numgen random mod <n> map @<slot map>;
                dnat ip|ip6 to jhash <hashed> mod <n> seed <seed> map @<slot map>
                (hashed: ip|ip6 saddr [. tcp|udp|sctp sport]);
+               jhash <hashed> mod <n> seed <seed> vmap @<slot map of verdicts>;
                masquerade fully-random;  meta mark set meta mark ^ <bits> (or |);
                counter name "<counter>" (before another statement or a verdict);
                <concatenation> vmap @<map>
@@ -291,7 +292,21 @@ def _dnat_slot_map(family: Family, modulus: int, set_name: str) -> bytes:
 def _dnat_hashed(family: Family, fields: tuple[str, ...], modulus: int, seed: int,
                  set_name: str) -> bytes:
     """`dnat ip to jhash <fields> mod <n> seed <seed> map @<slots>` as nft sends it: the
-    fields loaded from register 2 on, hashed into register 1, looked up as a slot."""
+    slot (`_jhash`) looked up into the address and the port."""
+    return (_jhash(family, fields, modulus, seed) + _lookup(set_name, NFT_REG_1)
+            + _nat(family, register(ADDRESS_WIDTH[family] // 4)))
+
+
+@functools.lru_cache(maxsize=256)
+def _jhash_vmap(family: Family, fields: tuple[str, ...], modulus: int, seed: int,
+                set_name: str) -> bytes:
+    """`jhash <fields> mod <n> seed <seed> vmap @<slots>`: the slot looked up into the
+    verdict register."""
+    return _jhash(family, fields, modulus, seed) + _lookup(set_name, NFT_REG_VERDICT)
+
+
+def _jhash(family: Family, fields: tuple[str, ...], modulus: int, seed: int) -> bytes:
+    """The fields loaded from register 2 on, hashed into register 1, as nft sends it."""
     loads, width = b"", 0
     for field in fields:
         if field == "saddr":
@@ -306,8 +321,7 @@ def _dnat_hashed(family: Family, fields: tuple[str, ...], modulus: int, seed: in
               + nla(NFTA_HASH_LEN, u32(width)) + nla(NFTA_HASH_MODULUS, u32(modulus))
               + nla(NFTA_HASH_SEED, u32(seed)) + nla(NFTA_HASH_OFFSET, u32(0))
               + nla(NFTA_HASH_TYPE, u32(NFT_HASH_JENKINS)))
-    return (loads + _expr("hash", hashed) + _lookup(set_name, NFT_REG_1)
-            + _nat(family, register(ADDRESS_WIDTH[family] // 4)))
+    return loads + _expr("hash", hashed)
 
 
 def _hashed_fields(family: Family, words: list[str]) -> tuple[str, ...]:
@@ -322,16 +336,28 @@ def _hashed_fields(family: Family, words: list[str]) -> tuple[str, ...]:
 
 def _dnat_hash_statement(family: Family, cur: _Cursor) -> list[bytes]:
     """`dnat ip to jhash <fields> mod <n> seed <seed> map @<slots>` at the cursor."""
-    cur.take(4)  # dnat ip to jhash
+    cur.take(3)  # dnat ip to
+    return [_dnat_hashed(family, *_hash_lookup(family, cur, "map"))]
+
+
+def _hash_vmap_statement(family: Family, cur: _Cursor) -> list[bytes]:
+    """`jhash <fields> mod <n> seed <seed> vmap @<slots>` at the cursor."""
+    return [_jhash_vmap(family, *_hash_lookup(family, cur, "vmap"))]
+
+
+def _hash_lookup(family: Family, cur: _Cursor, how: str
+                 ) -> tuple[tuple[str, ...], int, int, str]:
+    """`jhash <fields> mod <n> seed <seed> <how> @<slots>` at the cursor: the fields,
+    n, the seed and the map's name."""
+    cur.take(1)  # jhash
     fields: list[str] = []
     while cur.more() and cur.at(0) != "mod":
         fields += cur.take(1)
     _, modulus, seed_kw, seed, map_, set_ref = cur.take(6)
-    if (seed_kw, map_) != ("seed", "map") or not modulus.isdigit() \
+    if (seed_kw, map_) != ("seed", how) or not modulus.isdigit() \
             or not 0 < int(modulus) <= 0xFFFFFFFF or not set_ref.startswith("@"):
         raise Unencodable(f"jhash ... mod {modulus} {seed_kw} {seed} {map_} {set_ref}")
-    return [_dnat_hashed(family, _hashed_fields(family, fields), int(modulus),
-                         _number(seed), set_ref[1:])]
+    return _hashed_fields(family, fields), int(modulus), _number(seed), set_ref[1:]
 
 
 def _dnat_tail(family: Family, port_text: str) -> bytes:
@@ -712,6 +738,8 @@ def _statement(family: Family, cur: _Cursor) -> tuple[list[bytes], bool]:
         return [_MASQUERADE_FULLY_RANDOM], True
     if word == "dnat" and cur.at(1) == ip and cur.at(3) == "jhash":
         return _dnat_hash_statement(family, cur), True
+    if word == "jhash":
+        return _hash_vmap_statement(family, cur), True
     if word == "dnat" and cur.at(1) == ip:
         _, _, to, ng, kind, mod, modulus, map_, set_ref = cur.take(9)
         if (to, ng, kind, mod, map_) != ("to", "numgen", "random", "mod", "map") \

@@ -109,19 +109,23 @@ class Map(NamedTuple):
 
 
 class SlotMap(NamedTuple):
-    """A slot map (render.py): numgen's pick 0..n-1 -> an endpoint's address . port,
-    declared by the expressions that use it (`typeof numgen random mod 1 : ip daddr .
-    tcp dport`), as nft accepts the rule beside it only then."""
+    """A slot map (render.py): numgen's or jhash's pick 0..n-1 -> an endpoint's address .
+    port, declared by the expressions that use it (`typeof numgen random mod 1 : ip
+    daddr . tcp dport`), as nft accepts the rule beside it only then; or, `verdicts`,
+    -> `goto` the endpoint's own chain (`typeof numgen random mod 1 : verdict`)."""
 
     name: str
     family: Family
     protocol: str  # "tcp", "udp", "sctp"
+    verdicts: bool = False
 
     @property
     def kind(self) -> str:
         return "map"
 
     def declaration(self) -> str:
+        if self.verdicts:
+            return "typeof numgen random mod 1 : verdict;"
         ip = "ip" if self.family is Family.V4 else "ip6"
         return f"typeof numgen random mod 1 : {ip} daddr . {self.protocol} dport;"
 

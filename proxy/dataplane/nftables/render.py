@@ -21,12 +21,15 @@ Per family, one main table and K shard tables, holding nothing but ours:
                     `dnat to numgen random mod n map @slots-svc-<h>` instead
       svl-<h>       Local-policy endpoints, the same shape
       slots-svc-<h> slot (0..n-1) -> endpoint address . port, for a port that large
-      hash-svc-<h>  with maglev or source-hash balancing (no affinity): slot (0..M-1) ->
-                    endpoint address . port, Maglev's table; the chain's one rule is
+      hash-svc-<h>  with maglev or source-hash balancing: slot (0..M-1) -> endpoint
+                    address . port, Maglev's table; the chain's one rule is
                     `dnat to jhash <source> mod M seed HASH_SEED map @hash-svc-<h>`
+      hashv-svc-<h> the same table of `goto ep-<h>` where the endpoints have chains
+                    (affinity, or counted each): `jhash ... vmap @hashv-svc-<h>`
       ext-<h>       external traffic (NodePort, externalIP, LB IP) -> policy chain
       fw-<h>        loadBalancerSourceRanges in front of ext-<h>
-      ep-<h>        one per endpoint, only with ClientIP affinity: remember, DNAT
+      ep-<h>        one per endpoint, with ClientIP affinity (remember, DNAT) or where a
+                    hash map picks an endpoint counted on its own (count, DNAT)
 
 Why shards: the kernel checks a whole table (every chain reachable from its base chains)
 whenever a transaction adds a rule or a jump to it, so one change in a table of 10,000
@@ -60,13 +63,13 @@ source address and port, source-hash the source address only. Not the destinatio
 policy chain serves one service port, so its address and port say nothing a chain does
 not already know, and they differ between nodes for the same flow where it matters
 (a NodePort is the node's own address: an ECMP'd load balancer sending a flow's packets
-to two nodes would see two endpoints). A change of endpoints is rendered whole (the
-table is O(M), about 3 ms at M = 4093) but written as the slots whose endpoint changed,
+to two nodes would see two endpoints). A change of endpoints computes the table again
+(O(M), 1.6 ms at M = 4093: port_edit.py) and writes the slots whose endpoint changed,
 element by element, and the rule only when M moves to another rung.
 
 Hairpin (a pod reaching itself through its service) is one set of `addr . addr` pairs,
 looked up after DNAT in postrouting, instead of a chain per endpoint as upstream: the
-endpoint chain is needed only to remember ClientIP affinity.
+endpoint chain is needed only to remember ClientIP affinity, or to count a hashed pick.
 
 Names in the ruleset are hashes of what the object is for (service port, protocol,
 endpoint), never of user text; the one comment per DNAT rule is reduced to printable
@@ -81,7 +84,7 @@ other ports of a cluster IP are rejected, as upstream's nftables mode does.
 from __future__ import annotations
 
 import re
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -105,7 +108,7 @@ from proxy.dataplane.nftables.objects import (
     Value,
     Verdict,
 )
-from proxy.model.balancing import maglev_table
+from proxy.model.balancing import Backend, maglev_table
 from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
 from proxy.model.types import (
     DEFAULT_AFFINITY_TIMEOUT,
@@ -140,6 +143,7 @@ MAX_SHARDS = NFTABLES.markers.table_shards
 SLOT_MAP_MIN = 128
 SLOTS = "slots-"  # the slot maps' prefix: slots-<policy chain>
 HASHED = "hash-"  # Maglev tables' prefix: hash-<policy chain>
+HASHED_VERDICTS = "hashv-"  # Maglev tables of endpoint chains (affinity, counting)
 # jhash's seed, the same on every node (module docstring); nft's default is random.
 HASH_SEED = 0x5A175EED
 
@@ -403,21 +407,24 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,
                                                         p.ext)))
     texts, addrs = _endpoint_texts(build, (*p.cluster_eps, *p.local_eps), key.family)
     label = comment(port_name(key))
-    # Endpoints are counted one by one where a rule of their own picks them (a cascade,
-    # or affinity's chains); a slot or hash map's pick is counted as the port's alone.
-    cascade = rsp.service.affinity_timeout is not None or (
-        rsp.balancing is Balancing.RANDOM
-        and max(len(p.cluster_eps), len(p.local_eps)) < SLOT_MAP_MIN)
+    # Endpoints are counted one by one where a rule or a chain of their own picks them (a
+    # cascade, affinity's chains, a hash map of chains); a random slot map's pick is
+    # counted as the port's alone.
+    hashed = rsp.balancing is not Balancing.RANDOM
+    affinity = rsp.service.affinity_timeout
+    own_pick = hashed or affinity is not None \
+        or max(len(p.cluster_eps), len(p.local_eps)) < SLOT_MAP_MIN
     counts = _endpoint_counters(build, (*p.cluster_eps, *p.local_eps), texts) \
-        if cascade and per_endpoint(rsp.service, ctx.traffic_per_endpoint) else {}
-    ep_chains = _affinity_chains(build, rsp.service.affinity_timeout, texts, label, counts)
+        if own_pick and per_endpoint(rsp.service, ctx.traffic_per_endpoint) else {}
+    ep_chains = _endpoint_chains(build, affinity, texts, label, counts,
+                                 hashed and bool(counts))
     for policy_chain, eps in ((p.svc, p.cluster_eps), (p.svl, p.local_eps)):
         if policy_chain:
             build.count(port_counter(key, proto), None)
             first = policy_first(rsp, ctx, policy_chain == p.internal)
-            if rsp.balancing is not Balancing.RANDOM and not ep_chains and eps:
-                _hashed_chain(build, policy_chain, eps, first, addrs, label,
-                              rsp.balancing)
+            if hashed and eps:
+                _hashed_chain(build, policy_chain, eps, first, (addrs, ep_chains), label,
+                              rsp.balancing, affinity is not None)
                 continue
             _policy_chain(build, policy_chain, eps, first, (texts, addrs, ep_chains), label,
                           slots, counts)
@@ -524,23 +531,27 @@ def _endpoint_texts(build: _PortBuild, eps: Sequence[MergedEndpoint],
     return texts, addrs
 
 
-def _affinity_chains(build: _PortBuild, affinity: int | None, texts: Mapping[int, str],
-                     label: str, counts: Mapping[str, str]) -> dict[int, str]:
-    """With ClientIP affinity: one chain and one timeout set per endpoint text (equal
-    endpoints share them), in text order; the chain of each endpoint, by id."""
-    if affinity is None:
+def _endpoint_chains(build: _PortBuild, affinity: int | None, texts: Mapping[int, str],
+                     label: str, counts: Mapping[str, str], wanted: bool) -> dict[int, str]:
+    """One chain per endpoint text (equal endpoints share it), in text order, where the
+    pick goes through one: with ClientIP affinity (and a timeout set each, which the
+    chain updates), or when `wanted` (a hash map of verdicts whose endpoints are
+    counted); the chain of each endpoint, by id."""
+    if affinity is None and not wanted:
         return {}
-    seconds = affinity or DEFAULT_AFFINITY_TIMEOUT
     address_type = _addr_type(build.key.family)
     chain_of: dict[str, str] = {}
     for text in sorted(set(texts.values())):
         chain = chain_of[text] = endpoint_object("ep", build.key, build.proto, text)
-        aff = _affinity_set(chain)
-        build.sets.append(Set(aff, (address_type,), ("dynamic", "timeout"), seconds))
         count = f"{counts[text]} " if text in counts else ""
-        build.chains.append(Chain(chain, (f"update @{aff} {{ {build.ip} saddr }}",
-                                          f"{count}meta l4proto {build.proto} dnat to {text} "
-                                          f"{label}")))
+        dnat = f"{count}meta l4proto {build.proto} dnat to {text} {label}"
+        if affinity is None:
+            build.chains.append(Chain(chain, (dnat,)))
+            continue
+        aff = _affinity_set(chain)
+        build.sets.append(Set(aff, (address_type,), ("dynamic", "timeout"),
+                              affinity or DEFAULT_AFFINITY_TIMEOUT))
+        build.chains.append(Chain(chain, (f"update @{aff} {{ {build.ip} saddr }}", dnat)))
     return {i: chain_of[text] for i, text in texts.items()}
 
 
@@ -572,29 +583,44 @@ def _policy_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
 
 
 def _hashed_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
-                  first: tuple[str, ...], addrs: Mapping[int, str], label: str,
-                  balancing: Balancing) -> None:
+                  first: tuple[str, ...],
+                  spelled: tuple[Mapping[int, str], Mapping[int, str]], label: str,
+                  balancing: Balancing, affinity: bool) -> None:
     """A path's chain balancing by a hash of the source into Maglev's table of its
-    endpoints (module docstring): `first`, then the one rule."""
-    values = {(ep.address, ep.port): slot_value(addrs[id(ep)], ep.port) for ep in eps}
+    endpoints (module docstring): `first`, then the one rule. Where the endpoints have
+    chains of their own (`spelled`'s second: affinity, or counting), the table holds
+    `goto` those chains, after affinity's checks when there is affinity."""
+    addrs, ep_chains = spelled
+    ip, proto = build.ip, build.proto
+    if ep_chains:
+        values: dict[Backend, Value] = {
+            (ep.address, ep.port): Verdict("goto", ep_chains[id(ep)]) for ep in eps}
+        slot_map = HASHED_VERDICTS + chain
+    else:
+        values = {(ep.address, ep.port): slot_value(addrs[id(ep)], ep.port) for ep in eps}
+        slot_map = HASHED + chain
     table = maglev_table(values)
-    slot_map = HASHED + chain
-    build.sets.append(SlotMap(slot_map, build.key.family, build.proto))
-    # Kept, so that a change of endpoints writes only the slots that change (port_edit.py).
-    build.slot_values.append((slot_map, tuple(values[b] for b in table)))
+    build.sets.append(SlotMap(slot_map, build.key.family, proto, verdicts=bool(ep_chains)))
+    if not ep_chains:
+        # Kept, so that a change of endpoints writes only the slots that change
+        # (port_edit.py).
+        build.slot_values.append((slot_map, tuple(values[b] for b in table)))
     build.slot_elements += [Element(build.table, slot_map, (i,), values[b])
                             for i, b in enumerate(table)]
-    build.chains.append(Chain(chain, (*first, hashed_rule(build.ip, build.proto, len(table),
-                                                          slot_map, label, balancing))))
+    checks = _affinity_checks(ip, eps, ep_chains) if affinity else ()
+    build.chains.append(Chain(chain, (*first, *checks, hashed_rule(
+        ip, proto, len(table), slot_map, label, balancing, bool(ep_chains)))))
 
 
 def hashed_rule(ip: str, proto: str, m: int, slot_map: str, label: str,
-                balancing: Balancing) -> str:
+                balancing: Balancing, verdicts: bool = False) -> str:
     """A hashed chain's one rule: the source (and its port, for maglev) hashed as every
-    node hashes it, into one of the `m` slots."""
+    node hashes it, into one of the `m` slots: its endpoint, or (`verdicts`) its chain."""
     source = f"{ip} saddr . {proto} sport" if balancing is Balancing.MAGLEV else f"{ip} saddr"
-    return (f"meta l4proto {proto} dnat {ip} to jhash {source} mod {m} seed {HASH_SEED:#x} "
-            f"map @{slot_map} {label}")
+    hashed = f"jhash {source} mod {m} seed {HASH_SEED:#x}"
+    if verdicts:
+        return f"meta l4proto {proto} {hashed} vmap @{slot_map} {label}"
+    return f"meta l4proto {proto} dnat {ip} to {hashed} map @{slot_map} {label}"
 
 
 def slot_rule(ip: str, proto: str, n: int, slot_map: str, label: str) -> str:
@@ -671,10 +697,7 @@ def _balance(ip: str, proto: str, eps: Sequence[MergedEndpoint],
     is left, the last one always: uniform, like iptables' `statistic` cascade. In the
     order of `eps`: a resolved port's, by address and port (ResolvedServicePort)."""
     ordered = eps
-    rules: list[str] = []
-    if ep_chains:
-        rules.extend(f"{ip} saddr @{_affinity_set(ep_chains[id(ep)])} goto {ep_chains[id(ep)]}"
-                     for ep in ordered)
+    rules: list[str] = list(_affinity_checks(ip, ordered, ep_chains)) if ep_chains else []
     n = len(ordered)
     for i, ep in enumerate(ordered):
         pick = f"numgen random mod {n - i} 0 " if i < n - 1 else ""
@@ -685,6 +708,14 @@ def _balance(ip: str, proto: str, eps: Sequence[MergedEndpoint],
             count = f"{counts[text]} " if text in counts else ""
             rules.append(f"{pick}{count}meta l4proto {proto} dnat to {text} {label}")
     return tuple(rules)
+
+
+def _affinity_checks(ip: str, eps: Sequence[MergedEndpoint], ep_chains: Mapping[int, str]
+                     ) -> Iterator[str]:
+    """A client with a live affinity entry goes back to its endpoint's chain."""
+    for ep in eps:
+        chain = ep_chains[id(ep)]
+        yield f"{ip} saddr @{_affinity_set(chain)} goto {chain}"
 
 
 def _affinity_set(ep_chain: str) -> str:

@@ -186,6 +186,11 @@ _SLOT_MAP_FAMILY = {Family.V4: "0c00000001040c00000001", Family.V6: "0d000000010
 _SLOT_MAP_TAIL = "14000407000000010c0004{proto:02x}000000010402000000060400000000"
 _SLOT_MAP_PROTO = {"tcp": 0x08, "udp": 0x06, "sctp": 0x0A}  # nft's protocol descriptions
 _SLOT_MAP_BODY = re.compile(r"typeof numgen random mod 1 : (ip6?) daddr \. (tcp|udp|sctp) dport")
+# A slot map of verdicts (`typeof numgen random mod 1 : verdict`): nft's bytes, the same
+# for both families.
+_SLOT_VERDICT_MAP = bytes.fromhex("000401000000010400000000031a00041700000001120004010000000104"
+                                  "0100000002040000000004080004010000000100060400000000")
+_SLOT_VERDICT_BODY = "typeof numgen random mod 1 : verdict"
 
 
 def _slot_map_userdata(family: Family, proto: str) -> bytes:
@@ -284,12 +289,11 @@ def _element(family: Family, key: Key, data: Value) -> bytes:
     """One element: its key and, in a map, its value (`data`; () in a set)."""
     if len(key) == 1 and isinstance(key[0], int):  # a slot map's key: numgen's host-order u32
         slot = key[0]
-        if not 0 <= slot <= 0xFFFFFFFF or type(data) is Verdict:
+        if not 0 <= slot <= 0xFFFFFFFF:
             raise Unencodable(f"slot {slot} : {data}")
-        attrs = value(NFTA_SET_ELEM_KEY, struct.pack("=I", slot))
-        if data:
-            attrs += value(NFTA_SET_ELEM_DATA, _element_key(family, data))
-        return nested(NFTA_LIST_ELEM, attrs)
+        return nested(NFTA_LIST_ELEM, value(NFTA_SET_ELEM_KEY, struct.pack("=I", slot))
+                      + _slot_data(family, data))
+
     raw = _element_key(family, key)
     if not data:
         return _set_element_head(len(raw)) + raw
@@ -307,22 +311,20 @@ def _elements(family: Family, items: Sequence[tuple[Key, Value]]) -> bytes:
 
 
 def _slot_elements(family: Family, items: Sequence[tuple[Key, Value]]) -> bytes | None:
-    """`_elements` of a slot map's elements (slot -> address and port, or the slot alone),
-    as `_element` spells them, each endpoint's value encoded once: a Maglev table is thousands of
-    slots over a few endpoints (element by element took 11 us each). None when any
-    element is not one."""
+    """`_elements` of a slot map's elements (slot -> address and port, a `goto`, or the
+    slot alone), as `_element` spells them, each endpoint's value encoded once: a Maglev
+    table is thousands of slots over a few endpoints (element by element took 11 us
+    each). None when any element is not one."""
     if not items or len(items[0][0]) != 1 or not isinstance(items[0][0][0], int):
         return None
     data_of: dict[Value, bytes] = {}
     out = []
     for key, data in items:
-        if len(key) != 1 or type(slot := key[0]) is not int or not 0 <= slot <= 0xFFFFFFFF \
-                or type(data) is Verdict:
+        if len(key) != 1 or type(slot := key[0]) is not int or not 0 <= slot <= 0xFFFFFFFF:
             return None
         encoded = data_of.get(data)
-        if encoded is None:  # a delete names the slot alone
-            encoded = data_of[data] = value(NFTA_SET_ELEM_DATA, _element_key(family, data)
-                                            ) if data else b""
+        if encoded is None:
+            encoded = data_of[data] = _slot_data(family, data)
         out.append(_slot_head(len(encoded)))
         out.append(_SLOT.pack(slot))
         out.append(encoded)
@@ -330,6 +332,18 @@ def _slot_elements(family: Family, items: Sequence[tuple[Key, Value]]) -> bytes 
 
 
 _SLOT = struct.Struct("=I")  # numgen's and jhash's result: a host-order u32
+
+
+def _slot_data(family: Family, data: Value) -> bytes:
+    """A slot's value: an address . port, a `goto` (a map of verdicts), or nothing (a
+    delete names the slot alone)."""
+    if not data:
+        return b""
+    if type(data) is Verdict:
+        if data.verb != "goto" or not data.chain:
+            raise Unencodable(f"slot value {data!r}")
+        return verdict(NFTA_SET_ELEM_DATA, data.verb, data.chain)
+    return value(NFTA_SET_ELEM_DATA, _element_key(family, data))
 
 
 @functools.cache
@@ -387,6 +401,10 @@ def _set_attrs(declared: AnySet) -> bytes:
     """A set's or map's declaration (objects.py): our four shapes, a set of addresses or
     of concatenations, a verdict map, the affinity sets (flags dynamic,timeout and a
     timeout), and the slot maps' typeof."""
+    if isinstance(declared, SlotMap) and declared.verdicts:
+        return (nla(NFTA_SET_FLAGS, u32(NFT_SET_MAP)) + nla(NFTA_SET_KEY_TYPE, u32(TYPE_INTEGER))
+                + nla(NFTA_SET_KEY_LEN, u32(4)) + nla(NFTA_SET_DATA_TYPE, u32(NFT_DATA_VERDICT))
+                + nla(NFTA_SET_DATA_LEN, u32(0)) + nla(NFTA_SET_USERDATA, _SLOT_VERDICT_MAP))
     if isinstance(declared, SlotMap):
         addr = "ipv4_addr" if declared.family is Family.V4 else "ipv6_addr"
         data_type, data_len, _ = _key_type((addr, "inet_service"))
@@ -476,6 +494,8 @@ def _command(t: bytes, command: Command, set_id: int) -> tuple[int, int, bytes]:
 def _parse_set(body: str, is_map: bool) -> AnySet:
     """A declaration's body -> the object it declares (the shapes `_set_attrs` takes)."""
     parts = [p.strip() for p in body.strip().rstrip(";").split(";")]
+    if len(parts) == 1 and is_map and parts[0] == _SLOT_VERDICT_BODY:
+        return SlotMap("", Family.V4, "", verdicts=True)
     slot_map = _SLOT_MAP_BODY.fullmatch(parts[0]) if len(parts) == 1 and is_map else None
     if slot_map is not None:
         return SlotMap("", Family.V4 if slot_map[1] == "ip" else Family.V6, slot_map[2])
