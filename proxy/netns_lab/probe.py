@@ -9,14 +9,19 @@ assert "all refused" or "never timed out" as plainly as "only web-1 and web-2 an
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import http.client
 import socket
+import struct
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from ipaddress import ip_address
 from typing import Self
 
+from proxy.netns_lab import poll
 from proxy.netns_lab.netns import entered
 
 REFUSED, TIMEOUT, UNREACHABLE, RESET = "refused", "timeout", "unreachable", "reset"
@@ -63,6 +68,27 @@ def ask_once(ns: str, ip: str, port: int, proto: str = "tcp", timeout: float = 1
         sock.connect((ip, port))
         sock.sendall(b"who\n")
         return _readline(sock, deadline)
+    except OSError as exc:
+        return _kind(exc)
+    finally:
+        sock.close()
+
+
+def ask_from(ns: str, ip: str, port: int, source: str, sport: int,
+             timeout: float = 2.0) -> str:
+    """One TCP connection from `source`:`sport` (a chosen 5-tuple, as hashing balancers
+    see it): a backend name or a failure. Closed with a reset, so that no TIME_WAIT
+    keeps the 5-tuple from being used again at once."""
+    with entered(ns):
+        sock = socket.socket(_family(ip), socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.settimeout(timeout)
+        sock.bind((source, sport))
+        sock.connect((ip, port))
+        sock.sendall(b"who\n")
+        return _readline(sock, time.monotonic() + timeout)
     except OSError as exc:
         return _kind(exc)
     finally:
@@ -159,3 +185,43 @@ def http_get(ns: str, host: str, port: int, path: str,
         return 0, b""
     finally:
         conn.close()
+
+
+class Idle(_Held):
+    """A TCP connection asked once, whose client then waits in recv() and sends nothing
+    (an idle connection). `ended`: how the wait ended (an exception's name, or the data
+    that came) and when (monotonic); None while it waits."""
+
+    def __init__(self, ns: str, ip: str, port: int, timeout: float = 5.0) -> None:
+        with entered(ns):
+            self.sock = socket.socket(_family(ip), socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect((ip, port))
+        self.sock.sendall(b"who\n")
+        self.backend = _readline(self.sock, time.monotonic() + timeout)
+        self.sock.settimeout(None)
+        self.ended: tuple[str, float] | None = None
+        self._thread = threading.Thread(target=self._wait, daemon=True)
+        self._thread.start()
+
+    def _wait(self) -> None:
+        try:
+            what = f"data {self.sock.recv(100)!r}"
+        except OSError as exc:
+            what = type(exc).__name__
+        self.ended = (what, time.monotonic())
+
+    def reset_since(self, since: float, within: float,
+                    detail: Callable[[], object] | None = None) -> float:
+        """Seconds from `since` (monotonic) to the connection's reset, polled for `within`
+        seconds; fails on anything but a reset."""
+        ended = poll.wait(lambda: self.ended, within, "the client's error", interval=0.005,
+                          detail=detail)
+        assert ended[0] == "ConnectionResetError", ended[0]
+        return ended[1] - since
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # not connected: reset already
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self._thread.join(timeout=5)

@@ -10,9 +10,6 @@ own connections (host network) go through nat OUTPUT and our output chain."""
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,7 +22,7 @@ from proxy.dataplane.common.ctnetlink import ConntrackSocket
 from proxy.dataplane.common.netlink_constants import IPS_SRC_NAT
 from proxy.dataplane.xtables.restore_runner import Backend
 from proxy.model.types import Family
-from proxy.netns_lab import BackendSpec, Lab, poll
+from proxy.netns_lab import BackendSpec, Lab, poll, probe
 from proxy.netns_lab.netns import entered
 from tests.e2e.agent_support import (
     AgentProcess,
@@ -79,40 +76,16 @@ def _objects(lab: Lab, annotated: bool,
     return out
 
 
-class Waiting:
-    """A connection's client blocked in recv(): when and how it ended."""
+class Waiting(probe.Idle):
+    """A connection's client blocked in recv() on the service's address."""
 
     def __init__(self, ns: str, family: Family = Family.V4) -> None:
-        with entered(ns):
-            self.sock = socket.create_connection((VIPS[family], 80), timeout=5)
-        self.sock.sendall(b"who\n")
-        self.backend = self.sock.recv(100).decode().strip()
-        self.sock.settimeout(None)
-        self.ended: tuple[str, float] | None = None
-        self._thread = threading.Thread(target=self._wait, daemon=True)
-        self._thread.start()
+        super().__init__(ns, VIPS[family], 80)
 
-    def _wait(self) -> None:
-        try:
-            what = f"data {self.sock.recv(100)!r}"
-        except OSError as exc:
-            what = type(exc).__name__
-        self.ended = (what, time.monotonic())
-
-    def reset_since(self, removed: float, detail: Callable[[], object] | None = None
-                    ) -> float:
-        """Seconds from `removed` (monotonic) to the connection's reset, polled a little
-        past the goal; fails on anything but a reset."""
-        ended = poll.wait(lambda: self.ended, GOAL + 1, "the client's error",
-                          interval=0.005, detail=detail)
-        assert ended[0] == "ConnectionResetError", ended[0]
-        return ended[1] - removed
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):  # not connected: reset already
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        self._thread.join(timeout=5)
+    def reset_since(self, since: float, within: float = GOAL + 1,
+                    detail: Callable[[], object] | None = None) -> float:
+        """Polled a little past the goal."""
+        return super().reset_since(since, within, detail)
 
 
 def _masqueraded(lab: Lab, family: Family) -> bool:
@@ -212,7 +185,7 @@ def test_real_agent_resets_within_2s_of_the_slice_write(lab: Lab, tmp_path: Path
                 removed = time.monotonic()
                 sim.apply(endpoint_slice("web-v4", "web", [
                     endpoint(b[n].ipv4) for n in b if n != waiting.backend]))
-                took = waiting.reset_since(removed, agent.log_tail)
+                took = waiting.reset_since(removed, detail=agent.log_tail)
                 print(f"fail fast (agent, {mode}): ECONNRESET {took:.3f} s after the "
                       "slice was written")
                 assert took <= GOAL

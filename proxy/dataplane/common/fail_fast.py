@@ -17,13 +17,38 @@ the endpoint from one of the service port's addresses, in the node's network nam
    from the service's address, and the client's kernel answers an unacceptable segment
    with an ACK of its own sequence numbers (at most one per 500 ms per socket:
    net.ipv4.tcp_invalid_ratelimit);
-3. that ACK is DNATed to the dead endpoint by the entry and meets `reject with tcp
-   reset` in our own small nf_tables table (forward and output, for host-network
-   clients), for DNATed packets of exactly those flows (client and endpoint addresses
-   and ports, in a set whose elements expire after REJECT_SECONDS): the RST's sequence
-   number is the client's own acknowledgement, in window, so the client's socket fails
-   with ECONNRESET (measured: 25-91 ms after the removal; with the real agent, 33-49 ms
-   after the slice was written: docs/reliability.md).
+3. that ACK, of a flow conntrack DNATed to the dead endpoint, meets `reject with tcp
+   reset` in our own small nf_tables table (prerouting before DNAT, so the reset comes
+   from the service's address even where the kernel sends it straight back out of a
+   bridge port; output after DNAT, for host-network clients), for exactly those flows
+   (client and endpoint addresses and ports, in a set whose elements expire after
+   REJECT_SECONDS): the RST's sequence number is the client's own acknowledgement, in
+   window, so the client's socket fails with ECONNRESET (measured: 25-91 ms after the
+   removal; with the real agent, 33-49 ms after the slice was written; on real nodes,
+   from `kubectl delete pod`: docs/reliability.md).
+
+In IPVS mode (`FailFast(ipvs=True)`) the flows are IPVS connections. With
+net.ipv4.vs.conntrack=1 (node_settings.py) each keeps a conntrack entry whose original
+tuple is client -> service address and port and whose reply tuple IPVS rewrote to come
+from the real server, without NAT (no IPS_DST_NAT; kernel lab: status 0x19e, the
+masquerade's bits alone), so an entry is the endpoint's when its reply comes from the
+endpoint and it was sent to one of the port's addresses (`proxied`). The real server of
+a TCP endpoint that left drains at weight 0, its connections kept: an idle client hears
+nothing. Each flow is ended in its frontend form, as the client's socket knows it:
+
+1. the flow (client address and port, service address and port) is put in our table's
+   set, where `reject with tcp reset` meets the client's packets in input (priority
+   -10) and output (-150, host-network clients: after conntrack's -200): both before
+   IPVS's own hooks (input 98, output -99 and -98), while the service's address is
+   still the destination; after them the packet would go on to the dead real server;
+2. a bare out-of-window ACK is sent from the service's address and port to the client
+   from a raw socket, untracked by the same table (output at priority raw). Tracked,
+   it is a new flow whose reply tuple is the IPVS connection's original one, and it
+   never reaches the client's socket (kernel lab: no reset). No liberal entry needed;
+3. the client's challenge ACK meets the reject; the RST (from the service's address,
+   its sequence number the client's acknowledgement) fails the socket with ECONNRESET
+   (kernel lab, emulated: 3-6 ms after the segment; from the removal, see
+   docs/reliability.md). Without the opt-in the client hears nothing.
 
 "Left" (`vanished`): the endpoint got traffic of a TCP service port before the change
 and none after, and is no longer in the port's slices, or is terminating and no longer
@@ -34,7 +59,8 @@ the next datagram goes to a live endpoint.
 
 The table is ours alone (`inet sliceproxy-fail-fast`), beside iptables (legacy or nft)
 and IPVS rules as beside our nftables mode's tables; it is made the first time a flow
-is reset and holds nothing but short-lived set elements.
+is reset, with the chains of the mode's form, and holds nothing but short-lived set
+elements.
 """
 
 from __future__ import annotations
@@ -125,16 +151,23 @@ def vanished_between(old: Mapping[ServicePortKey, ResolvedServicePort],
     return out
 
 
-def flows_of(entries: Iterable[CtEntry], gone: Sequence[Vanished]
+def proxied(entry: CtEntry, ipvs: bool) -> bool:
+    """Whether `entry` is a flow a service sent elsewhere: DNATed by our rules, or in
+    IPVS mode answered by another address than the one the client asked (IPVS alters
+    the reply tuple without NAT: no IPS_DST_NAT)."""
+    return entry.reply_src != entry.dst if ipvs else entry.dnat
+
+
+def flows_of(entries: Iterable[CtEntry], gone: Sequence[Vanished], ipvs: bool = False
              ) -> list[tuple[CtEntry, Vanished]]:
-    """The TCP entries DNATed to an endpoint in `gone` from one of its service port's
-    addresses (another service using the same endpoint keeps its flows)."""
+    """The TCP entries sent to an endpoint in `gone` from one of its service port's
+    addresses (`proxied`; another service using the same endpoint keeps its flows)."""
     by_endpoint: dict[tuple[IPAddress, int], list[Vanished]] = {}
     for v in gone:
         by_endpoint.setdefault((v.endpoint, v.port), []).append(v)
     out = []
     for entry in entries:
-        if entry.protocol != IPPROTO_TCP or not entry.dnat:
+        if entry.protocol != IPPROTO_TCP or not proxied(entry, ipvs):
             continue
         for v in by_endpoint.get((entry.reply_src, entry.reply_sport), ()):
             if any(dport == entry.dport and dst in (None, entry.dst)
@@ -171,16 +204,46 @@ def provoking_ack(src: IPAddress, sport: int, dst: IPAddress, dport: int, seq: i
                        dst.packed) + tcp
 
 
-def table_script() -> str:
+_FLOW = "{ip} saddr . tcp sport . {ip} daddr . tcp dport @{set}"
+_FLOW_BACK = "{ip} daddr . tcp dport . {ip} saddr . tcp sport @{set}"  # its other way
+_RESET = f"{_FLOW} reject with tcp reset"
+# A client's packet before DNAT: its own address and port, and the endpoint conntrack
+# chose (the entry's reply source).
+_FLOW_TO = ("ct direction original ct status dnat {ip} saddr . tcp sport . "
+            "ct reply {ip} saddr . ct reply proto-src @{set} reject with tcp reset")
+
+
+def _chain(name: str, hook: str, priority: str, rule: str) -> str:
+    rules = "".join(f"    {rule.format(ip=ip, set=_SET[family])}\n"
+                    for family, ip in ((Family.V4, "ip"), (Family.V6, "ip6")))
+    return (f"  chain {name} {{\n    type filter hook {hook} priority {priority}; "
+            f"policy accept;\n{rules}  }}\n")
+
+
+def table_script(ipvs: bool = False) -> str:
     """Our table, made anew (its sets empty) in one transaction. A set's element is one
-    flow as its client's packets show it after DNAT: client address and port, endpoint
-    address and port (so another service's flows to the same pod are never touched)."""
-    chains = "".join(
-        f"  chain {hook} {{\n    type filter hook {hook} priority -10; policy accept;\n"
-        + "".join(f"    ct status dnat {ip} saddr . tcp sport . {ip} daddr . tcp dport "
-                  f"@{_SET[family]} reject with tcp reset\n"
-                  for family, ip in ((Family.V4, "ip"), (Family.V6, "ip6")))
-        + "  }\n" for hook in ("forward", "output"))
+    flow: client address and port, then endpoint address and port (conntrack's reply
+    source before DNAT, the packet's destination after: another service's flows to the
+    same pod are never touched), or in IPVS mode, before IPVS, the service's address and
+    port as the client's packets show them."""
+    if ipvs:
+        # Input and output before IPVS's hooks (98; -99 and -98): the service's address
+        # is still the destination, and IPVS would send the packet on to the dead real
+        # server (or drop it: expire_nodest_conn). Output after conntrack's -200. The
+        # provoking segments go untracked: as a new flow, their reply tuple would be the
+        # IPVS connection's original one (kernel lab: they never reached the client).
+        chains = (_chain("input", "input", "-10", _RESET)
+                  + _chain("output", "output", "-150", _RESET)
+                  + _chain("provoke", "output", "raw", f"{_FLOW_BACK} notrack"))
+    else:
+        # Forwarded clients' packets in prerouting, before DNAT (-100): the reset leaves
+        # from the service's address, which the client's socket knows, also where the
+        # kernel sends it straight out of the bridge port the packet came in on, with no
+        # NAT on that way (pods behind a bridge with br_netfilter: real nodes; a reset
+        # from the endpoint's address, rejected in forward, never reached the client).
+        # Host-network clients' in output, after DNAT.
+        chains = (_chain("prerouting", "prerouting", "-150", _FLOW_TO)
+                  + _chain("output", "output", "-10", f"ct status dnat {_RESET}"))
     sets = "".join(
         f"  set {_SET[family]} {{\n    type {addr} . inet_service . {addr} . inet_service; "
         "flags timeout;\n  }\n"
@@ -189,9 +252,10 @@ def table_script() -> str:
             f"table inet {TABLE} {{\n{sets}{chains}}}\n")
 
 
-def elements_script(flows: Iterable[CtEntry]) -> str:
+def elements_script(flows: Iterable[CtEntry], ipvs: bool = False) -> str:
     lines = sorted({f"add element inet {TABLE} {_SET[e.family]} {{ {e.src} . {e.sport} . "
-                    f"{e.reply_src} . {e.reply_sport} timeout {REJECT_SECONDS}s }}\n"
+                    + (f"{e.dst} . {e.dport}" if ipvs else f"{e.reply_src} . {e.reply_sport}")
+                    + f" timeout {REJECT_SECONDS}s }}\n"
                     for e in flows})
     return "".join(lines)
 
@@ -209,11 +273,18 @@ def remove_table() -> bool:
     return done.returncode == 0
 
 
+# A flow to provoke: its entry, the endpoint that left, the segment's source, and its
+# destination (None: not known).
+Target = tuple[CtEntry, Vanished, tuple[IPAddress, int], tuple[IPAddress, int] | None]
+
+
 class FailFast:
     """Ends the flows of vanished endpoints, in the calling thread's network namespace
-    (the data plane's thread; needs CAP_NET_ADMIN and CAP_NET_RAW)."""
+    (the data plane's thread; needs CAP_NET_ADMIN and CAP_NET_RAW). `ipvs`: the flows
+    are IPVS connections (the IPVS mode), not DNATed ones."""
 
-    def __init__(self) -> None:
+    def __init__(self, ipvs: bool = False) -> None:
+        self.ipvs = ipvs
         self._table_made = False
 
     def end(self, gone: Sequence[Vanished]) -> int:
@@ -235,11 +306,11 @@ class FailFast:
 
     def _reject(self, elements: str) -> None:
         try:
-            self._nft(elements if self._table_made else table_script() + elements)
+            self._nft(elements if self._table_made else table_script(self.ipvs) + elements)
         except OSError:
             if not self._table_made:
                 raise
-            self._nft(table_script() + elements)  # someone flushed our table
+            self._nft(table_script(self.ipvs) + elements)  # someone flushed our table
         self._table_made = True
 
     def _end(self, gone: Sequence[Vanished]) -> int:
@@ -247,15 +318,12 @@ class FailFast:
         sock = ConntrackSocket()
         try:
             hits = [h for family in families
-                    for h in flows_of(sock.dump(family, (IPPROTO_TCP,)), gone)]
+                    for h in flows_of(sock.dump(family, (IPPROTO_TCP,)), gone, self.ipvs)]
             if not hits:
                 return 0
-            entries = [entry for entry, _ in hits]
             # The reject first: the client's answer may come back within microseconds.
-            self._reject(elements_script(entries))
-            codes = sock.make_liberal(entries)
-            targets = [(entry, v, self._reply_destination(sock, entry))
-                       for (entry, v), code in zip(hits, codes, strict=True) if not code]
+            self._reject(elements_script((entry for entry, _ in hits), self.ipvs))
+            targets = self._targets(sock, hits)
         finally:
             sock.close()
         sent = self._provoke(targets)
@@ -263,6 +331,17 @@ class FailFast:
             "endpoints": sorted({f"{v.service} {format_endpoint(v.endpoint, v.port)}"
                                  for v in gone}), "flows": sent})
         return sent
+
+    def _targets(self, sock: ConntrackSocket, hits: Sequence[tuple[CtEntry, Vanished]]
+                 ) -> list[Target]:
+        """Where each flow's provoking segments go from. IPVS: from the service's address
+        to the client, untracked (our table's provoke chain), as the client's socket
+        knows its peer. Else as the endpoint's reply, made liberal first."""
+        if self.ipvs:
+            return [(e, v, (e.dst, e.dport), (e.src, e.sport)) for e, v in hits]
+        codes = sock.make_liberal([entry for entry, _ in hits])
+        return [(e, v, (e.reply_src, e.reply_sport), self._reply_destination(sock, e))
+                for (e, v), code in zip(hits, codes, strict=True) if not code]
 
     @staticmethod
     def _reply_destination(sock: ConntrackSocket, entry: CtEntry
@@ -279,12 +358,11 @@ class FailFast:
         return address, dport
 
     @staticmethod
-    def _provoke(targets: Sequence[tuple[CtEntry, Vanished, tuple[IPAddress, int] | None]]
-                 ) -> int:
+    def _provoke(targets: Sequence[Target]) -> int:
         sent = 0
         socks: dict[Family, socket.socket] = {}
         try:
-            for entry, v, destination in targets:
+            for entry, v, (src, sport), destination in targets:
                 if destination is None:
                     continue
                 sock = socks.get(entry.family)
@@ -297,8 +375,8 @@ class FailFast:
                 # of them is out of it whatever the client's numbers.
                 seq, ack = secrets.randbits(32), secrets.randbits(32)
                 for number in (seq, (seq + (1 << 31)) & 0xFFFFFFFF):
-                    sock.sendto(provoking_ack(entry.reply_src, entry.reply_sport, dst,
-                                              dport, number, ack), (str(dst), 0))
+                    sock.sendto(provoking_ack(src, sport, dst, dport, number, ack),
+                                (str(dst), 0))
                 sent += 1
                 log.debug("reset a flow to a vanished endpoint", extra={
                     "service": v.service, "client": f"{entry.src}:{entry.sport}",

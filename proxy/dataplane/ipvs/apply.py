@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from proxy.dataplane.base import ApplyError, DataplaneOptions, PortTraffic, SyncReport
-from proxy.dataplane.common import conntrack
+from proxy.dataplane.common import conntrack, fail_fast
 from proxy.dataplane.common.drift_watch import (
     LegacyCanary,
     NftablesListener,
@@ -135,6 +135,7 @@ class IpvsDataPlane:
         self._watches: list[NftablesListener | LegacyCanary | LinkListener] = []
         self._sampler: TableSampler | None = None
         self._traffic = TrafficReader()
+        self._fail_fast = fail_fast.FailFast(ipvs=True)
         # What the last `cleanup` removed (for its caller's log line).
         self.cleaned: dict[str, int] = {}
 
@@ -174,9 +175,10 @@ class IpvsDataPlane:
             touched = self._partial(state, ctx, h, run)
         self._ctx = ctx
         deleted: dict[str, int] = {}
+        reset = 0
         if not run.failures and self._last is not None:
-            deleted = self._clear_conntrack(self._last, state,
-                                            touched.written | touched.removed)
+            deleted, reset = self._clear_conntrack(self._last, state,
+                                                   touched.written | touched.removed)
         seconds = time.perf_counter() - started
         netlink_calls = h.ipvs.calls + h.links.calls - calls_before
         details = {
@@ -189,6 +191,7 @@ class IpvsDataPlane:
             "ipset_lines": run.ipset_lines,
             "iptables_lines": run.iptables_lines,
             "failed_operations": len(run.failures),
+            "flows_reset": reset,
             "families": [f.label for f in self._families],
         }
         if run.failures:
@@ -208,7 +211,7 @@ class IpvsDataPlane:
             operations=netlink_calls + run.ipset_lines + run.iptables_lines,
             apply_seconds=seconds,
             conntrack_cleared=sum(deleted.values()), conntrack_deleted=deleted,
-            details=details,
+            flows_reset=reset, details=details,
         )
 
     def _remember_applied(self, full: bool, touched: Touched) -> None:
@@ -486,12 +489,18 @@ class IpvsDataPlane:
     # --- conntrack -----------------------------------------------------------------------
 
     def _clear_conntrack(self, old: DesiredState, new: DesiredState,
-                         keys: Iterable[ServicePortKey]) -> dict[str, int]:
+                         keys: Iterable[ServicePortKey]) -> tuple[dict[str, int], int]:
         """Delete conntrack entries of UDP/SCTP flows to endpoints that left (shared with
         the iptables plane: with net.ipv4.vs.conntrack=1 IPVS keeps the same tuples).
         Linux 5.9+ already expires a deleted real server's IPVS connections, conntrack
         entries included (expire_nodest_conn=1), so this usually finds nothing there; it
-        covers older kernels and entries of real servers deleted by other means.
-        A failure is logged, not raised: the rules themselves are in place."""
-        return conntrack.clear_after_sync(conntrack.stale_flows_between(old.ports, new.ports,
-                                                                         keys))
+        covers older kernels and entries of real servers deleted by other means. Then
+        reset the TCP flows of endpoints that left, where asked (common/fail_fast.py: a
+        TCP real server drains at weight 0, its connections kept). What was deleted by
+        reason, and how many flows were reset. A failure is logged, not raised: the
+        rules themselves are in place."""
+        keys = set(keys)
+        deleted = conntrack.clear_after_sync(
+            conntrack.stale_flows_between(old.ports, new.ports, keys))
+        gone = fail_fast.vanished_between(old.ports, new.ports, keys, self.options.fail_fast)
+        return deleted, self._fail_fast.end(gone)
