@@ -29,10 +29,13 @@ NODE_ADDRESS = ip_address("198.18.0.1")  # on interface 1
 
 class FakeIpvs:
     """The IPVS table: `held` is what it holds (a test may set it, e.g. to what the plane
-    believes); operations are recorded, not applied. Every real server keeps one
-    connection, so a draining one stays draining."""
+    believes); operations are recorded, and applied only with `applies` (as the kernel
+    does: a real server added goes to the head of its list). Every real server keeps
+    one connection, so a draining one stays draining."""
 
-    def __init__(self, held: Mapping[VsKey, KernelService] | None = None) -> None:
+    def __init__(self, held: Mapping[VsKey, KernelService] | None = None,
+                 applies: bool = False) -> None:
+        self.applies = applies
         self.calls = self.writes = 0
         self.ops: list[str] = []
         self.held: Mapping[VsKey, KernelService] = dict(held or {})
@@ -50,7 +53,31 @@ class FakeIpvs:
         self.calls += 1
         self.writes += len(ops)
         self.ops += [str(op) for op in ops]
+        if self.applies:
+            for op in ops:
+                self._apply(op)
         return [0] * len(ops)
+
+    def _apply(self, op: Op) -> None:
+        held = dict(self.held)
+        if op.service is not None:  # add or edit: the real servers stay
+            s = op.service
+            dests = held[op.vs].dests if op.vs in held else {}
+            held[op.vs] = KernelService(op.vs, s.scheduler, s.flags, s.timeout, dests)
+        elif op.rs is None:
+            held.pop(op.vs, None)
+        else:
+            old = held[op.vs]
+            dests = dict(old.dests)
+            if op.kind.value == "del-dest":
+                dests.pop(op.rs)
+            elif op.kind.value == "add-dest":
+                assert op.rs not in dests, f"{op}: EEXIST"
+                dests = {op.rs: KernelDest(op.weight), **dests}
+            else:
+                dests[op.rs] = KernelDest(op.weight)
+            held[op.vs] = KernelService(old.key, old.scheduler, old.flags, old.timeout, dests)
+        self.held = held
 
     def services(self) -> dict[VsKey, KernelService]:
         return dict(self.held)

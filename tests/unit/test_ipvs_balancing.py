@@ -1,5 +1,6 @@
 """IPVS: a service's balancing picks its virtual servers' scheduler (maglev: `mh` on the
-source address and port, source-hash: `sh`, random: the node's --ipvs-scheduler),
+source address and port, source-hash: `sh`, both with their fallback past a draining
+real server; random: the node's --ipvs-scheduler),
 with ClientIP affinity's persistence on top; a change of annotation edits the virtual
 server in place. On the plane over the fake kernel handles (tests/fakekernel/ipvs.py)."""
 
@@ -9,7 +10,7 @@ import pytest
 
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.ipvs.apply import IpvsDataPlane
-from proxy.dataplane.ipvs.render import FLAG_PERSISTENT, FLAG_SCHED2
+from proxy.dataplane.ipvs.render import FLAG_PERSISTENT, FLAG_SCHED1, FLAG_SCHED2
 from proxy.kube.ingest import apply_object
 from proxy.model.snapshot import DesiredState
 from proxy.model.tracker import ClusterModel
@@ -22,7 +23,7 @@ VS = "TCP 198.18.128.1:80"
 
 
 def plane(scheduler: str = "rr") -> tuple[IpvsDataPlane, FakeIpvs]:
-    ipvs = FakeIpvs()
+    ipvs = FakeIpvs(applies=True)
     options = DataplaneOptions(NODE, families=(Family.V4,), ipvs_scheduler=scheduler)
     return on_fakes(options, ipvs), ipvs
 
@@ -37,9 +38,9 @@ def model(default: Balancing = Balancing.RANDOM, **spec: object) -> ClusterModel
 @pytest.mark.parametrize(("annotation", "default", "scheduler", "expected", "flags"), [
     (None, Balancing.RANDOM, "rr", "rr", 0),
     (None, Balancing.RANDOM, "wrr", "wrr", 0),
-    ("maglev", Balancing.RANDOM, "rr", "mh", FLAG_SCHED2),
-    ("source-hash", Balancing.RANDOM, "rr", "sh", 0),
-    (None, Balancing.MAGLEV, "rr", "mh", FLAG_SCHED2),
+    ("maglev", Balancing.RANDOM, "rr", "mh", FLAG_SCHED1 | FLAG_SCHED2),
+    ("source-hash", Balancing.RANDOM, "rr", "sh", FLAG_SCHED1),
+    (None, Balancing.MAGLEV, "rr", "mh", FLAG_SCHED1 | FLAG_SCHED2),
     ("random", Balancing.SOURCE_HASH, "lc", "lc", 0),
 ])
 def test_the_balancing_is_the_virtual_server_s_scheduler(
@@ -62,7 +63,7 @@ def test_affinity_keeps_its_persistence_on_top_of_maglev() -> None:
     dp.sync(state, full=True)
     assert ipvs.ops[0] == f"add-service {VS} mh persistent 60"
     (vs,) = dp._servers.believed.values()
-    assert vs.flags == FLAG_PERSISTENT | FLAG_SCHED2
+    assert vs.flags == FLAG_PERSISTENT | FLAG_SCHED1 | FLAG_SCHED2
 
 
 def test_a_new_annotation_edits_the_virtual_server_and_leaves_its_real_servers() -> None:

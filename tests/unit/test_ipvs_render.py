@@ -12,6 +12,7 @@ from typing import Any
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.ipvs.render import (
     FLAG_PERSISTENT,
+    FLAG_SCHED1,
     FLAG_SCHED2,
     IpvsContext,
     SetRole,
@@ -85,7 +86,7 @@ def test_scheduler_from_options_and_mh_hashes_the_source_port() -> None:
     rsp = resolve_one(service(ports=(HTTP,)), eps_slice("s1", [ep("198.18.1.10")]))
     assert render_port(rsp, ctx(ipvs_scheduler="wlc")).virtual_servers[0].scheduler == "wlc"
     vs = render_port(rsp, ctx(ipvs_scheduler="mh")).virtual_servers[0]
-    assert (vs.scheduler, vs.flags) == ("mh", FLAG_SCHED2)
+    assert (vs.scheduler, vs.flags) == ("mh", FLAG_SCHED1 | FLAG_SCHED2)
 
 
 def test_node_port_on_every_usable_node_address_masqueraded() -> None:

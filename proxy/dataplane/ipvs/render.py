@@ -66,8 +66,15 @@ DUMMY_INTERFACE = IPVS.markers.dummy_interface
 # Virtual-server flags (include/uapi/linux/ip_vs.h).
 FLAG_PERSISTENT = 0x0001
 FLAG_HASHED = 0x0002  # set by the kernel on every service; never ours to compare
+# "mh-fallback" / "sh-fallback": a flow whose slot holds a real server at weight 0 (one
+# draining) is hashed on to an available one, rather than refused: both schedulers keep
+# a weight-0 real server's slots (mh keeps its last weight, sh deals it a bucket).
+FLAG_SCHED1 = 0x0008
 FLAG_SCHED2 = 0x0010  # "mh-port": the mh scheduler also hashes the source port (upstream)
-OUR_FLAGS = FLAG_PERSISTENT | FLAG_SCHED2
+OUR_FLAGS = FLAG_PERSISTENT | FLAG_SCHED1 | FLAG_SCHED2
+# Schedulers whose table follows the order of the kernel's list of real servers: the
+# plane keeps that list in one canonical order (order.py), so every node agrees.
+ORDERED_SCHEDULERS = frozenset({"mh", "sh"})
 
 # Every real server gets weight 1 (upstream); 0 means "draining".
 WEIGHT = 1
@@ -335,6 +342,8 @@ def _virtual_server(rsp: ResolvedServicePort, ctx: IpvsContext, key: VsKey, kind
     scheduler = _scheduler(rsp.balancing, ctx.scheduler)
     if scheduler == "mh":
         flags |= FLAG_SCHED2
+    if scheduler in ORDERED_SCHEDULERS:
+        flags |= FLAG_SCHED1
     # A Local policy without a local endpoint drops traffic only when endpoints exist
     # elsewhere; with none at all the (empty) virtual server refuses it, as upstream.
     any_endpoints = rsp.has_any_endpoints
@@ -515,6 +524,8 @@ def describe_vs(vs: VirtualServer, weights: Mapping[RsKey, int] | None = None) -
     head = f"{vs.key} {vs.scheduler}"
     if vs.persistent:
         head += f" persistent {vs.timeout}"
+    if vs.flags & FLAG_SCHED1:
+        head += f" {vs.scheduler}-fallback"
     if vs.flags & FLAG_SCHED2:
         head += " mh-port"
     reals = dict.fromkeys(vs.real_servers, WEIGHT)

@@ -25,7 +25,15 @@ from proxy.dataplane.ipvs.diff import (
 )
 from proxy.dataplane.ipvs.drain import DrainTracker
 from proxy.dataplane.ipvs.kernel import IpvsTable
-from proxy.dataplane.ipvs.render import RealServerChange, RsKey, VirtualServer, VsKey
+from proxy.dataplane.ipvs.moves import connections_kept
+from proxy.dataplane.ipvs.order import after_ops, diff_ordered, moves
+from proxy.dataplane.ipvs.render import (
+    ORDERED_SCHEDULERS,
+    RealServerChange,
+    RsKey,
+    VirtualServer,
+    VsKey,
+)
 from proxy.dataplane.ipvs.run_record import RunRecord
 from proxy.model.types import ServicePortKey
 
@@ -74,12 +82,14 @@ class VirtualServers:
         exchange; returns those whose real servers started draining. `changed`: servers
         whose real servers alone changed, and how (diffed in O(change) when the port that
         changed them still owns them)."""
+        items = [(k, e, _in_kernel_order(k, e, c, ipvs, run)) for k, e, c in items]
         plans = [(vs_key, entry, current, _plan(vs_key, entry, current, changed or {}))
                  for vs_key, entry, current in items]
         ops = [op for *_, plan in plans for op in plan.ops]
         owners = [entry[0] if entry else None for _k, entry, _c, plan in plans
                   for _ in plan.ops]
-        results = iter(self.execute(ipvs, ops, owners, run))
+        with connections_kept(moves(ops)):
+            results = iter(self.execute(ipvs, ops, owners, run))
         now = self.clock()
         started: set[VsKey] = set()
         for vs_key, entry, current, plan in plans:
@@ -181,6 +191,9 @@ def _plan(vs_key: VsKey, entry: tuple[ServicePortKey, VirtualServer] | None,
           current: KernelService | None, changed: Changed) -> _Plan:
     """One server's operations and what the kernel holds once they succeed."""
     desired = entry[1] if entry else None
+    if desired is not None and desired.scheduler in ORDERED_SCHEDULERS:
+        ordered = diff_ordered(desired, current)  # whole: the list's order matters too
+        return _Plan(ordered, after_ops(current, desired, ordered))
     change = changed.get(vs_key)
     if entry is not None and desired is not None and current is not None \
             and change is not None and change[0] == entry[0]:
@@ -188,3 +201,23 @@ def _plan(vs_key: VsKey, entry: tuple[ServicePortKey, VirtualServer] | None,
         if ops is not None:
             return _Plan(ops, believed_after_change(desired, current, change[1]), change[1])
     return _Plan(diff_service(desired, current), believed_after(desired, current))
+
+
+def _in_kernel_order(vs_key: VsKey, entry: tuple[ServicePortKey, VirtualServer] | None,
+                     current: KernelService | None, ipvs: IpvsTable,
+                     run: RunRecord) -> KernelService | None:
+    """`current`, its real servers in the kernel's list order where that order is about
+    to matter: a server turning to an ordered scheduler, whose list we followed without
+    its order (a partial sync appends an added real server; the kernel puts it at the
+    head). One dump of its real servers, at that change only."""
+    desired = entry[1] if entry else None
+    if (current is None or desired is None or desired.scheduler not in ORDERED_SCHEDULERS
+            or current.scheduler in ORDERED_SCHEDULERS):
+        return current
+    try:
+        dests = ipvs.dests(vs_key)
+    except Exception as exc:
+        run.fail(f"dump real servers of {vs_key}", exc)
+        return current
+    return KernelService(current.key, current.scheduler, current.flags, current.timeout,
+                         dests)
