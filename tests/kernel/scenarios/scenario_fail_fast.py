@@ -215,4 +215,5 @@ def test_the_other_modes_table_loads_in_this_kernel_too(lab: Lab) -> None:
     done = lab.exec(lab.node_ns, ["nft", "-f", "-"], input=fail_fast.table_script(ipvs=False))
     assert done.returncode == 0, done.stderr
     listed = lab.exec(lab.node_ns, ["nft", "list", "table", "inet", fail_fast.TABLE]).stdout
-    assert "hook prerouting priority -150" in listed and "reject with tcp reset" in listed
+    # -150: nft names it `mangle`.
+    assert "hook prerouting priority mangle" in listed and "ct reply ip saddr" in listed
