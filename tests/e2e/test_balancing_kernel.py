@@ -6,8 +6,6 @@ flows that were on it and keeps the others where they were."""
 
 from __future__ import annotations
 
-import socket
-import struct
 import subprocess
 from collections.abc import Iterator
 from ipaddress import ip_address
@@ -17,7 +15,7 @@ import pytest
 from proxy.dataplane.nftables.render import HASH_SEED
 from proxy.model.balancing import maglev_table
 from proxy.model.types import IPAddress
-from proxy.netns_lab import BackendSpec, Lab
+from proxy.netns_lab import BackendSpec, Lab, probe
 from proxy.netns_lab.netns import entered
 from proxy.netns_lab.topology import CLIENT4
 from tests.e2e.conftest import Cluster, NodePlane
@@ -56,18 +54,7 @@ def objects(lab: Lab, balancing: str, names: list[str]) -> list[dict[str, object
 def ask_from(ns: str, sport: int) -> str:
     """One connection from CLIENT4:`sport` to the service: who answered. Closed with a
     reset, so no TIME_WAIT keeps the port from being used again."""
-    with entered(ns):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        sock.settimeout(2.0)
-        sock.bind((str(CLIENT4), sport))
-        sock.connect((VIP, 80))
-        sock.sendall(b"who\n")
-        return sock.recv(512).split(b"\n", 1)[0].decode()
-    finally:
-        sock.close()
+    return probe.ask_from(ns, VIP, 80, str(CLIENT4), sport)
 
 
 def predicted(lab: Lab, names: list[str], fields: int) -> dict[int, str]:

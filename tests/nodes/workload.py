@@ -23,6 +23,7 @@ SHIPPED_IMAGE = "image: sliceproxy:0.1.0"
 SHIPPED_MASTER = "master: https://API-SERVER-ADDRESS:6443"
 SHIPPED_MODE = "proxy-mode: iptables"
 SHIPPED_JSON_LOGS = "# logging-format: json"
+SHIPPED_CLUSTER_CIDR = "# cluster-cidr: 10.244.0.0/16"
 NAMESPACE = "lab"
 APP = "echo"
 TCP_PORT, UDP_PORT = 8080, 8081
@@ -47,13 +48,15 @@ def _set_image(text: str, image: str) -> str:
 
 
 def shipped_daemonset(image: str, master: str, mode: str = "iptables",
-                      json_logs: bool = False) -> str:
+                      json_logs: bool = False, cluster_cidr: str | None = None) -> str:
     """deploy/daemonset.yaml as an operator applies it: the image and the API server's
-    address set (the two things its header says to set); `mode` and JSON logs as the
-    ConfigMap's comments say to switch them."""
+    address set (the two things its header says to set); `mode`, JSON logs and the pod
+    network (`cluster_cidr`) as the ConfigMap's comments say to set them."""
     text = DAEMONSET.read_text()
     text = _set_image(text, image)
     text = _replace_once(text, SHIPPED_MASTER, f"master: {master}")
+    if cluster_cidr is not None:
+        text = _replace_once(text, SHIPPED_CLUSTER_CIDR, f"cluster-cidr: {cluster_cidr}")
     if mode != "iptables":
         text = _replace_once(text, SHIPPED_MODE, f"proxy-mode: {mode}")
     if json_logs:
