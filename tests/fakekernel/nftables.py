@@ -558,11 +558,7 @@ class NftTracer:
                      ) -> list[tuple[Walk, str]]:
         """`dnat ip to jhash <fields> mod M seed S map @slots`: the slot the kernel's
         jhash gives this packet, and the endpoint that slot holds."""
-        mod = words.index("mod")
-        if words[mod + 2] != "seed" or words[mod + 4] != "map" or len(words) != mod + 6:
-            raise TraceError(f"jhash {' '.join(words)}")
-        slot = self.hashed(words[:mod], int(words[mod + 1]), int(words[mod + 3], 0), st)
-        value = self._set(table, words[mod + 5].removeprefix("@")).elements.get((str(slot),))
+        value = self._hashed_lookup(table, words, "map", st)
         if value is None:
             return [(st, NEXT)]  # a failed lookup ends the rule, not the chain
         address, port = value.split(" . ")
@@ -573,14 +569,21 @@ class NftTracer:
                     ) -> list[tuple[Walk, str]]:
         """`jhash <fields> mod M seed S vmap @slots`: the verdict of the slot the kernel's
         jhash gives this packet (none: the rule ends, not the chain)."""
-        mod = words.index("mod")
-        if words[mod + 2] != "seed" or words[mod + 4] != "vmap" or len(words) < mod + 6:
-            raise TraceError(f"jhash {' '.join(words)}")
-        slot = self.hashed(words[:mod], int(words[mod + 1]), int(words[mod + 3], 0), st)
-        verdict = self._set(table, words[mod + 5].removeprefix("@")).elements.get((str(slot),))
+        verdict = self._hashed_lookup(table, words, "vmap", st)
         if verdict is None:
             return [(st, NEXT)]
         return self._verdict(table, verdict.split(), st)
+
+    def _hashed_lookup(self, table: str, words: list[str], how: str, st: Walk) -> str | None:
+        """`<fields> mod M seed S map|vmap @slots`: what the slot the kernel's
+        jhash gives this packet holds, if anything."""
+        mod = words.index("mod")
+        if words[mod + 2] != "seed" or words[mod + 4] != how or len(words) != mod + 6:
+            raise TraceError(f"jhash {' '.join(words)}")
+        slot = self.hashed(words[:mod], int(words[mod + 1]), int(words[mod + 3], 0), st)
+        found: str | None = self._set(table, words[mod + 5].removeprefix("@")).elements.get(
+            (str(slot),))
+        return found
 
     def hashed(self, fields: list[str], modulus: int, seed: int, st: Walk) -> int:
         """`jhash <fields> mod <modulus> seed <seed>` of this packet (fields such as

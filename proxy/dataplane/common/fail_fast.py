@@ -189,8 +189,14 @@ def _checksum(data: bytes) -> int:
 def provoking_ack(src: IPAddress, sport: int, dst: IPAddress, dport: int, seq: int,
                   ack: int) -> bytes:
     """A bare TCP ACK from src:sport to dst:dport, IP header included (for IPPROTO_RAW)."""
+    return tcp_segment(src, sport, dst, dport, seq, ack, _TCP_ACK)
+
+
+def tcp_segment(src: IPAddress, sport: int, dst: IPAddress, dport: int, seq: int, ack: int,
+                flags: int) -> bytes:
+    """A TCP segment without payload and with `flags`, IP header and checksums included."""
     v4 = isinstance(src, IPv4Address)
-    tcp = struct.pack("!HHIIBBHHH", sport, dport, seq, ack, 5 << 4, _TCP_ACK, 1024, 0, 0)
+    tcp = struct.pack("!HHIIBBHHH", sport, dport, seq, ack, 5 << 4, flags, 1024, 0, 0)
     if v4:
         pseudo = src.packed + dst.packed + struct.pack("!BBH", 0, IPPROTO_TCP, len(tcp))
     else:

@@ -40,9 +40,10 @@ SCALED_CAP = 1_048_576
 # (iptables masquerading needs them), dropping connections whose real server is gone
 # instead of black-holing them, expiring affinity templates of weight-0 real servers,
 # forwarding.
+EXPIRE_NODEST_CONN = "net/ipv4/vs/expire_nodest_conn"  # ipvs/moves.py lowers it briefly
 IPVS_SYSCTLS = {
     "net/ipv4/vs/conntrack": 1,
-    "net/ipv4/vs/expire_nodest_conn": 1,
+    EXPIRE_NODEST_CONN: 1,
     "net/ipv4/vs/expire_quiescent_template": 1,
     "net/ipv4/ip_forward": 1,
 }

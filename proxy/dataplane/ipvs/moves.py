@@ -17,10 +17,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from proxy.dataplane.common.node_settings import EXPIRE_NODEST_CONN as SYSCTL
+from proxy.dataplane.common.node_settings import PROC_SYS
+
 log = logging.getLogger(__name__)
 
 # Per network namespace: the calling thread's (the data plane's).
-EXPIRE_NODEST_CONN = Path("/proc/sys/net/ipv4/vs/expire_nodest_conn")
+EXPIRE_NODEST_CONN = Path("/", PROC_SYS, SYSCTL)
 
 
 @contextmanager

@@ -190,7 +190,7 @@ _SLOT_MAP_BODY = re.compile(r"typeof numgen random mod 1 : (ip6?) daddr \. (tcp|
 # for both families.
 _SLOT_VERDICT_MAP = bytes.fromhex("000401000000010400000000031a00041700000001120004010000000104"
                                   "0100000002040000000004080004010000000100060400000000")
-_SLOT_VERDICT_BODY = "typeof numgen random mod 1 : verdict"
+_SLOT_VERDICT_BODY = SlotMap("", Family.V4, "", verdicts=True).declaration().rstrip(";")
 
 
 def _slot_map_userdata(family: Family, proto: str) -> bytes:

@@ -19,7 +19,6 @@ import os
 import random
 import socket
 import statistics
-import struct
 import subprocess
 import time
 from collections.abc import Iterator
@@ -28,11 +27,13 @@ from pathlib import Path
 
 import pytest
 
+from proxy.dataplane.common.fail_fast import tcp_segment
 from proxy.dataplane.ipvs.diff import Op, OpKind
 from proxy.dataplane.ipvs.kernel import IpvsTable
 from proxy.dataplane.ipvs.moves import connections_kept
 from proxy.dataplane.ipvs.render import RsKey, VsKey
 from proxy.model.types import Protocol
+from proxy.netns_lab.poll import wait
 from tests.fakekernel.ipvs_schedulers import mh_choice, mh_table
 from tests.kernel.scenario_guest import Cluster, NodeThread, options
 from tests.unit.builders import ep, eps_slice, service
@@ -44,25 +45,12 @@ SHUFFLED = random.Random(39).sample(ENDPOINTS, len(ENDPOINTS))
 Choices = dict[tuple[str, int], str]
 
 
-def _checksum(data: bytes) -> int:
-    if len(data) % 2:
-        data += b"\0"
-    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
-    while total >> 16:
-        total = (total & 0xFFFF) + (total >> 16)
-    return ~total & 0xFFFF
+SYN, ACK = 0x02, 0x10
 
 
-def syn(source: str, sport: int, dest: str, dport: int, flags: int = 0x02) -> bytes:
+def segment(source: str, sport: int, dest: str, dport: int, flags: int = SYN) -> bytes:
     """An IPv4 TCP SYN (or `flags`), checksums and all (IPVS checks the TCP one)."""
-    src, dst = IPv4Address(source).packed, IPv4Address(dest).packed
-    tcp = struct.pack("!HHIIBBHHH", sport, dport, 1, 0, 5 << 4, flags, 65535, 0, 0)
-    pseudo = src + dst + struct.pack("!BBH", 0, socket.IPPROTO_TCP, len(tcp))
-    tcp = tcp[:16] + struct.pack("!H", _checksum(pseudo + tcp)) + tcp[18:]
-    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(tcp), 0, 0, 64,
-                     socket.IPPROTO_TCP, 0, src, dst)
-    ip = ip[:10] + struct.pack("!H", _checksum(ip)) + ip[12:]
-    return ip + tcp
+    return tcp_segment(IPv4Address(source), sport, IPv4Address(dest), dport, 1, 0, flags)
 
 
 def flows(count: int) -> list[tuple[str, int]]:
@@ -130,7 +118,7 @@ class Node:
         def send_and_read() -> Choices:
             with socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW) as s:
                 for source, sport in sample:
-                    s.sendto(syn(source, sport, vip, 80), (vip, 0))
+                    s.sendto(segment(source, sport, vip, 80), (vip, 0))
             return read_conns(vip)
         return self.thread.run(send_and_read, timeout=600)
 
@@ -269,14 +257,11 @@ def test_a_moved_real_server_keeps_its_connections(nodes: list[Node]) -> None:
                 assert table.apply_many([Op(OpKind.DEL_DEST, vs, rs=rs)]) == [0]
                 with socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW) as s, \
                         contextlib.suppress(PermissionError):  # IPVS dropped it: NF_DROP
-                    s.sendto(syn(*flow, MH_VIP, 80, flags=0x10), (MH_VIP, 0))  # an ACK
+                    s.sendto(segment(*flow, MH_VIP, 80, flags=ACK), (MH_VIP, 0))
             assert table.apply_many([Op(OpKind.ADD_DEST, vs, rs=rs, weight=1)]) == [0]
-            deadline = time.monotonic() + 5
-            while True:  # an expired connection leaves the table at its timer's next run
-                found = read_conns(MH_VIP).get(flow)
-                if found is None or guarded or time.monotonic() > deadline:
-                    return found
-                time.sleep(0.05)
+            if not guarded:  # an expired connection leaves the table at its timer's next run
+                wait(lambda: flow not in read_conns(MH_VIP), 5, "the connection expired")
+            return read_conns(MH_VIP).get(flow)
         finally:
             table.close()
     assert a.thread.run(lambda: move_with_a_packet(kept, True)) == target
