@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from ipaddress import ip_address
 
+from proxy.dataplane.nftables.objects import Key, Value
+from proxy.dataplane.nftables.objects import Verdict as ElementVerdict
+from proxy.dataplane.nftables.readback import Held, Unreadable
 from proxy.dataplane.nftables.transaction import Script
 from proxy.model.types import Family
 from tests.fakekernel.jhash import nft_jhash
@@ -150,6 +153,21 @@ class FakeNft:
         ip = "ip" if family is Family.V4 else "ip6"
         return {(t, n): v for (f, t), table in self.tables.items() if f == ip and t in tables
                 for n, v in table.counters.items()}
+
+    def elements(self, family: Family, table: str, set_name: str, types: Sequence[str],
+                 is_map: bool) -> Held:
+        """The runner's read-back of one set: keys typed as `types` (ports as numbers),
+        verdicts as objects.Verdict, () in a set."""
+        found = self.tables["ip" if family is Family.V4 else "ip6", table].sets[set_name]
+        out: dict[Key, Value] = {}
+        for key, value in found.elements.items():
+            if len(key) != len(types):
+                raise Unreadable(f"{key} as {types}")
+            parts = tuple(int(p) if t == "inet_service" else p
+                          for p, t in zip(key, types, strict=True))
+            verb, _, chain = value.partition(" ")
+            out[parts] = ElementVerdict(verb, chain) if value else ()
+        return Held(decoded=out)
 
     def count(self, family: Family, table: str, name: str, packets: int = 1) -> None:
         """Packets counted into a named counter, as traffic through its rule would."""

@@ -42,6 +42,7 @@ class FakePlane:
     def __init__(self, mode: str, options: DataplaneOptions | None = None,
                  node_ips: Sequence[str] = NODE_IPS, shards: int = 1) -> None:
         self.mode = mode
+        self._shape = (node_ips, shards)
         self.options = options or DataplaneOptions(
             NODE_NAME, cluster_cidrs=tuple(ip_network(c) for c in POD_CIDRS))
         self.node = Node.of(*node_ips)
@@ -61,6 +62,16 @@ class FakePlane:
                                         probe=False, shards=shards)
         else:
             raise ValueError(f"no fake kernel for mode {mode!r}")
+
+    def restarted(self) -> FakePlane:
+        """The agent started again on this node (nftables): a plane that knows nothing,
+        over the same fake kernel."""
+        assert self.mode == "nftables"
+        other = FakePlane(self.mode, self.options, *self._shape)
+        other.nft = self.nft
+        assert isinstance(other.dp, NftablesDataPlane)
+        other.dp.runner = self.nft  # type: ignore[assignment]
+        return other
 
     def become(self, *objects: dict[str, Any], full: bool = False) -> SyncReport:
         """The cluster now holds exactly `objects` (besides the node): model, render,

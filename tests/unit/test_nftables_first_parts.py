@@ -13,6 +13,7 @@ import pytest
 from proxy.dataplane.nftables import wire
 from proxy.dataplane.nftables.objects import Value
 from proxy.dataplane.nftables.render import (
+    FINGERPRINTS,
     PortObjects,
     our_tables,
     render_base,
@@ -92,9 +93,12 @@ def test_nothing_a_packet_enters_by_comes_before_the_last_part(
                if " hook " in line] for part in cut]
     assert not any(hooked[:-1])
     assert sorted(hooked[-1]) == sorted(line for line in full.lines() if " hook " in line)
-    # The bases' rules come with the hooked chains, after every port's.
-    last = cut[-1][-1]
+    # The bases' rules come with the hooked chains, after every port's, and then what
+    # says they are written (their fingerprints: restart.py).
+    *_, last, marks = cut[-1]
     assert isinstance(last, wire.Rules)
+    assert isinstance(marks, wire.Elements) and marks.set == FINGERPRINTS
+    assert len(marks.items) == len(last.tables)
     assert {table for table, _chains in last.tables} == {
         line.split()[3] for line in full.lines() if line.startswith("add table")}
     assert all(not isinstance(st, wire.Rules) for st in cut[0])

@@ -12,7 +12,9 @@ from typing import Any
 
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.common.context import RenderContext, context_for
+from proxy.dataplane.nftables.objects import parts_text
 from proxy.dataplane.nftables.render import (
+    FINGERPRINTS,
     endpoint_object,
     port_chain,
     render_base,
@@ -190,9 +192,11 @@ def test_nodeport_addresses_become_a_set_in_each_table_that_matches_them() -> No
     rules = {c.name: c.rules for c in shard.chains}
     assert rules["nodeports"] == ("ip daddr @nodeport-ips meta l4proto . th dport "
                                   "vmap @service-nodeports",)
-    assert [(e.table, e.key) for e in shard.elements] == [(S0, ("198.18.0.2",))]
+    assert [(e.table, e.key) for e in shard.elements if e.set != FINGERPRINTS] == [
+        (S0, ("198.18.0.2",))]
     main = render_base(ctx)
-    assert [(e.table, e.key) for e in main.elements] == [("sliceproxy", ("198.18.0.2",))]
+    assert [(e.table, e.key) for e in main.elements if e.set != FINGERPRINTS] == [
+        ("sliceproxy", ("198.18.0.2",))]
     every = {c.name: c.rules for c in render_shard(CIDR4, S0).chains}
     assert every["nodeports"][0].startswith("fib daddr type local ip daddr != 127.0.0.0/8 ")
     # Node ports are looked up after every shard's services (priority dstnat + 1).
@@ -276,7 +280,10 @@ def test_partial_script_touches_only_what_changed_and_counts_shared_elements() -
     # One port goes: the cluster IP and both endpoints are still another port's.
     text = partial_script(state, {alt.key: None})
     alt_chain = port_chain("svc", alt.key, "tcp")
+    mark = parts_text(objects[alt.key].fingerprint)
     assert text.splitlines() == [
+        # What stood for it goes with it.
+        f"delete element ip sliceproxy fingerprints {{ {mark} }}",
         f"delete element ip {S0} service-ips {{ 198.18.128.1 . tcp . 81 }}",
         f"flush chain ip {S0} {alt_chain}",
         f"delete chain ip {S0} {alt_chain}",
@@ -290,7 +297,8 @@ def test_partial_script_touches_only_what_changed_and_counts_shared_elements() -
     assert f"delete element {T4} cluster-ips {{ 198.18.128.1 }}" in gone
     assert (f"delete element {T4} hairpin {{ 198.18.1.10 . 198.18.1.10, "
             "198.18.1.11 . 198.18.1.11 }") in gone
-    assert not state.owners and not state.ports
+    # What is left is the bases' own: their fingerprints.
+    assert {k[1] for k, _ in state.owners.elements()} == {FINGERPRINTS} and not state.ports
 
 
 def test_full_script_deletes_what_our_tables_hold_that_nobody_wants() -> None:

@@ -12,7 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.dataplane.nftables import render
+from proxy.dataplane.nftables.objects import parts_text
 from proxy.dataplane.nftables.render import (
+    FINGERPRINTS,
     SLOT_MAP_MIN,
     SLOTS,
     assign_slots,
@@ -77,10 +79,17 @@ def start(rsp: ResolvedServicePort) -> tuple[str, TableState]:
 
 def change(state: TableState, rsp: ResolvedServicePort) -> list[str]:
     """The partial script from `state` to `rsp`, checked to encode, as lines."""
-    new = render_port(rsp, CIDR4, 1, kept_slots(state.ports.get(rsp.key)))
+    old = state.ports.get(rsp.key)
+    new = render_port(rsp, CIDR4, 1, kept_slots(old))
     text = partial_script(state, {rsp.key: new})
     encode(text, Family.V4, ("sliceproxy", S0), 1)  # raises Unencodable outside the dialect
-    return text.splitlines()
+    # The port's fingerprint follows what it writes: the old one out, the new one in.
+    marks = [line for line in text.splitlines() if f" {FINGERPRINTS} " in line]
+    if old is not None and text:
+        assert marks == [
+            f"delete element ip sliceproxy {FINGERPRINTS} {{ {parts_text(old.fingerprint)} }}",
+            f"add element ip sliceproxy {FINGERPRINTS} {{ {parts_text(new.fingerprint)} }}"]
+    return [line for line in text.splitlines() if line not in marks]
 
 
 def slots_of(state: TableState) -> dict[Any, Any]:

@@ -50,9 +50,11 @@ from proxy.dataplane.common.rtnetlink import node_addresses
 from proxy.dataplane.common.traffic import port_traffic
 from proxy.dataplane.nftables.expressions import Unencodable
 from proxy.dataplane.nftables.port_edit import render_edit
+from proxy.dataplane.nftables.readback import Held, Unreadable
 from proxy.dataplane.nftables.render import (
     MAX_SHARDS,
     TABLE,
+    BaseObjects,
     PortObjects,
     our_tables,
     render_base,
@@ -61,6 +63,12 @@ from proxy.dataplane.nftables.render import (
     shard_table,
     shards_for,
     table_family,
+)
+from proxy.dataplane.nftables.restart import (
+    KernelTables,
+    RestartCounts,
+    base_sets,
+    restart_lines,
 )
 from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
 from proxy.dataplane.nftables.transaction import (
@@ -101,6 +109,11 @@ class _FamilyState(FamilyState):
         # During a full sync over tables we have not written since they were read back:
         # the script that replaces them whole, if the kernel refuses to take them over.
         self.replacement: Callable[[], Script] | None = None
+        # Whether the next full sync, if over our tables, may write only what differs
+        # from what they hold (restart.py): the first one of this process alone, as
+        # after a failure or drift the kernel is no longer trusted to be ours.
+        self.restart = True
+        self.restart_counts: RestartCounts | None = None  # of the sync being written
 
     @property
     def state(self) -> TableState | None:
@@ -181,7 +194,13 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
         finally:
             fam.replacement = None  # it holds every port's objects
         lines = text.count("\n") if isinstance(text, str) else text.count or 0
-        return Written(lines, {"applier": applier})
+        details: dict[str, object] = {"applier": applier}
+        counts, fam.restart_counts = fam.restart_counts, None
+        if counts is not None:
+            details["restart"] = {"ports_kept": counts.kept, "ports_written": counts.written,
+                                  "elements_deleted": counts.deleted,
+                                  "elements_added": counts.added}
+        return Written(lines, details)
 
     def _after_sync(self, full: bool) -> None:
         if full:  # the script and batch were tens of MB: give the heap back
@@ -202,6 +221,8 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
             return render_port(rsp, ctx, shards)
 
         fam.shards = shards
+        # Only the process's first full sync may be a restart's diff (_FamilyState).
+        restart, fam.restart = fam.restart and fam.state is None, False
         if not tables:
             # None of our tables yet (a node's first start): in parts, each port
             # rendered as the script is read, the kernel taking one part while the
@@ -209,10 +230,39 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
             return first_lines(bases, {k: functools.partial(objects, k, v)
                                        for k, v in ports.items()})
         rendered = {k: objects(k, v) for k, v in ports.items()}
+        counters = self._kernel_counters(fam)
         if fam.state is None:  # not written by this process since: maybe another version
             fam.replacement = functools.partial(replace_lines, bases, rendered, tables)
-        return full_lines(bases, rendered, chains, sets, tables,
-                          self._kernel_counters(fam))
+        kernel = self._restart_base(fam, bases, KernelTables(
+            tables, set(chains), sets, set(counters))) if restart else None
+        if kernel is not None:  # the first sync over our own tables: the diff alone
+            script, kept, counts = restart_lines(bases, rendered, kernel)
+            fam.restart_counts = counts
+            log.info("restart over our tables: writing what differs", extra={
+                "family": fam.family.label, "ports_kept": counts.kept,
+                "ports_written": counts.written, "elements_deleted": counts.deleted,
+                "elements_added": counts.added})
+            return script, kept
+        return full_lines(bases, rendered, chains, sets, tables, counters)
+
+    def _restart_base(self, fam: _FamilyState, bases: Sequence[BaseObjects],
+                      kernel: KernelTables) -> KernelTables | None:
+        """`kernel` with the elements of the bases' sets read back (restart.py); None
+        when one cannot be read as this version declares it (a full sync then)."""
+        elements: dict[tuple[str, str], Held] = {}
+        for table, name, types, is_map in base_sets(bases):
+            if (table, name) not in kernel.sets:
+                continue
+            read = functools.partial(_read_elements, self.runner, table, name, types, is_map)
+            try:
+                elements[table, name] = self._read_back(fam, f"{table} {name}", read)
+            except Unreadable as exc:
+                log.info("our tables hold a set this version reads otherwise; full "
+                         "rewrite", extra={"family": fam.family.label, "table": table,
+                                           "set": name, "reason": str(exc)})
+                return None
+        kernel.elements = elements
+        return kernel
 
     def _render_ahead(self, fam: _FamilyState, ports: Sequence[ResolvedServicePort],
                       ctx: RenderContext, expected: int) -> None:
@@ -298,6 +348,7 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
     def _failed_transaction(self, fam: _FamilyState, error: str, offending: str | None,
                             full: bool, line: int | None = None) -> None:
         self._failed(fam)
+        fam.restart = False
         log.error("nftables transaction failed; previous rules stay, next sync is full",
                   extra={"family": fam.family.label, "tables": fam.tables, "full": full,
                          "line": line, "offending": offending, "error": error[-2000:]})
@@ -385,6 +436,7 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
         if found:
             for fam in self._families.values():
                 fam.kept = None
+                fam.restart = False
         return found
 
     def cleanup(self) -> None:
@@ -403,6 +455,12 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
     def close(self) -> None:
         super().close()
         self.runner.close()
+
+
+def _read_elements(runner: NftRunner, table: str, set_name: str, types: Sequence[str],
+                   is_map: bool, family: Family, _ours: frozenset[str]) -> Held:
+    """`runner.elements` in the shape `_read_back` calls."""
+    return runner.elements(family, table, set_name, types, is_map)
 
 
 def _port_traffic(kept: KeptPort, counted: Mapping[tuple[str, str], int]) -> PortTraffic:

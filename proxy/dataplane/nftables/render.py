@@ -83,9 +83,12 @@ other ports of a cluster IP are rejected, as upstream's nftables mode does.
 
 from __future__ import annotations
 
+import hashlib
 import re
+import socket
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from ipaddress import IPv6Address
 from typing import TypeVar
 
 from proxy.dataplane.common import naming
@@ -136,6 +139,9 @@ NODEPORT_IPS = "nodeport-ips"
 SHARED_SETS = (SERVICE_IPS, SERVICE_NODEPORTS, UNSERVED, UNSERVED_NODEPORTS, CLUSTER_IPS,
                HAIRPIN)
 SHARD_SETS = (SERVICE_IPS, SERVICE_NODEPORTS)  # in each shard; the others in the main table
+# One element per port: a 128-bit digest of everything else it writes (`fingerprint`),
+# written in the same transaction as what it stands for (restart.py reads them back).
+FINGERPRINTS = "fingerprints"
 SHARD_PORTS = 1000  # service ports per shard, about (module docstring)
 MAX_SHARDS = NFTABLES.markers.table_shards
 
@@ -202,12 +208,16 @@ class PortObjects:
     # Its named counters (common/traffic.py), each with the endpoint (address, port) it
     # counts, or None: the port's own, which every new connection of the port passes.
     counters: tuple[tuple[str, tuple[IPAddress, int] | None], ...] = ()
+    # Its element of @fingerprints (also among `elements`): `fingerprint`.
+    fingerprint: Key = ()
 
     def lines(self, family: Family) -> list[str]:
-        """Readable, copy-pasteable `nft` lines for the debug dump."""
+        """Readable, copy-pasteable `nft` lines for the debug dump (the fingerprint is
+        bookkeeping, left out)."""
         ip = table_family(family)
         t = f"{ip} {self.table}"
-        out = [f"add element {ip} {e.table} {e.set} {{ {e.text()} }}" for e in self.elements]
+        out = [f"add element {ip} {e.table} {e.set} {{ {e.text()} }}" for e in self.elements
+               if e.set != FINGERPRINTS]
         out += [line for s in self.sets for line in Command("add", self.table, s).lines(ip)]
         out += [f"add counter {t} {name}" for name, _ in self.counters]
         return [*out, *naming.chain_lines(((c.name, c.rules) for c in self.chains),
@@ -222,8 +232,17 @@ class BaseObjects:
     table: str
     sets: tuple[AnySet, ...]
     chains: tuple[Chain, ...]  # base chains (with a hook) and regular ones
-    # Elements of sets only the base fills (NodePort addresses).
+    # Elements of sets only the base fills (NodePort addresses), and its fingerprint.
     elements: tuple[Element, ...] = field(default=())
+    fingerprint: Key = ()
+
+    @classmethod
+    def of(cls, family: Family, table: str, sets: Sequence[AnySet], chains: Sequence[Chain],
+           elements: Sequence[Element]) -> BaseObjects:
+        """With its element of @fingerprints (in the main table), as a port's."""
+        mark = fingerprint(family, (table,), (tuple(sets), tuple(chains), tuple(elements)))
+        return cls(family, table, tuple(sets), tuple(chains),
+                   (*elements, Element(TABLE, FINGERPRINTS, mark)), mark)
 
 
 # --- the fixed part --------------------------------------------------------------------------
@@ -265,6 +284,7 @@ def render_base(ctx: RenderContext) -> BaseObjects:
         Set(CLUSTER_IPS, (addr,)),
         Set(HAIRPIN, (addr, addr)),
         *node_sets,
+        Set(FINGERPRINTS, FINGERPRINTS_TYPES[family]),
     ]
     new = "ct state new"
     chains = [
@@ -294,8 +314,8 @@ def render_base(ctx: RenderContext) -> BaseObjects:
         Chain("filter-output", (f"{new} jump unserved-check",),
               _hook("filter", "output", "filter")),
     ]
-    elements = tuple(Element(TABLE, NODEPORT_IPS, (a,)) for a in node_ips)
-    return BaseObjects(family, TABLE, tuple(sets), tuple(chains), elements)
+    elements = [Element(TABLE, NODEPORT_IPS, (a,)) for a in node_ips]
+    return BaseObjects.of(family, TABLE, sets, chains, elements)
 
 
 def render_shard(ctx: RenderContext, table: str) -> BaseObjects:
@@ -321,8 +341,8 @@ def render_shard(ctx: RenderContext, table: str) -> BaseObjects:
         chains.insert(1, Chain(MASQ_UNLESS_POD, (
             *(f"{ip} saddr {c} return" for c in sorted_nets(ctx.local_cidrs)),
             f"jump {MARK_FOR_MASQUERADE}")))
-    elements = tuple(Element(table, NODEPORT_IPS, (a,)) for a in node_ips)
-    return BaseObjects(family, table, tuple(sets), tuple(chains), elements)
+    elements = [Element(table, NODEPORT_IPS, (a,)) for a in node_ips]
+    return BaseObjects.of(family, table, sets, chains, elements)
 
 
 # --- names and small helpers ---------------------------------------------------------------
@@ -383,9 +403,30 @@ class _PortBuild:
         for s in sorted(self.elements):
             table, members = self.table if s in SHARD_SETS else TABLE, self.elements[s]
             elements += [Element(table, s, k, members[k]) for k in sorted(members)]
-        return PortObjects(self.key, self.table, tuple(self.chains),
-                           (*elements, *self.slot_elements), tuple(self.sets),
-                           tuple(self.slot_values), tuple(self.counters.items()))
+        chains, sets = tuple(self.chains), tuple(self.sets)
+        counters = tuple(self.counters.items())
+        elements += self.slot_elements
+        mark = fingerprint(self.key.family, (*self.key, self.table),
+                           (chains, elements, sets, counters))
+        elements.append(Element(TABLE, FINGERPRINTS, mark))
+        return PortObjects(self.key, self.table, chains, tuple(elements), sets,
+                           tuple(self.slot_values), counters, mark)
+
+
+def fingerprint(family: Family, owner: tuple[object, ...], written: object) -> Key:
+    """128 bits of BLAKE2b over what a port or base (`owner`: its key and table) writes
+    (`written`: its chains with their rules, elements, sets and counters, objects whose
+    repr is their value), spelled as an element of @fingerprints: four IPv4 addresses or
+    one IPv6 address. The same on any process and version that renders the same (never
+    Python's per-process `hash`)."""
+    digest = hashlib.blake2b(repr((owner, written)).encode(), digest_size=16).digest()
+    if family is Family.V4:
+        return tuple(socket.inet_ntoa(digest[i:i + 4]) for i in range(0, 16, 4))
+    return (address_text(IPv6Address(digest)),)
+
+
+# @fingerprints' key: 128 bits in either family.
+FINGERPRINTS_TYPES = {Family.V4: ("ipv4_addr",) * 4, Family.V6: ("ipv6_addr",)}
 
 
 def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,

@@ -48,7 +48,7 @@ import re
 import shutil
 import subprocess
 import threading
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from proxy.dataplane.common import processes
@@ -59,9 +59,10 @@ from proxy.dataplane.common.netlink_constants import (
     NFT_MSG_GETCHAIN,
     NFT_MSG_GETOBJ,
     NFT_MSG_GETSET,
+    NFT_MSG_GETSETELEM,
     NFT_MSG_GETTABLE,
 )
-from proxy.dataplane.nftables import wire
+from proxy.dataplane.nftables import readback, wire
 from proxy.dataplane.nftables.transaction import Script
 from proxy.model.types import Family
 
@@ -384,6 +385,21 @@ class NftRunner:
         chains = [(t, n) for t, n, _k in found[NFT_MSG_GETCHAIN] if t in present]
         sets = {(t, n): k for t, n, k in found[NFT_MSG_GETSET] if t in present and k}
         return present, chains, sets
+
+    def elements(self, family: Family, table: str, set_name: str, types: Sequence[str],
+                 is_map: bool) -> readback.Held:
+        """The elements of set or map `set_name` of `table`, keys read as `types`
+        (readback.py): one netlink dump. Unreadable if a key does not fit them;
+        NftError if the dump fails (or the set is missing)."""
+        self._check_home()
+        with self._lock:
+            try:
+                return readback.read_held(self._netlink().dump_messages(
+                    NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETSETELEM,
+                    readback.element_dump_request(family, table, set_name)),
+                    family, types, is_map)
+            except OSError as exc:
+                raise NftError(f"nf_tables netlink dump of {table} {set_name}: {exc}") from exc
 
     def counters(self, family: Family, tables: Collection[str]) -> dict[tuple[str, str], int]:
         """The named counters of `tables` in `family`: (table, name) -> packets counted

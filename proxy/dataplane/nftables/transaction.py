@@ -47,7 +47,13 @@ from proxy.dataplane.nftables.objects import (
     Value,
     named,
 )
-from proxy.dataplane.nftables.render import BaseObjects, PortObjects, table_family
+from proxy.dataplane.nftables.render import (
+    FINGERPRINTS,
+    TABLE,
+    BaseObjects,
+    PortObjects,
+    table_family,
+)
 from proxy.dataplane.nftables.wire import (
     COMMIT,
     Chains,
@@ -204,6 +210,10 @@ class KeptPort:
     element_dict: dict[ElementKey, Value] | None = None
     # Its named counters, in its table, with what each counts (PortObjects.counters).
     counters: tuple[tuple[str, tuple[IPAddress, int] | None], ...] = ()
+    # Its element of @fingerprints while the kernel holds exactly what it stands for; ()
+    # once an endpoint delta edited the port (`_apply_edit`), as a new one would cost
+    # O(service): a restart then writes the port anew (restart.py).
+    fingerprint: Key = ()
 
     @classmethod
     def of(cls, p: PortObjects, elements: dict[ElementKey, Value] | None = None) -> KeptPort:
@@ -214,8 +224,9 @@ class KeptPort:
         if p.slots:
             return cls(p.table, chains, (), p.sets,
                        tuple((name, SlotValues(values)) for name, values in p.slots),
-                       element_map(p) if elements is None else elements, counters)
-        return cls(p.table, chains, p.elements, p.sets, (), None, counters)
+                       element_map(p) if elements is None else elements, counters,
+                       p.fingerprint)
+        return cls(p.table, chains, p.elements, p.sets, (), None, counters, p.fingerprint)
 
     def elements(self) -> Mapping[ElementKey, Value]:
         """Read-only: the kept dict itself for a port with slot maps."""
@@ -279,10 +290,10 @@ class TableState:
 
 # The bases' own elements (NodePort addresses) are owned by this pseudo port, which sorts
 # before every real one.
-_BASE = ServicePortKey("", "", "", Family.V4)
+BASE_OWNER = ServicePortKey("", "", "", Family.V4)
 
 
-def _element_groups(verb: str, elements: Iterable[tuple[str, str, Key, Value]]
+def element_groups(verb: str, elements: Iterable[tuple[str, str, Key, Value]]
                     ) -> Iterator[Elements]:
     """`add|delete element` statements for `elements` (objects.Element's fields),
     grouped per set."""
@@ -290,10 +301,10 @@ def _element_groups(verb: str, elements: Iterable[tuple[str, str, Key, Value]]
     for table, set_name, key, value in elements:
         by_set.setdefault((table, set_name), []).append((key, value))
     for (table, set_name), pairs in by_set.items():
-        yield from _element_statements(verb, table, set_name, pairs)
+        yield from element_statements(verb, table, set_name, pairs)
 
 
-def _element_statements(verb: str, table: str, set_name: str,
+def element_statements(verb: str, table: str, set_name: str,
                         pairs: Iterable[tuple[Key, Value]]) -> Iterator[Elements]:
     """`add|delete element` statements for the (key, value) pairs of one set."""
     pairs = iter(pairs)
@@ -371,7 +382,7 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
         state.ports[key] = KeptPort.of(p)
         state.owners.add_rendered(key, p.elements)
     for b in bases:
-        state.owners.add_rendered(_BASE, b.elements)
+        state.owners.add_rendered(BASE_OWNER, b.elements)
     wanted = state.tables()
     stale_chains = sorted(c for c in set(kernel_chains) - state.chain_names() if c[0] in wanted)
     kernel_sets = dict(kernel_sets or {})
@@ -405,9 +416,9 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
             for s in b.sets:
                 yield Command("flush", b.table, s)
         for _key, p in ordered:  # slot maps too (affinity sets keep who goes where)
-            yield from _flush_maps(p)
+            yield from flush_maps(p)
         for table, set_name, pairs in state.owners.sets():
-            yield from _element_statements("add", table, set_name, pairs)
+            yield from element_statements("add", table, set_name, pairs)
         for t, name in stale_chains:
             yield Command("flush", t, Chain(name))
         for t, name in stale_chains:
@@ -474,8 +485,10 @@ def first_lines(bases: Sequence[BaseObjects],
             for c in b.chains:
                 if c.hook is None:
                     yield Command("add", b.table, c)
-            state.owners.add_rendered(_BASE, b.elements)
-        yield from _fresh_elements(sent, (e for b in state.bases for e in b.elements))
+            state.owners.add_rendered(BASE_OWNER, b.elements)
+        # The bases' fingerprints with their rules, in the last part (restart.py).
+        yield from _fresh_elements(sent, (e for b in state.bases for e in b.elements
+                                          if e.set != FINGERPRINTS))
         yield COMMIT
         part: list[PortObjects] = []
         size = 0
@@ -495,6 +508,8 @@ def first_lines(bases: Sequence[BaseObjects],
                 if c.hook is not None:
                     yield Command("add", b.table, c)
         yield Rules([(b.table, b.chains) for b in state.bases])
+        yield from _fresh_elements(sent, (e for b in state.bases for e in b.elements
+                                          if e.set == FINGERPRINTS))
 
     return Script(make, table_family(state.family), parts=True), state
 
@@ -505,11 +520,11 @@ def _ports_part(part: Sequence[PortObjects], sent: set[ElementKey]) -> Iterator[
     for p in part:
         for s in p.sets:
             yield Command("add", p.table, s)
-        yield from _counters("add", p)
+        yield from counter_commands("add", p)
     yield Chains([(p.table, p.chains) for p in part])
     yield Rules([(p.table, p.chains) for p in part])
     for p in part:
-        yield from _flush_maps(p)
+        yield from flush_maps(p)
     yield from _fresh_elements(sent, (e for p in part for e in p.elements))
 
 
@@ -524,15 +539,15 @@ def _fresh_elements(sent: set[ElementKey], elements: Iterable[Element]) -> Itera
                 continue
             sent.add(element)
         fresh[e] = None
-    return _element_groups("add", fresh)
+    return element_groups("add", fresh)
 
 
-def _counters(verb: str, p: PortObjects) -> Iterator[Command]:
+def counter_commands(verb: str, p: PortObjects) -> Iterator[Command]:
     for name, _ in p.counters:
         yield Command(verb, p.table, Counter(name))
 
 
-def _flush_maps(p: PortObjects) -> Iterator[Command]:
+def flush_maps(p: PortObjects) -> Iterator[Command]:
     """A port's maps (slot maps) emptied, to be filled again; its sets (affinity) keep
     what they hold."""
     for s in p.sets:
@@ -626,7 +641,7 @@ def _element_changes(state: TableState, held_before: Mapping[ElementKey, Value |
             deletes.append((*k, ()))  # a map element is deleted by its key alone
         if wanted is not None:
             adds.append((*k, wanted))
-    return [*_element_groups("delete", deletes), *_element_groups("add", adds)]
+    return [*element_groups("delete", deletes), *element_groups("add", adds)]
 
 
 def _retire(state: TableState, key: ServicePortKey, element: ElementKey,
@@ -657,7 +672,9 @@ def _apply_edit(state: TableState, key: ServicePortKey, old: KeptPort, edit: Por
         _claim(state, key, k, v, held_before)
         kept[k] = v
     maps = dict(old.slots)
+    changed = bool(edit.removed or edit.added)
     for name, size, assigned in edit.slots:
+        changed = changed or bool(assigned) or size != len(maps[name].values)
         _resize(maps[name], size, assigned)
     digests = dict(old.chains)
     rewrites: list[Statement] = []
@@ -667,6 +684,11 @@ def _apply_edit(state: TableState, key: ServicePortKey, old: KeptPort, edit: Por
             continue
         digests[chain.name] = digest
         rewrites.append(Rules.one(old.table, chain))
+    if old.fingerprint and (changed or rewrites):  # no longer what the kernel holds
+        mark = (TABLE, FINGERPRINTS, old.fingerprint)
+        _retire(state, key, mark, held_before)
+        del kept[mark]
+        old = state.ports[key] = replace(old, fingerprint=())
     if rewrites:
         state.ports[key] = replace(old, chains=tuple(digests.items()))
     return rewrites

@@ -271,6 +271,24 @@ def _element_key(family: Family, parts: Key) -> bytes:
     return b"".join(out)
 
 
+def element_keys(family: Family, keys: Sequence[Key]) -> list[bytes]:
+    """Each key's bytes as the kernel holds them (`_element_key`), for comparing with a
+    dump (readback.set_keys); keys of addresses alone read by inet_pton in one pass."""
+    if not keys:
+        return []
+    parts = len(keys[0])
+    try:  # a protocol's name (OSError), a port (TypeError): the general way
+        raws = list(map(functools.partial(socket.inet_pton, INET[family]),
+                        itertools.chain.from_iterable(keys)))
+    except (OSError, TypeError):
+        return [_element_key(family, k) for k in keys]
+    if len(raws) != parts * len(keys):
+        return [_element_key(family, k) for k in keys]
+    if parts == 1:
+        return raws
+    return [b"".join(raws[i:i + parts]) for i in range(0, len(raws), parts)]
+
+
 @functools.cache
 def _value_head(kind: int, length: int) -> bytes:
     """What `value(kind, data)` puts before `data` of `length` bytes, a multiple of 4 (as

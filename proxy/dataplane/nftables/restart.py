@@ -1,0 +1,206 @@
+"""A restart over our own tables (pure): the kernel is the state, the script is the diff.
+
+Every port writes, beside its objects and in the same transaction, its element of
+@fingerprints: 128 bits of digest over all it writes (render.fingerprint). An agent
+starting over tables that hold our objects (a rollout, a crash) reads back the names
+of our chains, sets and counters, the fingerprints and the elements of the bases' sets
+(readback.py), renders every port as a full sync would, and writes:
+
+- a port whose fingerprint the kernel holds, with all its chains, sets and counters:
+  nothing. Its rules, its slot maps and its affinity sets are what it would write;
+- any other port (new, changed, edited by an endpoint delta since its fingerprint was
+  written: transaction._apply_edit drops it) whole, as a full sync writes it: its
+  sets declared, chains declared, flushed and refilled, slot maps flushed and refilled;
+- the bases' chains rewritten (a few dozen rules), and the bases' sets and maps (the
+  dispatch maps, cluster IPs, hairpin pairs, node addresses, fingerprints) brought to
+  what the owners want, element by element, from what the kernel holds;
+- what nobody wants any more deleted, as full_lines does.
+
+One transaction, so no packet sees a service missing, and its size is that of the
+difference: at 10,000 services x 10 endpoints unchanged, the base chains and no element.
+What a restart cannot see: a foreign edit inside a chain whose name and fingerprint
+stayed. The drift watch covers a running agent, and the periodic full sync stays a full
+rewrite (full_lines), which repairs it. A version whose layout differs renders other
+fingerprints (or declares a set otherwise: the kernel refuses the `add`, and apply.py
+replaces the tables whole), so it rewrites everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from proxy.dataplane.nftables.objects import Chain, Command, Counter, Key, Table, Value, named
+from proxy.dataplane.nftables.readback import Held, key_parts
+from proxy.dataplane.nftables.render import (
+    FINGERPRINTS,
+    TABLE,
+    BaseObjects,
+    PortObjects,
+    table_family,
+)
+from proxy.dataplane.nftables.transaction import (
+    BASE_OWNER,
+    KeptPort,
+    Named,
+    Script,
+    TableState,
+    counter_commands,
+    element_groups,
+    element_statements,
+    flush_maps,
+)
+from proxy.dataplane.nftables.wire import Chains, Rules, Statement, element_keys
+from proxy.model.types import Family, ServicePortKey
+
+
+@dataclass
+class KernelTables:
+    """What one family's tables of ours hold, read back: names, and the elements of the
+    bases' sets and maps ((table, set) -> key -> value)."""
+
+    tables: set[str]
+    chains: set[Named]
+    sets: Mapping[Named, str]  # -> "set" | "map"
+    counters: set[Named]
+    elements: Mapping[Named, Held] = field(default_factory=dict)
+
+
+@dataclass
+class RestartCounts:
+    """What a restart script writes: ports kept as the kernel holds them, ports written,
+    elements of the bases' sets deleted and added."""
+
+    kept: int = 0
+    written: int = 0
+    deleted: int = 0
+    added: int = 0
+
+
+def base_sets(bases: Sequence[BaseObjects]) -> list[tuple[str, str, tuple[str, ...], bool]]:
+    """(table, name, key types, whether a map) of each set and map the bases declare:
+    what a restart reads back element by element."""
+    return [(b.table, s.name, getattr(s, "key", ()), s.kind == "map")
+            for b in bases for s in b.sets]
+
+
+def restart_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
+                  kernel: KernelTables) -> tuple[Script, TableState, RestartCounts]:
+    """The transaction from what `kernel` holds to `bases` and `ports` (module
+    docstring); the state the kernel holds once it is applied, as full_lines'."""
+    state = TableState(bases[0].family, tuple(bases))
+    ordered = [(key, ports[key]) for key in sorted(ports)]
+    for key, p in ordered:
+        state.owners.add_rendered(key, p.elements)
+    for b in bases:
+        state.owners.add_rendered(BASE_OWNER, b.elements)
+    marks = kernel.elements.get((TABLE, FINGERPRINTS))
+    held_marks = _present(state.family, marks, [
+        *(b.fingerprint for b in bases), *(p.fingerprint for _key, p in ordered)
+    ]) if marks else set()
+    # A base whose fingerprint and chains the kernel holds keeps its rules too.
+    bases_written = [b for b in bases if b.fingerprint not in held_marks
+                     or any((b.table, c.name) not in kernel.chains for c in b.chains)]
+    counts = RestartCounts()
+    written: list[PortObjects] = []
+    for key, p in ordered:
+        state.ports[key] = KeptPort.of(p)
+        if _intact(p, kernel, held_marks):
+            counts.kept += 1
+        else:
+            written.append(p)
+    counts.written = len(written)
+    types = {(t, name): key for t, name, key, _is_map in base_sets(bases)}
+    wanted_by_set = {(t, s): dict(pairs) for t, s, pairs in state.owners.sets()
+                     if (t, s) in types}
+    deletes: list[tuple[str, str, Key, Value]] = []
+    adds: list[tuple[str, str, Key, Value]] = []
+    for (table, set_name), key_types in sorted(types.items()):
+        wanted = wanted_by_set.get((table, set_name), {})
+        held = kernel.elements.get((table, set_name)) or Held()
+        # A map's element whose value changes is deleted (by its key) and added again.
+        deletes += [(table, set_name, k, ()) for k, v in held.decoded.items()
+                    if k not in wanted or wanted[k] != v]
+        present: set[Key] = set()
+        if held.raw:
+            raws = dict(zip(element_keys(state.family, list(wanted)), wanted, strict=True))
+            present = {raws[r] for r in held.raw if r in raws}
+            deletes += [(table, set_name, key_parts(state.family, key_types, r), ())
+                        for r in held.raw if r not in raws]
+        adds += [(table, set_name, k, v) for k, v in wanted.items()
+                 if k not in present and held.decoded.get(k) != v]
+    counts.deleted, counts.added = len(deletes), len(adds)
+    wanted_tables = state.tables()
+    stale_chains = sorted(c for c in kernel.chains - state.chain_names() if c[0] in wanted_tables)
+    stale_sets = sorted(k for k in set(kernel.sets) - state.set_names() if k[0] in wanted_tables)
+    stale_counters = sorted(c for c in kernel.counters - state.counter_names()
+                            if c[0] in wanted_tables)
+    stale_tables = sorted(kernel.tables - wanted_tables)
+
+    def make() -> Iterator[Statement]:
+        for b in state.bases:
+            yield Command("add", b.table, Table(b.table))
+        for b in state.bases:
+            for s in b.sets:
+                yield Command("add", b.table, s)
+        for p in written:
+            for s in p.sets:
+                yield Command("add", p.table, s)
+            yield from (c for c in counter_commands("add", p)
+                        if (p.table, c.object.name) not in kernel.counters)
+        for b in bases_written:
+            for c in b.chains:
+                yield Command("add", b.table, c)
+        yield Chains([(p.table, p.chains) for p in written])
+        yield Rules([(b.table, b.chains) for b in bases_written])
+        yield Rules([(p.table, p.chains) for p in written])
+        for p in written:
+            yield from flush_maps(p)
+        yield from element_groups("delete", deletes)
+        yield from element_groups("add", adds)
+        for p in written:  # their own sets' elements: slot maps (the bases' are above)
+            own = {s.name for s in p.sets}
+            for table, set_name, pairs in _own_elements(p, own):
+                yield from element_statements("add", table, set_name, pairs)
+        for t, name in stale_chains:
+            yield Command("flush", t, Chain(name))
+        for t, name in stale_chains:
+            yield Command("delete", t, Chain(name))
+        for k in stale_sets:
+            yield Command("delete", k[0], named(kernel.sets[k], k[1]))
+        for t, name in stale_counters:
+            yield Command("delete", t, Counter(name))
+        for t in stale_tables:
+            yield Command("delete", t, Table(t))
+
+    return Script(make, table_family(state.family)), state, counts
+
+
+def _present(family: Family, held: Held, keys: Sequence[Key]) -> set[Key]:
+    """Which of `keys` `held` holds."""
+    if not held.raw:
+        return {k for k in keys if k in held.decoded}
+    raws = element_keys(family, keys)
+    return {k for k, r in zip(keys, raws, strict=True) if r in held.raw} \
+        | {k for k in keys if k in held.decoded}
+
+
+def _intact(p: PortObjects, kernel: KernelTables, held_marks: set[Key]) -> bool:
+    """Whether the kernel holds `p` as rendered: its fingerprint, and every object it
+    names (a chain deleted by hand leaves the fingerprint behind)."""
+    if p.fingerprint not in held_marks:
+        return False
+    t = p.table
+    return all((t, c.name) in kernel.chains for c in p.chains) \
+        and all((t, s.name) in kernel.sets for s in p.sets) \
+        and all((t, name) in kernel.counters for name, _ in p.counters)
+
+
+def _own_elements(p: PortObjects, own: set[str]
+                  ) -> Iterator[tuple[str, str, list[tuple[Key, Value]]]]:
+    by_set: dict[str, list[tuple[Key, Value]]] = {}
+    for e in p.elements:
+        if e.table == p.table and e.set in own:
+            by_set.setdefault(e.set, []).append((e.key, e.value))
+    for set_name, pairs in by_set.items():
+        yield p.table, set_name, pairs

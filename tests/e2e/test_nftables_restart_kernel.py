@@ -1,0 +1,121 @@
+"""A restart over our own tables in the real kernel (restart.py): the new agent's first
+sync reads back names, fingerprints and the bases' elements over netlink and writes what
+differs, ending where a start on a clean node ends; a port it did not write keeps its
+very rules (the kernel's handles) and counts. Traffic through a restarted agent, with
+no flow moved: tests/faults/test_restart_flows.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from proxy.dataplane.nftables import render
+from proxy.dataplane.nftables.render import FINGERPRINTS, port_chain
+from proxy.model.types import Family, ServicePortKey
+from proxy.netns_lab import Lab
+from tests.e2e.conftest import Cluster, NodePlane
+from tests.e2e.test_nftables_kernel import ADDRESSES, FOREIGN, listing, nft, wipe
+from tests.unit.builders import ep, eps_slice, service
+from tests.unit.test_iptables_sync import clusters
+
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
+
+
+@pytest.fixture(scope="module")
+def namespaces() -> Iterator[Lab]:
+    with Lab([]) as lab:  # two bare namespaces: node_ns and client_ns
+        yield lab
+
+
+def handles(ns: str) -> dict[tuple[str, str, str], list[int]]:
+    """Each of our chains' rules by the kernel's handle: a rule written again gets a new
+    one."""
+    out: dict[tuple[str, str, str], list[int]] = {}
+    for item in json.loads(nft(ns, "-j", "-a", "list", "ruleset"))["nftables"]:
+        rule = item.get("rule")
+        if rule and rule["table"].startswith("sliceproxy"):
+            out.setdefault((rule["family"], rule["table"], rule["chain"]), []).append(
+                rule["handle"])
+    return out
+
+
+def web(i: int, endpoints: int = 2) -> list[dict[str, Any]]:
+    return [service(f"web{i}", ips=(f"198.18.128.{10 + i}",)),
+            eps_slice(f"web{i}-a", [ep(f"198.18.1.{10 * i + k}") for k in range(endpoints)],
+                      service_name=f"web{i}")]
+
+
+def restart_of(report: Any) -> dict[str, int]:
+    return report.details["IPv4"]["restart"]  # type: ignore[no-any-return]
+
+
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(before=clusters(), after=clusters())
+def test_a_restart_ends_where_a_start_on_a_clean_node_does(
+        namespaces: Lab, monkeypatch: pytest.MonkeyPatch, before: list[dict[str, Any]],
+        after: list[dict[str, Any]]) -> None:
+    monkeypatch.setattr(render, "SLOT_MAP_MIN", 2)  # slot maps in these small clusters
+    ns, clean = namespaces.node_ns, namespaces.client_ns
+    for n in (ns, clean):
+        wipe(n)
+        nft(n, "-f", "-", stdin=FOREIGN)
+    cluster = Cluster()
+    NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES, shards=2).sync(
+        cluster.become(*before), full=True)
+    state = cluster.become(*after)
+    restarted = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES, shards=2)
+    report = restarted.sync(state)
+    for family in report.details.values():
+        assert family["applier"] in ("netlink", "none") and "restart" in family
+    fresh = NodePlane(clean, mode="nftables", addresses=lambda: ADDRESSES, shards=2)
+    fresh.sync(state, full=True)
+    assert listing(ns) == listing(clean)
+    assert "table inet firewall" in nft(ns, "list", "tables")
+
+
+def test_a_restart_rewrites_only_what_changed_while_no_agent_ran(namespaces: Lab) -> None:
+    """Ten services; while the agent is down one gains an endpoint, one goes, one comes:
+    the restart writes the changed and the new port and deletes the gone one's objects;
+    every other port keeps its rules (handles) and its fingerprint, and a restart over
+    an unchanged cluster writes no port at all."""
+    ns = namespaces.node_ns
+    wipe(ns)
+    cluster = Cluster()
+    objects = [o for i in range(10) for o in web(i)]
+    plane = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES)
+    plane.sync(cluster.become(*objects), full=True)
+    before = handles(ns)
+    marks = nft(ns, "list", "set", "ip", "sliceproxy", FINGERPRINTS)
+
+    again = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES)
+    report = again.sync(cluster.become(*objects))
+    assert restart_of(report) == {"ports_kept": 10, "ports_written": 0,
+                                  "elements_deleted": 0, "elements_added": 0}
+    assert handles(ns) == before
+    assert nft(ns, "list", "set", "ip", "sliceproxy", FINGERPRINTS) == marks
+
+    changed = [o for i in range(11) if i != 7 for o in web(i, 3 if i == 3 else 2)]
+    restarted = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES)
+    report = restarted.sync(cluster.become(*changed))
+    assert restart_of(report)["ports_kept"] == 8
+    assert restart_of(report)["ports_written"] == 2
+    after = handles(ns)
+
+    def svc(i: int) -> tuple[str, str, str]:
+        key = ServicePortKey("ns", f"web{i}", "http", Family.V4)
+        return ("ip", render.shard_of(key, 1), port_chain("svc", key, "tcp"))
+
+    assert svc(7) not in after and svc(10) in after
+    assert after[svc(3)] != before[svc(3)]
+    assert all(after[svc(i)] == before[svc(i)] for i in (0, 1, 2, 4, 5, 6, 8, 9))
+    # Where a start on a clean node would end.
+    clean = namespaces.client_ns
+    wipe(clean)
+    NodePlane(clean, mode="nftables", addresses=lambda: ADDRESSES).sync(
+        Cluster().become(*changed), full=True)
+    assert listing(ns) == listing(clean)

@@ -1,0 +1,134 @@
+"""A restart over our own tables on the fake kernel (restart.py): the new agent writes
+what differs from what the tables hold, and ends where a full sync from scratch ends,
+whatever the cluster did while it was down. The real kernel's side (the read-back of
+elements over netlink, traffic across a restart) is tests/e2e/test_nftables_restart_kernel.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from proxy.dataplane.nftables import render
+from proxy.dataplane.nftables.render import FINGERPRINTS, TABLE, port_chain
+from proxy.model.types import Family, ServicePortKey
+from tests.fakekernel.packet import Packet
+from tests.fakekernel.planes import FakePlane
+from tests.unit.builders import ep, eps_slice, service
+from tests.unit.test_iptables_sync import clusters
+from tests.unit.test_nftables_fake_sync import addresses, comparable
+
+
+def cluster(indices: Iterable[int], changed: int | None = None) -> list[dict[str, Any]]:
+    """Service s<i> (cluster IP 198.18.128.<i + 10>, port 80) with two endpoints, three
+    for s<changed>."""
+    out = []
+    for i in indices:
+        out.append(service(f"s{i}", ips=(f"198.18.128.{10 + i}",),
+                           ports=({"name": "http", "port": 80},)))
+        eps = [ep(f"198.18.1.{10 * i + k}") for k in range(3 if i == changed else 2)]
+        out.append(eps_slice(f"s{i}-a", eps, service_name=f"s{i}",
+                             ports=({"name": "http", "port": 8080},)))
+    return out
+
+
+def port_key(i: int) -> ServicePortKey:
+    return ServicePortKey("ns", f"s{i}", "http", Family.V4)
+
+
+def _key(fingerprint: tuple[Any, ...]) -> tuple[str, ...]:
+    """The fake kernel's key for an element (every part as text)."""
+    return tuple(str(p) for p in fingerprint)
+
+
+def restart_details(report: Any) -> dict[str, int]:
+    """The restart's counts summed over the families (SyncReport details)."""
+    out: dict[str, int] = {}
+    for family in report.details.values():
+        for k, v in family.get("restart", {}).items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def port_rule_lines(script: str) -> list[str]:
+    """The lines of a script that write a service port's rules (not the bases')."""
+    return [line for line in script.splitlines() if line.startswith("add rule")
+            and any(f" {kind}-" in line.split(" rule ", 1)[1][:40]
+                    for kind in ("svc", "svl", "ext", "fw", "ep"))]
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(before=clusters(), after=clusters())
+def test_a_restart_ends_where_a_full_sync_from_scratch_does(
+        monkeypatch: pytest.MonkeyPatch, before: list[dict[str, Any]],
+        after: list[dict[str, Any]]) -> None:
+    monkeypatch.setattr(render, "SLOT_MAP_MIN", 2)  # slot maps in these small clusters
+    plane = FakePlane("nftables", shards=2)
+    plane.become(*before, full=True)
+    restarted = plane.restarted()
+    report = restarted.become(*after)
+    assert report.full and restart_details(report)
+    fresh = FakePlane("nftables", shards=2)
+    fresh.become(*after, full=True)
+    assert comparable(restarted.written()) == comparable(fresh.written())
+    for ip, port, protocol in addresses(after):
+        source = "198.18.1.50" if ":" not in ip else "fd00:18:1::50"
+        packet = Packet.of(source, ip, port, protocol)
+        assert restarted.trace(packet).endpoints() == pytest.approx(
+            fresh.trace(packet).endpoints())
+    # And the agent goes on from there as from any full sync.
+    assert not restarted.become(*before).full
+    again = FakePlane("nftables", shards=2)
+    again.become(*before, full=True)
+    assert comparable(restarted.written()) == comparable(again.written())
+
+
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(cluster=clusters())
+def test_a_restart_over_the_same_cluster_writes_no_port(
+        monkeypatch: pytest.MonkeyPatch, cluster: list[dict[str, Any]]) -> None:
+    monkeypatch.setattr(render, "SLOT_MAP_MIN", 2)
+    plane = FakePlane("nftables", shards=2)
+    first = plane.become(*cluster, full=True)
+    before, sent = plane.written(), len(plane.nft.scripts)
+    report = plane.restarted().become(*cluster)
+    counts = restart_details(report)
+    assert counts == {"ports_kept": len(first.written), "ports_written": 0,
+                      "elements_deleted": 0, "elements_added": 0}
+    assert [port_rule_lines(s) for s in plane.nft.scripts[sent:]] == [[], []]
+    assert plane.written() == before
+
+
+def test_what_the_restart_writes_is_the_change_alone() -> None:
+    """Services changed, removed and added while the agent was down: those ports are
+    written, the others kept; one edited by an endpoint delta since its last whole
+    write (no fingerprint) is written whole, and one whose chain someone deleted too."""
+    plane = FakePlane("nftables")
+    plane.become(*cluster(range(10)), full=True)
+    held = plane.nft.tables["ip", TABLE].sets[FINGERPRINTS].elements
+    assert len(held) == 10 + 2  # one per port (IPv4 only), and the main table's and shard's
+    # As an endpoint delta's transaction leaves it (transaction._apply_edit).
+    state = plane.dp._families[Family.V4].kept
+    del held[_key(state.ports[port_key(9)].fingerprint)]
+    # A chain of port 0 deleted by hand: its fingerprint stays, the chain does not.
+    victim = port_chain("svc", port_key(0), "tcp")
+    del plane.nft.tables["ip", render.shard_of(port_key(0), 1)].chains[victim]
+    restarted = plane.restarted()
+    report = restarted.become(*cluster([0, 1, 2, 3, 4, 5, 6, 8, 9, 10], changed=3))
+    # Kept: 1, 2, 4, 5, 6, 8; written: 0 (its chain), 3 (changed), 9 (edited), 10 (new);
+    # 7's objects deleted. Elements out: 7's fingerprint, dispatch entry, cluster IP and
+    # two hairpin pairs, and 3's old fingerprint; in: 3's new one and its third hairpin
+    # pair, 9's fingerprint, and 10's five.
+    assert restart_details(report) == {"ports_kept": 6, "ports_written": 4,
+                                       "elements_deleted": 5 + 1, "elements_added": 2 + 1 + 5}
+    script = next(s for s in reversed(plane.nft.scripts) if s.startswith("add table ip "))
+    assert f"delete chain ip sliceproxy-0 {port_chain('svc', port_key(7), 'tcp')}" in script
+    written = {line.split()[4] for line in port_rule_lines(script)}
+    assert written == {port_chain("svc", port_key(i), "tcp") for i in (0, 3, 9, 10)}
+    fresh = FakePlane("nftables")
+    fresh.become(*cluster([0, 1, 2, 3, 4, 5, 6, 8, 9, 10], changed=3), full=True)
+    assert comparable(restarted.written()) == comparable(fresh.written())
