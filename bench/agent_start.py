@@ -43,6 +43,7 @@ from bench.common import (
     simulator,
     size_mib,
     stop,
+    system_seconds,
 )
 from proxy.netns_lab.poll import TimedOut, wait
 
@@ -52,6 +53,8 @@ NODE = "node-a"
 NODES = 50  # endpoints spread over this many nodes, one of them the agent's
 FIRST_SYNC = re.compile(r"first sync done.*?since_start[=\"': ]+([0-9.]+)s")
 # The split: process start -> every resource listed (imports, lists, decoding).
+RESTART = re.compile(r"restart over our tables.*?ports_kept[=\"': ]+(\d+).*?"
+                     r"ports_written[=\"': ]+(\d+)")
 LISTED = re.compile(r"every watched resource has listed.*?since_start[=\"': ]+([0-9.]+)s")
 Obj = dict[str, Any]
 
@@ -198,12 +201,18 @@ def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
         except TimedOut:
             raise RuntimeError(f"no first sync: {log_path}") from None
         agent = agent_pid(proc.pid)
-        listed = LISTED.search(log_path.read_text(errors="replace"))
+        text = log_path.read_text(errors="replace")
+        listed = LISTED.search(text)
         out = {"cold_start_s": float(match.group(1)),
                "listed_s": float(listed.group(1)) if listed else None,
+               # A start over the tables the previous run left (runs after the first,
+               # nftables mode): what it kept and wrote (restart.py).
+               "restart": [{"ports_kept": int(k), "ports_written": int(w)}
+                           for k, w in RESTART.findall(text)] or None,
                # the agent's CPU to this moment (a loaded machine stretches the wall
-               # clock more than this)
+               # clock more than this), and the kernel's share of it
                "cpu_s": cpu_seconds(agent) if agent else None,
+               "sys_s": system_seconds(agent) if agent else None,
                "peak_rss_mib": size_mib(agent, "VmHWM") if agent else None,
                "rss_timeline": timeline}
         if idle > 0 and agent:
@@ -284,8 +293,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 profile = args.profile if run == 0 else None
                 result = start_once(ns, kubeconfig, args.mode, work, run, profile, args.timeout,
                                     args.idle, args.endpoints_source)
-                print(f"run {run + 1}: cold start {result['cold_start_s']:.3f} s (listed at "
-                      f"{result['listed_s'] or 0:.3f} s), agent CPU {result['cpu_s'] or 0:.2f} s, "
+                print(f"run {run + 1}: {'restart' if run else 'cold start'} "
+                      f"{result['cold_start_s']:.3f} s (listed at "
+                      f"{result['listed_s'] or 0:.3f} s), agent CPU {result['cpu_s'] or 0:.2f} s "
+                      f"({result['sys_s'] or 0:.2f} s system), "
                       f"peak RSS {result['peak_rss_mib'] or 0:.0f} MiB", flush=True)
                 results.append(result)
     starts = sorted(r["cold_start_s"] for r in results)

@@ -51,6 +51,13 @@ def cpu_times(pid: int) -> tuple[float, float]:
     return (utime + stime) / CLOCK_TICKS, (cutime + cstime) / CLOCK_TICKS
 
 
+def system_seconds(pid: int) -> float:
+    """System CPU seconds of the process itself: what the kernel spent for it (netlink
+    dumps and transactions, for a proxy)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[12]) / CLOCK_TICKS
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of the process itself."""
     return cpu_times(pid)[0]

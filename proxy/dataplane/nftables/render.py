@@ -240,7 +240,7 @@ class BaseObjects:
     def of(cls, family: Family, table: str, sets: Sequence[AnySet], chains: Sequence[Chain],
            elements: Sequence[Element]) -> BaseObjects:
         """With its element of @fingerprints (in the main table), as a port's."""
-        mark = fingerprint(family, (table,), (tuple(sets), tuple(chains), tuple(elements)))
+        mark = fingerprint(family, (table,), chains, elements, sets)
         return cls(family, table, tuple(sets), tuple(chains),
                    (*elements, Element(TABLE, FINGERPRINTS, mark)), mark)
 
@@ -406,20 +406,31 @@ class _PortBuild:
         chains, sets = tuple(self.chains), tuple(self.sets)
         counters = tuple(self.counters.items())
         elements += self.slot_elements
-        mark = fingerprint(self.key.family, (*self.key, self.table),
-                           (chains, elements, sets, counters))
+        mark = fingerprint(self.key.family, (*self.key, self.table), chains, elements, sets,
+                           counters)
         elements.append(Element(TABLE, FINGERPRINTS, mark))
         return PortObjects(self.key, self.table, chains, tuple(elements), sets,
                            tuple(self.slot_values), counters, mark)
 
 
-def fingerprint(family: Family, owner: tuple[object, ...], written: object) -> Key:
-    """128 bits of BLAKE2b over what a port or base (`owner`: its key and table) writes
-    (`written`: its chains with their rules, elements, sets and counters, objects whose
-    repr is their value), spelled as an element of @fingerprints: four IPv4 addresses or
-    one IPv6 address. The same on any process and version that renders the same (never
-    Python's per-process `hash`)."""
-    digest = hashlib.blake2b(repr((owner, written)).encode(), digest_size=16).digest()
+def fingerprint(family: Family, owner: tuple[object, ...], chains: Sequence[Chain],
+                elements: Sequence[Element], sets: Sequence[AnySet] = (),
+                counters: Sequence[object] = ()) -> Key:
+    """128 bits of BLAKE2b over what a port or base (`owner`: its key and table) writes,
+    spelled as an element of @fingerprints: four IPv4 addresses or one IPv6 address. The
+    same on any process and version that renders the same (never Python's per-process
+    `hash`). Hashed as the str of every part, joined by a byte no rule or name holds
+    (comments are printable ASCII, `comment`): the repr of the objects, in Python for a
+    NamedTuple, was a fifth of a port's render."""
+    flat: list[object] = [*owner]
+    for c in chains:
+        flat.append(c.name)
+        flat.extend(c.rules)
+        flat.append(c.hook)
+    flat += [x for e in elements for x in (e.set, *e.key, ":", *e.value, ";")]
+    flat += [x for s in sets for x in (type(s).__name__, *s)]
+    flat += counters
+    digest = hashlib.blake2b("\x1f".join(map(str, flat)).encode(), digest_size=16).digest()
     if family is Family.V4:
         return tuple(socket.inet_ntoa(digest[i:i + 4]) for i in range(0, 16, 4))
     return (address_text(IPv6Address(digest)),)
