@@ -10,22 +10,29 @@ with 3 `statistic` jumps, 3 endpoint chains of 2 rules each (hairpin mark, DNAT)
 
 Measured, per applier and size (medians):
 - full: the first sync of everything into empty tables (`IptablesDataPlane.sync(full=True)`)
-- resync: a full sync again, over the same rules (the periodic resync)
+- resync: a full sync again, over the same rules (the periodic resync; before restarts
+  wrote the difference alone, what every restart cost too)
+- restart (nftables): a new data plane's first sync over the rules the first one left,
+  as an agent started again on its node (restart.py: writes what differs, here nothing)
+  and, `restart, one changed`, with one service's endpoint replaced meanwhile
 - partial: one service's endpoint replaced, then a (partial) sync
 Each figure is the whole sync (read back, render, apply) and, separately, the time in
-the kernel-facing step (`SyncReport.apply_seconds`). Timings are reported, never asserted.
+the kernel-facing step (`SyncReport.apply_seconds`) and the system CPU the process spent
+(the kernel's work for it: dumps and transactions). Timings are reported, never asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import resource
 import statistics
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.common import NODE, change_one, cluster_model, node_namespace, print_results, timed
-from proxy.dataplane.base import DataplaneOptions
+from proxy.dataplane.base import DataplaneOptions, SyncReport
 from proxy.dataplane.iptables.apply import IptablesDataPlane
 from proxy.dataplane.nftables.apply import NftablesDataPlane
 from proxy.dataplane.xtables.restore_runner import Backend
@@ -60,7 +67,8 @@ def run_one(name: str, services: int, endpoints: int, repeat: int,
                        "lines": report.operations}
         out["rules"], out["chains"] = _size(dp)
         if full:
-            resync = [timed(lambda: dp.sync(model.state, full=True)) for _ in range(repeat)]
+            resync = [kernel_timed(lambda: dp.sync(model.state, full=True))
+                      for _ in range(repeat)]
             out["resync"] = _summary(resync)
         partial = []
         for i in range(max(repeat, 3)):
@@ -68,7 +76,25 @@ def run_one(name: str, services: int, endpoints: int, repeat: int,
             partial.append(timed(functools.partial(dp.sync, state)))
         assert all(not r.full for _, r in partial)
         out["partial"] = _summary(partial)
+        if isinstance(dp, NftablesDataPlane):  # last: `dp` knows nothing of what they write
+            out["restart"] = _summary([kernel_timed(lambda: _restarted(options).sync(
+                model.state)) for _ in range(repeat)])
+            changed = change_one(model, slices[len(slices) // 2], repeat + 7)
+            out["restart_changed"] = _summary([kernel_timed(
+                lambda: _restarted(options).sync(changed))])
     return out
+
+
+def kernel_timed(fn: Callable[[], SyncReport]) -> tuple[float, SyncReport, float]:
+    """`timed`, with the system CPU seconds the process spent meanwhile."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+    seconds, report = timed(fn)
+    return seconds, report, resource.getrusage(resource.RUSAGE_SELF).ru_stime - before
+
+
+def _restarted(options: DataplaneOptions) -> NftablesDataPlane:
+    """A data plane that has written nothing yet: an agent started again."""
+    return NftablesDataPlane(options, clear_conntrack=False)
 
 
 def _size(dp: IptablesDataPlane | NftablesDataPlane) -> tuple[int, int]:
@@ -85,28 +111,34 @@ def _size(dp: IptablesDataPlane | NftablesDataPlane) -> tuple[int, int]:
     return fam.ruleset.rule_count(), len(fam.ruleset.lengths())
 
 
-def _summary(runs: list[tuple[float, Any]]) -> dict[str, Any]:
-    return {"total_s": round(statistics.median(t for t, _ in runs), 4),
-            "apply_s": round(statistics.median(r.apply_seconds for _, r in runs), 4),
-            "lines": int(statistics.median(r.operations for _, r in runs)),
-            "runs": len(runs)}
+def _summary(runs: Sequence[tuple[float, Any] | tuple[float, Any, float]]) -> dict[str, Any]:
+    out = {"total_s": round(statistics.median(r[0] for r in runs), 4),
+           "apply_s": round(statistics.median(r[1].apply_seconds for r in runs), 4),
+           "lines": int(statistics.median(r[1].operations for r in runs)),
+           "runs": len(runs)}
+    if all(len(r) == 3 for r in runs):
+        out["system_s"] = round(statistics.median(r[2] for r in runs), 4)  # type: ignore[misc]
+    return out
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
     rows = ["| applier | services (rules / chains) | full sync | full resync | "
-            "one-service partial sync |", "|---|---|---|---|---|"]
+            "restart | restart, one changed | one-service partial sync |",
+            "|---|---|---|---|---|---|---|"]
     for r in results:
-        resync = r.get("resync")
         rows.append(
             f"| {r['applier']} | {r['services']:,} ({r['rules']:,} / {r['chains']:,}) "
-            f"| {_fmt(r['full'])} | {_fmt(resync) if resync else 'not run'} "
-            f"| {_fmt(r['partial'])} |")
+            f"| {_fmt(r['full'])} | {_fmt(r.get('resync'))} | {_fmt(r.get('restart'))} "
+            f"| {_fmt(r.get('restart_changed'))} | {_fmt(r['partial'])} |")
     return "\n".join(rows)
 
 
-def _fmt(part: dict[str, Any]) -> str:
+def _fmt(part: dict[str, Any] | None) -> str:
+    if part is None:
+        return "not run"
+    system = f", system CPU {_time(part['system_s'])}" if "system_s" in part else ""
     return (f"{_time(part['total_s'])} (kernel step {_time(part['apply_s'])}, "
-            f"{part['lines']:,} lines)")
+            f"{part['lines']:,} lines{system})")
 
 
 def _time(seconds: float) -> str:

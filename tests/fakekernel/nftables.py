@@ -120,6 +120,7 @@ class FakeNft:
     def __init__(self) -> None:
         self.tables: Tables = {}
         self.scripts: list[str] = []  # every script applied, in order
+        self.dumped: list[tuple[str, str]] = []  # every set read back (elements), in order
 
     # --- the runner's interface ---------------------------------------------------------------
 
@@ -159,6 +160,7 @@ class FakeNft:
         """The runner's read-back of one set: keys typed as `types` (ports as numbers),
         verdicts as objects.Verdict, () in a set."""
         found = self.tables["ip" if family is Family.V4 else "ip6", table].sets[set_name]
+        self.dumped.append((table, set_name))
         out: dict[Key, Value] = {}
         for key, value in found.elements.items():
             if len(key) != len(types):

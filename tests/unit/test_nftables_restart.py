@@ -101,6 +101,30 @@ def test_a_restart_over_the_same_cluster_writes_no_port(
                       "elements_deleted": 0, "elements_added": 0}
     assert [port_rule_lines(s) for s in plane.nft.scripts[sent:]] == [[], []]
     assert plane.written() == before
+    # Every fingerprint is wanted and no port's objects are unaccounted for: the sets
+    # (hairpin pairs, cluster IPs) are not read back, only the maps and fingerprints.
+    assert {name for _table, name in plane.nft.dumped} <= {
+        FINGERPRINTS, render.SERVICE_IPS, render.SERVICE_NODEPORTS, render.UNSERVED,
+        render.UNSERVED_NODEPORTS}
+
+
+def test_a_port_edited_since_its_fingerprint_is_read_back_and_written_whole() -> None:
+    """A port whose fingerprint an endpoint delta dropped has objects nobody accounts
+    for: the sets are read back, and a hairpin pair it no longer has is deleted."""
+    plane = FakePlane("nftables")
+    plane.become(*cluster(range(3)), full=True)
+    state = plane.dp._families[Family.V4].kept
+    main = plane.nft.tables["ip", TABLE]
+    del main.sets[FINGERPRINTS].elements[_key(state.ports[port_key(1)].fingerprint)]
+    main.sets[render.HAIRPIN].elements["198.18.1.19", "198.18.1.19"] = ""  # left by edits
+    restarted = plane.restarted()
+    report = restarted.become(*cluster(range(3)))
+    assert restart_details(report) == {"ports_kept": 2, "ports_written": 1,
+                                       "elements_deleted": 1, "elements_added": 1}
+    assert ("sliceproxy", render.HAIRPIN) in plane.nft.dumped
+    fresh = FakePlane("nftables")
+    fresh.become(*cluster(range(3)), full=True)
+    assert comparable(restarted.written()) == comparable(fresh.written())
 
 
 def test_what_the_restart_writes_is_the_change_alone() -> None:

@@ -52,6 +52,7 @@ from proxy.dataplane.nftables.expressions import Unencodable
 from proxy.dataplane.nftables.port_edit import render_edit
 from proxy.dataplane.nftables.readback import Held, Unreadable
 from proxy.dataplane.nftables.render import (
+    FINGERPRINTS,
     MAX_SHARDS,
     TABLE,
     BaseObjects,
@@ -69,6 +70,7 @@ from proxy.dataplane.nftables.restart import (
     RestartCounts,
     base_sets,
     restart_lines,
+    sets_needed,
 )
 from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
 from proxy.dataplane.nftables.transaction import (
@@ -233,7 +235,7 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
         counters = self._kernel_counters(fam)
         if fam.state is None:  # not written by this process since: maybe another version
             fam.replacement = functools.partial(replace_lines, bases, rendered, tables)
-        kernel = self._restart_base(fam, bases, KernelTables(
+        kernel = self._restart_base(fam, bases, rendered, KernelTables(
             tables, set(chains), sets, set(counters))) if restart else None
         if kernel is not None:  # the first sync over our own tables: the diff alone
             script, kept, counts = restart_lines(bases, rendered, kernel)
@@ -246,22 +248,30 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
         return full_lines(bases, rendered, chains, sets, tables, counters)
 
     def _restart_base(self, fam: _FamilyState, bases: Sequence[BaseObjects],
-                      kernel: KernelTables) -> KernelTables | None:
-        """`kernel` with the elements of the bases' sets read back (restart.py); None
-        when one cannot be read as this version declares it (a full sync then)."""
+                      ports: Mapping[ServicePortKey, PortObjects], kernel: KernelTables
+                      ) -> KernelTables | None:
+        """`kernel` with the elements of the bases' maps and @fingerprints read back,
+        and of their other sets where restart.sets_needed says so; None when one cannot
+        be read as this version declares it (a full sync then)."""
         elements: dict[tuple[str, str], Held] = {}
-        for table, name, types, is_map in base_sets(bases):
-            if (table, name) not in kernel.sets:
-                continue
-            read = functools.partial(_read_elements, self.runner, table, name, types, is_map)
-            try:
-                elements[table, name] = self._read_back(fam, f"{table} {name}", read)
-            except Unreadable as exc:
-                log.info("our tables hold a set this version reads otherwise; full "
-                         "rewrite", extra={"family": fam.family.label, "table": table,
-                                           "set": name, "reason": str(exc)})
-                return None
         kernel.elements = elements
+        first = [s for s in base_sets(bases) if s[3] or s[1] == FINGERPRINTS]
+        rest = [s for s in base_sets(bases) if s not in first]
+        for sets in (first, rest):
+            for table, name, types, is_map in sets:
+                if (table, name) not in kernel.sets:
+                    continue
+                read = functools.partial(_read_elements, self.runner, table, name, types,
+                                         is_map)
+                try:
+                    elements[table, name] = self._read_back(fam, f"{table} {name}", read)
+                except Unreadable as exc:
+                    log.info("our tables hold a set this version reads otherwise; full "
+                             "rewrite", extra={"family": fam.family.label, "table": table,
+                                               "set": name, "reason": str(exc)})
+                    return None
+            if not sets_needed(bases, ports, kernel):
+                break
         return kernel
 
     def _render_ahead(self, fam: _FamilyState, ports: Sequence[ResolvedServicePort],
