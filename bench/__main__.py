@@ -24,7 +24,11 @@ Scenarios:
                  no controller backlog), each start after the control plane is quiet,
                  Endpoints and EndpointSlices as sources: first nf_tables commit, every
                  rule, the agent's own figures, CPU, peak RSS
-  agent-start    bench.agent_start: the agent alone on the simulator (RSS over time)
+  agent-start    bench.agent_start: the agent alone on the simulator (RSS over time);
+                 its later runs start over the rules the run before left (restarts)
+  restart        bench.rule_sync (nftables): a restart over our own tables, unchanged
+                 and with one service changed, beside a full resync: time, lines,
+                 system CPU
   huge-service   bench.huge_service: one service, 10,000 endpoints in 100 slices
   fleet          bench.reflector_fleet: N agents' watch layers on one real API server
   rolling-update bench.rolling_update: every endpoint of a service replaced at 100 and
@@ -111,7 +115,20 @@ SCENARIOS = (
         "full": (Run("1,000 services x 10", ("--services", "1000", "--endpoints", "10",
                                             "--idle", "10")),
                  Run("10,000 services x 10", ("--services", "10000", "--endpoints", "10",
-                                             "--idle", "10")))}),
+                                             "--idle", "10")),
+                 # 198.18.0.0/15 holds no 100,000 ClusterIPs beside the pods: IPv6.
+                 Run("100,000 services x 10, IPv6", ("--services", "100000", "--endpoints",
+                                                    "10", "--ipv6", "--runs", "2",
+                                                    "--timeout", "1200")))}),
+    Scenario("restart", "bench.rule_sync", "nftables restarts over the agent's own tables, "
+             "beside a full resync (what every restart wrote before)", {
+                 "small": (Run("200 services x 5", ("--sizes", "200", "--endpoints", "5",
+                                                   "--appliers", "nftables",
+                                                   "--repeat", "1")),),
+                 "full": (Run("10,000 and 50,000 services x 10", (
+                     "--sizes", "10000", "50000", "--endpoints", "10", "--appliers",
+                     "nftables", "--repeat", "3")),)},
+             json_to_stdout=True),
     Scenario("huge-service", "bench.huge_service", "One service, many endpoints", {
         "small": (Run("500 endpoints", ("--endpoints", "500", "--changes", "5",
                                         "--planes", "model", "nftables", "iptables")),),

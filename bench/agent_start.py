@@ -13,7 +13,9 @@ kube-apiserver v1.20.2. Needs root.
 
 Pod addresses come from 198.19.0.0/16; past 65,000 endpoints they repeat across
 services, which costs the agent the same as distinct ones (each service's endpoints are
-its own in the model and in the rules).
+its own in the model and in the rules). 198.18.0.0/15 holds no 100,000 ClusterIPs beside
+them: `--ipv6` makes the cluster single-stack IPv6 instead (ClusterIPs from
+fd00:198:18::/104, pods from fd00:19::/64, every one distinct), for the largest runs.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, IPv6Address
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,7 @@ from proxy.netns_lab.poll import TimedOut, wait
 
 POD_BASE = IPv4Address("198.19.0.1")
 POD_ADDRESSES = 65_000
+POD_BASE_V6 = IPv6Address("fd00:19::1")
 NODE = "node-a"
 NODES = 50  # endpoints spread over this many nodes, one of them the agent's
 FIRST_SYNC = re.compile(r"first sync done.*?since_start[=\"': ]+([0-9.]+)s")
@@ -60,7 +63,7 @@ Obj = dict[str, Any]
 
 
 def cluster(services: int, endpoints: int, real: bool = False,
-            legacy: bool = False) -> list[Obj]:
+            legacy: bool = False, ipv6: bool = False) -> list[Obj]:
     """Services with one TCP port and one EndpointSlice each (as the controller writes
     them: owned, labelled), endpoints ready, spread over NODES nodes; with `legacy`, an
     Endpoints object each too. `real`: the fields kube-apiserver v1.20's objects carry
@@ -73,19 +76,21 @@ def cluster(services: int, endpoints: int, real: bool = False,
                     "metadata": {"name": name, "namespace": "default"},
                     "spec": {"ports": [{"name": "http", "port": 80, "protocol": "TCP",
                                         "targetPort": 8080}]}}
+        if ipv6:
+            svc["spec"].update(ipFamilies=["IPv6"], ipFamilyPolicy="SingleStack")
         eps, addresses = [], []
         for j in range(endpoints):
-            k = (i * endpoints + j) % POD_ADDRESSES
+            k = i * endpoints + j
+            pod = str(POD_BASE_V6 + k) if ipv6 else str(POD_BASE + k % POD_ADDRESSES)
             node = f"node-{'a' if k % NODES == 0 else k % NODES}"
-            eps.append({"addresses": [str(POD_BASE + k)], "conditions": {"ready": True},
-                        "nodeName": node})
-            addresses.append({"ip": str(POD_BASE + k), "nodeName": node})
+            eps.append({"addresses": [pod], "conditions": {"ready": True}, "nodeName": node})
+            addresses.append({"ip": pod, "nodeName": node})
         sl: Obj = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
                    "metadata": {"name": f"{name}-x1", "namespace": "default",
                                 "labels": {"kubernetes.io/service-name": name,
                                            "endpointslice.kubernetes.io/managed-by":
                                                "endpointslice-controller.k8s.io"}},
-                   "addressType": "IPv4", "endpoints": eps,
+                   "addressType": "IPv6" if ipv6 else "IPv4", "endpoints": eps,
                    "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}]}
         ep: Obj = {"apiVersion": "v1", "kind": "Endpoints",
                    "metadata": {"name": name, "namespace": "default"},
@@ -165,11 +170,12 @@ def plant_backend_hint(ns: str, backend: str) -> None:
 
 def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
                profile: Path | None, timeout: float, idle: float = 0.0,
-               endpoints_source: str = "endpointslices") -> dict[str, Any]:
+               endpoints_source: str = "endpointslices", ipv6: bool = False
+               ) -> dict[str, Any]:
     argv = [sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
             "--hostname-override", NODE, "--proxy-mode", mode,
-            "--cluster-cidr", "198.19.0.0/16", "--endpoints-source", endpoints_source,
-            "-v", "1"]
+            "--cluster-cidr", "fd00:19::/64" if ipv6 else "198.19.0.0/16",
+            "--endpoints-source", endpoints_source, "-v", "1"]
     if profile is not None:
         fmt = {".txt": "raw", ".json": "speedscope"}.get(profile.suffix, "flamegraph")
         argv = [str(Path(sys.executable).with_name("py-spy")), "record", "--rate", "250",
@@ -271,6 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--real-shaped", action="store_true",
                     help="objects as kube-apiserver v1.20 serves them (managedFields, "
                     "targetRefs, owners, annotations), 2.5x the bytes to list and parse")
+    ap.add_argument("--ipv6", action="store_true",
+                    help="a single-stack IPv6 cluster: room for more than 65,000 services")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep-logs", type=Path, metavar="DIR",
                     help="keep the agent's and the simulator's logs here")
@@ -284,15 +292,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         manifest = work / "cluster.json"
         manifest.write_bytes(json.dumps(cluster(
             args.services, args.endpoints, args.real_shaped,
-            args.endpoints_source == "endpoints")).encode())
-        with namespace() as ns, simulator(ns, manifest, work,
-                                                    not args.no_watch_cache) as kubeconfig:
+            args.endpoints_source == "endpoints", args.ipv6)).encode())
+        with namespace() as ns, simulator(ns, manifest, work, not args.no_watch_cache,
+                                          service_cidr_v6="fd00:198:18::/104"
+                                          ) as kubeconfig:
             if args.iptables_backend != "auto":
                 plant_backend_hint(ns, args.iptables_backend)
             for run in range(args.runs):
                 profile = args.profile if run == 0 else None
                 result = start_once(ns, kubeconfig, args.mode, work, run, profile, args.timeout,
-                                    args.idle, args.endpoints_source)
+                                    args.idle, args.endpoints_source, args.ipv6)
                 print(f"run {run + 1}: {'restart' if run else 'cold start'} "
                       f"{result['cold_start_s']:.3f} s (listed at "
                       f"{result['listed_s'] or 0:.3f} s), agent CPU {result['cpu_s'] or 0:.2f} s "
@@ -301,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results.append(result)
     starts = sorted(r["cold_start_s"] for r in results)
     summary = {"services": args.services, "endpoints": args.endpoints, "mode": args.mode,
+               "ipv6": args.ipv6,
                "endpoints_source": args.endpoints_source, "real_shaped": args.real_shaped,
                "iptables_backend": args.iptables_backend,
                "runs": results, "cold_start_median_s": starts[len(starts) // 2]}

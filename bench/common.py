@@ -136,9 +136,11 @@ def stop(proc: subprocess.Popen[Any]) -> None:
 
 @contextmanager
 def simulator(ns: str, manifest: Path, work: Path, watch_cache: bool,
-              service_cidr: str | None = None) -> Iterator[Path]:
+              service_cidr: str | None = None, service_cidr_v6: str | None = None
+              ) -> Iterator[Path]:
     """`python -m proxy.sim` serving `manifest` in namespace `ns`: its kubeconfig.
-    `service_cidr`: where ClusterIPs come from (the simulator's default /17 holds 32,766)."""
+    `service_cidr`, `service_cidr_v6`: where ClusterIPs come from (the simulator's default
+    /17 holds 32,766, its IPv6 /112 65,534)."""
     kubeconfig = work / "kubeconfig"
     # One left by an earlier run in a kept directory names that run's port: waiting for
     # "the file exists" would start the agent against it, retrying for ever.
@@ -148,7 +150,8 @@ def simulator(ns: str, manifest: Path, work: Path, watch_cache: bool,
         sys.executable, "-m", "proxy.sim", "--listen", "127.0.0.1:0", "--kubeconfig-out",
         str(kubeconfig), "--history", "1000", "-f", str(manifest),
         *(() if watch_cache else ("--no-watch-cache",)),
-        *(("--service-cidr", service_cidr) if service_cidr else ())]),
+        *(("--service-cidr", service_cidr) if service_cidr else ()),
+        *(("--service-cidr-v6", service_cidr_v6) if service_cidr_v6 else ())]),
         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         with contextlib.suppress(TimedOut):  # judged below: the file is there or it is not

@@ -20,13 +20,14 @@ RECORD = "# Benchmark results\n\nHand-written record, kept.\n"
 def test_small_run_writes_tables_and_plots(tmp_path: Path) -> None:
     (tmp_path / "RESULTS.md").write_text(RECORD)
     status = bench_main.main(["--size", "small", "--only", "agent-start", "huge-service",
-                              "memory", "--out", str(tmp_path)])
+                              "memory", "restart", "--out", str(tmp_path)])
     assert status == 0
     text = (tmp_path / "RESULTS.md").read_text()
     assert text.startswith("# Benchmark results\n") and "Hand-written record, kept." in text
     assert text.count(bench_main.BEGIN) == 1 and "commit " in text and "CPUs" in text
     assert "| 200 x 5 | nftables |" in text  # the agent's cold start table
     assert "| nftables | 500 (5) |" in text and "| iptables | 500 (5) |" in text
+    assert "| nftables | 200 (" in text  # restarts beside a full resync
     # The memory table: every situation, with the cgroup's figures beside the agent's.
     for situation in ("cold_start", "burst_new", "burst_replace", "resync", "restart"):
         assert f"| 200 x 5 | nftables | {situation} | **" in text

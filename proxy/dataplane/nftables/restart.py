@@ -27,10 +27,19 @@ replaces the tables whole), so it rewrites everything.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from proxy.dataplane.nftables.objects import Chain, Command, Counter, Key, Table, Value, named
+from proxy.dataplane.nftables.objects import (
+    Chain,
+    Command,
+    Counter,
+    Element,
+    Key,
+    Table,
+    Value,
+    named,
+)
 from proxy.dataplane.nftables.readback import Held, key_parts
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
@@ -132,33 +141,8 @@ def restart_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, P
         else:
             written.append(p)
     counts.written = len(written)
-    types = {(t, name): key for t, name, key, _is_map in base_sets(bases)}
-    wanted_by_set = {(t, s): dict(pairs) for t, s, pairs in state.owners.sets()
-                     if (t, s) in types}
-    deletes: list[tuple[str, str, Key, Value]] = []
-    adds: list[tuple[str, str, Key, Value]] = []
-    fresh: dict[Named, list[tuple[Key, Value]]] = {}  # the elements of what is written
-    for objects in (*(b.elements for b in bases_written), *(p.elements for p in written)):
-        for e in objects:
-            fresh.setdefault((e.table, e.set), []).append((e.key, e.value))
-    for (table, set_name), key_types in sorted(types.items()):
-        wanted = wanted_by_set.get((table, set_name), {})
-        held = kernel.elements.get((table, set_name))
-        if held is None and (table, set_name) in kernel.sets:  # not read: `sets_needed`
-            adds += [(table, set_name, k, v) for k, v in fresh.get((table, set_name), ())]
-            continue
-        held = held or Held()
-        # A map's element whose value changes is deleted (by its key) and added again.
-        deletes += [(table, set_name, k, ()) for k, v in held.decoded.items()
-                    if k not in wanted or wanted[k] != v]
-        present: set[Key] = set()
-        if held.raw:
-            raws = dict(zip(element_keys(state.family, list(wanted)), wanted, strict=True))
-            present = {raws[r] for r in held.raw if r in raws}
-            deletes += [(table, set_name, key_parts(state.family, key_types, r), ())
-                        for r in held.raw if r not in raws]
-        adds += [(table, set_name, k, v) for k, v in wanted.items()
-                 if k not in present and held.decoded.get(k) != v]
+    deletes, adds = _element_diff(state, bases, kernel, (*(b.elements for b in bases_written),
+                                                       *(p.elements for p in written)))
     counts.deleted, counts.added = len(deletes), len(adds)
     wanted_tables = state.tables()
     stale_chains = sorted(c for c in kernel.chains - state.chain_names() if c[0] in wanted_tables)
@@ -204,6 +188,42 @@ def restart_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, P
             yield Command("delete", t, Table(t))
 
     return Script(make, table_family(state.family)), state, counts
+
+
+def _element_diff(state: TableState, bases: Sequence[BaseObjects], kernel: KernelTables,
+                  fresh_elements: Iterable[Iterable[Element]]
+                  ) -> tuple[list[tuple[str, str, Key, Value]], list[tuple[str, str, Key, Value]]]:
+    """The elements of the bases' sets and maps to delete and to add: what the owners in
+    `state` want against what `kernel` holds, or, for a set not read back
+    (`sets_needed`), the elements of what is written (`fresh_elements`)."""
+    types = {(t, name): key for t, name, key, _is_map in base_sets(bases)}
+    wanted_by_set = {(t, s): dict(pairs) for t, s, pairs in state.owners.sets()
+                     if (t, s) in types}
+    fresh: dict[Named, list[tuple[Key, Value]]] = {}
+    for objects in fresh_elements:
+        for e in objects:
+            fresh.setdefault((e.table, e.set), []).append((e.key, e.value))
+    deletes: list[tuple[str, str, Key, Value]] = []
+    adds: list[tuple[str, str, Key, Value]] = []
+    for (table, set_name), key_types in sorted(types.items()):
+        wanted = wanted_by_set.get((table, set_name), {})
+        held = kernel.elements.get((table, set_name))
+        if held is None and (table, set_name) in kernel.sets:  # not read: `sets_needed`
+            adds += [(table, set_name, k, v) for k, v in fresh.get((table, set_name), ())]
+            continue
+        held = held or Held()
+        # A map's element whose value changes is deleted (by its key) and added again.
+        deletes += [(table, set_name, k, ()) for k, v in held.decoded.items()
+                    if k not in wanted or wanted[k] != v]
+        present: set[Key] = set()
+        if held.raw:
+            raws = dict(zip(element_keys(state.family, list(wanted)), wanted, strict=True))
+            present = {raws[r] for r in held.raw if r in raws}
+            deletes += [(table, set_name, key_parts(state.family, key_types, r), ())
+                        for r in held.raw if r not in raws]
+        adds += [(table, set_name, k, v) for k, v in wanted.items()
+                 if k not in present and held.decoded.get(k) != v]
+    return deletes, adds
 
 
 def _present(family: Family, held: Held, keys: Sequence[Key]) -> set[Key]:
