@@ -156,3 +156,24 @@ def test_what_the_restart_writes_is_the_change_alone() -> None:
     fresh = FakePlane("nftables")
     fresh.become(*cluster([0, 1, 2, 3, 4, 5, 6, 8, 9, 10], changed=3), full=True)
     assert comparable(restarted.written()) == comparable(fresh.written())
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 7), (7, 2)])
+def test_a_restart_across_a_change_of_shard_count(monkeypatch: pytest.MonkeyPatch,
+                                                  before: int, after: int) -> None:
+    """Services added or removed while no agent ran change how many shard tables the
+    ports need: ports move between tables (their fingerprints name the table), and
+    shard tables no longer used go, in the one transaction."""
+    monkeypatch.setattr(render, "SHARD_PORTS", 2)  # 1 shard up to 2 ports, 4 up to 8
+    plane = FakePlane("nftables")
+    plane.become(*cluster(range(before)), full=True)
+    restarted = plane.restarted()
+    report = restarted.become(*cluster(range(after)))
+    assert report.full and restart_details(report)["ports_written"] > 0
+    fresh = FakePlane("nftables")
+    fresh.become(*cluster(range(after)), full=True)
+    assert comparable(restarted.written()) == comparable(fresh.written())
+    for i in range(after):
+        packet = Packet.of("198.18.1.50", f"198.18.128.{10 + i}", 80, "tcp")
+        assert restarted.trace(packet).endpoints() == pytest.approx(
+            fresh.trace(packet).endpoints())

@@ -1,28 +1,32 @@
 """A restart over our own tables (pure): the kernel is the state, the script is the diff.
 
-Every port writes, beside its objects and in the same transaction, its element of
-@fingerprints: 128 bits of digest over all it writes (render.fingerprint). An agent
-starting over tables that hold our objects (a rollout, a crash) reads back the names
-of our chains, sets and counters, the fingerprints and the elements of the bases' sets
-(readback.py), renders every port as a full sync would, and writes:
+Every port, and each table's fixed part (a base), writes beside its objects and in the
+same transaction its element of @fingerprints: 128 bits of digest over all it writes
+(render.fingerprint). An agent starting over tables that hold our objects (a rollout,
+a crash) reads back the names of our chains, sets and counters, the fingerprints, the
+bases' maps and, where an element of theirs may be nobody's (`sets_needed`), the
+bases' sets (readback.py); renders every port as a full sync would; and writes:
 
-- a port whose fingerprint the kernel holds, with all its chains, sets and counters:
-  nothing. Its rules, its slot maps and its affinity sets are what it would write;
+- a port or base whose fingerprint the kernel holds, with all its chains (and a port's
+  sets and counters): nothing. Its rules, slot maps and affinity sets are what it
+  would write;
 - any other port (new, changed, edited by an endpoint delta since its fingerprint was
-  written: transaction._apply_edit drops it) whole, as a full sync writes it: its
+  written: transaction._apply_edit drops it) or base whole, as a full sync writes it:
   sets declared, chains declared, flushed and refilled, slot maps flushed and refilled;
-- the bases' chains rewritten (a few dozen rules), and the bases' sets and maps (the
-  dispatch maps, cluster IPs, hairpin pairs, node addresses, fingerprints) brought to
-  what the owners want, element by element, from what the kernel holds;
+- the bases' sets and maps (dispatch maps, cluster IPs, hairpin pairs, node addresses,
+  fingerprints) brought to what the owners want, element by element, from what the
+  kernel holds (a set not read back: the elements of what is written added);
 - what nobody wants any more deleted, as full_lines does.
 
 One transaction, so no packet sees a service missing, and its size is that of the
-difference: at 10,000 services x 10 endpoints unchanged, the base chains and no element.
-What a restart cannot see: a foreign edit inside a chain whose name and fingerprint
-stayed. The drift watch covers a running agent, and the periodic full sync stays a full
-rewrite (full_lines), which repairs it. A version whose layout differs renders other
-fingerprints (or declares a set otherwise: the kernel refuses the `add`, and apply.py
-replaces the tables whole), so it rewrites everything.
+difference: at 10,000 services x 10 endpoints unchanged, the tables' and sets'
+declarations alone (54 lines). What a restart cannot see: a foreign edit inside a chain
+whose name and fingerprint stayed. The drift watch covers a running agent, and the
+periodic full sync stays a full rewrite (full_lines), which repairs it. A version whose
+layout differs renders other fingerprints (or declares a set otherwise: the kernel
+refuses the `add`, and apply.py replaces the tables whole), so it rewrites everything.
+It assumes no other writer of our tables between the read-back and the commit: one
+agent per node, as the shipped rollout (maxUnavailable: 1) keeps it.
 """
 
 from __future__ import annotations
