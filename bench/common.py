@@ -45,17 +45,21 @@ PACINGS: dict[str, tuple[str, ...]] = {
 def cpu_times(pid: int) -> tuple[float, float]:
     """User + system CPU seconds of a process so far, and of the children it has reaped
     (the iptables binaries a proxy ran). OSError when the process is gone."""
-    # After the command's closing parenthesis: utime, stime, cutime, cstime are 11..14.
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
+    utime, stime, cutime, cstime = _ticks(pid)
     return (utime + stime) / CLOCK_TICKS, (cutime + cstime) / CLOCK_TICKS
 
 
 def system_seconds(pid: int) -> float:
     """System CPU seconds of the process itself: what the kernel spent for it (netlink
     dumps and transactions, for a proxy)."""
+    return _ticks(pid)[1] / CLOCK_TICKS
+
+
+def _ticks(pid: int) -> tuple[int, ...]:
+    """utime, stime, cutime, cstime of /proc/PID/stat: fields 11..14 after the command's
+    closing parenthesis."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[12]) / CLOCK_TICKS
+    return tuple(int(x) for x in fields[11:15])
 
 
 def cpu_seconds(pid: int) -> float:

@@ -51,6 +51,16 @@ def addresses(objects: list[dict[str, Any]]) -> list[tuple[str, int, str]]:
     return out
 
 
+def assert_same_answers(plane: FakePlane, fresh: FakePlane,
+                        objects: list[dict[str, Any]]) -> None:
+    """A pod's connection to every service address of `objects` reaches the same
+    endpoints, as likely, through either plane's rules."""
+    for ip, port, protocol in addresses(objects):
+        source = "198.18.1.50" if ":" not in ip else "fd00:18:1::50"
+        packet = Packet.of(source, ip, port, protocol)
+        assert plane.trace(packet).endpoints() == pytest.approx(fresh.trace(packet).endpoints())
+
+
 @settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(first=clusters(), second=clusters(), third=clusters())
@@ -67,7 +77,4 @@ def test_partial_syncs_end_where_a_full_sync_from_scratch_does(
     fresh = FakePlane("nftables", shards=4)
     fresh.become(*third, full=True)
     assert comparable(plane.written()) == comparable(fresh.written())
-    for ip, port, protocol in addresses(third):
-        source = "198.18.1.50" if ":" not in ip else "fd00:18:1::50"
-        packet = Packet.of(source, ip, port, protocol)
-        assert plane.trace(packet).endpoints() == pytest.approx(fresh.trace(packet).endpoints())
+    assert_same_answers(plane, fresh, third)

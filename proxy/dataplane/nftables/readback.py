@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from ipaddress import IPv6Address
 
+from proxy.dataplane.common.naming import address_text
 from proxy.dataplane.common.netlink import ATTR as _ATTR
 from proxy.dataplane.common.netlink import NFGEN, attributes, nfgen, nla_string
 from proxy.dataplane.common.netlink_constants import (
@@ -32,15 +33,15 @@ from proxy.dataplane.common.netlink_constants import (
     NFTA_VERDICT_CODE,
     NLA_TYPE_MASK,
 )
-from proxy.dataplane.nftables.expressions import PROTOCOLS, VERDICTS
+from proxy.dataplane.nftables.expressions import PROTOCOLS, VERDICTS, Unencodable
 from proxy.dataplane.nftables.objects import Key, Value, Verdict
+from proxy.dataplane.nftables.wire import part_width, set_element_head
 from proxy.model.types import Family
 
 _VERBS = {code: verb for verb, code in VERDICTS.items()}
 _PROTOCOL_NAMES = {number: name for name, number in PROTOCOLS.items()}
 _CODE = struct.Struct("!i")
 _PORT = struct.Struct("!H")
-_WIDTH = {"ipv4_addr": 4, "ipv6_addr": 16, "inet_proto": 4, "inet_service": 4}
 
 
 class Unreadable(Exception):
@@ -79,9 +80,9 @@ def read_held(messages: Iterable[tuple[bytes, int, int]], family: Family,
 def key_length(types: Sequence[str]) -> int:
     """The bytes of a key of `types`; Unreadable for a type we never declare."""
     try:
-        return sum(_WIDTH[t] for t in types)
-    except KeyError as exc:
-        raise Unreadable(f"key type {exc.args[0]}") from None
+        return sum(map(part_width, types))
+    except Unencodable as exc:
+        raise Unreadable(str(exc)) from None
 
 
 def element_dump_request(family: Family, table: str, set_name: str) -> bytes:
@@ -116,13 +117,14 @@ def set_keys(data: bytes, start: int, end: int, length: int) -> list[bytes] | No
     the kernel dumps a set without flags, timeouts or expressions (our bases' sets).
     100,000 hairpin pairs took 0.6 s through `decode_elements` and `key_parts`. None
     when the message is laid out otherwise (then `decode_elements`)."""
+    expected = _heads(set_element_head(length))
     for attr, a, b in attributes(data, start + NFGEN.size, end):
         if attr != NFTA_SET_ELEM_LIST_ELEMENTS:
             continue
         size = 12 + length
         if b == a:
             return []
-        if (b - a) % size or _heads(data[a:a + 12]) != _set_key_heads(size):
+        if (b - a) % size or _heads(data[a:a + 12]) != expected:
             return None
         head = data[a:a + 12]
         stops = range(a, b, size)
@@ -133,19 +135,14 @@ def set_keys(data: bytes, start: int, end: int, length: int) -> list[bytes] | No
 
 
 def _heads(raw: bytes) -> tuple[int, ...]:
-    """Three nested attribute headers' (length, type without flags): the kernel may or
-    may not flag a nest (NLA_F_NESTED)."""
+    """Three nested attribute headers' (length, type without flags), as
+    wire.set_element_head writes them: the kernel may or may not flag a nest
+    (NLA_F_NESTED)."""
     out: list[int] = []
     for at in (0, 4, 8):
         length, kind = _ATTR.unpack_from(raw, at)
         out += [length, kind & NLA_TYPE_MASK]
     return tuple(out)
-
-
-def _set_key_heads(size: int) -> tuple[int, ...]:
-    """`_heads` of an element of `size` bytes: NFTA_LIST_ELEM { NFTA_SET_ELEM_KEY {
-    NFTA_DATA_VALUE <key> } }."""
-    return (size, NFTA_LIST_ELEM, size - 4, NFTA_SET_ELEM_KEY, size - 8, NFTA_DATA_VALUE)
 
 
 def _verdict(data: bytes, start: int, end: int) -> Value:
@@ -172,11 +169,11 @@ def key_parts(family: Family, types: Sequence[str], raw: bytes) -> Key:
     parts: list[str | int] = []
     at = 0
     for t in types:
-        width = _WIDTH[t]
+        width = part_width(t)
         if t == "ipv4_addr":
             parts.append(socket.inet_ntoa(raw[at:at + 4]))
         elif t == "ipv6_addr":
-            parts.append(str(IPv6Address(raw[at:at + 16])))  # as naming.address_text
+            parts.append(address_text(IPv6Address(raw[at:at + 16])))
         elif t == "inet_proto":
             name = _PROTOCOL_NAMES.get(raw[at])
             if name is None:

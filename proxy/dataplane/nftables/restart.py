@@ -34,16 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from proxy.dataplane.nftables.objects import (
-    Chain,
-    Command,
-    Counter,
-    Element,
-    Key,
-    Table,
-    Value,
-    named,
-)
+from proxy.dataplane.nftables.objects import Command, Element, Key, Value
 from proxy.dataplane.nftables.readback import Held, key_parts
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
@@ -53,24 +44,23 @@ from proxy.dataplane.nftables.render import (
     table_family,
 )
 from proxy.dataplane.nftables.transaction import (
-    BASE_OWNER,
-    KeptPort,
     Named,
     Script,
     TableState,
-    counter_commands,
+    declarations,
     element_groups,
-    element_statements,
     flush_maps,
+    kept_state,
+    stale_statements,
 )
 from proxy.dataplane.nftables.wire import Chains, Rules, Statement, element_keys
-from proxy.model.types import Family, ServicePortKey
+from proxy.model.types import ServicePortKey
 
 
 @dataclass
 class KernelTables:
     """What one family's tables of ours hold, read back: names, and the elements of the
-    bases' sets and maps ((table, set) -> key -> value)."""
+    bases' sets and maps that were read ((table, set) -> Held; `sets_needed`)."""
 
     tables: set[str]
     chains: set[Named]
@@ -107,12 +97,8 @@ def sets_needed(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Por
     and a restart adds those of the ports it writes (an `add` of one held changes
     nothing). 100,000 hairpin pairs cost the kernel 0.09 s to dump, the most of an
     unchanged restart's system time."""
-    marks = kernel.elements.get((TABLE, FINGERPRINTS))
-    if marks is None:
-        return True
-    wanted = [*(b.fingerprint for b in bases), *(p.fingerprint for p in ports.values())]
-    held = _present(bases[0].family, marks, wanted)
-    if len(marks) > len(held):
+    held = _held_marks(bases, ports.values(), kernel)
+    if held is None or len(kernel.elements[TABLE, FINGERPRINTS]) > len(held):
         return True
     return any(p.fingerprint not in held and any((p.table, c.name) in kernel.chains
                                                  for c in p.chains)
@@ -123,49 +109,24 @@ def restart_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, P
                   kernel: KernelTables) -> tuple[Script, TableState, RestartCounts]:
     """The transaction from what `kernel` holds to `bases` and `ports` (module
     docstring); the state the kernel holds once it is applied, as full_lines'."""
-    state = TableState(bases[0].family, tuple(bases))
-    ordered = [(key, ports[key]) for key in sorted(ports)]
-    for key, p in ordered:
-        state.owners.add_rendered(key, p.elements)
-    for b in bases:
-        state.owners.add_rendered(BASE_OWNER, b.elements)
-    marks = kernel.elements.get((TABLE, FINGERPRINTS))
-    held_marks = _present(state.family, marks, [
-        *(b.fingerprint for b in bases), *(p.fingerprint for _key, p in ordered)
-    ]) if marks else set()
+    state, ordered = kept_state(bases, ports)
+    held_marks = _held_marks(bases, ports.values(), kernel) or set()
     # A base whose fingerprint and chains the kernel holds keeps its rules too.
     bases_written = [b for b in bases if b.fingerprint not in held_marks
                      or any((b.table, c.name) not in kernel.chains for c in b.chains)]
-    counts = RestartCounts()
-    written: list[PortObjects] = []
-    for key, p in ordered:
-        state.ports[key] = KeptPort.of(p)
-        if _intact(p, kernel, held_marks):
-            counts.kept += 1
-        else:
-            written.append(p)
-    counts.written = len(written)
+    written = [p for _key, p in ordered if not _intact(p, kernel, held_marks)]
     deletes, adds = _element_diff(state, bases, kernel, (*(b.elements for b in bases_written),
                                                        *(p.elements for p in written)))
-    counts.deleted, counts.added = len(deletes), len(adds)
-    wanted_tables = state.tables()
-    stale_chains = sorted(c for c in kernel.chains - state.chain_names() if c[0] in wanted_tables)
-    stale_sets = sorted(k for k in set(kernel.sets) - state.set_names() if k[0] in wanted_tables)
-    stale_counters = sorted(c for c in kernel.counters - state.counter_names()
-                            if c[0] in wanted_tables)
-    stale_tables = sorted(kernel.tables - wanted_tables)
+    counts = RestartCounts(len(ordered) - len(written), len(written), len(deletes), len(adds))
+    stale = stale_statements(state, kernel.chains, kernel.sets, kernel.counters,
+                             kernel.tables)
+    # The written ports' elements in their own maps (slots), after their flush; those in
+    # the bases' sets and maps come with the element diff.
+    shared = {(t, name) for t, name, _types, _is_map in base_sets(bases)}
+    own = [e for p in written for e in p.elements if (e.table, e.set) not in shared]
 
     def make() -> Iterator[Statement]:
-        for b in state.bases:
-            yield Command("add", b.table, Table(b.table))
-        for b in state.bases:
-            for s in b.sets:
-                yield Command("add", b.table, s)
-        for p in written:
-            for s in p.sets:
-                yield Command("add", p.table, s)
-            yield from (c for c in counter_commands("add", p)
-                        if (p.table, c.object.name) not in kernel.counters)
+        yield from declarations(state, written, kernel.counters)
         for b in bases_written:
             for c in b.chains:
                 yield Command("add", b.table, c)
@@ -176,20 +137,8 @@ def restart_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, P
             yield from flush_maps(p)
         yield from element_groups("delete", deletes)
         yield from element_groups("add", adds)
-        for p in written:  # their own sets' elements: slot maps (the bases' are above)
-            own = {s.name for s in p.sets}
-            for table, set_name, pairs in _own_elements(p, own):
-                yield from element_statements("add", table, set_name, pairs)
-        for t, name in stale_chains:
-            yield Command("flush", t, Chain(name))
-        for t, name in stale_chains:
-            yield Command("delete", t, Chain(name))
-        for k in stale_sets:
-            yield Command("delete", k[0], named(kernel.sets[k], k[1]))
-        for t, name in stale_counters:
-            yield Command("delete", t, Counter(name))
-        for t in stale_tables:
-            yield Command("delete", t, Table(t))
+        yield from element_groups("add", own)
+        yield from stale
 
     return Script(make, table_family(state.family)), state, counts
 
@@ -230,13 +179,19 @@ def _element_diff(state: TableState, bases: Sequence[BaseObjects], kernel: Kerne
     return deletes, adds
 
 
-def _present(family: Family, held: Held, keys: Sequence[Key]) -> set[Key]:
-    """Which of `keys` `held` holds."""
-    if not held.raw:
-        return {k for k in keys if k in held.decoded}
-    raws = element_keys(family, keys)
-    return {k for k, r in zip(keys, raws, strict=True) if r in held.raw} \
-        | {k for k in keys if k in held.decoded}
+def _held_marks(bases: Sequence[BaseObjects], ports: Iterable[PortObjects],
+                kernel: KernelTables) -> set[Key] | None:
+    """Which of the bases' and `ports`' fingerprints the kernel holds; None when
+    @fingerprints was not read back (not there: a version without it)."""
+    held = kernel.elements.get((TABLE, FINGERPRINTS))
+    if held is None:
+        return None
+    keys = [*(b.fingerprint for b in bases), *(p.fingerprint for p in ports)]
+    found = {k for k in keys if k in held.decoded}
+    if held.raw:
+        raws = element_keys(bases[0].family, keys)
+        found.update(k for k, r in zip(keys, raws, strict=True) if r in held.raw)
+    return found
 
 
 def _intact(p: PortObjects, kernel: KernelTables, held_marks: set[Key]) -> bool:
@@ -249,12 +204,3 @@ def _intact(p: PortObjects, kernel: KernelTables, held_marks: set[Key]) -> bool:
         and all((t, s.name) in kernel.sets for s in p.sets) \
         and all((t, name) in kernel.counters for name, _ in p.counters)
 
-
-def _own_elements(p: PortObjects, own: set[str]
-                  ) -> Iterator[tuple[str, str, list[tuple[Key, Value]]]]:
-    by_set: dict[str, list[tuple[Key, Value]]] = {}
-    for e in p.elements:
-        if e.table == p.table and e.set in own:
-            by_set.setdefault(e.set, []).append((e.key, e.value))
-    for set_name, pairs in by_set.items():
-        yield p.table, set_name, pairs

@@ -30,7 +30,7 @@ rules (a third of the rendered text), which a change compares by digest.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import islice
 
@@ -294,7 +294,7 @@ BASE_OWNER = ServicePortKey("", "", "", Family.V4)
 
 
 def element_groups(verb: str, elements: Iterable[tuple[str, str, Key, Value]]
-                    ) -> Iterator[Elements]:
+                   ) -> Iterator[Elements]:
     """`add|delete element` statements for `elements` (objects.Element's fields),
     grouped per set."""
     by_set: dict[Named, list[tuple[Key, Value]]] = {}
@@ -305,7 +305,7 @@ def element_groups(verb: str, elements: Iterable[tuple[str, str, Key, Value]]
 
 
 def element_statements(verb: str, table: str, set_name: str,
-                        pairs: Iterable[tuple[Key, Value]]) -> Iterator[Elements]:
+                       pairs: Iterable[tuple[Key, Value]]) -> Iterator[Elements]:
     """`add|delete element` statements for the (key, value) pairs of one set."""
     pairs = iter(pairs)
     while chunk := list(islice(pairs, ELEMENTS_PER_LINE)):
@@ -376,35 +376,12 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
     hold now (read back): what nobody wants any more is deleted. Counters the kernel
     lacks are added, and none is ever flushed: each keeps its count. The state is made now, the
     script's lines when read."""
-    state = TableState(bases[0].family, tuple(bases))
-    ordered = [(key, ports[key]) for key in sorted(ports)]
-    for key, p in ordered:
-        state.ports[key] = KeptPort.of(p)
-        state.owners.add_rendered(key, p.elements)
-    for b in bases:
-        state.owners.add_rendered(BASE_OWNER, b.elements)
-    wanted = state.tables()
-    stale_chains = sorted(c for c in set(kernel_chains) - state.chain_names() if c[0] in wanted)
-    kernel_sets = dict(kernel_sets or {})
-    stale_sets = sorted(k for k in set(kernel_sets) - state.set_names() if k[0] in wanted)
+    state, ordered = kept_state(bases, ports)
     held = set(kernel_counters)
-    stale_counters = sorted(c for c in held - state.counter_names() if c[0] in wanted)
-    # Shards no longer used (there were more at the last start): whole tables.
-    stale_tables = sorted(set(kernel_tables) - wanted)
-    ip = table_family(state.family)
+    stale = stale_statements(state, kernel_chains, kernel_sets or {}, held, kernel_tables)
 
     def make() -> Iterator[Statement]:
-        for b in state.bases:
-            yield Command("add", b.table, Table(b.table))
-        for b in state.bases:
-            for s in b.sets:
-                yield Command("add", b.table, s)
-        for _key, p in ordered:
-            for s in p.sets:
-                yield Command("add", p.table, s)
-            # Only those the kernel lacks: adding one it holds changes nothing.
-            yield from (Command("add", p.table, Counter(name)) for name, _ in p.counters
-                        if (p.table, name) not in held)
+        yield from declarations(state, (p for _key, p in ordered), held)
         for b in state.bases:
             for c in b.chains:
                 yield Command("add", b.table, c)
@@ -419,18 +396,59 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
             yield from flush_maps(p)
         for table, set_name, pairs in state.owners.sets():
             yield from element_statements("add", table, set_name, pairs)
-        for t, name in stale_chains:
-            yield Command("flush", t, Chain(name))
-        for t, name in stale_chains:
-            yield Command("delete", t, Chain(name))
-        for k in stale_sets:
-            yield Command("delete", k[0], named(kernel_sets[k], k[1]))
-        for t, name in stale_counters:
-            yield Command("delete", t, Counter(name))
-        for t in stale_tables:
-            yield Command("delete", t, Table(t))
+        yield from stale
 
-    return Script(make, ip), state
+    return Script(make, table_family(state.family)), state
+
+
+def kept_state(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects]
+               ) -> tuple[TableState, list[tuple[ServicePortKey, PortObjects]]]:
+    """What the kernel holds once `bases` and `ports` are all there (a full or restart
+    script's state, made before its lines), and the ports in key order."""
+    state = TableState(bases[0].family, tuple(bases))
+    ordered = [(key, ports[key]) for key in sorted(ports)]
+    for key, p in ordered:
+        state.ports[key] = KeptPort.of(p)
+        state.owners.add_rendered(key, p.elements)
+    for b in bases:
+        state.owners.add_rendered(BASE_OWNER, b.elements)
+    return state, ordered
+
+
+def declarations(state: TableState, ports: Iterable[PortObjects],
+                 held_counters: Collection[Named]) -> Iterator[Command]:
+    """Our tables and the bases' sets declared, then `ports`' sets and those of their
+    counters the kernel lacks (not in `held_counters`: an `add` of one it holds would
+    change nothing but the script's length)."""
+    for b in state.bases:
+        yield Command("add", b.table, Table(b.table))
+    for b in state.bases:
+        for s in b.sets:
+            yield Command("add", b.table, s)
+    for p in ports:
+        for s in p.sets:
+            yield Command("add", p.table, s)
+        yield from (c for c in counter_commands("add", p)
+                    if (p.table, c.object.name) not in held_counters)
+
+
+def stale_statements(state: TableState, kernel_chains: Iterable[Named],
+                     kernel_sets: Mapping[Named, str], kernel_counters: Collection[Named],
+                     kernel_tables: Iterable[str]) -> list[Command]:
+    """What our tables hold (`kernel_*`, read back; sets -> "set" or "map") that
+    nobody in `state` wants any more, deleted, last in a script: chains flushed before
+    any is deleted (one may jump to another), then sets, counters, and whole tables
+    (shards no longer used: there were more at the last start)."""
+    wanted = state.tables()
+    chains = sorted(c for c in set(kernel_chains) - state.chain_names() if c[0] in wanted)
+    sets = sorted(k for k in set(kernel_sets) - state.set_names() if k[0] in wanted)
+    counters = sorted(c for c in set(kernel_counters) - state.counter_names()
+                      if c[0] in wanted)
+    return [*(Command("flush", t, Chain(name)) for t, name in chains),
+            *(Command("delete", t, Chain(name)) for t, name in chains),
+            *(Command("delete", t, named(kernel_sets[t, name], name)) for t, name in sets),
+            *(Command("delete", t, Counter(name)) for t, name in counters),
+            *(Command("delete", t, Table(t)) for t in sorted(set(kernel_tables) - wanted))]
 
 
 def replace_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],

@@ -274,19 +274,25 @@ def _element_key(family: Family, parts: Key) -> bytes:
 def element_keys(family: Family, keys: Sequence[Key]) -> list[bytes]:
     """Each key's bytes as the kernel holds them (`_element_key`), for comparing with a
     dump (readback.set_keys); keys of addresses alone read by inet_pton in one pass."""
-    if not keys:
-        return []
-    parts = len(keys[0])
-    try:  # a protocol's name (OSError), a port (TypeError): the general way
-        raws = list(map(functools.partial(socket.inet_pton, INET[family]),
-                        itertools.chain.from_iterable(keys)))
-    except (OSError, TypeError):
+    raws = _address_parts(family, keys)
+    if raws is None:
         return [_element_key(family, k) for k in keys]
-    if len(raws) != parts * len(keys):
-        return [_element_key(family, k) for k in keys]
+    parts = len(keys[0]) if keys else 1
     if parts == 1:
         return raws
     return [b"".join(raws[i:i + parts]) for i in range(0, len(raws), parts)]
+
+
+def _address_parts(family: Family, keys: Sequence[Key]) -> list[bytes] | None:
+    """Every part of `keys`, in order, read by inet_pton in one pass (element by element
+    took 1.5 us each); None unless every key is as many addresses as the first."""
+    if len({len(k) for k in keys}) > 1:
+        return None
+    try:  # a protocol's name (OSError), a port or a slot (TypeError) is refused here
+        return list(map(functools.partial(socket.inet_pton, INET[family]),
+                        itertools.chain.from_iterable(keys)))
+    except (OSError, TypeError):
+        return None
 
 
 @functools.cache
@@ -298,7 +304,7 @@ def _value_head(kind: int, length: int) -> bytes:
 
 
 @functools.cache
-def _set_element_head(length: int) -> bytes:
+def set_element_head(length: int) -> bytes:
     """What comes before a set element's key of `length` bytes (it has no value)."""
     return nested(NFTA_LIST_ELEM, _value_head(NFTA_SET_ELEM_KEY, length) + bytes(length))[:-length]
 
@@ -314,7 +320,7 @@ def _element(family: Family, key: Key, data: Value) -> bytes:
 
     raw = _element_key(family, key)
     if not data:
-        return _set_element_head(len(raw)) + raw
+        return set_element_head(len(raw)) + raw
     if type(data) is not Verdict or data.verb not in VERDICTS \
             or bool(data.chain) != (data.verb in ("jump", "goto")):
         raise Unencodable(f"element value {data!r}")
@@ -375,24 +381,20 @@ def _slot_head(data_length: int) -> bytes:
 def _address_elements(family: Family, items: Sequence[tuple[Key, Value]]) -> bytes | None:
     """`_elements` of a set's elements whose keys are addresses, or concatenations of as
     many addresses each (at 10,000 services x 10 endpoints, a full sync's 75,000
-    hairpin pairs and cluster IPs): the parts read by inet_pton in one pass, the
-    elements joined in another, where element by element took 1.5 us each. None for
+    hairpin pairs and cluster IPs): the parts read in one pass (`_address_parts`), the
+    elements joined in another. None for
     anything else (a map's elements, a key with another part), for `_element`."""
     if not items:
         return b""
     keys, values = zip(*items, strict=True)
     if any(values):
         return None
+    raws = _address_parts(family, keys)
+    if raws is None:
+        return None
     parts_per_key = len(keys[0])
-    if len(set(map(len, keys))) != 1:
-        return None
-    try:  # a protocol's name (OSError), a port or a slot (TypeError) is refused here
-        raws = list(map(functools.partial(socket.inet_pton, INET[family]),
-                        itertools.chain.from_iterable(keys)))
-    except (OSError, TypeError):
-        return None
     stride = parts_per_key + 1  # an element: its head, then its parts
-    out = [_set_element_head(parts_per_key * ADDRESS_WIDTH[family])] * (len(keys) * stride)
+    out = [set_element_head(parts_per_key * ADDRESS_WIDTH[family])] * (len(keys) * stride)
     for i in range(parts_per_key):
         out[i + 1::stride] = raws[i::parts_per_key]
     return b"".join(out)
@@ -403,12 +405,17 @@ def _key_type(types: tuple[str, ...]) -> tuple[int, int, bool]:
     whether it is a concatenation)."""
     number, length = 0, 0
     for part in types:
-        known = KEY_TYPES.get(part)
-        if known is None:
-            raise Unencodable(f"key type {part!r}")
-        number = number << TYPE_BITS | known[0]
-        length += (known[1] + 3) // 4 * 4
+        length += part_width(part)
+        number = number << TYPE_BITS | KEY_TYPES[part][0]
     return number, length, len(types) > 1
+
+
+def part_width(part: str) -> int:
+    """The bytes a key's part of type `part` fills: its 32-bit register slots."""
+    known = KEY_TYPES.get(part)
+    if known is None:
+        raise Unencodable(f"key type {part!r}")
+    return (known[1] + 3) // 4 * 4
 
 
 # A set's flags as nft spells them (objects.Set.flags).
