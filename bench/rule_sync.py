@@ -13,8 +13,10 @@ Measured, per applier and size (medians):
 - resync: a full sync again, over the same rules (the periodic resync; before restarts
   wrote the difference alone, what every restart cost too)
 - restart (nftables): a new data plane's first sync over the rules the first one left,
-  as an agent started again on its node (restart.py: writes what differs, here nothing)
-  and, `restart, one changed`, with one service's endpoint replaced meanwhile
+  as an agent started again on its node (restart.py: writes what differs, here nothing,
+  and renders no port: every input mark is there, marks.py) and, `restart, one
+  changed`, with one service's endpoint replaced meanwhile; "then" is what it does
+  when idle right after (its housekeeping: the kept state made, input marks added)
 - partial: one service's endpoint replaced, then a (partial) sync
 Each figure is the whole sync (read back, render, apply) and, separately, the time in
 the kernel-facing step (`SyncReport.apply_seconds`) and the system CPU the process spent
@@ -36,6 +38,7 @@ from proxy.dataplane.base import DataplaneOptions, SyncReport
 from proxy.dataplane.iptables.apply import IptablesDataPlane
 from proxy.dataplane.nftables.apply import NftablesDataPlane
 from proxy.dataplane.xtables.restore_runner import Backend
+from proxy.model.snapshot import DesiredState
 from proxy.model.types import Family
 from proxy.netns_lab.netns import entered
 
@@ -77,12 +80,25 @@ def run_one(name: str, services: int, endpoints: int, repeat: int,
         assert all(not r.full for _, r in partial)
         out["partial"] = _summary(partial)
         if isinstance(dp, NftablesDataPlane):  # last: `dp` knows nothing of what they write
-            out["restart"] = _summary([kernel_timed(lambda: _restarted(options).sync(
-                model.state)) for _ in range(repeat)])
+            dp.housekeeping()  # idle after its syncs: its ports' input marks added
+            restarts = [_restart(options, model.state) for _ in range(repeat)]
+            out["restart"] = _summary([r[0] for r in restarts])
+            out["restart_after_s"] = round(statistics.median(r[1] for r in restarts), 4)
             changed = change_one(model, slices[len(slices) // 2], repeat + 7)
-            out["restart_changed"] = _summary([kernel_timed(
-                lambda: _restarted(options).sync(changed))])
+            run, after = _restart(options, changed)
+            out["restart_changed"] = _summary([run])
+            out["restart_changed_after_s"] = round(after, 4)
     return out
+
+
+def _restart(options: DataplaneOptions, state: DesiredState
+             ) -> tuple[tuple[float, SyncReport, float], float]:
+    """A restarted agent's first sync (kernel_timed), and the seconds of what it does
+    when idle right after (housekeeping: the kept state of ports it kept unrendered,
+    input marks)."""
+    plane = _restarted(options)
+    run = kernel_timed(lambda: plane.sync(state))
+    return run, timed(plane.housekeeping)[0]
 
 
 def kernel_timed(fn: Callable[[], SyncReport]) -> tuple[float, SyncReport, float]:
@@ -128,17 +144,20 @@ def markdown(results: list[dict[str, Any]]) -> str:
     for r in results:
         rows.append(
             f"| {r['applier']} | {r['services']:,} ({r['rules']:,} / {r['chains']:,}) "
-            f"| {_fmt(r['full'])} | {_fmt(r.get('resync'))} | {_fmt(r.get('restart'))} "
-            f"| {_fmt(r.get('restart_changed'))} | {_fmt(r['partial'])} |")
+            f"| {_fmt(r['full'])} | {_fmt(r.get('resync'))} "
+            f"| {_fmt(r.get('restart'), r.get('restart_after_s'))} "
+            f"| {_fmt(r.get('restart_changed'), r.get('restart_changed_after_s'))} "
+            f"| {_fmt(r['partial'])} |")
     return "\n".join(rows)
 
 
-def _fmt(part: dict[str, Any] | None) -> str:
+def _fmt(part: dict[str, Any] | None, then: float | None = None) -> str:
     if part is None:
         return "not run"
     system = f", system CPU {_time(part['system_s'])}" if "system_s" in part else ""
+    after = f"; then {_time(then)} idle work" if then is not None else ""
     return (f"{_time(part['total_s'])} (kernel step {_time(part['apply_s'])}, "
-            f"{part['lines']:,} lines{system})")
+            f"{part['lines']:,} lines{system}{after})")
 
 
 def _time(seconds: float) -> str:

@@ -197,6 +197,10 @@ class SyncLoop:
             trigger = self.schedule.start(now)
             if trigger is not None:
                 await self._sync(trigger)
+                if trigger is Trigger.INITIAL:
+                    # Now, unless a sync is due: what the data plane left for after its
+                    # first sync (a restart's kept state, nftables/apply.py).
+                    next_housekeeping = self._clock()
                 continue
             if self._drift_due is not None and now >= self._drift_due:
                 await self._check_drift()

@@ -63,6 +63,13 @@ class NodePlane:
         with entered(self.ns):
             return self.dp.sync(state, full)
 
+    def settle(self) -> NodePlane:
+        """What the agent does when idle after a sync (housekeeping: in nftables mode,
+        its ports' input marks are added then)."""
+        with entered(self.ns):
+            self.dp.housekeeping()
+        return self
+
     def cleanup(self) -> None:
         with entered(self.ns):
             self.dp.cleanup()

@@ -73,6 +73,12 @@ class FakePlane:
         other.dp.runner = self.nft  # type: ignore[assignment]
         return other
 
+    def settle(self) -> FakePlane:
+        """What the agent does when idle after a sync (the data plane's housekeeping:
+        nftables adds its ports' input marks then)."""
+        self.dp.housekeeping()
+        return self
+
     def become(self, *objects: dict[str, Any], full: bool = False) -> SyncReport:
         """The cluster now holds exactly `objects` (besides the node): model, render,
         apply (a partial sync unless `full` or the first)."""

@@ -39,23 +39,21 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
-from proxy.dataplane.base import ApplyError, Counted, DataplaneOptions, PortTraffic
+from proxy.dataplane.base import ApplyError, Counted, DataplaneOptions, PortTraffic, SyncReport
 from proxy.dataplane.common import heap
 from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.drift_watch import LOST, NftablesListener
-from proxy.dataplane.common.family_sync import FamilyState, FamilySyncPlane, Written
+from proxy.dataplane.common.family_sync import FamilySyncPlane, Written
 from proxy.dataplane.common.netlink_constants import NFPROTO
 from proxy.dataplane.common.nfnetlink import nat_unsupported
 from proxy.dataplane.common.rtnetlink import node_addresses
 from proxy.dataplane.common.traffic import port_traffic
 from proxy.dataplane.nftables.expressions import Unencodable
+from proxy.dataplane.nftables.objects import Key
 from proxy.dataplane.nftables.port_edit import render_edit
-from proxy.dataplane.nftables.readback import Held, Unreadable
 from proxy.dataplane.nftables.render import (
-    FINGERPRINTS,
     MAX_SHARDS,
     TABLE,
-    BaseObjects,
     PortObjects,
     our_tables,
     render_base,
@@ -68,16 +66,17 @@ from proxy.dataplane.nftables.render import (
 from proxy.dataplane.nftables.restart import (
     KernelTables,
     RestartCounts,
-    base_sets,
     restart_lines,
-    sets_needed,
+    with_input_mark,
 )
+from proxy.dataplane.nftables.restart_steps import OUR_TABLES, NftFamily, RestartSteps
 from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
 from proxy.dataplane.nftables.transaction import (
     KeptPort,
     PortEdit,
     Script,
     TableState,
+    base_state,
     first_lines,
     full_lines,
     kept_slots,
@@ -89,46 +88,13 @@ from proxy.model.types import Family, IPAddress, ServicePortKey
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-OUR_TABLES = frozenset(our_tables())
 
 
 class NftablesUnavailable(Exception):
     """This host cannot run the nftables mode (tools or kernel support missing)."""
 
 
-class _FamilyState(FamilyState):
-    """One family's tables as far as we know (`kept`: its TableState)."""
-
-    def __init__(self, family: Family, shards: int) -> None:
-        super().__init__(family)
-        # Shard tables (render.py): set by each full sync, only ever grown while running
-        # (shrinking would move every port for nothing).
-        self.shards = shards
-        # Ports rendered before the first full sync (render_ahead), with what they were
-        # rendered from: the resolution itself, the context and the shard count.
-        self.ahead: dict[ServicePortKey, tuple[ResolvedServicePort, RenderContext, int,
-                                               PortObjects]] = {}
-        # During a full sync over tables we have not written since they were read back:
-        # the script that replaces them whole, if the kernel refuses to take them over.
-        self.replacement: Callable[[], Script] | None = None
-        # Whether the next full sync, if over our tables, may write only what differs
-        # from what they hold (restart.py): the first one of this process alone, as
-        # after a failure or drift the kernel is no longer trusted to be ours.
-        self.restart = True
-        self.restart_counts: RestartCounts | None = None  # of the sync being written
-
-    @property
-    def state(self) -> TableState | None:
-        kept: TableState | None = self.kept
-        return kept
-
-    @property
-    def tables(self) -> str:
-        """Our tables of this family, for messages: the main one and its shards."""
-        return f"{table_family(self.family)} {TABLE} and {TABLE}-0..{self.shards - 1}"
-
-
-class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
+class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps):
     """`runner` and `addresses` replace libnftables/nft and the netlink address dump in
     tests; `probe=False` skips the kernel's NAT check (done by the caller); `shards`
     is the least number of shard tables (more as the service ports need them)."""
@@ -155,7 +121,7 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
                 log.warning("family dropped: nf_tables cannot do NAT for it here",
                             extra={"family": family.label, "reason": reason})
                 continue
-            self._families[family] = _FamilyState(family, shards)
+            self._families[family] = NftFamily(family, shards)
         if not self._families:
             raise NftablesUnavailable(
                 f"this kernel's nf_tables cannot do NAT ({'; '.join(refused) or 'no family'})"
@@ -165,7 +131,11 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
 
     # --- sync: render and write (the loop is FamilySyncPlane's) -----------------------------
 
-    def _render_partial(self, fam: _FamilyState,
+    def sync(self, state: DesiredState, full: bool = False) -> SyncReport:
+        self._complete_all()  # before the sync decides full or partial
+        return super().sync(state, full)
+
+    def _render_partial(self, fam: NftFamily,
                         ports: Mapping[ServicePortKey, ResolvedServicePort],
                         changed: set[ServicePortKey], ctx: RenderContext
                         ) -> tuple[Script | str, TableState]:
@@ -174,7 +144,7 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
                                        for k in changed})
         return script or "", table
 
-    def _render_change(self, fam: _FamilyState, table: TableState,
+    def _render_change(self, fam: NftFamily, table: TableState,
                        rsp: ResolvedServicePort | None, ctx: RenderContext
                        ) -> PortObjects | PortEdit | None:
         """A changed port: only its endpoints that changed when the model says which and
@@ -190,7 +160,7 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
                 return edit
         return render_port(rsp, ctx, table.shards, kept_slots(kept))
 
-    def _write(self, fam: _FamilyState, text: str | Script, full: bool) -> Written:
+    def _write(self, fam: NftFamily, text: str | Script, full: bool) -> Written:
         try:
             applier = self._run(fam, text, full) if text else "none"
         finally:
@@ -208,8 +178,8 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
         if full:  # the script and batch were tens of MB: give the heap back
             heap.release_free_memory()
 
-    def _render_full(self, fam: _FamilyState, state: DesiredState,
-                     ctx: RenderContext) -> tuple[Script, TableState]:
+    def _render_full(self, fam: NftFamily, state: DesiredState,
+                     ctx: RenderContext) -> tuple[Script | str, TableState]:
         tables, chains, sets = self._kernel_objects(fam)
         ports = {k: v for k, v in state.ports.items() if k.family is fam.family}
         shards = max(fam.shards, shards_for(len(ports)))
@@ -223,7 +193,8 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
             return render_port(rsp, ctx, shards)
 
         fam.shards = shards
-        # Only the process's first full sync may be a restart's diff (_FamilyState).
+        fam.pending = {}  # every port's state is made anew
+        # Only the process's first full sync may be a restart's diff (NftFamily).
         restart, fam.restart = fam.restart and fam.state is None, False
         if not tables:
             # None of our tables yet (a node's first start): in parts, each port
@@ -231,7 +202,17 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
             # next is made (transaction.first_lines).
             return first_lines(bases, {k: functools.partial(objects, k, v)
                                        for k, v in ports.items()})
-        rendered = {k: objects(k, v) for k, v in ports.items()}
+        marks: Mapping[ServicePortKey, Key] = {}
+        if restart:
+            marks, unchanged = self._unrendered(fam, bases, ports, ctx,
+                                                (tables, set(chains), sets))
+            if unchanged:
+                fam.restart_counts = RestartCounts(kept=len(ports))
+                return "", base_state(bases)
+        # A restart's ports carry the input marks it computed: the kernel holds those of
+        # the ports it keeps, and those it writes are what their input renders.
+        rendered = {k: with_input_mark(objects(k, v), marks[k]) if k in marks
+                    else objects(k, v) for k, v in ports.items()}
         counters = self._kernel_counters(fam)
         if fam.state is None:  # not written by this process since: maybe another version
             fam.replacement = functools.partial(replace_lines, bases, rendered, tables)
@@ -247,34 +228,7 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
             return script, kept
         return full_lines(bases, rendered, chains, sets, tables, counters)
 
-    def _restart_base(self, fam: _FamilyState, bases: Sequence[BaseObjects],
-                      ports: Mapping[ServicePortKey, PortObjects], kernel: KernelTables
-                      ) -> KernelTables | None:
-        """`kernel` with the elements of the bases' maps and @fingerprints read back,
-        and of their other sets where restart.sets_needed says so; None when one cannot
-        be read as this version declares it (a full sync then)."""
-        elements: dict[tuple[str, str], Held] = {}
-        kernel.elements = elements
-        first = [s for s in base_sets(bases) if s[3] or s[1] == FINGERPRINTS]
-        rest = [s for s in base_sets(bases) if s not in first]
-        for sets in (first, rest):
-            for table, name, types, is_map in sets:
-                if (table, name) not in kernel.sets:
-                    continue
-                read = functools.partial(_read_elements, self.runner, table, name, types,
-                                         is_map)
-                try:
-                    elements[table, name] = self._read_back(fam, f"{table} {name}", read)
-                except Unreadable as exc:
-                    log.info("our tables hold a set this version reads otherwise; full "
-                             "rewrite", extra={"family": fam.family.label, "table": table,
-                                               "set": name, "reason": str(exc)})
-                    return None
-            if not sets_needed(bases, ports, kernel):
-                break
-        return kernel
-
-    def _render_ahead(self, fam: _FamilyState, ports: Sequence[ResolvedServicePort],
+    def _render_ahead(self, fam: NftFamily, ports: Sequence[ResolvedServicePort],
                       ctx: RenderContext, expected: int) -> None:
         # The shard count _render_full will choose if `expected` ports come; a port
         # rendered for another count, context or resolution is rendered again there.
@@ -282,17 +236,17 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
         for rsp in ports:
             fam.ahead[rsp.key] = (rsp, ctx, shards, render_port(rsp, ctx, shards))
 
-    def _kernel_objects(self, fam: _FamilyState
+    def _kernel_objects(self, fam: NftFamily
                         ) -> tuple[set[str], list[tuple[str, str]], dict[tuple[str, str], str]]:
         """Our tables, and the (table, name) of their chains and of their sets and maps
         (-> "set" or "map"), as the kernel holds them now."""
         return self._read_back(fam, "tables", self.runner.names)
 
-    def _kernel_counters(self, fam: _FamilyState) -> dict[tuple[str, str], int]:
+    def _kernel_counters(self, fam: NftFamily) -> dict[tuple[str, str], int]:
         """Our named counters as the kernel holds them now: (table, name) -> count."""
         return self._read_back(fam, "counters", self.runner.counters)
 
-    def _read_back(self, fam: _FamilyState, what: str,
+    def _read_back(self, fam: NftFamily, what: str,
                    read: Callable[[Family, frozenset[str]], T]) -> T:
         """`read` of our tables in `fam`'s family; a failure drops what we knew (the next
         sync is a full one) and is the sync's ApplyError."""
@@ -303,7 +257,7 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
             raise ApplyError(f"cannot read back our {table_family(fam.family)} {what}: "
                              f"{exc}") from exc
 
-    def _run(self, fam: _FamilyState, text: str | Script, full: bool) -> str:
+    def _run(self, fam: NftFamily, text: str | Script, full: bool) -> str:
         """Apply `text`; which applier took it. A full sync the kernel refuses over tables
         another version wrote is sent again as their replacement (module docstring)."""
         try:
@@ -317,7 +271,7 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
                              f"transaction on {fam.tables}: {exc}",
                              offending=exc.offending) from exc
 
-    def _apply(self, fam: _FamilyState, text: str | Script, full: bool) -> str:
+    def _apply(self, fam: NftFamily, text: str | Script, full: bool) -> str:
         """Encoded into netlink here (module docstring), or nft for what the encoder does
         not speak (and, for a full sync, for what the kernel refused of our encoding);
         which applier took it. NftError if nft is refused too."""
@@ -338,7 +292,7 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
         self.runner.run(text if isinstance(text, str) else text.text())
         return "nft"
 
-    def _replace(self, fam: _FamilyState, refused: NftError) -> str | None:
+    def _replace(self, fam: NftFamily, refused: NftError) -> str | None:
         """Send the replacement of our tables (module docstring); which applier took it,
         or None if the kernel refused it too."""
         assert fam.replacement is not None
@@ -355,7 +309,7 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
                            "refused": str(refused)[-500:]})
         return applier
 
-    def _failed_transaction(self, fam: _FamilyState, error: str, offending: str | None,
+    def _failed_transaction(self, fam: NftFamily, error: str, offending: str | None,
                             full: bool, line: int | None = None) -> None:
         self._failed(fam)
         fam.restart = False
@@ -365,7 +319,17 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
 
     # --- the rest of the contract -------------------------------------------------------------
 
+    def housekeeping(self) -> dict[str, int]:
+        """The restart's leftover work (`_complete`) and the input marks the kernel lacks
+        (`_write_marks`) first: the sync loop calls this when idle, right after the first
+        sync too."""
+        self._complete_all()
+        for fam in self._families.values():
+            self._write_marks(fam)
+        return super().housekeeping()
+
     def applied_rules(self, key: ServicePortKey) -> Sequence[str]:
+        self._complete_all()
         fam = self._families.get(key.family)
         applied = fam.applied(key) if fam is not None else None
         if fam is None or fam.state is None or applied is None:
@@ -379,6 +343,7 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
     def traffic(self) -> Mapping[ServicePortKey, PortTraffic]:
         """Each applied port's named counters (render.py), read in one dump per family:
         the port's own, and its endpoints' where they are counted one by one."""
+        self._complete_all()
         out: dict[ServicePortKey, PortTraffic] = {}
         for fam in self._families.values():
             state = fam.state
@@ -417,6 +382,7 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
     def check_drift(self) -> list[str]:
         """How our tables differ from what we last applied ([] when they agree): any
         foreign transaction on them, or chains and sets missing or extra by name."""
+        self._complete_all()
         with self._foreign_lock:
             heard, self._foreign = self._foreign, []
         # Lost announcements prove nothing: our own full sync overflows the listener's
@@ -465,12 +431,6 @@ class NftablesDataPlane(FamilySyncPlane[_FamilyState]):
     def close(self) -> None:
         super().close()
         self.runner.close()
-
-
-def _read_elements(runner: NftRunner, table: str, set_name: str, types: Sequence[str],
-                   is_map: bool, family: Family, _ours: frozenset[str]) -> Held:
-    """`runner.elements` in the shape `_read_back` calls."""
-    return runner.elements(family, table, set_name, types, is_map)
 
 
 def _port_traffic(kept: KeptPort, counted: Mapping[tuple[str, str], int]) -> PortTraffic:

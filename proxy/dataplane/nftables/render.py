@@ -85,10 +85,8 @@ from __future__ import annotations
 
 import hashlib
 import re
-import socket
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from ipaddress import IPv6Address
 from typing import TypeVar
 
 from proxy.dataplane.common import naming
@@ -97,6 +95,7 @@ from proxy.dataplane.common.naming import address_text, name_hash, port_name
 from proxy.dataplane.common.paths import PortPlan, plan, sorted_nets
 from proxy.dataplane.common.traffic import per_endpoint
 from proxy.dataplane.modes import NFTABLES
+from proxy.dataplane.nftables.marks import spelled
 from proxy.dataplane.nftables.objects import (
     AnySet,
     Chain,
@@ -208,8 +207,12 @@ class PortObjects:
     # Its named counters (common/traffic.py), each with the endpoint (address, port) it
     # counts, or None: the port's own, which every new connection of the port passes.
     counters: tuple[tuple[str, tuple[IPAddress, int] | None], ...] = ()
-    # Its element of @fingerprints (also among `elements`): `fingerprint`.
+    # Its elements of @fingerprints (also among `elements`, marks.py): `fingerprint`,
+    # and its input mark where one was added (marks.with_input_mark).
     fingerprint: Key = ()
+    input_mark: Key = ()
+    # Whether what it writes is what its input alone renders: no earlier slot kept.
+    from_input: bool = True
 
     def lines(self, family: Family) -> list[str]:
         """Readable, copy-pasteable `nft` lines for the debug dump (the fingerprint is
@@ -397,8 +400,9 @@ class _PortBuild:
             members = self.elements[set_name] = {}
         members.setdefault(k, value)
 
-    def objects(self) -> PortObjects:
-        """Its elements by set, then key (sorted: the same port renders the same)."""
+    def objects(self, from_input: bool) -> PortObjects:
+        """Its elements by set, then key (sorted: the same port renders the same), with
+        its fingerprint; `from_input`: whether no earlier slot was kept (marks.py)."""
         elements = []
         for s in sorted(self.elements):
             table, members = self.table if s in SHARD_SETS else TABLE, self.elements[s]
@@ -410,7 +414,7 @@ class _PortBuild:
                            counters)
         elements.append(Element(TABLE, FINGERPRINTS, mark))
         return PortObjects(self.key, self.table, chains, tuple(elements), sets,
-                           tuple(self.slot_values), counters, mark)
+                           tuple(self.slot_values), counters, mark, from_input=from_input)
 
 
 def fingerprint(family: Family, owner: tuple[object, ...], chains: Sequence[Chain],
@@ -431,9 +435,7 @@ def fingerprint(family: Family, owner: tuple[object, ...], chains: Sequence[Chai
     flat += [x for s in sets for x in (type(s).__name__, *s)]
     flat += counters
     digest = hashlib.blake2b("\x1f".join(map(str, flat)).encode(), digest_size=16).digest()
-    if family is Family.V4:
-        return tuple(socket.inet_ntoa(digest[i:i + 4]) for i in range(0, 16, 4))
-    return (address_text(IPv6Address(digest)),)
+    return spelled(family, digest)
 
 
 # @fingerprints' key: 128 bits in either family.
@@ -445,7 +447,7 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,
     """The chains and elements of one service port (the iptables renderer's semantics),
     in its shard of `shards`. `slots`: what the kernel's slot maps hold of this port
     (map -> endpoints in slot order), so that endpoints keep their slots
-    (`assign_slots`)."""
+    (`assign_slots`); then it is not `from_input` (marks.py)."""
     key = rsp.key
     proto = rsp.port.protocol.value.lower()
     build = _PortBuild(key, shard_of(key, shards), table_family(key.family), proto)
@@ -480,7 +482,7 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,
                 continue
             _policy_chain(build, policy_chain, eps, first, (texts, addrs, ep_chains), label,
                           slots, counts)
-    return build.objects()
+    return build.objects(not slots)
 
 
 def count_statement(name: str) -> str:

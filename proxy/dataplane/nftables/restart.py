@@ -32,7 +32,7 @@ agent per node, as the shipped rollout (maxUnavailable: 1) keeps it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from proxy.dataplane.nftables.objects import Command, Element, Key, Value
 from proxy.dataplane.nftables.readback import Held, key_parts
@@ -54,7 +54,7 @@ from proxy.dataplane.nftables.transaction import (
     stale_statements,
 )
 from proxy.dataplane.nftables.wire import Chains, Rules, Statement, element_keys
-from proxy.model.types import ServicePortKey
+from proxy.model.types import Family, ServicePortKey
 
 
 @dataclass
@@ -143,6 +143,32 @@ def restart_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, P
     return Script(make, table_family(state.family)), state, counts
 
 
+def with_input_mark(p: PortObjects, mark: Key) -> PortObjects:
+    """`p` with its input mark among its elements (marks.py): a restart renders every
+    port from its input alone, so the mark it computed stands for what `p` writes."""
+    return replace(p, elements=(*p.elements, Element(TABLE, FINGERPRINTS, mark)),
+                   input_mark=mark)
+
+
+def unrendered(bases: Sequence[BaseObjects], marks: Mapping[ServicePortKey, Key],
+               kernel: KernelTables) -> bool:
+    """Whether `kernel` (its names and @fingerprints read back) holds exactly what
+    `bases` and the ports whose input marks are `marks` write, so that a restart writes
+    nothing and need not render a port (marks.py): every base's fingerprint and chains,
+    every mark, and nothing else in @fingerprints but one fingerprint per port (a port
+    gone or changed while no agent ran leaves marks nobody claims now), in exactly the
+    tables the bases are."""
+    held = kernel.elements.get((TABLE, FINGERPRINTS))
+    if held is None or kernel.tables != {b.table for b in bases}:
+        return False
+    if len(held) != len(bases) + 2 * len(marks):
+        return False
+    if any((b.table, c.name) not in kernel.chains for b in bases for c in b.chains):
+        return False
+    keys = [*(b.fingerprint for b in bases), *marks.values()]
+    return len(_found(bases[0].family, keys, held)) == len(set(keys))
+
+
 def _element_diff(state: TableState, bases: Sequence[BaseObjects], kernel: KernelTables,
                   fresh_elements: Iterable[Iterable[Element]]
                   ) -> tuple[list[tuple[str, str, Key, Value]], list[tuple[str, str, Key, Value]]]:
@@ -186,10 +212,16 @@ def _held_marks(bases: Sequence[BaseObjects], ports: Iterable[PortObjects],
     held = kernel.elements.get((TABLE, FINGERPRINTS))
     if held is None:
         return None
-    keys = [*(b.fingerprint for b in bases), *(p.fingerprint for p in ports)]
+    keys = [*(b.fingerprint for b in bases),
+            *(m for p in ports for m in (p.fingerprint, p.input_mark) if m)]
+    return _found(bases[0].family, keys, held)
+
+
+def _found(family: Family, keys: Sequence[Key], held: Held) -> set[Key]:
+    """Which of `keys` (of @fingerprints) `held` holds."""
     found = {k for k in keys if k in held.decoded}
     if held.raw:
-        raws = element_keys(bases[0].family, keys)
+        raws = element_keys(family, keys)
         found.update(k for k, r in zip(keys, raws, strict=True) if r in held.raw)
     return found
 

@@ -212,8 +212,11 @@ class KeptPort:
     counters: tuple[tuple[str, tuple[IPAddress, int] | None], ...] = ()
     # Its element of @fingerprints while the kernel holds exactly what it stands for; ()
     # once an endpoint delta edited the port (`_apply_edit`), as a new one would cost
-    # O(service): a restart then writes the port anew (restart.py).
+    # O(service): a restart then writes the port anew (restart.py). Its input mark
+    # (marks.py) likewise, and it is no longer `from_input`.
     fingerprint: Key = ()
+    input_mark: Key = ()
+    from_input: bool = True
 
     @classmethod
     def of(cls, p: PortObjects, elements: dict[ElementKey, Value] | None = None) -> KeptPort:
@@ -225,8 +228,17 @@ class KeptPort:
             return cls(p.table, chains, (), p.sets,
                        tuple((name, SlotValues(values)) for name, values in p.slots),
                        element_map(p) if elements is None else elements, counters,
-                       p.fingerprint)
-        return cls(p.table, chains, p.elements, p.sets, (), None, counters, p.fingerprint)
+                       p.fingerprint, p.input_mark, p.from_input)
+        return cls(p.table, chains, p.elements, p.sets, (), None, counters, p.fingerprint,
+                   p.input_mark, p.from_input)
+
+    def with_mark(self, mark: Key) -> KeptPort:
+        """This port once the kernel holds its input mark `mark` too (marks.py)."""
+        element = Element(TABLE, FINGERPRINTS, mark)
+        if self.element_dict is not None:
+            self.element_dict[TABLE, FINGERPRINTS, mark] = ()
+            return replace(self, input_mark=mark)
+        return replace(self, rendered=(*self.rendered, element), input_mark=mark)
 
     def elements(self) -> Mapping[ElementKey, Value]:
         """Read-only: the kept dict itself for a port with slot maps."""
@@ -410,9 +422,21 @@ def kept_state(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
     for key, p in ordered:
         state.ports[key] = KeptPort.of(p)
         state.owners.add_rendered(key, p.elements)
-    for b in bases:
-        state.owners.add_rendered(BASE_OWNER, b.elements)
+    _own_bases(state)
     return state, ordered
+
+
+def base_state(bases: Sequence[BaseObjects]) -> TableState:
+    """The state of `bases` alone (a restart's whose ports are made later)."""
+    return _own_bases(TableState(bases[0].family, tuple(bases)))
+
+
+def _own_bases(state: TableState) -> TableState:
+    """The bases' elements, owned by BASE_OWNER (after the ports': the order a full
+    script writes them in)."""
+    for b in state.bases:
+        state.owners.add_rendered(BASE_OWNER, b.elements)
+    return state
 
 
 def declarations(state: TableState, ports: Iterable[PortObjects],
@@ -702,11 +726,14 @@ def _apply_edit(state: TableState, key: ServicePortKey, old: KeptPort, edit: Por
             continue
         digests[chain.name] = digest
         rewrites.append(Rules.one(old.table, chain))
-    if old.fingerprint and (changed or rewrites):  # no longer what the kernel holds
-        mark = (TABLE, FINGERPRINTS, old.fingerprint)
-        _retire(state, key, mark, held_before)
-        del kept[mark]
-        old = state.ports[key] = replace(old, fingerprint=())
+    if (old.fingerprint or old.input_mark) and (changed or rewrites):
+        # No longer what the kernel holds, nor what the input alone renders.
+        for mark in (old.fingerprint, old.input_mark):
+            if mark:
+                _retire(state, key, (TABLE, FINGERPRINTS, mark), held_before)
+                del kept[TABLE, FINGERPRINTS, mark]
+        old = state.ports[key] = replace(old, fingerprint=(), input_mark=(),
+                                         from_input=False)
     if rewrites:
         state.ports[key] = replace(old, chains=tuple(digests.items()))
     return rewrites
