@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from ipaddress import ip_network
 
+import pytest
+
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.ipvs.netfilter import (
     JUMPS,
@@ -31,6 +33,7 @@ CIDRS = (ip_network("198.18.1.0/24"), ip_network("198.18.64.0/18"),
 def test_ipv4_rules_with_cluster_cidrs_golden() -> None:
     rules = iptables_rules(Family.V4, DataplaneOptions(node_name="n", cluster_cidrs=CIDRS))
     assert rules["nat"] == [
+        "-A SPX-IPVS-SERVICES -p tcp ! --syn -j RETURN",
         "-A SPX-IPVS-SERVICES -s 127.0.0.0/8 -j RETURN",
         "-A SPX-IPVS-SERVICES -m set --match-set SPX-IPVS4-CLUSTER-IP dst,dst "
         "-j SPX-IPVS-CLUSTER-IP",
@@ -42,6 +45,7 @@ def test_ipv4_rules_with_cluster_cidrs_golden() -> None:
         "-A SPX-IPVS-SERVICES -m set --match-set SPX-IPVS4-INSIDE-ONLY dst,dst "
         "-m addrtype --src-type LOCAL -j SPX-IPVS-MARK-MASQ",
         "-A SPX-IPVS-MARK-MASQ -j MARK --or-mark 0x4000",
+        "-A SPX-IPVS-POSTROUTING -p tcp ! --syn -j RETURN",
         "-A SPX-IPVS-POSTROUTING -m set --match-set SPX-IPVS4-LOOPBACK dst,dst,src "
         "-j MASQUERADE",
         "-A SPX-IPVS-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN",
@@ -82,6 +86,33 @@ def test_cluster_ip_masquerade_variants() -> None:
     bare = iptables_rules(Family.V4, DataplaneOptions(node_name="n"))["nat"]
     assert ("-A SPX-IPVS-SERVICES -m set --match-set SPX-IPVS4-CLUSTER-IP src,dst "
             "-j SPX-IPVS-MARK-MASQ") in bare
+
+
+@pytest.mark.parametrize("family", [Family.V4, Family.V6])
+@pytest.mark.parametrize("options", [
+    DataplaneOptions(node_name="n", cluster_cidrs=CIDRS),
+    DataplaneOptions(node_name="n", cluster_cidrs=CIDRS, masquerade_all=True),
+    DataplaneOptions(node_name="n"),
+], ids=["cluster-cidrs", "masquerade-all", "no-cluster-cidr"])
+def test_a_connection_conntrack_first_saw_midstream_is_never_masqueraded(
+        family: Family, options: DataplaneOptions) -> None:
+    """Our first rules switch conntrack on where nothing used it (kube-proxy stopped
+    before writing its iptables rules): a TCP connection made before then has its first
+    packet through the nat table without a SYN. Before any rule that marks or
+    masquerades, in each chain a packet enters from a built-in one, such a packet
+    returns: masqueraded, it reached its endpoint from the node's address and was reset
+    (the handover reset of tests/kernel/test_ipvs_mode_switch.py)."""
+    nat = iptables_rules(family, options)["nat"]
+    for chain in ("SPX-IPVS-SERVICES", "SPX-IPVS-POSTROUTING"):
+        rules = [r for r in nat if r.startswith(f"-A {chain} ")]
+        assert rules[0] == f"-A {chain} -p tcp ! --syn -j RETURN", rules
+    # The built-in chains enter those two alone; the marking chains are entered from
+    # behind the guard only.
+    assert {j.target for j in JUMPS if j.table == "nat"} == {
+        "SPX-IPVS-SERVICES", "SPX-IPVS-POSTROUTING"}
+    for target in ("SPX-IPVS-CLUSTER-IP", "SPX-IPVS-MARK-MASQ"):
+        assert {r.split()[1] for r in nat if r.endswith(f"-j {target}")} <= {
+            "SPX-IPVS-SERVICES", "SPX-IPVS-CLUSTER-IP"}
 
 
 def test_without_a_cluster_cidr_only_the_node_passes_inside_only_addresses() -> None:

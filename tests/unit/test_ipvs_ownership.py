@@ -6,6 +6,7 @@ from __future__ import annotations
 from ipaddress import ip_address
 
 from proxy.dataplane.base import DataplaneOptions
+from proxy.dataplane.ipvs.diff import KernelDest, KernelService
 from proxy.dataplane.ipvs.handover import chains_text
 from proxy.dataplane.ipvs.ownership import (
     Claims,
@@ -14,11 +15,11 @@ from proxy.dataplane.ipvs.ownership import (
     node_port_claims,
     parse_set_entry,
 )
-from proxy.dataplane.ipvs.render import VsKey
+from proxy.dataplane.ipvs.render import RsKey, VsKey
 from proxy.dataplane.xtables.saved import parse_save
 from proxy.model.types import Family, Protocol
-from tests.fakekernel.ipvs import FakeLinks, on_fakes
-from tests.unit.builders import NODE, model_of, node
+from tests.fakekernel.ipvs import FakeIpvs, FakeLinks, on_fakes
+from tests.unit.builders import NODE, ep, eps_slice, model_of, node, service
 from tests.unit.test_nodeport_addresses import NODEPORT, SLICES, V4
 
 
@@ -116,3 +117,23 @@ def test_no_nodeport_on_kube_proxys_service_addresses() -> None:
     dp = on_fakes(DataplaneOptions(NODE, families=(Family.V4,)), links=links)
     dp.sync(model_of(node(), NODEPORT, *SLICES).resolve(), full=True)
     assert {str(k) for k in dp._servers.believed if k.port == 30080} == {f"TCP {V4}:30080"}
+
+
+def test_the_first_sync_over_kube_proxys_table_asks_ipvs_for_nothing() -> None:
+    """The switch from kube-proxy: its virtual server for a cluster IP (its address on
+    kube-ipvs0) is the one we render, with the same real servers at weight 1 and the
+    same scheduler. Our first sync takes it over as it is: no virtual server made
+    again or edited, no real server removed, re-added or reweighted, since any of those
+    could end or refuse a connection made through kube-proxy's."""
+    vip = "198.18.128.60"
+    svc = service(ips=(vip,))
+    slice_ = eps_slice("s1", [ep("198.18.1.10"), ep("198.18.1.11")])
+    vs = key(vip)
+    held = {vs: KernelService(vs, "rr", 0, 0, {
+        RsKey(ip_address(a), 8080): KernelDest(1) for a in ("198.18.1.10", "198.18.1.11")})}
+    ipvs = FakeIpvs(held)
+    links = FakeLinks([(1, ip_address(V4)), (3, ip_address(vip))], kube_ipvs0=3)
+    dp = on_fakes(DataplaneOptions(NODE, families=(Family.V4,)), ipvs, links)
+    dp.sync(model_of(node(), svc, slice_).resolve(), full=True)
+    assert ipvs.ops == []
+    assert dp._servers.believed == held

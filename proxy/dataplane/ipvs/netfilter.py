@@ -17,6 +17,14 @@ prefix, so it never collides with kube-proxy or a CNI:
 
 IPVS picks packets up on the local-in hook after filter INPUT, so drops there happen
 before IPVS schedules a connection.
+
+Only a connection's first packet traverses the nat table, and a TCP connection's first
+packet is a SYN, unless conntrack began tracking the connection after it was made: our
+first rules switch conntrack on where no rule needed it until then (kube-proxy stopped
+before its first sync wrote its iptables rules; the IPVS table alone does not use it).
+Such a connection's endpoint knows it by the addresses it already has, so it is neither
+marked nor masqueraded (MIDSTREAM): masqueraded, its next segment would reach the
+endpoint from the node's address and be answered with a reset.
 """
 
 from __future__ import annotations
@@ -45,6 +53,10 @@ FORWARD_CHAIN = f"{CHAIN_PREFIX}FORWARD"
 # A packet either proxy (or a mode of ours) marked is masqueraded by whichever
 # POSTROUTING chain sees it first.
 MASQ_MARK = f"{MASQ_BIT:#x}"
+
+# A TCP connection conntrack first saw after its SYN (module docstring): first in the
+# chains that mark and masquerade.
+MIDSTREAM = "-p tcp ! --syn -j RETURN"
 
 # Sets are created with room to grow; `create -exist` must repeat the same parameters.
 SET_MAXELEM = 262144
@@ -89,7 +101,8 @@ def iptables_rules(family: Family, options: DataplaneOptions) -> dict[str, list[
         return f"-m set {bang}--match-set {set_name(role, family)} {flags}"
 
     cidrs = [c for c in options.cluster_cidrs if Family.of(c) is family]
-    nat = [f"-A {SERVICES_CHAIN} -s {_loopback(family)} -j RETURN"]
+    nat = [f"-A {SERVICES_CHAIN} {MIDSTREAM}",
+           f"-A {SERVICES_CHAIN} -s {_loopback(family)} -j RETURN"]
     cluster = match(SetRole.CLUSTER_IP, "dst,dst")
     if options.masquerade_all:
         nat.append(f"-A {SERVICES_CHAIN} {cluster} -j {MARK_MASQ_CHAIN}")
@@ -112,6 +125,7 @@ def iptables_rules(family: Family, options: DataplaneOptions) -> dict[str, list[
         f"-A {SERVICES_CHAIN} {match(SetRole.INSIDE_ONLY, 'dst,dst')} "
         f"-m addrtype --src-type LOCAL -j {MARK_MASQ_CHAIN}",
         f"-A {MARK_MASQ_CHAIN} -j MARK --or-mark {MASQ_MARK}",
+        f"-A {POSTROUTING_CHAIN} {MIDSTREAM}",
         f"-A {POSTROUTING_CHAIN} {match(SetRole.LOOPBACK, 'dst,dst,src')} -j MASQUERADE",
         f"-A {POSTROUTING_CHAIN} -m mark ! --mark {MASQ_MARK}/{MASQ_MARK} -j RETURN",
         # Clear the mark so a packet that re-enters the stack is not masqueraded twice.

@@ -12,6 +12,7 @@ KubeProxyConfiguration (tests/kernel/node_settings_guest.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -27,6 +28,8 @@ from proxy.dataplane.ipvs.render import DUMMY_INTERFACE
 from proxy.dataplane.xtables.saved import Table
 from proxy.netns_lab import Lab
 from proxy.netns_lab.poll import wait as wait_for
+from proxy.netns_lab.probe import Flow
+from proxy.netns_lab.topology import POD_GW4
 from proxy.sim import SimServer, v1beta1
 from tests.e2e.agent_support import (
     ROOT,
@@ -46,8 +49,11 @@ from tests.faults.traffic import Laps, Target, Traffic
 from tests.kernel import kube_proxy_guest as kube_proxy
 from tests.kernel import node_settings_guest as settings
 from tests.kernel.kube_proxy_guest import KubeProxy
-from tests.kernel.scenario_guest import NodeThread, read_kernel
+from tests.kernel.scenario_guest import Cluster, NodeThread, read_kernel
 from tests.kernel.scenarios.scenario_agent import leftovers
+from tests.kernel.scenarios.scenario_traffic import HTTP as HTTP_PORT
+from tests.kernel.scenarios.scenario_traffic import local, reply_destinations, slices
+from tests.unit.builders import service as service_object
 
 HTTP: tuple[PortSpec, ...] = (("http", 80, 8080, "TCP"),)
 WEB = {"web-1", "web-2"}
@@ -250,6 +256,36 @@ def interface_addresses(lab: Lab, name: str) -> list[str] | None:
     return [words[i + 1].split("/")[0] for i, w in enumerate(words[:-1]) if w == "inet"]
 
 
+def kube_proxy_synced(lab: Lab, vs: str) -> bool:
+    """kube-proxy's first sync is done, iptables rules and all, as docs/migrate.md's step 5
+    waits for: its address on kube-ipvs0, both real servers, and its rules, written last
+    (10 s after its virtual servers under emulation). Our clean-up removes the rules
+    that had the kernel track connections; with none of kube-proxy's there yet, a
+    connection we masqueraded would lose its translation and be reset."""
+    return (HANDOVER in (interface_addresses(lab, "kube-ipvs0") or ())
+            and len(virtual_servers(lab).get(vs, ())) == 2
+            and "-A KUBE-POSTROUTING " in iptables_save(lab))
+
+
+def cleanup_beside_kube_proxy(lab: Lab) -> None:
+    """The way back's step 5, `--cleanup`: every virtual server of kube-proxy's kept (the
+    one both serve included), nothing of ours left."""
+    theirs = virtual_servers(lab)
+    step = run_cli(lab, ["--cleanup", "--proxy-mode", "ipvs", "--hostname-override", "node-a"])
+    assert step.returncode == 0, step.stderr
+    assert virtual_servers(lab) == theirs
+    assert our_rules(lab) == [] and interface_addresses(lab, DUMMY_INTERFACE) is None
+    assert "left 1 virtual servers that kube-proxy programs too" in step.stderr, step.stderr
+
+
+def answer(flow: Flow) -> str:
+    """A held connection's answer (a backend's name), or how it failed."""
+    try:
+        return flow.ask()
+    except OSError as exc:
+        return type(exc).__name__
+
+
 def handover(lab: Lab) -> subprocess.CompletedProcess[str]:
     """deploy/migrate/kube-proxy-cleanup-ipvs.yaml's command, in the node namespace."""
     return lab.exec(lab.node_ns, [sys.executable, "-m", "proxy.dataplane.ipvs.handover"],
@@ -308,12 +344,51 @@ def kube_proxies(lab: Lab, kube_proxy_binary: str) -> Iterator[list[KubeProxy]]:
         lab.exec(lab.node_ns, ["ipvsadm", "-C"], check=True)
 
 
+def test_a_connection_older_than_the_first_sync_keeps_its_addresses(
+        lab: Lab, node: NodeThread, cluster: Cluster) -> None:
+    """A connection made through kube-proxy's virtual server before our first sync, in a
+    node namespace where no rule had the kernel track connections (kube-proxy stopped
+    before its first sync wrote its iptables rules, as can happen in the scenario
+    below), still answers after that sync. Our rules switch tracking on, so conntrack
+    first sees the connection at its next segment; masqueraded as a new connection from
+    outside the cluster would be, that segment reached the endpoint from the node's
+    address and was reset (netfilter.py, MIDSTREAM)."""
+    vip, c = "198.18.128.62", lab.client_ns
+    # kube-proxy's table, and its IPVS sysctl: with it, IPVS keeps conntrack's view of its
+    # connections up to date once conntrack tracks them (without, it would untrack them).
+    imitation = [["sysctl", "-qw", "net.ipv4.vs.conntrack=1"],
+                 ["ip", "link", "add", "kube-ipvs0", "type", "dummy"],
+                 ["ip", "addr", "add", f"{vip}/32", "dev", "kube-ipvs0"],
+                 ["ipvsadm", "-A", "-t", f"{vip}:80", "-s", "rr"]]
+    imitation += [["ipvsadm", "-a", "-t", f"{vip}:80", "-r", f"{lab.backends[n].ipv4}:8080",
+                   "-m", "-w", "1"] for n in sorted(WEB)]
+    try:
+        for cmd in imitation:
+            assert node.exec(*cmd).returncode == 0, cmd
+        with lab.hold(c, vip, 80) as flow:
+            held, port = flow.ask(), flow.sock.getsockname()[1]
+            tracked = node.exec("conntrack", "-L", "-p", "tcp", "--orig-port-dst", "80")
+            assert f"sport={port} " not in tracked.stdout, \
+                "conntrack already tracked the connection: this needs a node where nothing did"
+            node.sync(cluster.apply(service_object("older", ips=(vip,), ports=(HTTP_PORT,)),
+                                    *slices(lab, "older", {n: local() for n in WEB})))
+            assert set(lab.ask(c, vip, 80, count=6)) <= WEB
+            # New connections from the client are masqueraded now: the rule that must
+            # leave the older connection alone is in force.
+            assert reply_destinations(node, 80)[str(POD_GW4)] >= 6
+            assert [answer(flow) for _ in range(2)] == [held, held]
+    finally:
+        node.exec("ip", "link", "del", "kube-ipvs0")
+        node.exec("ipvsadm", "-D", "-t", f"{vip}:80")
+
+
 def test_ipvs_from_kube_proxy_and_back_with_traffic(
         lab: Lab, sim_v120: SimServer, workdir: Path, kube_proxy_binary: str,
         agents: list[AgentProcess], kube_proxies: list[KubeProxy]) -> None:
     """docs/migrate.md#ipvs-mode, both ways, with a client opening a fresh connection to
-    the service every 50 ms throughout: no connection fails, and neither proxy's
-    clean-up removes a virtual server the other one serves."""
+    the service every 50 ms throughout and holding one long-lived connection across each
+    switch: no connection fails, and neither proxy's clean-up removes a virtual server
+    the other one serves."""
     sim, c, vs = sim_v120, lab.client_ns, f"-t {HANDOVER}:80"
     web_v1beta1(sim, lab, "handover", HANDOVER)
     web_v1beta1(sim, lab, "gone", GONE)
@@ -324,9 +399,14 @@ def test_ipvs_from_kube_proxy_and_back_with_traffic(
              "kube-proxy's first sync", detail=first.log_tail)
     lab.wait_for(c, HANDOVER, 80, WEB, deadline=CHANGE_DEADLINE)
     target = Target("handover", HANDOVER, 80, "tcp", frozenset(WEB))
-    with Traffic(c, [target], interval=TRAFFIC_INTERVAL, timeout=TRAFFIC_TIMEOUT) as traffic:
+    with contextlib.ExitStack() as held:
+        traffic = held.enter_context(Traffic(c, [target], interval=TRAFFIC_INTERVAL,
+                                             timeout=TRAFFIC_TIMEOUT))
         # kube-proxy -> sliceproxy. A service deleted while neither proxy runs leaves a
-        # virtual server of kube-proxy's that sliceproxy never serves.
+        # virtual server of kube-proxy's that sliceproxy never serves. kube-proxy stops
+        # once its virtual servers serve, maybe before it writes its iptables rules.
+        kept = held.enter_context(lab.hold(c, HANDOVER, 80))
+        kept_there = [kept.ask()]
         began = time.monotonic()
         steps = Laps(began)
         first.stop()
@@ -350,33 +430,31 @@ def test_ipvs_from_kube_proxy_and_back_with_traffic(
         lab.wait_for(c, HANDOVER, 80, WEB, deadline=CHANGE_DEADLINE)
         to_sliceproxy = traffic.report(since=began)
         there = str(steps)
+        kept_there.append(answer(kept))
 
         # sliceproxy -> kube-proxy.
+        kept = held.enter_context(lab.hold(c, HANDOVER, 80))
+        kept_back = [kept.ask()]
         began = time.monotonic()
         steps = Laps(began)
         agent.stop()
         steps("sliceproxy stopped")
         second = KubeProxy(lab, sim, kube_proxy_binary, workdir, "kube-proxy-2").start()
         kube_proxies.append(second)
-        wait_for(lambda: HANDOVER in (interface_addresses(lab, "kube-ipvs0") or ())
-                 and len(virtual_servers(lab).get(vs, ())) == 2, READY_DEADLINE,
+        wait_for(lambda: kube_proxy_synced(lab, vs), READY_DEADLINE,
                  "kube-proxy's first sync after sliceproxy", detail=second.log_tail)
         steps("kube-proxy synced")
-        theirs = virtual_servers(lab)
-        step = run_cli(lab, ["--cleanup", "--proxy-mode", "ipvs",
-                             "--hostname-override", "node-a"])
+        cleanup_beside_kube_proxy(lab)
         steps("sliceproxy --cleanup done")
-        assert step.returncode == 0, step.stderr
-        assert virtual_servers(lab) == theirs  # every one of kube-proxy's kept
-        assert our_rules(lab) == [] and interface_addresses(lab, DUMMY_INTERFACE) is None
-        assert "left 1 virtual servers that kube-proxy programs too" in step.stderr, \
-            step.stderr
         lab.wait_for(c, HANDOVER, 80, WEB, deadline=CHANGE_DEADLINE)
         to_kube_proxy = traffic.report(since=began)
         back = str(steps)
+        kept_back.append(answer(kept))
     print(f"\nsteps to sliceproxy: {there}; back: {back}")
+    held_text = f"held connections, before and after: to sliceproxy {kept_there}, back {kept_back}"
     print(f"\nIPVS kube-proxy -> sliceproxy: {to_sliceproxy.attempts} connections, "
           f"{to_sliceproxy.failed} failed; sliceproxy -> kube-proxy: "
-          f"{to_kube_proxy.attempts} connections, {to_kube_proxy.failed} failed")
+          f"{to_kube_proxy.attempts} connections, {to_kube_proxy.failed} failed; {held_text}")
     assert to_sliceproxy.failed == 0, f"{to_sliceproxy.failures()}; steps: {there}"
     assert to_kube_proxy.failed == 0, f"{to_kube_proxy.failures()}; steps: {back}"
+    assert (kept_there[0], kept_back[0]) == (kept_there[1], kept_back[1]), held_text
