@@ -146,8 +146,9 @@ def _with_endpoint(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_a_port_edited_since_its_fingerprint_is_read_back_and_written_whole() -> None:
-    """A port whose fingerprint an endpoint delta dropped has objects nobody accounts
-    for: the sets are read back, and a hairpin pair it no longer has is deleted."""
+    """A port whose marks an endpoint delta dropped is written whole, the others kept by
+    theirs; it may have left what nobody accounts for: right after, the sweep reads the
+    sets back and deletes a hairpin pair it no longer has."""
     plane = FakePlane("nftables")
     plane.become(*cluster(range(3)), full=True)
     plane.settle()
@@ -158,9 +159,13 @@ def test_a_port_edited_since_its_fingerprint_is_read_back_and_written_whole() ->
     main.sets[render.HAIRPIN].elements["198.18.1.19", "198.18.1.19"] = ""  # left by edits
     restarted = plane.restarted()
     report = restarted.become(*cluster(range(3)))
-    # Its pair deleted; its fingerprint and input mark added.
+    # Nothing deleted yet; added: its marks, and (the sets not read) its cluster IP and
+    # two hairpin pairs, which the kernel holds already.
     assert restart_details(report) == {"ports_kept": 2, "ports_written": 1,
-                                       "elements_deleted": 1, "elements_added": 2}
+                                       "elements_deleted": 0, "elements_added": 5}
+    assert ("sliceproxy", render.HAIRPIN) not in plane.nft.dumped
+    assert ("198.18.1.19", "198.18.1.19") in main.sets[render.HAIRPIN].elements
+    restarted.settle()  # the sync loop's, right after the first sync: the sweep
     assert ("sliceproxy", render.HAIRPIN) in plane.nft.dumped
     fresh = FakePlane("nftables")
     fresh.become(*cluster(range(3)), full=True)
@@ -184,21 +189,30 @@ def test_what_the_restart_writes_is_the_change_alone() -> None:
     state = plane.dp._families[Family.V4].kept
     del held[_key(state.ports[port_key(9)].fingerprint)]
     del held[_key(state.ports[port_key(9)].input_mark)]
-    # A chain of port 0 deleted by hand: its fingerprint stays, the chain does not.
-    victim = port_chain("svc", port_key(0), "tcp")
-    del plane.nft.tables["ip", render.shard_of(port_key(0), 1)].chains[victim]
+    # Port 0's chain deleted by hand (after its dispatch entry, which the kernel asks
+    # for first): its marks stay, the chain does not.
+    delete_by_hand(plane, 0)
     restarted = plane.restarted()
+    sent = len(plane.nft.scripts)
     report = restarted.become(*cluster([0, 1, 2, 3, 4, 5, 6, 8, 9, 10], changed=3))
-    # Kept: 1, 2, 4, 5, 6, 8; written: 0 (its chain), 3 (changed), 9 (edited), 10 (new);
-    # 7's objects deleted. Elements out: 7's two marks, dispatch entry, cluster IP and
-    # two hairpin pairs, and 3's old marks; in: 3's new marks and its third hairpin
-    # pair, 9's marks, and 10's six.
-    assert restart_details(report) == {"ports_kept": 6, "ports_written": 4,
-                                       "elements_deleted": 6 + 2, "elements_added": 3 + 2 + 6}
-    script = next(s for s in reversed(plane.nft.scripts) if s.startswith("add table ip "))
-    assert f"delete chain ip sliceproxy-0 {port_chain('svc', port_key(7), 'tcp')}" in script
-    written = {line.split()[4] for line in port_rule_lines(script)}
-    assert written == {port_chain("svc", port_key(i), "tcp") for i in (0, 3, 9, 10)}
+    # First: written 3 (changed), 9 (edited), 10 (new); kept by their marks 0, 1, 2, 4,
+    # 5, 6, 8; nothing deleted; added: 3's new marks, cluster IP and three hairpin pairs
+    # (the sets are not read), 9's marks, cluster IP and two pairs, 10's the same and its
+    # dispatch entry.
+    assert restart_details(report) == {"ports_kept": 7, "ports_written": 3,
+                                       "elements_deleted": 0, "elements_added": 6 + 5 + 6}
+    first = plane.nft.scripts[sent:]
+    assert len(first) == 1
+    assert {line.split()[4] for line in port_rule_lines(first[0])} == {
+        port_chain("svc", port_key(i), "tcp") for i in (3, 9, 10)}
+    assert " delete " not in first[0]
+    # Right after: the sweep writes 0 again and deletes 7's objects.
+    restarted.settle()
+    sweep = plane.nft.scripts[sent + 1:]
+    assert len(sweep) == 1
+    assert f"delete chain ip sliceproxy-0 {port_chain('svc', port_key(7), 'tcp')}" in sweep[0]
+    assert {line.split()[4] for line in port_rule_lines(sweep[0])} == {
+        port_chain("svc", port_key(0), "tcp")}
     fresh = FakePlane("nftables")
     fresh.become(*cluster([0, 1, 2, 3, 4, 5, 6, 8, 9, 10], changed=3), full=True)
     assert comparable(restarted.written()) == comparable(fresh.settle().written())
@@ -229,8 +243,7 @@ def test_a_chain_deleted_under_kept_marks_is_found_after_the_restart_and_written
     plane = FakePlane("nftables")
     plane.become(*cluster(range(3)), full=True)
     plane.settle()
-    victim = port_chain("svc", port_key(1), "tcp")
-    del plane.nft.tables["ip", render.shard_of(port_key(1), 1)].chains[victim]
+    delete_by_hand(plane, 1)
     restarted = plane.restarted()
     report = restarted.become(*cluster(range(3)))
     assert restart_details(report)["ports_written"] == 0
@@ -239,3 +252,15 @@ def test_a_chain_deleted_under_kept_marks_is_found_after_the_restart_and_written
     fresh = FakePlane("nftables")
     fresh.become(*cluster(range(3)), full=True)
     assert comparable(restarted.settle().written()) == comparable(fresh.settle().written())
+
+
+def delete_by_hand(plane: FakePlane, i: int) -> None:
+    """Port i's service chain deleted with `nft`, its dispatch entry first (the kernel
+    refuses to delete a chain a map element jumps to); its marks left."""
+    key = port_key(i)
+    table = plane.nft.tables["ip", render.shard_of(key, 1)]
+    victim = port_chain("svc", key, "tcp")
+    dispatch = table.sets[render.SERVICE_IPS].elements
+    for k in [k for k, v in dispatch.items() if victim in v]:
+        del dispatch[k]
+    del table.chains[victim]

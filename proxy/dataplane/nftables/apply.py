@@ -65,7 +65,6 @@ from proxy.dataplane.nftables.render import (
 )
 from proxy.dataplane.nftables.restart import (
     KernelTables,
-    RestartCounts,
     restart_lines,
     with_input_mark,
 )
@@ -76,7 +75,6 @@ from proxy.dataplane.nftables.transaction import (
     PortEdit,
     Script,
     TableState,
-    base_state,
     first_lines,
     full_lines,
     kept_slots,
@@ -193,7 +191,7 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps):
             return render_port(rsp, ctx, shards)
 
         fam.shards = shards
-        fam.pending = {}  # every port's state is made anew
+        fam.pending, fam.sweep = {}, None  # every port's state is made anew
         # Only the process's first full sync may be a restart's diff (NftFamily).
         restart, fam.restart = fam.restart and fam.state is None, False
         if not tables:
@@ -204,11 +202,10 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps):
                                        for k, v in ports.items()})
         marks: Mapping[ServicePortKey, Key] = {}
         if restart:
-            marks, unchanged = self._unrendered(fam, bases, ports, ctx,
-                                                (tables, set(chains), sets))
-            if unchanged:
-                fam.restart_counts = RestartCounts(kept=len(ports))
-                return "", base_state(bases)
+            marks, written = self._restart_by_marks(fam, bases, ports, ctx,
+                                                    (tables, set(chains), sets), objects)
+            if written is not None:
+                return written
         # A restart's ports carry the input marks it computed: the kernel holds those of
         # the ports it keeps, and those it writes are what their input renders.
         rendered = {k: with_input_mark(objects(k, v), marks[k]) if k in marks

@@ -19,14 +19,21 @@ bases' sets (readback.py); renders every port as a full sync would; and writes:
 - what nobody wants any more deleted, as full_lines does.
 
 One transaction, so no packet sees a service missing, and its size is that of the
-difference: at 10,000 services x 10 endpoints unchanged, the tables' and sets'
-declarations alone (54 lines). What a restart cannot see: a foreign edit inside a chain
-whose name and fingerprint stayed. The drift watch covers a running agent, and the
-periodic full sync stays a full rewrite (full_lines), which repairs it. A version whose
+difference: at 10,000 services x 10 endpoints unchanged, nothing. What a restart
+cannot see: a foreign edit inside a chain whose name and fingerprint stayed. The drift
+watch covers a running agent, and the periodic full sync stays a full rewrite
+(full_lines), which repairs it. A version whose
 layout differs renders other fingerprints (or declares a set otherwise: the kernel
 refuses the `add`, and apply.py replaces the tables whole), so it rewrites everything.
 It assumes no other writer of our tables between the read-back and the commit: one
 agent per node, as the shipped rollout (maxUnavailable: 1) keeps it.
+
+Rendering every port is most of a restart's time. Where the kernel holds the bases as
+written and most ports' input marks (marks.py: a digest of a port's input and of the
+code, `kept_by_marks`), the restart renders only the other ports and writes them
+(`restart_lines` without a sweep: nothing they do not claim is deleted, as it may be a
+kept port's); the data plane renders the kept ones right after and, if something may
+be nobody's any more, sweeps (`restart_lines` over every port: restart_steps.py).
 """
 
 from __future__ import annotations
@@ -106,9 +113,14 @@ def sets_needed(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Por
 
 
 def restart_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
-                  kernel: KernelTables) -> tuple[Script, TableState, RestartCounts]:
+                  kernel: KernelTables, sweep: bool = True
+                  ) -> tuple[Script | str, TableState, RestartCounts]:
     """The transaction from what `kernel` holds to `bases` and `ports` (module
-    docstring); the state the kernel holds once it is applied, as full_lines'."""
+    docstring); the state the kernel holds once it is applied, as full_lines'. "" when
+    it holds all of it already. Without `sweep`, `ports` are some of the ports only (the
+    others kept by their input marks, `kept_by_marks`): what nobody here claims is not
+    deleted (it may be theirs), and a map's element is deleted only to take another
+    value here; the sweep comes once every port is rendered."""
     state, ordered = kept_state(bases, ports)
     held_marks = _held_marks(bases, ports.values(), kernel) or set()
     # A base whose fingerprint and chains the kernel holds keeps its rules too.
@@ -116,10 +128,13 @@ def restart_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, P
                      or any((b.table, c.name) not in kernel.chains for c in b.chains)]
     written = [p for _key, p in ordered if not _intact(p, kernel, held_marks)]
     deletes, adds = _element_diff(state, bases, kernel, (*(b.elements for b in bases_written),
-                                                       *(p.elements for p in written)))
+                                                       *(p.elements for p in written)),
+                                  sweep)
     counts = RestartCounts(len(ordered) - len(written), len(written), len(deletes), len(adds))
     stale = stale_statements(state, kernel.chains, kernel.sets, kernel.counters,
-                             kernel.tables)
+                             kernel.tables) if sweep else []
+    if not (bases_written or written or deletes or adds or stale):
+        return "", state, counts
     # The written ports' elements in their own maps (slots), after their flush; those in
     # the bases' sets and maps come with the element diff.
     shared = {(t, name) for t, name, _types, _is_map in base_sets(bases)}
@@ -150,31 +165,35 @@ def with_input_mark(p: PortObjects, mark: Key) -> PortObjects:
                    input_mark=mark)
 
 
-def unrendered(bases: Sequence[BaseObjects], marks: Mapping[ServicePortKey, Key],
-               kernel: KernelTables) -> bool:
-    """Whether `kernel` (its names and @fingerprints read back) holds exactly what
-    `bases` and the ports whose input marks are `marks` write, so that a restart writes
-    nothing and need not render a port (marks.py): every base's fingerprint and chains,
-    every mark, and nothing else in @fingerprints but one fingerprint per port (a port
-    gone or changed while no agent ran leaves marks nobody claims now), in exactly the
-    tables the bases are."""
+def kept_by_marks(bases: Sequence[BaseObjects], marks: Mapping[ServicePortKey, Key],
+                  kernel: KernelTables) -> tuple[set[ServicePortKey], bool] | None:
+    """The ports whose input marks (`marks`, marks.py) `kernel` holds (its names and
+    @fingerprints read back): what they write is there, unrendered; and whether
+    anything nobody claims may be there too (a sweep is due once every port is
+    rendered): a port not kept, or more in @fingerprints than the bases' fingerprints
+    and two per port (a port gone while no agent ran leaves its marks). None when the
+    bases are not all there as `bases` write them, in exactly their tables: then every
+    port is rendered."""
     held = kernel.elements.get((TABLE, FINGERPRINTS))
     if held is None or kernel.tables != {b.table for b in bases}:
-        return False
-    if len(held) != len(bases) + 2 * len(marks):
-        return False
+        return None
     if any((b.table, c.name) not in kernel.chains for b in bases for c in b.chains):
-        return False
-    keys = [*(b.fingerprint for b in bases), *marks.values()]
-    return len(_found(bases[0].family, keys, held)) == len(set(keys))
+        return None
+    family = bases[0].family
+    if len(_found(family, [b.fingerprint for b in bases], held)) != len(bases):
+        return None
+    found = _found(family, list(marks.values()), held)
+    kept = {k for k, mark in marks.items() if mark in found}
+    return kept, len(kept) < len(marks) or len(held) != len(bases) + 2 * len(marks)
 
 
 def _element_diff(state: TableState, bases: Sequence[BaseObjects], kernel: KernelTables,
-                  fresh_elements: Iterable[Iterable[Element]]
+                  fresh_elements: Iterable[Iterable[Element]], sweep: bool = True
                   ) -> tuple[list[tuple[str, str, Key, Value]], list[tuple[str, str, Key, Value]]]:
     """The elements of the bases' sets and maps to delete and to add: what the owners in
     `state` want against what `kernel` holds, or, for a set not read back
-    (`sets_needed`), the elements of what is written (`fresh_elements`)."""
+    (`sets_needed`), the elements of what is written (`fresh_elements`). Without
+    `sweep`, only what the owners want another value of is deleted."""
     types = {(t, name): key for t, name, key, _is_map in base_sets(bases)}
     wanted_by_set = {(t, s): dict(pairs) for t, s, pairs in state.owners.sets()
                      if (t, s) in types}
@@ -193,13 +212,13 @@ def _element_diff(state: TableState, bases: Sequence[BaseObjects], kernel: Kerne
         held = held or Held()
         # A map's element whose value changes is deleted (by its key) and added again.
         deletes += [(table, set_name, k, ()) for k, v in held.decoded.items()
-                    if k not in wanted or wanted[k] != v]
+                    if (k not in wanted and sweep) or wanted.get(k, v) != v]
         present: set[Key] = set()
         if held.raw:
             raws = dict(zip(element_keys(state.family, list(wanted)), wanted, strict=True))
             present = {raws[r] for r in held.raw if r in raws}
             deletes += [(table, set_name, key_parts(state.family, key_types, r), ())
-                        for r in held.raw if r not in raws]
+                        for r in held.raw if r not in raws and sweep]
         adds += [(table, set_name, k, v) for k, v in wanted.items()
                  if k not in present and held.decoded.get(k) != v]
     return deletes, adds

@@ -1,6 +1,17 @@
 """The nftables data plane's side of a restart over our own tables: what it reads back,
-whether it may keep every port unrendered, the kept state it makes after such a
-restart, and the input marks it adds when idle (the pure parts: restart.py, marks.py).
+which ports it keeps unrendered by their input marks and writes the others, the kept
+state (and the sweep of what nobody claims) it makes right after, and the input marks
+it adds when idle (the pure parts: restart.py, marks.py).
+
+A restart in two steps, when the kernel holds the bases and most ports' input marks:
+the first sync renders and writes only the ports whose marks are not there (changed or
+new while no agent ran, edited since their last whole write), deleting nothing it does
+not replace; right after it (housekeeping, or the start of the next sync, whichever
+comes first), the kept ports are rendered from what was applied and, if anything may
+be nobody's any more (a port gone, a port written anew), the kernel is read back again
+and what nobody claims is deleted: restart_lines over every port, which then writes no
+port. Between the two, the kernel holds what the cluster wants plus, at most, what it
+held before for ports that are gone or changed: never less.
 
 `NftablesDataPlane` (apply.py) has these as a mixin, `RestartSteps`, and keeps per
 family an `NftFamily`: what it knows of the family's tables.
@@ -14,6 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
+from proxy.dataplane.base import ApplyError
 from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.family_sync import FamilyState
 from proxy.dataplane.nftables.expressions import Unencodable
@@ -22,7 +34,6 @@ from proxy.dataplane.nftables.objects import Key
 from proxy.dataplane.nftables.readback import Held, Unreadable
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
-    FINGERPRINTS_TYPES,
     TABLE,
     BaseObjects,
     PortObjects,
@@ -34,8 +45,10 @@ from proxy.dataplane.nftables.restart import (
     KernelTables,
     RestartCounts,
     base_sets,
+    kept_by_marks,
+    restart_lines,
     sets_needed,
-    unrendered,
+    with_input_mark,
 )
 from proxy.dataplane.nftables.runner import NftError, NftRunner
 from proxy.dataplane.nftables.transaction import (
@@ -50,6 +63,9 @@ from proxy.model.types import Family, ServicePortKey
 log = logging.getLogger("proxy.dataplane.nftables.apply")  # the mode's one logger
 T = TypeVar("T")
 OUR_TABLES = frozenset(our_tables())
+# Our tables, and the (table, name) of their chains and of their sets (-> "set"|"map").
+_Names = tuple[set[str], set[tuple[str, str]], dict[tuple[str, str], str]]
+_Written = tuple[Script | str, TableState]  # a first sync's script and the state it leaves
 
 
 class NftFamily(FamilyState):
@@ -72,11 +88,13 @@ class NftFamily(FamilyState):
         # after a failure or drift the kernel is no longer trusted to be ours.
         self.restart = True
         self.restart_counts: RestartCounts | None = None  # of the sync being written
-        # After a restart that found every port's input mark (restart.unrendered): the
-        # ports whose kept state is still to be made (`_complete`), with their marks,
-        # and the chains the kernel held then.
+        # After a restart that kept ports by their input marks (restart.kept_by_marks):
+        # those ports, whose kept state is still to be made (`_complete`), with their
+        # marks; the chains the kernel held then; and, if a sweep is due, the ports
+        # that restart wrote.
         self.pending: dict[ServicePortKey, Key] = {}  # -> its input mark
         self.restart_chains: set[tuple[str, str]] = set()
+        self.sweep: dict[ServicePortKey, PortObjects] | None = None
 
     @property
     def state(self) -> TableState | None:
@@ -100,65 +118,150 @@ class _Plane(Protocol):
 
     def _failed(self, fam: NftFamily) -> None: ...
 
+    def _run(self, fam: NftFamily, text: str | Script, full: bool) -> str: ...
+
+    def _kernel_objects(self, fam: NftFamily
+                        ) -> tuple[set[str], list[tuple[str, str]], dict[tuple[str, str], str]]:
+        ...
+
+    def _kernel_counters(self, fam: NftFamily) -> dict[tuple[str, str], int]: ...
+
     def _complete(self, fam: NftFamily) -> None: ...
+
+    def _sweep(self, fam: NftFamily, bases: Sequence[BaseObjects],
+               ports: Mapping[ServicePortKey, PortObjects]) -> None: ...
+
+    def _read_sets(self, fam: NftFamily, kernel: KernelTables,
+                   sets: Sequence[tuple[str, str, tuple[str, ...], bool]]) -> bool: ...
 
 
 class RestartSteps:
     """The restart's steps, as methods of the data plane (`_Plane`)."""
 
     def _complete(self: _Plane, fam: NftFamily) -> None:
-        """The kept state of the ports a restart kept unrendered (restart.unrendered):
-        rendered now, from what was applied, which their input marks say is what the
-        kernel holds (O(ports), after the restart's sync, not before its rules). Chains
-        the kernel did not hold then (deleted by hand since their marks were written)
-        make the next sync a full one."""
+        """The kept state of the ports a restart kept by their marks: rendered now, from
+        what was applied, which their input marks say is what the kernel holds (O(ports),
+        after the restart's sync, not before its rules); then the sweep, if one is due.
+        Chains the kernel did not hold then (deleted by hand since their marks were
+        written) make the next sync a full one (the sweep rewrites their ports)."""
         pending, fam.pending = fam.pending, {}
+        sweep, fam.sweep = fam.sweep, None
         state, last, ctx = fam.kept, fam.last, fam.context
-        if not pending or state is None or last is None or ctx is None:
+        if (not pending and sweep is None) or state is None or last is None or ctx is None:
             return
         started = time.perf_counter()
+        rendered: dict[ServicePortKey, PortObjects] = {}
         for key, mark in pending.items():
             p = render_port(last.ports[key], ctx, state.shards)
+            if sweep is not None:
+                rendered[key] = with_input_mark(p, mark)
+                continue
             state.ports[key] = KeptPort.of(p).with_mark(mark)
             state.owners.add_rendered(key, p.elements)
             state.owners.add((TABLE, FINGERPRINTS, mark), key, ())
-        missing = state.chain_names() - fam.restart_chains
+        missing = {(p.table, c.name) for p in rendered.values() for c in p.chains} \
+            if sweep is not None else state.chain_names()
+        missing -= fam.restart_chains
         fam.restart_chains = set()
         log.info("restart: kept ports' state made", extra={
             "family": fam.family.label, "ports": len(pending), "chains_missing": len(missing),
             "seconds": round(time.perf_counter() - started, 3)})
-        if missing:
+        if sweep is not None:
+            self._sweep(fam, state.bases, {**rendered, **sweep})
+        elif missing:
             self._failed(fam)
             log.warning("our tables lack chains their marks promised; the next sync is "
                         "full", extra={"family": fam.family.label, "tables": fam.tables,
                                        "missing": sorted(missing)[:5]})
 
-    def _unrendered(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
-                    ports: Mapping[ServicePortKey, ResolvedServicePort], ctx: RenderContext,
-                    names: tuple[set[str], set[tuple[str, str]], dict[tuple[str, str], str]]
-                    ) -> tuple[dict[ServicePortKey, Key], bool]:
-        """The ports' input marks (marks.py), and whether the kernel holds exactly what
-        this sync would write by them (restart.unrendered): then nothing is rendered or
-        written now, and each port's kept state is made after (`_complete`)."""
+    def _sweep(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
+               ports: Mapping[ServicePortKey, PortObjects]) -> None:
+        """Every port now rendered (`ports`): the kernel read back again and what
+        nobody claims deleted (restart_lines, which writes a port only if the kernel
+        lacks what it writes); the state it leaves is the family's. A refusal leaves
+        the next sync full (apply.py logs it)."""
+        started = time.perf_counter()
+        try:
+            tables, chains, sets = self._kernel_objects(fam)
+            # Every set read: a port the first sync wrote may have left elements it no
+            # longer has, and its new marks no longer tell (restart.sets_needed).
+            kernel = KernelTables(tables, set(chains), sets,
+                                  set(self._kernel_counters(fam)))
+            if not self._read_sets(fam, kernel, base_sets(bases)):
+                self._failed(fam)
+                return
+            script, state, counts = restart_lines(bases, ports, kernel)
+            if script:
+                self._run(fam, script, False)
+        except ApplyError:  # logged where it failed; the state is dropped
+            return
+        fam.kept = state
+        log.info("restart: what nobody claims deleted", extra={
+            "family": fam.family.label, "ports_written": counts.written,
+            "elements_deleted": counts.deleted, "elements_added": counts.added,
+            "seconds": round(time.perf_counter() - started, 3)})
+
+    def _restart_by_marks(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
+                          ports: Mapping[ServicePortKey, ResolvedServicePort],
+                          ctx: RenderContext, names: _Names,
+                          objects: Callable[[ServicePortKey, ResolvedServicePort],
+                                            PortObjects]
+                          ) -> tuple[dict[ServicePortKey, Key], _Written | None]:
+        """The ports' input marks (marks.py), and, where the kernel holds the bases as
+        written and most ports' marks (restart.kept_by_marks), what this restart writes:
+        the other ports, rendered, against the maps and @fingerprints read back, without
+        deleting what they do not claim (restart_lines without a sweep). The kept ports'
+        state is made after the sync (`_complete`), and the sweep then if one is due.
+        None: every port is to be rendered and diffed now."""
         tables, chains, sets = names
         if (TABLE, FINGERPRINTS) not in sets:
-            return {}, False
+            return {}, None
         of = marks_for(ctx, fam.shards).of
-        wanted = {k: of(v) for k, v in sorted(ports.items())}
-        read = functools.partial(_read_elements, self.runner, TABLE, FINGERPRINTS,
-                                 FINGERPRINTS_TYPES[fam.family], False)
-        try:
-            held = self._read_back(fam, f"{TABLE} {FINGERPRINTS}", read)
-        except Unreadable:
-            return wanted, False
-        if not unrendered(bases, wanted, KernelTables(tables, chains, sets, set(),
-                                                      {(TABLE, FINGERPRINTS): held})):
-            return wanted, False
-        fam.pending, fam.restart_chains = wanted, chains
+        marks = {k: of(v) for k, v in sorted(ports.items())}
+        kernel = KernelTables(tables, chains, sets, set())
+        found = self._read_sets(fam, kernel, [s for s in base_sets(bases)
+                                              if s[1] == FINGERPRINTS])
+        kept_sweep = kept_by_marks(bases, marks, kernel) if found else None
+        if kept_sweep is None or len(ports) - len(kept_sweep[0]) > len(ports) // 2:
+            return marks, None  # most ports differ (another build): render them all
+        kept, sweep = kept_sweep
+        written = {k: with_input_mark(objects(k, ports[k]), marks[k])
+                   for k in marks if k not in kept}
+        if written and not self._read_sets(fam, kernel, [s for s in base_sets(bases)
+                                                         if s[3]]):
+            return marks, None
+        # Held counters not read (a dump that grows faster than the table): declaring
+        # one that is there changes nothing.
+        script, state, counts = restart_lines(bases, written, kernel, sweep=False)
+        counts.kept += len(kept)
+        fam.pending = {k: marks[k] for k in kept}
+        fam.restart_chains, fam.sweep = chains, (written if sweep else None)
+        fam.restart_counts = counts
         log.info("restart over our tables: writing what differs", extra={
-            "family": fam.family.label, "ports_kept": len(ports), "ports_written": 0,
-            "elements_deleted": 0, "elements_added": 0, "rendered": False})
-        return wanted, True
+            "family": fam.family.label, "ports_kept": counts.kept,
+            "ports_written": counts.written, "elements_deleted": counts.deleted,
+            "elements_added": counts.added, "rendered": len(written), "sweep": sweep})
+        return marks, (script, state)
+
+    def _read_sets(self: _Plane, fam: NftFamily, kernel: KernelTables,
+                   sets: Sequence[tuple[str, str, tuple[str, ...], bool]]) -> bool:
+        """The elements of `sets` (base_sets' tuples) the kernel has, read into
+        `kernel.elements`; False when one cannot be read as this version declares it
+        (the caller rewrites then)."""
+        elements = dict(kernel.elements)
+        kernel.elements = elements
+        for table, name, types, is_map in sets:
+            if (table, name) not in kernel.sets:
+                continue
+            read = functools.partial(_read_elements, self.runner, table, name, types, is_map)
+            try:
+                elements[table, name] = self._read_back(fam, f"{table} {name}", read)
+            except Unreadable as exc:
+                log.info("our tables hold a set this version reads otherwise; full "
+                         "rewrite", extra={"family": fam.family.label, "table": table,
+                                           "set": name, "reason": str(exc)})
+                return False
+        return True
 
     def _write_marks(self: _Plane, fam: NftFamily) -> None:
         """Each port's input mark the kernel lacks (marks.py), for a port whose rules are
@@ -195,25 +298,13 @@ class RestartSteps:
         """`kernel` with the elements of the bases' maps and @fingerprints read back,
         and of their other sets where restart.sets_needed says so; None when one cannot
         be read as this version declares it (a full sync then)."""
-        elements: dict[tuple[str, str], Held] = {}
-        kernel.elements = elements
+        kernel.elements = {}
         first = [s for s in base_sets(bases) if s[3] or s[1] == FINGERPRINTS]
-        rest = [s for s in base_sets(bases) if s not in first]
-        for sets in (first, rest):
-            for table, name, types, is_map in sets:
-                if (table, name) not in kernel.sets:
-                    continue
-                read = functools.partial(_read_elements, self.runner, table, name, types,
-                                         is_map)
-                try:
-                    elements[table, name] = self._read_back(fam, f"{table} {name}", read)
-                except Unreadable as exc:
-                    log.info("our tables hold a set this version reads otherwise; full "
-                             "rewrite", extra={"family": fam.family.label, "table": table,
-                                               "set": name, "reason": str(exc)})
-                    return None
-            if not sets_needed(bases, ports, kernel):
-                break
+        if not self._read_sets(fam, kernel, first):
+            return None
+        if sets_needed(bases, ports, kernel) and not self._read_sets(
+                fam, kernel, [s for s in base_sets(bases) if s not in first]):
+            return None
         return kernel
 
     def _complete_all(self: _Plane) -> None:
