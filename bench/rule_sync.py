@@ -83,22 +83,25 @@ def run_one(name: str, services: int, endpoints: int, repeat: int,
             dp.housekeeping()  # idle after its syncs: its ports' input marks added
             restarts = [_restart(options, model.state) for _ in range(repeat)]
             out["restart"] = _summary([r[0] for r in restarts])
-            out["restart_after_s"] = round(statistics.median(r[1] for r in restarts), 4)
+            out["restart_after"] = [round(statistics.median(r[1][i] for r in restarts), 4)
+                                    for i in (0, 1)]
             changed = change_one(model, slices[len(slices) // 2], repeat + 7)
             run, after = _restart(options, changed)
             out["restart_changed"] = _summary([run])
-            out["restart_changed_after_s"] = round(after, 4)
+            out["restart_changed_after"] = [round(x, 4) for x in after]
     return out
 
 
 def _restart(options: DataplaneOptions, state: DesiredState
-             ) -> tuple[tuple[float, SyncReport, float], float]:
-    """A restarted agent's first sync (kernel_timed), and the seconds of what it does
-    when idle right after (housekeeping: the kept state of ports it kept unrendered,
-    input marks)."""
+             ) -> tuple[tuple[float, SyncReport, float], tuple[float, float]]:
+    """A restarted agent's first sync (kernel_timed), and the seconds and system CPU
+    seconds of what it does when idle right after (housekeeping: the kept state of the
+    ports it kept by their input marks, the sweep, input marks)."""
     plane = _restarted(options)
     run = kernel_timed(lambda: plane.sync(state))
-    return run, timed(plane.housekeeping)[0]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+    seconds = timed(plane.housekeeping)[0]
+    return run, (seconds, resource.getrusage(resource.RUSAGE_SELF).ru_stime - before)
 
 
 def kernel_timed(fn: Callable[[], SyncReport]) -> tuple[float, SyncReport, float]:
@@ -145,17 +148,18 @@ def markdown(results: list[dict[str, Any]]) -> str:
         rows.append(
             f"| {r['applier']} | {r['services']:,} ({r['rules']:,} / {r['chains']:,}) "
             f"| {_fmt(r['full'])} | {_fmt(r.get('resync'))} "
-            f"| {_fmt(r.get('restart'), r.get('restart_after_s'))} "
-            f"| {_fmt(r.get('restart_changed'), r.get('restart_changed_after_s'))} "
+            f"| {_fmt(r.get('restart'), r.get('restart_after'))} "
+            f"| {_fmt(r.get('restart_changed'), r.get('restart_changed_after'))} "
             f"| {_fmt(r['partial'])} |")
     return "\n".join(rows)
 
 
-def _fmt(part: dict[str, Any] | None, then: float | None = None) -> str:
+def _fmt(part: dict[str, Any] | None, then: Sequence[float] | None = None) -> str:
     if part is None:
         return "not run"
     system = f", system CPU {_time(part['system_s'])}" if "system_s" in part else ""
-    after = f"; then {_time(then)} idle work" if then is not None else ""
+    after = (f"; then {_time(then[0])} idle work, system CPU {_time(then[1])}"
+             if then is not None else "")
     return (f"{_time(part['total_s'])} (kernel step {_time(part['apply_s'])}, "
             f"{part['lines']:,} lines{system}{after})")
 

@@ -90,10 +90,10 @@ class NftFamily(FamilyState):
         self.restart_counts: RestartCounts | None = None  # of the sync being written
         # After a restart that kept ports by their input marks (restart.kept_by_marks):
         # those ports, whose kept state is still to be made (`_complete`), with their
-        # marks; the chains the kernel held then; and, if a sweep is due, the ports
-        # that restart wrote.
+        # marks; the names the kernel held then (tables, chains, sets); and, if a sweep
+        # is due, the ports that restart wrote.
         self.pending: dict[ServicePortKey, Key] = {}  # -> its input mark
-        self.restart_chains: set[tuple[str, str]] = set()
+        self.restart_names: _Names = (set(), set(), {})
         self.sweep: dict[ServicePortKey, PortObjects] | None = None
 
     @property
@@ -129,7 +129,7 @@ class _Plane(Protocol):
     def _complete(self, fam: NftFamily) -> None: ...
 
     def _sweep(self, fam: NftFamily, bases: Sequence[BaseObjects],
-               ports: Mapping[ServicePortKey, PortObjects]) -> None: ...
+               ports: Mapping[ServicePortKey, PortObjects], names: _Names) -> None: ...
 
     def _read_sets(self, fam: NftFamily, kernel: KernelTables,
                    sets: Sequence[tuple[str, str, tuple[str, ...], bool]]) -> bool: ...
@@ -161,13 +161,17 @@ class RestartSteps:
             state.owners.add((TABLE, FINGERPRINTS, mark), key, ())
         missing = {(p.table, c.name) for p in rendered.values() for c in p.chains} \
             if sweep is not None else state.chain_names()
-        missing -= fam.restart_chains
-        fam.restart_chains = set()
+        names, fam.restart_names = fam.restart_names, (set(), set(), {})
+        missing -= names[1]
         log.info("restart: kept ports' state made", extra={
             "family": fam.family.label, "ports": len(pending), "chains_missing": len(missing),
             "seconds": round(time.perf_counter() - started, 3)})
         if sweep is not None:
-            self._sweep(fam, state.bases, {**rendered, **sweep})
+            tables, chains, sets = names
+            for p in sweep.values():  # what the restart wrote
+                chains = chains | {(p.table, c.name) for c in p.chains}
+                sets = {**sets, **{(p.table, s.name): s.kind for s in p.sets}}
+            self._sweep(fam, state.bases, {**rendered, **sweep}, (tables, chains, sets))
         elif missing:
             self._failed(fam)
             log.warning("our tables lack chains their marks promised; the next sync is "
@@ -175,18 +179,20 @@ class RestartSteps:
                                        "missing": sorted(missing)[:5]})
 
     def _sweep(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
-               ports: Mapping[ServicePortKey, PortObjects]) -> None:
-        """Every port now rendered (`ports`): the kernel read back again and what
-        nobody claims deleted (restart_lines, which writes a port only if the kernel
-        lacks what it writes); the state it leaves is the family's. A refusal leaves
-        the next sync full (apply.py logs it)."""
+               ports: Mapping[ServicePortKey, PortObjects], names: _Names) -> None:
+        """Every port now rendered (`ports`): what nobody claims deleted (restart_lines,
+        which writes a port only if the kernel lacks what it writes), from the names
+        the kernel holds (`names`: the restart's, with what it wrote), and the sets and
+        counters read again; the state it leaves is the family's. A refusal leaves the
+        next sync full (apply.py logs it). Chain names are not dumped again: that dump
+        grows faster than the tables (nf_tables walks the family's whole list of chains
+        for every message it fills), and nobody else writes our tables."""
         started = time.perf_counter()
+        tables, chains, sets = names
         try:
-            tables, chains, sets = self._kernel_objects(fam)
             # Every set read: a port the first sync wrote may have left elements it no
             # longer has, and its new marks no longer tell (restart.sets_needed).
-            kernel = KernelTables(tables, set(chains), sets,
-                                  set(self._kernel_counters(fam)))
+            kernel = KernelTables(tables, chains, sets, set(self._kernel_counters(fam)))
             if not self._read_sets(fam, kernel, base_sets(bases)):
                 self._failed(fam)
                 return
@@ -235,7 +241,7 @@ class RestartSteps:
         script, state, counts = restart_lines(bases, written, kernel, sweep=False)
         counts.kept += len(kept)
         fam.pending = {k: marks[k] for k in kept}
-        fam.restart_chains, fam.sweep = chains, (written if sweep else None)
+        fam.restart_names, fam.sweep = names, (written if sweep else None)
         fam.restart_counts = counts
         log.info("restart over our tables: writing what differs", extra={
             "family": fam.family.label, "ports_kept": counts.kept,
