@@ -199,7 +199,7 @@ class SyncLoop:
                 await self._sync(trigger)
                 if trigger is Trigger.INITIAL:
                     # Now, unless a sync is due: what the data plane left for after its
-                    # first sync (a restart's kept state, nftables/apply.py).
+                    # first sync (a restart's kept state, nftables/restart_steps.py).
                     next_housekeeping = self._clock()
                 continue
             if self._drift_due is not None and now >= self._drift_due:

@@ -23,8 +23,8 @@ import proxy
 def source_digest() -> bytes:
     """16 bytes over the interpreter's version and every .py file of the package, by
     path and content. Random (never equal to another process's) if a source cannot be
-    read
-    or none is there: a package without its sources is not known to be the same code."""
+    read or none is there: a package without its sources is not known to be the same
+    code."""
     root = Path(proxy.__file__).parent
     h = hashlib.blake2b(sys.version.encode(), digest_size=16)
     sources = sorted(root.rglob("*.py"))

@@ -53,6 +53,7 @@ from proxy.dataplane.nftables.objects import Key
 from proxy.dataplane.nftables.port_edit import render_edit
 from proxy.dataplane.nftables.render import (
     MAX_SHARDS,
+    OUR_TABLES,
     TABLE,
     PortObjects,
     our_tables,
@@ -68,7 +69,7 @@ from proxy.dataplane.nftables.restart import (
     restart_lines,
     with_input_mark,
 )
-from proxy.dataplane.nftables.restart_steps import OUR_TABLES, NftFamily, RestartSteps
+from proxy.dataplane.nftables.restart_steps import NftFamily, RestartSteps
 from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
 from proxy.dataplane.nftables.transaction import (
     KeptPort,

@@ -172,6 +172,9 @@ def our_tables() -> tuple[str, ...]:
     return NFTABLES.markers.tables()
 
 
+OUR_TABLES = frozenset(our_tables())
+
+
 def shards_for(ports: int) -> int:
     """How many shards `ports` service ports need: a power of two, so that growing
     doubles K instead of moving most ports."""
@@ -208,7 +211,7 @@ class PortObjects:
     # counts, or None: the port's own, which every new connection of the port passes.
     counters: tuple[tuple[str, tuple[IPAddress, int] | None], ...] = ()
     # Its elements of @fingerprints (also among `elements`, marks.py): `fingerprint`,
-    # and its input mark where one was added (marks.with_input_mark).
+    # and its input mark where one was added (restart.with_input_mark).
     fingerprint: Key = ()
     input_mark: Key = ()
     # Whether what it writes is what its input alone renders: no earlier slot kept.

@@ -22,9 +22,9 @@ One transaction, so no packet sees a service missing, and its size is that of th
 difference: at 10,000 services x 10 endpoints unchanged, nothing. What a restart
 cannot see: a foreign edit inside a chain whose name and fingerprint stayed. The drift
 watch covers a running agent, and the periodic full sync stays a full rewrite
-(full_lines), which repairs it. A version whose
-layout differs renders other fingerprints (or declares a set otherwise: the kernel
-refuses the `add`, and apply.py replaces the tables whole), so it rewrites everything.
+(full_lines), which repairs it. A version whose layout differs renders other
+fingerprints (or declares a set otherwise: the kernel refuses the `add`, and apply.py
+replaces the tables whole), so it rewrites everything.
 It assumes no other writer of our tables between the read-back and the commit: one
 agent per node, as the shipped rollout (maxUnavailable: 1) keeps it.
 

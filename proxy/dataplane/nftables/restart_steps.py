@@ -34,10 +34,10 @@ from proxy.dataplane.nftables.objects import Key
 from proxy.dataplane.nftables.readback import Held, Unreadable
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
+    OUR_TABLES,
     TABLE,
     BaseObjects,
     PortObjects,
-    our_tables,
     render_port,
     table_family,
 )
@@ -62,7 +62,6 @@ from proxy.model.types import Family, ServicePortKey
 
 log = logging.getLogger("proxy.dataplane.nftables.apply")  # the mode's one logger
 T = TypeVar("T")
-OUR_TABLES = frozenset(our_tables())
 # Our tables, and the (table, name) of their chains and of their sets (-> "set"|"map").
 _Names = tuple[set[str], set[tuple[str, str]], dict[tuple[str, str], str]]
 _Written = tuple[Script | str, TableState]  # a first sync's script and the state it leaves
