@@ -12,15 +12,16 @@ import pytest
 
 from proxy.dataplane.nftables import apply as nft_apply
 from proxy.dataplane.nftables.port_edit import render_edit
-from proxy.dataplane.nftables.render import FINGERPRINTS, SLOT_MAP_MIN
+from proxy.dataplane.nftables.render import FINGERPRINTS, SLOT_MAP_MIN, SLOTS
+from proxy.dataplane.nftables.slot_tail import TAIL_PREFIX
 from proxy.model.snapshot import DesiredState
 from proxy.model.types import Family, ServicePortKey
 from proxy.netns_lab import Lab
 from proxy.netns_lab.netns import entered
 from tests.e2e.conftest import Cluster, NodePlane
-from tests.e2e.test_nftables_kernel import ADDRESSES, dump_rules, listing, wipe
+from tests.e2e.test_nftables_kernel import ADDRESSES, dump_rules, listing, nft, wipe
 from tests.unit.builders import NODE, ep, eps_slice, service
-from tests.unit.test_nftables_delta import POOL, SPECS, Pod, step, with_delta
+from tests.unit.test_nftables_delta import POOL, SPECS, Pod, small_tails, step, with_delta
 
 pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
 
@@ -32,8 +33,13 @@ def objects(pods: dict[str, Pod]) -> list[dict[str, Any]]:
     return [service(**SPECS["local"]), eps_slice("s1", eps)]
 
 
+@pytest.mark.parametrize("tails", [False, True])
 def test_delta_syncs_leave_what_a_fresh_full_sync_writes(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, tails: bool) -> None:
+    """With `tails`, the large paths' slots split into a main map and a tail of 3 to 6
+    (slot_tail.py): the split comes, goes and moves, and every endpoint keeps 1/n."""
+    if tails:
+        small_tails(monkeypatch)
     edits: list[bool] = []
 
     def counted(*args: Any) -> Any:
@@ -68,12 +74,54 @@ def test_delta_syncs_leave_what_a_fresh_full_sync_writes(
         # The same, but for the port's fingerprint: gone once an edit wrote it (a
         # restart writes the port whole), where a fresh sync writes one.
         ours, fresh_listing = listing(mine), listing(theirs)
+        if tails:
+            assert_split_balances_evenly(mine, ours)
+            ours, fresh_listing = unsplit(ours), unsplit(fresh_listing)
         marks = ("set", "ip", "sliceproxy", FINGERPRINTS)
         held, wanted = ours.pop(marks)["elem"], fresh_listing.pop(marks)["elem"]
         assert ours == fresh_listing
         assert set(held) < set(wanted) and len(wanted) - len(held) == 1
-        assert dump_rules(plane, KEY) == dump_rules(fresh, KEY)
+        if not tails:
+            assert dump_rules(plane, KEY) == dump_rules(fresh, KEY)
         with entered(mine):
             assert plane.dp.check_drift() == []
         for p in (plane, fresh):
             p.cleanup()
+
+
+def assert_split_balances_evenly(ns: str, held: dict[Any, Any]) -> None:
+    """Each split path's rules, as the kernel holds them, give every endpoint 1/n: the
+    tail's rule takes its share (t of n) and picks among its t slots, the main rule
+    among the others."""
+    maps = {name: len(obj["elem"]) for (kind, _, _, name), obj in held.items()
+            if kind == "map" and "elem" in obj}
+    tails = [name for name in maps if name.startswith(TAIL_PREFIX)]
+    assert tails, "no path was split at the end"
+    for tail in tails:
+        path = tail.removeprefix(TAIL_PREFIX)
+        t, main = maps[tail], maps[SLOTS + path]
+        table = next(k[2] for k in held if k[0] == "map" and k[3] == tail)
+        tail_rules = nft(ns, "list", "chain", "ip", table, tail)
+        assert f"numgen random mod {main + t} < {t} " in tail_rules
+        assert f"numgen random mod {t} map @{tail}" in tail_rules
+        assert f"numgen random mod {main} map @{SLOTS}{path}" \
+            in nft(ns, "list", "chain", "ip", table, path)
+
+
+def unsplit(held: dict[Any, Any]) -> dict[Any, Any]:
+    """`held` with each path's main map and tail as one sorted list of endpoints, and
+    the rules that say where the split is left out: the split depends on the history
+    (slot_tail.py), what each endpoint gets does not (assert_split_balances_evenly)."""
+    out: dict[Any, Any] = {}
+    paths = {name.removeprefix(TAIL_PREFIX) for (kind, _, _, name) in held
+             if kind == "map" and name.startswith(TAIL_PREFIX)}
+    for key, obj in held.items():
+        kind, _, _, name = key
+        path = name.removeprefix(TAIL_PREFIX).removeprefix(SLOTS)
+        if kind == "map" and name.startswith((SLOTS, TAIL_PREFIX)):
+            out.setdefault(("slots", path), []).extend(obj.get("elem", []))
+        elif kind == "rules" and name.removeprefix(TAIL_PREFIX) in paths:
+            out[key] = [r for r in obj if "numgen" not in r]
+        elif not (kind == "chain" and name.startswith(TAIL_PREFIX)):
+            out[key] = obj
+    return {k: sorted(v) if k[0] == "slots" else v for k, v in out.items()}

@@ -20,6 +20,7 @@ from proxy.dataplane.common import drift_watch
 from proxy.dataplane.nftables import render
 from proxy.dataplane.nftables.render import SLOTS
 from proxy.dataplane.nftables.runner import NftRunner
+from proxy.dataplane.nftables.slot_tail import TAIL_PREFIX
 from proxy.dataplane.nftables.transaction import Script
 from proxy.model.types import Family, ServicePortKey
 from proxy.netns_lab import Lab
@@ -68,7 +69,7 @@ def listing(ns: str) -> dict[str, Any]:
             out.setdefault(("rules", obj["family"], obj["table"], obj["chain"]), []).append(
                 json.dumps(obj["expr"], sort_keys=True))
         else:
-            if "elem" in obj and obj["name"].startswith(SLOTS):
+            if "elem" in obj and obj["name"].startswith((SLOTS, TAIL_PREFIX)):
                 # Which endpoint has which slot depends on the history (render.
                 # assign_slots); what counts is every slot used, each endpoint once.
                 assert sorted(e[0] for e in obj["elem"]) == list(range(len(obj["elem"])))

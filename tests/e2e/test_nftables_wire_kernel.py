@@ -93,6 +93,8 @@ add rule ip {t} big meta l4proto tcp dnat ip to numgen random mod 3 map @slots-a
 comment "ns/big:http"
 add element ip {t} slots-a {{ 0 : 198.18.1.2 . 8080, 1 : 198.18.1.3 . 80, \
 2 : 198.18.1.4 . 80 }}
+add rule ip {t} big meta l4proto tcp numgen random mod 5 < 2 dnat ip to numgen random mod 2 \
+map @slots-a comment "ns/big:http"
 add rule ip {t} big meta l4proto tcp dnat ip to jhash ip saddr . tcp sport mod 3 \
 seed 0x5a175eed map @slots-a comment "ns/maglev:http"
 add rule ip {t} big meta l4proto tcp dnat ip to jhash ip saddr mod 3 seed 0x5a175eed \
@@ -140,6 +142,8 @@ add rule ip6 {t} svc counter name "cep-b" meta l4proto udp dnat to [fd00::7]:53
 add map ip6 {t} slots-b {{ typeof numgen random mod 1 : ip6 daddr . udp dport; }}
 add chain ip6 {t} big
 add rule ip6 {t} big meta l4proto udp dnat ip6 to numgen random mod 2 map @slots-b
+add rule ip6 {t} big meta l4proto udp numgen random mod 70000 < 65536 \
+dnat ip6 to numgen random mod 1 map @slots-b
 add rule ip6 {t} big meta l4proto udp dnat ip6 to jhash ip6 saddr . udp sport mod 2 \
 seed 0x5a175eed map @slots-b
 add map ip6 {t} hashv-b {{ typeof numgen random mod 1 : verdict; }}

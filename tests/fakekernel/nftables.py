@@ -534,17 +534,23 @@ class NftTracer:
 
     def _numgen(self, table: str, words: list[str], i: int, st: Walk
                 ) -> list[tuple[Walk, str]]:
-        """`numgen random mod K V` (a match: 1 in K)."""
+        """`numgen random mod K V` (a match: 1 in K) or `numgen random mod K < T` (T in
+        K)."""
         if words[i + 2] != "mod":
             raise TraceError(f"numgen {' '.join(words[i:])}")
-        k, value = int(words[i + 3]), int(words[i + 4])
-        if not 0 <= value < k:
+        k = int(words[i + 3])
+        if words[i + 4] == "<":
+            hits, i = min(max(int(words[i + 5]), 0), k), i + 1
+        else:
+            value = int(words[i + 4])
+            hits = 1 if 0 <= value < k else 0
+        if not hits:
             return [(st, NEXT)]
         p = st.probability
-        hit = self._eval(table, words, i + 5, replace(st, probability=p / k))
-        if k == 1:
+        hit = self._eval(table, words, i + 5, replace(st, probability=p * hits / k))
+        if hits == k:
             return hit
-        return [*hit, (replace(st, probability=p * (k - 1) / k), NEXT)]
+        return [*hit, (replace(st, probability=p * (k - hits) / k), NEXT)]
 
     def _dnat(self, table: str, words: list[str], i: int, st: Walk
               ) -> list[tuple[Walk, str]]:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from proxy.dataplane.nftables import port_edit as port_edit_module
+from proxy.dataplane.nftables import slot_tail
 from proxy.dataplane.nftables.port_edit import render_edit
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
@@ -23,6 +24,7 @@ from proxy.dataplane.nftables.render import (
     render_port,
     render_shard,
 )
+from proxy.dataplane.nftables.slot_tail import TAIL_PREFIX
 from proxy.dataplane.nftables.transaction import (
     TableState,
     full_script,
@@ -103,6 +105,13 @@ def step(pods: dict[str, Pod], rng: random.Random, shrink: bool) -> None:
             pods[a].local = not pods[a].local
 
 
+def split_at(state: TableState) -> dict[str, int]:
+    """Each split path's main map's size (slot_tail.py)."""
+    slots = {n: len(m.values) for p in state.ports.values() for n, m in p.slots}
+    return {n: size for n, size in slots.items()
+            if TAIL_PREFIX + n.removeprefix(SLOTS) in slots}
+
+
 def slot_maps(state: TableState) -> set[str]:
     return {n for p in state.ports.values() for n, _ in p.slots}
 
@@ -116,14 +125,28 @@ SPECS: dict[str, dict[str, Any]] = {
 }
 
 
+def small_tails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slots split into a main map and a tail (slot_tail.py) from a little above the
+    slot-map threshold, with tails of 3 to 6, so that these paths cross into and out of
+    the split and move it often."""
+    monkeypatch.setattr(slot_tail, "SPLIT_MIN", SLOT_MAP_MIN + 10)
+    monkeypatch.setattr(slot_tail, "TAIL", 3)
+    monkeypatch.setattr(slot_tail, "TAIL_MAX", 6)
+
+
+@pytest.mark.parametrize("tails", [False, True])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("spec", sorted(SPECS))
-def test_random_deltas_change_what_a_whole_render_changes(seed: int, spec: str) -> None:
+def test_random_deltas_change_what_a_whole_render_changes(seed: int, spec: str, tails: bool,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    if tails:
+        small_tails(monkeypatch)
     rng = random.Random(seed)
     pods = {a: Pod(local=rng.random() < 0.95) for a in POOL[:SLOT_MAP_MIN + 30]}
     rsp = resolve(pods, SPECS[spec])
     by_edit, whole = start(rsp), start(rsp)
-    edits, maps_seen = 0, [slot_maps(by_edit)]
+    edits, moves, maps_seen = 0, 0, [slot_maps(by_edit)]
     for n in range(100):
         # Above the threshold, below it, above again.
         target = SLOT_MAP_MIN - 25 if 20 <= n < 60 else SLOT_MAP_MIN + 30
@@ -134,6 +157,7 @@ def test_random_deltas_change_what_a_whole_render_changes(seed: int, spec: str) 
         assert delta is not None
         edit = render_edit(rsp, new, delta, CIDR4, by_edit.ports[key])
         edits += edit is not None
+        was_split = split_at(by_edit)
         objects = render_port(new, CIDR4, 1, kept_slots(by_edit.ports[key]))
         script = partial_script(by_edit, {key: edit or objects})
         expected = partial_script(whole, {key: render_port(new, CIDR4, 1,
@@ -147,13 +171,20 @@ def test_random_deltas_change_what_a_whole_render_changes(seed: int, spec: str) 
         encode(script, Family.V4, ("sliceproxy", S0), 1)
         assert_like_a_fresh_full_sync(by_edit, new)
         maps_seen.append(slot_maps(by_edit))
+        is_split = split_at(by_edit)
+        moves += edit is not None and any(is_split.get(p, at) != at
+                                          for p, at in was_split.items())
         rsp = new
     # Not vacuous: most changes went by the delta, and the port crossed the threshold
     # both ways (a slot map went and came back).
-    assert edits > 20
+    assert edits > (15 if tails else 20)
     went = [i for i in range(1, len(maps_seen)) if maps_seen[i - 1] - maps_seen[i]]
     came = [i for i in range(1, len(maps_seen)) if maps_seen[i] - maps_seen[i - 1]]
     assert went and came, (went, came)
+    if tails:  # and the split came, went and moved
+        assert {TAIL_PREFIX} <= {name[:len(TAIL_PREFIX)] for m in maps_seen for name in m}
+        assert any(not any(n.startswith(TAIL_PREFIX) for n in m) for m in maps_seen[30:])
+        assert moves, "no edit moved a split"
 
 
 def assert_like_a_fresh_full_sync(state: TableState, rsp: ResolvedServicePort) -> None:
@@ -162,15 +193,27 @@ def assert_like_a_fresh_full_sync(state: TableState, rsp: ResolvedServicePort) -
     places them in the model's order; ours kept each where it was)."""
     fresh = start(rsp)
     (mine,), (theirs,) = state.ports.values(), fresh.ports.values()
-    assert (mine.table, mine.chains, mine.sets) == (theirs.table, theirs.chains, theirs.sets)
+    # Where a path's slots split between its main map and its tail depends on where
+    # they split before (slot_tail.py): its chains' rules say so, its maps together
+    # hold the same endpoints.
+    tailed = {name.removeprefix(TAIL_PREFIX) for p in (mine, theirs) for name, _ in p.chains
+              if name.startswith(TAIL_PREFIX)}
+
+    def shape(p: Any) -> tuple[Any, ...]:
+        chains = [(n, None if n.removeprefix(TAIL_PREFIX) in tailed else d)
+                  for n, d in p.chains]
+        return p.table, chains, p.sets
+
+    assert shape(mine) == shape(theirs)
 
     def split(elements: Any) -> tuple[dict[Any, Any], dict[str, list[Any]]]:
         plain: dict[Any, Any] = {}
         slots: dict[str, list[tuple[int, Any]]] = {}
         for (table, name, key), value in elements.items():
-            if name.startswith(SLOTS):
+            if name.startswith((SLOTS, TAIL_PREFIX)):
                 (slot,) = key
-                slots.setdefault(name, []).append((slot, value))
+                path = name.removeprefix(SLOTS).removeprefix(TAIL_PREFIX)
+                slots.setdefault(path, []).append((slot, value))
             else:
                 plain[(table, name, key)] = value
         return plain, {n: sorted(v for _, v in sorted(s)) for n, s in slots.items()}

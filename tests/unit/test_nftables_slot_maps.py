@@ -23,6 +23,13 @@ from proxy.dataplane.nftables.render import (
     render_port,
     render_shard,
 )
+from proxy.dataplane.nftables.slot_tail import (
+    SPLIT_MIN,
+    TAIL,
+    TAIL_MAX,
+    TAIL_PREFIX,
+    main_size,
+)
 from proxy.dataplane.nftables.transaction import (
     TableState,
     full_script,
@@ -68,8 +75,10 @@ def addresses(n: int, start: int = 0) -> list[str]:
 
 
 def resolve(addrs: list[str]) -> ResolvedServicePort:
-    return resolve_one(node(), service(), eps_slice("s1", [ep(a) for a in addrs]),
-                       port="http")
+    """The service with `addrs`, in slices of at most 1,000 (the API's limit)."""
+    slices = [eps_slice(f"s{i // 1000 + 1}", [ep(a) for a in addrs[i:i + 1000]])
+              for i in range(0, max(len(addrs), 1), 1000)]
+    return resolve_one(node(), service(), *slices, port="http")
 
 
 def start(rsp: ResolvedServicePort) -> tuple[str, TableState]:
@@ -118,6 +127,40 @@ def test_a_large_port_balances_with_one_rule_over_its_slot_map() -> None:
     small = render_port(resolve(addresses(SLOT_MAP_MIN - 1)), CIDR4)
     # + the port's counter and the masquerade mark
     assert not small.sets and len(small.chains[0].rules) == SLOT_MAP_MIN - 1 + 2
+
+
+def test_where_a_path_splits_its_slots_moves_only_past_the_tail_s_bounds() -> None:
+    assert main_size(SPLIT_MIN - 1, None) == SPLIT_MIN - 1  # no tail below SPLIT_MIN
+    assert main_size(SPLIT_MIN, None) == SPLIT_MIN - TAIL  # fresh: a tail of TAIL
+    m = 5000 - TAIL
+    assert main_size(5000, m) == m
+    assert main_size(m + 1, m) == m and main_size(m + TAIL_MAX, m) == m  # 1..TAIL_MAX
+    assert main_size(m, m) == m - TAIL  # the tail would be empty
+    assert main_size(m + TAIL_MAX + 1, m) == m + TAIL_MAX + 1 - TAIL  # it would overflow
+    assert main_size(SPLIT_MIN, SPLIT_MIN - 1) == SPLIT_MIN - 1  # a path growing into it
+
+
+def test_a_path_of_split_min_endpoints_keeps_its_last_slots_in_a_tail() -> None:
+    addrs = addresses(SPLIT_MIN)
+    rsp = resolve(addrs)
+    svc = port_chain("svc", rsp.key, "tcp")
+    objects = render_port(rsp, CIDR4)
+    m = SPLIT_MIN - TAIL
+    tail_chain, policy = objects.chains
+    assert tail_chain.name == TAIL_PREFIX + svc and policy.name == svc
+    label = 'comment "ns/svc:http"'
+    assert tail_chain.rules == (
+        f"meta l4proto tcp numgen random mod {SPLIT_MIN} < {TAIL} "
+        f"dnat ip to numgen random mod {TAIL} map @{TAIL_PREFIX}{svc} {label}",)
+    assert policy.rules[-2:] == (
+        f"jump {TAIL_PREFIX}{svc}",
+        f"meta l4proto tcp dnat ip to numgen random mod {m} map @{SLOTS}{svc} {label}")
+    assert [x.name for x in objects.sets] == [SLOTS + svc, TAIL_PREFIX + svc]
+    main = sorted((e.key, e.value) for e in objects.elements if e.set == SLOTS + svc)
+    tail = sorted((e.key, e.value) for e in objects.elements if e.set == TAIL_PREFIX + svc)
+    assert main == [((i,), (a, 8080)) for i, a in enumerate(addrs[:m])]
+    assert tail == [((i,), (a, 8080)) for i, a in enumerate(addrs[m:])]
+    encode(start(rsp)[0], Family.V4, ("sliceproxy", S0), 1)
 
 
 def test_one_endpoint_changed_is_a_few_elements_not_the_chain() -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from proxy.dataplane.base import DataplaneOptions
+from proxy.dataplane.nftables import slot_tail
 from proxy.dataplane.nftables.render import SLOT_MAP_MIN
 from tests.fakekernel.iptables import IptablesKernel
 from tests.fakekernel.nftables import FakeNft, NftFakeError
@@ -390,11 +391,18 @@ def test_partial_syncs_follow_endpoints_and_services(plane_name: str) -> None:
         assert plane.written() == fresh.written()
 
 
+@pytest.mark.parametrize("tails", [False, True])
 @pytest.mark.parametrize("plane_name", list(PLANES))
 def test_a_large_service_spreads_evenly_and_follows_single_endpoint_changes(
-        plane_name: str) -> None:
+        plane_name: str, tails: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """From SLOT_MAP_MIN endpoints on, nftables balances through a slot map and
-    renders a change from the endpoint delta alone (nftables/port_edit.py)."""
+    renders a change from the endpoint delta alone (nftables/port_edit.py); with
+    `tails`, its slots split between a main map and a tail of 2 to 4 (slot_tail.py),
+    and the split moves as endpoints go and come."""
+    if tails:
+        monkeypatch.setattr(slot_tail, "SPLIT_MIN", SLOT_MAP_MIN + 2)
+        monkeypatch.setattr(slot_tail, "TAIL", 2)
+        monkeypatch.setattr(slot_tail, "TAIL_MAX", 4)
     plane = plane_for(plane_name)
     pool = [f"198.18.{2 + i // 200}.{1 + i % 200}" for i in range(SLOT_MAP_MIN + 8)]
     plane.become(web(), slice_of(*(remote(a) for a in pool)), full=True)
@@ -403,9 +411,14 @@ def test_a_large_service_spreads_evenly_and_follows_single_endpoint_changes(
         pool.remove(gone)
         assert not plane.become(web(), slice_of(*(remote(a) for a in pool))).full
         check(plane.trace(from_pod(VIP)), Expect(at(*pool)))
-    pool.append("198.18.9.9")
-    plane.become(web(), slice_of(*(remote(a) for a in pool)))
-    check(plane.trace(from_pod(VIP)), Expect(at(*pool)))
+    for i in range(6):
+        pool.append(f"198.18.9.{9 + i}")
+        plane.become(web(), slice_of(*(remote(a) for a in pool)))
+        check(plane.trace(from_pod(VIP)), Expect(at(*pool)))
+    if plane.mode == "nftables":  # not vacuous: the tail was there, or not
+        tail_chains = [name for t in plane.nft.tables.values() for name in t.chains
+                       if name.startswith(slot_tail.TAIL_PREFIX)]
+        assert bool(tail_chains) is tails
 
 
 # --- the fake kernels refuse what they do not model ----------------------------------------------

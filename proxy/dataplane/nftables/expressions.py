@@ -8,6 +8,7 @@ The dialect, closed; anything else raises `Unencodable`:
 
     matches:   ip|ip6 saddr|daddr [!=] <addr>|<net>|@<set>;  tcp|udp|sctp dport <n>;
                meta l4proto <proto>;  fib saddr|daddr type local;  numgen random mod <n> 0;
+               numgen random mod <n> < <k>;
                ct state new;  ct status dnat;  meta mark & <mask> == <value>;
                <selector> . <selector> [. ...] @<set>   (selectors: ip|ip6 saddr|daddr,
                meta l4proto, th dport)
@@ -45,7 +46,9 @@ from proxy.dataplane.common.netlink_constants import (
     NF_NAT_RANGE_PROTO_RANDOM_FULLY,
     NF_NAT_RANGE_PROTO_SPECIFIED,
     NFPROTO,
+    NFT_BYTEORDER_HTON,
     NFT_CMP_EQ,
+    NFT_CMP_LT,
     NFT_CMP_NEQ,
     NFT_CT_STATE,
     NFT_CT_STATUS,
@@ -72,6 +75,11 @@ from proxy.dataplane.common.netlink_constants import (
     NFTA_BITWISE_MASK,
     NFTA_BITWISE_SREG,
     NFTA_BITWISE_XOR,
+    NFTA_BYTEORDER_DREG,
+    NFTA_BYTEORDER_LEN,
+    NFTA_BYTEORDER_OP,
+    NFTA_BYTEORDER_SIZE,
+    NFTA_BYTEORDER_SREG,
     NFTA_CMP_DATA,
     NFTA_CMP_OP,
     NFTA_CMP_SREG,
@@ -262,6 +270,17 @@ def _numgen_random(modulus: int) -> bytes:
 @functools.cache
 def _numgen(modulus: int) -> bytes:
     return _expr("numgen", _numgen_random(modulus)) + cmp(NFT_CMP_EQ, _HOST_U32.pack(0))
+
+
+@functools.cache
+def _numgen_below(modulus: int, bound: int) -> bytes:
+    """`numgen random mod <modulus> < <bound>`: as nft sends it, the host-order pick
+    turned to network order, so that the kernel's bytewise `lt` compares numbers."""
+    hton = (nla(NFTA_BYTEORDER_SREG, u32(NFT_REG_1)) + nla(NFTA_BYTEORDER_DREG, u32(NFT_REG_1))
+            + nla(NFTA_BYTEORDER_OP, u32(NFT_BYTEORDER_HTON)) + nla(NFTA_BYTEORDER_LEN, u32(4))
+            + nla(NFTA_BYTEORDER_SIZE, u32(4)))
+    return (_expr("numgen", _numgen_random(modulus)) + _expr("byteorder", hton)
+            + cmp(NFT_CMP_LT, u32(bound)))
 
 
 @functools.cache
@@ -699,7 +718,14 @@ def _match(family: Family, cur: _Cursor) -> list[bytes] | None:
         return [_fib_local(NFTA_FIB_F_SADDR if field == "saddr" else NFTA_FIB_F_DADDR)]
     if word == "numgen":
         _, kind, mod, modulus, start = cur.take(5)
-        if kind != "random" or mod != "mod" or not modulus.isdigit() or start != "0":
+        if kind != "random" or mod != "mod" or not modulus.isdigit():
+            raise Unencodable(f"numgen {kind} {mod} {modulus}")
+        if start == "<":
+            bound = cur.take(1)[0]
+            if not bound.isdigit() or not 0 < int(bound) < int(modulus):
+                raise Unencodable(f"numgen random mod {modulus} < {bound}")
+            return [_numgen_below(int(modulus), int(bound))]
+        if start != "0":
             raise Unencodable(f"numgen {kind} {mod} {modulus} {start}")
         return [_numgen(int(modulus))]
     return None

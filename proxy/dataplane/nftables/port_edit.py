@@ -48,6 +48,7 @@ from proxy.dataplane.nftables.render import (
     slot_value,
     table_family,
 )
+from proxy.dataplane.nftables.slot_tail import TAIL_PREFIX, main_size, tail_rule
 from proxy.dataplane.nftables.transaction import ElementKey, KeptPort, PortEdit, SlotValues
 from proxy.model.balancing import maglev_slots, ordered, table_size
 from proxy.model.snapshot import (
@@ -90,19 +91,24 @@ def render_edit(old: ResolvedServicePort, new: ResolvedServicePort, delta: Endpo
             added += [((*element, (slot,)), value) for slot, value in changes]
             resized.append((HASHED + chain, len(hashed.values), changes))
             continue
-        slots = maps.get(SLOTS + chain)
-        size = len(slots.values) - len(gone) + len(come) if slots else 0
-        if slots is None or size < SLOT_MAP_MIN or not _matches(slots, gone, come):
+        main = maps.get(SLOTS + chain)
+        if main is None:
             return None
-        assigned = _refill(slots, gone, come, size)
-        element = (kept.table, SLOTS + chain)
-        for slot in (*range(size, len(slots.values)), *(s for s, _ in assigned
-                                                         if s < len(slots.values))):
-            removed.append((*element, (slot,)))
-        added += [((*element, (slot,)), value) for slot, value in assigned]
-        resized.append((SLOTS + chain, size, assigned))
-        if size != len(slots.values):
-            chains.append(Chain(chain, _slot_chain_rules(new, ctx, kind, chain, size)))
+        path = PathSlots(main, maps.get(TAIL_PREFIX + chain))
+        size = len(path) - len(gone) + len(come)
+        if size < SLOT_MAP_MIN or not path.matches(gone, come):
+            return None
+        split = main_size(size, len(main.values))
+        if (split < size) != (path.tail is not None):
+            return None  # the tail chain comes or goes: rendered whole
+        assigned = _refill(path, gone, come, size)
+        out, into, maps_resized = _slot_changes(kept.table, chain, path, size, split,
+                                                assigned)
+        removed += out
+        added += into
+        resized += maps_resized
+        if size != len(path):
+            chains += _slot_chains(new, ctx, kind, chain, size, split)
     removed_pairs, added_pairs = _hairpin_changes(new, delta, kept.element_dict)
     return PortEdit(tuple(chains), (*removed, *removed_pairs),
                     (*added, *((k, ()) for k in added_pairs)), tuple(resized))
@@ -129,24 +135,83 @@ def _net_change(delta: EndpointDelta, local: bool) -> tuple[set[Key], dict[Key, 
     return gone, come
 
 
-def _matches(slots: SlotValues, gone: Iterable[Key], come: Iterable[Key]) -> bool:
-    """The delta fits what the kernel holds: what leaves is there, what comes is not."""
-    return all(v in slots.slot_of for v in gone) and not any(v in slots.slot_of
-                                                             for v in come)
+class PathSlots:
+    """A slot-mapped path's slots 0..n-1 as the kernel holds them: its main map's, then
+    its tail's (slot_tail.py), without joining them (O(service))."""
+
+    __slots__ = ("main", "tail")
+
+    def __init__(self, main: SlotValues, tail: SlotValues | None) -> None:
+        self.main, self.tail = main, tail
+
+    def __len__(self) -> int:
+        return len(self.main.values) + (len(self.tail.values) if self.tail else 0)
+
+    def slot(self, value: Key) -> int | None:
+        slot = self.main.slot_of.get(value)
+        if slot is None and self.tail is not None:
+            at = self.tail.slot_of.get(value)
+            slot = None if at is None else len(self.main.values) + at
+        return slot
+
+    def value(self, slot: int) -> Key:
+        split = len(self.main.values)
+        if slot < split:
+            return self.main.values[slot]
+        assert self.tail is not None
+        return self.tail.values[slot - split]
+
+    def matches(self, gone: Iterable[Key], come: Iterable[Key]) -> bool:
+        """The delta fits what the kernel holds: what leaves is there, what comes is not."""
+        return all(self.slot(v) is not None for v in gone) \
+            and not any(self.slot(v) is not None for v in come)
 
 
-def _refill(slots: SlotValues, gone: set[Key], come: Mapping[Key, Order],
-            size: int) -> tuple[tuple[int, Key], ...]:
-    """(slot, value) for every slot whose value changes when the map goes to `size`
+def _refill(slots: PathSlots, gone: set[Key], come: Mapping[Key, Order],
+            size: int) -> dict[int, Key]:
+    """slot -> value for every slot whose value changes when the path goes to `size`
     slots: `assign_slots` for only the values that move."""
-    n = len(slots.values)
-    free = sorted([*(slots.slot_of[v] for v in gone if slots.slot_of[v] < size),
+    n = len(slots)
+    slot_of = {v: slots.slot(v) for v in gone}
+    free = sorted([*(s for s in slot_of.values() if s is not None and s < size),
                    *range(n, size)])
     # Values beyond the new end move too: back into the free slots, in the model's order.
-    beyond = [v for v in slots.values[size:n] if v not in gone]
+    beyond = [v for v in map(slots.value, range(size, n)) if v not in gone]
     homeless = sorted([*come.items(), *((v, _order_of(v)) for v in beyond)],
                       key=lambda item: item[1])
-    return tuple((slot, value) for (value, _), slot in zip(homeless, free, strict=True))
+    return {slot: value for (value, _), slot in zip(homeless, free, strict=True)}
+
+
+def _slot_changes(table: str, chain: str, slots: PathSlots, size: int, split: int,
+                  assigned: Mapping[int, Key]
+                  ) -> tuple[list[ElementKey], list[tuple[ElementKey, Value]],
+                             list[tuple[str, int, tuple[tuple[int, Key], ...]]]]:
+    """The elements out and in, and each map's resize (PortEdit.slots), for a path going
+    from `slots` to `size` slots split at `split`, with `assigned` refilled: O(change),
+    and O(TAIL_MAX) more when the split moves (the tail's every key moves with it)."""
+    n, before = len(slots), len(slots.main.values)
+    touched = {*assigned, *range(size, n)}
+    if split != before:
+        touched.update(range(min(split, before), max(size, n)))
+    main, tail = SLOTS + chain, TAIL_PREFIX + chain
+
+    def key(slot: int, at: int) -> ElementKey:
+        return (table, main, (slot,)) if slot < at else (table, tail, (slot - at,))
+
+    old = {key(s, before): slots.value(s) for s in sorted(touched) if s < n}
+    new = {key(s, split): assigned[s] if s in assigned else slots.value(s)
+           for s in sorted(touched) if s < size}
+    out = [k for k, v in old.items() if new.get(k) != v]
+    into: list[tuple[ElementKey, Value]] = []
+    changed: dict[str, list[tuple[int, Key]]] = {main: [], tail: []}
+    for k, v in new.items():
+        if old.get(k) != v:
+            into.append((k, v))
+            changed[k[1]].append((int(k[2][0]), v))
+    resized = [(main, split, tuple(changed[main]))]
+    if split < size:
+        resized.append((tail, size - split, tuple(changed[tail])))
+    return out, into, resized
 
 
 def _rehash(kept: SlotValues, gone: set[Key], come: Mapping[Key, Order]
@@ -175,14 +240,21 @@ def _order_of(value: Key) -> Order:
     return int(ip_address(address)), int(port)
 
 
-def _slot_chain_rules(rsp: ResolvedServicePort, ctx: RenderContext, kind: str, chain: str,
-                      size: int) -> tuple[str, ...]:
-    """A slot-mapped policy chain's rules, as render_port writes them: policy_first,
-    then the one rule."""
+def _slot_chains(rsp: ResolvedServicePort, ctx: RenderContext, kind: str, chain: str,
+                 size: int, split: int) -> list[Chain]:
+    """A slot-mapped path's chains, as render_port writes them: its tail's one rule
+    (slot_tail.py), then policy_first and the main map's rule."""
     ip, proto = table_family(rsp.key.family), rsp.port.protocol.value.lower()
     internal = "svl" if rsp.service.internal_traffic_policy is TrafficPolicy.LOCAL else "svc"
-    first = policy_first(rsp, ctx, kind == internal)
-    return (*first, slot_rule(ip, proto, size, SLOTS + chain, comment(port_name(rsp.key))))
+    label = comment(port_name(rsp.key))
+    rules = list(policy_first(rsp, ctx, kind == internal))
+    chains = []
+    if split < size:
+        tail = TAIL_PREFIX + chain
+        chains.append(Chain(tail, (tail_rule(ip, proto, size, split, tail, label),)))
+        rules.append(f"jump {tail}")
+    rules.append(slot_rule(ip, proto, split, SLOTS + chain, label))
+    return [*chains, Chain(chain, tuple(rules))]
 
 
 def _hairpin_changes(new: ResolvedServicePort, delta: EndpointDelta,

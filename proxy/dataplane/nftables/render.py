@@ -21,6 +21,8 @@ Per family, one main table and K shard tables, holding nothing but ours:
                     `dnat to numgen random mod n map @slots-svc-<h>` instead
       svl-<h>       Local-policy endpoints, the same shape
       slots-svc-<h> slot (0..n-1) -> endpoint address . port, for a port that large
+      tail-svc-<h>  from SPLIT_MIN endpoints on, the last few slots (a chain and a map:
+                    slot_tail.py), so that a change of n rebinds a small map
       hash-svc-<h>  with maglev or source-hash balancing: slot (0..M-1) -> endpoint
                     address . port, Maglev's table; the chain's one rule is
                     `dnat to jhash <source> mod M seed HASH_SEED map @hash-svc-<h>`
@@ -110,6 +112,7 @@ from proxy.dataplane.nftables.objects import (
     Value,
     Verdict,
 )
+from proxy.dataplane.nftables.slot_tail import TAIL_PREFIX, main_size, tail_rule
 from proxy.model.balancing import Backend, maglev_table
 from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
 from proxy.model.types import (
@@ -626,17 +629,29 @@ def _policy_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
         build.chains.append(Chain(chain, (*first, *_balance(ip, proto, eps, texts, ep_chains,
                                                              label, counts))))
         return
-    slot_map = SLOTS + chain
+    slot_map, tail_map = SLOTS + chain, TAIL_PREFIX + chain
+    kept = slots or {}
+    kept_main = kept.get(slot_map)
+    before = (*kept_main, *kept.get(tail_map, ())) if kept_main is not None else ()
     # In the model's order (merge sorts them): only endpoints without a slot yet are
     # placed by it.
     values = list(dict.fromkeys(slot_value(addrs[id(ep)], ep.port) for ep in eps))
-    assigned = assign_slots(values, (slots or {}).get(slot_map, ()))
-    build.slot_values.append((slot_map, tuple(assigned)))
-    build.sets.append(SlotMap(slot_map, build.key.family, proto))
-    build.slot_elements += [Element(build.table, slot_map, (i,), v)
-                            for i, v in enumerate(assigned)]
-    build.chains.append(Chain(chain, (*first, slot_rule(ip, proto, len(assigned), slot_map,
-                                                        label))))
+    assigned = assign_slots(values, before)
+    n = len(assigned)
+    main = main_size(n, None if kept_main is None else len(kept_main))
+    rules = list(first)
+    for name, part in ((slot_map, assigned[:main]), (tail_map, assigned[main:])):
+        if not part:
+            continue
+        build.slot_values.append((name, tuple(part)))
+        build.sets.append(SlotMap(name, build.key.family, proto))
+        build.slot_elements += [Element(build.table, name, (i,), v)
+                                for i, v in enumerate(part)]
+    if main < n:  # slot_tail.py; the tail chain before the rule that jumps to it
+        build.chains.append(Chain(tail_map, (tail_rule(ip, proto, n, main, tail_map, label),)))
+        rules.append(f"jump {tail_map}")
+    rules.append(slot_rule(ip, proto, main, slot_map, label))
+    build.chains.append(Chain(chain, tuple(rules)))
 
 
 def _hashed_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
