@@ -19,7 +19,12 @@ ready/serving (not ready, then ready again), taken through:
   endpoint delta as the plane does when it has one; the kernel step needs the QEMU
   guest of docs/kernel-tests.md and is not run here).
 
-p50/p99 over --changes changes. Timings are reported, never asserted.
+With --drain, each change instead takes one more endpoint out (not ready, and it stays
+so), each time in another slice: the endpoint count only falls, so a large nftables path
+moves the split between its main slot map and its tail every TAIL changes
+(nftables/slot_tail.py), and the maximum shows what that costs.
+
+p50/p99 (and the maximum) over --changes changes. Timings are reported, never asserted.
 """
 
 from __future__ import annotations
@@ -127,10 +132,14 @@ def build(endpoints: int) -> ClusterModel:
     return model
 
 
-def changes(endpoints: int, count: int) -> Iterator[tuple[int, bytes]]:
+def changes(endpoints: int, count: int, drain: bool = False) -> Iterator[tuple[int, bytes]]:
     """(change number, slice JSON): endpoint e goes not ready, then ready again, for
-    `count` updates, each time in another slice."""
+    `count` updates, each time in another slice; `drain`: one more endpoint goes not
+    ready each time (module docstring)."""
     slices = slice_count(endpoints)
+    if drain:
+        yield from _drained(endpoints, count, slices)
+        return
     for n in range(count):
         pair = n // 2
         index = (pair * 37) % slices
@@ -141,6 +150,22 @@ def changes(endpoints: int, count: int) -> Iterator[tuple[int, bytes]]:
         obj = slice_object(index, endpoints, rv=2 + n,
                            not_ready=frozenset({ep}) if down else frozenset())
         yield n, orjson.dumps(obj)
+
+
+def _drained(endpoints: int, count: int, slices: int) -> Iterator[tuple[int, bytes]]:
+    down: dict[int, set[int]] = {}
+    for n in range(min(count, endpoints - 1)):
+        index = (n * 37) % slices
+        first = index * ENDPOINTS_PER_SLICE
+        size = min(ENDPOINTS_PER_SLICE, endpoints - first)
+        taken = down.setdefault(index, set())
+        if len(taken) == size:
+            continue  # (only with fewer slices than changes: that slice is drained)
+        ep = next(first + (n * 13 + k) % size for k in range(size)
+                  if first + (n * 13 + k) % size not in taken)
+        taken.add(ep)
+        yield n, orjson.dumps(slice_object(index, endpoints, rv=2 + n,
+                                           not_ready=frozenset(taken)))
 
 
 def model_step(model: ClusterModel, raw: bytes) -> tuple[float, float, DesiredState]:
@@ -164,7 +189,8 @@ def pct(values: list[float], q: float) -> float:
 
 def summary(values: list[float], scale: float = 1000.0, digits: int = 3) -> dict[str, float]:
     return {"p50": round(pct(values, 0.5) * scale, digits),
-            "p99": round(pct(values, 0.99) * scale, digits)}
+            "p99": round(pct(values, 0.99) * scale, digits),
+            "max": round(max(values) * scale, digits)}
 
 
 def _plane(name: str, options: DataplaneOptions) -> Any:
@@ -178,7 +204,7 @@ def _plane(name: str, options: DataplaneOptions) -> Any:
 
 
 def _kernel_step(name: str, model: ClusterModel, endpoints: int, count: int,
-                 out: dict[str, Any], rows: dict[str, list[float]]) -> None:
+                 out: dict[str, Any], rows: dict[str, list[float]], drain: bool) -> None:
     from proxy.netns_lab.netns import entered
 
     options = DataplaneOptions(NODE, families=(Family.V4,))
@@ -190,7 +216,7 @@ def _kernel_step(name: str, model: ClusterModel, endpoints: int, count: int,
         out["full_sync_lines"] = report.operations
         if name == "iptables":
             out["backend"] = report.details.get("backend")
-        for _n, raw in changes(endpoints, count):
+        for _n, raw in changes(endpoints, count, drain):
             gc.collect()
             decode, apply, state = model_step(model, raw)
             report = dp.sync(state)
@@ -248,22 +274,24 @@ def _ipvs_step(model: ClusterModel, endpoints: int, count: int,
         rows["lines"].append(len(ops))
 
 
-def run_plane(name: str, endpoints: int, count: int) -> dict[str, Any]:
-    """One plane at one size: p50/p99 per phase (ms), and what one change rewrites."""
+def run_plane(name: str, endpoints: int, count: int, drain: bool = False) -> dict[str, Any]:
+    """One plane at one size: p50/p99/max per phase (ms), and what one change rewrites;
+    `drain`: changes that only take endpoints out (module docstring)."""
     if name not in PLANES:
         raise ValueError(f"unknown plane {name!r}")
     model = build(endpoints)
     out: dict[str, Any] = {"plane": name, "endpoints": endpoints,
-                           "slices": slice_count(endpoints), "changes": count}
+                           "slices": slice_count(endpoints), "changes": count,
+                           "drain": drain}
     rows: dict[str, list[float]] = {"decode": [], "model": [], "render": [], "apply": [],
                                     "lines": []}
     if name in ("iptables", "nftables"):
-        _kernel_step(name, model, endpoints, count, out, rows)
+        _kernel_step(name, model, endpoints, count, out, rows, drain)
     elif name == "ipvs":
         _ipvs_step(model, endpoints, count, rows)
         out["apply_note"] = "kernel step not run (QEMU guest only)"
     else:
-        for _n, raw in changes(endpoints, count):
+        for _n, raw in changes(endpoints, count, drain):
             gc.collect()
             decode, apply, _ = model_step(model, raw)
             rows["decode"].append(decode)
@@ -291,18 +319,22 @@ def markdown(results: list[dict[str, Any]]) -> str:
 
     def cell(r: dict[str, Any], phase: str) -> str:
         v = r.get(f"{phase}_ms")
-        return f"{v['p50']} / {v['p99']}" if v else "-"
+        if not v:
+            return "-"
+        return f"{v['p50']} / {v['p99']}" + (f" / {v['max']}" if phase == "total" else "")
 
     for r in results:
         lines = r.get("lines")
         written = f"{lines['p50']:,}" if lines else "-"
-        rows.append(f"| {r['plane']} | {r['endpoints']:,} ({r['slices']}) | {cell(r, 'decode')} "
+        drained = ", drain" if r.get("drain") else ""
+        rows.append(f"| {r['plane']} | {r['endpoints']:,} ({r['slices']}{drained}) "
+                    f"| {cell(r, 'decode')} "
                     f"| {cell(r, 'model')} | {cell(r, 'render')} | {cell(r, 'apply')} "
                     f"| {cell(r, 'total')} "
                     f"| {written} |")
     rows.append("")
-    rows.append("milliseconds, p50 / p99; lines: iptables-restore lines, nft script lines, "
-                "IPVS operations")
+    rows.append("milliseconds, p50 / p99 (total: and the maximum); lines: iptables-restore "
+                "lines, nft script lines, IPVS operations")
     return "\n".join(rows)
 
 
@@ -316,13 +348,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--huge", action="store_true", help="also 50,000 endpoints in 500 slices")
     p.add_argument("--planes", nargs="+", default=list(PLANES), choices=PLANES)
     p.add_argument("--changes", type=int, default=50)
+    p.add_argument("--drain", action="store_true",
+                   help="each change takes one more endpoint out (module docstring)")
     p.add_argument("--json", action="store_true", help="print JSON only")
     args = p.parse_args(argv)
     # SIGTERM (a `timeout`, a killed job) unwinds like an exception, so the namespaces
     # this bench made are removed on the way out.
     signal.signal(signal.SIGTERM, _terminated)
     sizes = list(args.endpoints) + ([50_000] if args.huge else [])
-    print_results((run_plane(plane, size, args.changes)
+    print_results((run_plane(plane, size, args.changes, args.drain)
                    for size in sizes for plane in args.planes), markdown, as_json=args.json)
     return 0
 

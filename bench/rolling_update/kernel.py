@@ -18,7 +18,6 @@ from bench.rolling_update.workload import (
     DNAT_NFT,
     NFT_MAX_SHARDS,
     NFT_TABLE,
-    SLOT_NFT,
 )
 from proxy.dataplane.common.drift_watch import NftablesListener
 from proxy.dataplane.common.netlink import NFGEN, MulticastListener, attributes, replies
@@ -42,6 +41,8 @@ from proxy.dataplane.common.netlink_constants import (
     NFTA_SET_TABLE,
     NFTA_TABLE_NAME,
 )
+from proxy.dataplane.nftables.render import SLOTS
+from proxy.dataplane.nftables.slot_tail import TAIL_PREFIX
 from proxy.netns_lab.netns import entered
 
 # --- the kernel: the service's DNAT targets over time ----------------------------------
@@ -103,31 +104,39 @@ class KernelView:
             return None
         if self.mode != "nftables":
             return frozenset(DNAT_IPT.findall(res.stdout))
-        slot_map = DNAT_MAP_NFT.search(res.stdout)
-        if slot_map is None:
+        if DNAT_MAP_NFT.search(res.stdout) is None:
             return frozenset(DNAT_NFT.findall(res.stdout))
-        res = self._run(["nft", "list", "map", *self.chain[3:5], slot_map[1]])
-        return frozenset(SLOT_NFT.findall(res.stdout)) if res.returncode == 0 else None
+        slots = self.slots()
+        return None if slots is None else frozenset(slots.values())
 
-    def slot_map(self) -> tuple[str, str] | None:
-        """(table, map) when the service balances through a slot map (nftables mode, a
-        port of 128 endpoints or more), else None."""
+    def slot_map(self) -> tuple[str, tuple[str, ...]] | None:
+        """(table, maps) when the service balances through a slot map (nftables mode, a
+        port of 128 endpoints or more): the main map, and its tail from 1,024 endpoints
+        on (nftables/slot_tail.py, whether it holds anything now or not); else None."""
         if self.mode != "nftables" or (not self.chain and not self.locate()):
             return None
         res = self._run(self.chain)
         found = DNAT_MAP_NFT.search(res.stdout) if res.returncode == 0 else None
-        return (self.chain[4], found[1]) if found else None
+        if not found:
+            return None
+        return self.chain[4], (found[1], TAIL_PREFIX + found[1].removeprefix(SLOTS))
 
-    def slots(self) -> dict[bytes, str] | None:
-        """The slot map's elements: slot (the key as the kernel holds it) -> address."""
+    def slots(self) -> dict[tuple[str, bytes], str] | None:
+        """The slot maps' elements: (map, slot as the kernel holds it) -> address."""
         where = self.slot_map()
         if where is None:
             return None
-        res = self._run(["nft", "list", "map", *self.chain[3:5], where[1]])
-        if res.returncode != 0:
-            return None
-        # numgen's slot is a 32-bit register in host order, as nft prints it.
-        return {struct.pack("=I", int(k)): a for k, a in SLOT_KEYED_NFT.findall(res.stdout)}
+        out: dict[tuple[str, bytes], str] = {}
+        for name in where[1]:
+            res = self._run(["nft", "list", "map", *self.chain[3:5], name])
+            if res.returncode != 0:
+                if name == where[1][0]:
+                    return None
+                continue  # no tail (yet)
+            # numgen's slot is a 32-bit register in host order, as nft prints it.
+            out.update(((name, struct.pack("=I", int(k))), a)
+                       for k, a in SLOT_KEYED_NFT.findall(res.stdout))
+        return out
 
     def commit_tables(self) -> set[tuple[int, str]]:
         if self.mode == "nftables":
@@ -220,17 +229,19 @@ class KernelWatch:
 
 
 class SlotMapWatch(KernelWatch):
-    """For a service balancing through a slot map (nftables mode): the map's elements
-    read once, then kept from nf_tables' own announcements of each element added and
-    deleted, and the endpoints recorded at the end of each transaction (its NEWGEN),
-    dated when that is heard. Reading the map back after each commit instead takes ~90
-    ms at 10,000 endpoints and 2.7 s at 50,000 (nft's listing), a core of the machine's
-    two and a resolution worse than the lag measured."""
+    """For a service balancing through a slot map (nftables mode): the elements of its
+    map and its tail (nftables/slot_tail.py) read once, then kept from nf_tables' own
+    announcements of each element added and deleted, and the endpoints recorded at the
+    end of each transaction (its NEWGEN), dated when that is heard. Reading the map
+    back after each commit instead takes ~90 ms at 10,000 endpoints and 2.7 s at 50,000
+    (nft's listing), a core of the machine's two and a resolution worse than the lag
+    measured."""
 
-    def __init__(self, view: KernelView, table: str, slot_map: str) -> None:
+    def __init__(self, view: KernelView, table: str, slot_maps: Sequence[str]) -> None:
         super().__init__(view)
-        self.table, self.map = table.encode() + b"\0", slot_map.encode() + b"\0"
-        self._slots: dict[bytes, str] = {}
+        self.table = table.encode() + b"\0"
+        self.maps = {name.encode() + b"\0": name for name in slot_maps}
+        self._slots: dict[tuple[str, bytes], str] = {}
         self._changed = False
         self._multicast: _Announcements | None = None
 
@@ -271,9 +282,11 @@ class SlotMapWatch(KernelWatch):
             ours = found.get(NFTA_TABLE_NAME) == self.table
         else:
             ours = (found.get(NFTA_SET_TABLE) == self.table
-                    and found.get(NFTA_SET_NAME) == self.map)
+                    and found.get(NFTA_SET_NAME, b"") in self.maps)
         if ours:
-            self._slots.clear()
+            gone = self.maps.get(found.get(NFTA_SET_NAME, b""))
+            self._slots = {k: v for k, v in self._slots.items()
+                           if gone is not None and k[0] != gone}
             self._changed = True
 
     def _elements(self, data: bytes, start: int, end: int, added: bool) -> None:
@@ -286,7 +299,8 @@ class SlotMapWatch(KernelWatch):
                 name = data[a:b]
             elif kind == NFTA_SET_ELEM_LIST_ELEMENTS:
                 elements = (a, b)
-        if table != self.table or name != self.map:
+        map_name = self.maps.get(name)
+        if table != self.table or map_name is None:
             return
         for _, a, b in attributes(data, *elements):  # each NFTA_LIST_ELEM
             key = value = None
@@ -298,9 +312,9 @@ class SlotMapWatch(KernelWatch):
             if key is None:
                 continue
             if added and value is not None and len(value) >= 4:
-                self._slots[key] = ".".join(str(x) for x in value[:4])
+                self._slots[map_name, key] = ".".join(str(x) for x in value[:4])
             elif not added:
-                self._slots.pop(key, None)
+                self._slots.pop((map_name, key), None)
             self._changed = True
 
     @property

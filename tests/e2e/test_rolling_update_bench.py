@@ -118,8 +118,10 @@ def _newgen() -> bytes:
 
 
 def test_a_slot_map_is_followed_from_the_announcements_of_its_elements() -> None:
-    watch = SlotMapWatch(KernelView("unused", "nftables"), "sliceproxy-3", "slots-svc-x")
-    watch._slots = {struct.pack("=I", 0): "198.19.0.1", struct.pack("=I", 1): "198.19.0.2"}
+    watch = SlotMapWatch(KernelView("unused", "nftables"), "sliceproxy-3",
+                         ("slots-svc-x", "tail-svc-x"))
+    watch._slots = {("slots-svc-x", struct.pack("=I", 0)): "198.19.0.1",
+                    ("slots-svc-x", struct.pack("=I", 1)): "198.19.0.2"}
     # One transaction: slot 1 moves to a new pod; another map's element is not ours.
     watch._feed(_elements(NFT_MSG_DELSETELEM, "sliceproxy-3", "slots-svc-x", {1: "198.19.0.2"})
                 + _elements(NFT_MSG_NEWSETELEM, "sliceproxy-3", "slots-svc-x", {1: "198.19.0.9"})
@@ -133,5 +135,12 @@ def test_a_slot_map_is_followed_from_the_announcements_of_its_elements() -> None
     deleted = _nft(NFT_MSG_DELTABLE, nla_string(NFTA_TABLE_NAME, "sliceproxy-3"))
     watch._feed(deleted
                 + _elements(NFT_MSG_NEWSETELEM, "sliceproxy-3", "slots-svc-x", {0: "198.19.0.9"})
+                + _newgen())
+    assert watch.latest() == frozenset({"198.19.0.9"})
+    # The tail's slot 0 is not the main map's: both are followed.
+    watch._feed(_elements(NFT_MSG_NEWSETELEM, "sliceproxy-3", "tail-svc-x", {0: "198.19.0.5"})
+                + _newgen())
+    assert watch.latest() == frozenset({"198.19.0.9", "198.19.0.5"})
+    watch._feed(_elements(NFT_MSG_DELSETELEM, "sliceproxy-3", "tail-svc-x", {0: None})
                 + _newgen())
     assert watch.latest() == frozenset({"198.19.0.9"})

@@ -43,6 +43,17 @@ def test_each_change_flips_one_endpoint_of_one_slice() -> None:
     assert flips == [1, 0, 1, 0]
 
 
+def test_draining_takes_one_more_endpoint_out_each_change() -> None:
+    down: dict[str, set[str]] = {}
+    counts = []
+    for _n, raw in changes(250, 7, drain=True):
+        obj = orjson.loads(raw)
+        down[obj["metadata"]["name"]] = {e["addresses"][0] for e in obj["endpoints"]
+                                         if not e["conditions"]["ready"]}
+        counts.append(sum(map(len, down.values())))
+    assert counts == [1, 2, 3, 4, 5, 6, 7]
+
+
 @pytest.mark.parametrize("plane", ["model", "ipvs"])
 def test_pure_planes_run_small(plane: str) -> None:
     result = run_plane(plane, 250, 4)
