@@ -81,7 +81,8 @@ class KernelView:
                     table = f"{words[1]} {words[2]}"
                 elif words[:1] == ["chain"] and len(words) >= 2:
                     chain = words[1]
-                elif (DNAT_NFT.search(line) or DNAT_MAP_NFT.search(line)) and table and chain:
+                elif (DNAT_NFT.search(line) or DNAT_MAP_NFT.search(line)) and table and chain \
+                        and not chain.startswith(TAIL_PREFIX):  # the policy chain, not its tail
                     self.chain = ["nft", "list", "chain", *table.split(), chain]
                     return True
             return False
