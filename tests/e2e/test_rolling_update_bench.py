@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
 from ipaddress import ip_address, ip_network
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from proxy.dataplane.common.netlink_constants import (
     NFTA_SET_ELEM_LIST_TABLE,
     NFTA_TABLE_NAME,
 )
+from proxy.netns_lab import Lab
 from proxy.netns_lab.netns import NETNS_DIR
 
 pytestmark = pytest.mark.root
@@ -144,3 +146,30 @@ def test_a_slot_map_is_followed_from_the_announcements_of_its_elements() -> None
     watch._feed(_elements(NFT_MSG_DELSETELEM, "sliceproxy-3", "tail-svc-x", {0: None})
                 + _newgen())
     assert watch.latest() == frozenset({"198.19.0.9"})
+
+
+def test_a_split_service_is_read_from_its_policy_chain_and_both_maps() -> None:
+    """From 1,024 endpoints a path's last slots are in a tail chain and map of their own
+    (nftables/slot_tail.py), which nft lists first: the view reads the policy chain and
+    the endpoints of both maps."""
+    with Lab([]) as lab:
+        ns = lab.node_ns
+        subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], check=True, text=True,
+                       input="""table ip t {
+  map slots-svc-x { typeof numgen random mod 1 : ip daddr . tcp dport;
+                    elements = { 0 : 198.19.0.1 . 8080, 1 : 198.19.0.2 . 8080 } }
+  map tail-svc-x { typeof numgen random mod 1 : ip daddr . tcp dport;
+                   elements = { 0 : 198.19.0.3 . 8080 } }
+  chain tail-svc-x {
+    meta l4proto tcp numgen random mod 3 < 1 dnat ip to numgen random mod 1 map @tail-svc-x
+  }
+  chain svc-x {
+    jump tail-svc-x
+    meta l4proto tcp dnat ip to numgen random mod 2 map @slots-svc-x
+  }
+}
+""")
+        view = KernelView(ns, "nftables")
+        assert view.locate() and view.chain[-1] == "svc-x"
+        assert view.slot_map() == ("t", ("slots-svc-x", "tail-svc-x"))
+        assert view.read() == frozenset({"198.19.0.1", "198.19.0.2", "198.19.0.3"})
