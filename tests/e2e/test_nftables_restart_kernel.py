@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from proxy.dataplane.nftables import render
+from proxy.dataplane.nftables import render, slot_tail
 from proxy.dataplane.nftables.render import FINGERPRINTS, port_chain
 from proxy.model.types import Family, ServicePortKey
 from proxy.netns_lab import Lab
@@ -154,4 +154,40 @@ def test_after_a_restart_that_rendered_nothing_a_change_is_partial_and_right(
     started.sync(Cluster().become(*changed), full=True)
     restarted.settle()
     started.settle()
+    assert listing(ns) == listing(clean)
+
+
+def test_a_restart_over_a_split_the_deltas_moved_ends_where_a_clean_start_does(
+        namespaces: Lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large path's slots split between a main map and a tail (slot_tail.py; small
+    here) where endpoint deltas left it, not where a fresh render puts it: the
+    restarted agent rewrites the port, and the kernel ends as on a clean node."""
+    monkeypatch.setattr(slot_tail, "SPLIT_MIN", 140)
+    monkeypatch.setattr(slot_tail, "TAIL", 3)
+    monkeypatch.setattr(slot_tail, "TAIL_MAX", 6)
+    addrs = [f"198.18.{2 + i // 200}.{1 + i % 200}" for i in range(180)]
+
+    def objects(n: int) -> list[dict[str, Any]]:
+        return [service(), eps_slice("s1", [ep(a) for a in addrs[:n]])]
+
+    ns, clean = namespaces.node_ns, namespaces.client_ns
+    for n in (ns, clean):
+        wipe(n)
+    cluster = Cluster()
+    first = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES)
+    first.sync(cluster.become(*objects(180)), full=True)
+    for n in range(179, 150, -1):  # the split moves (a tail of 3 to 6)
+        assert not first.sync(cluster.become(*objects(n))).full
+    first.settle()
+    tails = nft(ns, "list", "chain", "ip", render.shard_table(0),
+                "tail-" + port_chain("svc", ServicePortKey("ns", "svc", "http", Family.V4),
+                                     "tcp"))
+    assert "numgen random mod 151 < " in tails and "numgen random mod 151 < 3 " not in tails
+    state = cluster.become(*objects(150))
+    restarted = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES)
+    assert restart_of(restarted.sync(state))["ports_written"] == 1
+    restarted.settle()
+    fresh = NodePlane(clean, mode="nftables", addresses=lambda: ADDRESSES)
+    fresh.sync(state, full=True)
+    fresh.settle()
     assert listing(ns) == listing(clean)
