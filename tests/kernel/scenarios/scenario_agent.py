@@ -498,26 +498,32 @@ def test_traffic_counts_per_endpoint_across_a_restart(lab: Lab, sim: SimServer,
             wanted[name] = (sum(answered[proto].values()), {
                 rs(lab, n, target): answered[proto][n] for n in NAMES})
 
+    last: list[Reading] = [{}]
+
     def as_answered(read: Callable[[], Reading]) -> Callable[[], Reading | None]:
         # IPVS publishes its statistics every 2 s (its estimator's tick): read until then.
         def check() -> Reading | None:
-            got = read()
+            got = last[0] = read()
             return got if got == wanted else None
 
         return check
 
+    def differs() -> str:  # what a timed-out wait read last, against what was answered
+        return f"read {last[0]}, answered {wanted}"
+
     send(rounds[0])
     wait_for(as_answered(lambda: metrics_traffic(first, "count", ("http", "dns"))),
-             CHANGE_DEADLINE, "the first round in /metrics", interval=0.5)
+             CHANGE_DEADLINE, "the first round in /metrics", interval=0.5, detail=differs)
     first.stop()
     send(rounds[1])  # no agent: the kernel counts on
     wait_for(as_answered(lambda: kernel_traffic(reader, objects)), CHANGE_DEADLINE,
-             "the round without an agent, in the kernel", interval=0.5)
+             "the round without an agent, in the kernel", interval=0.5, detail=differs)
     second = agents.start(name="second")
     second.wait_ready(READY_DEADLINE)
     send(rounds[2])
     wait_for(as_answered(lambda: metrics_traffic(second, "count", ("http", "dns"))),
-             CHANGE_DEADLINE, "every round in the second agent's /metrics", interval=0.5)
+             CHANGE_DEADLINE, "every round in the second agent's /metrics", interval=0.5,
+             detail=differs)
     assert wanted["http"][0] == wanted["dns"][0] == sum(rounds)
     samples = second.metrics()
     labels = 'namespace="demo",service="count",port="http",family="IPv4"'
