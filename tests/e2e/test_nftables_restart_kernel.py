@@ -179,9 +179,8 @@ def test_a_restart_over_a_split_the_deltas_moved_ends_where_a_clean_start_does(
     for n in range(179, 150, -1):  # the split moves (a tail of 3 to 6)
         assert not first.sync(cluster.become(*objects(n))).full
     first.settle()
-    tails = nft(ns, "list", "chain", "ip", render.shard_table(0),
-                "tail-" + port_chain("svc", ServicePortKey("ns", "svc", "http", Family.V4),
-                                     "tcp"))
+    svc = port_chain("svc", ServicePortKey("ns", "svc", "http", Family.V4), "tcp")
+    tails = nft(ns, "list", "chain", "ip", render.shard_table(0), slot_tail.TAIL_PREFIX + svc)
     assert "numgen random mod 151 < " in tails and "numgen random mod 151 < 3 " not in tails
     state = cluster.become(*objects(150))
     restarted = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES)

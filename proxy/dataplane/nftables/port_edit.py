@@ -44,11 +44,11 @@ from proxy.dataplane.nftables.render import (
     hairpin_element,
     policy_first,
     port_chain,
-    slot_rule,
+    slot_chains,
     slot_value,
     table_family,
 )
-from proxy.dataplane.nftables.slot_tail import TAIL_PREFIX, main_size, tail_rule
+from proxy.dataplane.nftables.slot_tail import TAIL_PREFIX, main_size
 from proxy.dataplane.nftables.transaction import ElementKey, KeptPort, PortEdit, SlotValues
 from proxy.model.balancing import maglev_slots, ordered, table_size
 from proxy.model.snapshot import (
@@ -242,19 +242,11 @@ def _order_of(value: Key) -> Order:
 
 def _slot_chains(rsp: ResolvedServicePort, ctx: RenderContext, kind: str, chain: str,
                  size: int, split: int) -> list[Chain]:
-    """A slot-mapped path's chains, as render_port writes them: its tail's one rule
-    (slot_tail.py), then policy_first and the main map's rule."""
+    """A slot-mapped path's chains, as render_port writes them (render.slot_chains)."""
     ip, proto = table_family(rsp.key.family), rsp.port.protocol.value.lower()
     internal = "svl" if rsp.service.internal_traffic_policy is TrafficPolicy.LOCAL else "svc"
-    label = comment(port_name(rsp.key))
-    rules = list(policy_first(rsp, ctx, kind == internal))
-    chains = []
-    if split < size:
-        tail = TAIL_PREFIX + chain
-        chains.append(Chain(tail, (tail_rule(ip, proto, size, split, tail, label),)))
-        rules.append(f"jump {tail}")
-    rules.append(slot_rule(ip, proto, split, SLOTS + chain, label))
-    return [*chains, Chain(chain, tuple(rules))]
+    first = policy_first(rsp, ctx, kind == internal)
+    return slot_chains(ip, proto, chain, first, size, split, comment(port_name(rsp.key)))
 
 
 def _hairpin_changes(new: ResolvedServicePort, delta: EndpointDelta,

@@ -639,7 +639,6 @@ def _policy_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
     assigned = assign_slots(values, before)
     n = len(assigned)
     main = main_size(n, None if kept_main is None else len(kept_main))
-    rules = list(first)
     for name, part in ((slot_map, assigned[:main]), (tail_map, assigned[main:])):
         if not part:
             continue
@@ -647,11 +646,7 @@ def _policy_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
         build.sets.append(SlotMap(name, build.key.family, proto))
         build.slot_elements += [Element(build.table, name, (i,), v)
                                 for i, v in enumerate(part)]
-    if main < n:  # slot_tail.py; the tail chain before the rule that jumps to it
-        build.chains.append(Chain(tail_map, (tail_rule(ip, proto, n, main, tail_map, label),)))
-        rules.append(f"jump {tail_map}")
-    rules.append(slot_rule(ip, proto, main, slot_map, label))
-    build.chains.append(Chain(chain, tuple(rules)))
+    build.chains += slot_chains(ip, proto, chain, first, n, main, label)
 
 
 def _hashed_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
@@ -693,6 +688,19 @@ def hashed_rule(ip: str, proto: str, m: int, slot_map: str, label: str,
     if verdicts:
         return f"meta l4proto {proto} {hashed} vmap @{slot_map} {label}"
     return f"meta l4proto {proto} dnat {ip} to {hashed} map @{slot_map} {label}"
+
+
+def slot_chains(ip: str, proto: str, chain: str, first: Sequence[str], n: int, main: int,
+                label: str) -> list[Chain]:
+    """A slot-mapped path's chains for its `n` slots, `main` of them in its main map: the
+    tail's chain where they split (slot_tail.py), before the policy chain that jumps to
+    it; the policy chain is `first`, then the main map's one rule."""
+    tail_map = TAIL_PREFIX + chain
+    tail = [Chain(tail_map, (tail_rule(ip, proto, n, main, tail_map, label),))] \
+        if main < n else []
+    rules = (*first, *(f"jump {t.name}" for t in tail),
+             slot_rule(ip, proto, main, SLOTS + chain, label))
+    return [*tail, Chain(chain, rules)]
 
 
 def slot_rule(ip: str, proto: str, n: int, slot_map: str, label: str) -> str:

@@ -4,9 +4,9 @@ service.
 
 The kernel checks every element of a map when a rule naming it is added
 (`nf_tables_bind_set` walks the map: about 65 ns an element). A slot map's one rule
-holds n (`numgen random mod n`), so before this split every endpoint added or gone in
-a path of 50,000 rewrote that rule and walked 50,000 elements: most of a change's kernel
-time. From SPLIT_MIN endpoints on, a path's slots 0..n-1 are split at `main`:
+holds n (`numgen random mod n`), so with one map every endpoint added or gone in a
+path of 50,000 would rewrite that rule and walk 50,000 elements: most of a change's
+kernel time. From SPLIT_MIN endpoints on, a path's slots 0..n-1 are split at `main`:
 
     svc-<h>          ...; jump tail-svc-<h>;
                      dnat to numgen random mod <main> map @slots-svc-<h>
