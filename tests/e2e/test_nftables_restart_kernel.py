@@ -43,8 +43,10 @@ def handles(ns: str) -> dict[tuple[str, str, str], list[int]]:
     return out
 
 
-def web(i: int, endpoints: int = 2) -> list[dict[str, Any]]:
-    return [service(f"web{i}", ips=(f"198.18.128.{10 + i}",)),
+def web(i: int, endpoints: int = 2, counted: bool = False) -> list[dict[str, Any]]:
+    """`counted`: each endpoint's connections counted (a named counter of its own)."""
+    annotations = {"sliceproxy.io/traffic-per-endpoint": "true"} if counted else None
+    return [service(f"web{i}", ips=(f"198.18.128.{10 + i}",), annotations=annotations),
             eps_slice(f"web{i}-a", [ep(f"198.18.1.{10 * i + k}") for k in range(endpoints)],
                       service_name=f"web{i}")]
 
@@ -81,15 +83,18 @@ def test_a_restart_ends_where_a_start_on_a_clean_node_does(
     assert "table inet firewall" in nft(ns, "list", "tables")
 
 
-def test_a_restart_rewrites_only_what_changed_while_no_agent_ran(namespaces: Lab) -> None:
-    """Ten services; while the agent is down one gains an endpoint, one goes, one comes:
+@pytest.mark.parametrize("counted", [False, True], ids=["port", "endpoint"])
+def test_a_restart_rewrites_only_what_changed_while_no_agent_ran(namespaces: Lab,
+                                                                 counted: bool) -> None:
+    """Ten services; while the agent is down one loses an endpoint, one goes, one comes:
     the restart writes the changed and the new port, and right after deletes the gone
-    one's objects; every other port keeps its rules (handles) and its fingerprint, and
-    a restart over an unchanged cluster writes no port at all."""
+    one's objects (and the counters of what went, when endpoints are counted one by
+    one); every other port keeps its rules (handles) and its fingerprint, and a restart
+    over an unchanged cluster writes no port at all."""
     ns = namespaces.node_ns
     wipe(ns)
     cluster = Cluster()
-    objects = [o for i in range(10) for o in web(i)]
+    objects = [o for i in range(10) for o in web(i, 3 if i == 3 else 2, counted)]
     plane = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES)
     plane.sync(cluster.become(*objects), full=True)
     plane.settle()
@@ -107,7 +112,7 @@ def test_a_restart_rewrites_only_what_changed_while_no_agent_ran(namespaces: Lab
         key = ServicePortKey("ns", f"web{i}", "http", Family.V4)
         return ("ip", render.shard_of(key, 1), port_chain("svc", key, "tcp"))
 
-    changed = [o for i in range(11) if i != 7 for o in web(i, 3 if i == 3 else 2)]
+    changed = [o for i in range(11) if i != 7 for o in web(i, 2, counted)]
     restarted = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES)
     report = restarted.sync(cluster.become(*changed))
     assert restart_of(report)["ports_kept"] == 8

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from ipaddress import ip_address
 
@@ -121,6 +121,8 @@ class FakeNft:
         self.tables: Tables = {}
         self.scripts: list[str] = []  # every script applied, in order
         self.dumped: list[tuple[str, str]] = []  # every set read back (elements), in order
+        self.rules_read: list[tuple[str, str]] = []  # every chain whose rules were read
+        self.counter_dumps = 0  # dumps of every counter
 
     # --- the runner's interface ---------------------------------------------------------------
 
@@ -152,8 +154,21 @@ class FakeNft:
 
     def counters(self, family: Family, tables: Collection[str]) -> dict[tuple[str, str], int]:
         ip = "ip" if family is Family.V4 else "ip6"
+        self.counter_dumps += 1
         return {(t, n): v for (f, t), table in self.tables.items() if f == ip and t in tables
                 for n, v in table.counters.items()}
+
+    def counters_named(self, family: Family, chains: Iterable[tuple[str, str]]
+                       ) -> set[tuple[str, str]]:
+        """The counters the rules of `chains` count into (a missing chain skipped)."""
+        ip = "ip" if family is Family.V4 else "ip6"
+        found = set()
+        for table, chain in chains:
+            self.rules_read.append((table, chain))
+            held = self.tables.get((ip, table))
+            rules = held.chains[chain].rules if held and chain in held.chains else []
+            found.update((table, n) for rule in rules for n in _COUNTER_REFERENCE.findall(rule))
+        return found
 
     def elements(self, family: Family, table: str, set_name: str, types: Sequence[str],
                  is_map: bool) -> Held:

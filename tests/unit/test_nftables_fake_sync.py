@@ -20,8 +20,9 @@ from tests.unit.test_iptables_sync import clusters
 
 
 def comparable(tables: object) -> object:
-    """The fake's tables with each slot map's elements as a sorted list of endpoints:
-    which endpoint holds which slot depends on the history (render.assign_slots)."""
+    """The fake's tables with each slot map's elements as a sorted list of endpoints
+    (which endpoint holds which slot depends on the history: render.assign_slots), and
+    the names of their counters (what they counted depends on the traffic)."""
     assert isinstance(tables, dict)
     out: dict[Any, Any] = {}
     for key, table in tables.items():
@@ -33,7 +34,7 @@ def comparable(tables: object) -> object:
                 sets[name] = (s.body, sorted(s.elements.values()))
             else:
                 sets[name] = (s.body, s.elements)
-        out[key] = (table.chains, sets)
+        out[key] = (table.chains, sets, sorted(table.counters))
     return out
 
 

@@ -21,13 +21,15 @@ from tests.unit.test_iptables_sync import clusters
 from tests.unit.test_nftables_fake_sync import assert_same_answers, comparable
 
 
-def cluster(indices: Iterable[int], changed: int | None = None) -> list[dict[str, Any]]:
+def cluster(indices: Iterable[int], changed: int | None = None,
+            counted: bool = False) -> list[dict[str, Any]]:
     """Service s<i> (cluster IP 198.18.128.<i + 10>, port 80) with two endpoints, three
-    for s<changed>."""
+    for s<changed>; `counted`: each endpoint's connections counted (its own counter)."""
     out = []
+    annotations = {"sliceproxy.io/traffic-per-endpoint": "true"} if counted else None
     for i in indices:
         out.append(service(f"s{i}", ips=(f"198.18.128.{10 + i}",),
-                           ports=({"name": "http", "port": 80},)))
+                           ports=({"name": "http", "port": 80},), annotations=annotations))
         eps = [ep(f"198.18.1.{10 * i + k}") for k in range(3 if i == changed else 2)]
         out.append(eps_slice(f"s{i}-a", eps, service_name=f"s{i}",
                              ports=({"name": "http", "port": 8080},)))
@@ -91,7 +93,7 @@ def without_marks(tables: object) -> object:
     """`comparable`, without @fingerprints."""
     out = comparable(tables)
     assert isinstance(out, dict)
-    for _chains, sets in out.values():
+    for _chains, sets, _counters in out.values():
         sets.pop(FINGERPRINTS, None)
     return out
 
@@ -216,6 +218,34 @@ def test_what_the_restart_writes_is_the_change_alone() -> None:
     fresh = FakePlane("nftables")
     fresh.become(*cluster([0, 1, 2, 3, 4, 5, 6, 8, 9, 10], changed=3), full=True)
     assert comparable(restarted.written()) == comparable(fresh.settle().written())
+
+
+def test_the_sweep_reads_the_rules_of_what_may_be_nobodys_not_every_counter() -> None:
+    """Endpoints counted one by one: a service that lost an endpoint and one that went
+    while no agent ran leave counters nobody claims. The sweep finds them in the rules
+    of the chains the restart rewrote (read before it rewrote them) and of the chains
+    nobody claims, and deletes them, without a dump of every counter (which grows
+    faster than the tables); it ends with the counters a fresh start writes."""
+    plane = FakePlane("nftables")
+    plane.become(*cluster(range(6), changed=3, counted=True), full=True)
+    plane.settle()
+    state = plane.dp._families[Family.V4].kept
+    held = {(state.ports[port_key(i)].table, name)
+            for i in (3, 5) for name, _digest in state.ports[port_key(i)].chains}
+    dumps = plane.nft.counter_dumps
+    restarted = plane.restarted()
+    after = cluster(range(5), counted=True)  # s3 lost an endpoint, s5 went
+    report = restarted.become(*after)
+    assert restart_details(report)["ports_written"] == 1
+    restarted.settle()  # the sweep
+    assert plane.nft.counter_dumps == dumps
+    assert set(plane.nft.rules_read) == held
+    fresh = FakePlane("nftables")
+    fresh.become(*after, full=True)
+    ours = comparable(restarted.written())
+    assert ours == comparable(fresh.settle().written())
+    assert isinstance(ours, dict)
+    assert len(ours["ip", render.shard_of(port_key(0), 1)][2]) == 5 * (1 + 2)
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 7), (7, 2)])

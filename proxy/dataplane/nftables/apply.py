@@ -193,6 +193,7 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps):
 
         fam.shards = shards
         fam.pending, fam.sweep = {}, None  # every port's state is made anew
+        fam.restart_read, fam.restart_counters = {}, None
         # Only the process's first full sync may be a restart's diff (NftFamily).
         restart, fam.restart = fam.restart and fam.state is None, False
         if not tables:

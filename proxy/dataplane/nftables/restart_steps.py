@@ -53,15 +53,21 @@ from proxy.dataplane.nftables.restart import (
 from proxy.dataplane.nftables.runner import NftError, NftRunner
 from proxy.dataplane.nftables.transaction import (
     KeptPort,
+    Named,
+    Owners,
     Script,
     TableState,
     element_groups,
 )
+from proxy.dataplane.nftables.wire import element_keys
 from proxy.model.snapshot import ResolvedServicePort
 from proxy.model.types import Family, ServicePortKey
 
 log = logging.getLogger("proxy.dataplane.nftables.apply")  # the mode's one logger
 T = TypeVar("T")
+# Chains whose rules the sweep may read one by one (~13 us each) however small the
+# tables: fewer than that cost less than one dump of every counter at any size.
+NAMED_DUMPS_MIN = 256
 # Our tables, and the (table, name) of their chains and of their sets (-> "set"|"map").
 _Names = tuple[set[str], set[tuple[str, str]], dict[tuple[str, str], str]]
 _Written = tuple[Script | str, TableState]  # a first sync's script and the state it leaves
@@ -94,6 +100,12 @@ class NftFamily(FamilyState):
         self.pending: dict[ServicePortKey, Key] = {}  # -> its input mark
         self.restart_names: _Names = (set(), set(), {})
         self.sweep: dict[ServicePortKey, PortObjects] | None = None
+        # For that sweep: what the restart read of the bases' sets (it holds that plus
+        # what the restart wrote, so they are not read again), and the counters the
+        # rules of the ports it wrote counted into before (None: not read; the sweep
+        # then dumps every counter).
+        self.restart_read: dict[Named, Held] = {}
+        self.restart_counters: set[Named] | None = None
 
     @property
     def state(self) -> TableState | None:
@@ -125,6 +137,13 @@ class _Plane(Protocol):
 
     def _kernel_counters(self, fam: NftFamily) -> dict[tuple[str, str], int]: ...
 
+    def _counters_named(self, fam: NftFamily, chains: Sequence[Named],
+                        of: int) -> set[Named] | None: ...
+
+    def _sweep_counters(self, fam: NftFamily, bases: Sequence[BaseObjects],
+                        ports: Mapping[ServicePortKey, PortObjects],
+                        chains: set[Named]) -> set[Named]: ...
+
     def _complete(self, fam: NftFamily) -> None: ...
 
     def _sweep(self, fam: NftFamily, bases: Sequence[BaseObjects],
@@ -147,6 +166,7 @@ class RestartSteps:
         sweep, fam.sweep = fam.sweep, None
         state, last, ctx = fam.kept, fam.last, fam.context
         if (not pending and sweep is None) or state is None or last is None or ctx is None:
+            fam.restart_read, fam.restart_counters = {}, None
             return
         started = time.perf_counter()
         rendered: dict[ServicePortKey, PortObjects] = {}
@@ -188,11 +208,17 @@ class RestartSteps:
         for every message it fills), and nobody else writes our tables."""
         started = time.perf_counter()
         tables, chains, sets = names
+        read, fam.restart_read = fam.restart_read, {}
         try:
-            # Every set read: a port the first sync wrote may have left elements it no
-            # longer has, and its new marks no longer tell (restart.sets_needed).
-            kernel = KernelTables(tables, chains, sets, set(self._kernel_counters(fam)))
-            if not self._read_sets(fam, kernel, base_sets(bases)):
+            # Every set known: a port the first sync wrote may have left elements it no
+            # longer has, and its new marks no longer tell (restart.sets_needed). What
+            # that sync read is what it held then plus what it wrote; the rest is read.
+            elements = after_writing(read, fam.kept.owners, base_sets(bases), fam.family) \
+                if fam.kept is not None else {}
+            kernel = KernelTables(tables, chains, sets,
+                                  self._sweep_counters(fam, bases, ports, chains), elements)
+            if not self._read_sets(fam, kernel, [s for s in base_sets(bases)
+                                                 if (s[0], s[1]) not in elements]):
                 self._failed(fam)
                 return
             script, state, counts = restart_lines(bases, ports, kernel)
@@ -235,6 +261,11 @@ class RestartSteps:
         if written and not self._read_sets(fam, kernel, [s for s in base_sets(bases)
                                                          if s[3]]):
             return marks, None
+        if sweep:  # what the sweep needs of the kernel before this sync writes
+            fam.restart_read = dict(kernel.elements)
+            fam.restart_counters = self._counters_named(fam, [
+                (p.table, c.name) for p in written.values() for c in p.chains
+                if (p.table, c.name) in chains], len(chains))
         # Held counters not read (a dump that grows faster than the table): declaring
         # one that is there changes nothing.
         script, state, counts = restart_lines(bases, written, kernel, sweep=False)
@@ -247,6 +278,34 @@ class RestartSteps:
             "ports_written": counts.written, "elements_deleted": counts.deleted,
             "elements_added": counts.added, "rendered": len(written), "sweep": sweep})
         return marks, (script, state)
+
+    def _sweep_counters(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
+                        ports: Mapping[ServicePortKey, PortObjects],
+                        chains: set[Named]) -> set[Named]:
+        """The counters the sweep compares with what every port (`ports`) claims: their
+        own (the first sync wrote them, or their marks say they are there), and those
+        that may be nobody's: what the rules of the chains nobody claims count into, and
+        what those of the ports the first sync wrote counted into before. Every counter
+        dumped when those are too many chains to read one by one."""
+        before, fam.restart_counters = fam.restart_counters, None
+        claimed = {(b.table, c.name) for b in bases for c in b.chains} \
+            | {(p.table, c.name) for p in ports.values() for c in p.chains}
+        stale = self._counters_named(fam, sorted(chains - claimed), len(chains)) \
+            if before is not None else None
+        if before is None or stale is None:
+            return set(self._kernel_counters(fam))
+        return {(p.table, name) for p in ports.values() for name, _ in p.counters} \
+            | before | stale
+
+    def _counters_named(self: _Plane, fam: NftFamily, chains: Sequence[Named],
+                        of: int) -> set[Named] | None:
+        """The counters the rules of `chains` count into (runner.counters_named); None
+        when they are more than an eighth of the `of` chains the kernel holds, where
+        the dump of every counter costs less."""
+        if len(chains) > max(NAMED_DUMPS_MIN, of // 8):
+            return None
+        return self._read_back(fam, "rules' counters",
+                               lambda family, _ours: self.runner.counters_named(family, chains))
 
     def _read_sets(self: _Plane, fam: NftFamily, kernel: KernelTables,
                    sets: Sequence[tuple[str, str, tuple[str, ...], bool]]) -> bool:
@@ -315,6 +374,25 @@ class RestartSteps:
     def _complete_all(self: _Plane) -> None:
         for fam in self._families.values():
             self._complete(fam)
+
+
+def after_writing(read: Mapping[Named, Held], owners: Owners,
+                  sets: Sequence[tuple[str, str, tuple[str, ...], bool]],
+                  family: Family) -> dict[Named, Held]:
+    """What the kernel holds of the sets in `read` (base_sets' tuples: `sets`) after a
+    restart's first sync, which deletes a map's element only to add it with another
+    value: what it read, and every element `owners` (its state) wants, with its value."""
+    maps = {(t, name) for t, name, _types, is_map in sets if is_map}
+    out = {k: Held(dict(h.decoded), set(h.raw)) for k, h in read.items()}
+    for table, name, pairs in owners.sets():
+        held = out.get((table, name))
+        if held is None:
+            continue
+        if (table, name) in maps:
+            held.decoded.update(pairs)
+        else:
+            held.raw.update(element_keys(family, [k for k, _v in pairs]))
+    return out
 
 
 def _read_elements(runner: NftRunner, table: str, set_name: str, types: Sequence[str],

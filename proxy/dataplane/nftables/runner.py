@@ -40,6 +40,7 @@ read it as a file, which reports exactly what `nft -f -` does.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import json
 import os
@@ -52,12 +53,13 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from proxy.dataplane.common import processes
-from proxy.dataplane.common.netlink import NetlinkSocket
+from proxy.dataplane.common.netlink import NetlinkError, NetlinkSocket
 from proxy.dataplane.common.netlink_constants import (
     NETLINK_NETFILTER,
     NFNL_SUBSYS_NFTABLES,
     NFT_MSG_GETCHAIN,
     NFT_MSG_GETOBJ,
+    NFT_MSG_GETRULE,
     NFT_MSG_GETSET,
     NFT_MSG_GETSETELEM,
     NFT_MSG_GETTABLE,
@@ -417,6 +419,32 @@ class NftRunner:
                         found[counter[0], counter[1]] = counter[2]
             except OSError as exc:
                 raise NftError(f"nf_tables netlink dump of counters: {exc}") from exc
+        return found
+
+    def counters_named(self, family: Family, chains: Iterable[tuple[str, str]]
+                       ) -> set[tuple[str, str]]:
+        """The (table, name) of the named counters the rules of `chains` ((table, chain),
+        of `family`; one missing is skipped) count into: a dump per chain, which the
+        kernel filters to that chain (~13 us each, whatever the table's size), where a
+        dump of every counter walks the family's whole list for each message it fills."""
+        self._check_home()
+        found: set[tuple[str, str]] = set()
+        decode = wire.decode_rule_objects
+        with self._lock:
+            sock = self._netlink()
+            for table, chain in chains:
+                try:
+                    for data, start, end in sock.dump_messages(
+                            NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETRULE,
+                            wire.rule_dump_request(family, table, chain)):
+                        found.update((table, name) for name in decode(data, start, end))
+                except NetlinkError as exc:
+                    if exc.errno != errno.ENOENT:
+                        raise NftError(f"nf_tables netlink dump of {table} {chain}'s "
+                                       f"rules: {exc}") from exc
+                except OSError as exc:
+                    raise NftError(f"nf_tables netlink dump of {table} {chain}'s "
+                                   f"rules: {exc}") from exc
         return found
 
     def _run_child(self, text: str) -> None:
