@@ -12,7 +12,7 @@ import pytest
 
 from proxy.dataplane.nftables import apply as nft_apply
 from proxy.dataplane.nftables.port_edit import render_edit
-from proxy.dataplane.nftables.render import FINGERPRINTS, SLOT_MAP_MIN, SLOTS
+from proxy.dataplane.nftables.render import FINGERPRINTS, SLOT_MAP_MIN, SLOTS, shard_of
 from proxy.dataplane.nftables.slot_tail import TAIL_PREFIX
 from proxy.model.snapshot import DesiredState
 from proxy.model.types import Family, ServicePortKey
@@ -77,7 +77,7 @@ def test_delta_syncs_leave_what_a_fresh_full_sync_writes(
         if tails:
             assert_split_balances_evenly(mine, ours)
             ours, fresh_listing = unsplit(ours), unsplit(fresh_listing)
-        marks = ("set", "ip", "sliceproxy", FINGERPRINTS)
+        marks = ("set", "ip", shard_of(KEY, 1), FINGERPRINTS)
         held, wanted = ours.pop(marks)["elem"], fresh_listing.pop(marks)["elem"]
         assert ours == fresh_listing
         assert set(held) < set(wanted) and len(wanted) - len(held) == 1

@@ -99,14 +99,14 @@ def test_a_restart_rewrites_only_what_changed_while_no_agent_ran(namespaces: Lab
     plane.sync(cluster.become(*objects), full=True)
     plane.settle()
     before = handles(ns)
-    marks = nft(ns, "list", "set", "ip", "sliceproxy", FINGERPRINTS)
+    marks = nft(ns, "list", "set", "ip", "sliceproxy-0", FINGERPRINTS)
 
     again = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES)
     report = again.sync(cluster.become(*objects))
     assert restart_of(report) == {"ports_kept": 10, "ports_written": 0,
                                   "elements_deleted": 0, "elements_added": 0}
     assert handles(ns) == before
-    assert nft(ns, "list", "set", "ip", "sliceproxy", FINGERPRINTS) == marks
+    assert nft(ns, "list", "set", "ip", "sliceproxy-0", FINGERPRINTS) == marks
 
     def svc(i: int) -> tuple[str, str, str]:
         key = ServicePortKey("ns", f"web{i}", "http", Family.V4)

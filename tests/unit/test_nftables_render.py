@@ -283,7 +283,7 @@ def test_partial_script_touches_only_what_changed_and_counts_shared_elements() -
     mark = parts_text(objects[alt.key].fingerprint)
     assert text.splitlines() == [
         # What stood for it goes with it.
-        f"delete element ip sliceproxy fingerprints {{ {mark} }}",
+        f"delete element ip {S0} fingerprints {{ {mark} }}",
         f"delete element ip {S0} service-ips {{ 198.18.128.1 . tcp . 81 }}",
         f"flush chain ip {S0} {alt_chain}",
         f"delete chain ip {S0} {alt_chain}",

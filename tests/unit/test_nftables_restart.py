@@ -98,9 +98,11 @@ def without_marks(tables: object) -> object:
     return out
 
 
-def marks(tables: object) -> set[tuple[str, ...]]:
+def marks(tables: object, ip: str = "ip") -> set[tuple[str, ...]]:
+    """Every table's @fingerprints of family `ip`, as one (render.mark_element)."""
     assert isinstance(tables, dict)
-    return set(tables["ip", TABLE].sets[FINGERPRINTS].elements)
+    return {k for (f, _name), t in tables.items() if f == ip
+            for k in t.sets[FINGERPRINTS].elements}
 
 
 @settings(max_examples=15, deadline=None, derandomize=True,
@@ -116,8 +118,8 @@ def test_a_restart_over_the_same_cluster_writes_no_port(
     for fam in plane.dp._families.values():
         assert fam.context is not None and fam.last is not None
         of = marks_for(fam.context, fam.shards).of
-        held = plane.nft.tables[render.table_family(fam.family), TABLE].sets[FINGERPRINTS]
-        assert all(_key(of(rsp)) in held.elements
+        held = marks(plane.nft.tables, render.table_family(fam.family))
+        assert all(_key(of(rsp)) in held
                    for key, rsp in fam.last.ports.items() if key.family is fam.family)
     restarted = plane.restarted()
     report = restarted.become(*cluster)
@@ -156,8 +158,9 @@ def test_a_port_edited_since_its_fingerprint_is_read_back_and_written_whole() ->
     plane.settle()
     state = plane.dp._families[Family.V4].kept
     main = plane.nft.tables["ip", TABLE]
+    shard = plane.nft.tables["ip", state.ports[port_key(1)].table]
     for mark in (state.ports[port_key(1)].fingerprint, state.ports[port_key(1)].input_mark):
-        del main.sets[FINGERPRINTS].elements[_key(mark)]
+        del shard.sets[FINGERPRINTS].elements[_key(mark)]
     main.sets[render.HAIRPIN].elements["198.18.1.19", "198.18.1.19"] = ""  # left by edits
     restarted = plane.restarted()
     report = restarted.become(*cluster(range(3)))
@@ -180,15 +183,14 @@ def test_what_the_restart_writes_is_the_change_alone() -> None:
     write (no fingerprint) is written whole, and one whose chain someone deleted too."""
     plane = FakePlane("nftables")
     plane.become(*cluster(range(10)), full=True)
-    held = plane.nft.tables["ip", TABLE].sets[FINGERPRINTS].elements
-    assert len(held) == 10 + 2  # fingerprints: a sync writes no input mark (marks.py)
+    assert len(marks(plane.nft.tables)) == 10 + 2  # a sync writes no input mark (marks.py)
     plane.settle()
-    held = plane.nft.tables["ip", TABLE].sets[FINGERPRINTS].elements
     # Two per port (IPv4 only: its fingerprint and input mark), and the main table's and
     # shard's fingerprints.
-    assert len(held) == 2 * 10 + 2
+    assert len(marks(plane.nft.tables)) == 2 * 10 + 2
     # As an endpoint delta's transaction leaves it (transaction._apply_edit).
     state = plane.dp._families[Family.V4].kept
+    held = plane.nft.tables["ip", state.ports[port_key(9)].table].sets[FINGERPRINTS].elements
     del held[_key(state.ports[port_key(9)].fingerprint)]
     del held[_key(state.ports[port_key(9)].input_mark)]
     # Port 0's chain deleted by hand (after its dispatch entry, which the kernel asks
@@ -218,6 +220,33 @@ def test_what_the_restart_writes_is_the_change_alone() -> None:
     fresh = FakePlane("nftables")
     fresh.become(*cluster([0, 1, 2, 3, 4, 5, 6, 8, 9, 10], changed=3), full=True)
     assert comparable(restarted.written()) == comparable(fresh.settle().written())
+
+
+def test_an_upgrade_from_every_fingerprint_in_the_main_table_keeps_every_port() -> None:
+    """A version that kept every port's fingerprint in the main table's @fingerprints
+    (and so wrote its shard tables otherwise), built from other code (no input mark of
+    ours): the restart renders every port and finds their fingerprints where they are,
+    so it writes no port; the fingerprints move to their own tables in the one
+    transaction."""
+    plane = FakePlane("nftables", shards=2)
+    plane.become(*cluster(range(6)), full=True)
+    plane.settle()
+    state = plane.dp._families[Family.V4].kept
+    for (ip, name), table in plane.nft.tables.items():
+        if ip == "ip" and name != TABLE:
+            del table.sets[FINGERPRINTS]
+    plane.nft.tables["ip", TABLE].sets[FINGERPRINTS].elements = {
+        **{_key(p.fingerprint): "" for p in state.ports.values()},
+        _key(state.bases[0].fingerprint): "",
+        ("198.18.0.1",) * 4: "", ("198.18.0.2",) * 4: ""}  # its shard tables'
+    restarted = plane.restarted()
+    report = restarted.become(*cluster(range(6)))
+    assert restart_details(report)["ports_written"] == 0
+    assert restart_details(report)["ports_kept"] == 6
+    assert port_rule_lines(plane.nft.scripts[-1]) == []
+    fresh = FakePlane("nftables", shards=2)
+    fresh.become(*cluster(range(6)), full=True)
+    assert comparable(restarted.settle().written()) == comparable(fresh.settle().written())
 
 
 def test_the_sweep_reads_the_rules_of_what_may_be_nobodys_not_every_counter() -> None:

@@ -96,8 +96,8 @@ def change(state: TableState, rsp: ResolvedServicePort) -> list[str]:
     marks = [line for line in text.splitlines() if f" {FINGERPRINTS} " in line]
     if old is not None and text:
         assert marks == [
-            f"delete element ip sliceproxy {FINGERPRINTS} {{ {parts_text(old.fingerprint)} }}",
-            f"add element ip sliceproxy {FINGERPRINTS} {{ {parts_text(new.fingerprint)} }}"]
+            f"delete element ip {S0} {FINGERPRINTS} {{ {parts_text(old.fingerprint)} }}",
+            f"add element ip {S0} {FINGERPRINTS} {{ {parts_text(new.fingerprint)} }}"]
     return [line for line in text.splitlines() if line not in marks]
 
 

@@ -45,9 +45,9 @@ from proxy.dataplane.nftables.objects import Command, Element, Key, Value
 from proxy.dataplane.nftables.readback import Held, key_parts
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
-    TABLE,
     BaseObjects,
     PortObjects,
+    mark_element,
     table_family,
 )
 from proxy.dataplane.nftables.transaction import (
@@ -105,7 +105,8 @@ def sets_needed(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Por
     nothing). 100,000 hairpin pairs cost the kernel 0.09 s to dump, the most of an
     unchanged restart's system time."""
     held = _held_marks(bases, ports.values(), kernel)
-    if held is None or len(kernel.elements[TABLE, FINGERPRINTS]) > len(held):
+    marks = held_fingerprints(kernel)
+    if held is None or marks is None or len(marks) > len(held):
         return True
     return any(p.fingerprint not in held and any((p.table, c.name) in kernel.chains
                                                  for c in p.chains)
@@ -161,7 +162,7 @@ def restart_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, P
 def with_input_mark(p: PortObjects, mark: Key) -> PortObjects:
     """`p` with its input mark among its elements (marks.py): a restart renders every
     port from its input alone, so the mark it computed stands for what `p` writes."""
-    return replace(p, elements=(*p.elements, Element(TABLE, FINGERPRINTS, mark)),
+    return replace(p, elements=(*p.elements, mark_element(p.table, mark)),
                    input_mark=mark)
 
 
@@ -174,7 +175,7 @@ def kept_by_marks(bases: Sequence[BaseObjects], marks: Mapping[ServicePortKey, K
     and two per port (a port gone while no agent ran leaves its marks). None when the
     bases are not all there as `bases` write them, in exactly their tables: then every
     port is rendered."""
-    held = kernel.elements.get((TABLE, FINGERPRINTS))
+    held = held_fingerprints(kernel)
     if held is None or kernel.tables != {b.table for b in bases}:
         return None
     if any((b.table, c.name) not in kernel.chains for b in bases for c in b.chains):
@@ -228,12 +229,25 @@ def _held_marks(bases: Sequence[BaseObjects], ports: Iterable[PortObjects],
                 kernel: KernelTables) -> set[Key] | None:
     """Which of the bases' and `ports`' fingerprints the kernel holds; None when
     @fingerprints was not read back (not there: a version without it)."""
-    held = kernel.elements.get((TABLE, FINGERPRINTS))
+    held = held_fingerprints(kernel)
     if held is None:
         return None
     keys = [*(b.fingerprint for b in bases),
             *(m for p in ports for m in (p.fingerprint, p.input_mark) if m)]
     return _found(bases[0].family, keys, held)
+
+
+def held_fingerprints(kernel: KernelTables) -> Held | None:
+    """What every table's @fingerprints holds, read back (render.mark_element), as one:
+    a digest names its table, so where it lies does not matter (what a version that
+    kept them all in the main table wrote is found too); None when none was read."""
+    found = [h for (_table, name), h in kernel.elements.items() if name == FINGERPRINTS]
+    if not found:
+        return None
+    if len(found) == 1:
+        return found[0]
+    return Held({k: v for h in found for k, v in h.decoded.items()},
+                {r for h in found for r in h.raw})
 
 
 def _found(family: Family, keys: Sequence[Key], held: Held) -> set[Key]:

@@ -177,7 +177,7 @@ class RestartSteps:
                 continue
             state.ports[key] = KeptPort.of(p).with_mark(mark)
             state.owners.add_rendered(key, p.elements)
-            state.owners.add((TABLE, FINGERPRINTS, mark), key, ())
+            state.owners.add((p.table, FINGERPRINTS, mark), key, ())
         missing = {(p.table, c.name) for p in rendered.values() for c in p.chains} \
             if sweep is not None else state.chain_names()
         names, fam.restart_names = fam.restart_names, (set(), set(), {})
@@ -245,7 +245,7 @@ class RestartSteps:
         state is made after the sync (`_complete`), and the sweep then if one is due.
         None: every port is to be rendered and diffed now."""
         tables, chains, sets = names
-        if (TABLE, FINGERPRINTS) not in sets:
+        if not any(name == FINGERPRINTS for _table, name in sets):
             return {}, None
         of = marks_for(ctx, fam.shards).of
         marks = {k: of(v) for k, v in sorted(ports.items())}
@@ -340,7 +340,7 @@ class RestartSteps:
         started = time.perf_counter()
         of = marks_for(ctx, state.shards).of
         new = {k: of(last.ports[k]) for k in todo}
-        elements = [(TABLE, FINGERPRINTS, m, ()) for m in new.values()]
+        elements = [(state.ports[k].table, FINGERPRINTS, m, ()) for k, m in new.items()]
         try:
             self.runner.send(Script(functools.partial(element_groups, "add", elements),
                                     table_family(fam.family)), fam.family, OUR_TABLES)
@@ -351,7 +351,7 @@ class RestartSteps:
             return
         for key, mark in new.items():
             state.ports[key] = state.ports[key].with_mark(mark)
-            state.owners.add((TABLE, FINGERPRINTS, mark), key, ())
+            state.owners.add((state.ports[key].table, FINGERPRINTS, mark), key, ())
         log.debug("input marks added", extra={
             "family": fam.family.label, "ports": len(new),
             "seconds": round(time.perf_counter() - started, 3)})

@@ -49,9 +49,9 @@ from proxy.dataplane.nftables.objects import (
 )
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
-    TABLE,
     BaseObjects,
     PortObjects,
+    mark_element,
     table_family,
 )
 from proxy.dataplane.nftables.wire import (
@@ -234,9 +234,9 @@ class KeptPort:
 
     def with_mark(self, mark: Key) -> KeptPort:
         """This port once the kernel holds its input mark `mark` too (marks.py)."""
-        element = Element(TABLE, FINGERPRINTS, mark)
+        element = mark_element(self.table, mark)
         if self.element_dict is not None:
-            self.element_dict[TABLE, FINGERPRINTS, mark] = ()
+            self.element_dict[self.table, FINGERPRINTS, mark] = ()
             return replace(self, input_mark=mark)
         return replace(self, rendered=(*self.rendered, element), input_mark=mark)
 
@@ -730,8 +730,8 @@ def _apply_edit(state: TableState, key: ServicePortKey, old: KeptPort, edit: Por
         # No longer what the kernel holds, nor what the input alone renders.
         for mark in (old.fingerprint, old.input_mark):
             if mark:
-                _retire(state, key, (TABLE, FINGERPRINTS, mark), held_before)
-                del kept[TABLE, FINGERPRINTS, mark]
+                _retire(state, key, (old.table, FINGERPRINTS, mark), held_before)
+                del kept[old.table, FINGERPRINTS, mark]
         old = state.ports[key] = replace(old, fingerprint=(), input_mark=(),
                                          from_input=False)
     if rewrites:
