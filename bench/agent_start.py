@@ -13,9 +13,10 @@ kube-apiserver v1.20.2. Needs root.
 
 Pod addresses come from 198.19.0.0/16; past 65,000 endpoints they repeat across
 services, which costs the agent the same as distinct ones (each service's endpoints are
-its own in the model and in the rules). 198.18.0.0/15 holds no 100,000 ClusterIPs beside
-them: `--ipv6` makes the cluster single-stack IPv6 instead (ClusterIPs from
-fd00:198:18::/104, pods from fd00:19::/64, every one distinct), for the largest runs.
+its own in the model and in the rules). ClusterIPs come from the simulator's IPv4
+range, 198.18.128.0/17: 32,766 of them. Past that, `--ipv6` makes the cluster
+single-stack IPv6 instead (ClusterIPs from fd00:198:18::/104, pods from fd00:19::/64,
+every one distinct).
 """
 
 from __future__ import annotations
@@ -252,6 +253,10 @@ def markdown(summary: dict[str, Any]) -> str:
         f"{summary['cold_start_median_s']:.2f} s ({starts}) | {peaks} | {idle or '-'} |"])
 
 
+# ClusterIPs the simulator's default IPv4 service range (198.18.128.0/17) holds.
+V4_SERVICES = 2 ** 15 - 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     exit_on_sigterm()
     ap = argparse.ArgumentParser(prog="python -m bench.agent_start", description=__doc__,
@@ -285,6 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.services < 1 or args.endpoints < 1 or args.runs < 1:
         ap.error("--services, --endpoints and --runs must be positive")
+    if not args.ipv6 and args.services > V4_SERVICES:
+        ap.error(f"the simulator's IPv4 service range holds {V4_SERVICES:,} ClusterIPs: "
+                 "use --ipv6 for more services")
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="spx-cold-") as tmp:
         work = args.keep_logs or Path(tmp)
