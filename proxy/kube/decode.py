@@ -36,7 +36,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
-from socket import AF_INET, inet_pton
+from socket import AF_INET, AF_INET6, inet_pton
 from typing import Any, TypeVar
 
 from proxy.kube import identity
@@ -252,13 +252,24 @@ def _parse(value: str) -> tuple[IPAddress | None, bool]:
     different software)."""
     if "%" in value:
         return None, False
-    if ":" not in value:
-        # The common case, 3x faster than ip_address(): inet_pton takes exactly the
-        # strict dotted quad (no leading zeros, no spaces), anything else goes below.
-        try:
+    # The common cases, 3x (IPv4) and 8x (IPv6: 0.5 against 4.3 us) faster than
+    # ip_address(): inet_pton takes exactly the strict forms (an IPv4 address without
+    # leading zeros, no spaces), anything else goes to the general reading below.
+    try:
+        if ":" not in value:
             return IPv4Address(int.from_bytes(inet_pton(AF_INET, value))), False
-        except (OSError, ValueError):
-            pass
+        n = int.from_bytes(inet_pton(AF_INET6, value))
+        if n >> 32 != 0xFFFF:  # IPv4-mapped: the general reading refuses it
+            return IPv6Address(n), False
+    except (OSError, ValueError):
+        pass
+    return _parse_general(value)
+
+
+def _parse_general(value: str) -> tuple[IPAddress | None, bool]:
+    """`_parse` without its fast paths: what they must agree with."""
+    if "%" in value:
+        return None, False
     try:
         ip = ip_address(value)
     except ValueError:

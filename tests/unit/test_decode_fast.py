@@ -133,3 +133,20 @@ def test_the_fast_path_takes_plain_endpoints_and_builds_every_field() -> None:
     address = decode._plain_address({"ip": "198.19.0.2", "nodeName": "n"}, False)
     assert (address.ready, address.serving, address.terminating, address.node_name) == (
         False, False, False, "n")
+
+
+def _address_texts() -> st.SearchStrategy[str]:
+    """Addresses as the API may write them: canonical, exploded, upper case, IPv4 in
+    IPv6 (mapped and not), and text near them."""
+    v6 = st.ip_addresses(v=6)
+    return st.one_of(
+        st.ip_addresses().map(str), v6.map(lambda a: a.exploded), v6.map(lambda a: str(a).upper()),
+        st.ip_addresses(v=4).map(lambda a: f"::ffff:{a}"),
+        st.ip_addresses(v=4).map(lambda a: f"::{a}"),
+        st.text(alphabet="0123456789abcdefABCDEF:.%x \x00é", max_size=45))
+
+
+@settings(max_examples=3000, deadline=None)
+@given(_address_texts())
+def test_an_address_is_read_as_the_general_reading_reads_it(value: str) -> None:
+    assert decode._parse(value) == decode._parse_general(value)
