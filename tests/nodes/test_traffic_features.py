@@ -277,17 +277,29 @@ def choices(lab: Lab) -> dict[str, list[str]]:
         return dict(zip(lab.clients, pool.map(from_node, lab.clients), strict=True))
 
 
-def agreed(by_node: dict[str, list[str]], pods: set[str]) -> list[str]:
+def agreed(lab: Lab, by_node: dict[str, list[str]], pods: set[str]) -> list[str]:
     """The answer of each 5-tuple, asserted the same pod from every node; reports the
-    share that agreed."""
+    share that agreed. A disagreement says what each node's conntrack holds of the
+    first such 5-tuples (the probes use the same 5-tuples in each round)."""
     rows = list(zip(*by_node.values(), strict=True))
     same = sum(len(set(row)) == 1 and row[0] in pods for row in rows)
     report.append(f"maglev: {same} of {len(rows)} 5-tuples ({100 * same / len(rows):.2f}%) "
                   f"on the same endpoint from all {len(by_node)} nodes")
     odd = [(FIRST_SPORT + i, row) for i, row in enumerate(rows)
            if len(set(row)) != 1 or row[0] not in pods]
-    assert not odd, odd[:10]
+    assert not odd, (odd[:10], flows_of(lab, [sport for sport, _ in odd[:3]]))
     return [row[0] for row in rows]
+
+
+def flows_of(lab: Lab, sports: list[int]) -> list[str]:
+    """Each node's conntrack entries of SHARED_CLIENT's TCP flows from `sports`."""
+    out = []
+    for name, node in sorted(lab.cluster.nodes.items()):
+        for sport in sports:
+            done = node.exec(["conntrack", "-L", "-p", "tcp", "-s", str(SHARED_CLIENT),
+                              "--sport", str(sport)])
+            out.append(f"{name} sport {sport}: {(done.stdout or done.stderr).strip()}")
+    return out
 
 
 def predicted(pods: dict[str, tuple[str, str]]) -> list[str]:
@@ -319,7 +331,7 @@ def test_maglev_same_endpoint_from_every_node_and_a_removal_moves_few(lab: Lab) 
     assert all((dump_port(c, n, "mag") or {}).get("balancing") == "maglev" for n in c.nodes)
     shared_client(lab, True)
     try:
-        before = agreed(choices(lab), set(pods))
+        before = agreed(lab, choices(lab), set(pods))
         assert before == predicted(pods)
         assert set(before) == set(pods)  # spread over all ten, not one answering all
         c.kubectl("-n", NS, "scale", "deploy/mag", f"--replicas={MAGLEV_PODS - 1}")
@@ -328,7 +340,7 @@ def test_maglev_same_endpoint_from_every_node_and_a_removal_moves_few(lab: Lab) 
         rest = lab.pods("mag")
         (gone,) = set(pods) - set(rest)
         every_agent_has(c, "mag", {f"{a}:{wl.TCP_PORT}" for _, a in rest.values()})
-        after = agreed(choices(lab), set(rest))
+        after = agreed(lab, choices(lab), set(rest))
     finally:
         shared_client(lab, False)
     assert after == predicted(rest)
