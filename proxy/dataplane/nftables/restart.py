@@ -1,11 +1,12 @@
 """A restart over our own tables (pure): the kernel is the state, the script is the diff.
 
 Every port, and each table's fixed part (a base), writes beside its objects and in the
-same transaction its element of @fingerprints: 128 bits of digest over all it writes
-(render.fingerprint). An agent starting over tables that hold our objects (a rollout,
-a crash) reads back the names of our chains, sets and counters, the fingerprints, the
-bases' maps and, where an element of theirs may be nobody's (`sets_needed`), the
-bases' sets (readback.py); renders every port as a full sync would; and writes:
+same transaction its element of its table's @fingerprints: 128 bits of digest over
+all it writes (render.fingerprint, render.mark_element). An agent starting over tables
+that hold our objects (a rollout, a crash) reads back the names of our chains, sets and
+counters, the fingerprints, the bases' maps and, where an element of theirs may be
+nobody's (`sets_needed`), the bases' sets (readback.py); renders every port as a full
+sync would; and writes:
 
 - a port or base whose fingerprint the kernel holds, with all its chains (and a port's
   sets and counters): nothing. Its rules, slot maps and affinity sets are what it

@@ -8,10 +8,11 @@ the first sync renders and writes only the ports whose marks are not there (chan
 new while no agent ran, edited since their last whole write), deleting nothing it does
 not replace; right after it (housekeeping, or the start of the next sync, whichever
 comes first), the kept ports are rendered from what was applied and, if anything may
-be nobody's any more (a port gone, a port written anew), the kernel is read back again
-and what nobody claims is deleted: restart_lines over every port, which then writes no
-port. Between the two, the kernel holds what the cluster wants plus, at most, what it
-held before for ports that are gone or changed: never less.
+be nobody's any more (a port gone, a port written anew), what nobody claims is deleted:
+restart_lines over every port, which then writes no port, against what the first sync
+read plus what it wrote, the sets it did not read, and the counters that may be
+nobody's (`_sweep_counters`). Between the two, the kernel holds what the cluster wants
+plus, at most, what it held before for ports that are gone or changed: never less.
 
 `NftablesDataPlane` (apply.py) has these as a mixin, `RestartSteps`, and keeps per
 family an `NftFamily`: what it knows of the family's tables.
@@ -65,8 +66,8 @@ from proxy.model.types import Family, ServicePortKey
 
 log = logging.getLogger("proxy.dataplane.nftables.apply")  # the mode's one logger
 T = TypeVar("T")
-# Chains whose rules the sweep may read one by one (~13 us each) however small the
-# tables: fewer than that cost less than one dump of every counter at any size.
+# Chains whose rules the sweep may read one by one (~13 us each: 3 ms for 256) however
+# small the tables, before it dumps every counter instead.
 NAMED_DUMPS_MIN = 256
 # Our tables, and the (table, name) of their chains and of their sets (-> "set"|"map").
 _Names = tuple[set[str], set[tuple[str, str]], dict[tuple[str, str], str]]
@@ -201,11 +202,13 @@ class RestartSteps:
                ports: Mapping[ServicePortKey, PortObjects], names: _Names) -> None:
         """Every port now rendered (`ports`): what nobody claims deleted (restart_lines,
         which writes a port only if the kernel lacks what it writes), from the names
-        the kernel holds (`names`: the restart's, with what it wrote), and the sets and
-        counters read again; the state it leaves is the family's. A refusal leaves the
-        next sync full (apply.py logs it). Chain names are not dumped again: that dump
-        grows faster than the tables (nf_tables walks the family's whole list of chains
-        for every message it fills), and nobody else writes our tables."""
+        the kernel holds (`names`: the restart's, with what it wrote), the sets (those
+        the first sync read: what it read and what it wrote, `after_writing`; the others
+        read now) and the counters (`_sweep_counters`); the state it leaves is the
+        family's. A refusal leaves the next sync full (apply.py logs it). Nothing the
+        first sync read is dumped again: the dumps of chain names, counters and large
+        sets grow faster than the tables (nf_tables walks the list from its start for
+        every message it fills), and nobody else writes our tables."""
         started = time.perf_counter()
         tables, chains, sets = names
         read, fam.restart_read = fam.restart_read, {}
