@@ -167,6 +167,7 @@ def _meta(obj: Any, kind: str, namespaced: bool, valid_name: Callable[[str], boo
         if not dns_label(namespace):
             raise _Bad(why.INVALID_NAME,
                        f"metadata.namespace {shown(namespace)} is not a valid DNS label")
+        namespace = _intern(namespace)
     annotations = meta.get("annotations")
     if isinstance(annotations, dict):
         size = sum(len(str(k)) + len(str(v)) for k, v in annotations.items())
@@ -362,11 +363,12 @@ def _port_name(ctx: _Ctx, raw: dict[str, Any], where: str) -> str | None:
     if not dns_label(name):
         ctx.skip(why.INVALID_NAME, f"port name {shown(name)} is not a valid DNS label", where)
         return None
-    return name
+    return _intern(name)
 
 
 def _intern(value: str) -> str:
-    # Node names and zones repeat across every endpoint: share one string each.
+    # Node names, zones, namespaces and port names repeat across every endpoint or
+    # object: share one string each.
     return sys.intern(value)
 
 
