@@ -18,9 +18,9 @@ from proxy.server.nodeports import HealthCheckPorts, LocalEndpointTracker
 from tests.unit.builders import ep, eps_slice, model_of, service
 
 
-def local_service(name: str, hc: int, **spec: Any) -> dict[str, Any]:
+def local_service(name: str, hc: int, policy: str = "Local", **spec: Any) -> dict[str, Any]:
     return service(name, ips=("198.18.128.50",), type="LoadBalancer",
-                   externalTrafficPolicy="Local", healthCheckNodePort=hc,
+                   externalTrafficPolicy=policy, healthCheckNodePort=hc,
                    ports=({"name": "http", "port": 80, "nodePort": 30050},
                           {"name": "alt", "port": 81, "nodePort": 30051}), **spec)
 
@@ -52,6 +52,27 @@ def test_tracker_counts_distinct_local_ready_endpoints_over_ports() -> None:
     gone = model_of().resolve()
     assert tracker.update(gone, state.ports)
     assert tracker.wanted() == {}
+
+
+def test_tracker_follows_a_service_between_local_and_cluster_policy() -> None:
+    endpoints = eps_slice("lb-1", [ep("198.18.1.10", node="node-a")], service_name="lb",
+                          ports=({"name": "http", "port": 8080},
+                                 {"name": "alt", "port": 8080}))
+    local = model_of(local_service("lb", 32100), endpoints).resolve()
+    cluster = model_of(local_service("lb", 32100, policy="Cluster"),
+                       endpoints).resolve()
+    tracker = LocalEndpointTracker("node-a")
+    assert tracker.update(local, local.ports)
+    assert (tracker.wanted(), tracker.counts()) == ({("ns", "lb"): 32100}, {("ns", "lb"): 1})
+    # Cluster policy: no health-check port to serve, so no count either.
+    assert tracker.update(cluster, cluster.ports)
+    assert (tracker.wanted(), tracker.counts()) == ({}, {})
+    assert not tracker.update(cluster, cluster.ports)
+    # One of its two ports back to Local first: wanted again, with the endpoint counted.
+    http_only = {k for k in local.ports if k.port == "http"}
+    assert tracker.update(local, http_only)
+    assert (tracker.wanted(), tracker.counts()) == ({("ns", "lb"): 32100}, {("ns", "lb"): 1})
+    assert not tracker.update(local, local.ports)
 
 
 def free_port() -> int:
