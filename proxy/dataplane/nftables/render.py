@@ -168,7 +168,7 @@ def table_family(family: Family) -> str:
 
 
 def shard_table(index: int) -> str:
-    return NFTABLES.markers.shard_table(index)
+    return _SHARD_TABLES[index]
 
 
 def our_tables() -> tuple[str, ...]:
@@ -177,6 +177,9 @@ def our_tables() -> tuple[str, ...]:
 
 
 OUR_TABLES = frozenset(our_tables())
+# One string per shard table, which every port of the shard shares (kept by each port).
+_SHARD_TABLES = tuple(NFTABLES.markers.shard_table(i)
+                      for i in range(NFTABLES.markers.table_shards))
 
 
 def shards_for(ports: int) -> int:
