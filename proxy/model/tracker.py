@@ -171,7 +171,7 @@ class ClusterModel:
         # claim the same one (a hostile or broken server; see claims_of). The holders
         # are a tuple: nearly every destination has one (a set each was 0.2 KB a service).
         self._claims: dict[Claim, tuple[ServiceRef, ...]] = {}
-        self._claims_of: dict[ServiceRef, dict[Claim, tuple[str, ServicePort]]] = {}
+        self._claims_of: dict[ServiceRef, Mapping[Claim, tuple[str, ServicePort]]] = {}
         self._lost: dict[ServiceRef, frozenset[Claim]] = {}
         self._conflicts: dict[ServiceRef, SkipGroup] = {}
         self._skip_seq = 0
@@ -218,10 +218,11 @@ class ClusterModel:
                     new: Mapping[Claim, tuple[str, ServicePort]]) -> None:
         """Replace what `ref` claims, and arbitrate again wherever that changed who
         claims what: the service whose (namespace, name) sorts first keeps a destination,
-        as the IPVS index decides, so the outcome never depends on arrival order."""
+        as the IPVS index decides, so the outcome never depends on arrival order. `new`
+        is kept as it is: the caller's own (claims_of makes a fresh one)."""
         old = self._claims_of.pop(ref, {})
         if new:
-            self._claims_of[ref] = dict(new)
+            self._claims_of[ref] = new
         touched = old.keys() ^ new.keys()
         for claim in old.keys() - new.keys():
             holders = tuple(r for r in self._claims[claim] if r != ref)
