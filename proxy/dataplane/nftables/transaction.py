@@ -30,6 +30,7 @@ rules (a third of the rendered text), which a change compares by digest.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import islice
@@ -254,7 +255,7 @@ class KeptPort:
 
 def flat_elements(elements: Sequence[Element]) -> tuple[object, ...]:
     """`elements` as one tuple, each element's four fields in turn (KeptPort.rendered)."""
-    return tuple(field for e in elements for field in e)
+    return tuple(itertools.chain.from_iterable(elements))
 
 
 def kept_slots(kept: KeptPort | None) -> dict[str, Sequence[Key]]:
