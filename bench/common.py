@@ -182,6 +182,18 @@ ENDPOINTS_PER_SLICE = 100  # the EndpointSlice controller's default (the API all
 
 Objects = list[dict[str, Any]]
 
+# A single-stack IPv6 cluster, as bench/agent_start.py's --ipv6 makes one: ClusterIPs from
+# a simulator range far larger than its default /112 (65,534), pods from the agent's
+# --cluster-cidr; both in fd00::/8, clear of the lab's fd00:18::/32 addresses.
+SERVICE_CIDR_V6 = "fd00:198:18::/104"
+POD_CIDR_V6 = "fd00:19::/64"
+
+
+def single_stack_v6(service: dict[str, Any]) -> dict[str, Any]:
+    """`service` asking for an IPv6 ClusterIP only (the simulator's default is IPv4)."""
+    service["spec"].update(ipFamilies=["IPv6"], ipFamilyPolicy="SingleStack")
+    return service
+
 
 def make_objects(services: int, endpoints: int) -> tuple[Objects, Objects]:
     svcs, slices = [], []

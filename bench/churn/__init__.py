@@ -5,6 +5,8 @@ with the old sync pacing beside the new (issue 29).
     sudo .venv/bin/python -m bench.churn                                # 10,000 x 3
     sudo .venv/bin/python -m bench.churn --services 1000 --phases isolated
     sudo .venv/bin/python -m bench.churn --services 300 --rates 10 100 --duration 3
+    sudo .venv/bin/python -m bench.churn --ipv6 --services 100000 --endpoints 10 \
+        --pacing new --phases isolated burst                            # IPv6 cluster
 
 The simulator (`python -m proxy.sim`) serves N services of one TCP port with one
 EndpointSlice of `--endpoints` ready endpoints each; the real agent runs in nftables
@@ -13,6 +15,12 @@ removed after it (also on failure or SIGTERM). Once per `--pacing`, with a fresh
 simulator and agent: "old" passes `--min-sync-period 1s` (the fixed-rate runner,
 upstream's default), "new" passes no pacing flag at all, so it measures the agent's
 default, whatever it is when the bench runs. Both get the same changes (one seed).
+
+The cluster is IPv4 (pods in 198.19.0.0/16 and 198.18.4-127.x, at most 48,640
+endpoints counting the burst's, so half the pool stays free for the writes to cycle),
+or with `--ipv6` single-stack IPv6 as `bench.agent_start --ipv6` makes it: ClusterIPs
+from fd00:198:18::/104, pods from fd00:19::/64 (the agent's --cluster-cidr), a fresh
+address for every write, never reused, so any size fits.
 
 Phases, each after `gap` quiet seconds, over one kept-alive connection to the API:
 
@@ -27,11 +35,11 @@ Phases, each after `gap` quiet seconds, over one kept-alive connection to the AP
 Every write brings addresses no pending write shares; nf_tables announces each rule and
 set element a transaction adds, carrying the address (a DNAT, a map element), to any
 listener in the namespace: the lag of a change is from its write sent to the
-announcement carrying its new address(es) read here (bench/churn/kernel.py). No polling
-and no reading the ruleset back, so 1,000 writes a second over 10,000 services cost the
-bench little; a listener does make the kernel write the announcements in the agent's
-committing thread, as in bench/rolling_update/. No traffic flows (the rolling update
-measures that).
+announcement carrying its new address(es), 4 or 16 bytes, read here
+(bench/churn/kernel.py). No polling and no reading the ruleset back, so 1,000 writes a
+second over 10,000 services cost the bench little; a listener does make the kernel
+write the announcements in the agent's committing thread, as in bench/rolling_update/.
+No traffic flows (the rolling update measures that).
 
 Reported per phase: changes (never seen in the kernel within 60 s), lag p50 / p99 /
 max, the agent's CPU (its own and its children's, /proc, sampled every 100 ms) as % of

@@ -41,6 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="seconds of random churn at each rate")
     ap.add_argument("--burst", type=int, default=d.burst, help="services created at once")
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--ipv6", action="store_true",
+                    help="a single-stack IPv6 cluster (pods in fd00:19::/64): room for "
+                    "more than 48,000 endpoints")
     ap.add_argument("--out", "--json", dest="out", type=Path, help="write the JSON here")
     ap.add_argument("--keep-logs", type=Path, metavar="DIR")
     args = ap.parse_args(argv)
@@ -48,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         pacing=tuple(args.pacing), phases=tuple(args.phases),
                         isolated=args.isolated, spacing=args.spacing,
                         rates=tuple(args.rates), duration=args.duration, burst=args.burst,
-                        seed=args.seed)
+                        seed=args.seed, ipv6=args.ipv6)
     try:
         settings.check()
     except ValueError as exc:

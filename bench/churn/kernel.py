@@ -6,9 +6,10 @@ from __future__ import annotations
 import re
 import threading
 import time
+from ipaddress import IPv6Network
 from typing import Any
 
-from bench.common import cpu_times, size_mib
+from bench.common import POD_CIDR_V6, cpu_times, size_mib
 from proxy.dataplane.common.netlink import MulticastListener, replies
 from proxy.dataplane.common.netlink_constants import (
     NETLINK_NETFILTER,
@@ -20,8 +21,21 @@ from proxy.dataplane.common.netlink_constants import (
 from proxy.netns_lab.netns import entered
 
 ADDING = {NFNL_SUBSYS_NFTABLES << 8 | m for m in (NFT_MSG_NEWRULE, NFT_MSG_NEWSETELEM)}
-# An IPv4 address of the benchmarking range 198.18.0.0/15, wherever it sits (overlapping).
-BENCH_V4 = re.compile(rb"(?=(\xc6[\x12\x13][\x00-\xff]{2}))")
+
+
+def _v6_pattern(cidr: str) -> bytes:
+    """Any 16-byte address of `cidr` (its prefix whole bytes, then any)."""
+    net = IPv6Network(cidr)
+    fixed = net.prefixlen // 8
+    return re.escape(net.network_address.packed[:fixed]) + b"[\\x00-\\xff]{%d}" % (16 - fixed)
+
+
+# A pool address, wherever it sits (overlapping: a hairpin element holds two side by
+# side): IPv4 of the benchmarking range 198.18.0.0/15, or IPv6 of the pods' /64. Both sit
+# contiguous in a DNAT's immediate and in map and set elements; the /64's bare 8-byte
+# prefix (the masquerade rule's) matches as a pool address no write awaits.
+POOL_ADDRESS = re.compile(rb"(?=(\xc6[\x12\x13][\x00-\xff]{2}|" + _v6_pattern(POD_CIDR_V6)
+                          + rb"))")
 
 
 class AddressWatch(MulticastListener):
@@ -53,7 +67,7 @@ class AddressWatch(MulticastListener):
         for message in replies(datagram):
             if message.kind in ADDING:
                 self.messages += 1
-                for m in BENCH_V4.finditer(message.payload):
+                for m in POOL_ADDRESS.finditer(message.payload):
                     write = self.wanted.pop(m.group(1), None)
                     if write is not None:
                         self.seen.setdefault(write, now)

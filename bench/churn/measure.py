@@ -20,13 +20,20 @@ from bench.churn.workload import (
     NAMESPACE,
     NODE,
     POD_CIDR,
-    AddressPool,
     Obj,
     Settings,
     endpoint_slice,
     service,
 )
-from bench.common import PACINGS, ROOT, agent_pid, simulator, size_mib
+from bench.common import (
+    PACINGS,
+    POD_CIDR_V6,
+    ROOT,
+    SERVICE_CIDR_V6,
+    agent_pid,
+    simulator,
+    size_mib,
+)
 from bench.rolling_update.api import Api
 from bench.rolling_update.lab import logged_syncs, ms_summary
 from proxy.netns_lab import Lab
@@ -41,7 +48,8 @@ class Cluster:
     """What the API holds: each service's endpoint addresses and its slice's version."""
 
     def __init__(self, settings: Settings) -> None:
-        self.pool = AddressPool()
+        self.ipv6 = settings.ipv6
+        self.pool = settings.pool()
         self.names = [f"s-{i}" for i in range(settings.services)]
         self.addresses = {name: [self.pool.take() for _ in range(settings.endpoints)]
                           for name in self.names}
@@ -50,7 +58,8 @@ class Cluster:
     def manifest(self) -> list[Obj]:
         out: list[Obj] = []
         for name in self.names:
-            out += [service(name), endpoint_slice(name, self.addresses[name])]
+            out += [service(name, self.ipv6),
+                    endpoint_slice(self.pool, name, self.addresses[name])]
         return out
 
 
@@ -111,7 +120,7 @@ class Phase:
 
 
 def _put(api: Api, cluster: Cluster, name: str) -> tuple[float, float]:
-    body = endpoint_slice(name, cluster.addresses[name], cluster.rv[name])
+    body = endpoint_slice(cluster.pool, name, cluster.addresses[name], cluster.rv[name])
     status, answer, sent, acked = api.call("PUT", f"{SLICES}/{name}-x1", body)
     if status != 200:
         raise RuntimeError(f"PUT slice {name}: HTTP {status}: {str(answer)[:300]}")
@@ -127,7 +136,7 @@ def replace_one(api: Api, cluster: Cluster, phase: Phase, rng: random.Random) ->
     new = cluster.pool.take()
     cluster.pool.give_back(eps[j])
     eps[j] = new
-    write = phase.new_id(AddressPool.packed(new))
+    write = phase.new_id(cluster.pool.packed(new))
     phase.groups.append([write])
     phase.slice_of[write] = name
     phase.sent[write], _ = _put(api, cluster, name)
@@ -171,11 +180,11 @@ def burst(api: Api, cluster: Cluster, phase: Phase, settings: Settings,
     for b in range(settings.burst):
         name = f"burst-{b}"
         eps = [cluster.pool.take() for _ in range(settings.endpoints)]
-        group = [phase.new_id(AddressPool.packed(k)) for k in eps]
-        status, answer, sent, _ = api.call("POST", SERVICES, service(name))
+        group = [phase.new_id(cluster.pool.packed(k)) for k in eps]
+        status, answer, sent, _ = api.call("POST", SERVICES, service(name, cluster.ipv6))
         if status not in (200, 201):
             raise RuntimeError(f"POST service {name}: HTTP {status}: {str(answer)[:300]}")
-        status, answer, _, _ = api.call("POST", SLICES, endpoint_slice(name, eps))
+        status, answer, _, _ = api.call("POST", SLICES, endpoint_slice(cluster.pool, name, eps))
         if status not in (200, 201):
             raise RuntimeError(f"POST slice {name}: HTTP {status}: {str(answer)[:300]}")
         phase.groups.append(group)
@@ -216,7 +225,7 @@ def run(settings: Settings, workdir: Path, progress: Progress = lambda _t: None
     # writes 1,000 slices a second, within 0.5 ms rather than the default 5 ms.
     sys.setswitchinterval(0.0005)
     out: dict[str, Any] = {"services": settings.services, "endpoints": settings.endpoints,
-                           "settings": dict(vars(settings)),
+                           "family": settings.family, "settings": dict(vars(settings)),
                            "runs": []}
     for pacing in settings.pacing:
         sub = workdir / pacing
@@ -225,30 +234,42 @@ def run(settings: Settings, workdir: Path, progress: Progress = lambda _t: None
     return out
 
 
+def _read_versions(api: Api, cluster: Cluster) -> None:
+    """Each slice's resourceVersion as the simulator loaded it, which its first PUT names."""
+    status, listed, _, _ = api.call("GET", SLICES)
+    if status != 200:
+        raise RuntimeError(f"listing the slices: HTTP {status}")
+    for obj in listed["items"]:
+        cluster.rv[obj["metadata"]["labels"]["kubernetes.io/service-name"]] = \
+            obj["metadata"]["resourceVersion"]
+
+
+def _agent_argv(settings: Settings, kubeconfig: Path, flags: list[str]) -> list[str]:
+    """The agent in nftables mode, logging every sync (`-v 2`), pods in the pool's range."""
+    return [sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
+            "--hostname-override", NODE, "--proxy-mode", "nftables",
+            "--cluster-cidr", POD_CIDR_V6 if settings.ipv6 else POD_CIDR, "-v", "2", *flags]
+
+
 def run_one(settings: Settings, pacing: str, workdir: Path, progress: Progress
             ) -> dict[str, Any]:
     cluster = Cluster(settings)
     (workdir / "cluster.json").write_text(json.dumps(cluster.manifest()))
     (workdir / "kubeconfig").unlink(missing_ok=True)  # the simulator writes it when up
     with ExitStack() as stack:
-        lab = stack.enter_context(Lab([], node_name=NODE, ipv6=False))
-        kubeconfig = stack.enter_context(
-            simulator(lab.node_ns, workdir / "cluster.json", workdir, True))
+        # An IPv6 node has IPv6 addresses too (the lab's, in fd00:18::/32).
+        lab = stack.enter_context(Lab([], node_name=NODE, ipv6=settings.ipv6))
+        kubeconfig = stack.enter_context(simulator(
+            lab.node_ns, workdir / "cluster.json", workdir, True,
+            service_cidr_v6=SERVICE_CIDR_V6 if settings.ipv6 else None))
         api = Api(lab.node_ns, kubeconfig)
         stack.callback(api.close)
-        status, listed, _, _ = api.call("GET", SLICES)
-        if status != 200:
-            raise RuntimeError(f"listing the slices: HTTP {status}")
-        for obj in listed["items"]:
-            cluster.rv[obj["metadata"]["labels"]["kubernetes.io/service-name"]] = \
-                obj["metadata"]["resourceVersion"]
+        _read_versions(api, cluster)
         log = workdir / "agent.log"
         flags = list(PACINGS[pacing])
-        argv = [sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
-                "--hostname-override", NODE, "--proxy-mode", "nftables",
-                "--cluster-cidr", POD_CIDR, "-v", "2", *flags]
         with log.open("wb") as f:
-            proc = lab.popen(lab.node_ns, argv, stdout=f, stderr=subprocess.STDOUT,
+            proc = lab.popen(lab.node_ns, _agent_argv(settings, kubeconfig, flags),
+                             stdout=f, stderr=subprocess.STDOUT,
                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
         def alive() -> None:

@@ -4,6 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.common import POD_CIDR_V6, SERVICE_CIDR_V6
+
+FAMILIES = {
+    "IPv4": "Family: IPv4 (pods in 198.19.0.0/16 and 198.18.4-127.x, ClusterIPs in "
+            "198.18.128.0/17).",
+    "IPv6": f"Family: IPv6, single stack (pods in {POD_CIDR_V6}, ClusterIPs in "
+            f"{SERVICE_CIDR_V6}).",
+}
+
 
 def _lag(lag: dict[str, Any]) -> str:
     return f"{lag.get('p50', '-')} / {lag.get('p99', '-')} / {lag.get('max', '-')}"
@@ -15,6 +24,9 @@ def markdown(result: dict[str, Any]) -> str:
             "| syncs |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     runs = result["runs"]
+    family = result.get("family", "IPv4")  # older results: IPv4
+    size = f"{result['services']:,} x {result['endpoints']}" + (
+        " IPv6" if family == "IPv6" else "")
     # Phase by phase, each pacing's row beside the other's.
     for k in range(max((len(r["phases"]) for r in runs), default=0)):
         for r in runs:
@@ -29,7 +41,7 @@ def markdown(result: dict[str, Any]) -> str:
             if p["phase"] == "burst":
                 all_in = f"{p['all_in_s']:.2f} s from the first write; " + all_in
             rows.append(
-                f"| {result['services']:,} x {result['endpoints']} | {phase} | {r['pacing']} "
+                f"| {size} | {phase} | {r['pacing']} "
                 f"| {p['changes']:,} ({p.get('superseded', 0)}, {p['never_seen']}) "
                 f"| {p['sent_rate'] or '-'} "
                 f"| {_lag(p['lag'])} | {all_in} "
@@ -43,5 +55,6 @@ def markdown(result: dict[str, Any]) -> str:
              "folded, the agent took both in one sync); CPU: the agent and its children, "
              "% of one core from the phase's first write until its last change was in the "
              "kernel, and its highest over any 1 s window overlapping that; peak RSS: the "
-             f"highest sampled in the phase. Agent start to its first sync: {starts}"]
+             f"highest sampled in the phase. Agent start to its first sync: {starts}. "
+             f"{FAMILIES[family]}"]
     return "\n".join(rows)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import collections
 import re
 from dataclasses import dataclass
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, IPv6Network, ip_address
 from typing import Any
 
-from bench.common import PACINGS
+from bench.common import PACINGS, POD_CIDR_V6, single_stack_v6
 
 NODE = "node-a"
 NAMESPACE = "default"
@@ -36,6 +36,14 @@ class Settings:
     settle: float = 60.0  # a phase's last write -> every change seen, at most
     start_timeout: float = 600.0
     seed: int = 29
+    ipv6: bool = False  # a single-stack IPv6 cluster instead of IPv4
+
+    @property
+    def family(self) -> str:
+        return "IPv6" if self.ipv6 else "IPv4"
+
+    def pool(self) -> AddressPool:
+        return AddressPool6() if self.ipv6 else AddressPool()
 
     def check(self) -> None:
         if self.services < 1 or self.endpoints < 1:
@@ -47,8 +55,10 @@ class Settings:
         if any(r <= 0 for r in self.rates) or self.duration <= 0:
             raise ValueError("--rates and --duration must be positive")
         wanted = (self.services + self.burst) * self.endpoints
-        if wanted > AddressPool.SIZE // 2:  # half left free for the writes to cycle
-            raise ValueError(f"at most {AddressPool.SIZE // 2:,} endpoints")
+        size = self.pool().SIZE  # IPv6's /64: never short
+        if wanted > size // 2:  # half left free for the writes to cycle
+            more = "" if self.ipv6 else " (--ipv6 for more)"
+            raise ValueError(f"at most {size // 2:,} endpoints{more}")
 
 
 class AddressPool:
@@ -59,10 +69,14 @@ class AddressPool:
     its new address, which no pending write shares."""
 
     SIZE = 65_536 + 124 * 256
+    ADDRESS_TYPE = "IPv4"  # the slices'
     _SPILL = IPv4Address("198.18.4.0")
 
     def __init__(self) -> None:
-        self._free: collections.deque[int] = collections.deque(range(self.SIZE))
+        # Never-taken addresses in order, then the given-back ones: as a queue of
+        # range(SIZE) would, without holding an IPv6 pool's millions up front.
+        self._fresh = 0
+        self._free: collections.deque[int] = collections.deque()
 
     @classmethod
     def address(cls, k: int) -> str:
@@ -70,25 +84,46 @@ class AddressPool:
 
     @classmethod
     def packed(cls, k: int) -> bytes:
-        return IPv4Address(cls.address(k)).packed
+        return ip_address(cls.address(k)).packed
 
     def take(self) -> int:
+        if self._fresh < self.SIZE:
+            self._fresh += 1
+            return self._fresh - 1
         return self._free.popleft()
 
     def give_back(self, k: int) -> None:
         self._free.append(k)
 
 
-def service(name: str) -> Obj:
-    """A ClusterIP service of one TCP port; the simulator gives it its address."""
-    return {"apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": name, "namespace": NAMESPACE},
-            "spec": {"ports": [{"name": "http", "port": 80, "protocol": "TCP",
-                                "targetPort": POD_PORT}]}}
+class AddressPool6(AddressPool):
+    """Pod addresses from fd00:19::1 on, in the agent's --cluster-cidr fd00:19::/64 (as
+    bench/agent_start.py's): one /64 holds more than any run writes, so no address is
+    ever reused."""
+
+    _NET = IPv6Network(POD_CIDR_V6)
+    SIZE = _NET.num_addresses - 1
+    ADDRESS_TYPE = "IPv6"
+
+    @classmethod
+    def address(cls, k: int) -> str:
+        return str(cls._NET.network_address + 1 + k)
 
 
-def endpoint_slice(name: str, addresses: list[int], rv: str | None = None) -> Obj:
-    """The service's one slice, as the EndpointSlice controller writes it."""
+def service(name: str, ipv6: bool = False) -> Obj:
+    """A ClusterIP service of one TCP port; the simulator gives it its address (an IPv6
+    one only, with `ipv6`)."""
+    svc: Obj = {"apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": {"ports": [{"name": "http", "port": 80, "protocol": "TCP",
+                                    "targetPort": POD_PORT}]}}
+    return single_stack_v6(svc) if ipv6 else svc
+
+
+def endpoint_slice(pool: AddressPool, name: str, addresses: list[int],
+                   rv: str | None = None) -> Obj:
+    """The service's one slice, as the EndpointSlice controller writes it: `addresses`
+    are `pool`'s, of its family."""
     meta: Obj = {"name": f"{name}-x1", "namespace": NAMESPACE,
                  "labels": {"kubernetes.io/service-name": name,
                             "endpointslice.kubernetes.io/managed-by":
@@ -96,8 +131,8 @@ def endpoint_slice(name: str, addresses: list[int], rv: str | None = None) -> Ob
     if rv is not None:
         meta["resourceVersion"] = rv
     return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "metadata": meta,
-            "addressType": "IPv4",
-            "endpoints": [{"addresses": [AddressPool.address(k)],
+            "addressType": pool.ADDRESS_TYPE,
+            "endpoints": [{"addresses": [pool.address(k)],
                            "conditions": {"ready": True, "serving": True,
                                           "terminating": False},
                            "nodeName": f"node-{k % 50}"} for k in addresses],
