@@ -3,11 +3,16 @@ resync, a restart over its own rules (bench/memory/measure.py says what each is)
 
     sudo .venv/bin/python -m bench.memory --services 10000 30000 50000 \\
         --modes iptables nftables ipvs --runs 1 --json memory.json
+    sudo .venv/bin/python -m bench.memory --ipv6 --services 100000 \\
+        --modes nftables --situations cold_start resync
 
 iptables and nftables run on this host, each (mode, size, run) with a simulator and a
 network namespace of its own; IPVS in the kernel lab's guest (the host kernel has no
 IPVS: Debian's kernel under QEMU, `--guest-memory-mb` for the simulator, the agent and
-the cluster's manifest on its tmpfs), one boot per (size, run). Figures in MiB:
+the cluster's manifest on its tmpfs), one boot per (size, run). The cluster is IPv4,
+whose service range holds 65,533 ClusterIPs (the services and burst_new's together);
+`--ipv6` makes it single-stack IPv6 instead, as bench/agent_start.py's (host modes only:
+the guest's is IPv4). Figures in MiB:
 
 - agent peak: the agent process's VmHWM, reset at each situation's start (exact);
 - + children: the agent's RSS plus its children's (iptables-restore, ipset), sampled;
@@ -33,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import exit_on_sigterm
-from bench.memory.measure import SITUATIONS, Settings, run
+from bench.memory.measure import SITUATIONS, V4_SERVICES, Settings, run
 from bench.memory.report import markdown
 
 GUEST = Path(__file__).resolve().parent / "guest.py"
@@ -71,8 +76,7 @@ def in_kernel_lab(s: Settings, memory_mb: int, work: Path) -> Obj:
     return result
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    exit_on_sigterm()
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--services", type=int, nargs="+", default=[1000])
@@ -95,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--iptables-backend", choices=("auto", "nft", "legacy"), default="auto",
                     help="the back end the node's kubelet hint names (iptables and IPVS "
                     "modes; auto: none planted, the agent's own detection: nf_tables here)")
+    ap.add_argument("--ipv6", action="store_true",
+                    help="a single-stack IPv6 cluster (host modes): room for more than "
+                    f"{V4_SERVICES:,} services")
     ap.add_argument("--limit", type=int, metavar="MIB",
                     help="the agent's cgroup limit, as a container's")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per situation")
@@ -102,39 +109,51 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the kernel lab guest's memory (IPVS)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep-logs", type=Path, metavar="DIR")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def plan(args: argparse.Namespace) -> list[Settings]:
+    """Every (size, mode)'s settings, checked before the first run starts: a size or a
+    combination that cannot run fails at once, not after hours of the others."""
     if args.runs < 1:
-        ap.error("--runs must be positive")
+        raise ValueError("--runs must be positive")
+    out = [Settings(services=services, endpoints=args.endpoints, mode=mode,
+                    situations=tuple(args.situations), burst_new=args.burst_new,
+                    replace_share=args.replace_share, sync_period=args.sync_period,
+                    settle=args.settle, real_shaped=not args.simulator_shape,
+                    iptables_backend=args.iptables_backend, limit_mib=args.limit,
+                    timeout=args.timeout, ipv6=args.ipv6)
+           for services in args.services for mode in args.modes]
+    for s in out:
+        s.check()
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    exit_on_sigterm()
+    ap = parser()
+    args = ap.parse_args(argv)
     results: list[Obj] = []
 
     def progress(text: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
     try:
-        for services in args.services:
-            for mode in args.modes:
-                for i in range(args.runs):
-                    s = Settings(services=services, endpoints=args.endpoints, mode=mode,
-                                 situations=tuple(args.situations), burst_new=args.burst_new,
-                                 replace_share=args.replace_share,
-                                 sync_period=args.sync_period, settle=args.settle,
-                                 real_shaped=not args.simulator_shape,
-                                 iptables_backend=args.iptables_backend,
-                                 limit_mib=args.limit, timeout=args.timeout)
-                    s.check()
-                    with tempfile.TemporaryDirectory(prefix="spx-memory-") as tmp:
-                        work = (args.keep_logs / f"{mode}-{services}-{i}"
-                                if args.keep_logs else Path(tmp))
-                        work.mkdir(parents=True, exist_ok=True)
-                        if mode in HOST_MODES:
-                            result = run(s, work, progress)
-                        else:
-                            progress(f"{mode}-{services}: in the kernel lab")
-                            result = in_kernel_lab(s, args.guest_memory_mb, work / "kernel")
-                    result["run"] = i + 1
-                    results.append(result)
-                    if args.json:  # kept as it grows: a long run stopped keeps what it had
-                        args.json.write_text(json.dumps(results, indent=2))
+        for s in plan(args):
+            for i in range(args.runs):
+                with tempfile.TemporaryDirectory(prefix="spx-memory-") as tmp:
+                    work = (args.keep_logs / f"{s.mode}-{s.services}-{i}"
+                            if args.keep_logs else Path(tmp))
+                    work.mkdir(parents=True, exist_ok=True)
+                    if s.mode in HOST_MODES:
+                        result = run(s, work, progress)
+                    else:
+                        progress(f"{s.mode}-{s.services}: in the kernel lab")
+                        result = in_kernel_lab(s, args.guest_memory_mb, work / "kernel")
+                result["run"] = i + 1
+                results.append(result)
+                if args.json:  # kept as it grows: a long run stopped keeps what it had
+                    args.json.write_text(json.dumps(results, indent=2))
     except ValueError as exc:
         ap.error(str(exc))
     print(markdown(results))

@@ -4,7 +4,10 @@ The simulator serves N services x M endpoints (bench/agent_start.py's cluster, r
 by default: the fields kube-apiserver adds); the agent runs in a network namespace made
 for the run, with default flags but `--sync-period` (to bring the periodic full resync
 into the run) and JSON logs at -v 2 (every sync's line), inside a memory cgroup of its
-own (cgroup.py). In order:
+own (cgroup.py). The cluster is IPv4 (ClusterIPs from 198.18.0.0/16: 65,533 of them,
+the bursts' new services included) or, with `ipv6`, single-stack IPv6 as
+bench/agent_start.py's --ipv6 makes it (ClusterIPs from fd00:198:18::/104, pods from
+fd00:19::/64, the bursts' objects IPv6 too). In order:
 
   cold_start     process start -> the first sync's commit, on a node with no rules
   burst_new      K new services, each slice then its service -> every one synced
@@ -38,6 +41,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from ipaddress import ip_network
 from pathlib import Path
 from typing import Any
 
@@ -46,17 +50,21 @@ from bench.agent_start import (
     NODES,
     POD_ADDRESSES,
     POD_BASE,
+    POD_BASE_V6,
     cluster,
     namespace,
     plant_backend_hint,
 )
 from bench.common import (
+    POD_CIDR_V6,
     ROOT,
+    SERVICE_CIDR_V6,
     agent_pid,
     cpu_seconds,
     descendants,
     in_namespace,
     simulator,
+    single_stack_v6,
     size_mib,
     stop,
 )
@@ -74,8 +82,11 @@ SLICES = f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
 NEW_POD_BASE = POD_BASE
 NEW_POD_ADDRESSES = POD_ADDRESSES
 NEW_POD_SHIFT = POD_ADDRESSES // 2
-# ClusterIPs for up to 65,534 services (the simulator's default range holds 32,766).
+# ClusterIPs for up to 65,533 services (the simulator's default range holds 32,766; it
+# allocates neither the network address, nor the first host, nor the broadcast one).
 SERVICE_CIDR = "198.18.0.0/16"
+V4_SERVICES = ip_network(SERVICE_CIDR).num_addresses - 3
+POD_CIDR = "198.19.0.0/16"  # the agent's --cluster-cidr: bench/agent_start.py's pods
 SAMPLE_EVERY = 0.1
 Obj = dict[str, Any]
 
@@ -94,6 +105,7 @@ class Settings:
     iptables_backend: str = "auto"  # the node's kubelet hint (auto: none, detected)
     limit_mib: int | None = None  # the cgroup's limit (None: none)
     timeout: float = 1200.0  # per situation
+    ipv6: bool = False  # a single-stack IPv6 cluster (host modes only)
 
     def period(self) -> float:
         """The agent's --sync-period: the resync comes this long after the last sync,
@@ -111,8 +123,24 @@ class Settings:
             raise ValueError(f"situations: cold_start and any of {SITUATIONS}")
         if not 0 < self.replace_share <= 1:
             raise ValueError("the replaced share is in (0, 1]")
+        if self.ipv6 and self.mode == "ipvs":
+            raise ValueError("--ipv6 runs in the host's modes only (iptables, nftables): "
+                             "the IPVS guest's cluster is IPv4")
+        if self.ipv6:
+            return  # fd00:19::/64 and the /104 of ClusterIPs hold far more than any run
         if self.burst_new * self.endpoints > NEW_POD_ADDRESSES:
             raise ValueError(f"at most {NEW_POD_ADDRESSES:,} new endpoints in burst_new")
+        if self.cluster_ips() > V4_SERVICES:
+            raise ValueError(f"the IPv4 service range {SERVICE_CIDR} holds {V4_SERVICES:,} "
+                             f"ClusterIPs, not {self.cluster_ips():,} (services + "
+                             "burst_new): use --ipv6 for more services")
+
+    def cluster_ips(self) -> int:
+        """The services the run makes at most: the cluster's and burst_new's."""
+        return self.services + (self.burst_new if "burst_new" in self.situations else 0)
+
+    def family(self) -> str:
+        return "IPv6" if self.ipv6 else "IPv4"
 
 
 class AgentDied(RuntimeError):
@@ -198,14 +226,18 @@ class Sampler:
 # --- the cluster's writes ----------------------------------------------------------------
 
 
-def _address(k: int) -> str:
+def _address(k: int, v6_past: int | None) -> str:
+    if v6_past is not None:  # IPv6 has room for every address to be new
+        return str(POD_BASE_V6 + v6_past + k)
     return str(NEW_POD_BASE + (k + NEW_POD_SHIFT) % NEW_POD_ADDRESSES)
 
 
-def endpoint_slice(name: str, endpoints: int, first: int, port: int = 8080) -> Obj:
+def endpoint_slice(name: str, endpoints: int, first: int, port: int = 8080,
+                   v6_past: int | None = None) -> Obj:
     """A service's one slice, as the controller writes it, with fresh addresses (and
-    another target port: every endpoint then changes, whatever addresses it had)."""
-    eps = [{"addresses": [_address(first + j)], "conditions": {"ready": True},
+    another target port: every endpoint then changes, whatever addresses it had).
+    `v6_past`: IPv6 addresses, past that many of the cluster's own (None: IPv4)."""
+    eps = [{"addresses": [_address(first + j, v6_past)], "conditions": {"ready": True},
             "nodeName": f"node-{'a' if (first + j) % NODES == 0 else (first + j) % NODES}"}
            for j in range(endpoints)]
     return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
@@ -213,15 +245,16 @@ def endpoint_slice(name: str, endpoints: int, first: int, port: int = 8080) -> O
                          "labels": {"kubernetes.io/service-name": name,
                                     "endpointslice.kubernetes.io/managed-by":
                                         "endpointslice-controller.k8s.io"}},
-            "addressType": "IPv4", "endpoints": eps,
+            "addressType": "IPv4" if v6_past is None else "IPv6", "endpoints": eps,
             "ports": [{"name": "http", "port": port, "protocol": "TCP"}]}
 
 
-def service(name: str) -> Obj:
-    return {"apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": name, "namespace": NAMESPACE},
-            "spec": {"ports": [{"name": "http", "port": 80, "protocol": "TCP",
-                                "targetPort": 8080}]}}
+def service(name: str, ipv6: bool = False) -> Obj:
+    svc: Obj = {"apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": name, "namespace": NAMESPACE},
+                "spec": {"ports": [{"name": "http", "port": 80, "protocol": "TCP",
+                                    "targetPort": 8080}]}}
+    return single_stack_v6(svc) if ipv6 else svc
 
 
 def _call(api: Api, method: str, path: str, body: Obj) -> None:
@@ -246,14 +279,16 @@ class Run:
         self.log = Log(work / "agent-0.log")
         self.starts = 0
         self.services = settings.services
+        # IPv6: the bursts' addresses come past the cluster's own (bench/agent_start.py's)
+        self.v6_past = settings.services * settings.endpoints if settings.ipv6 else None
 
     def start(self) -> None:
         self.log = Log(self.work / f"agent-{self.starts}.log")
         argv = in_namespace(self.ns, [
             sys.executable, "-m", "proxy", "--kubeconfig", str(self.kubeconfig),
             "--hostname-override", NODE, "--proxy-mode", self.s.mode,
-            "--cluster-cidr", "198.19.0.0/16", "--sync-period", f"{self.s.period():g}s",
-            "--logging-format", "json", "-v", "2"])
+            "--cluster-cidr", POD_CIDR_V6 if self.s.ipv6 else POD_CIDR,
+            "--sync-period", f"{self.s.period():g}s", "--logging-format", "json", "-v", "2"])
         if self.group is not None:
             argv = self.group.wrap(argv)
         with self.log.path.open("wb") as out:
@@ -360,9 +395,9 @@ class Run:
             for b in range(k):
                 name = f"burst-{b}"
                 # The slice first: its service then comes with its endpoints known.
-                _call(api, "POST", SLICES, endpoint_slice(name, self.s.endpoints,
-                                                          b * self.s.endpoints))
-                _call(api, "POST", SERVICES, service(name))
+                _call(api, "POST", SLICES, endpoint_slice(
+                    name, self.s.endpoints, b * self.s.endpoints, v6_past=self.v6_past))
+                _call(api, "POST", SERVICES, service(name, self.s.ipv6))
         self.services += k
         want = self.services
         self.until(lambda: any((r.get("service_ports") or 0) >= want
@@ -380,7 +415,8 @@ class Run:
         with self.paused():
             for n, i in enumerate(chosen):
                 _call(api, "PUT", f"{SLICES}/s-{i}-x1", endpoint_slice(
-                    f"s-{i}", self.s.endpoints, first + n * self.s.endpoints, 8081))
+                    f"s-{i}", self.s.endpoints, first + n * self.s.endpoints, 8081,
+                    self.v6_past))
         want = len(chosen)
         self.until(lambda: sum(r.get("changed") or 0 for r in self.log.syncs(since)) >= want,
                    f"{want:,} changed service ports")
@@ -429,20 +465,25 @@ def run(settings: Settings, work: Path, progress: Callable[[str], None] = lambda
     settings.check()
     manifest = work / "cluster.json"
     manifest.write_bytes(json.dumps(cluster(settings.services, settings.endpoints,
-                                            settings.real_shaped)).encode())
+                                            settings.real_shaped, ipv6=settings.ipv6)
+                                    ).encode())
     mode = settings.mode
     if settings.iptables_backend != "auto" and mode != "nftables":
         mode += f" ({settings.iptables_backend})"
     out: Obj = {"mode": mode, "services": settings.services,
-                "endpoints": settings.endpoints, "settings": asdict(settings),
-                "situations": {}}
+                "endpoints": settings.endpoints, "family": settings.family(),
+                "settings": asdict(settings), "situations": {}}
     label = f"{settings.mode}-{settings.services}"
     if settings.iptables_backend != "auto":
         label += f"-{settings.iptables_backend}"
+    if settings.ipv6:
+        label += "-ipv6"
     began = time.monotonic()
     with contextlib.ExitStack() as stack:
         ns = stack.enter_context(namespace())
-        kubeconfig = stack.enter_context(simulator(ns, manifest, work, True, SERVICE_CIDR))
+        kubeconfig = stack.enter_context(simulator(
+            ns, manifest, work, True, SERVICE_CIDR,
+            SERVICE_CIDR_V6 if settings.ipv6 else None))
         out["setup_s"] = round(time.monotonic() - began, 1)
         if settings.iptables_backend != "auto":
             plant_backend_hint(ns, settings.iptables_backend)

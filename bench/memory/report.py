@@ -1,13 +1,20 @@
-"""The memory table: per size, mode and situation, the largest of the runs and each run."""
+"""The memory table: per size, family, mode and situation, the largest of the runs and
+each run, then the families the runs had."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from bench.memory.measure import SITUATIONS
+from bench.common import POD_CIDR_V6, SERVICE_CIDR_V6
+from bench.memory.measure import POD_CIDR, SERVICE_CIDR, SITUATIONS
 
 Obj = dict[str, Any]
+FAMILIES = {
+    "IPv4": f"Family: IPv4 (ClusterIPs in {SERVICE_CIDR}, pods in {POD_CIDR}).",
+    "IPv6": f"Family: IPv6, single stack (ClusterIPs in {SERVICE_CIDR_V6}, pods in "
+            f"{POD_CIDR_V6}).",
+}
 
 
 def _cell(values: Sequence[float | None]) -> str:
@@ -18,15 +25,22 @@ def _cell(values: Sequence[float | None]) -> str:
     return top if len(shown) == 1 else f"{top} ({', '.join(f'{v:.0f}' for v in shown)})"
 
 
+def _size(services: int, endpoints: int, family: str) -> str:
+    return f"{services:,} x {endpoints}" + (" IPv6" if family == "IPv6" else "")
+
+
 def markdown(results: list[Obj]) -> str:
-    """Per size, mode and situation: the largest of the runs, bold, then each run."""
+    """Per size, family, mode and situation: the largest of the runs, bold, then each
+    run; then which families ran."""
     rows = ["| services x endpoints | mode | situation | agent peak | + children | "
             "cgroup peak (kernel) | cgroup anon + kernel | steady: agent / cgroup anon + "
             "kernel | runs |", "|---|---|---|---|---|---|---|---|---|"]
-    groups: dict[tuple[int, int, str], list[Obj]] = {}
-    for r in results:
-        groups.setdefault((r["services"], r["endpoints"], r["mode"]), []).append(r)
-    for (services, endpoints, mode), runs in sorted(groups.items()):
+    groups: dict[tuple[int, int, str, str], list[Obj]] = {}
+    for r in results:  # results from before the flag were IPv4
+        key = (r["services"], r["endpoints"], r.get("family", "IPv4"), r["mode"])
+        groups.setdefault(key, []).append(r)
+    for (services, endpoints, family, mode), runs in sorted(groups.items()):
+        size = _size(services, endpoints, family)
         for name in SITUATIONS:
             got = [r["situations"][name] for r in runs if name in r.get("situations", {})]
             if not got:
@@ -39,13 +53,16 @@ def markdown(results: list[Obj]) -> str:
                          if g.get("steady_cgroup") else None for g in got]
             kernel = _cell(col("cgroup_kernel_peak_mib"))
             rows.append(
-                f"| {services:,} x {endpoints} | {mode} | {name} | "
+                f"| {size} | {mode} | {name} | "
                 f"{_cell(col('agent_peak_mib'))} | {_cell(col('tree_peak_mib'))} | "
                 f"{_cell(col('cgroup_peak_mib'))} ({kernel}) | "
                 f"{_cell(col('cgroup_unreclaimable_peak_mib'))} | "
                 f"{_cell(col('steady_agent_mib'))} / {_cell(steady_cg)} | {len(got)} |")
         for r in runs:
             if "error" in r:
-                rows.append(f"| {services:,} x {endpoints} | {mode} | failed | "
+                rows.append(f"| {size} | {mode} | failed | "
                             f"{r['error'][:200]} | | | | | |")
+    families = sorted({family for (_, _, family, _) in groups})
+    if families:
+        rows += ["", " ".join(FAMILIES[f] for f in families)]
     return "\n".join(rows)
