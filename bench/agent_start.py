@@ -33,17 +33,20 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from ipaddress import IPv4Address, IPv6Address
+from ipaddress import IPv4Address, IPv6Network
 from pathlib import Path
 from typing import Any
 
 from bench.common import (
+    POD_CIDR_V6,
     ROOT,
+    SERVICE_CIDR_V6,
     agent_pid,
     cpu_seconds,
     exit_on_sigterm,
     in_namespace,
     simulator,
+    single_stack_v6,
     size_mib,
     stop,
     system_seconds,
@@ -52,7 +55,7 @@ from proxy.netns_lab.poll import TimedOut, wait
 
 POD_BASE = IPv4Address("198.19.0.1")
 POD_ADDRESSES = 65_000
-POD_BASE_V6 = IPv6Address("fd00:19::1")
+POD_BASE_V6 = IPv6Network(POD_CIDR_V6).network_address + 1
 NODE = "node-a"
 NODES = 50  # endpoints spread over this many nodes, one of them the agent's
 FIRST_SYNC = re.compile(r"first sync done.*?since_start[=\"': ]+([0-9.]+)s")
@@ -78,7 +81,7 @@ def cluster(services: int, endpoints: int, real: bool = False,
                     "spec": {"ports": [{"name": "http", "port": 80, "protocol": "TCP",
                                         "targetPort": 8080}]}}
         if ipv6:
-            svc["spec"].update(ipFamilies=["IPv6"], ipFamilyPolicy="SingleStack")
+            single_stack_v6(svc)
         eps, addresses = [], []
         for j in range(endpoints):
             k = i * endpoints + j
@@ -175,7 +178,7 @@ def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
                ) -> dict[str, Any]:
     argv = [sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
             "--hostname-override", NODE, "--proxy-mode", mode,
-            "--cluster-cidr", "fd00:19::/64" if ipv6 else "198.19.0.0/16",
+            "--cluster-cidr", POD_CIDR_V6 if ipv6 else "198.19.0.0/16",
             "--endpoints-source", endpoints_source, "-v", "1"]
     if profile is not None:
         fmt = {".txt": "raw", ".json": "speedscope"}.get(profile.suffix, "flamegraph")
@@ -302,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.services, args.endpoints, args.real_shaped,
             args.endpoints_source == "endpoints", args.ipv6)).encode())
         with namespace() as ns, simulator(ns, manifest, work, not args.no_watch_cache,
-                                          service_cidr_v6="fd00:198:18::/104"
+                                          service_cidr_v6=SERVICE_CIDR_V6
                                           ) as kubeconfig:
             if args.iptables_backend != "auto":
                 plant_backend_hint(ns, args.iptables_backend)
