@@ -207,7 +207,9 @@ class SyncLoop:
                 continue
             if now >= next_housekeeping:
                 await self._housekeeping()
-                next_housekeeping = self._clock() + self.housekeeping_interval
+                # Work left for later parts (a change goes first): right away.
+                next_housekeeping = self._clock() + (
+                    0.0 if self.dataplane.housekeeping_pending() else self.housekeeping_interval)
                 continue
             due = self.schedule.next_due(now)
             timeout = next_housekeeping - now

@@ -164,6 +164,12 @@ class DataPlane(Protocol):
         Returns the conntrack entries it deleted, by reason, if any."""
         ...
 
+    def housekeeping_pending(self) -> bool:
+        """Whether the last `housekeeping` left work it does a part at a time (nftables:
+        input marks), so that a change never waits for all of it: the sync loop then
+        calls it again as soon as no sync is due."""
+        ...
+
     def watch_drift(self, notify: Callable[[str], None]) -> None:
         """Start noticing changes to our rules made by other processes: `notify(reason)`,
         from any thread, when one may have happened. A data plane that cannot notice
@@ -182,6 +188,14 @@ class DataPlane(Protocol):
     def close(self) -> None:
         """Release sockets and handles; leaves the rules in place."""
         ...
+
+
+def housekeep_all(dp: DataPlane) -> None:
+    """Every part of `dp`'s housekeeping at once, as an agent left idle ends up doing
+    (for tests and benches; the sync loop lets changes go between the parts)."""
+    dp.housekeeping()
+    while dp.housekeeping_pending():
+        dp.housekeeping()
 
 
 def rules_digest(rules: Sequence[str]) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from proxy.dataplane.base import DataplaneOptions, SyncReport
+from proxy.dataplane.base import DataplaneOptions, SyncReport, housekeep_all
 from proxy.dataplane.iptables.apply import IptablesDataPlane
 from proxy.dataplane.nftables.apply import NftablesDataPlane
 from proxy.dataplane.xtables.restore_runner import Backend
@@ -64,10 +64,11 @@ class NodePlane:
             return self.dp.sync(state, full)
 
     def settle(self) -> NodePlane:
-        """What the agent does when idle after a sync (housekeeping: in nftables mode,
-        its ports' input marks are added then)."""
+        """What the agent does when idle after a sync (housekeeping, again while it has
+        work left: in nftables mode, its ports' input marks are added then, a part at a
+        time)."""
         with entered(self.ns):
-            self.dp.housekeeping()
+            housekeep_all(self.dp)
         return self
 
     def cleanup(self) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from ipaddress import ip_address, ip_network
 from typing import Any
 
-from proxy.dataplane.base import DataplaneOptions, SyncReport
+from proxy.dataplane.base import DataplaneOptions, SyncReport, housekeep_all
 from proxy.dataplane.iptables.apply import IptablesDataPlane
 from proxy.dataplane.nftables.apply import NftablesDataPlane
 from proxy.dataplane.xtables.simulate import SimulatedRunner
@@ -74,9 +74,10 @@ class FakePlane:
         return other
 
     def settle(self) -> FakePlane:
-        """What the agent does when idle after a sync (the data plane's housekeeping:
-        nftables adds its ports' input marks then)."""
-        self.dp.housekeeping()
+        """What the agent does when idle after a sync (the data plane's housekeeping,
+        again while it has work left: nftables adds its ports' input marks then, a part
+        at a time)."""
+        housekeep_all(self.dp)
         return self
 
     def become(self, *objects: dict[str, Any], full: bool = False) -> SyncReport:

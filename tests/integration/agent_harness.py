@@ -42,6 +42,7 @@ class FakeDataPlane:
     counted: dict[str, int] = field(default_factory=dict)
     rendered_ahead: int = 0  # ports handed to render_ahead before the first sync
     housekept: int = 0
+    parts_left: int = 0  # housekeeping calls that leave work for the next (nftables' marks)
     closed: bool = False
     cleaned: bool = False
     # Drift: what the next check_drift reports, the agent's notify callback once it
@@ -95,6 +96,10 @@ class FakeDataPlane:
     def housekeeping(self) -> None:
         self.threads.add(threading.get_ident())
         self.housekept += 1
+        self.parts_left = max(0, self.parts_left - 1)
+
+    def housekeeping_pending(self) -> bool:
+        return self.parts_left > 0
 
     def render_ahead(self, ports: Sequence[ResolvedServicePort],
                      expected: Mapping[Family, int],

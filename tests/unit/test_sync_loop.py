@@ -252,6 +252,23 @@ def test_housekeeping_runs_on_the_worker_between_syncs() -> None:
     run(go)
 
 
+def test_housekeeping_with_work_left_runs_again_without_waiting_the_interval() -> None:
+    async def go(b: Bench) -> None:
+        b.runner.housekeeping_interval = 5.0
+        b.dp.parts_left = 3  # three parts after the first sync (nftables' input marks)
+        b.runner.start()
+        await settle(b, lambda: b.dp.housekept == 3, "every part, the clock standing still")
+        assert not b.dp.housekeeping_pending()
+        for _ in range(20):  # then the interval again
+            b.runner._wake.set()
+            await asyncio.sleep(0.001)
+        assert b.dp.housekept == 3
+        b.clock.now += 6
+        await settle(b, lambda: b.dp.housekept == 4, "housekeeping after the interval")
+
+    run(go)
+
+
 def test_post_sync_hook_gets_the_applied_keys() -> None:
     async def go(b: Bench) -> None:
         b.event(WEB)

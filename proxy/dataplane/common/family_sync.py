@@ -244,6 +244,9 @@ class FamilySyncPlane(ABC, Generic[S]):
         self._next_reconcile = started + max(CONNTRACK_RECONCILE_PERIOD, 30 * took)
         return deleted
 
+    def housekeeping_pending(self) -> bool:
+        return False
+
     def housekeeping(self) -> dict[str, int]:
         """The periodic conntrack reconcile (entries left stale by missed events or by
         anyone else), every CONNTRACK_RECONCILE_PERIOD; affinity entries expire in the

@@ -253,6 +253,9 @@ class IpvsDataPlane:
         return self._traffic.read(self._applied, self._index, self._handles().ipvs,
                                   self.options.traffic_per_endpoint)
 
+    def housekeeping_pending(self) -> bool:
+        return False
+
     def housekeeping(self) -> None:
         """Delete draining real servers that have no connections left or drained long
         enough. Never raises: a failure is logged and makes the next sync a full one."""

@@ -127,6 +127,7 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps):
                 "; load nft_chain_nat or use --proxy-mode iptables or ipvs")
         self._foreign: list[str] = []  # foreign transactions on our tables, not yet checked
         self._foreign_lock = threading.Lock()
+        self._marks_left = False  # input marks left for housekeeping's next part
 
     # --- sync: render and write (the loop is FamilySyncPlane's) -----------------------------
 
@@ -319,13 +320,16 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps):
     # --- the rest of the contract -------------------------------------------------------------
 
     def housekeeping(self) -> dict[str, int]:
-        """The restart's leftover work (`_complete`) and the input marks the kernel lacks
-        (`_write_marks`) first: the sync loop calls this when idle, right after the first
-        sync too."""
+        """The restart's leftover work (`_complete`) and a part of the input marks the
+        kernel lacks (`_write_marks`) first: the sync loop calls this when idle, right
+        after the first sync too, and again at once while marks are left."""
         self._complete_all()
-        for fam in self._families.values():
-            self._write_marks(fam)
+        left = [self._write_marks(fam) for fam in self._families.values()]
+        self._marks_left = any(left)
         return super().housekeeping()
+
+    def housekeeping_pending(self) -> bool:
+        return self._marks_left
 
     def applied_rules(self, key: ServicePortKey) -> Sequence[str]:
         self._complete_all()
