@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.netlink import replies
+from proxy.dataplane.nftables import wire
 from proxy.dataplane.nftables.expressions import Unencodable
 from proxy.dataplane.nftables.objects import (
     Chain,
@@ -116,6 +117,33 @@ def test_every_full_script_is_inside_the_dialect(context: str,
     assert batch.numbers == list(range(1, len(lines) + 1))
     assert any(line.startswith("add chain") and " hook " in line for line in lines)
     assert f"delete table {'ip' if ctx.family is Family.V4 else 'ip6'} {stale}" in lines
+
+
+def _whole_messages(piece: bytes | bytearray) -> int:
+    """How many netlink messages `piece` holds; fails if its last one is cut."""
+    i = count = 0
+    while i < len(piece):
+        (size,) = struct.unpack_from("=I", piece, i)
+        assert size >= 16 and i + size <= len(piece), "a message split between pieces"
+        i, count = i + size, count + 1
+    return count
+
+
+def test_a_batch_past_sendmsgs_most_pieces_joins_them_in_pairs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """sendmsg takes MAX_PIECES pieces (UIO_MAXIOV): a full sync of 100,000 services was
+    refused whole (EMSGSIZE) and went to nft. Past it, pieces are joined in pairs, then
+    made twice the size: the same bytes, every message whole in one piece."""
+    script = "".join(f"add element ip sliceproxy cluster-ips {{ 198.18.{i // 250}.{i % 250} }}\n"
+                     for i in range(2000))
+    whole = encode(script, Family.V4, (TABLE,), 1)
+    monkeypatch.setattr(wire, "PAGE", 1024)
+    monkeypatch.setattr(wire, "MAX_PIECES", 8)
+    pieced = encode(script, Family.V4, (TABLE,), 1)
+    assert len(pieced.pages) <= 8 < len(whole.data) // 1024
+    assert pieced.data == whole.data
+    assert sum(_whole_messages(p) for p in pieced.pages) == 2000 + 2  # + batch begin, end
+    assert pieced.numbers == whole.numbers and pieced.last_seq == whole.last_seq
 
 
 def test_only_the_last_message_asks_for_an_acknowledgement() -> None:

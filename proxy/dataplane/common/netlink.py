@@ -159,6 +159,8 @@ def replies(data: bytes) -> Iterator[Reply]:
 
 
 SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
+# The most pieces (iovecs) one sendmsg takes (UIO_MAXIOV); past it, EMSGSIZE.
+MAX_PIECES = 1024
 LISTEN_POLL = 0.5  # how often a listener thread looks at its stop flag
 
 
@@ -338,6 +340,8 @@ class NetlinkSocket:
         `acked` or `watched` (messages answered only when refused, such as a batch's
         opening) ends the wait: (its sequence number, errno). None when every one in
         `acked` was acknowledged."""
+        if len(data) > MAX_PIECES:
+            raise ValueError(f"{len(data)} pieces: sendmsg takes {MAX_PIECES} at most")
         size = sum(len(piece) for piece in data)
         self._fit_send_buffer(size)
         if self._sock.sendmsg(data) != size:

@@ -52,6 +52,7 @@ from typing import NamedTuple
 
 from proxy.dataplane.common.netlink import (
     HEADER,
+    MAX_PIECES,
     NFGEN,
     attributes,
     frame,
@@ -211,7 +212,10 @@ PRIORITIES = {"dstnat": NF_IP_PRI_NAT_DST, "srcnat": NF_IP_PRI_NAT_SRC,
               "filter": NF_IP_PRI_FILTER}
 _MESSAGE_HEAD = struct.Struct(HEADER.format + "4s")  # nlmsghdr, then the nfgenmsg
 _FLAGS = struct.Struct("=H")
-PAGE = 256 * 1024  # bytes per piece of a batch (Batch.pages); sendmsg takes up to 1,024
+# Bytes per piece of a batch (Batch.pages), at first: a batch of more than MAX_PIECES
+# pieces (sendmsg's most) has them joined in pairs, and pieces twice the size after
+# (_Pages.add): a full sync of 100,000 services x 10 endpoints is ~400 MB.
+PAGE = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -802,6 +806,7 @@ class _Pages:
         self.out = bytearray(frame(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, first_seq,
                                    nfgen(socket.AF_UNSPEC, NFNL_SUBSYS_NFTABLES)))
         self.pages = [self.out]
+        self.page = PAGE  # bytes per piece now
         self.runs = [(0, first_line)]
         self.blank = first_line - 1  # blank lines so far (and lines before this batch)
         self.last = -1  # where the last message starts, in the last page
@@ -814,7 +819,9 @@ class _Pages:
         size = 0
         for tail in tails:
             size = fixed + len(tail)
-            if len(out) + size > PAGE:
+            if len(out) + size > self.page:
+                if len(self.pages) == MAX_PIECES:
+                    self._join_pairs()
                 out = bytearray()
                 self.pages.append(out)
             seq += 1
@@ -825,6 +832,16 @@ class _Pages:
             out += tail
         if size:
             self.out, self.seq, self.last = out, seq, len(out) - size
+
+    def _join_pairs(self) -> None:
+        """Every two pieces made one, in place (the first grows), and pieces of twice the
+        size from now on: a batch stays within MAX_PIECES without a copy of it whole.
+        Only when a new piece begins: no message is split, and `last` is in that one."""
+        pages = self.pages
+        for i in range(0, len(pages) - 1, 2):
+            pages[i] += pages[i + 1]
+        self.pages = pages[::2]
+        self.page *= 2
 
     def line(self) -> int:
         """The next message's line, if it has no blank line before it."""
