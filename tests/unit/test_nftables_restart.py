@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from proxy.dataplane.nftables import render, restart_steps
 from proxy.dataplane.nftables.marks import marks_for
 from proxy.dataplane.nftables.render import FINGERPRINTS, TABLE, port_chain
+from proxy.dataplane.nftables.runner import NftError
 from proxy.dataplane.nftables.transaction import KeptPort
 from proxy.model.types import Family, ServicePortKey
 from tests.fakekernel.planes import FakePlane
@@ -369,3 +370,24 @@ def test_a_kept_port_with_its_mark_is_the_port_with_that_mark_field() -> None:
         assert marked == replace(kept, input_mark=mark, rendered=(*kept.rendered, *element))
         assert [f.name for f in fields(KeptPort)][-2:] == ["input_mark", "from_input"]
         assert marked.elements()[kept.table, FINGERPRINTS, mark] == ()
+
+
+def test_a_refused_part_of_marks_leaves_the_rest_for_the_next_interval(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """One warning per interval while the kernel refuses marks, not one per part."""
+    monkeypatch.setattr(restart_steps, "MARKS_PER_PART", 2)
+    plane = FakePlane("nftables", shards=2)
+    plane.become(*cluster(range(5)), full=True)
+    base = len(marks(plane.nft.tables))
+    send = plane.nft.send
+
+    def refuse(*args: Any) -> None:
+        raise NftError("refused by the test")
+
+    monkeypatch.setattr(plane.nft, "send", refuse)
+    plane.dp.housekeeping()
+    assert not plane.dp.housekeeping_pending()
+    assert len([r for r in caplog.records if "could not add input marks" in r.message]) == 1
+    monkeypatch.setattr(plane.nft, "send", send)
+    plane.settle()  # the next interval: every part
+    assert len(marks(plane.nft.tables)) == base + 5

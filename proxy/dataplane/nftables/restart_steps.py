@@ -341,7 +341,8 @@ class RestartSteps:
         input alone renders, when the agent is idle: MARKS_PER_PART ports per call and
         transaction, so that a change waits for one part at most (all of them took 4 s
         at 100,000 services). Whether ports may be left for the next call. A part
-        refused is logged and left: a restart then renders those ports."""
+        refused is logged, and the rest waits for the next interval: a restart renders
+        the ports still without marks."""
         state, last, ctx = fam.kept, fam.last, fam.context
         if state is None or last is None or ctx is None:
             fam.marks_todo = []
@@ -365,7 +366,8 @@ class RestartSteps:
             log.warning("could not add input marks; a restart will render those ports",
                         extra={"family": fam.family.label, "ports": len(new),
                                "error": str(exc)[-500:]})
-            return bool(fam.marks_todo)
+            fam.marks_todo = []  # tried again at the next interval: one warning each
+            return False
         for key, mark in new.items():
             state.ports[key] = state.ports[key].with_mark(mark)
             state.owners.add((state.ports[key].table, FINGERPRINTS, mark), key, ())
