@@ -189,6 +189,15 @@ SERVICE_CIDR_V6 = "fd00:198:18::/104"
 POD_CIDR_V6 = "fd00:19::/64"
 
 
+# How a report names that cluster, and a size in it ("100,000 x 10 IPv6").
+IPV6_CLUSTER = (f"Family: IPv6, single stack (ClusterIPs in {SERVICE_CIDR_V6}, pods in "
+                f"{POD_CIDR_V6}).")
+
+
+def size_label(services: int, endpoints: int, family: str) -> str:
+    return f"{services:,} x {endpoints}" + (" IPv6" if family == "IPv6" else "")
+
+
 def single_stack_v6(service: dict[str, Any]) -> dict[str, Any]:
     """`service` asking for an IPv6 ClusterIP only (the simulator's default is IPv4)."""
     service["spec"].update(ipFamilies=["IPv6"], ipFamilyPolicy="SingleStack")

@@ -14,7 +14,7 @@ from bench import churn as package  # its docstring is the command's help
 from bench.churn.measure import run
 from bench.churn.report import markdown
 from bench.churn.workload import PHASES, Settings
-from bench.common import PACINGS
+from bench.common import PACINGS, POD_CIDR_V6
 
 
 def _terminated(signum: int, _frame: object) -> None:
@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--burst", type=int, default=d.burst, help="services created at once")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--ipv6", action="store_true",
-                    help="a single-stack IPv6 cluster (pods in fd00:19::/64): room for "
+                    help=f"a single-stack IPv6 cluster (pods in {POD_CIDR_V6}): room for "
                     "more than 48,000 endpoints")
     ap.add_argument("--out", "--json", dest="out", type=Path, help="write the JSON here")
     ap.add_argument("--keep-logs", type=Path, metavar="DIR")

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.common import POD_CIDR_V6, SERVICE_CIDR_V6
+from bench.common import IPV6_CLUSTER, size_label
 
 FAMILIES = {
-    "IPv4": "Family: IPv4 (pods in 198.19.0.0/16 and 198.18.4-127.x, ClusterIPs in "
-            "198.18.128.0/17).",
-    "IPv6": f"Family: IPv6, single stack (pods in {POD_CIDR_V6}, ClusterIPs in "
-            f"{SERVICE_CIDR_V6}).",
+    "IPv4": "Family: IPv4 (ClusterIPs in 198.18.128.0/17, pods in 198.19.0.0/16 and "
+            "198.18.4-127.x).",
+    "IPv6": IPV6_CLUSTER,
 }
 
 
@@ -25,8 +24,7 @@ def markdown(result: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|---|---|---|---|"]
     runs = result["runs"]
     family = result.get("family", "IPv4")  # older results: IPv4
-    size = f"{result['services']:,} x {result['endpoints']}" + (
-        " IPv6" if family == "IPv6" else "")
+    size = size_label(result["services"], result["endpoints"], family)
     # Phase by phase, each pacing's row beside the other's.
     for k in range(max((len(r["phases"]) for r in runs), default=0)):
         for r in runs:

@@ -6,14 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from bench.common import POD_CIDR_V6, SERVICE_CIDR_V6
+from bench.common import IPV6_CLUSTER, size_label
 from bench.memory.measure import POD_CIDR, SERVICE_CIDR, SITUATIONS
 
 Obj = dict[str, Any]
 FAMILIES = {
     "IPv4": f"Family: IPv4 (ClusterIPs in {SERVICE_CIDR}, pods in {POD_CIDR}).",
-    "IPv6": f"Family: IPv6, single stack (ClusterIPs in {SERVICE_CIDR_V6}, pods in "
-            f"{POD_CIDR_V6}).",
+    "IPv6": IPV6_CLUSTER,
 }
 
 
@@ -23,10 +22,6 @@ def _cell(values: Sequence[float | None]) -> str:
         return "-"
     top = f"**{max(shown):.0f}**"
     return top if len(shown) == 1 else f"{top} ({', '.join(f'{v:.0f}' for v in shown)})"
-
-
-def _size(services: int, endpoints: int, family: str) -> str:
-    return f"{services:,} x {endpoints}" + (" IPv6" if family == "IPv6" else "")
 
 
 def markdown(results: list[Obj]) -> str:
@@ -40,7 +35,7 @@ def markdown(results: list[Obj]) -> str:
         key = (r["services"], r["endpoints"], r.get("family", "IPv4"), r["mode"])
         groups.setdefault(key, []).append(r)
     for (services, endpoints, family, mode), runs in sorted(groups.items()):
-        size = _size(services, endpoints, family)
+        size = size_label(services, endpoints, family)
         for name in SITUATIONS:
             got = [r["situations"][name] for r in runs if name in r.get("situations", {})]
             if not got:

@@ -10,6 +10,7 @@ import os
 import subprocess
 from ipaddress import ip_address, ip_network
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,6 +31,19 @@ def _ours() -> set[str]:
 
 @pytest.mark.root
 @pytest.mark.slow
+def check_cold_start_and_resync(memory: dict[str, Any]) -> None:
+    """One memory run's cold start and periodic resync, as they must read: no error,
+    a peak at least the steady anonymous memory, nothing OOM-killed, the rules charged
+    to the cgroup, and exactly one periodic full sync."""
+    assert "error" not in memory
+    cold = memory["situations"]["cold_start"]
+    assert cold["agent_peak_mib"] >= cold["steady_agent_anon_mib"] > 0
+    if memory["cgroup"] is not None:  # a v1 memory controller, as this machine's kind has
+        assert memory["oom_kills"] == 0
+        assert cold["cgroup_kernel_peak_mib"] > 0  # the rules' objects are charged to it
+    assert memory["situations"]["resync"]["syncs"]["by_trigger"] == {"periodic/full": 1}
+
+
 def test_a_tiny_ipv6_run_measures_cold_start_and_the_periodic_resync(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     before = _ours()
@@ -44,14 +58,8 @@ def test_a_tiny_ipv6_run_measures_cold_start_and_the_periodic_resync(
         assert f"| 20 x 3 IPv6 | nftables | {situation} | **" in text
     assert "Family: IPv6, single stack" in text
     [memory] = json.loads(out.read_text())
-    assert "error" not in memory
     assert memory["family"] == "IPv6" and memory["settings"]["ipv6"] is True
-    cold = memory["situations"]["cold_start"]
-    assert cold["agent_peak_mib"] >= cold["steady_agent_anon_mib"] > 0
-    if memory["cgroup"] is not None:  # a v1 memory controller, as this machine's kind has
-        assert memory["oom_kills"] == 0
-        assert cold["cgroup_kernel_peak_mib"] > 0  # the rules' objects are charged to it
-    assert memory["situations"]["resync"]["syncs"]["by_trigger"] == {"periodic/full": 1}
+    check_cold_start_and_resync(memory)
     assert _ours() == before  # its namespace and cgroup are gone
 
 

@@ -127,7 +127,6 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps):
                 "; load nft_chain_nat or use --proxy-mode iptables or ipvs")
         self._foreign: list[str] = []  # foreign transactions on our tables, not yet checked
         self._foreign_lock = threading.Lock()
-        self._marks_left = False  # input marks left for housekeeping's next part
 
     # --- sync: render and write (the loop is FamilySyncPlane's) -----------------------------
 
@@ -324,12 +323,12 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps):
         kernel lacks (`_write_marks`) first: the sync loop calls this when idle, right
         after the first sync too, and again at once while marks are left."""
         self._complete_all()
-        left = [self._write_marks(fam) for fam in self._families.values()]
-        self._marks_left = any(left)
+        for fam in self._families.values():
+            self._write_marks(fam)
         return super().housekeeping()
 
     def housekeeping_pending(self) -> bool:
-        return self._marks_left
+        return any(fam.marks_todo for fam in self._families.values())
 
     def applied_rules(self, key: ServicePortKey) -> Sequence[str]:
         self._complete_all()

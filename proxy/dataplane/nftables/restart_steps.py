@@ -336,17 +336,17 @@ class RestartSteps:
                 return False
         return True
 
-    def _write_marks(self: _Plane, fam: NftFamily) -> bool:
+    def _write_marks(self: _Plane, fam: NftFamily) -> None:
         """Input marks the kernel lacks (marks.py), for ports whose rules are what their
         input alone renders, when the agent is idle: MARKS_PER_PART ports per call and
         transaction, so that a change waits for one part at most (all of them took 4 s
-        at 100,000 services). Whether ports may be left for the next call. A part
-        refused is logged, and the rest waits for the next interval: a restart renders
-        the ports still without marks."""
+        at 100,000 services); `fam.marks_todo` holds what is left for the next call. A
+        part refused is logged, and the rest waits for the next interval: a restart
+        renders the ports still without marks."""
         state, last, ctx = fam.kept, fam.last, fam.context
         if state is None or last is None or ctx is None:
             fam.marks_todo = []
-            return False
+            return
         if not fam.marks_todo:
             fam.marks_todo = [k for k, kept in state.ports.items() if _unmarked(kept)]
         part = fam.marks_todo[-MARKS_PER_PART:]
@@ -354,7 +354,7 @@ class RestartSteps:
         # A sync since the list was made may have changed or removed some of them.
         todo = [k for k in part if _unmarked(state.ports.get(k))]
         if not todo:
-            return bool(fam.marks_todo)
+            return
         started = time.perf_counter()
         of = marks_for(ctx, state.shards).of
         new = {k: of(last.ports[k]) for k in todo}
@@ -367,14 +367,13 @@ class RestartSteps:
                         extra={"family": fam.family.label, "ports": len(new),
                                "error": str(exc)[-500:]})
             fam.marks_todo = []  # tried again at the next interval: one warning each
-            return False
+            return
         for key, mark in new.items():
             state.ports[key] = state.ports[key].with_mark(mark)
             state.owners.add((state.ports[key].table, FINGERPRINTS, mark), key, ())
         log.debug("input marks added", extra={
             "family": fam.family.label, "ports": len(new), "left": len(fam.marks_todo),
             "seconds": round(time.perf_counter() - started, 3)})
-        return bool(fam.marks_todo)
 
     def _restart_base(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
                       ports: Mapping[ServicePortKey, PortObjects], kernel: KernelTables
