@@ -32,6 +32,7 @@ from proxy.dataplane.nftables.objects import Key, Value
 from proxy.dataplane.nftables.objects import Verdict as ElementVerdict
 from proxy.dataplane.nftables.readback import Held, Unreadable
 from proxy.dataplane.nftables.transaction import Script
+from proxy.dataplane.nftables.wire import stages, statement_lines
 from proxy.model.types import Family
 from tests.fakekernel.jhash import nft_jhash
 from tests.fakekernel.packet import (
@@ -127,7 +128,14 @@ class FakeNft:
     # --- the runner's interface ---------------------------------------------------------------
 
     def send(self, script: str | Script, family: Family, tables: Collection[str]) -> None:
-        self.run(script if isinstance(script, str) else script.text())
+        """As the runner: a script in parts, one transaction per part, in order (what
+        parts were taken stay when a later one is refused)."""
+        if isinstance(script, str) or not script.parts:
+            self.run(script if isinstance(script, str) else script.text())
+            return
+        for part in stages(script.statements()):
+            self.run("\n".join(line for st in part for line in statement_lines(st, script.ip))
+                     + "\n")
 
     def run(self, text: str) -> None:
         """Apply `text` as one transaction: all of it, or (NftFakeError) none of it."""

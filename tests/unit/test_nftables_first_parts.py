@@ -83,6 +83,17 @@ def elements(statements: Iterator[wire.Statement]) -> dict[ElementKey, Value]:
     return held
 
 
+def assert_same_state(mine: TableState, theirs: TableState) -> None:
+    """The same ports kept, each with the same objects, and the same elements held."""
+    assert dict(mine.owners.elements()) == dict(theirs.owners.elements())
+    assert mine.ports.keys() == theirs.ports.keys()
+    for key, kept in theirs.ports.items():
+        port = mine.ports[key]
+        assert (port.table, port.chains, port.sets, dict(port.elements())) \
+            == (kept.table, kept.chains, kept.sets, dict(kept.elements()))
+        assert [(n, m.values) for n, m in port.slots] == [(n, m.values) for n, m in kept.slots]
+
+
 @FAMILIES
 def test_nothing_a_packet_enters_by_comes_before_the_last_part(
         state: DesiredState, family: Family) -> None:
@@ -123,13 +134,7 @@ def test_it_writes_what_one_transaction_writes_and_leaves_the_same_state(
     assert {line for line in first_lines_ if not line.startswith("add element")} \
         == {line for line in full.lines()
             if not line.startswith("add element") and line not in base_flushes}
-    assert dict(first_state.owners.elements()) == dict(full_state.owners.elements())
-    assert first_state.ports.keys() == full_state.ports.keys()
-    for key, kept in full_state.ports.items():
-        mine = first_state.ports[key]
-        assert (mine.table, mine.chains, mine.sets, dict(mine.elements())) \
-            == (kept.table, kept.chains, kept.sets, dict(kept.elements()))
-        assert [(n, m.values) for n, m in mine.slots] == [(n, m.values) for n, m in kept.slots]
+    assert_same_state(first_state, full_state)
 
 
 @FAMILIES

@@ -5,10 +5,11 @@ network namespace. Per family it keeps the `TableState` it last applied:
 
 - a full sync (the first one, `full=True`, after any failure, after drift, or when this
   node's addresses changed) reads back the names of what our table holds and rewrites
-  all of it in one transaction (transaction.full_lines: the rendered ports' chains,
+  all of it: in one transaction (transaction.full_lines: the rendered ports' chains,
   rules and elements as statements the encoder frames one by one, never a text held
   whole; ports rendered ahead while the cluster listed, `render_ahead`, taken as they
-  are if still current);
+  are if still current), or over tables this process wrote, the same shard count, a
+  transaction per table (transaction.resync_lines: the periodic resync);
 - a partial sync renders only the service ports whose snapshot entry is not the very
   object applied last time (found in O(changes): `DesiredState.changed_since`), and
   sends only their chains and elements; a port whose endpoints alone changed (the
@@ -81,6 +82,7 @@ from proxy.dataplane.nftables.transaction import (
     kept_slots,
     partial_lines,
     replace_lines,
+    resync_lines,
 )
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
 from proxy.model.types import Family, IPAddress, ServicePortKey
@@ -208,6 +210,12 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps):
                                                     (tables, set(chains), sets), objects)
             if written is not None:
                 return written
+        elif fam.state is not None and tables == {b.table for b in bases}:
+            # Over the tables this process wrote (the periodic resync, a repair): a
+            # table per part, each port rendered as its part is read.
+            return resync_lines(bases, {k: functools.partial(objects, k, v)
+                                        for k, v in ports.items()},
+                                chains, sets, self._kernel_counters(fam))
         # A restart's ports carry the input marks it computed: the kernel holds those of
         # the ports it keeps, and those it writes are what their input renders.
         rendered = {k: with_input_mark(objects(k, v), marks[k]) if k in marks

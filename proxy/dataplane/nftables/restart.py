@@ -143,7 +143,7 @@ def restart_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, P
     own = [e for p in written for e in p.elements if (e.table, e.set) not in shared]
 
     def make() -> Iterator[Statement]:
-        yield from declarations(state, written, kernel.counters)
+        yield from declarations(state.bases, written, kernel.counters)
         for b in bases_written:
             for c in b.chains:
                 yield Command("add", b.table, c)

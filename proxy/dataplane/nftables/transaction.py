@@ -54,6 +54,7 @@ from proxy.dataplane.nftables.render import (
     BaseObjects,
     PortObjects,
     mark_element,
+    shard_of,
     table_family,
 )
 from proxy.dataplane.nftables.wire import (
@@ -402,31 +403,90 @@ def full_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
     """Everything we own, in one transaction. `kernel_chains`, `kernel_sets` ((table,
     name) -> "set" or "map"), `kernel_tables` and `kernel_counters` are what our tables
     hold now (read back): what nobody wants any more is deleted. Counters the kernel
-    lacks are added, and none is ever flushed: each keeps its count. The state is made now, the
-    script's lines when read."""
+    lacks are added, and none is ever flushed: each keeps its count. The state is made
+    now, the script's lines when read."""
     state, ordered = kept_state(bases, ports)
     held = set(kernel_counters)
     stale = stale_statements(state, kernel_chains, kernel_sets or {}, held, kernel_tables)
+    return Script(lambda: _rewrite(state, ordered, held, stale, None),
+                  table_family(state.family)), state
+
+
+def resync_lines(bases: Sequence[BaseObjects],
+                 ports: Mapping[ServicePortKey, Callable[[], PortObjects]],
+                 kernel_chains: Iterable[Named], kernel_sets: Mapping[Named, str],
+                 kernel_counters: Iterable[Named]) -> tuple[Script, TableState]:
+    """`full_lines` over exactly the tables of `bases` (the periodic resync, a repair:
+    the shard count unchanged, so no port moves to another table), one table per part
+    (`COMMIT` between them), each committed on its own: nothing of ours jumps or refers
+    from one table to another, so each part is whole when it goes live. The shards
+    come first, each port rendered as its table's part is read (`ports`: key -> its
+    render), and the main table last, with every port's elements there. So neither the
+    kernel's batch (~400 MB at 100,000 services x 10 endpoints) nor every port's
+    objects are ever held whole. The state is filled as the script is read: read it
+    through first."""
+    state = _own_bases(TableState(bases[0].family, tuple(bases)))
+    shards = len(bases) - 1
+    by_table: dict[str, list[ServicePortKey]] = {}
+    for key in sorted(ports):
+        by_table.setdefault(shard_of(key, shards), []).append(key)
+    held = set(kernel_counters)
+    kernel: dict[str, tuple[list[Named], dict[Named, str], list[Named]]] = {
+        b.table: ([], {}, []) for b in bases}
+    for c in kernel_chains:
+        if c[0] in kernel:
+            kernel[c[0]][0].append(c)
+    for k, kind in kernel_sets.items():
+        if k[0] in kernel:
+            kernel[k[0]][1][k] = kind
+    for c in held:
+        if c[0] in kernel:
+            kernel[c[0]][2].append(c)
 
     def make() -> Iterator[Statement]:
-        yield from declarations(state, (p for _key, p in ordered), held)
-        for b in state.bases:
-            for c in b.chains:
-                yield Command("add", b.table, c)
-        yield Chains([(p.table, p.chains) for _key, p in ordered])
-        # Every chain flushed, then its rules (the ports' rules read while this lives).
-        yield Rules([(b.table, b.chains) for b in state.bases])
-        yield Rules([(p.table, p.chains) for _key, p in ordered])
-        for b in state.bases:
-            for s in b.sets:
-                yield Command("flush", b.table, s)
-        for _key, p in ordered:  # slot maps too (affinity sets keep who goes where)
-            yield from flush_maps(p)
-        for table, set_name, pairs in state.owners.sets():
-            yield from element_statements("add", table, set_name, pairs)
-        yield from stale
+        for i, base in enumerate((*bases[1:], bases[0])):
+            if i:
+                yield COMMIT
+            ordered = []
+            for key in by_table.get(base.table, ()):
+                p = ports[key]()
+                state.ports[key] = KeptPort.of(p)
+                state.owners.add_rendered(key, p.elements)
+                ordered.append((key, p))
+            view = TableState(state.family, (base,))  # this table's names, for its stale
+            view.ports.update((key, state.ports[key]) for key, _ in ordered)
+            chains, sets, counters = kernel[base.table]
+            stale = stale_statements(view, chains, sets, counters, (base.table,))
+            yield from _rewrite(state, ordered, held, stale, base.table)
 
-    return Script(make, table_family(state.family)), state
+    return Script(make, table_family(state.family), parts=True), state
+
+
+def _rewrite(state: TableState, ordered: Sequence[tuple[ServicePortKey, PortObjects]],
+             held: Collection[Named], stale: Sequence[Command], table: str | None
+             ) -> Iterator[Statement]:
+    """`full_lines`' statements for `table` (None: every table): everything declared,
+    every chain flushed and its rules written, every set flushed and filled, then what
+    nobody wants deleted."""
+    bases = [b for b in state.bases if table in (None, b.table)]
+    ports = [p for _key, p in ordered if table in (None, p.table)]
+    yield from declarations(bases, ports, held)
+    for b in bases:
+        for c in b.chains:
+            yield Command("add", b.table, c)
+    yield Chains([(p.table, p.chains) for p in ports])
+    # Every chain flushed, then its rules (the ports' rules read while this lives).
+    yield Rules([(b.table, b.chains) for b in bases])
+    yield Rules([(p.table, p.chains) for p in ports])
+    for b in bases:
+        for s in b.sets:
+            yield Command("flush", b.table, s)
+    for p in ports:  # slot maps too (affinity sets keep who goes where)
+        yield from flush_maps(p)
+    for set_table, set_name, pairs in state.owners.sets():
+        if table in (None, set_table):
+            yield from element_statements("add", set_table, set_name, pairs)
+    yield from (c for c in stale if table in (None, c.table))
 
 
 def kept_state(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects]
@@ -455,14 +515,14 @@ def _own_bases(state: TableState) -> TableState:
     return state
 
 
-def declarations(state: TableState, ports: Iterable[PortObjects],
+def declarations(bases: Sequence[BaseObjects], ports: Iterable[PortObjects],
                  held_counters: Collection[Named]) -> Iterator[Command]:
-    """Our tables and the bases' sets declared, then `ports`' sets and those of their
-    counters the kernel lacks (not in `held_counters`: an `add` of one it holds would
-    change nothing but the script's length)."""
-    for b in state.bases:
+    """The tables of `bases` and their sets declared, then `ports`' sets and those of
+    their counters the kernel lacks (not in `held_counters`: an `add` of one it holds
+    would change nothing but the script's length)."""
+    for b in bases:
         yield Command("add", b.table, Table(b.table))
-    for b in state.bases:
+    for b in bases:
         for s in b.sets:
             yield Command("add", b.table, s)
     for p in ports:
