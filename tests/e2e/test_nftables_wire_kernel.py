@@ -105,6 +105,21 @@ add rule ip {t} big meta l4proto tcp jhash ip saddr . tcp sport mod 3 seed 0x5a1
 vmap @hashv-a comment "ns/maglev-affinity:http"
 add rule ip {t} big meta l4proto tcp jhash ip saddr mod 3 seed 0x5a175eed vmap @hashv-a
 add element ip {t} hashv-a {{ 0 : goto ep, 1 : goto target, 2 : goto ep }}
+add map ip {t} counts-a {{ type ipv4_addr . inet_proto . inet_service : counter; }}
+add map ip {t} eps-tcp-2 {{ typeof ip daddr . tcp dport . numgen random mod 1 : \
+ip daddr . tcp dport; }}
+add map ip {t} eps-udp-2 {{ typeof ip daddr . udp dport . numgen random mod 1 : \
+ip daddr . udp dport; }}
+add chain ip {t} pick-2
+add rule ip {t} pick-2 counter name ip daddr . meta l4proto . th dport map @counts-a
+add rule ip {t} pick-2 meta l4proto tcp dnat ip to ip daddr . tcp dport . numgen random mod 2 \
+map @eps-tcp-2
+add rule ip {t} pick-2 meta l4proto udp dnat ip to ip daddr . udp dport . numgen random mod 2 \
+map @eps-udp-2
+add element ip {t} counts-a {{ 198.18.0.1 . tcp . 80 : "cnt-a", 198.18.0.2 . udp . 53 : "cep-a" }}
+add element ip {t} eps-tcp-2 {{ 198.18.0.1 . 80 . 0 : 198.18.1.2 . 8080, \
+198.18.0.1 . 80 . 1 : 198.18.1.3 . 80 }}
+add element ip {t} eps-udp-2 {{ 198.18.0.2 . 53 . 0 : 198.18.1.4 . 53 }}
 add element ip {t} service-ips {{ 198.18.0.1 . tcp . 80 : goto svc, \
 198.18.0.2 . udp . 53 : drop, 198.18.0.3 . sctp . 9 : jump target }}
 add element ip {t} service-nodeports {{ tcp . 30080 : goto svc }}
@@ -151,6 +166,15 @@ add map ip6 {t} hashv-b {{ typeof numgen random mod 1 : verdict; }}
 add rule ip6 {t} big meta l4proto udp jhash ip6 saddr . udp sport mod 2 seed 0x5a175eed \
 vmap @hashv-b
 add element ip6 {t} hashv-b {{ 0 : goto target, 1 : goto target }}
+add map ip6 {t} counts-b {{ type ipv6_addr . inet_proto . inet_service : counter; }}
+add map ip6 {t} eps-sctp-1 {{ typeof ip6 daddr . sctp dport . numgen random mod 1 : \
+ip6 daddr . sctp dport; }}
+add chain ip6 {t} pick-1
+add rule ip6 {t} pick-1 counter name ip6 daddr . meta l4proto . th dport map @counts-b
+add rule ip6 {t} pick-1 meta l4proto sctp dnat ip6 to ip6 daddr . sctp dport . \
+numgen random mod 1 map @eps-sctp-1
+add element ip6 {t} counts-b {{ fd00::1 . sctp . 9 : "cep-b" }}
+add element ip6 {t} eps-sctp-1 {{ fd00::1 . 9 . 0 : fd00::5 . 9 }}
 add element ip6 {t} slots-b {{ 0 : fd00::5 . 8080, 1 : fd00::6 . 53 }}
 add element ip6 {t} service-ips {{ fd00::1 . tcp . 80 : goto svc }}
 add element ip6 {t} hairpin {{ fd00::5 . fd00::5 }}
@@ -180,6 +204,10 @@ flush set ip {t} cluster-ips
 delete element ip {t} slots-a {{ 2, 0 }}
 add counter ip {t} cnt-a
 add element ip {t} slots-a {{ 0 : 198.18.1.9 . 80 }}
+delete element ip {t} eps-tcp-2 {{ 198.18.0.1 . 80 . 1 }}
+delete element ip {t} eps-udp-2 {{ 198.18.0.2 . 53 . 0 }}
+add element ip {t} eps-tcp-2 {{ 198.18.0.1 . 80 . 1 : 198.18.1.9 . 80 }}
+delete element ip {t} counts-a {{ 198.18.0.2 . udp . 53 }}
 flush chain ip {t} big
 add rule ip {t} big meta l4proto tcp dnat ip to numgen random mod 2 map @slots-a
 """,
@@ -187,6 +215,8 @@ add rule ip {t} big meta l4proto tcp dnat ip to numgen random mod 2 map @slots-a
 delete element ip6 {t} service-ips {{ fd00::1 . tcp . 80 }}
 flush chain ip6 {t} svc
 delete chain ip6 {t} svc
+delete element ip6 {t} counts-b {{ fd00::1 . sctp . 9 }}
+flush map ip6 {t} eps-sctp-1
 delete counter ip6 {t} cep-b
 delete set ip6 {t} aff-b
 flush set ip6 {t} hairpin

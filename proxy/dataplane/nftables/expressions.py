@@ -11,13 +11,16 @@ The dialect, closed; anything else raises `Unencodable`:
                numgen random mod <n> < <k>;
                ct state new;  ct status dnat;  meta mark & <mask> == <value>;
                <selector> . <selector> [. ...] @<set>   (selectors: ip|ip6 saddr|daddr,
-               meta l4proto, th dport)
+               meta l4proto, th dport, tcp|udp|sctp dport, numgen random mod <n>)
     statement: jump|goto <chain>;  drop;  accept;  return;  reject;
                dnat to <addr>:<port> | [<addr6>]:<port>;  update @<set> { ip|ip6 saddr };
                dnat ip|ip6 to numgen random mod <n> map @<slot map>;
                dnat ip|ip6 to jhash <hashed> mod <n> seed <seed> map @<slot map>
                (hashed: ip|ip6 saddr [. tcp|udp|sctp sport]);
                jhash <hashed> mod <n> seed <seed> vmap @<slot map of verdicts>;
+               dnat ip|ip6 to ip|ip6 daddr . <proto> dport . numgen random mod <n>
+                   map @<pick map>;
+               counter name <concatenation> map @<counter map>;
                masquerade fully-random;  meta mark set meta mark ^ <bits> (or |);
                counter name "<counter>" (before another statement or a verdict);
                <concatenation> vmap @<map>
@@ -125,6 +128,8 @@ from proxy.dataplane.common.netlink_constants import (
     NFTA_NG_TYPE,
     NFTA_OBJREF_IMM_NAME,
     NFTA_OBJREF_IMM_TYPE,
+    NFTA_OBJREF_SET_NAME,
+    NFTA_OBJREF_SET_SREG,
     NFTA_PAYLOAD_BASE,
     NFTA_PAYLOAD_DREG,
     NFTA_PAYLOAD_LEN,
@@ -261,9 +266,9 @@ def _protocol_match(proto: int) -> bytes:
     return meta_load(NFT_META_L4PROTO) + cmp(NFT_CMP_EQ, bytes([proto]))
 
 
-def _numgen_random(modulus: int) -> bytes:
-    """numgen's attributes: `numgen random mod <modulus>` (offset 0) into register 1."""
-    return (nla(NFTA_NG_DREG, u32(NFT_REG_1)) + nla(NFTA_NG_MODULUS, u32(modulus))
+def _numgen_random(modulus: int, reg: int = NFT_REG_1) -> bytes:
+    """numgen's attributes: `numgen random mod <modulus>` (offset 0) into `reg`."""
+    return (nla(NFTA_NG_DREG, u32(reg)) + nla(NFTA_NG_MODULUS, u32(modulus))
             + nla(NFTA_NG_TYPE, u32(NFT_NG_RANDOM)) + nla(NFTA_NG_OFFSET, u32(0)))
 
 
@@ -477,16 +482,24 @@ def _dnat(family: Family, target: str) -> bytes:
 # --- concatenations ----------------------------------------------------------------------------
 
 
-def _selector(family: Family, tokens: list[str], i: int) -> tuple[int, int] | None:
-    """(how many tokens, width in bytes) of the concatenable selector at tokens[i]."""
+def _selector(family: Family, tokens: list[str], i: int, protocol_ports: bool = False
+              ) -> tuple[int, int] | None:
+    """(how many tokens, width in bytes) of the concatenable selector at tokens[i];
+    `tcp|udp|sctp dport` only with `protocol_ports` (a pick map's key, after a match of
+    that protocol: elsewhere nft would add the match, and the bytes would differ)."""
     ip = "ip" if family is Family.V4 else "ip6"
     pair = tuple(tokens[i:i + 2])
     if pair in ((ip, "saddr"), (ip, "daddr")):
         return 2, ADDRESS_WIDTH[family]
     if pair == ("meta", "l4proto"):
         return 2, 1
-    if pair == ("th", "dport"):
+    if pair == ("th", "dport") or (protocol_ports and pair[0] in PROTOCOLS
+                                   and pair[1] == "dport"):
         return 2, 2
+    if pair == ("numgen", "random") and tokens[i + 2:i + 3] == ["mod"] \
+            and tokens[i + 3:i + 4] and tokens[i + 3].isdigit() \
+            and 0 < int(tokens[i + 3]) <= 0xFFFFFFFF:
+        return 4, 4  # a pick: numgen's host-order u32
     return None
 
 
@@ -496,17 +509,20 @@ def _load(family: Family, words: list[str], reg: int) -> bytes:
                        ADDRESS_WIDTH[family], reg)
     if words[0] == "meta":
         return meta_load(NFT_META_L4PROTO, reg)
+    if words[0] == "numgen":
+        return _expr("numgen", _numgen_random(int(words[3]), reg))
     return payload(NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2, reg)  # th dport
 
 
-def _concatenation(family: Family, tokens: list[str], i: int) -> tuple[int, bytes] | None:
+def _concatenation(family: Family, tokens: list[str], i: int, protocol_ports: bool = False
+                   ) -> tuple[int, bytes] | None:
     """(index after it, the loads into consecutive registers) of `a . b [. c]` at
-    tokens[i]; None when tokens[i] starts no concatenation."""
+    tokens[i]; None when tokens[i] starts no concatenation. (`protocol_ports`: _selector.)"""
     loads = b""
     slot = 0
     j = i
     while True:
-        found = _selector(family, tokens, j)
+        found = _selector(family, tokens, j, protocol_ports)
         if found is None:
             if j == i:
                 return None
@@ -762,6 +778,8 @@ def _statement(family: Family, cur: _Cursor) -> tuple[list[bytes], bool]:
         if how != "fully-random":
             raise Unencodable(f"masquerade {how}")
         return [_MASQUERADE_FULLY_RANDOM], True
+    if word == "dnat" and cur.at(1) == ip and cur.at(3) == ip:
+        return _dnat_pick(family, cur), True
     if word == "dnat" and cur.at(1) == ip and cur.at(3) == "jhash":
         return _dnat_hash_statement(family, cur), True
     if word == "jhash":
@@ -779,6 +797,11 @@ def _statement(family: Family, cur: _Cursor) -> tuple[list[bytes], bool]:
         if to != "to":
             raise Unencodable(f"dnat {to}")
         return [_dnat(family, target)], True
+    if word == "counter" and cur.at(1) == "name" and cur.at(2) == ip:
+        cur.take(2)
+        loads, set_name = _concatenation_map(family, cur)
+        return [loads, _expr("objref", nla(NFTA_OBJREF_SET_SREG, u32(NFT_REG_1))
+                             + string(NFTA_OBJREF_SET_NAME, set_name))], False
     if word == "counter" and cur.at(1) == "name":
         _, _, quoted = cur.take(3)
         if len(quoted) < 3 or quoted[0] != '"' or quoted[-1] != '"' or '"' in quoted[1:-1]:
@@ -795,6 +818,31 @@ def _statement(family: Family, cur: _Cursor) -> tuple[list[bytes], bool]:
         return [payload(NFT_PAYLOAD_NETWORK_HEADER, ADDRESS_OFFSETS[family]["saddr"],
                         ADDRESS_WIDTH[family]), _expr("dynset", dynset)], False
     raise Unencodable(f"{word!r}")
+
+
+def _concatenation_map(family: Family, cur: _Cursor, protocol_ports: bool = False
+                       ) -> tuple[bytes, str]:
+    """`<concatenation> map @<map>` at the cursor: the loads into consecutive registers
+    from register 1, and the map's name."""
+    found = _concatenation(family, cur.tokens, cur.i, protocol_ports)
+    if found is None:
+        raise Unencodable(f"{cur.rest()!r}: no concatenation")
+    cur.i, loads = found
+    map_, set_ref = cur.take(2)
+    if map_ != "map" or not set_ref.startswith("@"):
+        raise Unencodable(f"{map_} {set_ref}")
+    return loads, set_ref[1:]
+
+
+def _dnat_pick(family: Family, cur: _Cursor) -> list[bytes]:
+    """`dnat ip to ip daddr . <proto> dport . numgen random mod <n> map @<pick map>`
+    (after `meta l4proto <proto>`): the key loaded from register 1 on, looked up into
+    the address (register 1) and the port (the register slot after it)."""
+    _, _, to = cur.take(3)
+    if to != "to":
+        raise Unencodable(f"dnat {to}")
+    loads, set_name = _concatenation_map(family, cur, protocol_ports=True)
+    return [loads, _lookup(set_name, NFT_REG_1), _nat(family, register(ADDRESS_WIDTH[family] // 4))]
 
 
 def _counter_ref(name: str) -> bytes:

@@ -94,7 +94,7 @@ class Set(NamedTuple):
 
 class Map(NamedTuple):
     """A named map from a key (types as Set's) to a value of type `value` ("verdict":
-    a verdict map)."""
+    a verdict map; "counter": a counter map, whose values name counters)."""
 
     name: str
     key: tuple[str, ...]
@@ -130,7 +130,33 @@ class SlotMap(NamedTuple):
         return f"typeof numgen random mod 1 : {ip} daddr . {self.protocol} dport;"
 
 
-AnySet = Set | Map | SlotMap
+class PickMap(NamedTuple):
+    """A pick map (render.py): a cluster IP . port . numgen's pick 0..n-1 -> an endpoint's
+    address . port, for every port of one protocol and n endpoints in a shard that has no
+    chain of its own. Declared by the expressions that use it (`th dport` would serve
+    every protocol, but nft 1.0.6 then refuses any later script over the map)."""
+
+    name: str
+    family: Family
+    protocol: str  # "tcp", "udp", "sctp"
+
+    @property
+    def kind(self) -> str:
+        return "map"
+
+    @property
+    def key(self) -> tuple[str, ...]:
+        """Its key's types (the slot last: nft's integer), as a Set's."""
+        addr = "ipv4_addr" if self.family is Family.V4 else "ipv6_addr"
+        return (addr, "inet_service", "integer")
+
+    def declaration(self) -> str:
+        ip = "ip" if self.family is Family.V4 else "ip6"
+        return (f"typeof {ip} daddr . {self.protocol} dport . numgen random mod 1 : "
+                f"{ip} daddr . {self.protocol} dport;")
+
+
+AnySet = Set | Map | SlotMap | PickMap
 
 
 class Counter(NamedTuple):
@@ -183,9 +209,19 @@ class Verdict(NamedTuple):
         return f"{self.verb} {self.chain}" if self.chain else self.verb
 
 
-# An element's value: a verdict (verdict maps), the parts of an address . port (slot
-# maps), or () (a set's element, which has none).
-Value = Verdict | Key
+class CounterRef(NamedTuple):
+    """A counter map's value (`type ... : counter`): the named counter a packet whose key
+    matches counts into."""
+
+    name: str
+
+    def text(self) -> str:
+        return f'"{self.name}"'
+
+
+# An element's value: a verdict (verdict maps), a named counter (counter maps), the parts
+# of an address . port (slot and pick maps), or () (a set's element, which has none).
+Value = Verdict | CounterRef | Key
 
 
 def parts_text(parts: Key) -> str:
@@ -194,7 +230,7 @@ def parts_text(parts: Key) -> str:
 
 
 def value_text(value: Value) -> str:
-    return value.text() if type(value) is Verdict else parts_text(value)
+    return value.text() if isinstance(value, Verdict | CounterRef) else parts_text(value)
 
 
 class Element(NamedTuple):
@@ -212,7 +248,7 @@ class Element(NamedTuple):
         return f"{key} : {value_text(self.value)}" if self.value else key
 
 
-Object = Table | Chain | Set | Map | SlotMap | Counter
+Object = Table | Chain | Set | Map | SlotMap | PickMap | Counter
 
 
 class Command(NamedTuple):

@@ -29,12 +29,13 @@ from proxy.dataplane.common.netlink_constants import (
     NFTA_SET_ELEM_LIST_ELEMENTS,
     NFTA_SET_ELEM_LIST_SET,
     NFTA_SET_ELEM_LIST_TABLE,
+    NFTA_SET_ELEM_OBJREF,
     NFTA_VERDICT_CHAIN,
     NFTA_VERDICT_CODE,
     NLA_TYPE_MASK,
 )
 from proxy.dataplane.nftables.expressions import PROTOCOLS, VERDICTS, Unencodable
-from proxy.dataplane.nftables.objects import Key, Value, Verdict
+from proxy.dataplane.nftables.objects import CounterRef, Key, Value, Verdict
 from proxy.dataplane.nftables.wire import part_width, set_element_head
 from proxy.model.types import Family
 
@@ -42,6 +43,7 @@ _VERBS = {code: verb for verb, code in VERDICTS.items()}
 _PROTOCOL_NAMES = {number: name for name, number in PROTOCOLS.items()}
 _CODE = struct.Struct("!i")
 _PORT = struct.Struct("!H")
+_SLOT = struct.Struct("=I")
 
 
 class Unreadable(Exception):
@@ -67,13 +69,16 @@ def read_held(messages: Iterable[tuple[bytes, int, int]], family: Family,
     """A set's or map's dumped messages (data, body start, end) as `Held`."""
     held = Held()
     length = key_length(types)
+    # A pick map's key ends in its slot (nft's integer); its value is an address . port.
+    values = (types[0], "inet_service") if types and types[-1] == "integer" else ()
     for data, start, end in messages:
         keys = None if is_map else set_keys(data, start, end, length)
         if keys is not None:
             held.raw.update(keys)
             continue
         for raw, value in decode_elements(data, start, end):
-            held.decoded[key_parts(family, types, raw)] = value
+            held.decoded[key_parts(family, types, raw)] = \
+                key_parts(family, values, value) if isinstance(value, bytes) else value
     return held
 
 
@@ -91,9 +96,11 @@ def element_dump_request(family: Family, table: str, set_name: str) -> bytes:
             + nla_string(NFTA_SET_ELEM_LIST_SET, set_name))
 
 
-def decode_elements(data: bytes, start: int, end: int) -> Iterator[tuple[bytes, Value]]:
+def decode_elements(data: bytes, start: int, end: int
+                    ) -> Iterator[tuple[bytes, Value | bytes]]:
     """(key's bytes, value) of each element in one dumped message (data[start:end], its
-    body): a verdict, or () for a set's element (and for a value that is not one)."""
+    body): a verdict, a counter's name (a counter map's), a value's bytes (a pick map's),
+    or () for a set's element."""
     for attr, a, b in attributes(data, start + NFGEN.size, end):
         if attr != NFTA_SET_ELEM_LIST_ELEMENTS:
             continue
@@ -101,14 +108,20 @@ def decode_elements(data: bytes, start: int, end: int) -> Iterator[tuple[bytes, 
             if elem != NFTA_LIST_ELEM:
                 continue
             key = b""
-            value: Value = ()
+            value: Value | bytes = ()
             for part, i, j in attributes(data, x, y):
                 if part == NFTA_SET_ELEM_KEY:
-                    key = next((data[p:q] for kind, p, q in attributes(data, i, j)
-                                if kind == NFTA_DATA_VALUE), b"")
+                    key = _data_value(data, i, j)
                 elif part == NFTA_SET_ELEM_DATA:
-                    value = _verdict(data, i, j)
+                    value = _verdict(data, i, j) or _data_value(data, i, j)
+                elif part == NFTA_SET_ELEM_OBJREF:
+                    value = CounterRef(data[i:j].split(b"\0", 1)[0].decode(errors="replace"))
             yield key, value
+
+
+def _data_value(data: bytes, start: int, end: int) -> bytes:
+    return next((data[p:q] for kind, p, q in attributes(data, start, end)
+                 if kind == NFTA_DATA_VALUE), b"")
 
 
 def set_keys(data: bytes, start: int, end: int, length: int) -> list[bytes] | None:
@@ -179,6 +192,8 @@ def key_parts(family: Family, types: Sequence[str], raw: bytes) -> Key:
             if name is None:
                 raise Unreadable(f"protocol {raw[at]}")
             parts.append(name)
+        elif t == "integer":  # a pick's slot: numgen's host-order u32
+            parts.append(_SLOT.unpack_from(raw, at)[0])
         else:
             parts.append(_PORT.unpack_from(raw, at)[0])
         at += width

@@ -27,8 +27,13 @@ the whole script to nft instead: nothing is ever half-encoded. The dialect, as t
     add set <t> <name> { type ipv4_addr|ipv6_addr; flags dynamic,timeout; timeout <n>s; }
     add map <t> <name> { type <key> : verdict; }
     add map <t> <name> { typeof numgen random mod 1 : ip|ip6 daddr . <proto> dport; }
+    add map <t> <name> { typeof ip|ip6 daddr . <proto> dport . numgen random mod 1 :
+                         ip|ip6 daddr . <proto> dport; }    (a pick map)
+    add map <t> <name> { type <key> : counter; }
     add|delete element <t> <set> { <key> [: goto|jump <chain> | drop | accept], ... }
     add|delete element <t> <slot map> { <slot> [: <addr> . <port>], ... }
+    add|delete element <t> <pick map> { <addr> . <port> . <slot> [: <addr> . <port>], ... }
+    add|delete element <t> <counter map> { <key> [: "<counter>"], ... }
     add rule <t> <chain> <rule> [comment "<text>"]
 
 Equivalence with nft's own encoding is tested against the kernel: each shape added
@@ -94,6 +99,7 @@ from proxy.dataplane.common.netlink_constants import (
     NFT_SET_ANONYMOUS,
     NFT_SET_EVAL,
     NFT_SET_MAP,
+    NFT_SET_OBJECT,
     NFT_SET_TIMEOUT,
     NFTA_ANY_TABLE,
     NFTA_CHAIN_HOOK,
@@ -121,11 +127,13 @@ from proxy.dataplane.common.netlink_constants import (
     NFTA_SET_ELEM_KEY,
     NFTA_SET_ELEM_LIST_ELEMENTS,
     NFTA_SET_ELEM_LIST_SET,
+    NFTA_SET_ELEM_OBJREF,
     NFTA_SET_FLAGS,
     NFTA_SET_ID,
     NFTA_SET_KEY_LEN,
     NFTA_SET_KEY_TYPE,
     NFTA_SET_NAME,
+    NFTA_SET_OBJ_TYPE,
     NFTA_SET_TABLE,
     NFTA_SET_TIMEOUT,
     NFTA_SET_USERDATA,
@@ -154,9 +162,11 @@ from proxy.dataplane.nftables.objects import (
     Chain,
     Command,
     Counter,
+    CounterRef,
     Hook,
     Key,
     Map,
+    PickMap,
     Priority,
     Set,
     SlotMap,
@@ -172,7 +182,7 @@ from proxy.model.types import Family
 # nft's data types for set keys: (its number, bytes); a concatenation's type is their
 # numbers, 6 bits each, and its length their lengths in 32-bit register slots.
 KEY_TYPES = {"ipv4_addr": (7, 4), "ipv6_addr": (8, 16), "inet_proto": (12, 1),
-             "inet_service": (13, 2)}
+             "inet_service": (13, 2), "integer": (4, 4)}
 TYPE_BITS = 6
 # The user data nft 1.0.6 stores with each set declaration (read back from sets it
 # made): a plain address set says its key is big endian; a concatenation says its
@@ -197,6 +207,20 @@ _SLOT_MAP_BODY = re.compile(r"typeof numgen random mod 1 : (ip6?) daddr \. (tcp|
 _SLOT_VERDICT_MAP = bytes.fromhex("000401000000010400000000031a00041700000001120004010000000104"
                                   "0100000002040000000004080004010000000100060400000000")
 _SLOT_VERDICT_BODY = SlotMap("", Family.V4, "", verdicts=True).declaration().rstrip(";")
+
+
+# A pick map (render.py): `typeof ip|ip6 daddr . <proto> dport . numgen random mod 1 :
+# ip|ip6 daddr . <proto> dport`, nft's bytes, which differ by the address's header (the
+# slot maps' `_SLOT_MAP_FAMILY`) and the protocol (`_SLOT_MAP_PROTO`); its key a
+# concatenation ending in nft's integer. A counter map (`type <concatenation> :
+# counter`): nft's bytes, the same for both families.
+_PICK_MAP = ("000400000000010400000000035000040d00000001480014000407000000010c0004{f}14000407"
+             "000000010c0004{p:02x}000000010402000000021a000417000000011200040100000001040100"
+             "0000020400000000043400040d000000012c0014000407000000010c0004{f}14000407000000010c"
+             "0004{p:02x}000000010402000000060400000000")
+_PICK_MAP_BODY = re.compile(r"typeof (ip6?) daddr \. (tcp|udp|sctp) dport \. numgen random mod 1 "
+                            r": \1 daddr \. \2 dport")
+_COUNTER_MAP = bytes.fromhex("000400000000030800040d0000000100060400000000")
 
 
 def _slot_map_userdata(family: Family, proto: str) -> bytes:
@@ -270,11 +294,14 @@ def _key_port(number: int) -> bytes:
 
 def _element_key(family: Family, parts: Key) -> bytes:
     """`("198.18.0.1", "tcp", 80)` -> each part in its own 32-bit register slot, as the
-    kernel lays out concatenations (an address fills its slots: 4 or 16 bytes)."""
+    kernel lays out concatenations (an address fills its slots: 4 or 16 bytes). A number
+    is a port, or after a port a pick's slot (a pick map's key: numgen's host-order u32)."""
     out = []
+    ported = False
     for part in parts:
         if isinstance(part, int):
-            out.append(_key_port(part))
+            out.append(_key_port(part) if not ported else _slot(part))
+            ported = True
         else:
             out.append(_KEY_PROTOCOLS.get(part) or address(part, family))
     return b"".join(out)
@@ -318,6 +345,12 @@ def set_element_head(length: int) -> bytes:
     return nested(NFTA_LIST_ELEM, _value_head(NFTA_SET_ELEM_KEY, length) + bytes(length))[:-length]
 
 
+def _slot(number: int) -> bytes:
+    if not 0 <= number <= 0xFFFFFFFF:
+        raise Unencodable(f"slot {number}")
+    return _SLOT.pack(number)
+
+
 def _element(family: Family, key: Key, data: Value) -> bytes:
     """One element: its key and, in a map, its value (`data`; () in a set)."""
     if len(key) == 1 and isinstance(key[0], int):  # a slot map's key: numgen's host-order u32
@@ -330,11 +363,15 @@ def _element(family: Family, key: Key, data: Value) -> bytes:
     raw = _element_key(family, key)
     if not data:
         return set_element_head(len(raw)) + raw
-    if type(data) is not Verdict or data.verb not in VERDICTS \
-            or bool(data.chain) != (data.verb in ("jump", "goto")):
+    head = _value_head(NFTA_SET_ELEM_KEY, len(raw)) + raw
+    if type(data) is CounterRef:
+        return nested(NFTA_LIST_ELEM, head + string(NFTA_SET_ELEM_OBJREF, data.name))
+    if type(data) is not Verdict:  # a pick map's address . port
+        return nested(NFTA_LIST_ELEM, head + value(NFTA_SET_ELEM_DATA,
+                                                   _element_key(family, data)))
+    if data.verb not in VERDICTS or bool(data.chain) != (data.verb in ("jump", "goto")):
         raise Unencodable(f"element value {data!r}")
-    return nested(NFTA_LIST_ELEM, _value_head(NFTA_SET_ELEM_KEY, len(raw)) + raw
-                  + verdict(NFTA_SET_ELEM_DATA, data.verb, data.chain))
+    return nested(NFTA_LIST_ELEM, head + verdict(NFTA_SET_ELEM_DATA, data.verb, data.chain))
 
 
 def _elements(family: Family, items: Sequence[tuple[Key, Value]]) -> bytes:
@@ -448,8 +485,23 @@ def _set_attrs(declared: AnySet) -> bytes:
                 + nla(NFTA_SET_KEY_LEN, u32(4)) + nla(NFTA_SET_DATA_TYPE, u32(data_type))
                 + nla(NFTA_SET_DATA_LEN, u32(data_len))
                 + nla(NFTA_SET_USERDATA, _slot_map_userdata(declared.family, declared.protocol)))
+    if isinstance(declared, PickMap):
+        number, length, _ = _key_type(declared.key)
+        data_type, data_len, _ = _key_type((declared.key[0], "inet_service"))
+        if declared.protocol not in _SLOT_MAP_PROTO:
+            raise Unencodable(f"pick map of {declared.protocol!r}")
+        userdata = _PICK_MAP.format(f=_SLOT_MAP_FAMILY[declared.family],
+                                    p=_SLOT_MAP_PROTO[declared.protocol])
+        return (nla(NFTA_SET_FLAGS, u32(NFT_SET_MAP)) + nla(NFTA_SET_KEY_TYPE, u32(number))
+                + nla(NFTA_SET_KEY_LEN, u32(length)) + nla(NFTA_SET_DATA_TYPE, u32(data_type))
+                + nla(NFTA_SET_DATA_LEN, u32(data_len))
+                + nla(NFTA_SET_USERDATA, bytes.fromhex(userdata)))
     number, length, concat = _key_type(declared.key)
     attrs = nla(NFTA_SET_KEY_TYPE, u32(number)) + nla(NFTA_SET_KEY_LEN, u32(length))
+    if isinstance(declared, Map) and declared.value == "counter":
+        return (nla(NFTA_SET_FLAGS, u32(NFT_SET_OBJECT)) + attrs
+                + nla(NFTA_SET_OBJ_TYPE, u32(NFT_OBJECT_COUNTER))
+                + nla(NFTA_SET_USERDATA, _COUNTER_MAP))
     if isinstance(declared, Map):
         if declared.value != "verdict":
             raise Unencodable(f"map of {declared.value!r}")
@@ -508,7 +560,7 @@ def _command(t: bytes, command: Command, set_id: int) -> tuple[int, int, bytes]:
         if verb == "delete":
             return NFT_MSG_DELOBJ, 0, attrs
     else:
-        assert isinstance(obj, Set | Map | SlotMap)
+        assert isinstance(obj, Set | Map | SlotMap | PickMap)
         if verb == "add":
             return NFT_MSG_NEWSET, NLM_F_CREATE, (t + string(NFTA_SET_NAME, obj.name)
                                                   + _set_attrs(obj)
@@ -533,6 +585,9 @@ def _parse_set(body: str, is_map: bool) -> AnySet:
     slot_map = _SLOT_MAP_BODY.fullmatch(parts[0]) if len(parts) == 1 and is_map else None
     if slot_map is not None:
         return SlotMap("", Family.V4 if slot_map[1] == "ip" else Family.V6, slot_map[2])
+    pick_map = _PICK_MAP_BODY.fullmatch(parts[0]) if len(parts) == 1 and is_map else None
+    if pick_map is not None:
+        return PickMap("", Family.V4 if pick_map[1] == "ip" else Family.V6, pick_map[2])
     if not parts[0].startswith("type "):
         raise Unencodable(f"set {{ {body} }}")
     key, sep, data = parts[0].removeprefix("type ").partition(" : ")
@@ -594,6 +649,8 @@ def _element_item(text: str) -> tuple[Key, Value]:
     verb, _, chain = data.partition(" ")
     if verb in VERDICTS:
         return _parts(key.strip()), Verdict(verb, chain)
+    if len(data) > 2 and data[0] == data[-1] == '"' and '"' not in data[1:-1]:
+        return _parts(key.strip()), CounterRef(data[1:-1])
     return _parts(key.strip()), _parts(data) if data else ()
 
 
