@@ -4,10 +4,11 @@ each (IPv6, in SHARDS shard tables), written with nft in a lab node, without the
 - chains: today's layout for such a port (render.py): a chain per port, reached from the
   shard's @service-ips verdict map, counting the port, marking off-cluster clients, then
   E `numgen random mod k 0` DNAT rules;
-- maps: a candidate with no chain per port: the port's @service-ips element (counted by
-  the map's own per-element counter) goes to `pick-<n>`, one chain per endpoint count n
-  in each shard (declared up to --pick-max), whose one DNAT rule looks the endpoint up
-  in @eps-<n> by destination . protocol . port . `numgen random mod n`.
+- maps: the agent's picked ports (render.py): no chain per port; the port's @service-ips
+  element goes to `pick-<n>`, one chain per endpoint count n in each shard (declared up
+  to --pick-max, the agent's PICK_MAX by default), which counts the connection into the
+  port's counter through @port-counters and looks the endpoint up in its protocol's
+  @eps-<proto>-<n> by destination . port . `numgen random mod n`.
 
 Measured: loading all of it (nft's wall time, and the user and system CPU of nft: the
 system part is the kernel's), then the kernel's time for one batch (the `sendmsg` that
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import node_namespace
+from proxy.dataplane.nftables.render import PICK_MAX, PICK_PROTOCOLS
 
 LAYOUTS = ("chains", "maps")
 CHANGES = ("replace", "grow")
@@ -60,12 +62,10 @@ def _table(i: int) -> str:
 
 def shard_lines(shard: int, layout: str, pick_max: int) -> Iterator[str]:
     t = f"ip6 bench-{shard}"
-    counted = " counter;" if layout == "maps" else ""
     yield f"add table {t}"
     yield f"add chain {t} mark-for-masquerade"
     yield f"add rule {t} mark-for-masquerade meta mark set meta mark | 0x00004000"
-    yield (f"add map {t} service-ips {{ type ipv6_addr . inet_proto . inet_service : "
-           f"verdict;{counted} }}")
+    yield f"add map {t} service-ips {{ type ipv6_addr . inet_proto . inet_service : verdict; }}"
     yield f"add chain {t} services"
     yield f"add rule {t} services ip6 daddr . meta l4proto . th dport vmap @service-ips"
     yield (f"add chain {t} nat-prerouting {{ type nat hook prerouting priority dstnat; "
@@ -74,13 +74,19 @@ def shard_lines(shard: int, layout: str, pick_max: int) -> Iterator[str]:
     yield f"add chain {t} nat-output {{ type nat hook output priority -100; policy accept; }}"
     yield f"add rule {t} nat-output jump services"
     if layout == "maps":
+        yield (f"add map {t} port-counters {{ type ipv6_addr . inet_proto . inet_service : "
+               "counter; }")
         for n in range(1, pick_max + 1):
-            yield (f"add map {t} eps-{n} {{ typeof ip6 daddr . meta l4proto . th dport . "
-                   "numgen random mod 1 : ip6 daddr . tcp dport; }")
+            for p in PICK_PROTOCOLS:
+                yield (f"add map {t} eps-{p}-{n} {{ typeof ip6 daddr . {p} dport . numgen "
+                       f"random mod 1 : ip6 daddr . {p} dport; }}")
             yield f"add chain {t} pick-{n}"
+            yield (f"add rule {t} pick-{n} counter name ip6 daddr . meta l4proto . th dport "
+                   "map @port-counters")
             yield f"add rule {t} pick-{n} ip6 saddr != {POD_CIDR} jump mark-for-masquerade"
-            yield (f"add rule {t} pick-{n} dnat ip6 to ip6 daddr . meta l4proto . th dport"
-                   f" . numgen random mod {n} map @eps-{n}")
+            for p in PICK_PROTOCOLS:
+                yield (f"add rule {t} pick-{n} meta l4proto {p} dnat ip6 to ip6 daddr . {p} "
+                       f"dport . numgen random mod {n} map @eps-{p}-{n}")
 
 
 def _chain_rules(i: int, pods: list[int]) -> list[str]:
@@ -98,7 +104,7 @@ def _chain_rules(i: int, pods: list[int]) -> list[str]:
 
 
 def _slot_elements(i: int, pods: list[int]) -> str:
-    return ", ".join(f"{_service(i)} . tcp . {PORT} . {k} : {_pod(p)} . {TARGET}"
+    return ", ".join(f"{_service(i)} . {PORT} . {k} : {_pod(p)} . {TARGET}"
                      for k, p in enumerate(pods))
 
 
@@ -110,8 +116,10 @@ def port_lines(i: int, layout: str, pods: list[int]) -> Iterator[str]:
         yield f"add element {t} service-ips {{ {ip} . tcp . {PORT} : goto svc-{h} }}"
         yield from _chain_rules(i, pods)
     else:
+        yield f"add counter {t} cnt-{h}"
         yield f"add element {t} service-ips {{ {ip} . tcp . {PORT} : goto pick-{len(pods)} }}"
-        yield f"add element {t} eps-{len(pods)} {{ {_slot_elements(i, pods)} }}"
+        yield f'add element {t} port-counters {{ {ip} . tcp . {PORT} : "cnt-{h}" }}'
+        yield f"add element {t} eps-tcp-{len(pods)} {{ {_slot_elements(i, pods)} }}"
 
 
 def change_lines(i: int, layout: str, old: list[int], new: list[int]) -> list[str]:
@@ -122,14 +130,14 @@ def change_lines(i: int, layout: str, old: list[int], new: list[int]) -> list[st
     if len(old) == len(new):
         changed = [k for k in range(len(new)) if old[k] != new[k]]
         return [line for k in changed for line in (
-            f"delete element {t} eps-{len(old)} {{ {ip} . tcp . {PORT} . {k} }}",
-            f"add element {t} eps-{len(new)} {{ {ip} . tcp . {PORT} . {k} : {_pod(new[k])}"
+            f"delete element {t} eps-tcp-{len(old)} {{ {ip} . {PORT} . {k} }}",
+            f"add element {t} eps-tcp-{len(new)} {{ {ip} . {PORT} . {k} : {_pod(new[k])}"
             f" . {TARGET} }}")]
-    keys = ", ".join(f"{ip} . tcp . {PORT} . {k}" for k in range(len(old)))
+    keys = ", ".join(f"{ip} . {PORT} . {k}" for k in range(len(old)))
     return [f"delete element {t} service-ips {{ {ip} . tcp . {PORT} }}",
             f"add element {t} service-ips {{ {ip} . tcp . {PORT} : goto pick-{len(new)} }}",
-            f"delete element {t} eps-{len(old)} {{ {keys} }}",
-            f"add element {t} eps-{len(new)} {{ {_slot_elements(i, new)} }}"]
+            f"delete element {t} eps-tcp-{len(old)} {{ {keys} }}",
+            f"add element {t} eps-tcp-{len(new)} {{ {_slot_elements(i, new)} }}"]
 
 
 def _nft(ns: str, lines: list[str], work: Path, trace: bool) -> dict[str, float]:
@@ -207,8 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--services", type=int, default=10000)
     ap.add_argument("--endpoints", type=int, default=10)
     ap.add_argument("--changes", type=int, default=15)
-    ap.add_argument("--pick-max", type=int, default=127,
-                    help="pick chains and maps declared per shard in the maps layout")
+    ap.add_argument("--pick-max", type=int, default=PICK_MAX,
+                    help="pick chains (and maps, per protocol) declared per shard in the "
+                         "maps layout (default: the agent's)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     result = run(args.services, args.endpoints, args.changes, args.pick_max)

@@ -125,7 +125,9 @@ def test_debug_dump_shows_decisions_and_applied_rules(lab: Lab, sim: SimServer,
     (entry,) = doc["services"]
     assert entry["cluster_endpoints"] == ["198.18.1.10:8080", "198.18.1.11:8080"]
     assert entry["applied_rules"], "the iptables rules or nftables objects of demo/web:http"
-    assert any("198.18.1.10:8080" in r for r in entry["applied_rules"])
+    # A DNAT rule's target, or (nftables, a picked port) its pick map's element.
+    assert any("198.18.1.10:8080" in r or ": 198.18.1.10 . 8080" in r
+               for r in entry["applied_rules"])
     assert doc["config"]["proxy-mode"] in ("iptables", "nftables")
     assert doc["node"]["name"] == "node-a"
     assert doc["watch"]["endpoints_resource"] == "endpointslices.discovery.k8s.io/v1"

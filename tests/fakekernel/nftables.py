@@ -28,7 +28,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from ipaddress import ip_address
 
-from proxy.dataplane.nftables.objects import Key, Value
+from proxy.dataplane.nftables.objects import CounterRef, Key, Value
 from proxy.dataplane.nftables.objects import Verdict as ElementVerdict
 from proxy.dataplane.nftables.readback import Held, Unreadable
 from proxy.dataplane.nftables.transaction import Script
@@ -188,10 +188,16 @@ class FakeNft:
         for key, value in found.elements.items():
             if len(key) != len(types):
                 raise Unreadable(f"{key} as {types}")
-            parts = tuple(int(p) if t == "inet_service" else p
+            parts = tuple(int(p) if t in ("inet_service", "integer") else p
                           for p, t in zip(key, types, strict=True))
             verb, _, chain = value.partition(" ")
-            out[parts] = ElementVerdict(verb, chain) if value else ()
+            if value.startswith('"'):  # a counter map's
+                out[parts] = CounterRef(value.strip('"'))
+            elif " . " in value:  # a pick map's address . port
+                address, port = value.split(" . ")
+                out[parts] = (address, int(port))
+            else:
+                out[parts] = ElementVerdict(verb, chain) if value else ()
         return Held(decoded=out)
 
     def count(self, family: Family, table: str, name: str, packets: int = 1) -> None:
@@ -337,6 +343,10 @@ def _check_references(tables: Tables) -> None:
             for counter in _COUNTER_REFERENCE.findall(text):
                 if counter not in table.counters:
                     raise NftFakeError(f"{ip} {name}: no counter {counter} for: {text}")
+        for set_name, found in table.sets.items():  # a counter map's values
+            for value in found.elements.values():
+                if value.startswith('"') and value.strip('"') not in table.counters:
+                    raise NftFakeError(f"{ip} {name}: no counter {value} in {set_name}")
 
 
 # --- the tracer -----------------------------------------------------------------------------------
@@ -462,9 +472,17 @@ class NftTracer:
                 else [(st, NEXT)]
         if pair == ("meta", "mark"):
             return self._mark(table, words, i, st)
-        if pair == ("counter", "name"):  # counts; decides nothing
+        if pair == ("counter", "name") and words[i + 2].startswith('"'):  # decides nothing
             return self._eval(table, words, i + 3, replace(
                 st, counted=(*st.counted, words[i + 2].strip('"'))))
+        if pair == ("counter", "name"):  # `counter name <key> map @<counter map>`
+            end = words.index("map", i)
+            found = self._set(table, words[end + 1].removeprefix("@")).elements.get(
+                self._key(words[i + 2:end], st))
+            if found is None:  # a failed lookup ends the rule, not the chain
+                return [(st, NEXT)]
+            return self._eval(table, words, end + 2, replace(
+                st, counted=(*st.counted, found.strip('"'))))
         if pair == ("numgen", "random"):
             return self._numgen(table, words, i, st)
         if w == "jhash":
@@ -599,9 +617,39 @@ class NftTracer:
                 text = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
                 out.append((replace(s, endpoint=text), "accept"))
             return out
+        if rest[0] in ("ip", "ip6") and rest[1:3] == ["to", rest[0]] and "numgen" in rest:
+            return self._dnat_pick(table, rest[2:], st)
         if rest[0] in ("ip", "ip6") and rest[1:3] == ["to", "jhash"]:
             return self._dnat_hashed(table, rest[3:], st)
         raise TraceError(f"dnat {' '.join(rest)}")
+
+    def _key(self, words: list[str], st: Walk) -> tuple[str, ...]:
+        """The packet's key for the concatenation `words` (`ip daddr . th dport`)."""
+        selectors = [tuple(sel.split()) for sel in " ".join(words).split(" . ")]
+        if any(len(sel) != 2 or sel not in _SELECTORS for sel in selectors):
+            raise TraceError(f"key {' '.join(words)}")
+        return tuple(self._value((sel[0], sel[1]), st) for sel in selectors)
+
+    def _dnat_pick(self, table: str, words: list[str], st: Walk) -> list[tuple[Walk, str]]:
+        """`<key> . numgen random mod N map @pick`: one in N each, the endpoint the key
+        and that pick hold."""
+        at = words.index("numgen")
+        if words[at - 1] != "." or words[at + 1:at + 3] != ["random", "mod"] \
+                or words[at + 4] != "map" or len(words) != at + 6:
+            raise TraceError(f"dnat to {' '.join(words)}")
+        key, n = self._key(words[:at - 1], st), int(words[at + 3])
+        picks = self._set(table, words[at + 5].removeprefix("@")).elements
+        out: list[tuple[Walk, str]] = []
+        for slot in range(n):
+            s = replace(st, probability=st.probability / n)
+            value = picks.get((*key, str(slot)))
+            if value is None:  # a failed lookup ends the rule, not the chain
+                out.append((s, NEXT))
+                continue
+            address, port = value.split(" . ")
+            text = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+            out.append((replace(s, endpoint=text), "accept"))
+        return out
 
     def _dnat_hashed(self, table: str, words: list[str], st: Walk
                      ) -> list[tuple[Walk, str]]:

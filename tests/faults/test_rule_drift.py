@@ -34,8 +34,17 @@ def _nft(node: FaultNode, *args: str, script: str | None = None) -> list[str]:
     return nft_objects(res.stdout)
 
 
+def web_endpoints(rules: list[str]) -> int:
+    """The endpoints web's rules pick from: its DNAT rules (iptables, or nftables with a
+    chain of its own), or its elements of a pick map (nftables: a picked port)."""
+    return sum(("demo/web:http" in r and DNAT.search(r) is not None)
+               or (r.startswith("element ") and " eps-tcp-" in r and f" {WEB} . 80 . " in r)
+               for r in rules)
+
+
 def web_chain(node: FaultNode) -> tuple[str, str]:
-    """nftables mode: the (table, chain) web's cluster IP:80 dispatches to."""
+    """nftables mode: the (table, chain) web's cluster IP:80 dispatches to (its shard's
+    pick chain for its endpoint count: web is a picked port)."""
     element = next(r for r in node.rules() if r.startswith("element ip ")
                    and f" {WEB} . tcp . 80 : goto " in r)
     return element.split()[2], element.split()[-1]
@@ -47,12 +56,16 @@ def delete_endpoint_chain(node: FaultNode) -> list[str] | None:
     endpoint chains here (only with ClientIP affinity): web's service chain itself goes,
     with the dispatch map's element that leads to it."""
     if node.nftables:
-        # One transaction, as above; a chain in use cannot go, so its element goes first.
+        # One transaction, as above; a chain in use cannot go, so the elements that go
+        # to it go first (web's pick chain: every port of its shard with as many
+        # endpoints).
         table, chain = web_chain(node)
-        return _nft(node, "-f", "-", script=f"delete element ip {table} service-ips "
-                                            f"{{ {WEB} . tcp . 80 }}\n"
-                                            f"flush chain ip {table} {chain}\n"
-                                            f"delete chain ip {table} {chain}\n")
+        users = [r.split(" : ")[0].split(maxsplit=4)[4] for r in node.rules()
+                 if r.startswith(f"element ip {table} service-ips ")
+                 and r.endswith(f": goto {chain}")]
+        return _nft(node, "-f", "-", script="".join(
+            f"delete element ip {table} service-ips {{ {u} }}\n" for u in users)
+            + f"flush chain ip {table} {chain}\ndelete chain ip {table} {chain}\n")
     rules = "\n".join(node.rules())
     svc = re.search(r'-A (SPX-SVC-\S+) .*--comment "?demo/web:http', rules)
     assert svc, rules
@@ -157,8 +170,7 @@ def test_our_own_syncs_are_not_drift(fault_node: FaultNode) -> None:
         sim.apply(endpoint_slice("web-1", "web", [endpoint(b[n].ipv4, node=b[n].node)
                                                   for n in names], BOTH_PORTS))
         want = 1 + i % 2
-        wait_for(lambda want=want: sum("demo/web:http" in r and DNAT.search(r) is not None
-                                       for r in node.rules()) == want,
+        wait_for(lambda want=want: web_endpoints(node.rules()) == want,
                  15.0, f"web with {want} endpoints")
     settle(1.0)  # room for any (wrong) drift report to arrive and be acted on
     metrics = node.agent.metrics()

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from proxy.dataplane.nftables import render
-from proxy.dataplane.nftables.render import SLOTS
+from proxy.dataplane.nftables.render import PICKS, SLOTS
 from tests.fakekernel.nftables import NftTable
 from tests.fakekernel.packet import Packet
 from tests.fakekernel.planes import FakePlane
@@ -32,6 +32,12 @@ def comparable(tables: object) -> object:
             if name.startswith(SLOTS):
                 assert sorted(int(k[0]) for k in s.elements) == list(range(len(s.elements)))
                 sets[name] = (s.body, sorted(s.elements.values()))
+            elif name.startswith(PICKS):  # each picked port's endpoints, slots 0..n-1
+                ports: dict[tuple[str, ...], list[str]] = {}
+                for k, v in s.elements.items():
+                    ports.setdefault(k[:-1], []).append(v)
+                assert all(len(v) == int(name.rsplit("-", 1)[1]) for v in ports.values())
+                sets[name] = (s.body, {k: sorted(v) for k, v in ports.items()})
             else:
                 sets[name] = (s.body, s.elements)
         out[key] = (table.chains, sets, sorted(table.counters))

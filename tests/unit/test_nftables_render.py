@@ -10,8 +10,11 @@ from dataclasses import replace
 from ipaddress import ip_address, ip_network
 from typing import Any
 
+import pytest
+
 from proxy.dataplane.base import DataplaneOptions
 from proxy.dataplane.common.context import RenderContext, context_for
+from proxy.dataplane.nftables import render
 from proxy.dataplane.nftables.objects import parts_text
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
@@ -31,6 +34,13 @@ from tests.unit.builders import NODE, ep, eps_slice, node, resolve_one, service
 CIDR4 = RenderContext(Family.V4, local_cidrs=(ip_network("198.18.1.0/24"),))
 T4 = "ip sliceproxy"
 S0 = "sliceproxy-0"  # the one shard of a small table
+
+
+@pytest.fixture
+def chains_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No port picked (render.PICK_MAX 0): each has a chain of its own, as a port with a
+    NodePort, affinity or per-endpoint counters has."""
+    monkeypatch.setattr(render, "PICK_MAX", 0)
 
 
 def pretty(rsp: ResolvedServicePort, ctx: RenderContext = CIDR4) -> list[str]:
@@ -54,6 +64,7 @@ def resolve(*objects: dict[str, Any], family: Family = Family.V4) -> ResolvedSer
     return resolve_one(node(), *objects, family=family, port="http")
 
 
+@pytest.mark.usefixtures("chains_of_their_own")
 def test_cluster_ip_dispatches_by_map_and_balances_with_numgen() -> None:
     rsp = resolve(service(), eps_slice("s1", [ep("198.18.1.10"), ep("198.18.1.11"),
                                               ep("198.18.1.12"), ep("198.18.1.13", ready=False)]))
@@ -77,6 +88,55 @@ def test_cluster_ip_dispatches_by_map_and_balances_with_numgen() -> None:
         'comment "ns/svc:http"',
         'add rule <svc> meta l4proto tcp dnat to 198.18.1.12:8080 comment "ns/svc:http"',
     ]
+
+
+def test_a_cluster_ip_port_is_picked_by_its_shards_chain_without_one_of_its_own() -> None:
+    """A port reached by its cluster IP alone, balanced at random, is map elements only:
+    its dispatch to the shard's pick chain of its endpoint count, its counter, and its
+    endpoints by slot in that count's pick map (scale-churn.md: a change is elements)."""
+    rsp = resolve(service(), eps_slice("s1", [ep("198.18.1.10"), ep("198.18.1.11"),
+                                              ep("198.18.1.12", ready=False)]))
+    assert pretty(rsp) == [
+        "add element cluster-ips { 198.18.128.1 }",
+        "add element hairpin { 198.18.1.10 . 198.18.1.10 }",
+        "add element hairpin { 198.18.1.11 . 198.18.1.11 }",
+        'add element port-counters { 198.18.128.1 . tcp . 80 : "<cnt>" }',
+        "add element service-ips { 198.18.128.1 . tcp . 80 : goto pick-2 }",
+        "add element eps-tcp-2 { 198.18.128.1 . 80 . 0 : 198.18.1.10 . 8080 }",
+        "add element eps-tcp-2 { 198.18.128.1 . 80 . 1 : 198.18.1.11 . 8080 }",
+        "add counter <cnt>",
+    ]
+    shard = {c.name: c.rules for c in render_shard(CIDR4, S0).chains}
+    assert shard["pick-2"] == (
+        "counter name ip daddr . meta l4proto . th dport map @port-counters",
+        # Off-cluster clients (not from --cluster-cidr) are masqueraded.
+        "ip saddr != 198.18.1.0/24 jump mark-for-masquerade",
+        *(f"meta l4proto {p} dnat ip to ip daddr . {p} dport . numgen random mod 2 "
+          f"map @eps-{p}-2" for p in ("tcp", "udp", "sctp")))
+    assert len([c for c in shard if c.startswith("pick-")]) == render.PICK_MAX
+    several = RenderContext(Family.V4, local_cidrs=(ip_network("198.18.1.0/24"),
+                                                    ip_network("198.18.6.0/24")))
+    assert "jump masq-unless-pod" in {c.name: c.rules for c in render_shard(
+        several, S0).chains}["pick-1"]
+    v6 = resolve(service(ips=("fd00::10",), ipFamilies=["IPv6"]),
+                 eps_slice("s1", [ep("fd00:1::10")], address_type="IPv6"), family=Family.V6)
+    lines = render_port(v6, RenderContext(Family.V6)).lines(Family.V6)
+    assert f"add element ip6 {S0} eps-tcp-1 {{ fd00::10 . 80 . 0 : fd00:1::10 . 8080 }}" \
+        in lines
+
+
+def test_a_port_needs_a_chain_of_its_own_for_anything_but_its_cluster_ip_at_random() -> None:
+    plain = (service(), eps_slice("s1", [ep("198.18.1.10")]))
+    assert not render_port(resolve(*plain), CIDR4).chains
+    for svc in (service(type="NodePort", ports=({"name": "http", "port": 80,
+                                                 "nodePort": 30080},)),
+                service(externalIPs=["198.18.200.1"]),
+                service(sessionAffinity="ClientIP"),
+                service(annotations={"sliceproxy.io/traffic-per-endpoint": "true"}),
+                service(annotations={"sliceproxy.io/balancing": "maglev"})):
+        assert render_port(resolve(svc, plain[1]), CIDR4).chains, svc
+    many = eps_slice("s1", [ep(f"198.18.2.{i}") for i in range(render.PICK_MAX + 1)])
+    assert render_port(resolve(service(), many), CIDR4).chains
 
 
 def test_no_endpoints_is_rejected_by_the_unserved_map_without_a_chain() -> None:
@@ -162,6 +222,7 @@ def test_client_ip_affinity_uses_a_dynamic_set_and_a_chain_per_endpoint() -> Non
     ]
 
 
+@pytest.mark.usefixtures("chains_of_their_own")
 def test_ipv6_uses_the_ip6_table_and_brackets() -> None:
     rsp = resolve(service(ips=("fd00::10",), ipFamilies=["IPv6"]),
                   eps_slice("s1", [ep("fd00:1::10")], address_type="IPv6"),
@@ -175,6 +236,7 @@ def test_ipv6_uses_the_ip6_table_and_brackets() -> None:
                for line in lines), lines
 
 
+@pytest.mark.usefixtures("chains_of_their_own")
 def test_several_cluster_cidrs_go_through_one_shared_chain() -> None:
     ctx = RenderContext(Family.V4, local_cidrs=(ip_network("198.18.1.0/24"),
                                                 ip_network("198.18.6.0/24")))
@@ -251,6 +313,7 @@ def test_shards_grow_by_doubling_and_each_port_has_one() -> None:
     assert len(spread) == 16
 
 
+@pytest.mark.usefixtures("chains_of_their_own")
 def test_hostile_names_never_leave_the_comment() -> None:
     """Defence in depth: the decoder refuses such names, but whatever reaches the
     renderer stays one printable ASCII comment without quotes or backslashes."""
@@ -268,6 +331,7 @@ def test_hostile_names_never_leave_the_comment() -> None:
 # --- transactions ------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("chains_of_their_own")
 def test_partial_script_touches_only_what_changed_and_counts_shared_elements() -> None:
     two_ports = service(ports=({"name": "http", "port": 80}, {"name": "alt", "port": 81}))
     slice_ = eps_slice("s1", [ep("198.18.1.10"), ep("198.18.1.11")],
@@ -332,6 +396,7 @@ def test_a_full_script_made_as_it_is_read_is_the_same_every_time() -> None:
     assert script.line(len(text.splitlines()) + 1) == ""
 
 
+@pytest.mark.usefixtures("chains_of_their_own")
 def test_a_full_script_adds_only_the_counters_the_kernel_lacks_and_never_flushes_one() -> None:
     rsp = resolve(service(), eps_slice("s1", [ep("198.18.1.10")]))
     bases = [render_base(CIDR4), render_shard(CIDR4, S0)]

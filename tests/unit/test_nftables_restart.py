@@ -185,7 +185,7 @@ def test_what_the_restart_writes_is_the_change_alone() -> None:
     written, the others kept; one edited by an endpoint delta since its last whole
     write (no fingerprint) is written whole, and one whose chain someone deleted too."""
     plane = FakePlane("nftables")
-    plane.become(*cluster(range(10)), full=True)
+    plane.become(*cluster(range(10), counted=True), full=True)
     assert len(marks(plane.nft.tables)) == 10 + 2  # a sync writes no input mark (marks.py)
     plane.settle()
     # Two per port (IPv4 only: its fingerprint and input mark), and the main table's and
@@ -201,7 +201,7 @@ def test_what_the_restart_writes_is_the_change_alone() -> None:
     delete_by_hand(plane, 0)
     restarted = plane.restarted()
     sent = len(plane.nft.scripts)
-    report = restarted.become(*cluster([0, 1, 2, 3, 4, 5, 6, 8, 9, 10], changed=3))
+    report = restarted.become(*cluster([0, 1, 2, 3, 4, 5, 6, 8, 9, 10], changed=3, counted=True))
     # First: written 3 (changed), 9 (edited), 10 (new); kept by their marks 0, 1, 2, 4,
     # 5, 6, 8; nothing deleted; added: 3's new marks, cluster IP and three hairpin pairs
     # (the sets are not read), 9's marks, cluster IP and two pairs, 10's the same and its
@@ -221,7 +221,7 @@ def test_what_the_restart_writes_is_the_change_alone() -> None:
     assert {line.split()[4] for line in port_rule_lines(sweep[0])} == {
         port_chain("svc", port_key(0), "tcp")}
     fresh = FakePlane("nftables")
-    fresh.become(*cluster([0, 1, 2, 3, 4, 5, 6, 8, 9, 10], changed=3), full=True)
+    fresh.become(*cluster([0, 1, 2, 3, 4, 5, 6, 8, 9, 10], changed=3, counted=True), full=True)
     assert comparable(restarted.written()) == comparable(fresh.settle().written())
 
 
@@ -303,22 +303,23 @@ def test_a_chain_deleted_under_kept_marks_is_found_after_the_restart_and_written
     breaks the promise: the restart keeps the port unrendered, the kept state made after
     it finds the chain missing, and the next sync is a full one that writes it again."""
     plane = FakePlane("nftables")
-    plane.become(*cluster(range(3)), full=True)
+    plane.become(*cluster(range(3), counted=True), full=True)
     plane.settle()
     delete_by_hand(plane, 1)
     restarted = plane.restarted()
-    report = restarted.become(*cluster(range(3)))
+    report = restarted.become(*cluster(range(3), counted=True))
     assert restart_details(report)["ports_written"] == 0
     restarted.settle()  # the sync loop's, right after the first sync
-    assert restarted.become(*cluster(range(3))).full
+    assert restarted.become(*cluster(range(3), counted=True)).full
     fresh = FakePlane("nftables")
-    fresh.become(*cluster(range(3)), full=True)
+    fresh.become(*cluster(range(3), counted=True), full=True)
     assert comparable(restarted.settle().written()) == comparable(fresh.settle().written())
 
 
 def delete_by_hand(plane: FakePlane, i: int) -> None:
     """Port i's service chain deleted with `nft`, its dispatch entry first (the kernel
-    refuses to delete a chain a map element jumps to); its marks left."""
+    refuses to delete a chain a map element jumps to); its marks left. (A port with a
+    chain of its own: `cluster(counted=True)`; a picked port has none.)"""
     key = port_key(i)
     table = plane.nft.tables["ip", render.shard_of(key, 1)]
     victim = port_chain("svc", key, "tcp")
@@ -391,3 +392,43 @@ def test_a_refused_part_of_marks_leaves_the_rest_for_the_next_interval(
     monkeypatch.setattr(plane.nft, "send", send)
     plane.settle()  # the next interval: every part
     assert len(marks(plane.nft.tables)) == base + 5
+
+
+def test_a_picked_port_gone_or_changed_while_no_agent_ran_is_swept_or_written() -> None:
+    """Picked ports (no chain of their own: their elements and counter) across a
+    restart: one removed leaves no element, counter or mark; one whose endpoint count
+    changed moves to the other pick map; the kernel ends as a fresh full sync leaves it."""
+    plane = FakePlane("nftables")
+    plane.become(*cluster(range(4)), full=True)
+    plane.settle()
+    assert not any(c.startswith("svc-") for t in plane.nft.tables.values() for c in t.chains)
+    restarted = plane.restarted()
+    restarted.become(*cluster([0, 2, 3], changed=2))
+    restarted.settle()
+    fresh = FakePlane("nftables")
+    fresh.become(*cluster([0, 2, 3], changed=2), full=True)
+    assert comparable(restarted.written()) == comparable(fresh.settle().written())
+    gone = port_chain("cnt", port_key(1), "tcp")
+    assert not any(gone in t.counters for t in plane.nft.tables.values())
+
+
+def test_an_upgrade_from_a_chain_per_port_picks_every_port_in_one_transaction(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The version before picked ports gave each port a chain of its own (as PICK_MAX 0
+    does): the first sync of this one over its tables writes every port picked, deletes
+    the chains in the same transaction, and ends as a start on a clean node."""
+    monkeypatch.setattr(render, "PICK_MAX", 0)
+    plane = FakePlane("nftables")
+    plane.become(*cluster(range(4), changed=1), full=True)
+    plane.settle()
+    assert any(c.startswith("svc-") for t in plane.nft.tables.values() for c in t.chains)
+    monkeypatch.setattr(render, "PICK_MAX", 32)
+    restarted = plane.restarted()
+    sent = len(plane.nft.scripts)
+    report = restarted.become(*cluster(range(4), changed=1))
+    assert restart_details(report)["ports_written"] == 4
+    assert len(plane.nft.scripts) == sent + 2  # one transaction a family (its bases too)
+    assert not any(c.startswith("svc-") for t in plane.nft.tables.values() for c in t.chains)
+    fresh = FakePlane("nftables")
+    fresh.become(*cluster(range(4), changed=1), full=True)
+    assert comparable(restarted.settle().written()) == comparable(fresh.settle().written())

@@ -202,6 +202,7 @@ def test_one_endpoint_changed_is_a_few_elements_not_the_chain() -> None:
 def test_crossing_the_threshold_swaps_cascade_and_map_in_one_transaction(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(render, "SLOT_MAP_MIN", 4)
+    monkeypatch.setattr(render, "PICK_MAX", 0)  # the cascade: a port with a chain of its own
     _, state = start(resolve(addresses(3)))
     svc = port_chain("svc", resolve(addresses(3)).key, "tcp")
     up = change(state, resolve(addresses(4)))

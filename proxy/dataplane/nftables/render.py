@@ -14,6 +14,15 @@ Per family, one main table and K shard tables, holding nothing but ours:
       nodeport-prerouting, nodeport-output (nat, dstnat + 1) -> nodeports
         nodeports   [fib daddr type local | ip daddr @nodeport-ips]
                         meta l4proto . th dport vmap @service-nodeports
+      pick-<n>      for n = 1..PICK_MAX, the chain of every picked port of n endpoints:
+                    `counter name ip daddr . meta l4proto . th dport map @port-counters`,
+                    the masquerade mark for off-cluster clients, then per protocol
+                    `meta l4proto tcp dnat ip to ip daddr . tcp dport . numgen random
+                    mod n map @eps-tcp-<n>`
+      eps-<p>-<n>   cluster IP . port . slot (0..n-1) -> endpoint address . port, for the
+                    picked ports of protocol p and n endpoints (`th dport` would serve
+                    every protocol, but nft 1.0.6 then refuses any script over the map)
+      port-counters cluster IP . protocol . port -> the picked port's named counter
       svc-<h>       Cluster-policy endpoints: the masquerade mark for off-cluster clients
                     of the cluster IP, affinity, then one `numgen random mod k 0` DNAT
                     rule per endpoint (1/n, 1/(n-1), ... the last always); from
@@ -42,6 +51,19 @@ is for no service passes each shard's two nat chains (one map lookup each, and a
 lookup for the node ports). The node-port chains run after every shard's service
 chain (priority dstnat + 1), as upstream's nodeports jump comes last: a destination
 that is both a service IP:port and a node port goes to the service, whatever the shards.
+
+Why picked ports (no chain of their own): every nf_tables commit visits every chain of
+every table in the network namespace (~0.25 µs a chain), and a rule with a DNAT makes
+the kernel validate its whole table: with a chain per port, one change cost the kernel
+26 ms at 100,000 ports, and a load 22 s of kernel CPU. A port reached by its cluster IP
+alone (no NodePort, external or LB IP), balanced at random without affinity or counters
+per endpoint, with 1 to PICK_MAX endpoints (most ports) is map elements only: its
+dispatch to its shard's `pick-<n>`, its endpoints in `eps-<p>-<n>` by slot (each keeps its
+slot while n stays: `assign_slots`), its counter in `port-counters`. A change of its
+endpoints is elements, no rule: 1.1 ms of kernel at 100,000 ports, and a load 5 s
+(bench/nftables/layout_cost.py). Anything else a port does (node ports, external
+addresses, policies beyond the internal one, affinity, hashing, counting endpoints one
+by one) keeps the chains below.
 
 Why no set per service: the kernel keeps a table's sets in a list, so a set per service
 makes a full load quadratic (10,000 services: 10.5 s with one anonymous numgen map per
@@ -102,10 +124,12 @@ from proxy.dataplane.nftables.objects import (
     AnySet,
     Chain,
     Command,
+    CounterRef,
     Element,
     Hook,
     Key,
     Map,
+    PickMap,
     Priority,
     Set,
     SlotMap,
@@ -138,9 +162,11 @@ UNSERVED_NODEPORTS = "unserved-nodeports"
 CLUSTER_IPS = "cluster-ips"
 HAIRPIN = "hairpin"
 NODEPORT_IPS = "nodeport-ips"
+PORT_COUNTERS = "port-counters"  # a picked port's key -> its named counter
 SHARED_SETS = (SERVICE_IPS, SERVICE_NODEPORTS, UNSERVED, UNSERVED_NODEPORTS, CLUSTER_IPS,
-               HAIRPIN)
-SHARD_SETS = (SERVICE_IPS, SERVICE_NODEPORTS)  # in each shard; the others in the main table
+               HAIRPIN, PORT_COUNTERS)
+# In each shard; the others in the main table.
+SHARD_SETS = (SERVICE_IPS, SERVICE_NODEPORTS, PORT_COUNTERS)
 # One element per port: a 128-bit digest of everything else it writes (`fingerprint`),
 # written in the same transaction as what it stands for (restart.py reads them back),
 # in every table: see `mark_element`.
@@ -150,6 +176,12 @@ MAX_SHARDS = NFTABLES.markers.table_shards
 
 # Endpoints from which a policy chain balances through a slot map (module docstring).
 SLOT_MAP_MIN = 128
+# A picked port (no chain of its own, module docstring) has 1 to PICK_MAX endpoints: each
+# shard declares a pick chain and map per count, and every commit visits every chain
+# (64 shards x 32: 0.3 ms a commit at 100,000 services, x 127: 1.1 ms).
+PICK_MAX = 32
+PICK = "pick-"  # pick-<n>: the chain of a shard's picked ports of n endpoints
+PICKS = "eps-"  # eps-<protocol>-<n>: its pick maps
 SLOTS = "slots-"  # the slot maps' prefix: slots-<policy chain>
 HASHED = "hash-"  # Maglev tables' prefix: hash-<policy chain>
 HASHED_VERDICTS = "hashv-"  # Maglev tables of endpoint chains (affinity, counting)
@@ -346,7 +378,10 @@ def render_shard(ctx: RenderContext, table: str) -> BaseObjects:
     ip = table_family(family)
     addr = _addr_type(family)
     node_dest, node_sets, node_ips = _node_destination(ctx)
-    sets: list[AnySet] = [*_verdict_maps(addr, SERVICE_IPS, SERVICE_NODEPORTS), *node_sets]
+    sets: list[AnySet] = [*_verdict_maps(addr, SERVICE_IPS, SERVICE_NODEPORTS), *node_sets,
+                          Map(PORT_COUNTERS, (addr, "inet_proto", "inet_service"), "counter"),
+                          *(PickMap(pick_map(proto, n), family, proto)
+                            for n in range(1, PICK_MAX + 1) for proto in PICK_PROTOCOLS)]
     chains = [
         Chain(MARK_FOR_MASQUERADE, (f"meta mark set meta mark | {MASQ_MARK}",)),
         Chain("services", (f"{ip} daddr . {PORTS} vmap @{SERVICE_IPS}",)),
@@ -358,12 +393,34 @@ def render_shard(ctx: RenderContext, table: str) -> BaseObjects:
               _hook("nat", "prerouting", "dstnat", 1)),
         Chain("nodeport-output", ("jump nodeports",), _hook("nat", "output", "", -99)),
     ]
+    chains += [Chain(f"{PICK}{n}", _pick_rules(ctx, ip, n)) for n in range(1, PICK_MAX + 1)]
     if len(ctx.local_cidrs) > 1 and not ctx.masquerade_all:
         chains.insert(1, Chain(MASQ_UNLESS_POD, (
             *(f"{ip} saddr {c} return" for c in sorted_nets(ctx.local_cidrs)),
             f"jump {MARK_FOR_MASQUERADE}")))
     elements = [Element(table, NODEPORT_IPS, (a,)) for a in node_ips]
     return BaseObjects.of(family, table, sets, chains, elements)
+
+
+PICK_PROTOCOLS = ("tcp", "udp", "sctp")
+
+
+def pick_map(protocol: str, n: int) -> str:
+    """The pick map of a shard's picked ports of `protocol` and n endpoints."""
+    return f"{PICKS}{protocol}-{n}"
+
+
+def _pick_rules(ctx: RenderContext, ip: str, n: int) -> tuple[str, ...]:
+    """A pick chain's rules, the same for every picked port of n endpoints in the shard:
+    count the connection into the port's counter, mark off-cluster clients for
+    masquerade (cluster_masquerade, without the address and port: only the cluster IP
+    leads here), then one of the port's n endpoints, in its protocol's pick map."""
+    masq = cluster_ip_masquerade(ctx, lambda pods: f"{ip} saddr != {pods} ", MASQ_UNLESS_POD,
+                                 MARK_FOR_MASQUERADE)
+    return (f"counter name {ip} daddr . meta l4proto . th dport map @{PORT_COUNTERS}",
+            *((f"{masq[0]}jump {masq[1]}",) if masq else ()),
+            *(f"meta l4proto {p} dnat {ip} to {ip} daddr . {p} dport . numgen random mod {n} "
+              f"map @{pick_map(p, n)}" for p in PICK_PROTOCOLS))
 
 
 # --- names and small helpers ---------------------------------------------------------------
@@ -470,6 +527,9 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,
     proto = rsp.port.protocol.value.lower()
     build = _PortBuild(key, shard_of(key, shards), table_family(key.family), proto)
     p = plan(rsp, lambda kind: port_chain(kind, key, proto))
+    picked = _picked(rsp, ctx, p)
+    if picked:
+        return build.objects(_pick(build, rsp, picked, slots))
     _dispatch(build, rsp, p)
     if p.ext:
         build.chains.append(Chain(p.ext, _external_rules(build.ip, ctx, p.external_local,
@@ -501,6 +561,45 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,
             _policy_chain(build, policy_chain, eps, first, (texts, addrs, ep_chains), label,
                           slots, counts)
     return build.objects(not slots)
+
+
+def _picked(rsp: ResolvedServicePort, ctx: RenderContext, p: PortPlan
+            ) -> tuple[MergedEndpoint, ...]:
+    """The endpoints of a port its shard's pick chain balances (no chain of its own:
+    module docstring), or () if it needs one: reached by its cluster IP alone, random
+    balancing without affinity or per-endpoint counters, 1 to PICK_MAX endpoints."""
+    if rsp.balancing is not Balancing.RANDOM or rsp.service.affinity_timeout is not None \
+            or rsp.port.node_port or p.external_ips or p.lb_ips or p.internal is None \
+            or per_endpoint(rsp.service, ctx.traffic_per_endpoint):
+        return ()
+    eps, other = (p.cluster_eps, p.svl) if p.internal == p.svc else (p.local_eps, p.svc)
+    if other is not None or len({(ep.address, ep.port) for ep in eps}) > PICK_MAX:
+        return ()
+    return eps
+
+
+def _pick(build: _PortBuild, rsp: ResolvedServicePort, eps: Sequence[MergedEndpoint],
+          slots: Mapping[str, Sequence[Key]] | None) -> bool:
+    """A picked port: each cluster IP's dispatch to the shard's pick chain of its count,
+    its counter map element, and its endpoints in the pick map, each keeping its slot
+    (`assign_slots`) while the count stays. Whether the slots are those its input alone
+    gives (marks.py)."""
+    proto, port = build.proto, rsp.port.port
+    _texts, addrs = _endpoint_texts(build, eps, build.key.family)
+    values = list(dict.fromkeys(slot_value(addrs[id(ep)], ep.port) for ep in eps))
+    picks = pick_map(proto, len(values))
+    assigned = tuple(assign_slots(values, (slots or {}).get(picks, ())))
+    build.slot_values.append((picks, assigned))
+    counter = port_counter(build.key, proto)
+    build.count(counter, None)
+    for a in rsp.cluster_ips:
+        at = _text(a)
+        build.element(CLUSTER_IPS, (at,))
+        build.element(SERVICE_IPS, (at, proto, port), Verdict("goto", f"{PICK}{len(values)}"))
+        build.element(PORT_COUNTERS, (at, proto, port), CounterRef(counter))
+        build.slot_elements += [Element(build.table, picks, (at, port, i), v)
+                                for i, v in enumerate(assigned)]
+    return list(assigned) == values
 
 
 def count_statement(name: str) -> str:

@@ -31,11 +31,12 @@ from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.family_sync import FamilyState
 from proxy.dataplane.nftables.expressions import Unencodable
 from proxy.dataplane.nftables.marks import marks_for
-from proxy.dataplane.nftables.objects import Key
+from proxy.dataplane.nftables.objects import CounterRef, Key
 from proxy.dataplane.nftables.readback import Held, Unreadable
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
     OUR_TABLES,
+    PORT_COUNTERS,
     TABLE,
     BaseObjects,
     PortObjects,
@@ -230,6 +231,10 @@ class RestartSteps:
                                                  if (s[0], s[1]) not in elements]):
                 self._failed(fam)
                 return
+            # A picked port's counter is named by its counter map's element, no rule.
+            kernel.counters |= {(t, v.name) for (t, name), held in kernel.elements.items()
+                                if name == PORT_COUNTERS for v in held.decoded.values()
+                                if isinstance(v, CounterRef)}
             script, state, counts = restart_lines(bases, ports, kernel)
             if script:
                 self._run(fam, script, False)

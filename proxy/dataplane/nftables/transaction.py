@@ -51,6 +51,7 @@ from proxy.dataplane.nftables.objects import (
 )
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
+    PICKS,
     BaseObjects,
     PortObjects,
     mark_element,
@@ -228,7 +229,7 @@ class KeptPort:
         port with slot maps (the caller's fresh dict)."""
         chains = tuple((c.name, rules_digest(c.rules)) for c in p.chains)
         counters = p.counters
-        if p.slots:
+        if p.slots and not p.slots[0][0].startswith(PICKS):  # (a picked port's: kept_slots)
             return cls(p.table, chains, (), p.sets,
                        tuple((name, SlotValues(values)) for name, values in p.slots),
                        element_map(p) if elements is None else elements, counters,
@@ -266,8 +267,17 @@ def flat_elements(elements: Sequence[Element]) -> tuple[object, ...]:
 
 def kept_slots(kept: KeptPort | None) -> dict[str, Sequence[Key]]:
     """What the kernel's slot maps hold of a port (map -> endpoints in slot order):
-    what render_port needs to keep each endpoint where it is."""
-    return {name: m.values for name, m in kept.slots} if kept is not None else {}
+    what render_port needs to keep each endpoint where it is. A picked port's, from its
+    elements of its pick map (their keys end in the slot): it keeps no more."""
+    if kept is None:
+        return {}
+    if kept.slots:
+        return {name: m.values for name, m in kept.slots}
+    picks: dict[str, dict[int, Key]] = {}
+    for (_table, set_name, key), value in kept.elements().items():
+        if set_name.startswith(PICKS):
+            picks.setdefault(set_name, {})[cast(int, key[-1])] = value
+    return {name: [slots[i] for i in sorted(slots)] for name, slots in picks.items()}
 
 
 @dataclass(frozen=True, slots=True)
