@@ -26,7 +26,12 @@ from proxy.dataplane.nftables.render import (
     shard_of,
     shards_for,
 )
-from proxy.dataplane.nftables.transaction import full_lines, full_script, partial_script
+from proxy.dataplane.nftables.transaction import (
+    full_lines,
+    full_script,
+    kept_slots,
+    partial_script,
+)
 from proxy.model.snapshot import ResolvedServicePort
 from proxy.model.types import Family
 from tests.unit.builders import NODE, ep, eps_slice, node, resolve_one, service
@@ -408,3 +413,31 @@ def test_a_full_script_adds_only_the_counters_the_kernel_lacks_and_never_flushes
     assert not any(line.split()[:2] in (["add", "counter"], ["flush", "counter"])
                    for line in again.splitlines())
     assert f'counter name "{port}"' in again  # the rules still count into it
+
+
+def test_a_picked_ports_change_is_elements_alone() -> None:
+    """One endpoint replaced: its slot's element (the others keep theirs), its hairpin
+    pairs and the port's fingerprint; one more endpoint: the dispatch to the next pick
+    chain and the port's elements in the next pick map. No rule, no chain."""
+    bases = [render_base(CIDR4), render_shard(CIDR4, S0)]
+    pods = ["198.18.1.10", "198.18.1.11", "198.18.1.12"]
+    three = resolve(service(), eps_slice("s1", [ep(p) for p in pods]))
+    _text, state = full_script(bases, {three.key: render_port(three, CIDR4)})
+
+    def change(addresses: list[str]) -> list[str]:
+        rsp = resolve(service(), eps_slice("s1", [ep(p) for p in addresses]))
+        new = render_port(rsp, CIDR4, 1, kept_slots(state.ports[rsp.key]))
+        lines = partial_script(state, {rsp.key: new}).splitlines()
+        assert not any(" rule " in line or " chain " in line for line in lines), lines
+        return lines
+
+    lines = change(["198.18.1.10", "198.18.1.13", "198.18.1.12"])
+    assert f"delete element ip {S0} eps-tcp-3 {{ 198.18.128.1 . 80 . 1 }}" in lines
+    assert f"add element ip {S0} eps-tcp-3 {{ 198.18.128.1 . 80 . 1 : 198.18.1.13 . 8080 }}" \
+        in lines
+    assert not any(" . 80 . 0" in line or " . 80 . 2" in line for line in lines), lines
+    lines = change(["198.18.1.10", "198.18.1.13", "198.18.1.12", "198.18.1.14"])
+    assert f"add element ip {S0} service-ips {{ 198.18.128.1 . tcp . 80 : goto pick-4 }}" \
+        in lines
+    assert any(line.startswith(f"delete element ip {S0} eps-tcp-3 ") for line in lines)
+    assert any(line.startswith(f"add element ip {S0} eps-tcp-4 ") for line in lines)
