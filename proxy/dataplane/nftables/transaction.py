@@ -625,7 +625,8 @@ def first_lines(bases: Sequence[BaseObjects],
             state.ports[key] = KeptPort.of(p)
             state.owners.add_rendered(key, p.elements)
             part.append(p)
-            size += sum(len(c.rules) + 1 for c in p.chains)
+            # Its chains and rules, and its elements (a picked port has nothing else).
+            size += len(p.elements) + sum(len(c.rules) + 1 for c in p.chains)
             if size < stage_lines and n < len(keys):
                 continue
             yield from _ports_part(part, sent)
@@ -661,7 +662,8 @@ def _fresh_elements(sent: set[ElementKey], elements: Iterable[Element]) -> Itera
     this updates; a set's element again is harmless: no value to differ)."""
     fresh: dict[Element, None] = {}  # a set's equal elements are one: their value is ()
     for e in elements:
-        if e.value:
+        # (A pick map's key holds its port's cluster IP and port: one owner, one part.)
+        if e.value and not e.set.startswith(PICKS):
             element = (e.table, e.set, e.key)
             if element in sent:
                 continue
