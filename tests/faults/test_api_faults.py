@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,11 +31,12 @@ OUTAGE = float(os.environ.get("SLICEPROXY_FAULT_OUTAGE", "30"))
 OUTAGE_SERVICES = int(os.environ.get("SLICEPROXY_FAULT_SERVICES", "1000"))
 
 
-def add_probe(node: FaultNode, index: int) -> str:
-    """A new service (the change written during a fault); its cluster IP."""
+def add_probe(node: FaultNode, index: int, **spec: Any) -> str:
+    """A new service (the change written during a fault), `spec` added to its spec; its
+    cluster IP."""
     ip = f"198.18.129.{index}"
     web1 = node.lab.backends["web-1"]
-    node.sim.apply(service(f"probe-{index}", [ip]))
+    node.sim.apply(service(f"probe-{index}", [ip], **spec))
     node.sim.apply(endpoint_slice(f"probe-{index}-1", f"probe-{index}",
                                   [endpoint(web1.ipv4, node=web1.node)]))
     return ip

@@ -195,7 +195,8 @@ def test_a_partial_batch_the_kernel_refuses(fault_lab: Lab, tmp_path: Path) -> N
         agent.wait_ready()
         assert agent.proc is not None
         lab = fault_lab
-        victim = add_probe(node, 40)
+        # A port with a chain of its own (ClientIP affinity): a picked port has none.
+        victim = add_probe(node, 40, sessionAffinity="ClientIP")
         answered(lab, victim, 30.0)
         element = next(r for r in node.rules() if r.startswith("element ip ")
                        and f" {victim} . tcp . 80 : goto " in r)
