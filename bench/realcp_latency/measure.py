@@ -132,7 +132,7 @@ def wait_initial(side: Side, namespace: str, want: set[tuple[str, str]], service
             for backend in BACKENDS if side.base in DISPATCH else (NFTABLES,):
                 seen: float | None = None
                 if backend == NFTABLES:
-                    found = nft_view(namespace)
+                    found = nft_view(namespace, {port for port, _ in want})
                     if found is None:
                         continue
                     view, seen = found

@@ -7,8 +7,9 @@ import json
 import re
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from bench.realcp_latency.settings import (
     NFT_LIVE_CHAIN,
@@ -25,7 +26,16 @@ from proxy.dataplane.common.netlink_constants import (
     NFTA_CHAIN_NAME,
     NFTA_CHAIN_TABLE,
 )
+from proxy.dataplane.nftables.render import (
+    PICK,
+    PICKS,
+    PORT_COUNTERS,
+    SERVICE_IPS,
+    pick_map,
+    port_counter,
+)
 from proxy.dataplane.xtables.saved import target_of
+from proxy.model.types import Family, ServicePortKey
 
 # --- reading a node's nat table (in the calling thread's network namespace) -------------
 
@@ -56,6 +66,8 @@ def chain_rules(backend: str, chain: str) -> list[str] | None:
     answer could not be read (try again). For the nftables mode, `chain` is "table
     chain" and the lines are nft's (`nft list chain` reads that chain alone: ~6 ms at
     10,000 services, where `nft list tables` reads everything, 35 s)."""
+    if backend == NFTABLES and chain.startswith(f"{PICKED} "):
+        return picked_rules(chain)
     if backend == NFTABLES:
         table, name = chain.split()
         res = _run(["nft", "list", "chain", "ip", table, name], timeout=30)
@@ -151,22 +163,30 @@ def nft_live() -> bool:
         sock.close()
 
 
-def nft_view(namespace: str) -> tuple[NatView, float] | None:
+def nft_view(namespace: str, ports: Collection[str] = ()) -> tuple[NatView, float] | None:
     """The nftables mode's view, and when its tables were first seen (monotonic): every
     shard table read as JSON (~0.3 s each at 10,000 services, so only once the first
-    sync is in), each DNAT rule carrying its service port as comment. None while the
-    first sync is not live (`nft_live`): once it is, all of it is, and the reading
-    afterwards is not the proxy's time."""
+    sync is in), each DNAT rule carrying its service port as comment, and each picked
+    port of `ports` ("ns/name:port", TCP) found by its counter's name in the counter
+    map, its endpoints in its pick map (render.py). None while the first sync is not
+    live (`nft_live`): once it is, all of it is, and the reading afterwards is not the
+    proxy's time."""
     if not nft_live():
         return None
     there = time.monotonic()
     view = NatView()
     prefix = f"{namespace}/"
+    names = {port_counter(_port_key(p), "tcp"): p for p in ports}
+    counted: dict[tuple[str, str, str, int], str] = {}  # (table, ip, proto, port) -> port
+    picked: dict[tuple[str, str, str, int], list[str]] = {}  # the same -> endpoints
     for table in [NFT_MAIN, *(f"{NFT_MAIN}-{i}" for i in range(NFT_MAX_SHARDS))]:
         res = _run(["nft", "-j", "list", "table", "ip", table])
         if res.returncode != 0:
             break  # shards are numbered from 0 without gaps
         for item in json.loads(res.stdout)["nftables"]:
+            if "map" in item:
+                _picked_elements(item["map"], table, names, counted, picked)
+                continue
             rule = item.get("rule")
             if rule is None:
                 continue
@@ -178,7 +198,60 @@ def nft_view(namespace: str) -> tuple[NatView, float] | None:
                     endpoint = f"{dnat['addr']}:{dnat['port']}"
                     chain = f"{rule['table']} {rule['chain']}"
                     view.endpoints[(port, endpoint)] = (chain, endpoint)
+    for key, port in counted.items():
+        for endpoint in picked.get(key, ()):
+            view.endpoints[(port, endpoint)] = (" ".join(map(str, (PICKED, *key))), endpoint)
     return view, there
+
+
+# A picked port's "chain" in a view: PICKED, its table, cluster IP, protocol and port.
+PICKED = "picked"
+
+
+def _port_key(port: str) -> ServicePortKey:
+    """"ns/name:port" -> its key (IPv4)."""
+    namespace, rest = port.split("/", 1)
+    name, port_name = rest.rsplit(":", 1)
+    return ServicePortKey(namespace, name, port_name, Family.V4)
+
+
+def _picked_elements(found: dict[str, Any], table: str, names: dict[str, str],
+                     counted: dict[tuple[str, str, str, int], str],
+                     picked: dict[tuple[str, str, str, int], list[str]]) -> None:
+    """A map of `table` in nft's JSON: the counter map's elements name picked ports
+    (by their counters' `names`), a pick map's hold their endpoints by slot."""
+    if found["name"] == PORT_COUNTERS:
+        for key, counter in found.get("elem", []):
+            if counter in names:
+                ip, proto, port = key["concat"]
+                counted[(table, ip, proto, port)] = names[counter]
+    elif found["name"].startswith(PICKS):
+        proto = found["name"].split("-")[1]
+        for key, value in found.get("elem", []):
+            ip, port, _slot = key["concat"]
+            address, target = value["concat"]
+            picked.setdefault((table, ip, proto, port), []).append(f"{address}:{target}")
+
+
+def picked_rules(chain: str) -> list[str] | None:
+    """A picked port's endpoints now (`chain` as nft_view names it), each as a DNAT rule
+    to it would read: its dispatch element says its pick chain, and so its pick map."""
+    _, table, ip, proto, port = chain.split()
+    res = _run(["nft", "get", "element", "ip", table, SERVICE_IPS,
+                f"{{ {ip} . {proto} . {port} }}"], timeout=30)
+    count = re.search(rf"goto {PICK}(\d+)", res.stdout) if res.returncode == 0 else None
+    if count is None:
+        return [] if res.returncode == 0 or "No such file" in res.stderr else None
+    res = _run(["nft", "-j", "list", "map", "ip", table, pick_map(proto, int(count[1]))],
+               timeout=30)
+    if res.returncode != 0:
+        return None
+    out = []
+    for item in json.loads(res.stdout)["nftables"]:
+        for key, value in item.get("map", {}).get("elem", []):
+            if key["concat"][:2] == [ip, int(port)]:
+                out.append(f"dnat to {value['concat'][0]}:{value['concat'][1]}")
+    return out
 
 
 def dispatch_count(backend: str, chain: str, namespace: str) -> int:
