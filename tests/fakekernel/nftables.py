@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from ipaddress import ip_address
 
@@ -604,19 +604,8 @@ class NftTracer:
         if len(rest) == 8 and rest[0] in ("ip", "ip6") and rest[1:5] == ["to", "numgen",
                                                                          "random", "mod"] \
                 and rest[6] == "map":
-            n = int(rest[5])
             slots = self._set(table, rest[7].removeprefix("@")).elements
-            out: list[tuple[Walk, str]] = []
-            for slot in range(n):
-                s = replace(st, probability=st.probability / n)
-                value = slots.get((str(slot),))
-                if value is None:  # a failed lookup ends the rule, not the chain
-                    out.append((s, NEXT))
-                    continue
-                address, port = value.split(" . ")
-                text = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-                out.append((replace(s, endpoint=text), "accept"))
-            return out
+            return _uniform(st, int(rest[5]), lambda slot: slots.get((str(slot),)))
         if rest[0] in ("ip", "ip6") and rest[1:3] == ["to", rest[0]] and "numgen" in rest:
             return self._dnat_pick(table, rest[2:], st)
         if rest[0] in ("ip", "ip6") and rest[1:3] == ["to", "jhash"]:
@@ -637,19 +626,9 @@ class NftTracer:
         if words[at - 1] != "." or words[at + 1:at + 3] != ["random", "mod"] \
                 or words[at + 4] != "map" or len(words) != at + 6:
             raise TraceError(f"dnat to {' '.join(words)}")
-        key, n = self._key(words[:at - 1], st), int(words[at + 3])
+        key = self._key(words[:at - 1], st)
         picks = self._set(table, words[at + 5].removeprefix("@")).elements
-        out: list[tuple[Walk, str]] = []
-        for slot in range(n):
-            s = replace(st, probability=st.probability / n)
-            value = picks.get((*key, str(slot)))
-            if value is None:  # a failed lookup ends the rule, not the chain
-                out.append((s, NEXT))
-                continue
-            address, port = value.split(" . ")
-            text = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-            out.append((replace(s, endpoint=text), "accept"))
-        return out
+        return _uniform(st, int(words[at + 3]), lambda slot: picks.get((*key, str(slot))))
 
     def _dnat_hashed(self, table: str, words: list[str], st: Walk
                      ) -> list[tuple[Walk, str]]:
@@ -658,9 +637,7 @@ class NftTracer:
         value = self._hashed_lookup(table, words, "map", st)
         if value is None:
             return [(st, NEXT)]  # a failed lookup ends the rule, not the chain
-        address, port = value.split(" . ")
-        text = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-        return [(replace(st, endpoint=text), "accept")]
+        return [(replace(st, endpoint=_endpoint(value)), "accept")]
 
     def _jhash_vmap(self, table: str, words: list[str], st: Walk
                     ) -> list[tuple[Walk, str]]:
@@ -699,3 +676,22 @@ class NftTracer:
                 case _:
                     raise TraceError(f"jhash of {sel!r} ({st.packet.protocol})")
         return nft_jhash(values, modulus, seed)
+
+
+def _endpoint(value: str) -> str:
+    """A map's `address . port` as a DNAT target is spelled (brackets for IPv6)."""
+    address, port = value.split(" . ")
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def _uniform(st: Walk, n: int, value_of: Callable[[int], str | None]
+             ) -> list[tuple[Walk, str]]:
+    """`numgen random mod n` looked up in a map (`value_of` its slot): one way in n to each
+    slot's endpoint; a slot the map lacks ends the rule, not the chain."""
+    out: list[tuple[Walk, str]] = []
+    for slot in range(n):
+        s = replace(st, probability=st.probability / n)
+        value = value_of(slot)
+        out.append((s, NEXT) if value is None else (replace(s, endpoint=_endpoint(value)),
+                                                     "accept"))
+    return out

@@ -36,14 +36,13 @@ from proxy.dataplane.common.netlink_constants import (
 )
 from proxy.dataplane.nftables.expressions import PROTOCOLS, VERDICTS, Unencodable
 from proxy.dataplane.nftables.objects import CounterRef, Key, Value, Verdict
-from proxy.dataplane.nftables.wire import part_width, set_element_head
+from proxy.dataplane.nftables.wire import SLOT, part_width, set_element_head
 from proxy.model.types import Family
 
 _VERBS = {code: verb for verb, code in VERDICTS.items()}
 _PROTOCOL_NAMES = {number: name for name, number in PROTOCOLS.items()}
 _CODE = struct.Struct("!i")
 _PORT = struct.Struct("!H")
-_SLOT = struct.Struct("=I")
 
 
 class Unreadable(Exception):
@@ -193,7 +192,7 @@ def key_parts(family: Family, types: Sequence[str], raw: bytes) -> Key:
                 raise Unreadable(f"protocol {raw[at]}")
             parts.append(name)
         elif t == "integer":  # a pick's slot: numgen's host-order u32
-            parts.append(_SLOT.unpack_from(raw, at)[0])
+            parts.append(SLOT.unpack_from(raw, at)[0])
         else:
             parts.append(_PORT.unpack_from(raw, at)[0])
         at += width

@@ -57,11 +57,11 @@ every table in the network namespace (~0.25 µs a chain), and a rule with a DNAT
 the kernel validate its whole table: with a chain per port, one change cost the kernel
 26 ms at 100,000 ports, and a load 22 s of kernel CPU. A port reached by its cluster IP
 alone (no NodePort, external or LB IP), balanced at random without affinity or counters
-per endpoint, with 1 to PICK_MAX endpoints (most ports) is map elements only: its
+per endpoint, with 1 to PICK_MAX endpoints is map elements only: its
 dispatch to its shard's `pick-<n>`, its endpoints in `eps-<p>-<n>` by slot (each keeps its
 slot while n stays: `assign_slots`), its counter in `port-counters`. A change of its
-endpoints is elements, no rule: 1.1 ms of kernel at 100,000 ports, and a load 5 s
-(bench/nftables/layout_cost.py). Anything else a port does (node ports, external
+endpoints is elements, no rule: 0.37 ms of kernel at 100,000 ports, and a load 5.7 s
+of kernel CPU (bench/nftables/layout_cost.py). Anything else a port does (node ports, external
 addresses, policies beyond the internal one, affinity, hashing, counting endpoints one
 by one) keeps the chains below.
 
@@ -145,6 +145,7 @@ from proxy.model.types import (
     Family,
     IPAddress,
     IPNetwork,
+    Protocol,
     ServicePortKey,
 )
 
@@ -178,7 +179,7 @@ MAX_SHARDS = NFTABLES.markers.table_shards
 SLOT_MAP_MIN = 128
 # A picked port (no chain of its own, module docstring) has 1 to PICK_MAX endpoints: each
 # shard declares a pick chain and map per count, and every commit visits every chain
-# (64 shards x 32: 0.3 ms a commit at 100,000 services, x 127: 1.1 ms).
+# (a change at 100,000 services, 64 shards: 0.37 ms of kernel with 32, 1.1 ms with 127).
 PICK_MAX = 32
 PICK = "pick-"  # pick-<n>: the chain of a shard's picked ports of n endpoints
 PICKS = "eps-"  # eps-<protocol>-<n>: its pick maps
@@ -402,7 +403,8 @@ def render_shard(ctx: RenderContext, table: str) -> BaseObjects:
     return BaseObjects.of(family, table, sets, chains, elements)
 
 
-PICK_PROTOCOLS = ("tcp", "udp", "sctp")
+# Every protocol a service port may have, as nft spells it: a pick map for each.
+PICK_PROTOCOLS = tuple(p.value.lower() for p in Protocol)
 
 
 def pick_map(protocol: str, n: int) -> str:

@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from proxy.dataplane.nftables.objects import Command, Element, Key, Value
+from proxy.dataplane.nftables.objects import Element, Key, Value
 from proxy.dataplane.nftables.readback import Held, key_parts
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
@@ -55,13 +55,13 @@ from proxy.dataplane.nftables.transaction import (
     Named,
     Script,
     TableState,
-    declarations,
     element_groups,
     flush_maps,
     kept_state,
+    objects_written,
     stale_statements,
 )
-from proxy.dataplane.nftables.wire import Chains, Rules, Statement, element_keys
+from proxy.dataplane.nftables.wire import Statement, element_keys
 from proxy.model.types import Family, ServicePortKey
 
 
@@ -145,13 +145,7 @@ def restart_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, P
     own = [e for p in written for e in p.elements if (e.table, e.set) not in shared]
 
     def make() -> Iterator[Statement]:
-        yield from declarations(bases_written, written, kernel.counters)
-        for b in bases_written:
-            for c in b.chains:
-                yield Command("add", b.table, c)
-        yield Chains([(p.table, p.chains) for p in written])
-        yield Rules([(b.table, b.chains) for b in bases_written])
-        yield Rules([(p.table, p.chains) for p in written])
+        yield from objects_written(bases_written, written, kernel.counters)
         for p in written:
             yield from flush_maps(p)
         yield from element_groups("delete", deletes)

@@ -480,14 +480,7 @@ def _rewrite(state: TableState, ordered: Sequence[tuple[ServicePortKey, PortObje
     nobody wants deleted."""
     bases = [b for b in state.bases if table in (None, b.table)]
     ports = [p for _key, p in ordered if table in (None, p.table)]
-    yield from declarations(bases, ports, held)
-    for b in bases:
-        for c in b.chains:
-            yield Command("add", b.table, c)
-    yield Chains([(p.table, p.chains) for p in ports])
-    # Every chain flushed, then its rules (the ports' rules read while this lives).
-    yield Rules([(b.table, b.chains) for b in bases])
-    yield Rules([(p.table, p.chains) for p in ports])
+    yield from objects_written(bases, ports, held)
     for b in bases:
         for s in b.sets:
             yield Command("flush", b.table, s)
@@ -523,6 +516,20 @@ def _own_bases(state: TableState) -> TableState:
     for b in state.bases:
         state.owners.add_rendered(BASE_OWNER, b.elements)
     return state
+
+
+def objects_written(bases: Sequence[BaseObjects], ports: Sequence[PortObjects],
+                    held_counters: Collection[Named]) -> Iterator[Statement]:
+    """`bases` and `ports` written whole but for their elements: declared (`declarations`),
+    their chains added, and every chain flushed and its rules written (the ports' rules
+    read while this lives)."""
+    yield from declarations(bases, ports, held_counters)
+    for b in bases:
+        for c in b.chains:
+            yield Command("add", b.table, c)
+    yield Chains([(p.table, p.chains) for p in ports])
+    yield Rules([(b.table, b.chains) for b in bases])
+    yield Rules([(p.table, p.chains) for p in ports])
 
 
 def declarations(bases: Sequence[BaseObjects], ports: Iterable[PortObjects],

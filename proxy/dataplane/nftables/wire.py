@@ -346,18 +346,16 @@ def set_element_head(length: int) -> bytes:
 
 
 def _slot(number: int) -> bytes:
+    """A slot (numgen's or jhash's pick) as a key holds it."""
     if not 0 <= number <= 0xFFFFFFFF:
         raise Unencodable(f"slot {number}")
-    return _SLOT.pack(number)
+    return SLOT.pack(number)
 
 
 def _element(family: Family, key: Key, data: Value) -> bytes:
     """One element: its key and, in a map, its value (`data`; () in a set)."""
     if len(key) == 1 and isinstance(key[0], int):  # a slot map's key: numgen's host-order u32
-        slot = key[0]
-        if not 0 <= slot <= 0xFFFFFFFF:
-            raise Unencodable(f"slot {slot} : {data}")
-        return nested(NFTA_LIST_ELEM, value(NFTA_SET_ELEM_KEY, struct.pack("=I", slot))
+        return nested(NFTA_LIST_ELEM, value(NFTA_SET_ELEM_KEY, _slot(key[0]))
                       + _slot_data(family, data))
 
     raw = _element_key(family, key)
@@ -396,12 +394,12 @@ def _slot_elements(family: Family, items: Sequence[tuple[Key, Value]]) -> bytes 
         if encoded is None:
             encoded = data_of[data] = _slot_data(family, data)
         out.append(_slot_head(len(encoded)))
-        out.append(_SLOT.pack(slot))
+        out.append(SLOT.pack(slot))
         out.append(encoded)
     return b"".join(out)
 
 
-_SLOT = struct.Struct("=I")  # numgen's and jhash's result: a host-order u32
+SLOT = struct.Struct("=I")  # numgen's and jhash's result: a host-order u32
 
 
 def _slot_data(family: Family, data: Value) -> bytes:
