@@ -10,19 +10,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.dataplane.nftables.objects import Value, Verdict
+from proxy.dataplane.nftables.render import pick_map
 from proxy.dataplane.nftables.transaction import ElementKey, Owners
 from proxy.model.types import Family, ServicePortKey
 
 PORTS = [ServicePortKey("ns", f"s{i}", "", Family.V4) for i in range(3)]
+# A pick map's elements are kept per (cluster IP, port) (`_Picks`), whatever their owners.
+PICKED = pick_map("tcp", 2)
 ELEMENTS: list[ElementKey] = [("t", "hairpin", ("198.18.0.1", "198.18.0.1")),
-                              ("t", "services", ("198.18.128.1",))]
-VALUES: list[Value] = [(), Verdict("goto", "svc-a"), Verdict("goto", "svc-b")]
+                              ("t", "services", ("198.18.128.1",)),
+                              ("t", PICKED, ("198.18.128.1", 80, 0)),
+                              ("t", PICKED, ("198.18.128.1", 80, 1)),
+                              ("t", PICKED, ("198.18.128.2", 80, 1))]
+VALUES: list[Value] = [(), Verdict("goto", "svc-a"), Verdict("goto", "svc-b"),
+                       ("198.18.0.7", 8080)]
 
 ops = st.lists(st.tuples(st.booleans(), st.sampled_from(ELEMENTS), st.sampled_from(PORTS),
-                         st.sampled_from(VALUES)), max_size=40)
+                         st.sampled_from(VALUES)), max_size=60)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(ops)
 def test_owners_answer_as_a_plain_map_would(
         operations: list[tuple[bool, ElementKey, ServicePortKey, Value]]) -> None:
@@ -54,3 +61,15 @@ def test_a_set_element_owned_once_is_the_port_alone_and_a_map_element_a_pair() -
     owners.remove(ELEMENTS[1], PORTS[0])
     assert owners._sets == {("t", "hairpin"): {ELEMENTS[0][2]: PORTS[0]},
                             ("t", "services"): {ELEMENTS[1][2]: (PORTS[1], VALUES[2])}}
+
+
+def test_a_ports_pick_elements_are_one_entry_of_its_values_in_slot_order() -> None:
+    owners = Owners()
+    for slot, value in enumerate([("198.18.0.7", 8080), ("198.18.0.8", 8080)]):
+        owners.add(("t", PICKED, ("198.18.128.1", 80, slot)), PORTS[0], value)
+    picks = owners._sets["t", PICKED]
+    assert picks.by_port == {  # type: ignore[union-attr]
+        ("198.18.128.1", 80): [PORTS[0], ("198.18.0.7", 8080), ("198.18.0.8", 8080)]}
+    owners.remove(("t", PICKED, ("198.18.128.1", 80, 1)), PORTS[0])
+    owners.remove(("t", PICKED, ("198.18.128.1", 80, 0)), PORTS[0])
+    assert len(owners) == 0 and not picks.by_port  # type: ignore[union-attr]

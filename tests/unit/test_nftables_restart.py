@@ -369,7 +369,7 @@ def test_a_kept_port_with_its_mark_is_the_port_with_that_mark_field() -> None:
         marked = kept.with_mark(mark)
         element = render.mark_element(kept.table, mark)
         assert marked == replace(kept, input_mark=mark, rendered=(*kept.rendered, *element))
-        assert [f.name for f in fields(KeptPort)][-2:] == ["input_mark", "from_input"]
+        assert [f.name for f in fields(KeptPort)][-3:] == ["input_mark", "from_input", "picked"]
         assert marked.elements()[kept.table, FINGERPRINTS, mark] == ()
 
 

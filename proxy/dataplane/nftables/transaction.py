@@ -89,13 +89,15 @@ class Owners:
     Most elements have one owner (a cluster IP, an endpoint's hairpin pair): that is the
     port alone for a set's element, a (port, value) pair for a map's, and a dict only
     once shared. A dict per element, and a second map of what the kernel held, were 5 KB
-    of the 8 KB kept per service port at 10,000 services x 10 endpoints. Kept per set,
-    as a full script writes them (`sets`)."""
+    of the 8 KB kept per service port at 10,000 services x 10 endpoints. A pick map's
+    elements are kept per port (`_Picks`). Kept per set, as a full script writes them
+    (`sets`)."""
 
     __slots__ = ("_sets",)
 
     def __init__(self) -> None:
-        self._sets: dict[Named, dict[Key, _Owned]] = {}  # (table, set) -> key -> owners
+        # (table, set) -> key -> owners
+        self._sets: dict[Named, dict[Key, _Owned] | _Picks] = {}
 
     def __len__(self) -> int:
         return sum(len(members) for members in self._sets.values())
@@ -113,45 +115,36 @@ class Owners:
              value: Value) -> None:
         members = self._sets.get((table, set_name))
         if members is None:
-            members = self._sets[table, set_name] = {}
-        owned = _owned(port, value)
-        cur = members.setdefault(key, owned)  # most elements: their first owner
-        if cur is owned:
-            return
-        one = _sole(cur)
-        if one is not None and one[0] == port:
-            members[key] = owned
-        elif one is not None:
-            members[key] = {one[0]: one[1], port: value}
+            members = self._sets[table, set_name] = \
+                _Picks() if set_name.startswith(PICKS) else {}
+        if isinstance(members, _Picks):
+            members.add(key, port, value)
         else:
-            assert isinstance(cur, dict)
-            cur[port] = value
+            _add_owner(members, key, port, value)
 
     def remove(self, element: ElementKey, port: ServicePortKey) -> None:
         table, set_name, key = element
-        members = self._sets.get((table, set_name), {})
-        cur = members.get(key)
-        if cur is None:
-            return
-        one = _sole(cur)
-        if one is not None:
-            if one[0] == port:
-                del members[key]
-        else:
-            assert isinstance(cur, dict)
-            cur.pop(port, None)
-            if len(cur) == 1:
-                members[key] = _owned(*next(iter(cur.items())))
+        members = self._sets.get((table, set_name))
+        if isinstance(members, _Picks):
+            members.remove(key, port)
+        elif members is not None:
+            _remove_owner(members, key, port)
 
     def held(self, element: ElementKey) -> Value | None:
         table, set_name, key = element
-        cur = self._sets.get((table, set_name), {}).get(key)
+        members = self._sets.get((table, set_name))
+        if isinstance(members, _Picks):
+            return members.held(key)
+        cur = members.get(key) if members is not None else None
         return None if cur is None else _value(cur)
 
     def sets(self) -> Iterator[tuple[str, str, Iterator[tuple[Key, Value]]]]:
         """(table, set, its elements as (key, held value)), set by set."""
         for (table, set_name), members in self._sets.items():
-            yield table, set_name, ((key, _value(cur)) for key, cur in members.items())
+            if isinstance(members, _Picks):
+                yield table, set_name, members.items()
+            else:
+                yield table, set_name, _held_values(members)
 
     def elements(self) -> Iterator[tuple[ElementKey, Value]]:
         for table, set_name, members in self.sets():
@@ -161,6 +154,41 @@ class Owners:
 
 # One owner: the port (a set's element has no value), or (port, value); several: a dict.
 _Owned = ServicePortKey | tuple[ServicePortKey, Value] | dict[ServicePortKey, Value]
+
+
+def _held_values(members: dict[Key, _Owned]) -> Iterator[tuple[Key, Value]]:
+    return ((key, _value(cur)) for key, cur in members.items())
+
+
+def _add_owner(members: dict[Key, _Owned], key: Key, port: ServicePortKey,
+               value: Value) -> None:
+    owned = _owned(port, value)
+    cur = members.setdefault(key, owned)  # most elements: their first owner
+    if cur is owned:
+        return
+    one = _sole(cur)
+    if one is not None and one[0] == port:
+        members[key] = owned
+    elif one is not None:
+        members[key] = {one[0]: one[1], port: value}
+    else:
+        assert isinstance(cur, dict)
+        cur[port] = value
+
+
+def _remove_owner(members: dict[Key, _Owned], key: Key, port: ServicePortKey) -> None:
+    cur = members.get(key)
+    if cur is None:
+        return
+    one = _sole(cur)
+    if one is not None:
+        if one[0] == port:
+            del members[key]
+    else:
+        assert isinstance(cur, dict)
+        cur.pop(port, None)
+        if len(cur) == 1:
+            members[key] = _owned(*next(iter(cur.items())))
 
 
 def _owned(port: ServicePortKey, value: Value) -> _Owned:
@@ -181,6 +209,77 @@ def _value(cur: _Owned) -> Value:
     if isinstance(cur, dict):
         return cur[min(cur)]
     return cur[1]
+
+
+class _Picks:
+    """One pick map's elements (key: cluster IP, port, slot; render.pick_map). The model
+    gives a destination to one port (tracker.ClusterModel._arbitrate), so each has one
+    owner: kept per (cluster IP, port) as [owner, value of slot 0, of slot 1, ...]
+    (None: no element), 0.3 KB a port where an owner pair per element was 2.2 KB at 10
+    endpoints. Another port's claim while one holds the (cluster IP, port) (a
+    destination moving between ports within one script) is kept in `shared`, as any
+    other set's elements; a key is in one of the two."""
+
+    __slots__ = ("by_port", "shared")
+
+    def __init__(self) -> None:
+        self.by_port: dict[Key, list[object]] = {}
+        self.shared: dict[Key, _Owned] = {}
+
+    def __len__(self) -> int:
+        return len(self.shared) + sum(len(e) - 1 - e.count(None) for e in self.by_port.values())
+
+    def add(self, key: Key, port: ServicePortKey, value: Value) -> None:
+        if key in self.shared:
+            _add_owner(self.shared, key, port, value)
+            return
+        prefix, slot = key[:-1], cast(int, key[-1]) + 1
+        entry = self.by_port.get(prefix)
+        if entry is None:
+            entry = self.by_port[prefix] = [port]
+        elif entry[0] != port:
+            if slot < len(entry) and entry[slot] is not None:  # the holder's, shared now
+                self.shared[key] = (cast(ServicePortKey, entry[0]), cast(Value, entry[slot]))
+                self._clear(prefix, entry, slot)
+            _add_owner(self.shared, key, port, value)
+            return
+        if slot >= len(entry):
+            entry.extend([None] * (slot + 1 - len(entry)))
+        entry[slot] = value
+
+    def remove(self, key: Key, port: ServicePortKey) -> None:
+        if key in self.shared:
+            _remove_owner(self.shared, key, port)
+            return
+        prefix, slot = key[:-1], cast(int, key[-1]) + 1
+        entry = self.by_port.get(prefix)
+        if entry is not None and entry[0] == port and slot < len(entry):
+            self._clear(prefix, entry, slot)
+
+    def _clear(self, prefix: Key, entry: list[object], slot: int) -> None:
+        entry[slot] = None
+        while len(entry) > 1 and entry[-1] is None:
+            entry.pop()
+        if len(entry) == 1:
+            del self.by_port[prefix]
+
+    def held(self, key: Key) -> Value | None:
+        cur = self.shared.get(key)
+        if cur is not None:
+            return _value(cur)
+        entry = self.by_port.get(key[:-1])
+        slot = cast(int, key[-1]) + 1
+        if entry is None or slot >= len(entry):
+            return None
+        return cast(Value | None, entry[slot])
+
+    def items(self) -> Iterator[tuple[Key, Value]]:
+        for prefix, entry in self.by_port.items():
+            for slot, value in enumerate(entry[1:]):
+                if value is not None:
+                    yield (*prefix, slot), cast(Value, value)
+        for key, cur in self.shared.items():
+            yield key, _value(cur)
 
 
 class SlotValues:
@@ -222,6 +321,10 @@ class KeptPort:
     fingerprint: Key = ()
     input_mark: Key = ()
     from_input: bool = True
+    # A picked port's elements of its pick maps, out of `rendered`: (map, key but for
+    # the slot, values in slot order) each (`picked_groups`), 0.2 KB where an element
+    # each was 1 KB at 10 endpoints.
+    picked: tuple[tuple[str, Key, tuple[Value, ...]], ...] = ()
 
     @classmethod
     def of(cls, p: PortObjects, elements: dict[ElementKey, Value] | None = None) -> KeptPort:
@@ -229,12 +332,17 @@ class KeptPort:
         port with slot maps (the caller's fresh dict)."""
         chains = tuple((c.name, rules_digest(c.rules)) for c in p.chains)
         counters = p.counters
-        if p.slots and not p.slots[0][0].startswith(PICKS):  # (a picked port's: kept_slots)
-            return cls(p.table, chains, (), p.sets,
-                       tuple((name, SlotValues(values)) for name, values in p.slots),
-                       element_map(p) if elements is None else elements, counters,
+        if not p.slots:
+            return cls(p.table, chains, flat_elements(p.elements), p.sets, (), None, counters,
                        p.fingerprint, p.input_mark, p.from_input)
-        return cls(p.table, chains, flat_elements(p.elements), p.sets, (), None, counters,
+        if p.slots[0][0].startswith(PICKS):
+            return cls(p.table, chains,
+                       flat_elements([e for e in p.elements if not e.set.startswith(PICKS)]),
+                       p.sets, (), None, counters, p.fingerprint, p.input_mark, p.from_input,
+                       picked_groups(p.elements))
+        return cls(p.table, chains, (), p.sets,
+                   tuple((name, SlotValues(values)) for name, values in p.slots),
+                   element_map(p) if elements is None else elements, counters,
                    p.fingerprint, p.input_mark, p.from_input)
 
     def with_mark(self, mark: Key) -> KeptPort:
@@ -248,16 +356,20 @@ class KeptPort:
         # Positional, in field order: dataclasses.replace was half of adding 100,000 marks.
         return KeptPort(self.table, self.chains, rendered, self.sets, self.slots,
                         self.element_dict, self.counters, self.fingerprint, mark,
-                        self.from_input)
+                        self.from_input, self.picked)
 
     def elements(self) -> Mapping[ElementKey, Value]:
         """Read-only: the kept dict itself for a port with slot maps."""
         if self.element_dict is not None:
             return self.element_dict
         r = self.rendered
-        return cast(dict[ElementKey, Value],
-                    {(table, set_name, key): value for table, set_name, key, value
-                     in zip(r[0::4], r[1::4], r[2::4], r[3::4], strict=True)})
+        out = cast(dict[ElementKey, Value],
+                   {(table, set_name, key): value for table, set_name, key, value
+                    in zip(r[0::4], r[1::4], r[2::4], r[3::4], strict=True)})
+        for name, prefix, values in self.picked:
+            out.update(((self.table, name, (*prefix, slot)), value)
+                       for slot, value in enumerate(values))
+        return out
 
 
 def flat_elements(elements: Sequence[Element]) -> tuple[object, ...]:
@@ -265,19 +377,27 @@ def flat_elements(elements: Sequence[Element]) -> tuple[object, ...]:
     return tuple(itertools.chain.from_iterable(elements))
 
 
+def picked_groups(elements: Iterable[Element]) -> tuple[tuple[str, Key, tuple[Value, ...]], ...]:
+    """A picked port's elements of its pick maps (their keys end in the slot, from 0,
+    render.py) as KeptPort.picked keeps them."""
+    groups: dict[tuple[str, Key], list[Value]] = {}
+    for e in elements:
+        if e.set.startswith(PICKS):
+            values = groups.setdefault((e.set, e.key[:-1]), [])
+            assert e.key[-1] == len(values), "a pick map's elements come in slot order"
+            values.append(e.value)
+    return tuple((name, prefix, tuple(values)) for (name, prefix), values in groups.items())
+
+
 def kept_slots(kept: KeptPort | None) -> dict[str, Sequence[Key]]:
     """What the kernel's slot maps hold of a port (map -> endpoints in slot order):
-    what render_port needs to keep each endpoint where it is. A picked port's, from its
-    elements of its pick map (their keys end in the slot): it keeps no more."""
+    what render_port needs to keep each endpoint where it is (a picked port's: its pick
+    maps')."""
     if kept is None:
         return {}
     if kept.slots:
         return {name: m.values for name, m in kept.slots}
-    picks: dict[str, dict[int, Key]] = {}
-    for (_table, set_name, key), value in kept.elements().items():
-        if set_name.startswith(PICKS):
-            picks.setdefault(set_name, {})[cast(int, key[-1])] = value
-    return {name: [slots[i] for i in sorted(slots)] for name, slots in picks.items()}
+    return {name: cast(Sequence[Key], values) for name, _prefix, values in kept.picked}
 
 
 @dataclass(frozen=True, slots=True)
