@@ -149,6 +149,8 @@ class Agent:
         self._primary_warnings = PrimaryAddressWarnings(config)
         self._local = LocalEndpointTracker(config.node_name)
         self.first_synced = asyncio.Event()  # set once the first sync is in the kernel
+        # Set once the data plane's work left for after it is done too (SyncLoop.on_settled).
+        self.settled = asyncio.Event()
         self._arrived = asyncio.Event()  # an object arrived (resolving ahead waits on it)
         self._http: list[web.AppRunner] = []
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -265,7 +267,8 @@ class Agent:
             sync_period=self.config.sync_period,
             cpu_budget=self.config.sync_cpu_budget,
             metrics=self.metrics, health=self.health, changes=self.changes,
-            clock=self.clock, started_at=self.started_at, on_synced=self._synced)
+            clock=self.clock, started_at=self.started_at, on_synced=self._synced,
+            on_settled=self.settled.set)
         kwargs: dict[str, Any] = {"slice_resource": self.endpoints_resource}
         if self._reflector_options is not None:
             kwargs["options"] = self._reflector_options

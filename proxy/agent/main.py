@@ -72,10 +72,10 @@ async def _serve(config: Config, agent_kwargs: dict[str, Any]) -> int:
 async def _collect_after_first_sync(agent: Agent) -> None:
     try:
         async with asyncio.timeout(PAUSE_LIMIT):
-            await agent.first_synced.wait()
-        _GC.end("first sync done")
+            await agent.settled.wait()
+        _GC.end("first sync and its housekeeping done")
     except TimeoutError:
-        _GC.end(f"no first sync within {PAUSE_LIMIT:g}s")
+        _GC.end(f"no first sync and housekeeping within {PAUSE_LIMIT:g}s")
 
 
 def warn_ignored_settings(config: Config) -> None:

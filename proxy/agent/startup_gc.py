@@ -8,9 +8,11 @@ grows with the cluster and found nothing to free: at 10,000 services x 10 endpoi
 passes up to 0.35 s. (Reference counting still frees everything else at once; only
 reference cycles wait for the collector, and loading makes few.)
 
-So the process starts with the collector off and, once the first sync is done, freezes
+So the process starts with the collector off and, once the first sync is done and the
+work the data plane left for right after it (a restart's kept state, the input marks:
+4.4 s at 100,000 services, during which one collection scanned for 171 ms), freezes
 what it holds (`gc.freeze()`: the loaded cluster is never scanned again, which also keeps
-later collections short) and turns it back on. If the first sync does not come within
+later collections short) and turns it back on. If that does not come within
 `PAUSE_LIMIT` (an API server away for minutes), the collector comes back anyway, so a
 reflector retrying for hours does not pile up the cycles its errors leave.
 """
@@ -27,7 +29,7 @@ PAUSE_LIMIT = 300.0  # seconds
 
 
 class StartupPause:
-    """`begin()` at process start, `end()` after the first sync (or the limit)."""
+    """`begin()` at process start, `end()` once the start is over (or the limit)."""
 
     def __init__(self) -> None:
         self._since: float | None = None

@@ -115,6 +115,7 @@ class SyncLoop:
         started_at: float | None = None,
         burst: int = 2,
         on_synced: Callable[[DesiredState, frozenset[ServicePortKey]], None] | None = None,
+        on_settled: Callable[[], None] | None = None,
         housekeeping_interval: float = HOUSEKEEPING_INTERVAL,
         thread_cpu: Callable[[], float] = time.thread_time,
         process_children_cpu: Callable[[], float] = children_cpu,
@@ -129,6 +130,9 @@ class SyncLoop:
         self._budget_held: tuple[float, int] | None = None  # since when, syncs held
         self.history: deque[SyncRecord] = deque(maxlen=HISTORY)
         self.on_synced = on_synced
+        # Called once, when the work the data plane left for after the first sync is
+        # done (its housekeeping no longer pending): the start is over.
+        self.on_settled = on_settled
         self.housekeeping_interval = housekeeping_interval
         self._started_at = clock() if started_at is None else started_at
         self._wake = asyncio.Event()
@@ -208,8 +212,12 @@ class SyncLoop:
             if now >= next_housekeeping:
                 await self._housekeeping()
                 # Work left for later parts (a change goes first): right away.
+                pending = self.dataplane.housekeeping_pending()
                 next_housekeeping = self._clock() + (
-                    0.0 if self.dataplane.housekeeping_pending() else self.housekeeping_interval)
+                    0.0 if pending else self.housekeeping_interval)
+                if not pending and self.on_settled is not None:
+                    self.on_settled()
+                    self.on_settled = None
                 continue
             due = self.schedule.next_due(now)
             timeout = next_housekeeping - now

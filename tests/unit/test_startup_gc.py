@@ -54,13 +54,13 @@ def test_the_agent_turns_it_back_on(monkeypatch: pytest.MonkeyPatch, synced: boo
     monkeypatch.setattr(agent_main, "PAUSE_LIMIT", 0.2)
 
     async def scenario() -> None:
-        agent: Any = SimpleNamespace(first_synced=asyncio.Event())
+        agent: Any = SimpleNamespace(settled=asyncio.Event())
         pause.begin()
         task = asyncio.ensure_future(agent_main._collect_after_first_sync(agent))
         await asyncio.sleep(0)
         assert pause.active
         if synced:
-            agent.first_synced.set()
+            agent.settled.set()
         await asyncio.wait_for(task, 5)
         assert not pause.active and gc.isenabled()
 

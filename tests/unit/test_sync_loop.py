@@ -256,15 +256,19 @@ def test_housekeeping_with_work_left_runs_again_without_waiting_the_interval() -
     async def go(b: Bench) -> None:
         b.runner.housekeeping_interval = 5.0
         b.dp.parts_left = 3  # three parts after the first sync (nftables' input marks)
+        settled: list[int] = []  # housekeeping runs when the start was declared over
+        b.runner.on_settled = lambda: settled.append(b.dp.housekept)
         b.runner.start()
         await settle(b, lambda: b.dp.housekept == 3, "every part, the clock standing still")
         assert not b.dp.housekeeping_pending()
+        await settle(b, lambda: settled == [3], "the start declared over once the last is done")
         for _ in range(20):  # then the interval again
             b.runner._wake.set()
             await asyncio.sleep(0.001)
         assert b.dp.housekept == 3
         b.clock.now += 6
         await settle(b, lambda: b.dp.housekept == 4, "housekeeping after the interval")
+        assert settled == [3]  # once
 
     run(go)
 
