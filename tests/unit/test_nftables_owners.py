@@ -17,7 +17,10 @@ from proxy.model.types import Family, ServicePortKey
 PORTS = [ServicePortKey("ns", f"s{i}", "", Family.V4) for i in range(3)]
 # A pick map's elements are kept per (cluster IP, port) (`_Picks`), whatever their owners.
 PICKED = pick_map("tcp", 2)
+# @hairpin's are kept by address (`_Pairs`), a key of another shape whole.
 ELEMENTS: list[ElementKey] = [("t", "hairpin", ("198.18.0.1", "198.18.0.1")),
+                              ("t", "hairpin", ("198.18.0.1", "198.18.0.2")),
+                              ("t", "cluster-ips", ("198.18.128.1",)),
                               ("t", "services", ("198.18.128.1",)),
                               ("t", PICKED, ("198.18.128.1", 80, 0)),
                               ("t", PICKED, ("198.18.128.1", 80, 1)),
@@ -55,12 +58,19 @@ def test_owners_answer_as_a_plain_map_would(
 
 def test_a_set_element_owned_once_is_the_port_alone_and_a_map_element_a_pair() -> None:
     owners = Owners()
+    owners.add(ELEMENTS[2], PORTS[0], ())
+    owners.add(ELEMENTS[3], PORTS[0], VALUES[1])
+    owners.add(ELEMENTS[3], PORTS[1], VALUES[2])
+    owners.remove(ELEMENTS[3], PORTS[0])
+    assert owners._sets == {("t", "cluster-ips"): {ELEMENTS[2][2]: PORTS[0]},
+                            ("t", "services"): {ELEMENTS[3][2]: (PORTS[1], VALUES[2])}}
+
+
+def test_a_hairpin_element_is_kept_by_its_address() -> None:
+    owners = Owners()
     owners.add(ELEMENTS[0], PORTS[0], ())
-    owners.add(ELEMENTS[1], PORTS[0], VALUES[1])
-    owners.add(ELEMENTS[1], PORTS[1], VALUES[2])
-    owners.remove(ELEMENTS[1], PORTS[0])
-    assert owners._sets == {("t", "hairpin"): {ELEMENTS[0][2]: PORTS[0]},
-                            ("t", "services"): {ELEMENTS[1][2]: (PORTS[1], VALUES[2])}}
+    assert owners._sets["t", "hairpin"].by_address == {  # type: ignore[union-attr]
+        "198.18.0.1": PORTS[0]}
 
 
 def test_a_ports_pick_elements_are_one_entry_of_its_values_in_slot_order() -> None:

@@ -27,6 +27,8 @@ from proxy.dataplane.nftables.render import (
     shards_for,
 )
 from proxy.dataplane.nftables.transaction import (
+    KeptPort,
+    element_map,
     full_lines,
     full_script,
     kept_slots,
@@ -441,3 +443,28 @@ def test_a_picked_ports_change_is_elements_alone() -> None:
         in lines
     assert any(line.startswith(f"delete element ip {S0} eps-tcp-3 ") for line in lines)
     assert any(line.startswith(f"add element ip {S0} eps-tcp-4 ") for line in lines)
+
+
+@pytest.mark.parametrize("shape", ["one", "same address on two ports", "thirty-two", "IPv6"])
+def test_a_picked_ports_kept_state_holds_every_element_it_rendered(shape: str) -> None:
+    """KeptPort keeps a picked port's pick-map and hairpin elements in a shape of its own
+    (`picked`: the hairpins are its values' addresses); read back, they are exactly what
+    the port rendered, or a change would leave elements behind or delete others'."""
+    family = Family.V6 if shape == "IPv6" else Family.V4
+    if shape == "one":
+        objects = [service(), eps_slice("s1", [ep("198.18.1.10")])]
+    elif shape == "same address on two ports":
+        objects = [service(), eps_slice("s1", [ep("198.18.1.10"), ep("198.18.1.11")]),
+                   eps_slice("s2", [ep("198.18.1.10")],
+                             ports=({"name": "http", "port": 9090},))]
+    elif shape == "thirty-two":
+        objects = [service(), eps_slice("s1", [ep(f"198.18.1.{i}") for i in range(10, 42)])]
+    else:
+        objects = [service(ips=("fd00::10",), ipFamilies=["IPv6"]),
+                   eps_slice("s1", [ep("fd00:1::10"), ep("fd00:1::11")], address_type="IPv6")]
+    p = render_port(resolve(*objects, family=family), RenderContext(family))
+    assert p.slots and p.slots[0][0].startswith(render.PICKS), "not picked"
+    assert dict(KeptPort.of(p).elements()) == element_map(p)
+    if shape == "same address on two ports":
+        assert len(p.slots[0][1]) == 3 and \
+            sum(e.set == render.HAIRPIN for e in p.elements) >= 2

@@ -34,7 +34,7 @@ import itertools
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import islice
-from typing import cast
+from typing import TypeVar, cast
 
 from proxy.dataplane.base import rules_digest
 from proxy.dataplane.nftables.objects import (
@@ -51,7 +51,9 @@ from proxy.dataplane.nftables.objects import (
 )
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
+    HAIRPIN,
     PICKS,
+    TABLE,
     BaseObjects,
     PortObjects,
     mark_element,
@@ -90,14 +92,14 @@ class Owners:
     port alone for a set's element, a (port, value) pair for a map's, and a dict only
     once shared. A dict per element, and a second map of what the kernel held, were 5 KB
     of the 8 KB kept per service port at 10,000 services x 10 endpoints. A pick map's
-    elements are kept per port (`_Picks`). Kept per set, as a full script writes them
-    (`sets`)."""
+    elements are kept per port (`_Picks`), @hairpin's by address (`_Pairs`). Kept per
+    set, as a full script writes them (`sets`)."""
 
     __slots__ = ("_sets",)
 
     def __init__(self) -> None:
         # (table, set) -> key -> owners
-        self._sets: dict[Named, dict[Key, _Owned] | _Picks] = {}
+        self._sets: dict[Named, dict[Key, _Owned] | _Picks | _Pairs] = {}
 
     def __len__(self) -> int:
         return sum(len(members) for members in self._sets.values())
@@ -115,36 +117,36 @@ class Owners:
              value: Value) -> None:
         members = self._sets.get((table, set_name))
         if members is None:
-            members = self._sets[table, set_name] = \
-                _Picks() if set_name.startswith(PICKS) else {}
-        if isinstance(members, _Picks):
-            members.add(key, port, value)
-        else:
+            members = self._sets[table, set_name] = _Picks() if set_name.startswith(PICKS) \
+                else _Pairs() if set_name == HAIRPIN else {}
+        if isinstance(members, dict):
             _add_owner(members, key, port, value)
+        else:
+            members.add(key, port, value)
 
     def remove(self, element: ElementKey, port: ServicePortKey) -> None:
         table, set_name, key = element
         members = self._sets.get((table, set_name))
-        if isinstance(members, _Picks):
-            members.remove(key, port)
-        elif members is not None:
+        if isinstance(members, dict):
             _remove_owner(members, key, port)
+        elif members is not None:
+            members.remove(key, port)
 
     def held(self, element: ElementKey) -> Value | None:
         table, set_name, key = element
         members = self._sets.get((table, set_name))
-        if isinstance(members, _Picks):
-            return members.held(key)
-        cur = members.get(key) if members is not None else None
+        if members is None or not isinstance(members, dict):
+            return None if members is None else members.held(key)
+        cur = members.get(key)
         return None if cur is None else _value(cur)
 
     def sets(self) -> Iterator[tuple[str, str, Iterator[tuple[Key, Value]]]]:
         """(table, set, its elements as (key, held value)), set by set."""
         for (table, set_name), members in self._sets.items():
-            if isinstance(members, _Picks):
-                yield table, set_name, members.items()
-            else:
+            if isinstance(members, dict):
                 yield table, set_name, _held_values(members)
+            else:
+                yield table, set_name, members.items()
 
     def elements(self) -> Iterator[tuple[ElementKey, Value]]:
         for table, set_name, members in self.sets():
@@ -154,13 +156,14 @@ class Owners:
 
 # One owner: the port (a set's element has no value), or (port, value); several: a dict.
 _Owned = ServicePortKey | tuple[ServicePortKey, Value] | dict[ServicePortKey, Value]
+_K = TypeVar("_K")  # what an element is kept by: its key, or part of it
 
 
 def _held_values(members: dict[Key, _Owned]) -> Iterator[tuple[Key, Value]]:
     return ((key, _value(cur)) for key, cur in members.items())
 
 
-def _add_owner(members: dict[Key, _Owned], key: Key, port: ServicePortKey,
+def _add_owner(members: dict[_K, _Owned], key: _K, port: ServicePortKey,
                value: Value) -> None:
     owned = _owned(port, value)
     cur = members.setdefault(key, owned)  # most elements: their first owner
@@ -176,7 +179,7 @@ def _add_owner(members: dict[Key, _Owned], key: Key, port: ServicePortKey,
         cur[port] = value
 
 
-def _remove_owner(members: dict[Key, _Owned], key: Key, port: ServicePortKey) -> None:
+def _remove_owner(members: dict[_K, _Owned], key: _K, port: ServicePortKey) -> None:
     cur = members.get(key)
     if cur is None:
         return
@@ -209,6 +212,43 @@ def _value(cur: _Owned) -> Value:
     if isinstance(cur, dict):
         return cur[min(cur)]
     return cur[1]
+
+
+class _Pairs:
+    """@hairpin's elements, each an endpoint's address twice (render.hairpin_element),
+    kept by the address: the pair was a tuple of 56 bytes an endpoint. A key of another
+    shape is kept whole (`other`)."""
+
+    __slots__ = ("by_address", "other")
+
+    def __init__(self) -> None:
+        self.by_address: dict[str | int, _Owned] = {}
+        self.other: dict[Key, _Owned] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_address) + len(self.other)
+
+    def add(self, key: Key, port: ServicePortKey, value: Value) -> None:
+        if len(key) == 2 and key[0] == key[1]:
+            _add_owner(self.by_address, key[0], port, value)
+        else:
+            _add_owner(self.other, key, port, value)
+
+    def remove(self, key: Key, port: ServicePortKey) -> None:
+        if len(key) == 2 and key[0] == key[1]:
+            _remove_owner(self.by_address, key[0], port)
+        else:
+            _remove_owner(self.other, key, port)
+
+    def held(self, key: Key) -> Value | None:
+        cur = self.by_address.get(key[0]) if len(key) == 2 and key[0] == key[1] \
+            else self.other.get(key)
+        return None if cur is None else _value(cur)
+
+    def items(self) -> Iterator[tuple[Key, Value]]:
+        for address, cur in self.by_address.items():
+            yield (address, address), _value(cur)
+        yield from _held_values(self.other)
 
 
 class _Picks:
@@ -323,7 +363,8 @@ class KeptPort:
     from_input: bool = True
     # A picked port's elements of its pick maps, out of `rendered`: (map, key but for
     # the slot, values in slot order) each (`picked_groups`), 0.2 KB where an element
-    # each was 1 KB at 10 endpoints.
+    # each was 1 KB at 10 endpoints; its hairpin elements (in the main table) are its
+    # values' addresses.
     picked: tuple[tuple[str, Key, tuple[Value, ...]], ...] = ()
 
     @classmethod
@@ -336,8 +377,11 @@ class KeptPort:
             return cls(p.table, chains, flat_elements(p.elements), p.sets, (), None, counters,
                        p.fingerprint, p.input_mark, p.from_input)
         if p.slots[0][0].startswith(PICKS):
+            # Its pick maps' elements, and its hairpin elements (their values' addresses,
+            # render._pick), are `picked`.
             return cls(p.table, chains,
-                       flat_elements([e for e in p.elements if not e.set.startswith(PICKS)]),
+                       flat_elements([e for e in p.elements if not e.set.startswith(PICKS)
+                                      and e.set != HAIRPIN]),
                        p.sets, (), None, counters, p.fingerprint, p.input_mark, p.from_input,
                        picked_groups(p.elements))
         return cls(p.table, chains, (), p.sets,
@@ -369,6 +413,7 @@ class KeptPort:
         for name, prefix, values in self.picked:
             out.update(((self.table, name, (*prefix, slot)), value)
                        for slot, value in enumerate(values))
+            out.update(((TABLE, HAIRPIN, (v[0], v[0])), ()) for v in values)
         return out
 
 
