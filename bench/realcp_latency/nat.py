@@ -226,7 +226,7 @@ def _picked_elements(found: dict[str, Any], table: str, names: dict[str, str],
                 ip, proto, port = key["concat"]
                 counted[(table, ip, proto, port)] = names[counter]
     elif found["name"].startswith(PICKS):
-        proto = found["name"].split("-")[1]
+        proto = found["name"].removeprefix(PICKS).split("-")[0]  # render.pick_map
         for key, value in found.get("elem", []):
             ip, port, _slot = key["concat"]
             address, target = value["concat"]

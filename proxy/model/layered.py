@@ -11,7 +11,7 @@ changes), so reading stays about a dict's cost.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, ItemsView, Iterator, KeysView, Mapping, ValuesView
+from collections.abc import Callable, ItemsView, Iterator, Mapping, ValuesView
 from typing import Generic, TypeVar, cast
 
 K = TypeVar("K")
@@ -61,9 +61,6 @@ class Layered(Mapping[K, V], Generic[K, V]):
 
     def __iter__(self) -> Iterator[K]:
         return (key for key, _value in self._items())
-
-    def keys(self) -> KeysView[K]:
-        return KeysView(self)
 
     def items(self) -> ItemsView[K, V]:
         return _Items(self)

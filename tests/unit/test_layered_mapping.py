@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.model.layered import Layered, layer, overlay_limit
+from proxy.model.layered import Layered, layer
 
 # Batches of (key, value or None) over few keys, and a small fold limit: overlays fold
 # into new bases often, and keys come and go across folds.
@@ -55,7 +55,3 @@ def test_an_unchanged_value_is_kept_and_no_change() -> None:
     held = {1: "a"}
     base, over, size, changed = layer(held, {}, 1, {1: "a"}, lambda old, new: old != new)
     assert (base, over, size, changed) == (held, {}, 1, set())
-
-
-def test_the_default_limit_keeps_the_overlay_small_beside_the_base() -> None:
-    assert overlay_limit(0) == 64 and overlay_limit(100_000) == 1_264

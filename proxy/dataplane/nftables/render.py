@@ -482,7 +482,7 @@ class _PortBuild:
         its fingerprint; `from_input`: whether no earlier slot was kept (marks.py)."""
         elements = []
         for s in sorted(self.elements):
-            table, members = self.table if s in SHARD_SETS else TABLE, self.elements[s]
+            table, members = element_table(s, self.table), self.elements[s]
             elements += [Element(table, s, k, members[k]) for k in sorted(members)]
         chains, sets = tuple(self.chains), tuple(self.sets)
         counters = tuple(self.counters.items())
@@ -828,6 +828,12 @@ def slot_value(address: str, port: int) -> Key:
 
 def hairpin_element(address: str) -> Key:
     return (address, address)
+
+
+def element_table(set_name: str, port_table: str) -> str:
+    """Where a port's element of `set_name` lives: its shard (`port_table`) for the sets
+    every shard declares, the main table for the rest (@cluster-ips, @hairpin)."""
+    return port_table if set_name in SHARD_SETS else TABLE
 
 
 def assign_slots(values: Sequence[V], before: Sequence[V]) -> list[V]:

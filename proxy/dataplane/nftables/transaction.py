@@ -53,9 +53,10 @@ from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
     HAIRPIN,
     PICKS,
-    TABLE,
     BaseObjects,
     PortObjects,
+    element_table,
+    hairpin_element,
     mark_element,
     shard_of,
     table_family,
@@ -135,8 +136,10 @@ class Owners:
     def held(self, element: ElementKey) -> Value | None:
         table, set_name, key = element
         members = self._sets.get((table, set_name))
-        if members is None or not isinstance(members, dict):
-            return None if members is None else members.held(key)
+        if members is None:
+            return None
+        if not isinstance(members, dict):
+            return members.held(key)
         cur = members.get(key)
         return None if cur is None else _value(cur)
 
@@ -222,33 +225,33 @@ class _Pairs:
     __slots__ = ("by_address", "other")
 
     def __init__(self) -> None:
-        self.by_address: dict[str | int, _Owned] = {}
-        self.other: dict[Key, _Owned] = {}
+        self.by_address: dict[object, _Owned] = {}  # address -> owners
+        self.other: dict[object, _Owned] = {}  # key -> owners
 
     def __len__(self) -> int:
         return len(self.by_address) + len(self.other)
 
-    def add(self, key: Key, port: ServicePortKey, value: Value) -> None:
+    def _where(self, key: Key) -> tuple[dict[object, _Owned], object]:
+        """The dict `key` is kept in, and what by."""
         if len(key) == 2 and key[0] == key[1]:
-            _add_owner(self.by_address, key[0], port, value)
-        else:
-            _add_owner(self.other, key, port, value)
+            return self.by_address, key[0]
+        return self.other, key
+
+    def add(self, key: Key, port: ServicePortKey, value: Value) -> None:
+        _add_owner(*self._where(key), port, value)
 
     def remove(self, key: Key, port: ServicePortKey) -> None:
-        if len(key) == 2 and key[0] == key[1]:
-            _remove_owner(self.by_address, key[0], port)
-        else:
-            _remove_owner(self.other, key, port)
+        _remove_owner(*self._where(key), port)
 
     def held(self, key: Key) -> Value | None:
-        cur = self.by_address.get(key[0]) if len(key) == 2 and key[0] == key[1] \
-            else self.other.get(key)
+        members, by = self._where(key)
+        cur = members.get(by)
         return None if cur is None else _value(cur)
 
     def items(self) -> Iterator[tuple[Key, Value]]:
         for address, cur in self.by_address.items():
-            yield (address, address), _value(cur)
-        yield from _held_values(self.other)
+            yield hairpin_element(cast(str, address)), _value(cur)
+        yield from _held_values(cast(dict[Key, _Owned], self.other))
 
 
 class _Picks:
@@ -363,8 +366,7 @@ class KeptPort:
     from_input: bool = True
     # A picked port's elements of its pick maps, out of `rendered`: (map, key but for
     # the slot, values in slot order) each (`picked_groups`), 0.2 KB where an element
-    # each was 1 KB at 10 endpoints; its hairpin elements (in the main table) are its
-    # values' addresses.
+    # each was 1 KB at 10 endpoints; its hairpin elements are its values' addresses.
     picked: tuple[tuple[str, Key, tuple[Value, ...]], ...] = ()
 
     @classmethod
@@ -413,7 +415,9 @@ class KeptPort:
         for name, prefix, values in self.picked:
             out.update(((self.table, name, (*prefix, slot)), value)
                        for slot, value in enumerate(values))
-            out.update(((TABLE, HAIRPIN, (v[0], v[0])), ()) for v in values)
+            hairpins = element_table(HAIRPIN, self.table)
+            out.update(((hairpins, HAIRPIN, hairpin_element(cast(str, v[0]))), ())
+                       for v in values)
         return out
 
 
