@@ -3,11 +3,17 @@ network (API server, nodes, the outside client), the Service range and the pod n
 
     family  cp network (API .1)  services (`kubernetes` .1)  pods (a block per node)
     IPv4    198.18.96.0/24       198.18.128.0/17             198.18.64.0/19, /24 each
-    IPv6    fd00:198:18:96::/64  fd00:198:18:128::/112       fd00:198:18:6400::/56, /64 each
+    IPv6    fd00:198:18:96::/64  fd00:198:18:128::/108       fd00:198:18:6400::/56, /64 each
 
 A cluster's stack is a tuple of plans, its primary family first: `IPV4_ONLY` (every
 tier's default), `IPV6_ONLY`, `DUAL_STACK`. Everything is inside 198.18.0.0/15 and
 fd00::/8.
+
+ClusterIPs (`Family.cluster_ips`): IPv4's /17 holds 32,766. IPv6's /108 is as wide as
+v1.20's kube-apiserver accepts (at most 20 host bits: a /107 is "too large"), but its
+allocator serves only the first 65,536 addresses of an IPv6 range (ipallocator's
+RangeSize cap; measured: ::ffff allocated, ::1:0 "not in the valid range"), so 65,535.
+No single-stack v1.20 cluster of this lab holds 100,000 Services.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ IPNetwork = IPv4Network | IPv6Network
 # Attached namespaces take the cp network's addresses after the API server's + 10:
 # .11, .12, ... (::b, ::c, ...).
 MEMBER_OFFSET = 10
+# The most addresses v1.20's ClusterIP allocator serves from an IPv6 range (its bitmap's
+# size), however wide the range it accepted.
+IPV6_ALLOCATOR_CAP = 2**16
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +57,15 @@ class Family:
         return self.services.network_address + 1
 
     @property
+    def cluster_ips(self) -> int:
+        """How many ClusterIPs v1.20 allocates from the range, the `kubernetes` Service's
+        among them: all but the network (and IPv4's broadcast) address, and for IPv6 no
+        more than IPV6_ALLOCATOR_CAP."""
+        if self.version == 4:
+            return self.services.num_addresses - 2
+        return min(self.services.num_addresses, IPV6_ALLOCATOR_CAP) - 1
+
+    @property
     def default_route(self) -> str:
         return "0.0.0.0/0" if self.version == 4 else "::/0"
 
@@ -69,7 +87,7 @@ class Family:
 
 IPV4 = Family(IPv4Network("198.18.96.0/24"), IPv4Network("198.18.128.0/17"),
               IPv4Network("198.18.64.0/19"), 24)
-IPV6 = Family(IPv6Network("fd00:198:18:96::/64"), IPv6Network("fd00:198:18:128::/112"),
+IPV6 = Family(IPv6Network("fd00:198:18:96::/64"), IPv6Network("fd00:198:18:128::/108"),
               IPv6Network("fd00:198:18:6400::/56"), 64)
 
 Stack = tuple[Family, ...]  # the primary family first

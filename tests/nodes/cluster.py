@@ -23,7 +23,7 @@ DaemonSet that does not select Linux nodes gets a pod there that never starts, a
 `stack` gives the same cluster in other address families (labs/realcp/addressing.py,
 docs/lab.md): IPV6_ONLY, every address above in fd00::/8 (API server
 [fd00:198:18:96::1]:6443, node-1 fd00:198:18:96::b with pods fd00:198:18:6400::/64,
-services fd00:198:18:128::/112), or DUAL_STACK, both (IPv4 first, DNS on IPv4).
+services fd00:198:18:128::/108), or DUAL_STACK, both (IPv4 first, DNS on IPv4).
 
 Nodes have no service proxy: the test (or a person) applies one with kubectl, as on a
 cluster just made by kubeadm without its kube-proxy add-on. The images (sliceproxy's,

@@ -47,3 +47,12 @@ def test_ipv6_is_written_in_brackets_in_urls() -> None:
     assert url_host(ip_address("fd00:198:18:96::1")) == "[fd00:198:18:96::1]"
     assert url_host("198.18.96.1") == "198.18.96.1"
     assert [f.name for f in STACKS["dual"]] == ["IPv4", "IPv6"]
+
+
+def test_the_ipv6_service_range_is_as_wide_as_v1_20_accepts() -> None:
+    # kube-apiserver v1.20 refuses more than 20 host bits; its allocator then serves
+    # 2**16 addresses of it, the network address aside.
+    assert IPV6.services.max_prefixlen - IPV6.services.prefixlen == 20
+    assert (IPV4.cluster_ips, IPV6.cluster_ips) == (32_766, 65_535)
+    assert str(IPV6.kubernetes_service_ip) == "fd00:198:18:128::1"
+    assert str(IPV6.services[10]) == "fd00:198:18:128::a"  # kube-dns (tests/nodes/dns.py)
