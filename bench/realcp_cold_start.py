@@ -3,6 +3,9 @@
 
     sudo .venv/bin/python -m bench.realcp_cold_start                  # 10,000 x 10, 3 runs
     sudo .venv/bin/python -m bench.realcp_cold_start --services 200 --runs 1 --json out.json
+    # the most services v1.20 holds (single-stack IPv6; see below): ~8 minutes of writes
+    sudo .venv/bin/python -m bench.realcp_cold_start --ipv6 --services 65000 --runs 1 \
+        --sources endpointslices --json ipv6-65k.json
 
 kube-apiserver and kube-controller-manager v1.20.2 (labs/realcp) are started as
 `bench.realcp_latency` starts them, and everything (control plane, node namespaces,
@@ -21,6 +24,20 @@ mirrored, so the controller manager has no backlog and the EndpointSlice agent s
 only our slices, one per service. The result's `mirrored_slices` counts slices managed
 by the mirroring controller in the namespace at the end (0 expected). The writes go
 out from a thread pool under one set-up deadline.
+
+`--ipv6` makes it all single-stack IPv6: the control plane, the node ("node-a" at
+fd00:18::1, its namespace with IPv6), every endpoint a distinct address of fd00:19::/64
+(the agent's --cluster-cidr; bench/common.py's POD_CIDR_V6), slices of addressType
+IPv6, and the agent's tables read in the ip6 family. Its point is size: v1.20 allocates
+32,766 IPv4 ClusterIPs from the lab's range and 65,535 IPv6 ones (labs/realcp/
+addressing.py: its allocator serves 2**16 addresses of an IPv6 range however wide), the
+`kubernetes` Service's among them, so --services goes up to 32,765 or 65,534 (checked
+before anything is written). 100,000 services do not fit a stock v1.20 API server in
+either family. At 65,000 x 10 with one source the set-up writes 130,000 objects: about
+8 minutes at the ~290 objects/s a 2-core machine manages (the default --setup-deadline,
+25 minutes, covers it and both sources' 195,000); reading the tables back takes
+seconds after they were seen live, which the figures do not include, and the start
+deadline does not cut short a reading once begun.
 
 Before each measured start the bench waits (bounded, polling /proc once a second) until
 kube-apiserver and kube-controller-manager each used less than `--quiet-cpu` of a core
@@ -64,11 +81,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from ipaddress import IPv6Network, ip_address
 from pathlib import Path
 from typing import Any
 
 from bench.agent_start import FIRST_SYNC, LISTED, NODES
-from bench.common import CLOCK_TICKS, cpu_times, quiet
+from bench.common import CLOCK_TICKS, POD_CIDR_V6, cpu_times, quiet
 from bench.realcp_latency.cli import on_control_plane
 from bench.realcp_latency.measure import Commits, commit_tables, summary, wait_initial
 from bench.realcp_latency.nat import live_chain_lookup
@@ -83,17 +101,19 @@ from bench.realcp_latency.settings import (
     TARGET_PORT,
     service_name,
 )
+from labs.realcp.addressing import IPV4, IPV6, IPV6_ONLY
 from labs.realcp.build import Binaries
 from labs.realcp.clusters import Ep, endpoint_slice, service, services_path
 from labs.realcp.controlplane import ControlPlane
-from labs.realcp.nodes import ROOT, Sliceproxy, ensure_node
+from labs.realcp.nodes import POD_CIDR, ROOT, Sliceproxy, ensure_node
 from labs.realcp.rawapi import RawApi
 from proxy.dataplane.common.netlink import NetlinkSocket
 from proxy.dataplane.common.netlink_constants import NETLINK_NETFILTER
+from proxy.model.types import Family, format_endpoint
 from proxy.netns_lab import Lab
 from proxy.netns_lab.netns import entered
 from proxy.netns_lab.poll import TimedOut, wait
-from proxy.netns_lab.topology import NODE_LAN4, ip
+from proxy.netns_lab.topology import NODE_LAN4, NODE_LAN6, ip
 
 SOURCES = ("endpoints", "endpointslices")
 SIDE = "sliceproxy-nftables"  # realcp_latency's name for the mode; its flags
@@ -124,12 +144,21 @@ class Settings:
     announcements: bool = False
     # Checkouts whose agents take turns (an A/B on one control plane); none: this one.
     agent_roots: tuple[str, ...] = ()
+    ipv6: bool = False  # single-stack IPv6 (module docstring); the control plane's too
+
+    @property
+    def family(self) -> Family:
+        return Family.V6 if self.ipv6 else Family.V4
 
     def check(self) -> None:
         if min(self.services, self.endpoints, self.runs, self.parallel) < 1:
             raise ValueError("services, endpoints, runs and parallel must be positive")
         if self.endpoints > len(POD_ADDRESSES):
             raise ValueError(f"at most {len(POD_ADDRESSES)} endpoints per service")
+        plan = IPV6 if self.ipv6 else IPV4
+        if self.services > plan.cluster_ips - 1:  # one is the `kubernetes` Service's
+            raise ValueError(f"at most {plan.cluster_ips - 1} {plan.name} services: v1.20 "
+                             f"allocates {plan.cluster_ips} ClusterIPs from {plan.services}")
         if not self.sources or not set(self.sources) <= set(SOURCES) \
                 or len(set(self.sources)) != len(self.sources):
             raise ValueError(f"sources: distinct ones of {SOURCES}")
@@ -138,16 +167,29 @@ class Settings:
 # --- the objects ----------------------------------------------------------------------
 
 
+# --ipv6's endpoints: the k-th of all is fd00:19::(k+1), never one twice.
+POD_NET_V6 = IPv6Network(POD_CIDR_V6)
+
+
 def addresses(settings: Settings, i: int) -> list[tuple[str, str]]:
-    """Service i's endpoints as (address, node name). Addresses come from
+    """Service i's endpoints as (address, node name). IPv4 addresses come from
     realcp_latency's pod ranges in 198.18.0.0/15 and repeat across services past their
-    97,534 (never within one); nodes are NODE and node-1 .. node-49 in turn."""
+    97,534 (never within one); IPv6 ones are distinct (POD_NET_V6); nodes are NODE and
+    node-1 .. node-49 in turn."""
     out = []
     for j in range(settings.endpoints):
         k = i * settings.endpoints + j
-        out.append((str(POD_ADDRESSES[k % len(POD_ADDRESSES)]),
-                    NODE if k % NODES == 0 else f"node-{k % NODES}"))
+        address = POD_NET_V6.network_address + 1 + k if settings.ipv6 \
+            else POD_ADDRESSES[k % len(POD_ADDRESSES)]
+        out.append((str(address), NODE if k % NODES == 0 else f"node-{k % NODES}"))
     return out
+
+
+def wanted(settings: Settings, ns: str) -> set[tuple[str, str]]:
+    """Every (service port, endpoint) the rules must show, spelled as nat.nft_view
+    spells them (the debug dump's `format_endpoint`)."""
+    return {(f"{ns}/{service_name(i)}:http", format_endpoint(ip_address(a), TARGET_PORT))
+            for i in range(settings.services) for a, _ in addresses(settings, i)}
 
 
 def endpoints_object(name: str, ns: str, eps: Sequence[tuple[str, str]]) -> Obj:
@@ -158,9 +200,11 @@ def endpoints_object(name: str, ns: str, eps: Sequence[tuple[str, str]]) -> Obj:
                                     "protocol": "TCP"}]}]}
 
 
-def slice_object(name: str, ns: str, eps: Sequence[tuple[str, str]]) -> Obj:
+def slice_object(name: str, ns: str, eps: Sequence[tuple[str, str]],
+                 family: Family = Family.V4) -> Obj:
     obj = endpoint_slice(SLICE_API, f"{name}-bench", ns, name,
-                         [Ep(a, node=n) for a, n in eps], port=TARGET_PORT)
+                         [Ep(a, node=n) for a, n in eps], port=TARGET_PORT,
+                         address_type=family.label)
     obj["metadata"]["labels"][MANAGED_BY] = MANAGER
     return obj
 
@@ -174,7 +218,7 @@ def _write_service(api: RawApi, ns: str, settings: Settings, i: int) -> None:
                  endpoints_object(name, ns, eps))
     if "endpointslices" in settings.sources:
         api.must("POST", f"/apis/{SLICE_API}/namespaces/{ns}/endpointslices",
-                 slice_object(name, ns, eps))
+                 slice_object(name, ns, eps, settings.family))
 
 
 def write_all(api: RawApi, ns: str, settings: Settings,
@@ -190,7 +234,8 @@ def write_all(api: RawApi, ns: str, settings: Settings,
             for k, future in enumerate(futures, 1):
                 future.result(timeout=max(1.0, deadline - time.monotonic()))
                 if k % 2000 == 0:
-                    progress(f"{k}/{settings.services} services written")
+                    progress(f"{k}/{settings.services} services written "
+                             f"({time.monotonic() - started:.0f} s)")
         except BaseException:  # a failure, the deadline, SIGTERM: the rest is not sent
             pool.shutdown(cancel_futures=True)
             raise
@@ -284,10 +329,10 @@ class LiveChainAppears:
     1.2 to 5.6-6.4 s and its first sync from 5.6 to 10-11 s (an A/B on one control
     plane)."""
 
-    def __init__(self, ns: str, interval: float = 0.01) -> None:
+    def __init__(self, ns: str, family: Family = Family.V4, interval: float = 0.01) -> None:
         with entered(ns):  # the socket belongs to the namespace it is made in
             self._sock = NetlinkSocket(NETLINK_NETFILTER)
-        self._request = live_chain_lookup()
+        self._request = live_chain_lookup(family)
         self.interval = interval
         self.absent_since: float | None = None
         self.seen_at: float | None = None
@@ -351,25 +396,29 @@ def start_once(cp: ControlPlane, settings: Settings, source: str, ns: str,
     before = wait_quiet(cp, settings)
     out: dict[str, Any] = {"source": source, "control_plane_before": before,
                            "environment_before": environment()}
-    with Lab([], node_name=NODE, ipv6=False) as lab, contextlib.ExitStack() as stack:
+    family = settings.family
+    # ipv6: the lab's namespaces get IPv6 addresses too (NODE_LAN6 on the node's lan0),
+    # without duplicate address detection, and forward IPv6.
+    with Lab([], node_name=NODE, ipv6=settings.ipv6) as lab, contextlib.ExitStack() as stack:
         cp.attach(lab.node_ns)
         stack.callback(cp.detach, lab.node_ns)
         proxy = Sliceproxy.make(lab, cp.node_kubeconfig, workdir, source,
-                                *PROXY_FLAGS[SIDE], root=root)
+                                *PROXY_FLAGS[SIDE], root=root,
+                                cluster_cidr=POD_CIDR_V6 if settings.ipv6 else POD_CIDR)
         stack.callback(proxy.stop)
         side = Side(SIDE, lab, proxy)
         # Both from before the process starts.
-        table = LiveChainAppears(lab.node_ns)
+        table = LiveChainAppears(lab.node_ns, family)
         table.start()
         stack.callback(table.stop)
-        commits = Commits(lab.node_ns, commit_tables(NFTABLES)) if settings.announcements \
-            else None
+        commits = Commits(lab.node_ns, commit_tables(NFTABLES), family) \
+            if settings.announcements else None
         if commits is not None:
             stack.callback(commits.stop)
         busy = machine_busy()
         proxy.start()
         initial = wait_initial(side, ns, want, settings.services,
-                               proxy.started + settings.start_deadline)
+                               proxy.started + settings.start_deadline, family)
         # In a fresh namespace the first transaction on our tables is the first sync.
         announced = commits.between(proxy.started, time.monotonic()) if commits else []
         user, system = user_system(side.pid)
@@ -405,10 +454,12 @@ def run(cp: ControlPlane, bins: Binaries, settings: Settings, workdir: Path,
         progress: Callable[[str], None] = quiet) -> dict[str, Any]:
     """Set-up, then the runs; returns the results (JSON-able)."""
     settings.check()
+    if cp.stack[0].version != settings.family:
+        raise ValueError(f"a control plane of primary family {cp.stack[0].name} for "
+                         f"{settings.family.label} services")
     api, ns, result = begin(cp, bins, asdict(settings), "cold")
-    ensure_node(api, NODE, str(NODE_LAN4))
-    want = {(f"{ns}/{service_name(i)}:http", f"{a}:{TARGET_PORT}")
-            for i in range(settings.services) for a, _ in addresses(settings, i)}
+    ensure_node(api, NODE, str(NODE_LAN6 if settings.ipv6 else NODE_LAN4))
+    want = wanted(settings, ns)
     with contextlib.ExitStack() as stack:
         if settings.cleanup_objects:
             stack.callback(_delete_objects, api, ns, settings)
@@ -519,7 +570,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"{'' if s['all_quiet'] else ' (not quiet)'} |")
     setup = result["setup"]
     return "\n".join(rows) + (
-        f"\n\n{st['services']:,} services x {st['endpoints']} endpoints written straight "
+        f"\n\n{st['services']:,} services x {st['endpoints']} endpoints"
+        f"{' (single-stack IPv6)' if st.get('ipv6') else ''} written straight "
         f"to kube-apiserver {result['versions']['kube-apiserver'].split()[0]} "
         f"({setup['objects']:,} objects in {setup['seconds']:.0f} s); medians of "
         f"{st['runs']} run(s) per source, from the agent process's start; "
@@ -552,6 +604,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--agent-root", action="append", default=[], metavar="DIR",
                    help="a checkout whose agent is measured (repeat for an A/B on one "
                         "control plane: the checkouts take turns); default: this one")
+    p.add_argument("--ipv6", action="store_true",
+                   help="single-stack IPv6: control plane, node, endpoints and rules "
+                   "(up to 65,534 services on v1.20, where IPv4 holds 32,765)")
     p.add_argument("--json", type=Path, help="write the full results here")
     p.add_argument("--keep-logs", type=Path, help="a directory for the agents' logs")
     args = p.parse_args(argv)
@@ -560,7 +615,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sources=tuple(args.sources), parallel=args.parallel,
         setup_deadline=args.setup_deadline, start_deadline=args.start_deadline,
         quiet_cpu=args.quiet_cpu, quiet_deadline=args.quiet_deadline,
-        announcements=args.announcements, agent_roots=tuple(args.agent_root))
+        announcements=args.announcements, agent_roots=tuple(args.agent_root),
+        ipv6=args.ipv6)
     try:
         settings.check()
         agent_roots(settings)
@@ -569,7 +625,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return on_control_plane(
         p.prog, argv, lambda cp, bins, workdir, progress: run(cp, bins, settings, workdir,
                                                               progress),
-        markdown, args.json, args.keep_logs)
+        markdown, args.json, args.keep_logs, **({"stack": IPV6_ONLY} if args.ipv6 else {}))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -29,7 +29,8 @@ from bench.realcp_latency.settings import (
     SERVICE_CHAIN,
 )
 from proxy.dataplane.common.drift_watch import NftablesListener
-from proxy.dataplane.common.netlink_constants import NFPROTO_IPV4
+from proxy.dataplane.common.netlink_constants import NFPROTO
+from proxy.model.types import Family
 from proxy.netns_lab.netns import entered
 
 # --- measuring ----------------------------------------------------------------------------
@@ -47,11 +48,11 @@ class Commits:
     # machine can run the poll before the thread that dates it.
     GRACE = 1.0
 
-    def __init__(self, ns: str, tables: Iterable[str]) -> None:
+    def __init__(self, ns: str, tables: Iterable[str], family: Family = Family.V4) -> None:
         self._times: list[float] = []
         self._heard_one = threading.Condition()
         with entered(ns):  # the socket listens in the namespace it is made in
-            self._listener = NftablesListener({(NFPROTO_IPV4, t) for t in tables},
+            self._listener = NftablesListener({(NFPROTO[family], t) for t in tables},
                                               lambda _pid: False, self._heard)
         self._listener.start()
 
@@ -120,9 +121,11 @@ def watch_rule(ns: str, backend: str, svc_chain: str, sep_chain: str, present: b
 
 
 def wait_initial(side: Side, namespace: str, want: set[tuple[str, str]], services: int,
-                 deadline: float) -> dict[str, Any]:
+                 deadline: float, family: Family = Family.V4) -> dict[str, Any]:
     """Until every (service port, endpoint) of the namespace is DNATed in the side's nat
-    table: how long since the process started, its CPU time and memory by then."""
+    table (the nftables mode's: in `family`): how long since the process started, its
+    CPU time and memory by then. A poll that began before the deadline reads to its end,
+    however long the tables take to read."""
     polls = 0
     with entered(side.lab.node_ns):
         while True:
@@ -132,7 +135,7 @@ def wait_initial(side: Side, namespace: str, want: set[tuple[str, str]], service
             for backend in BACKENDS if side.base in DISPATCH else (NFTABLES,):
                 seen: float | None = None
                 if backend == NFTABLES:
-                    found = nft_view(namespace, {port for port, _ in want})
+                    found = nft_view(namespace, {port for port, _ in want}, family)
                     if found is None:
                         continue
                     view, seen = found

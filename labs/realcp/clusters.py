@@ -72,9 +72,10 @@ class Ep:
 
 
 def endpoint_slice(group_version: str, name: str, namespace: str, service_name: str,
-                   endpoints: list[Ep], port: int = 8080, port_name: str = "http") -> Obj:
+                   endpoints: list[Ep], port: int = 8080, port_name: str = "http",
+                   address_type: str = "IPv4") -> Obj:
     """An EndpointSlice in the shape `group_version` serves: v1 has nodeName/zone, v1beta1
-    a topology map."""
+    a topology map. `address_type`: "IPv4" or "IPv6", as the endpoints' addresses."""
     beta = group_version.endswith("v1beta1")
     eps = []
     for ep in endpoints:
@@ -97,7 +98,7 @@ def endpoint_slice(group_version: str, name: str, namespace: str, service_name: 
             "metadata": {"name": name, "namespace": namespace,
                          "labels": {"kubernetes.io/service-name": service_name,
                                     "endpointslice.kubernetes.io/managed-by": TEST_MANAGER}},
-            "addressType": "IPv4", "endpoints": eps,
+            "addressType": address_type, "endpoints": eps,
             "ports": [{"name": port_name, "port": port, "protocol": "TCP"}]}
 
 

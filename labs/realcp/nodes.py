@@ -192,11 +192,12 @@ class Sliceproxy(NodeProxy):
 
     @classmethod
     def make(cls, lab: Lab, kubeconfig: Path, workdir: Path, source: str,
-             *flags: str, root: Path = ROOT) -> Sliceproxy:
-        """The agent of the checkout `root` (this one by default)."""
+             *flags: str, root: Path = ROOT, cluster_cidr: str = POD_CIDR) -> Sliceproxy:
+        """The agent of the checkout `root` (this one by default); `cluster_cidr` its pod
+        network (an IPv6 one on a single-stack IPv6 cluster)."""
         argv = [sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
                 "--hostname-override", lab.node_name, "--proxy-mode", "iptables",
-                "--endpoints-source", source, "--cluster-cidr", POD_CIDR,
+                "--endpoints-source", source, "--cluster-cidr", cluster_cidr,
                 "--metrics-bind-address", f"127.0.0.1:{METRICS_PORT}",
                 "--healthz-bind-address", f"127.0.0.1:{HEALTHZ_PORT}", "-v", "2", *flags]
         proxy = cls(lab, argv, workdir / f"sliceproxy-{lab.node_ns}.log",
