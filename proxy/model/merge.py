@@ -24,7 +24,6 @@ endpoints a changed slice lists, with this module's `slice_entries` and `merge_c
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import replace
 
 from proxy.model.snapshot import Conflict, MergedEndpoint
 from proxy.model.types import (
@@ -81,20 +80,10 @@ def merge_port(
         if len(found) == 1:
             slice_name, best = found[0]
             one = sources.get(slice_name) or sources.setdefault(slice_name, (slice_name,))
-            merged.append(_as_merged(address, port, one, best))
+            merged.append(MergedEndpoint(best, port, one))
         else:
             merged.append(merge_copies(address, port, found, conflicts))
     return tuple(merged), tuple(conflicts)
-
-
-def _as_merged(address: IPAddress, port: int, sources: tuple[str, ...], ep: Endpoint,
-               ) -> MergedEndpoint:
-    """The copy `ep` as the merged endpoint, listed by the slices `sources` (the only
-    one, or several whose chosen copy it is)."""
-    # Positional, in MergedEndpoint's field order: 1.6 us against 2.8 with keywords, for
-    # every endpoint of a cold start.
-    return MergedEndpoint(address, port, ep.ready, ep.serving, ep.terminating, ep.node_name,
-                          ep.zone, ep.zone_hints, ep.node_hints, sources)
 
 
 def merge_copies(address: IPAddress, port: int, found: list[tuple[str, Endpoint]],
@@ -114,9 +103,7 @@ def merge_copies(address: IPAddress, port: int, found: list[tuple[str, Endpoint]
             fields=tuple(f.replace("node_name", "node") for f in differing),
             chosen=slice_name,
         ))
-    merged = _as_merged(address, port, sources, best)
-    # Not an argument of _as_merged: that is the hot path, where there is no conflict.
-    return replace(merged, conflict=True) if conflict else merged
+    return MergedEndpoint(best, port, sources, conflict)
 
 
 def slice_entries(sl: EndpointSlice, port_name: str, protocol: Protocol,
@@ -135,5 +122,5 @@ def slice_entries(sl: EndpointSlice, port_name: str, protocol: Protocol,
             if old is not None and old[2] == ep:
                 out.append(old)
             else:
-                out.append((key, sl.name, ep, _as_merged(ep.address, sp.port, source, ep)))
+                out.append((key, sl.name, ep, MergedEndpoint(ep, sp.port, source)))
     return tuple(out)

@@ -17,6 +17,7 @@ from types import MappingProxyType
 from proxy.model.layered import Layered, layer
 from proxy.model.types import (
     Balancing,
+    Endpoint,
     IPAddress,
     Service,
     ServicePort,
@@ -27,22 +28,58 @@ from proxy.model.types import (
 
 @dataclass(frozen=True, slots=True)
 class MergedEndpoint:
-    """One endpoint of a service port after merging all slices and de-duplicating."""
+    """One endpoint of a service port after merging all slices and de-duplicating: the
+    chosen copy (`copy`, the slice's own `Endpoint`), at `port`, listed by `sources`.
 
-    address: IPAddress
+    The copy is held, not its fields copied: ~56 bytes an endpoint less (a million at
+    100,000 services x 10), and a merge that makes 4 fields where it made 11. Its
+    fields read as the copy's."""
+
+    copy: Endpoint
     port: int
-    ready: bool
-    serving: bool
-    terminating: bool
-    node_name: str | None
-    zone: str | None
-    zone_hints: tuple[str, ...]
-    node_hints: tuple[str, ...]
     sources: tuple[str, ...]  # names of the slices that listed it, sorted
     conflict: bool = False  # its copies disagreed on conditions, node or zone
 
+    @property
+    def address(self) -> IPAddress:
+        return self.copy.address
+
+    @property
+    def ready(self) -> bool:
+        return self.copy.ready
+
+    @property
+    def serving(self) -> bool:
+        return self.copy.serving
+
+    @property
+    def terminating(self) -> bool:
+        return self.copy.terminating
+
+    @property
+    def node_name(self) -> str | None:
+        return self.copy.node_name
+
+    @property
+    def zone(self) -> str | None:
+        return self.copy.zone
+
+    @property
+    def zone_hints(self) -> tuple[str, ...]:
+        return self.copy.zone_hints
+
+    @property
+    def node_hints(self) -> tuple[str, ...]:
+        return self.copy.node_hints
+
     def __str__(self) -> str:
         return format_endpoint(self.address, self.port)
+
+
+# What a merged endpoint is compared and digested by (model/digest.py), in this order:
+# its copy's fields, then its own (the order is part of every digest the kernel keeps).
+MERGED_FIELDS = ("address", "port", "ready", "serving", "terminating", "node_name", "zone",
+                 "zone_hints", "node_hints", "sources", "conflict")
 
 
 @dataclass(frozen=True, slots=True)
