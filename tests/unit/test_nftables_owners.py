@@ -26,7 +26,7 @@ ELEMENTS: list[ElementKey] = [("t", "hairpin", ("198.18.0.1", "198.18.0.1")),
                               ("t", PICKED, ("198.18.128.1", 80, 1)),
                               ("t", PICKED, ("198.18.128.2", 80, 1))]
 VALUES: list[Value] = [(), Verdict("goto", "svc-a"), Verdict("goto", "svc-b"),
-                       ("198.18.0.7", 8080)]
+                       ("198.18.0.7", 8080), ("198.18.0.8", 8080)]
 
 ops = st.lists(st.tuples(st.booleans(), st.sampled_from(ELEMENTS), st.sampled_from(PORTS),
                          st.sampled_from(VALUES)), max_size=60)
@@ -73,13 +73,13 @@ def test_a_hairpin_element_is_kept_by_its_address() -> None:
         "198.18.0.1": PORTS[0]}
 
 
-def test_a_ports_pick_elements_are_one_entry_of_its_values_in_slot_order() -> None:
+def test_a_ports_pick_elements_are_one_flat_entry_of_its_values_in_slot_order() -> None:
     owners = Owners()
     for slot, value in enumerate([("198.18.0.7", 8080), ("198.18.0.8", 8080)]):
         owners.add(("t", PICKED, ("198.18.128.1", 80, slot)), PORTS[0], value)
     picks = owners._sets["t", PICKED]
     assert picks.by_port == {  # type: ignore[union-attr]
-        ("198.18.128.1", 80): [PORTS[0], ("198.18.0.7", 8080), ("198.18.0.8", 8080)]}
+        ("198.18.128.1", 80): [PORTS[0], "198.18.0.7", 8080, "198.18.0.8", 8080]}
     owners.remove(("t", PICKED, ("198.18.128.1", 80, 1)), PORTS[0])
     owners.remove(("t", PICKED, ("198.18.128.1", 80, 0)), PORTS[0])
     assert len(owners) == 0 and not picks.by_port  # type: ignore[union-attr]

@@ -257,11 +257,12 @@ class _Pairs:
 class _Picks:
     """One pick map's elements (key: cluster IP, port, slot; render.pick_map). The model
     gives a destination to one port (tracker.ClusterModel._arbitrate), so each has one
-    owner: kept per (cluster IP, port) as [owner, value of slot 0, of slot 1, ...]
-    (None: no element), 0.3 KB a port where an owner pair per element was 2.2 KB at 10
-    endpoints. Another port's claim while one holds the (cluster IP, port) (a
-    destination moving between ports within one script) is kept in `shared`, as any
-    other set's elements; a key is in one of the two."""
+    owner: kept per (cluster IP, port) as [owner, address of slot 0, its port, address
+    of slot 1, ...] (None: no element): a value is an endpoint (address, port), kept
+    flat, as its tuple was 56 bytes an endpoint. Another port's claim while one holds
+    the (cluster IP, port) (a destination moving between ports within one script), or a
+    value of another shape, is kept in `shared`, as any other set's elements; a key is
+    in one of the two."""
 
     __slots__ = ("by_port", "shared")
 
@@ -270,39 +271,43 @@ class _Picks:
         self.shared: dict[Key, _Owned] = {}
 
     def __len__(self) -> int:
-        return len(self.shared) + sum(len(e) - 1 - e.count(None) for e in self.by_port.values())
+        return len(self.shared) + sum((len(e) - 1) // 2 - e.count(None) // 2
+                                      for e in self.by_port.values())
 
     def add(self, key: Key, port: ServicePortKey, value: Value) -> None:
         if key in self.shared:
             _add_owner(self.shared, key, port, value)
             return
-        prefix, slot = key[:-1], cast(int, key[-1]) + 1
+        prefix, at = key[:-1], 2 * cast(int, key[-1]) + 1
         entry = self.by_port.get(prefix)
-        if entry is None:
+        pair = type(value) is tuple and len(value) == 2
+        if entry is None and pair:
             entry = self.by_port[prefix] = [port]
-        elif entry[0] != port:
-            if slot < len(entry) and entry[slot] is not None:  # the holder's, shared now
-                self.shared[key] = (cast(ServicePortKey, entry[0]), cast(Value, entry[slot]))
-                self._clear(prefix, entry, slot)
+        elif entry is None or entry[0] != port or not pair:
+            if entry is not None and at < len(entry) and entry[at] is not None:
+                # the holder's, shared now
+                self.shared[key] = (cast(ServicePortKey, entry[0]),
+                                    cast(Value, (entry[at], entry[at + 1])))
+                self._clear(prefix, entry, at)
             _add_owner(self.shared, key, port, value)
             return
-        if slot >= len(entry):
-            entry.extend([None] * (slot + 1 - len(entry)))
-        entry[slot] = value
+        if at >= len(entry):
+            entry.extend([None] * (at + 2 - len(entry)))
+        entry[at], entry[at + 1] = cast(tuple[object, object], value)
 
     def remove(self, key: Key, port: ServicePortKey) -> None:
         if key in self.shared:
             _remove_owner(self.shared, key, port)
             return
-        prefix, slot = key[:-1], cast(int, key[-1]) + 1
+        prefix, at = key[:-1], 2 * cast(int, key[-1]) + 1
         entry = self.by_port.get(prefix)
-        if entry is not None and entry[0] == port and slot < len(entry):
-            self._clear(prefix, entry, slot)
+        if entry is not None and entry[0] == port and at < len(entry):
+            self._clear(prefix, entry, at)
 
-    def _clear(self, prefix: Key, entry: list[object], slot: int) -> None:
-        entry[slot] = None
-        while len(entry) > 1 and entry[-1] is None:
-            entry.pop()
+    def _clear(self, prefix: Key, entry: list[object], at: int) -> None:
+        entry[at] = entry[at + 1] = None
+        while len(entry) > 1 and entry[-2] is None:
+            del entry[-2:]
         if len(entry) == 1:
             del self.by_port[prefix]
 
@@ -311,18 +316,23 @@ class _Picks:
         if cur is not None:
             return _value(cur)
         entry = self.by_port.get(key[:-1])
-        slot = cast(int, key[-1]) + 1
-        if entry is None or slot >= len(entry):
+        at = 2 * cast(int, key[-1]) + 1
+        if entry is None or at >= len(entry) or entry[at] is None:
             return None
-        return cast(Value | None, entry[slot])
+        return cast(Value, (entry[at], entry[at + 1]))
 
     def items(self) -> Iterator[tuple[Key, Value]]:
         for prefix, entry in self.by_port.items():
-            for slot, value in enumerate(entry[1:]):
-                if value is not None:
-                    yield (*prefix, slot), cast(Value, value)
+            for slot, value in enumerate(pairs(entry[1:])):
+                if value[0] is not None:
+                    yield (*prefix, slot), value
         for key, cur in self.shared.items():
             yield key, _value(cur)
+
+
+def pairs(flat: Sequence[object]) -> list[Value]:
+    """Pick values kept flat (address, port, address, port, ...) as (address, port)s."""
+    return cast(list[Value], list(zip(flat[0::2], flat[1::2], strict=True)))
 
 
 class SlotValues:
@@ -365,9 +375,10 @@ class KeptPort:
     input_mark: Key = ()
     from_input: bool = True
     # A picked port's elements of its pick maps, out of `rendered`: (map, key but for
-    # the slot, values in slot order) each (`picked_groups`), 0.2 KB where an element
-    # each was 1 KB at 10 endpoints; its hairpin elements are its values' addresses.
-    picked: tuple[tuple[str, Key, tuple[Value, ...]], ...] = ()
+    # the slot, values in slot order, flat: address, port, address, ...) each
+    # (`picked_groups`), 0.2 KB where an element each was 1 KB at 10 endpoints; its
+    # hairpin elements are its values' addresses.
+    picked: tuple[tuple[str, Key, tuple[object, ...]], ...] = ()
 
     @classmethod
     def of(cls, p: PortObjects, elements: dict[ElementKey, Value] | None = None) -> KeptPort:
@@ -412,12 +423,12 @@ class KeptPort:
         out = cast(dict[ElementKey, Value],
                    {(table, set_name, key): value for table, set_name, key, value
                     in zip(r[0::4], r[1::4], r[2::4], r[3::4], strict=True)})
-        for name, prefix, values in self.picked:
+        for name, prefix, flat in self.picked:
             out.update(((self.table, name, (*prefix, slot)), value)
-                       for slot, value in enumerate(values))
+                       for slot, value in enumerate(pairs(flat)))
             hairpins = element_table(HAIRPIN, self.table)
-            out.update(((hairpins, HAIRPIN, hairpin_element(cast(str, v[0]))), ())
-                       for v in values)
+            out.update(((hairpins, HAIRPIN, hairpin_element(cast(str, address))), ())
+                       for address in flat[0::2])
         return out
 
 
@@ -426,16 +437,18 @@ def flat_elements(elements: Sequence[Element]) -> tuple[object, ...]:
     return tuple(itertools.chain.from_iterable(elements))
 
 
-def picked_groups(elements: Iterable[Element]) -> tuple[tuple[str, Key, tuple[Value, ...]], ...]:
+def picked_groups(elements: Iterable[Element]) -> tuple[tuple[str, Key, tuple[object, ...]], ...]:
     """A picked port's elements of its pick maps (their keys end in the slot, from 0,
-    render.py) as KeptPort.picked keeps them."""
-    groups: dict[tuple[str, Key], list[Value]] = {}
+    render.py; their values (address, port)) as KeptPort.picked keeps them."""
+    groups: dict[tuple[str, Key], list[object]] = {}
     for e in elements:
         if e.set.startswith(PICKS):
-            values = groups.setdefault((e.set, e.key[:-1]), [])
-            assert e.key[-1] == len(values), "a pick map's elements come in slot order"
-            values.append(e.value)
-    return tuple((name, prefix, tuple(values)) for (name, prefix), values in groups.items())
+            flat = groups.setdefault((e.set, e.key[:-1]), [])
+            assert e.key[-1] == len(flat) // 2, "a pick map's elements come in slot order"
+            assert type(e.value) is tuple and len(e.value) == 2, \
+                "a pick map's value is an endpoint (address, port)"
+            flat.extend(e.value)
+    return tuple((name, prefix, tuple(flat)) for (name, prefix), flat in groups.items())
 
 
 def kept_slots(kept: KeptPort | None) -> dict[str, Sequence[Key]]:
@@ -446,7 +459,7 @@ def kept_slots(kept: KeptPort | None) -> dict[str, Sequence[Key]]:
         return {}
     if kept.slots:
         return {name: m.values for name, m in kept.slots}
-    return {name: cast(Sequence[Key], values) for name, _prefix, values in kept.picked}
+    return {name: pairs(flat) for name, _prefix, flat in kept.picked}
 
 
 @dataclass(frozen=True, slots=True)
