@@ -31,6 +31,11 @@ from proxy.model.skips import shown
 # List items handled between turns of the event loop while the body is arriving (each
 # ~5-50 us): the reader task takes in what has arrived meanwhile.
 LIST_BATCH = 32
+# Bytes of a body not yet taken as items past which its reading waits for the items to
+# be taken (down to half; at most half the pager's byte limit): a server writes a list
+# faster than its items are decoded, and the whole body held at once was over 256 MiB
+# at 100,000 services x 10 endpoints.
+HIGH_WATER = 16 * 2**20
 
 # Takes a page's items as they arrive (and the page's number); returns how many it took.
 ItemTaker = Callable[[Iterator[Any], int], int]
@@ -106,6 +111,9 @@ class _PageRead:
         self.pager, self.query, self.take, self.page = pager, query, take, page
         self.items = ItemStream(pager.max_bytes)
         self.arrived = asyncio.Event()
+        self.drained = asyncio.Event()  # the body's reading may go on (HIGH_WATER)
+        self.drained.set()
+        self.high_water = min(HIGH_WATER, pager.max_bytes // 2)
         self.timer = asyncio.timeout(pager.request_timeout)
         self.head_checked = False
 
@@ -129,7 +137,11 @@ class _PageRead:
                         self.timer.reschedule(when + took)
                     if taken < LIST_BATCH:
                         break
+                    if self.items.held <= self.high_water // 2:
+                        self.drained.set()
                     await asyncio.sleep(0)  # the reader takes in what has arrived
+                # All there was to take (or no more time for items): reading goes on.
+                self.drained.set()
             await reader  # its error, if it failed
         finally:
             if not reader.done():
@@ -154,9 +166,12 @@ class _PageRead:
                         try:
                             self.items.feed(chunk)
                         except TooLarge:
-                            raise _BadList("a list response over "
-                                           f"{pager.max_bytes} bytes") from None
+                            raise _BadList(f"over {pager.max_bytes} bytes of a list "
+                                           "response not cut into items") from None
                         self.arrived.set()
+                        if self.items.held > self.high_water:
+                            self.drained.clear()
+                            await self.drained.wait()
                 finally:
                     resp.close()
         finally:

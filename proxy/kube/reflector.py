@@ -48,7 +48,9 @@ A broken or hostile server cannot take more than bounded memory, nor wedge the l
 * a watch line over `max_line_bytes` is dropped as it streams by, never held whole;
 * a stream the server keeps open past the timeoutSeconds we asked for (events or
   bookmarks without end) is ended by us after a grace period, and reopened;
-* a list response body over `max_list_bytes`, a paged list past `max_list_pages` pages
+* a list response holding over `max_list_bytes` not cut into items (items are taken as
+  they arrive and their bytes dropped; a body read on at most half that far ahead of
+  them), a paged list past `max_list_pages` pages
   or `max_list_items` objects, or one that repeats an object (pages that loop) is given
   up and retried with backoff; error bodies are read up to 64 KiB; every list request,
   body included, ends within `request_timeout` (not counting the time we spend decoding
@@ -161,7 +163,7 @@ class ReflectorOptions:
     # Kubernetes scalability limits are 10,000 services and about 150,000 pods): they only
     # stop a broken or hostile server from taking all the memory there is.
     max_line_bytes: int = 16 * 2**20
-    max_list_bytes: int = 256 * 2**20  # one list response's body
+    max_list_bytes: int = 256 * 2**20  # of a list response's body not cut into items
     max_list_pages: int = 10_000
     max_list_items: int = 1_000_000
 

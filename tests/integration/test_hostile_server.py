@@ -463,13 +463,28 @@ def test_a_line_without_end_is_dropped_and_its_stream_ended_under_8MiB(
 
 
 async def endless_list_body(request: web.Request) -> web.StreamResponse:
-    """A list whose body never ends: items, as fast as the socket takes them."""
+    """A list whose body never ends: the same item, as fast as the socket takes them,
+    laid out as kube-apiserver writes items (metadata first: cut as they arrive)."""
     resp = web.StreamResponse(headers={"Content-Type": "application/json"})
     await resp.prepare(request)
-    item = orjson.dumps(service("x", 1)) + b","
+    obj = service("x", 1)
+    item = orjson.dumps({"metadata": obj.pop("metadata"), **obj}) + b","
     with contextlib.suppress(ConnectionError):
         await resp.write(b'{"kind":"ServiceList","metadata":{"resourceVersion":"1"},"items":[')
         batch = item * 1000
+        while True:
+            await resp.write(batch)
+    return resp
+
+
+async def endless_list_item(request: web.Request) -> web.StreamResponse:
+    """A list whose one item never ends (an annotation without end): nothing to cut."""
+    resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+    await resp.prepare(request)
+    with contextlib.suppress(ConnectionError):
+        await resp.write(b'{"kind":"ServiceList","metadata":{"resourceVersion":"1"},"items":['
+                         b'{"metadata":{"name":"x","annotations":{"a":"')
+        batch = b"a" * 65536
         while True:
             await resp.write(batch)
     return resp
@@ -488,16 +503,20 @@ async def trickling_list_body(request: web.Request) -> web.StreamResponse:
 
 
 @pytest.mark.parametrize(("body", "said", "options"), [
-    (endless_list_body, "a list response over 4194304 bytes", OPTIONS),
+    (endless_list_item, "over 4194304 bytes of a list response not cut into items",
+     OPTIONS),
+    (endless_list_body, "the list repeated default/x (page 1)", OPTIONS),
     (trickling_list_body, "no whole answer within 2s", replace(OPTIONS, request_timeout=2)),
-], ids=["fast", "trickle"])
+], ids=["endless-item", "repeated-items", "trickle"])
 def test_a_list_body_without_end_is_given_up_and_retried_under_16MiB(
         tmp_path: Path, caplog: pytest.LogCaptureFixture,
         body: Callable[[web.Request], Awaitable[web.StreamResponse]], said: str,
         options: ReflectorOptions) -> None:
-    """A list response streamed forever is cut at max_list_bytes (4 MiB here: peak under
-    16 MiB, the body held once and a bytearray's growth) or, trickling, at
-    request_timeout; each attempt is one log line; retried with backoff."""
+    """A list response streamed forever is given up: past max_list_bytes not cut into
+    items (4 MiB here: peak under 16 MiB, that much held once and a bytearray's
+    growth), at its first repeated item (items are taken as they arrive, their bytes
+    dropped) or, trickling, at request_timeout; each attempt is one log line; retried
+    with backoff."""
     @bounded
     async def main() -> None:
         async with Harness(tmp_path, options) as h:

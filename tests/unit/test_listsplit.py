@@ -12,7 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.kube.listsplit import ITEM_START, Items, ItemStream, NotAnObject, TooLarge
+from proxy.kube.listsplit import (
+    ITEM_START,
+    TRIM_AT,
+    Items,
+    ItemStream,
+    NotAnObject,
+    TooLarge,
+)
 
 TRICKY = ',{"metadata":{"name":"'
 json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-5, 5),
@@ -103,9 +110,10 @@ def test_a_body_that_is_no_object_is_refused() -> None:
         Items(b'{"kind":"List","items":[{"metadata":{"name":"a"}}]')
 
 
-def _streamed(data: bytes, sizes: list[int]) -> tuple[list[Any], ItemStream]:
+def _streamed(data: bytes, sizes: list[int], trim_at: int = TRIM_AT,
+              ) -> tuple[list[Any], ItemStream]:
     """Fed in chunks of these sizes (then the rest), taking items after each."""
-    stream, got, at = ItemStream(), [], 0
+    stream, got, at = ItemStream(trim_at=trim_at), [], 0
     for size in sizes:
         stream.feed(data[at:at + size])
         at += size
@@ -119,17 +127,19 @@ def _streamed(data: bytes, sizes: list[int]) -> tuple[list[Any], ItemStream]:
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(item, max_size=6), st.lists(st.integers(0, 40), max_size=30),
-       st.sampled_from([b"", b"\n", b"x", b"]", b"}"]))
+       st.sampled_from([b"", b"\n", b"x", b"]", b"}"]), st.sampled_from([TRIM_AT, 0, 30]))
 def test_items_fed_in_any_chunks_equal_the_whole_parse(
-        items: list[Any], sizes: list[int], tail: bytes) -> None:
+        items: list[Any], sizes: list[int], tail: bytes, trim_at: int) -> None:
+    """Whether or not the bytes of given items are dropped as they go (`trim_at` 0:
+    at every feed), wrong cuts after a drop included."""
     data = orjson.dumps(_list(items)) + tail
     try:
         whole = orjson.loads(data)
     except orjson.JSONDecodeError:
         with pytest.raises(orjson.JSONDecodeError):
-            _streamed(data, sizes)
+            _streamed(data, sizes, trim_at)
         return
-    got, stream = _streamed(data, sizes)
+    got, stream = _streamed(data, sizes, trim_at)
     assert got == whole["items"]
     assert stream.head == {k: v for k, v in whole.items() if k != "items"}
 
@@ -150,6 +160,30 @@ def test_an_item_is_given_as_soon_as_the_next_ones_start_has_arrived() -> None:
     assert list(stream.take()) == items[1:2]  # the last one's end is the body's
     stream.close()
     assert list(stream.take()) == items[2:] and stream.pieces == 3
+
+
+def test_a_body_larger_than_the_limit_passes_when_its_items_are_taken_as_it_comes() -> None:
+    items = [{"metadata": {"name": f"s-{i}"}, "spec": {"a": "x" * 50}} for i in range(200)]
+    data = orjson.dumps(_list(items))
+    stream, got, most = ItemStream(limit=2000, trim_at=500), [], 0
+    for at in range(0, len(data), 300):
+        stream.feed(data[at:at + 300])
+        most = max(most, stream.held)
+        got += stream.take()
+    stream.close()
+    got += stream.take()
+    assert len(data) > 9 * 2000 and got == items and stream.pieces == 200
+    assert most <= 300 + 2 * 100  # a chunk, and before it an item not cut yet (its end
+    # is known once the next one starts) and a part of the next
+
+
+def test_a_wrong_cut_after_a_drop_parses_the_rest_alone() -> None:
+    items = [{"metadata": {"name": "a"}},
+             {"metadata": {"name": "b"}, "spec": [1, {"metadata": {"name": "inner"}}]},
+             {"metadata": {"name": "c"}}]
+    data = orjson.dumps(_list(items))
+    got, stream = _streamed(data, [len(data) // 3, 1], trim_at=0)
+    assert got == items and stream.pieces == 1
 
 
 def test_a_stream_over_its_limit_is_refused() -> None:

@@ -145,3 +145,23 @@ def test_the_body_is_taken_in_at_the_networks_pace_while_items_are_handled() -> 
         assert handled_when_all_read and handled_when_all_read[0] < 256, handled_when_all_read
 
     asyncio.run(main())
+
+
+def test_a_list_larger_than_max_list_bytes_is_read_whole_when_its_items_can_be_cut() -> None:
+    """max_list_bytes bounds what is held of a body not yet cut into items, not the body:
+    a list many times its size passes, its reading waiting for the items to be taken
+    (HIGH_WATER: at most half the limit ahead of them)."""
+    body = _body(3000)
+    chunks: list[bytes | Callable[[], Awaitable[None]]] = [
+        body[i:i + 4096] for i in range(0, len(body), 4096)]
+    seen: list[str] = []
+
+    async def main() -> None:
+        options = replace(OPTIONS, max_list_bytes=16384)
+        reflector = Reflector(_Api(_Response(chunks)), SERVICES,
+                              lambda ev: seen.append(ev.name), options)
+        await reflector._list()
+        assert len(body) > 20 * options.max_list_bytes
+        assert seen == [f"s-{i}" for i in range(3000)]
+
+    asyncio.run(main())
