@@ -75,7 +75,7 @@ async def _collect_after_first_sync(agent: Agent) -> None:
             await agent.settled.wait()
         _GC.end("first sync and its housekeeping done")
     except TimeoutError:
-        _GC.end(f"no first sync and housekeeping within {PAUSE_LIMIT:g}s")
+        _GC.end(f"no first sync and housekeeping within {PAUSE_LIMIT:g}s", loaded=False)
 
 
 def warn_ignored_settings(config: Config) -> None:

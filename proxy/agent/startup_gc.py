@@ -13,8 +13,10 @@ work the data plane left for right after it (a restart's kept state, the input m
 4.4 s at 100,000 services, during which one collection scanned for 171 ms), freezes
 what it holds (`gc.freeze()`: the loaded cluster is never scanned again, which also keeps
 later collections short) and turns it back on. If that does not come within
-`PAUSE_LIMIT` (an API server away for minutes), the collector comes back anyway, so a
-reflector retrying for hours does not pile up the cycles its errors leave.
+`PAUSE_LIMIT` (an API server away for minutes, a list failing again and again), the
+collector comes back anyway, after one collection and without a freeze: what the
+failures left (an exception's traceback holds its frames, and with them a failed list's
+buffers: gigabytes within minutes) is garbage to free, not a cluster to keep.
 """
 
 from __future__ import annotations
@@ -43,11 +45,17 @@ class StartupPause:
             gc.disable()
             self._since = time.monotonic()
 
-    def end(self, reason: str) -> None:
+    def end(self, reason: str, loaded: bool = True) -> None:
+        """`loaded`: the cluster is loaded (frozen); else what is unreachable is freed."""
         if self._since is None:
             return
         paused, self._since = time.monotonic() - self._since, None
-        gc.freeze()
+        freed = 0
+        if loaded:
+            gc.freeze()
+        else:
+            freed = gc.collect()
         gc.enable()
         log.debug("garbage collector back on", extra={
-            "reason": reason, "paused": f"{paused:.3f}s", "frozen": gc.get_freeze_count()})
+            "reason": reason, "paused": f"{paused:.3f}s", "frozen": gc.get_freeze_count(),
+            "freed": freed})

@@ -47,6 +47,17 @@ def test_a_collector_someone_else_turned_off_stays_off() -> None:
     assert not gc.isenabled() and gc.get_freeze_count() == 0
 
 
+def test_at_the_limit_the_garbage_of_failures_is_freed_not_frozen() -> None:
+    pause = StartupPause()
+    pause.begin()
+    garbage: list[object] = []
+    garbage.append(garbage)  # a cycle: what a failed list's traceback leaves
+    del garbage
+    pause.end("limit", loaded=False)
+    assert gc.isenabled() and not pause.active
+    assert gc.get_freeze_count() == 0 and gc.collect() == 0  # collected, nothing frozen
+
+
 @pytest.mark.parametrize("synced", [True, False], ids=["first-sync", "limit"])
 def test_the_agent_turns_it_back_on(monkeypatch: pytest.MonkeyPatch, synced: bool) -> None:
     pause = StartupPause()
@@ -63,5 +74,6 @@ def test_the_agent_turns_it_back_on(monkeypatch: pytest.MonkeyPatch, synced: boo
             agent.settled.set()
         await asyncio.wait_for(task, 5)
         assert not pause.active and gc.isenabled()
+        assert (gc.get_freeze_count() > 0) == synced  # no cluster to freeze at the limit
 
     asyncio.run(scenario())
