@@ -26,9 +26,9 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import Any
 
 from proxy.model.snapshot import (
-    MERGED_FIELDS,
     Conflict,
     EndpointSet,
+    MergedEndpoint,
     ResolvedServicePort,
     SelectedEndpoint,
     Topology,
@@ -47,13 +47,13 @@ _FIELDS: dict[type, Callable[[Any], tuple[Any, ...]]] = {
     cls: operator.attrgetter(*_compared(cls))
     for cls in (Service, ServicePort, Topology, Conflict)
 }
-# A merged endpoint's, its address as the integer it holds (a C getter, where the
-# address's own methods are Python): the port's family says which family it is. Its
-# copy's fields are read from the copy (C getters, where its properties are Python).
-_COPY_FIELDS = frozenset(_compared(Endpoint))
-_ENDPOINT = operator.attrgetter(*(
-    f"copy.{name}._ip" if name == "address" else f"copy.{name}" if name in _COPY_FIELDS
-    else name for name in MERGED_FIELDS))
+# A merged endpoint's: its copy's fields, read from the copy (C getters, where its
+# properties are Python), then its own; the address as the integer it holds (a C getter,
+# where the address's own methods are Python): the port's family says which family.
+_ENDPOINT = operator.attrgetter(
+    *(f"copy.{name}._ip" if name == "address" else f"copy.{name}"
+      for name in _compared(Endpoint)),
+    *(name for name in _compared(MergedEndpoint) if name != "copy"))
 _SELECTED = operator.attrgetter(*_compared(SelectedEndpoint))  # endpoint, selected_for, reason
 # A port's fields but its endpoints and service (flattened on their own).
 _PORT_FIELDS = [name for name in _compared(ResolvedServicePort)
