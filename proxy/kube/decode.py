@@ -737,12 +737,11 @@ def _slice_body(ctx: _Ctx, obj: dict[str, Any]) -> EndpointSlice | None:
     endpoints: list[Endpoint] = []
     v4 = family is Family.V4
     for i, raw in enumerate(raw_endpoints):
-        if v4:
-            try:
-                endpoints.append(_plain_slice_endpoint(raw, beta))
-                continue
-            except _NotPlain:
-                pass
+        try:
+            endpoints.append(_plain_slice_endpoint(raw, beta, v4))
+            continue
+        except _NotPlain:
+            pass
         ep = _slice_endpoint(ctx, raw, family, beta, f"endpoints[{i}]")
         if ep is not None:
             endpoints.append(ep)
@@ -795,7 +794,7 @@ def _conditions(ctx: _Ctx, raw: Any, where: str) -> tuple[bool, bool, bool] | No
 #
 # A cold start decodes every endpoint of the cluster (100,000 at 10,000 services x 10)
 # before its first sync. The functions below decode the endpoint every real cluster sends
-# (one valid IPv4 address, boolean conditions, a valid node name and zone, no hints)
+# (one valid address, boolean conditions, a valid node name and zone, no hints)
 # without the full decoders' record keeping, and raise _NotPlain at the first thing out
 # of the ordinary: the full decoder then decodes that endpoint again and records what was
 # wrong. Whatever they accept, they decode exactly as the full decoder does
@@ -818,6 +817,19 @@ def _plain_v4(value: Any) -> IPv4Address:
     if n == 0 or n >> 24 == 127 or n >> 16 == 0xA9FE or n >> 28 == 0xE or n == 0xFFFFFFFF:
         raise _NotPlain  # special(): recorded by the full decoder
     return IPv4Address(n)
+
+
+def _plain_v6(value: Any) -> IPv6Address:
+    """`_plain_v4` for IPv6: what `_ip` takes for IPv6 without a record."""
+    if type(value) is not str:
+        raise _NotPlain
+    try:
+        n = int.from_bytes(inet_pton(AF_INET6, value))  # no zone, no IPv4 text
+    except (OSError, ValueError):
+        raise _NotPlain from None
+    if n <= 1 or n >> 32 == 0xFFFF or n >> 118 == 0x3FA or n >> 120 == 0xFF:
+        raise _NotPlain  # special() or IPv4-mapped: recorded by the full decoder
+    return IPv6Address(n)
 
 
 def _plain_name(value: Any, valid: Callable[[str], bool]) -> str | None:
@@ -844,14 +856,15 @@ def _plain_conditions(raw: Any) -> tuple[bool, bool, bool]:
     return is_ready, is_ready if serving is None else serving, terminating is True
 
 
-def _plain_slice_endpoint(raw: Any, beta: bool) -> Endpoint:
-    """An IPv4 slice's endpoint as `_slice_endpoint` decodes it, if it is plain."""
+def _plain_slice_endpoint(raw: Any, beta: bool, v4: bool = True) -> Endpoint:
+    """A slice's endpoint (`v4`: of an IPv4 slice, else of an IPv6 one) as
+    `_slice_endpoint` decodes it, if it is plain."""
     if type(raw) is not dict:
         raise _NotPlain
     addresses = raw.get("addresses")
     if type(addresses) is not list or not addresses or raw.get("hints") is not None:
         raise _NotPlain
-    address = _plain_v4(addresses[0])
+    address = _plain_v4(addresses[0]) if v4 else _plain_v6(addresses[0])
     ready, serving, terminating = _plain_conditions(raw.get("conditions"))
     if beta:
         topology = raw.get("topology")
@@ -871,10 +884,11 @@ def _plain_slice_endpoint(raw: Any, beta: bool) -> Endpoint:
 
 def _plain_address(raw: Any, ready: bool) -> Endpoint:
     """An Endpoints subset's address as `_endpoints_body` decodes it, if it is plain
-    (IPv4: the caller files it under that family)."""
+    (the caller files it under its address's family)."""
     if type(raw) is not dict:
         raise _NotPlain
-    address = _plain_v4(raw.get("ip"))
+    ip = raw.get("ip")
+    address = _plain_v6(ip) if type(ip) is str and ":" in ip else _plain_v4(ip)
     return Endpoint(address, ready, ready, False, _plain_name(raw.get("nodeName"),
                                                               dns_subdomain))
 
@@ -984,10 +998,11 @@ def _endpoints_body(ctx: _Ctx, obj: dict[str, Any]) -> tuple[EndpointSlice, ...]
                      f"{MAX_SUBSET_ADDRESSES} are used (as the EndpointSlice mirroring "
                      "controller does)", where)
             del listed[MAX_SUBSET_ADDRESSES:]
-        plain = by_family[Family.V4]
+        v4, v6 = by_family[Family.V4], by_family[Family.V6]
         for field, ready, a, raw in listed:
             try:
-                plain.append(_plain_address(raw, ready))
+                ep = _plain_address(raw, ready)
+                (v4 if ep.address.version == 4 else v6).append(ep)
                 continue
             except _NotPlain:
                 pass
