@@ -38,6 +38,21 @@ def test_paused_then_frozen_and_back_on() -> None:
     assert gc.isenabled()
 
 
+def test_ending_the_pause_does_not_walk_the_frozen_heap(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # It ends on the event loop: counting the frozen objects walked all of them (87 ms
+    # for 4 million), and a change arriving then waited for it.
+    def walk() -> int:
+        raise AssertionError("walked the frozen heap")
+
+    monkeypatch.setattr(gc, "get_freeze_count", walk)
+    for loaded in (True, False):
+        pause = StartupPause()
+        pause.begin()
+        pause.end("first sync done", loaded=loaded)
+        assert gc.isenabled()
+
+
 def test_a_collector_someone_else_turned_off_stays_off() -> None:
     gc.disable()
     pause = StartupPause()
