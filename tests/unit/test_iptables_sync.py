@@ -319,6 +319,23 @@ def test_failed_apply_keeps_the_rules_and_the_next_sync_is_full() -> None:
         dp.applied_rules(next(k for k in cluster.model.state.ports if k.family is Family.V4)))
 
 
+@pytest.mark.parametrize("backend", [Backend.LEGACY, Backend.NFT])
+def test_a_refused_legacy_commit_says_the_table_may_be_past_the_kernels_limit(
+        backend: Backend) -> None:
+    # Legacy's whole-table replace is refused with ENOMEM at 512 MiB (30,000 services x
+    # 10 endpoints), reported at COMMIT: the operator is told what can go past it.
+    runners = {f: SimulatedRunner(f, foreign()[f], backend=backend)
+               for f in (Family.V4, Family.V6)}
+    dp = IptablesDataPlane(OPTIONS, runners=runners, addresses=lambda: NODE_IPS,
+                           clear_conntrack=False)
+    runners[Family.V4].fail_on = "COMMIT"
+    with pytest.raises(ApplyError) as failed:
+        dp.sync(Cluster().become(web("198.18.1.10")), full=True)
+    assert failed.value.offending == "COMMIT"
+    said = "--proxy-mode nftables" in str(failed.value)
+    assert said == (backend is Backend.LEGACY), str(failed.value)
+
+
 def test_full_sync_repairs_our_jumps_and_leaves_others() -> None:
     cluster = Cluster()
     kernels = foreign()

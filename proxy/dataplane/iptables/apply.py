@@ -334,8 +334,8 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
             if not full:
                 counted[IPTABLES_PARTIAL_RESTORE_FAILURES.name] = 1
             raise ApplyError(f"{fam.runner.restore_cmd} refused line {exc.line} "
-                             f"({exc.offending!r}): {said}", offending=exc.offending,
-                             counted=counted) from exc
+                             f"({exc.offending!r}): {said}{_legacy_hint(fam, exc)}",
+                             offending=exc.offending, counted=counted) from exc
 
     def _failed_apply(self, fam: _FamilyState, error: str, offending: str | None,
                       line: int | None = None, full: bool = True) -> None:
@@ -418,3 +418,15 @@ def _counting_refused(exc: RestoreError) -> bool:
     """Whether the restore failed on a counting rule (a kernel or iptables without
     xt_nfacct): the refused line is one, or the binary could not load the match."""
     return bool(_COUNTING_LINE.match(exc.offending or "")) or "match `nfacct'" in str(exc)
+
+
+def _legacy_hint(fam: _FamilyState, exc: RestoreError) -> str:
+    """Why a legacy COMMIT may be refused: the kernel takes a legacy table whole, in one
+    call, and allocates none of 512 MiB or more (XT_MAX_TABLE_SIZE); ~590 bytes a rule
+    with its comment (30,000 services x 10 endpoints: 541 MiB, ENOMEM). A bad rule is
+    refused at its own line, so a refused COMMIT is the kernel's."""
+    if fam.runner.backend is not Backend.LEGACY or exc.offending != "COMMIT":
+        return ""
+    return ("; if the table is large: the kernel refuses a legacy table of 512 MiB or "
+            "more (about 900,000 of our rules), which only --proxy-mode nftables or "
+            "iptables on nf_tables can go past")
