@@ -235,16 +235,18 @@ def special(ip: IPAddress) -> str | None:
     Validation refuses unspecified, loopback and link-local ones (ValidateNonSpecialIP);
     a DNAT to multicast or broadcast makes no more sense. (On the integer: ipaddress's
     properties cost a network membership test each, for every endpoint.)"""
-    n = int(ip)
-    if ip.version == 4:
-        kind = ("unspecified" if n == 0 else "loopback" if n >> 24 == 127
+    return _special_kind(int(ip), ip.version == 4)
+
+
+def _special_kind(n: int, v4: bool) -> str | None:
+    """`special` of the address whose integer is `n` (`v4`: IPv4, else IPv6)."""
+    if v4:
+        return ("unspecified" if n == 0 else "loopback" if n >> 24 == 127
                 else "link-local" if n >> 16 == 0xA9FE else "multicast" if n >> 28 == 0xE
                 else "broadcast" if n == 0xFFFFFFFF else None)
-    else:
-        kind = ("unspecified" if n == 0 else "loopback" if n == 1
-                else "link-local" if n >> 118 == 0x3FA else "multicast" if n >> 120 == 0xFF
-                else None)
-    return kind
+    return ("unspecified" if n == 0 else "loopback" if n == 1
+            else "link-local" if n >> 118 == 0x3FA else "multicast" if n >> 120 == 0xFF
+            else None)
 
 
 def _parse(value: str) -> tuple[IPAddress | None, bool]:
@@ -805,31 +807,19 @@ class _NotPlain(Exception):
     """Leave this one to the full decoder."""
 
 
-def _plain_v4(value: Any) -> IPv4Address:
-    """A strict dotted quad that may reach a rule: what `_ip` takes for IPv4 without a
-    record."""
+def _plain_ip(value: Any, v4: bool) -> IPAddress:
+    """A strict address of the family (`v4`: IPv4, else IPv6) that may reach a rule: what
+    `_ip` takes for that family without a record. inet_pton refuses zones, an IPv4
+    address's leading zeros and IPv4 text where IPv6 is read."""
     if type(value) is not str:
         raise _NotPlain
     try:
-        n = int.from_bytes(inet_pton(AF_INET, value))  # no zone, no leading zeros
+        n = int.from_bytes(inet_pton(AF_INET if v4 else AF_INET6, value))
     except (OSError, ValueError):
         raise _NotPlain from None
-    if n == 0 or n >> 24 == 127 or n >> 16 == 0xA9FE or n >> 28 == 0xE or n == 0xFFFFFFFF:
-        raise _NotPlain  # special(): recorded by the full decoder
-    return IPv4Address(n)
-
-
-def _plain_v6(value: Any) -> IPv6Address:
-    """`_plain_v4` for IPv6: what `_ip` takes for IPv6 without a record."""
-    if type(value) is not str:
-        raise _NotPlain
-    try:
-        n = int.from_bytes(inet_pton(AF_INET6, value))  # no zone, no IPv4 text
-    except (OSError, ValueError):
-        raise _NotPlain from None
-    if n <= 1 or n >> 32 == 0xFFFF or n >> 118 == 0x3FA or n >> 120 == 0xFF:
-        raise _NotPlain  # special() or IPv4-mapped: recorded by the full decoder
-    return IPv6Address(n)
+    if _special_kind(n, v4) is not None or (not v4 and n >> 32 == 0xFFFF):
+        raise _NotPlain  # special or IPv4-mapped: recorded by the full decoder
+    return IPv4Address(n) if v4 else IPv6Address(n)
 
 
 def _plain_name(value: Any, valid: Callable[[str], bool]) -> str | None:
@@ -856,7 +846,7 @@ def _plain_conditions(raw: Any) -> tuple[bool, bool, bool]:
     return is_ready, is_ready if serving is None else serving, terminating is True
 
 
-def _plain_slice_endpoint(raw: Any, beta: bool, v4: bool = True) -> Endpoint:
+def _plain_slice_endpoint(raw: Any, beta: bool, v4: bool) -> Endpoint:
     """A slice's endpoint (`v4`: of an IPv4 slice, else of an IPv6 one) as
     `_slice_endpoint` decodes it, if it is plain."""
     if type(raw) is not dict:
@@ -864,7 +854,7 @@ def _plain_slice_endpoint(raw: Any, beta: bool, v4: bool = True) -> Endpoint:
     addresses = raw.get("addresses")
     if type(addresses) is not list or not addresses or raw.get("hints") is not None:
         raise _NotPlain
-    address = _plain_v4(addresses[0]) if v4 else _plain_v6(addresses[0])
+    address = _plain_ip(addresses[0], v4)
     ready, serving, terminating = _plain_conditions(raw.get("conditions"))
     if beta:
         topology = raw.get("topology")
@@ -888,7 +878,7 @@ def _plain_address(raw: Any, ready: bool) -> Endpoint:
     if type(raw) is not dict:
         raise _NotPlain
     ip = raw.get("ip")
-    address = _plain_v6(ip) if type(ip) is str and ":" in ip else _plain_v4(ip)
+    address = _plain_ip(ip, not (type(ip) is str and ":" in ip))
     return Endpoint(address, ready, ready, False, _plain_name(raw.get("nodeName"),
                                                               dns_subdomain))
 

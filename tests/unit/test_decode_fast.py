@@ -154,7 +154,7 @@ def test_the_fast_path_takes_plain_endpoints_and_builds_every_field() -> None:
     raw = {"addresses": ["198.19.0.1"], "conditions": {"ready": False, "serving": True,
                                                       "terminating": True},
            "nodeName": "node-1", "zone": "zone-a", "targetRef": {"kind": "Pod"}}
-    got = decode._plain_slice_endpoint(raw, False)
+    got = decode._plain_slice_endpoint(raw, False, v4=True)
     # Positional construction in the fast path: each field lands where its name says.
     assert dataclasses.asdict(got) == dataclasses.asdict(Endpoint(
         address=got.address, ready=False, serving=True, terminating=True,
