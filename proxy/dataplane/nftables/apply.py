@@ -40,7 +40,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
-from proxy.dataplane.base import ApplyError, Counted, DataplaneOptions, PortTraffic, SyncReport
+from proxy.dataplane.base import ApplyError, Counted, DataplaneOptions, PortTraffic
 from proxy.dataplane.common import heap
 from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.drift_watch import LOST, NftablesListener
@@ -132,15 +132,14 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps):
 
     # --- sync: render and write (the loop is FamilySyncPlane's) -----------------------------
 
-    def sync(self, state: DesiredState, full: bool = False) -> SyncReport:
-        self._complete_all()  # before the sync decides full or partial
-        return super().sync(state, full)
-
     def _render_partial(self, fam: NftFamily,
                         ports: Mapping[ServicePortKey, ResolvedServicePort],
                         changed: set[ServicePortKey], ctx: RenderContext
                         ) -> tuple[Script | str, TableState]:
         table: TableState = fam.kept
+        # A port a restart kept whose state is not made yet: made now, from what was
+        # applied, so that the change is a diff from what the kernel holds.
+        self._make_kept(fam, [k for k in changed if k in fam.pending])
         script = partial_lines(table, {k: self._render_change(fam, table, ports.get(k), ctx)
                                        for k in changed})
         return script or "", table
@@ -194,8 +193,7 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps):
             return render_port(rsp, ctx, shards)
 
         fam.shards = shards
-        fam.pending, fam.sweep = {}, None  # every port's state is made anew
-        fam.restart_read, fam.restart_counters = {}, None
+        fam.drop_restart()  # every port's state is made anew
         # Only the process's first full sync may be a restart's diff (NftFamily).
         restart, fam.restart = fam.restart and fam.state is None, False
         if not tables:
@@ -331,16 +329,18 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps):
     # --- the rest of the contract -------------------------------------------------------------
 
     def housekeeping(self) -> dict[str, int]:
-        """The restart's leftover work (`_complete`) and a part of the input marks the
-        kernel lacks (`_write_marks`) first: the sync loop calls this when idle, right
-        after the first sync too, and again at once while marks are left."""
-        self._complete_all()
+        """A part of the restart's leftover work (`_complete`), else a part of the input
+        marks the kernel lacks (`_write_marks`), first: the sync loop calls this when
+        idle, right after the first sync too, and again at once while parts are left,
+        so a change waits for one part at most."""
+        if self._complete_parts():
+            return {}
         for fam in self._families.values():
             self._write_marks(fam)
         return super().housekeeping()
 
     def housekeeping_pending(self) -> bool:
-        return any(fam.marks_todo for fam in self._families.values())
+        return any(fam.pending or fam.marks_todo for fam in self._families.values())
 
     def applied_rules(self, key: ServicePortKey) -> Sequence[str]:
         self._complete_all()

@@ -33,8 +33,9 @@ Rendering every port is most of a restart's time. Where the kernel holds the bas
 written and most ports' input marks (marks.py: a digest of a port's input and of the
 code, `kept_by_marks`), the restart renders only the other ports and writes them
 (`restart_lines` without a sweep: nothing they do not claim is deleted, as it may be a
-kept port's); the data plane renders the kept ones right after and, if something may
-be nobody's any more, sweeps (`restart_lines` over every port: restart_steps.py).
+kept port's); the data plane renders the kept ones after, a part at a time, and, if
+something may be nobody's any more, sweeps (`sweep_lines` over the state every port is
+then in: restart_steps.py).
 """
 
 from __future__ import annotations
@@ -154,6 +155,34 @@ def restart_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, P
         yield from stale
 
     return Script(make, table_family(state.family)), state, counts
+
+
+def sweep_lines(state: TableState, kernel: KernelTables, rewrite: Sequence[PortObjects] = ()
+                ) -> tuple[Script | str, RestartCounts]:
+    """Once every port is in `state` (a restart's kept ports added after its first
+    sync, restart_steps.py): `rewrite` (ports of `state` the kernel lacks a chain of)
+    written whole, what `kernel` holds that nobody in `state` claims deleted, and any
+    element of the bases' sets it lacks added. "" when there is nothing."""
+    deletes, adds = _element_diff(state, state.bases, kernel, (), sweep=True)
+    stale = stale_statements(state, kernel.chains, kernel.sets, kernel.counters,
+                             kernel.tables)
+    counts = RestartCounts(len(state.ports) - len(rewrite), len(rewrite), len(deletes),
+                           len(adds))
+    if not (rewrite or deletes or adds or stale):
+        return "", counts
+
+    def make() -> Iterator[Statement]:
+        yield from objects_written((), rewrite, kernel.counters)
+        for p in rewrite:
+            yield from flush_maps(p)
+        yield from element_groups("delete", deletes)
+        yield from element_groups("add", adds)
+        # Every element of theirs: the view counts those of the bases' sets as held, as
+        # their marks promised (an `add` of one the kernel holds changes nothing).
+        yield from element_groups("add", (e for p in rewrite for e in p.elements))
+        yield from stale
+
+    return Script(make, table_family(state.family)), counts
 
 
 def with_input_mark(p: PortObjects, mark: Key) -> PortObjects:

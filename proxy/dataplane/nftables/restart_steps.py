@@ -1,18 +1,25 @@
 """The nftables data plane's side of a restart over our own tables: what it reads back,
 which ports it keeps unrendered by their input marks and writes the others, the kept
-state (and the sweep of what nobody claims) it makes right after, and the input marks
-it adds when idle (the pure parts: restart.py, marks.py).
+state (and the sweep of what nobody claims) it makes after, a part at a time, and the
+input marks it adds when idle (the pure parts: restart.py, marks.py).
 
 A restart in two steps, when the kernel holds the bases and most ports' input marks:
 the first sync renders and writes only the ports whose marks are not there (changed or
 new while no agent ran, edited since their last whole write), deleting nothing it does
-not replace; right after it (housekeeping, or the start of the next sync, whichever
-comes first), the kept ports are rendered from what was applied and, if anything may
-be nobody's any more (a port gone, a port written anew), what nobody claims is deleted:
-restart_lines over every port, which then writes no port, against what the first sync
-read plus what it wrote, the sets it did not read, and the counters that may be
-nobody's (`_sweep_counters`). Between the two, the kernel holds what the cluster wants
-plus, at most, what it held before for ports that are gone or changed: never less.
+not replace. Then, COMPLETE_PER_PART ports per housekeeping (the sync loop runs it when
+idle, again at once while parts are left), the kept ports are rendered from what was
+applied (12 s at 100,000 ports: in one step, a change waited for all of it). Changes go
+between the parts: a changed port not made yet is made first (apply.py), and the
+partial scripts meanwhile delete no element of the bases' sets, which a port not made
+yet may own, and note what they delete and write (transaction.Unfinished). Once every
+port is made: if anything may be nobody's any more (a port gone, a port written anew, a
+kept port's chain missing), the sweep deletes what nobody claims (restart.sweep_lines)
+against what the first sync read, what the syncs since left, the sets it did not read,
+and the counters that may be nobody's (`_sweep_counters`); else the deletions held back
+are done (transaction.deferred_lines). Until then the kernel holds what the cluster
+wants plus, at most, what it held before for ports that are gone or changed (a port
+gone keeps its rules, also where a new service takes its address meanwhile with no
+endpoints): never less.
 
 `NftablesDataPlane` (apply.py) has these as a mixin, `RestartSteps`, and keeps per
 family an `NftFamily`: what it knows of the family's tables.
@@ -21,6 +28,7 @@ family an `NftFamily`: what it knows of the family's tables.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,7 +39,7 @@ from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.family_sync import FamilyState
 from proxy.dataplane.nftables.expressions import Unencodable
 from proxy.dataplane.nftables.marks import marks_for
-from proxy.dataplane.nftables.objects import CounterRef, Key
+from proxy.dataplane.nftables.objects import CounterRef, Key, Value
 from proxy.dataplane.nftables.readback import Held, Unreadable
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
@@ -50,16 +58,21 @@ from proxy.dataplane.nftables.restart import (
     kept_by_marks,
     restart_lines,
     sets_needed,
+    sweep_lines,
     with_input_mark,
 )
 from proxy.dataplane.nftables.runner import NftError, NftRunner
 from proxy.dataplane.nftables.transaction import (
+    ElementKey,
     KeptPort,
     Named,
     Owners,
     Script,
     TableState,
+    Unfinished,
+    deferred_lines,
     element_groups,
+    kept_slots,
 )
 from proxy.dataplane.nftables.wire import element_keys
 from proxy.model.snapshot import ResolvedServicePort
@@ -74,6 +87,10 @@ NAMED_DUMPS_MIN = 256
 # them: 4.4 s), which is what a change arriving meanwhile waits at most: with parts of
 # 1,000, the first changes after a start at 100,000 waited 43 and 47 ms.
 MARKS_PER_PART = 200
+# Kept ports whose state is made per part after a restart (`_complete`), each ~125 us at
+# 100,000 services (all of them: 12.4 s in 1,563 parts of ~8 ms), which is what a change
+# arriving meanwhile waits at most (in one step, the first change waited 12.1 s).
+COMPLETE_PER_PART = 64
 # Our tables, and the (table, name) of their chains and of their sets (-> "set"|"map").
 _Names = tuple[set[str], set[tuple[str, str]], dict[tuple[str, str], str]]
 _Written = tuple[Script | str, TableState]  # a first sync's script and the state it leaves
@@ -99,22 +116,31 @@ class NftFamily(FamilyState):
         # after a failure or drift the kernel is no longer trusted to be ours.
         self.restart = True
         self.restart_counts: RestartCounts | None = None  # of the sync being written
+        self.drop_restart()
+        # Ports that may still lack their input mark, for `_write_marks` to take a part
+        # at a time (empty: list them again from the kept state).
+        self.marks_todo: list[ServicePortKey] = []
+        self.marks_added = 0  # in this pass over marks_todo, for the log
+
+    def drop_restart(self) -> None:
+        """Nothing left of a restart's steps (none yet, done, or dropped by a full sync
+        or a failure)."""
         # After a restart that kept ports by their input marks (restart.kept_by_marks):
         # those ports, whose kept state is still to be made (`_complete`), with their
-        # marks; the names the kernel held then (tables, chains, sets); and, if a sweep
-        # is due, the ports that restart wrote.
+        # marks; the names the kernel held then (tables, chains, sets); whether a sweep
+        # is due; the chains of kept ports the kernel lacked; how many ports were made
+        # and in how many seconds, for the log.
         self.pending: dict[ServicePortKey, Key] = {}  # -> its input mark
         self.restart_names: _Names = (set(), set(), {})
-        self.sweep: dict[ServicePortKey, PortObjects] | None = None
+        self.sweep_due = False
+        self.missing: set[ServicePortKey] = set()
+        self.completed, self.completing = 0, 0.0
         # For that sweep: what the restart read of the bases' sets (it holds that plus
         # what the restart wrote, so they are not read again), and the counters the
         # rules of the ports it wrote counted into before (None: not read; the sweep
         # then dumps every counter).
         self.restart_read: dict[Named, Held] = {}
         self.restart_counters: set[Named] | None = None
-        # Ports that may still lack their input mark, for `_write_marks` to take a part
-        # at a time (empty: list them again from the kept state).
-        self.marks_todo: list[ServicePortKey] = []
 
     @property
     def state(self) -> TableState | None:
@@ -149,14 +175,16 @@ class _Plane(Protocol):
     def _counters_named(self, fam: NftFamily, chains: Sequence[Named],
                         of: int) -> set[Named] | None: ...
 
-    def _sweep_counters(self, fam: NftFamily, bases: Sequence[BaseObjects],
-                        ports: Mapping[ServicePortKey, PortObjects],
+    def _sweep_counters(self, fam: NftFamily, state: TableState,
                         chains: set[Named]) -> set[Named]: ...
 
-    def _complete(self, fam: NftFamily) -> None: ...
+    def _complete(self, fam: NftFamily, part: int | None = None) -> None: ...
 
-    def _sweep(self, fam: NftFamily, bases: Sequence[BaseObjects],
-               ports: Mapping[ServicePortKey, PortObjects], names: _Names) -> None: ...
+    def _make_kept(self, fam: NftFamily, keys: Sequence[ServicePortKey]) -> None: ...
+
+    def _finish(self, fam: NftFamily, state: TableState) -> None: ...
+
+    def _sweep(self, fam: NftFamily, state: TableState, names: _Names) -> None: ...
 
     def _read_sets(self, fam: NftFamily, kernel: KernelTables,
                    sets: Sequence[tuple[str, str, tuple[str, ...], bool]]) -> bool: ...
@@ -165,86 +193,102 @@ class _Plane(Protocol):
 class RestartSteps:
     """The restart's steps, as methods of the data plane (`_Plane`)."""
 
-    def _complete(self: _Plane, fam: NftFamily) -> None:
-        """The kept state of the ports a restart kept by their marks: rendered now, from
-        what was applied, which their input marks say is what the kernel holds (O(ports),
-        after the restart's sync, not before its rules); then the sweep, if one is due.
-        Chains the kernel did not hold then (deleted by hand since their marks were
-        written) make the next sync a full one (the sweep rewrites their ports)."""
-        pending, fam.pending = fam.pending, {}
-        sweep, fam.sweep = fam.sweep, None
-        state, last, ctx = fam.kept, fam.last, fam.context
-        if (not pending and sweep is None) or state is None or last is None or ctx is None:
-            fam.restart_read, fam.restart_counters = {}, None
+    def _complete(self: _Plane, fam: NftFamily, part: int | None = None) -> None:
+        """The kept state of `part` more of the ports a restart kept by their marks (all
+        of them: None), and, once none is left, the restart's end (`_finish`)."""
+        state = fam.kept
+        if state is None or fam.last is None or fam.context is None:
+            fam.drop_restart()
             return
+        if fam.pending:
+            self._make_kept(fam, list(itertools.islice(fam.pending, part)))
+        if not fam.pending and state.unfinished is not None:
+            self._finish(fam, state)
+
+    def _make_kept(self: _Plane, fam: NftFamily, keys: Sequence[ServicePortKey]) -> None:
+        """The kept state of `keys` (pending ports), rendered from what was applied,
+        which their input marks say the kernel holds: O(ports), after the restart's
+        sync, a part per housekeeping (or a changed port first, apply.py), so no
+        change waits for all of them. Chains the kernel did not hold then (deleted by
+        hand since their marks were written) are noted for `_finish`."""
+        state, last, ctx = fam.kept, fam.last, fam.context
+        assert state is not None and last is not None and ctx is not None
         started = time.perf_counter()
-        rendered: dict[ServicePortKey, PortObjects] = {}
-        for key, mark in pending.items():
+        held = fam.restart_names[1]
+        for key in keys:
+            mark = fam.pending.pop(key)
             p = render_port(last.ports[key], ctx, state.shards)
-            if sweep is not None:
-                rendered[key] = with_input_mark(p, mark)
-                continue
             state.ports[key] = KeptPort.of(p).with_mark(mark)
             state.owners.add_rendered(key, p.elements)
             state.owners.add((p.table, FINGERPRINTS, mark), key, ())
-        missing = {(p.table, c.name) for p in rendered.values() for c in p.chains} \
-            if sweep is not None else state.chain_names()
-        names, fam.restart_names = fam.restart_names, (set(), set(), {})
-        missing -= names[1]
-        log.info("restart: kept ports' state made", extra={
-            "family": fam.family.label, "ports": len(pending), "chains_missing": len(missing),
-            "seconds": round(time.perf_counter() - started, 3)})
-        if sweep is not None:
-            tables, chains, sets = names
-            for p in sweep.values():  # what the restart wrote
-                chains = chains | {(p.table, c.name) for c in p.chains}
-                sets = {**sets, **{(p.table, s.name): s.kind for s in p.sets}}
-            self._sweep(fam, state.bases, {**rendered, **sweep}, (tables, chains, sets))
-        elif missing:
-            self._failed(fam)
-            log.warning("our tables lack chains their marks promised; the next sync is "
-                        "full", extra={"family": fam.family.label, "tables": fam.tables,
-                                       "missing": sorted(missing)[:5]})
+            if any((p.table, c.name) not in held for c in p.chains):
+                fam.missing.add(key)
+        fam.completed += len(keys)
+        fam.completing += time.perf_counter() - started
 
-    def _sweep(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
-               ports: Mapping[ServicePortKey, PortObjects], names: _Names) -> None:
-        """Every port now rendered (`ports`): what nobody claims deleted (restart_lines,
-        which writes a port only if the kernel lacks what it writes), from the names
-        the kernel holds (`names`: the restart's, with what it wrote), the sets (those
-        the first sync read: what it read and what it wrote, `after_writing`; the others
-        read now) and the counters (`_sweep_counters`); the state it leaves is the
-        family's. A refusal leaves the next sync full (apply.py logs it). Nothing the
-        first sync read is dumped again: the dumps of chain names, counters and large
-        sets grow faster than the tables (nf_tables walks the list from its start for
-        every message it fills), and nobody else writes our tables."""
-        started = time.perf_counter()
-        tables, chains, sets = names
-        read, fam.restart_read = fam.restart_read, {}
+    def _finish(self: _Plane, fam: NftFamily, state: TableState) -> None:
+        """Every kept port in `state`: the sweep, if one is due or a kept port's chain
+        was missing (`_sweep` writes those ports), or else the deletions the syncs
+        meanwhile held back (transaction.Unfinished)."""
+        names, sweep = fam.restart_names, fam.sweep_due or bool(fam.missing)
+        log.info("restart: kept ports' state made", extra={
+            "family": fam.family.label, "ports": fam.completed,
+            "ports_missing_chains": len(fam.missing), "seconds": round(fam.completing, 3)})
         try:
-            # Every set known: a port the first sync wrote may have left elements it no
-            # longer has, and its new marks no longer tell (restart.sets_needed). What
-            # that sync read is what it held then plus what it wrote; the rest is read.
-            elements = after_writing(read, fam.kept.owners, base_sets(bases), fam.family) \
-                if fam.kept is not None else {}
-            kernel = KernelTables(tables, chains, sets,
-                                  self._sweep_counters(fam, bases, ports, chains), elements)
-            if not self._read_sets(fam, kernel, [s for s in base_sets(bases)
-                                                 if (s[0], s[1]) not in elements]):
-                self._failed(fam)
-                return
-            # A picked port's counter is named by its counter map's element, no rule.
-            kernel.counters |= {(t, v.name) for (t, name), held in kernel.elements.items()
-                                if name == PORT_COUNTERS for v in held.decoded.values()
-                                if isinstance(v, CounterRef)}
-            script, state, counts = restart_lines(bases, ports, kernel)
-            if script:
-                self._run(fam, script, False)
+            if sweep:
+                self._sweep(fam, state, names)
+            else:
+                script = deferred_lines(state)
+                if script is not None:
+                    self._run(fam, script, False)
         except ApplyError:  # logged where it failed; the state is dropped
+            pass
+        finally:
+            state.unfinished = None
+            fam.drop_restart()
+
+    def _sweep(self: _Plane, fam: NftFamily, state: TableState, names: _Names) -> None:
+        """Every port now in `state`: what nobody claims deleted (restart.sweep_lines),
+        from the names the kernel held at the restart (`names`) less what the syncs
+        since deleted, the sets (those the first sync read: what it read, what is
+        wanted now and what the syncs since held back, `after_writing`; the others
+        read now) and the counters (`_sweep_counters`). A refusal leaves the next sync
+        full (apply.py logs it). Nothing the first sync read is dumped again: the dumps
+        of chain names, counters and large sets grow faster than the tables
+        (nf_tables walks the list from its start for every message it fills), and
+        nobody else writes our tables."""
+        started = time.perf_counter()
+        assert state.unfinished is not None
+        gone = state.unfinished.gone
+        tables, chains, sets = names
+        chains = chains - gone
+        sets = {k: kind for k, kind in sets.items() if k not in gone}
+        bases = state.bases
+        elements = after_writing(fam.restart_read, state.owners, base_sets(bases),
+                                 fam.family, state.unfinished.kernel)
+        kernel = KernelTables(tables, chains, sets,
+                              self._sweep_counters(fam, state, chains) - gone, elements)
+        if not self._read_sets(fam, kernel, [s for s in base_sets(bases)
+                                             if (s[0], s[1]) not in elements]):
+            self._failed(fam)
             return
-        fam.kept = state
+        # A picked port's counter is named by its counter map's element, no rule.
+        kernel.counters |= {(t, v.name) for (t, name), held in kernel.elements.items()
+                            if name == PORT_COUNTERS for v in held.decoded.values()
+                            if isinstance(v, CounterRef)}
+        # Kept ports whose chains were missing (deleted by hand since their marks were
+        # written), rendered as they are kept, to be written whole.
+        last, ctx = fam.last, fam.context
+        assert last is not None and ctx is not None
+        rewrite = [render_port(last.ports[k], ctx, state.shards, kept_slots(state.ports[k]))
+                   for k in sorted(fam.missing) if k in state.ports]
+        script, counts = sweep_lines(state, kernel, rewrite)
+        if script:
+            self._run(fam, script, False)
         log.info("restart: what nobody claims deleted", extra={
             "family": fam.family.label, "ports_written": counts.written,
-            "elements_deleted": counts.deleted, "elements_added": counts.added,
+            "elements_deleted": counts.deleted,
+            "elements_added": counts.added,
             "seconds": round(time.perf_counter() - started, 3)})
 
     def _restart_by_marks(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
@@ -273,8 +317,10 @@ class RestartSteps:
         kept, sweep = kept_sweep
         written = {k: with_input_mark(objects(k, ports[k]), marks[k])
                    for k in marks if k not in kept}
-        if written and not self._read_sets(fam, kernel, [s for s in base_sets(bases)
-                                                         if s[3]]):
+        # The maps: what the ports written replace, and what a port gone while no agent
+        # ran left, which a change before the sweep may replace (transaction.Unfinished).
+        if (written or sweep) and not self._read_sets(fam, kernel, [
+                s for s in base_sets(bases) if s[3]]):
             return marks, None
         if sweep:  # what the sweep needs of the kernel before this sync writes
             fam.restart_read = dict(kernel.elements)
@@ -286,7 +332,14 @@ class RestartSteps:
         script, state, counts = restart_lines(bases, written, kernel, sweep=False)
         counts.kept += len(kept)
         fam.pending = {k: marks[k] for k in kept}
-        fam.restart_names, fam.sweep = names, (written if sweep else None)
+        fam.restart_names, fam.sweep_due = names, sweep
+        if kept or sweep:  # kept ports' elements are not in the state yet (Unfinished)
+            maps = {(t, name) for t, name, _types, is_map in base_sets(bases) if is_map}
+            state.unfinished = Unfinished(
+                frozenset((t, name) for t, name, _types, _is_map in base_sets(bases)
+                          if (t, name) not in maps),
+                frozenset(chains | set(sets)),
+                {k: held.decoded for k, held in kernel.elements.items() if k in maps})
         fam.restart_counts = counts
         log.info("restart over our tables: writing what differs", extra={
             "family": fam.family.label, "ports_kept": counts.kept,
@@ -294,23 +347,19 @@ class RestartSteps:
             "elements_added": counts.added, "rendered": len(written), "sweep": sweep})
         return marks, (script, state)
 
-    def _sweep_counters(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
-                        ports: Mapping[ServicePortKey, PortObjects],
+    def _sweep_counters(self: _Plane, fam: NftFamily, state: TableState,
                         chains: set[Named]) -> set[Named]:
-        """The counters the sweep compares with what every port (`ports`) claims: their
-        own (the first sync wrote them, or their marks say they are there), and those
-        that may be nobody's: what the rules of the chains nobody claims count into, and
-        what those of the ports the first sync wrote counted into before. Every counter
-        dumped when those are too many chains to read one by one."""
+        """The counters the sweep compares with what `state` (every port in) claims:
+        their own (written, or their marks say they are there), and those that may be
+        nobody's: what the rules of the chains nobody claims count into, and what those
+        of the ports the first sync wrote counted into before. Every counter dumped
+        when those are too many chains to read one by one."""
         before, fam.restart_counters = fam.restart_counters, None
-        claimed = {(b.table, c.name) for b in bases for c in b.chains} \
-            | {(p.table, c.name) for p in ports.values() for c in p.chains}
-        stale = self._counters_named(fam, sorted(chains - claimed), len(chains)) \
+        stale = self._counters_named(fam, sorted(chains - state.chain_names()), len(chains)) \
             if before is not None else None
         if before is None or stale is None:
             return set(self._kernel_counters(fam))
-        return {(p.table, name) for p in ports.values() for name, _ in p.counters} \
-            | before | stale
+        return state.counter_names() | before | stale
 
     def _counters_named(self: _Plane, fam: NftFamily, chains: Sequence[Named],
                         of: int) -> set[Named] | None:
@@ -379,6 +428,11 @@ class RestartSteps:
         log.debug("input marks added", extra={
             "family": fam.family.label, "ports": len(new), "left": len(fam.marks_todo),
             "seconds": round(time.perf_counter() - started, 3)})
+        fam.marks_added += len(new)
+        if not fam.marks_todo:  # a restart now keeps every port unrendered
+            log.log(logging.INFO - 2, "input marks added for every port", extra={  # -v 2
+                "family": fam.family.label, "ports": fam.marks_added})
+            fam.marks_added = 0
 
     def _restart_base(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
                       ports: Mapping[ServicePortKey, PortObjects], kernel: KernelTables
@@ -399,6 +453,13 @@ class RestartSteps:
         for fam in self._families.values():
             self._complete(fam)
 
+    def _complete_parts(self: _Plane) -> bool:
+        """A part (COMPLETE_PER_PART ports) of each family's restart left to complete;
+        whether any is left after it."""
+        for fam in self._families.values():
+            self._complete(fam, COMPLETE_PER_PART)
+        return any(fam.pending for fam in self._families.values())
+
 
 def _unmarked(kept: KeptPort | None) -> bool:
     """A kept port whose input mark the kernel lacks, which it may have."""
@@ -407,10 +468,13 @@ def _unmarked(kept: KeptPort | None) -> bool:
 
 def after_writing(read: Mapping[Named, Held], owners: Owners,
                   sets: Sequence[tuple[str, str, tuple[str, ...], bool]],
-                  family: Family) -> dict[Named, Held]:
-    """What the kernel holds of the sets in `read` (base_sets' tuples: `sets`) after a
-    restart's first sync, which deletes a map's element only to add it with another
-    value: what it read, and every element `owners` (its state) wants, with its value."""
+                  family: Family, touched: Mapping[ElementKey, Value | None]
+                  ) -> dict[Named, Held]:
+    """What the kernel holds of the sets in `read` (base_sets' tuples: `sets`) once a
+    restart's kept ports are all in its state: what the restart read, every element
+    `owners` (the state) wants, with its value (the restart wrote them, or their marks
+    say they are there), and, for the elements the syncs since touched, what they left
+    (`touched`: transaction.Unfinished.kernel)."""
     maps = {(t, name) for t, name, _types, is_map in sets if is_map}
     out = {k: Held(dict(h.decoded), set(h.raw)) for k, h in read.items()}
     for table, name, pairs in owners.sets():
@@ -421,6 +485,19 @@ def after_writing(read: Mapping[Named, Held], owners: Owners,
             held.decoded.update(pairs)
         else:
             held.raw.update(element_keys(family, [k for k, _v in pairs]))
+    for (table, name, key), value in touched.items():
+        held = out.get((table, name))
+        if held is None:
+            continue
+        raw = element_keys(family, [key])[0] if (table, name) not in maps else None
+        if value is None:
+            held.decoded.pop(key, None)
+            if raw is not None:
+                held.raw.discard(raw)
+        elif raw is None:
+            held.decoded[key] = value
+        elif key not in held.decoded:  # a set read whole is in `decoded`
+            held.raw.add(raw)
     return out
 
 

@@ -21,6 +21,12 @@ element leaves the kernel with its last owner. Order inside a transaction: sets,
 chains, rules, element deletions, element additions, chain deletions, set deletions;
 nothing is ever referenced before it exists or deleted while referenced.
 
+While a restart's kept ports are still being added to the state, a part at a time
+(restart_steps.py), the owners do not know every element the kernel holds for a port:
+a partial script then defers the deletion of an element of the bases' sets and maps
+nobody it knows wants (a kept port not yet added may own it too), and notes the objects it deletes
+(`Unfinished`), for the end of the restart.
+
 `TableState` is updated while a script is built: if the kernel refuses the script, the
 data plane drops the state and the next sync is a full one. It keeps of each port what a
 later script needs (`KeptPort`): its chains' names with a digest of their rules, not the
@@ -480,6 +486,36 @@ def element_map(p: PortObjects) -> dict[ElementKey, Value]:
 
 
 @dataclass
+class Unfinished:
+    """While a restart's kept ports are not all in a TableState (module docstring).
+
+    The owners then do not know every element the kernel holds: a kept port not made
+    yet may own one of the bases' sets' (`shared`: a cluster IP, a hairpin pair), so a
+    partial script deletes none of those; and, when a port went while no agent ran, the
+    bases' maps may hold its elements, as the restart read them (`read`: maps only; a
+    map's key is one port's, and its value may name a chain or counter the same script
+    deletes, so those are replaced or deleted as usual); and such a port's chains and
+    sets may be there (`names`), whose rules and elements a port that takes its name
+    flushes. What the kernel holds of each element a partial script touched since is
+    `kernel` (None: not there); the chains, sets and counters it deleted, `gone`."""
+
+    shared: frozenset[Named]  # the bases' sets (not maps)
+    names: frozenset[Named] = frozenset()  # the chains and sets the restart read back
+    read: Mapping[Named, Mapping[Key, Value]] = field(default_factory=dict)
+    kernel: dict[ElementKey, Value | None] = field(default_factory=dict)
+    gone: set[Named] = field(default_factory=set)
+
+    def held(self, element: ElementKey, known: Value | None) -> Value | None:
+        """What the kernel holds of `element`, `known` being what the owners say."""
+        if element in self.kernel:
+            return self.kernel[element]
+        if known is not None:
+            return known
+        read = self.read.get((element[0], element[1]))
+        return None if read is None else read.get(element[2])
+
+
+@dataclass
 class TableState:
     """What one family's tables hold, as far as we know."""
 
@@ -487,6 +523,7 @@ class TableState:
     bases: tuple[BaseObjects, ...]  # the main table's fixed part, then each shard's
     ports: dict[ServicePortKey, KeptPort] = field(default_factory=dict)
     owners: Owners = field(default_factory=Owners)
+    unfinished: Unfinished | None = None
 
     @property
     def shards(self) -> int:
@@ -909,6 +946,11 @@ def partial_lines(state: TableState,
         new_sets = {(new.table, s.name): s for s in new.sets} if new else {}
         add_sets += [Command("add", t, s) for (t, n), s in new_sets.items()
                      if old_sets.get((t, n)) != s]
+        # A port new to `state` may find its names held by a port gone while no agent
+        # ran (Unfinished.names): their rules and elements go first.
+        left = state.unfinished.names if state.unfinished is not None and not old \
+            else frozenset()
+        add_sets += [Command("flush", t, s) for (t, n), s in new_sets.items() if (t, n) in left]
         old_counters = {(old.table, n) for n, _ in old.counters} if old else set()
         new_counters = {(new.table, n) for n, _ in new.counters} if new else set()
         add_sets += [Command("add", t, Counter(n)) for t, n in sorted(new_counters - old_counters)]
@@ -919,7 +961,8 @@ def partial_lines(state: TableState,
                 continue
             if before is None:  # declared before any rule, which may jump to it
                 add_chains.append(Chains.one(t, name))
-            write_chains.append(Rules.one(t, chain, flush=before is not None))
+            write_chains.append(Rules.one(t, chain, flush=before is not None
+                                          or (t, name) in left))
         gone_chains += [c for c in old_chains if c not in new_chains]
         gone_sets += [(t, s) for (t, n), s in old_sets.items() if (t, n) not in new_sets]
         old_el = old.elements() if old else {}
@@ -934,6 +977,9 @@ def partial_lines(state: TableState,
             state.ports.pop(key, None)
         else:
             state.ports[key] = KeptPort.of(new, new_el)
+    if state.unfinished is not None:
+        state.unfinished.gone.update((*gone_chains, *((t, s.name) for t, s in gone_sets),
+                                      *gone_counters))
     statements = add_sets + add_chains + write_chains
     statements += _element_changes(state, held_before)
     statements += [Command("flush", t, Chain(name)) for t, name in gone_chains]
@@ -949,11 +995,18 @@ def _element_changes(state: TableState, held_before: Mapping[ElementKey, Value |
                      ) -> list[Elements]:
     """What a partial script changes of the elements it touched: deletions, then
     additions, of those the kernel holds otherwise (another value, or none) than the
-    owners now want."""
+    owners now want. While the state is unfinished, a deletion of a bases' set's
+    element nobody known wants waits (`Unfinished`)."""
     deletes: list[tuple[str, str, Key, Value]] = []
     adds: list[tuple[str, str, Key, Value]] = []
+    unfinished = state.unfinished
     for k in sorted(held_before):
         held, wanted = held_before[k], state.owners.held(k)
+        if unfinished is not None:
+            if held is not None and wanted is None and (k[0], k[1]) in unfinished.shared:
+                unfinished.kernel[k] = held  # deleted once every port is in
+                continue
+            unfinished.kernel[k] = wanted
         if held == wanted:
             continue
         if held is not None:
@@ -963,19 +1016,46 @@ def _element_changes(state: TableState, held_before: Mapping[ElementKey, Value |
     return [*element_groups("delete", deletes), *element_groups("add", adds)]
 
 
+def deferred_lines(state: TableState) -> Script | None:
+    """Once every kept port is in `state`: each element its partial scripts touched
+    brought to what the owners want (those scripts held back the deletions of the bases'
+    sets' elements, `Unfinished`). None when nothing is left to do."""
+    assert state.unfinished is not None
+    deletes: list[tuple[str, str, Key, Value]] = []
+    adds: list[tuple[str, str, Key, Value]] = []
+    for k, held in sorted(state.unfinished.kernel.items()):
+        wanted = state.owners.held(k)
+        if wanted == held:
+            continue
+        if held is not None:
+            deletes.append((*k, ()))
+        if wanted is not None:
+            adds.append((*k, wanted))
+    if not (deletes or adds):
+        return None
+    statements = [*element_groups("delete", deletes), *element_groups("add", adds)]
+    return Script(functools.partial(iter, statements), table_family(state.family))
+
+
 def _retire(state: TableState, key: ServicePortKey, element: ElementKey,
             held_before: dict[ElementKey, Value | None]) -> None:
     """`key` no longer wants `element` (or not with the value it had)."""
     if element not in held_before:
-        held_before[element] = state.owners.held(element)
+        held_before[element] = _held(state, element)
     state.owners.remove(element, key)
 
 
 def _claim(state: TableState, key: ServicePortKey, element: ElementKey, value: Value,
            held_before: dict[ElementKey, Value | None]) -> None:
     if element not in held_before:
-        held_before[element] = state.owners.held(element)
+        held_before[element] = _held(state, element)
     state.owners.add(element, key, value)
+
+
+def _held(state: TableState, element: ElementKey) -> Value | None:
+    """What the kernel holds of `element` before the script being built."""
+    known = state.owners.held(element)
+    return known if state.unfinished is None else state.unfinished.held(element, known)
 
 
 def _apply_edit(state: TableState, key: ServicePortKey, old: KeptPort, edit: PortEdit,
