@@ -7,6 +7,8 @@ with the old sync pacing beside the new (issue 29).
     sudo .venv/bin/python -m bench.churn --services 300 --rates 10 100 --duration 3
     sudo .venv/bin/python -m bench.churn --ipv6 --services 100000 --endpoints 10 \
         --pacing new --phases isolated burst                            # IPv6 cluster
+    sudo .venv/bin/python -m bench.churn --services 1000 --pacing new --phases isolated \
+        --restart                                       # changes while a restart completes
 
 The simulator (`python -m proxy.sim`) serves N services of one TCP port with one
 EndpointSlice of `--endpoints` ready endpoints each; the real agent runs in nftables
@@ -22,7 +24,13 @@ or with `--ipv6` single-stack IPv6 as `bench.agent_start --ipv6` makes it: Clust
 from fd00:198:18::/104, pods from fd00:19::/64 (the agent's --cluster-cidr), a fresh
 address for every write, never reused, so any size fits.
 
-Phases, each after `gap` quiet seconds, over one kept-alive connection to the API:
+With `--restart`, the agent is stopped once synced (its tables left, as in a rollout)
+and another started over them; the phases begin at that one's first sync, while it
+still makes the kept ports' state a part at a time (nftables/restart_steps.py), and the
+report says when that was done.
+
+Phases, each after `gap` quiet seconds (the first, after a restart, at once), over
+one kept-alive connection to the API:
 
 - isolated: `--isolated` changes, each one written once the previous one is in the
   kernel and `--spacing` seconds have passed (a user's single change);

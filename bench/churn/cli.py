@@ -44,6 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ipv6", action="store_true",
                     help=f"a single-stack IPv6 cluster (pods in {POD_CIDR_V6}): room for "
                     "more than 48,000 endpoints")
+    ap.add_argument("--restart", action="store_true",
+                    help="restart the agent over its tables after its first sync; the "
+                    "phases start at the new one's first sync (changes while a restart "
+                    "completes)")
     ap.add_argument("--out", "--json", dest="out", type=Path, help="write the JSON here")
     ap.add_argument("--keep-logs", type=Path, metavar="DIR")
     args = ap.parse_args(argv)
@@ -51,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         pacing=tuple(args.pacing), phases=tuple(args.phases),
                         isolated=args.isolated, spacing=args.spacing,
                         rates=tuple(args.rates), duration=args.duration, burst=args.burst,
-                        seed=args.seed, ipv6=args.ipv6)
+                        seed=args.seed, ipv6=args.ipv6, restart=args.restart)
     try:
         settings.check()
     except ValueError as exc:

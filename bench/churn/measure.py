@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -39,6 +40,8 @@ from bench.rolling_update.lab import logged_syncs, ms_summary
 from proxy.netns_lab import Lab
 from proxy.netns_lab.poll import TimedOut, wait
 
+MARKED = re.compile(r"input marks added for every port")
+KEPT_MADE = re.compile(r"restart: kept ports' state made.*")
 SLICES = f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
 SERVICES = f"/api/v1/namespaces/{NAMESPACE}/services"
 Progress = Callable[[str], None]
@@ -251,6 +254,28 @@ def _agent_argv(settings: Settings, kubeconfig: Path, flags: list[str]) -> list[
             "--cluster-cidr", POD_CIDR_V6 if settings.ipv6 else POD_CIDR, "-v", "2", *flags]
 
 
+def _start_agent(lab: Lab, settings: Settings, kubeconfig: Path, flags: list[str],
+                 log: Path) -> tuple[subprocess.Popen[bytes], Path, Callable[[], None]]:
+    """The agent started, once its first sync is logged: its process, log, and a check
+    that it still runs."""
+    with log.open("wb") as f:
+        proc = lab.popen(lab.node_ns, _agent_argv(settings, kubeconfig, flags),
+                         stdout=f, stderr=subprocess.STDOUT,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    def alive() -> None:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"the agent exited {proc.returncode}:\n{tail}")
+
+    def first_sync() -> bool:
+        alive()
+        return bool(FIRST_SYNC.search(log.read_text(errors="replace")))
+
+    wait(first_sync, settings.start_timeout, "the agent's first sync", interval=0.05)
+    return proc, log, alive
+
+
 def run_one(settings: Settings, pacing: str, workdir: Path, progress: Progress
             ) -> dict[str, Any]:
     cluster = Cluster(settings)
@@ -265,24 +290,9 @@ def run_one(settings: Settings, pacing: str, workdir: Path, progress: Progress
         api = Api(lab.node_ns, kubeconfig)
         stack.callback(api.close)
         _read_versions(api, cluster)
-        log = workdir / "agent.log"
         flags = list(PACINGS[pacing])
-        with log.open("wb") as f:
-            proc = lab.popen(lab.node_ns, _agent_argv(settings, kubeconfig, flags),
-                             stdout=f, stderr=subprocess.STDOUT,
-                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-
-        def alive() -> None:
-            if proc.poll() is not None:
-                tail = log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"the agent exited {proc.returncode}:\n{tail}")
-
-        def first_sync() -> bool:
-            alive()
-            return bool(FIRST_SYNC.search(log.read_text(errors="replace")))
-
         began = time.monotonic()
-        wait(first_sync, settings.start_timeout, "the agent's first sync", interval=0.05)
+        proc, log, alive = _start_agent(lab, settings, kubeconfig, flags, workdir / "agent.log")
         agent = agent_pid(proc.pid) or proc.pid
         result: dict[str, Any] = {
             "pacing": pacing, "agent_flags": " ".join(flags),
@@ -290,6 +300,20 @@ def run_one(settings: Settings, pacing: str, workdir: Path, progress: Progress
             "start_peak_rss_mib": size_mib(agent, "VmHWM"), "phases": []}
         progress(f"{pacing}: the agent synced {settings.services:,} services in "
                  f"{result['start_s']} s")
+        if settings.restart:
+            # As a DaemonSet rollout does: the agent stopped once it marked every port
+            # (what lets a restart keep them unrendered), its tables left, another
+            # started over them; the phases begin at its first sync (no gap first).
+            wait(lambda: bool(MARKED.search(log.read_text(errors="replace"))),
+                 settings.start_timeout, "every port's input mark", interval=0.2)
+            proc.terminate()
+            proc.wait(timeout=60)
+            began = time.monotonic()
+            proc, log, alive = _start_agent(lab, settings, kubeconfig, flags,
+                                            workdir / "agent-restarted.log")
+            agent = agent_pid(proc.pid) or proc.pid
+            result["restart_s"] = round(time.monotonic() - began, 2)
+            progress(f"{pacing}: restarted over its tables in {result['restart_s']} s")
         watch = AddressWatch(lab.node_ns)
         watch.start()
         stack.callback(watch.stop)
@@ -301,8 +325,9 @@ def run_one(settings: Settings, pacing: str, workdir: Path, progress: Progress
         plan: list[tuple[str, float | None]] = []
         for name in settings.phases:
             plan += [(name, r) for r in settings.rates] if name == "random" else [(name, None)]
-        for name, rate in plan:
-            time.sleep(settings.gap)  # quiet between phases: a pace, not synchronisation
+        for i, (name, rate) in enumerate(plan):
+            if i or not settings.restart:
+                time.sleep(settings.gap)  # quiet between phases: a pace, not synchronisation
             label = f"{name} {rate:g}/s" if rate else name
             phase = Phase(label, watch, next_id)
             offset = log.stat().st_size
@@ -323,6 +348,9 @@ def run_one(settings: Settings, pacing: str, workdir: Path, progress: Progress
                      f"never seen {summary['never_seen']}, CPU {summary['cpu_percent']}% "
                      f"(1 s max {summary['cpu_max_1s_percent']}%)")
         alive()
+        kept = KEPT_MADE.search(log.read_text(errors="replace"))
+        if kept:  # after a restart: when its kept state was all made, and in how long
+            result["kept_state_made"] = kept.group(0)
         result["peak_rss_mib"] = size_mib(agent, "VmHWM")
         result["errors"] = [ln for ln in log.read_text(errors="replace").splitlines()
                             if "level=error" in ln][:10]

@@ -55,4 +55,10 @@ def markdown(result: dict[str, Any]) -> str:
              "kernel, and its highest over any 1 s window overlapping that; peak RSS: the "
              f"highest sampled in the phase. Agent start to its first sync: {starts}. "
              f"{FAMILIES[family]}"]
+    restarts = [f"{r['pacing']} {r['restart_s']} s" + (f" ({r['kept_state_made']})"
+                                                       if r.get("kept_state_made") else "")
+                for r in runs if "restart_s" in r]
+    if restarts:
+        rows[-1] += (" The phases ran against an agent restarted over its tables (`--restart`), "
+                     f"from its first sync: {'; '.join(restarts)}.")
     return "\n".join(rows)

@@ -37,6 +37,7 @@ class Settings:
     start_timeout: float = 600.0
     seed: int = 29
     ipv6: bool = False  # a single-stack IPv6 cluster instead of IPv4
+    restart: bool = False  # the phases run against an agent restarted over its tables
 
     @property
     def family(self) -> str:

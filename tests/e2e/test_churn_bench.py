@@ -1,8 +1,8 @@
 """The churn benchmark (bench/churn/), small: the real agent on the simulator, old pacing
 and new, isolated changes, random churn at two rates and a burst of new services; and
-on a single-stack IPv6 cluster. Only behaviour and the result's shape are asserted
-(every change reached the kernel, the figures are there and sane); its timings are
-reported, never asserted here."""
+on a single-stack IPv6 cluster, against an agent restarted over its tables. Only
+behaviour and the result's shape are asserted (every change reached the kernel, the
+figures are there and sane); its timings are reported, never asserted here."""
 
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def test_churn_small_ipv6(tmp_path: Path) -> None:
     before = _ours()
     settings = Settings(services=5, endpoints=3, pacing=("new",),
                         phases=("isolated", "burst"), isolated=3, spacing=0.2, burst=4,
-                        gap=0.5, ipv6=True)
+                        gap=0.5, ipv6=True, restart=True)
     try:
         result = run(settings, tmp_path)
     finally:
@@ -173,3 +173,7 @@ def test_churn_small_ipv6(tmp_path: Path) -> None:
         assert p["syncs"] >= 1
     text = markdown(result)
     assert "| 5 x 3 IPv6 | burst (4 services) | new |" in text and "Family: IPv6" in text
+    # The phases ran against an agent restarted over the first one's tables, which
+    # kept every port by its input mark and made their state afterwards.
+    assert r["restart_s"] > 0 and "ports=5" in r["kept_state_made"]
+    assert "restarted over its tables" in text
