@@ -287,8 +287,7 @@ class RestartSteps:
             self._run(fam, script, False)
         log.info("restart: what nobody claims deleted", extra={
             "family": fam.family.label, "ports_written": counts.written,
-            "elements_deleted": counts.deleted,
-            "elements_added": counts.added,
+            "elements_deleted": counts.deleted, "elements_added": counts.added,
             "seconds": round(time.perf_counter() - started, 3)})
 
     def _restart_by_marks(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
@@ -334,12 +333,12 @@ class RestartSteps:
         fam.pending = {k: marks[k] for k in kept}
         fam.restart_names, fam.sweep_due = names, sweep
         if kept or sweep:  # kept ports' elements are not in the state yet (Unfinished)
-            maps = {(t, name) for t, name, _types, is_map in base_sets(bases) if is_map}
+            shared = base_sets(bases)
             state.unfinished = Unfinished(
-                frozenset((t, name) for t, name, _types, _is_map in base_sets(bases)
-                          if (t, name) not in maps),
+                frozenset((t, name) for t, name, _types, is_map in shared if not is_map),
                 frozenset(chains | set(sets)),
-                {k: held.decoded for k, held in kernel.elements.items() if k in maps})
+                {(t, name): kernel.elements[t, name].decoded
+                 for t, name, _types, is_map in shared if is_map and (t, name) in kernel.elements})
         fam.restart_counts = counts
         log.info("restart over our tables: writing what differs", extra={
             "family": fam.family.label, "ports_kept": counts.kept,

@@ -23,9 +23,9 @@ nothing is ever referenced before it exists or deleted while referenced.
 
 While a restart's kept ports are still being added to the state, a part at a time
 (restart_steps.py), the owners do not know every element the kernel holds for a port:
-a partial script then defers the deletion of an element of the bases' sets and maps
-nobody it knows wants (a kept port not yet added may own it too), and notes the objects it deletes
-(`Unfinished`), for the end of the restart.
+a partial script then defers the deletion of an element of the bases' sets (not maps)
+nobody it knows wants (a kept port not yet added may own it too), and notes what it
+deletes and writes (`Unfinished`), for the end of the restart.
 
 `TableState` is updated while a script is built: if the kernel refuses the script, the
 data plane drops the state and the next sync is a full one. It keeps of each port what a
@@ -997,8 +997,7 @@ def _element_changes(state: TableState, held_before: Mapping[ElementKey, Value |
     additions, of those the kernel holds otherwise (another value, or none) than the
     owners now want. While the state is unfinished, a deletion of a bases' set's
     element nobody known wants waits (`Unfinished`)."""
-    deletes: list[tuple[str, str, Key, Value]] = []
-    adds: list[tuple[str, str, Key, Value]] = []
+    changes: list[tuple[ElementKey, Value | None, Value | None]] = []
     unfinished = state.unfinished
     for k in sorted(held_before):
         held, wanted = held_before[k], state.owners.held(k)
@@ -1007,6 +1006,17 @@ def _element_changes(state: TableState, held_before: Mapping[ElementKey, Value |
                 unfinished.kernel[k] = held  # deleted once every port is in
                 continue
             unfinished.kernel[k] = wanted
+        changes.append((k, held, wanted))
+    return _brought_to_wanted(changes)
+
+
+def _brought_to_wanted(changes: Iterable[tuple[ElementKey, Value | None, Value | None]]
+                       ) -> list[Elements]:
+    """Elements from what the kernel holds (a value, or None: not there) to what is
+    wanted: deletions, then additions, of those that differ."""
+    deletes: list[tuple[str, str, Key, Value]] = []
+    adds: list[tuple[str, str, Key, Value]] = []
+    for k, held, wanted in changes:
         if held == wanted:
             continue
         if held is not None:
@@ -1021,19 +1031,10 @@ def deferred_lines(state: TableState) -> Script | None:
     brought to what the owners want (those scripts held back the deletions of the bases'
     sets' elements, `Unfinished`). None when nothing is left to do."""
     assert state.unfinished is not None
-    deletes: list[tuple[str, str, Key, Value]] = []
-    adds: list[tuple[str, str, Key, Value]] = []
-    for k, held in sorted(state.unfinished.kernel.items()):
-        wanted = state.owners.held(k)
-        if wanted == held:
-            continue
-        if held is not None:
-            deletes.append((*k, ()))
-        if wanted is not None:
-            adds.append((*k, wanted))
-    if not (deletes or adds):
+    statements = _brought_to_wanted((k, held, state.owners.held(k))
+                                    for k, held in sorted(state.unfinished.kernel.items()))
+    if not statements:
         return None
-    statements = [*element_groups("delete", deletes), *element_groups("add", adds)]
     return Script(functools.partial(iter, statements), table_family(state.family))
 
 
