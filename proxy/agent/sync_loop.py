@@ -201,9 +201,10 @@ class SyncLoop:
             trigger = self.schedule.start(now)
             if trigger is not None:
                 await self._sync(trigger)
-                if trigger is Trigger.INITIAL:
+                if trigger is Trigger.INITIAL or self.dataplane.housekeeping_pending():
                     # Now, unless a sync is due: what the data plane left for after its
-                    # first sync (a restart's kept state, nftables/restart_steps.py).
+                    # first sync (a restart's kept state, nftables/restart_steps.py) or
+                    # a resync begun (nftables/resync_steps.py).
                     next_housekeeping = self._clock()
                 continue
             if self._drift_due is not None and now >= self._drift_due:
@@ -257,6 +258,11 @@ class SyncLoop:
         try:
             deleted = await self.worker.call(self.dataplane.housekeeping)
             self.metrics.count_conntrack(deleted or {})
+        except ApplyError as exc:  # a part of a resync refused: rewrite it all (logged)
+            self._need_full = True
+            self.schedule.request(Trigger.RETRY)
+            log.warning("data plane housekeeping failed; next sync is full",
+                        extra={"mode": self.dataplane.mode, "error": str(exc)})
         except Exception:
             log.exception("data plane housekeeping failed", extra={"mode": self.dataplane.mode})
 
@@ -313,10 +319,14 @@ class SyncLoop:
         children, began = self._children_cpu(), self._thread_cpu()
         state = self.model.resolve()
         cpu = [self._thread_cpu() - began]  # the worker adds its own
+        parted: list[bool] = []  # the resync left to the data plane's housekeeping
 
         def apply() -> SyncReport:
             began = self._thread_cpu()  # the worker's thread, from here
             try:
+                if upkeep and self.dataplane.begin_resync():
+                    parted.append(True)
+                    return self.dataplane.sync(state, False)
                 return self.dataplane.sync(state, full)
             finally:
                 cpu.append(self._thread_cpu() - began)
@@ -333,6 +343,8 @@ class SyncLoop:
             cost = max(0.0, sum(cpu) + self._children_cpu() - children)
             self.metrics.sync_cpu.inc(cost)
             self.schedule.finish(self._clock(), 0.0 if upkeep else cost)
+        if parted:  # begun: its parts follow as housekeeping, this sync was partial
+            self._last_full, full = start, False
         self._succeeded(trigger, full, start, started_wall, batch, state, report)
 
     def _changed_fields(self) -> tuple[tuple[str, ...], int]:

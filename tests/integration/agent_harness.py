@@ -43,6 +43,9 @@ class FakeDataPlane:
     rendered_ahead: int = 0  # ports handed to render_ahead before the first sync
     housekept: int = 0
     parts_left: int = 0  # housekeeping calls that leave work for the next (nftables' marks)
+    resync_parts: int = 0  # the parts a periodic resync takes (0: a full sync instead)
+    resyncs: int = 0  # resyncs begun in parts
+    housekeeping_fails: int = 0  # housekeeping calls to refuse (a resync's part refused)
     closed: bool = False
     cleaned: bool = False
     # Drift: what the next check_drift reports, the agent's notify callback once it
@@ -97,9 +100,18 @@ class FakeDataPlane:
         self.threads.add(threading.get_ident())
         self.housekept += 1
         self.parts_left = max(0, self.parts_left - 1)
+        if self.housekeeping_fails:
+            self.housekeeping_fails -= 1
+            raise ApplyError("injected housekeeping failure")
 
     def housekeeping_pending(self) -> bool:
         return self.parts_left > 0
+
+    def begin_resync(self) -> bool:
+        """`resync_parts` more housekeeping parts, if set; else a full sync resyncs."""
+        self.parts_left += self.resync_parts
+        self.resyncs += bool(self.resync_parts)
+        return self.resync_parts > 0
 
     def render_ahead(self, ports: Sequence[ResolvedServicePort],
                      expected: Mapping[Family, int],

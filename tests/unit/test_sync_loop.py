@@ -273,6 +273,52 @@ def test_housekeeping_with_work_left_runs_again_without_waiting_the_interval() -
     run(go)
 
 
+def test_a_resync_the_data_plane_takes_in_parts_is_a_partial_sync_then_its_parts() -> None:
+    """nftables' periodic resync a table at a time: the sync the period makes full is
+    partial, the parts follow at once as housekeeping, and the next resync comes a
+    period after this one began."""
+    async def go(b: Bench) -> None:
+        b.runner.housekeeping_interval = 100.0
+        b.event(WEB)
+        b.runner.start()
+        await settle(b, lambda: len(b.dp.syncs) == 1 and b.dp.housekept == 1, "first sync")
+        b.dp.resync_parts = 3
+        b.clock.now += 30
+        await settle(b, lambda: len(b.dp.syncs) == 2, "the periodic sync")
+        assert b.dp.resyncs == 1 and not b.dp.syncs[-1][0]
+        assert b.runner.history[-1].trigger == "periodic" and not b.runner.history[-1].full
+        # Its three parts, the clock standing still, long before the interval.
+        await settle(b, lambda: b.dp.housekept == 4, "the resync's parts")
+        b.clock.now += 1
+        b.event(web_slice("198.18.1.10"))  # a change: partial, no resync begun
+        await settle(b, lambda: len(b.dp.syncs) == 3, "a change")
+        assert not b.dp.syncs[-1][0] and b.dp.resyncs == 1
+        b.clock.now += 28
+        for _ in range(20):
+            b.runner._wake.set()
+            await asyncio.sleep(0.001)
+        assert len(b.dp.syncs) == 3 and b.dp.resyncs == 1
+        b.clock.now += 30
+        await settle(b, lambda: b.dp.resyncs == 2, "the next resync, a period later")
+
+    run(go, sync_period=30.0)
+
+
+def test_a_part_of_housekeeping_refused_makes_the_next_sync_full_and_soon() -> None:
+    async def go(b: Bench) -> None:
+        b.runner.housekeeping_interval = 5.0
+        b.event(WEB)
+        b.runner.start()
+        await settle(b, lambda: len(b.dp.syncs) == 1 and b.dp.housekept == 1, "first sync")
+        b.dp.housekeeping_fails = 1
+        b.clock.now += 6
+        await settle(b, lambda: b.dp.housekept == 2, "the housekeeping refused")
+        await settle(b, lambda: len(b.dp.syncs) == 2, "a sync after it, with no change")
+        assert b.dp.syncs[-1][0] and b.runner.history[-1].trigger == "retry"
+
+    run(go)
+
+
 def test_post_sync_hook_gets_the_applied_keys() -> None:
     async def go(b: Bench) -> None:
         b.event(WEB)

@@ -247,6 +247,9 @@ class FamilySyncPlane(ABC, Generic[S]):
     def housekeeping_pending(self) -> bool:
         return False
 
+    def begin_resync(self) -> bool:
+        return False  # the mode's full sync is its resync (base.DataPlane)
+
     def housekeeping(self) -> dict[str, int]:
         """The periodic conntrack reconcile (entries left stale by missed events or by
         anyone else), every CONNTRACK_RECONCILE_PERIOD; affinity entries expire in the

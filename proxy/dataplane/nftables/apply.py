@@ -71,6 +71,7 @@ from proxy.dataplane.nftables.restart import (
     with_input_mark,
 )
 from proxy.dataplane.nftables.restart_steps import NftFamily, RestartSteps
+from proxy.dataplane.nftables.resync_steps import ResyncSteps
 from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
 from proxy.dataplane.nftables.transaction import (
     KeptPort,
@@ -95,7 +96,7 @@ class NftablesUnavailable(Exception):
     """This host cannot run the nftables mode (tools or kernel support missing)."""
 
 
-class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps):
+class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, ResyncSteps):
     """`runner` and `addresses` replace libnftables/nft and the netlink address dump in
     tests; `probe=False` skips the kernel's NAT check (done by the caller); `shards`
     is the least number of shard tables (more as the service ports need them)."""
@@ -194,6 +195,7 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps):
 
         fam.shards = shards
         fam.drop_restart()  # every port's state is made anew
+        fam.resync = None  # and every table written
         # Only the process's first full sync may be a restart's diff (NftFamily).
         restart, fam.restart = fam.restart and fam.state is None, False
         if not tables:
@@ -329,18 +331,25 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps):
     # --- the rest of the contract -------------------------------------------------------------
 
     def housekeeping(self) -> dict[str, int]:
-        """A part of the restart's leftover work (`_complete`), else a part of the input
-        marks the kernel lacks (`_write_marks`), first: the sync loop calls this when
-        idle, right after the first sync too, and again at once while parts are left,
-        so a change waits for one part at most."""
-        if self._complete_parts():
+        """A part of the restart's leftover work (`_complete`), else a table of the
+        periodic resync (`_resync_parts`), else a part of the input marks the kernel
+        lacks (`_write_marks`), first: the sync loop calls this when idle, right after
+        a sync that left parts too, and again at once while parts are left, so a change
+        waits for one part at most."""
+        if self._complete_parts() or self._resync_parts():
             return {}
         for fam in self._families.values():
             self._write_marks(fam)
         return super().housekeeping()
 
     def housekeeping_pending(self) -> bool:
-        return any(fam.pending or fam.marks_todo for fam in self._families.values())
+        return any(fam.pending or fam.resync is not None or fam.marks_todo
+                   for fam in self._families.values())
+
+    def begin_resync(self) -> bool:
+        """The periodic resync a table at a time, changes going between
+        (resync_steps.py), where every family allows it."""
+        return self._begin_resync()
 
     def applied_rules(self, key: ServicePortKey) -> Sequence[str]:
         self._complete_all()

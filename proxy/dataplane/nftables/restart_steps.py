@@ -61,6 +61,7 @@ from proxy.dataplane.nftables.restart import (
     sweep_lines,
     with_input_mark,
 )
+from proxy.dataplane.nftables.resync_steps import Resync
 from proxy.dataplane.nftables.runner import NftError, NftRunner
 from proxy.dataplane.nftables.transaction import (
     ElementKey,
@@ -121,6 +122,8 @@ class NftFamily(FamilyState):
         # at a time (empty: list them again from the kept state).
         self.marks_todo: list[ServicePortKey] = []
         self.marks_added = 0  # in this pass over marks_todo, for the log
+        # A periodic resync under way, a table at a time (resync_steps.py).
+        self.resync: Resync | None = None
 
     def drop_restart(self) -> None:
         """Nothing left of a restart's steps (none yet, done, or dropped by a full sync

@@ -390,7 +390,7 @@ class KeptPort:
     def of(cls, p: PortObjects, elements: dict[ElementKey, Value] | None = None) -> KeptPort:
         """`elements`: element_map(p) if the caller made it, then kept as it is for a
         port with slot maps (the caller's fresh dict)."""
-        chains = tuple((c.name, rules_digest(c.rules)) for c in p.chains)
+        chains = cls.chain_digests(p)
         counters = p.counters
         if not p.slots:
             return cls(p.table, chains, flat_elements(p.elements), p.sets, (), None, counters,
@@ -407,6 +407,11 @@ class KeptPort:
                    tuple((name, SlotValues(values)) for name, values in p.slots),
                    element_map(p) if elements is None else elements, counters,
                    p.fingerprint, p.input_mark, p.from_input)
+
+    @staticmethod
+    def chain_digests(p: PortObjects) -> tuple[tuple[str, int], ...]:
+        """What a kept port keeps of `p`'s chains (`chains`)."""
+        return tuple((c.name, rules_digest(c.rules)) for c in p.chains)
 
     def with_mark(self, mark: Key) -> KeptPort:
         """This port once the kernel holds its input mark `mark` too (marks.py)."""
@@ -689,6 +694,22 @@ def resync_lines(bases: Sequence[BaseObjects],
             yield from _rewrite(state, ordered, held, stale, base.table)
 
     return Script(make, table_family(state.family), parts=True), state
+
+
+def table_lines(state: TableState, ordered: Sequence[tuple[ServicePortKey, PortObjects]],
+                table: str, held: Collection[Named] = (), stale: Sequence[Command] = ()
+                ) -> Script:
+    """`table` written whole again from `state`, in one transaction, as a full script
+    writes it (the periodic resync a table at a time, resync_steps.py): its chains
+    flushed and their rules written (`ordered`: its ports, rendered as `state` keeps
+    them), its sets and its ports' slot maps flushed and refilled from `state`'s owners,
+    then `stale` (what nobody wants, in any table). `state` is not changed."""
+
+    def make() -> Iterator[Statement]:
+        yield from _rewrite(state, ordered, held, (), table)
+        yield from stale
+
+    return Script(make, table_family(state.family))
 
 
 def _rewrite(state: TableState, ordered: Sequence[tuple[ServicePortKey, PortObjects]],
