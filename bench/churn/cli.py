@@ -48,6 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="restart the agent over its tables after its first sync; the "
                     "phases start at the new one's first sync (changes while a restart "
                     "completes)")
+    ap.add_argument("--resync", type=float, metavar="SECONDS",
+                    help="the agent's --sync-period: its periodic resync begins this long "
+                    "after its first sync began, the changes meanwhile measured as any")
     ap.add_argument("--out", "--json", dest="out", type=Path, help="write the JSON here")
     ap.add_argument("--keep-logs", type=Path, metavar="DIR")
     args = ap.parse_args(argv)
@@ -55,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         pacing=tuple(args.pacing), phases=tuple(args.phases),
                         isolated=args.isolated, spacing=args.spacing,
                         rates=tuple(args.rates), duration=args.duration, burst=args.burst,
-                        seed=args.seed, ipv6=args.ipv6, restart=args.restart)
+                        seed=args.seed, ipv6=args.ipv6, restart=args.restart,
+                        resync=args.resync)
     try:
         settings.check()
     except ValueError as exc:

@@ -42,6 +42,7 @@ from proxy.netns_lab.poll import TimedOut, wait
 
 MARKED = re.compile(r"input marks added for every port")
 KEPT_MADE = re.compile(r"restart: kept ports' state made.*")
+RESYNCS = re.compile(r"periodic resync done.*|full sync done.*trigger=periodic.*")
 SLICES = f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
 SERVICES = f"/api/v1/namespaces/{NAMESPACE}/services"
 Progress = Callable[[str], None]
@@ -249,9 +250,11 @@ def _read_versions(api: Api, cluster: Cluster) -> None:
 
 def _agent_argv(settings: Settings, kubeconfig: Path, flags: list[str]) -> list[str]:
     """The agent in nftables mode, logging every sync (`-v 2`), pods in the pool's range."""
+    period = [] if settings.resync is None else ["--sync-period", f"{settings.resync:g}s"]
     return [sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
             "--hostname-override", NODE, "--proxy-mode", "nftables",
-            "--cluster-cidr", POD_CIDR_V6 if settings.ipv6 else POD_CIDR, "-v", "2", *flags]
+            "--cluster-cidr", POD_CIDR_V6 if settings.ipv6 else POD_CIDR, "-v", "2",
+            *period, *flags]
 
 
 def _start_agent(lab: Lab, settings: Settings, kubeconfig: Path, flags: list[str],
@@ -351,6 +354,8 @@ def run_one(settings: Settings, pacing: str, workdir: Path, progress: Progress
         kept = KEPT_MADE.search(log.read_text(errors="replace"))
         if kept:  # after a restart: when its kept state was all made, and in how long
             result["kept_state_made"] = kept.group(0)
+        # The periodic resyncs: in one full sync, or a table at a time (nftables).
+        result["resyncs"] = RESYNCS.findall(log.read_text(errors="replace"))[:5]
         result["peak_rss_mib"] = size_mib(agent, "VmHWM")
         result["errors"] = [ln for ln in log.read_text(errors="replace").splitlines()
                             if "level=error" in ln][:10]

@@ -61,4 +61,7 @@ def markdown(result: dict[str, Any]) -> str:
     if restarts:
         rows[-1] += (" The phases ran against an agent restarted over its tables (`--restart`), "
                      f"from its first sync: {'; '.join(restarts)}.")
+    resyncs = [f"{r['pacing']}: {'; '.join(r['resyncs'])}" for r in runs if r.get("resyncs")]
+    if resyncs:
+        rows[-1] += f" Periodic resyncs during the phases (`--resync`): {' | '.join(resyncs)}."
     return "\n".join(rows)

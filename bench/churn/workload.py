@@ -38,6 +38,9 @@ class Settings:
     seed: int = 29
     ipv6: bool = False  # a single-stack IPv6 cluster instead of IPv4
     restart: bool = False  # the phases run against an agent restarted over its tables
+    # The agent's --sync-period, in seconds (None: its default hour): a periodic resync
+    # during the phases, the changes meanwhile measured as any.
+    resync: float | None = None
 
     @property
     def family(self) -> str:
@@ -53,6 +56,8 @@ class Settings:
             raise ValueError(f"--pacing: one or more of {sorted(PACINGS)}")
         if not set(self.phases) <= set(PHASES):
             raise ValueError(f"--phases: some of {PHASES}")
+        if self.resync is not None and self.resync <= 0:
+            raise ValueError("--resync must be positive")
         if any(r <= 0 for r in self.rates) or self.duration <= 0:
             raise ValueError("--rates and --duration must be positive")
         wanted = (self.services + self.burst) * self.endpoints

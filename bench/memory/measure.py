@@ -15,7 +15,10 @@ fd00:19::/64, the bursts' objects IPv6 too). In order:
                  every one synced
                  (a burst is written while the agent is stopped, SIGSTOP, and reaches it
                  whole when it goes on: as a burst that arrives during a long sync)
-  resync         the periodic full resync (`--sync-period` after the last sync)
+  resync         the periodic full resync (`--sync-period` after the last sync), to its
+                 end: in nftables mode a partial sync, then a table a part (`in_parts`:
+                 its ports, seconds from begun to done, seconds of the parts, the
+                 longest part, which is what a change waited for at most)
   restart        the agent stopped and started again over its own rules, in the same
                  cgroup (as a pod's: the first process's rules are still charged to it)
 
@@ -72,6 +75,9 @@ from bench.memory.cgroup import MemoryCgroup
 from bench.rolling_update.api import Api
 from proxy.netns_lab.poll import TimedOut, wait
 
+# nftables' periodic resync a table at a time (dataplane/nftables/resync_steps.py).
+RESYNC_BEGUN = "periodic resync: rewriting our tables one at a time"
+RESYNC_DONE = "periodic resync done"
 SITUATIONS = ("cold_start", "burst_new", "burst_replace", "resync", "restart")
 NAMESPACE = "default"
 SERVICES = f"/api/v1/namespaces/{NAMESPACE}/services"
@@ -429,9 +435,22 @@ class Run:
         since = len(self.log.read())
         self.reset()
         began = time.monotonic()
-        self.until(lambda: any(r.get("trigger") == "periodic" and r.get("full")
-                               for r in self.log.syncs(since)), "the periodic full resync")
-        return self.figures(began, since)
+
+        def done() -> bool:  # in one full sync, or a table at a time (nftables)
+            records = self.log.read()[since:]
+            begun = sum(r.get("msg") == RESYNC_BEGUN for r in records)
+            ended = [r for r in records if r.get("msg") == RESYNC_DONE]
+            return (begun > 0 and len(ended) >= begun) or any(
+                r.get("trigger") == "periodic" and r.get("full") for r in self.log.syncs(since))
+
+        self.until(done, "the periodic resync")
+        out = self.figures(began, since)
+        ended = [r for r in self.log.read()[since:] if r.get("msg") == RESYNC_DONE]
+        if ended:  # each family's; the longest
+            last = max(ended, key=lambda r: float(r.get("seconds", 0)))
+            out["in_parts"] = {k: last.get(k) for k in ("ports", "seconds", "work_seconds",
+                                                        "longest_part")}
+        return out
 
     def restart(self) -> Obj:
         self.stop()

@@ -34,14 +34,19 @@ def _ours() -> set[str]:
 def check_cold_start_and_resync(memory: dict[str, Any]) -> None:
     """One memory run's cold start and periodic resync, as they must read: no error,
     a peak at least the steady anonymous memory, nothing OOM-killed, the rules charged
-    to the cgroup, and exactly one periodic full sync."""
+    to the cgroup, and exactly one periodic resync: a partial sync, then every table a
+    part (nftables/resync_steps.py)."""
     assert "error" not in memory
     cold = memory["situations"]["cold_start"]
     assert cold["agent_peak_mib"] >= cold["steady_agent_anon_mib"] > 0
     if memory["cgroup"] is not None:  # a v1 memory controller, as this machine's kind has
         assert memory["oom_kills"] == 0
         assert cold["cgroup_kernel_peak_mib"] > 0  # the rules' objects are charged to it
-    assert memory["situations"]["resync"]["syncs"]["by_trigger"] == {"periodic/full": 1}
+    resync = memory["situations"]["resync"]
+    assert resync["syncs"]["by_trigger"] == {"periodic/partial": 1}
+    parts = resync["in_parts"]
+    assert parts["ports"] == memory["services"]
+    assert 0 < parts["longest_part"] <= parts["work_seconds"] <= parts["seconds"]
 
 
 def test_a_tiny_ipv6_run_measures_cold_start_and_the_periodic_resync(
