@@ -42,7 +42,7 @@ from proxy.netns_lab.poll import TimedOut, wait
 
 MARKED = re.compile(r"input marks added for every port")
 KEPT_MADE = re.compile(r"restart: kept ports' state made.*")
-RESYNCS = re.compile(r"periodic resync done.*|full sync done.*trigger=periodic.*")
+RESYNCS = re.compile(r"resync done.*|full sync done.*trigger=periodic.*")
 SLICES = f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
 SERVICES = f"/api/v1/namespaces/{NAMESPACE}/services"
 Progress = Callable[[str], None]

@@ -76,8 +76,8 @@ from bench.rolling_update.api import Api
 from proxy.netns_lab.poll import TimedOut, wait
 
 # nftables' periodic resync a table at a time (dataplane/nftables/resync_steps.py).
-RESYNC_BEGUN = "periodic resync: rewriting our tables one at a time"
-RESYNC_DONE = "periodic resync done"
+RESYNC_BEGUN = "resync: rewriting our tables one at a time"
+RESYNC_DONE = "resync done"
 SITUATIONS = ("cold_start", "burst_new", "burst_replace", "resync", "restart")
 NAMESPACE = "default"
 SERVICES = f"/api/v1/namespaces/{NAMESPACE}/services"

@@ -137,6 +137,9 @@ class SyncLoop:
         self._started_at = clock() if started_at is None else started_at
         self._wake = asyncio.Event()
         self._need_full = True
+        # Another process changed our rules: the next sync rewrites them all, in parts
+        # where the data plane does its resync so (begin_resync), else whole.
+        self._repair = False
         self._last_full: float | None = None
         self._unapplied: set[ServicePortKey] = set()  # desired changes not yet applied
         self._failures = 0
@@ -232,7 +235,7 @@ class SyncLoop:
 
     async def _check_drift(self) -> None:
         reasons, self._drift_reasons, self._drift_due = self._drift_reasons, [], None
-        if self._need_full:
+        if self._need_full or self._repair:
             return  # the next sync rewrites everything anyway
         self.metrics.drift_checks.inc()
         try:
@@ -248,9 +251,9 @@ class SyncLoop:
                     extra={"change": reasons})
             return
         self.metrics.drift_repairs.inc()
-        self._need_full = True
+        self._repair = True
         self.schedule.request(Trigger.DRIFT)
-        log.warning("another process changed our rules; rewriting them with a full sync",
+        log.warning("another process changed our rules; rewriting them all",
                     extra={"mode": self.dataplane.mode, "change": reasons,
                            "differences": found})
 
@@ -305,13 +308,15 @@ class SyncLoop:
         start = self._clock()
         started_wall = self._wall()
         self._note_held(start)
-        full = (self._need_full or trigger is not Trigger.CHANGE
+        full = (self._need_full or self._repair or trigger is not Trigger.CHANGE
                 or self._last_full is None or start - self._last_full >= self.sync_period)
         # The --sync-period resync (periodic, or the change sync it turns full under
         # churn) is the agent's own upkeep, not what changes cost: charged, its CPU (1.5 s
         # at 10,000 services in nftables mode) would hold the next changes some 6 s.
         upkeep = full and not self._need_full and trigger in (Trigger.CHANGE,
                                                               Trigger.PERIODIC)
+        # Both may go a part at a time: over rules the data plane still knows.
+        in_parts = upkeep or (self._repair and not self._need_full)
         batch = self.changes.checkout()
         self.metrics.service_changes_pending.set(0)
         self.metrics.endpoint_changes_pending.set(0)
@@ -324,7 +329,7 @@ class SyncLoop:
         def apply() -> SyncReport:
             began = self._thread_cpu()  # the worker's thread, from here
             try:
-                if upkeep and self.dataplane.begin_resync():
+                if in_parts and self.dataplane.begin_resync():
                     parted.append(True)
                     return self.dataplane.sync(state, False)
                 return self.dataplane.sync(state, full)
@@ -374,7 +379,7 @@ class SyncLoop:
         changed, changed_count = self._changed_fields()
         applied = frozenset(self._unapplied)
         self._unapplied.clear()
-        self._need_full = False
+        self._need_full = self._repair = False
         self._failures = 0
         if full:
             self._last_full = start

@@ -304,6 +304,29 @@ def test_a_resync_the_data_plane_takes_in_parts_is_a_partial_sync_then_its_parts
     run(go, sync_period=30.0)
 
 
+def test_a_repair_of_drift_goes_in_parts_where_the_data_plane_resyncs_so() -> None:
+    async def go(b: Bench) -> None:
+        b.runner.housekeeping_interval = 100.0
+        b.event(WEB)
+        b.runner.start()
+        await settle(b, lambda: len(b.dp.syncs) == 1 and b.dp.housekept == 1, "first sync")
+        b.dp.resync_parts = 2
+        b.dp.drift = ["IPv4: chain svc-web-http is missing"]
+        b.runner.suspect_drift("someone")
+        await settle(b, lambda: b.runner._drift_due is not None, "the report")
+        b.clock.now += 1  # the drift check waits for the rest of the change
+        await settle(b, lambda: len(b.dp.syncs) == 2, "the repair")
+        assert b.runner.history[-1].trigger == "drift" and not b.dp.syncs[-1][0]
+        assert b.dp.resyncs == 1
+        await settle(b, lambda: b.dp.housekept == 3, "its parts, at once")
+        b.clock.now += 1
+        b.event(web_slice("198.18.1.11"))  # the repair is over: a change is partial
+        await settle(b, lambda: len(b.dp.syncs) == 3, "a change")
+        assert not b.dp.syncs[-1][0] and b.dp.resyncs == 1
+
+    run(go)
+
+
 def test_a_part_of_housekeeping_refused_makes_the_next_sync_full_and_soon() -> None:
     async def go(b: Bench) -> None:
         b.runner.housekeeping_interval = 5.0
