@@ -560,3 +560,20 @@ def test_a_service_back_under_a_gone_ones_name_before_the_sweep_replaces_its_rul
     assert_same_answers(restarted, fresh, cluster(range(3), changed=2))
     restarted.settle()
     assert comparable(restarted.written()) == comparable(fresh.settle().written())
+
+
+def test_the_rules_of_one_port_asked_while_a_restart_completes_make_that_port_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The debug dump of one service during a restart's completion: its kept state is
+    made (its rules rendered as applied), the other kept ports' wait for their parts."""
+    monkeypatch.setattr(restart_steps, "COMPLETE_PER_PART", 1)
+    plane = FakePlane("nftables")
+    plane.become(*cluster(range(6)), full=True)
+    restarted = plane.settle().restarted()
+    restarted.become(*cluster(range(6)))
+    fam = restarted.dp._families[Family.V4]
+    assert port_key(3) in fam.pending and len(fam.pending) == 6
+    lines = restarted.dp.applied_rules(port_key(3))
+    assert lines == plane.dp.applied_rules(port_key(3)) and lines
+    assert port_key(3) not in fam.pending and len(fam.pending) == 5
+

@@ -9,7 +9,9 @@ network namespace. Per family it keeps the `TableState` it last applied:
   rules and elements as statements the encoder frames one by one, never a text held
   whole; ports rendered ahead while the cluster listed, `render_ahead`, taken as they
   are if still current), or over tables this process wrote, the same shard count, a
-  transaction per table (transaction.resync_lines: the periodic resync);
+  transaction per table (transaction.resync_lines: a repair after drift). The periodic
+  resync is not a full sync here: a table per housekeeping part, changes going between
+  (resync_steps.py);
 - a partial sync renders only the service ports whose snapshot entry is not the very
   object applied last time (found in O(changes): `DesiredState.changed_since`), and
   sends only their chains and elements; a port whose endpoints alone changed (the
@@ -352,8 +354,9 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, ResyncSteps):
         return self._begin_resync()
 
     def applied_rules(self, key: ServicePortKey) -> Sequence[str]:
-        self._complete_all()
         fam = self._families.get(key.family)
+        if fam is not None and fam.state is not None and key in fam.pending:
+            self._make_kept(fam, [key])  # this port's alone, not every kept port's
         applied = fam.applied(key) if fam is not None else None
         if fam is None or fam.state is None or applied is None:
             return ()
