@@ -316,7 +316,8 @@ class SyncLoop:
         upkeep = full and not self._need_full and trigger in (Trigger.CHANGE,
                                                               Trigger.PERIODIC)
         # Both may go a part at a time: over rules the data plane still knows.
-        in_parts = upkeep or (self._repair and not self._need_full)
+        repair = self._repair and not self._need_full
+        in_parts = upkeep or repair
         batch = self.changes.checkout()
         self.metrics.service_changes_pending.set(0)
         self.metrics.endpoint_changes_pending.set(0)
@@ -329,7 +330,7 @@ class SyncLoop:
         def apply() -> SyncReport:
             began = self._thread_cpu()  # the worker's thread, from here
             try:
-                if in_parts and self.dataplane.begin_resync():
+                if in_parts and self.dataplane.begin_resync(repair):
                     parted.append(True)
                     return self.dataplane.sync(state, False)
                 return self.dataplane.sync(state, full)

@@ -170,10 +170,11 @@ class DataPlane(Protocol):
         calls it again as soon as no sync is due."""
         ...
 
-    def begin_resync(self) -> bool:
-        """Whether the mode does the periodic resync (--sync-period) as housekeeping
-        parts, changes going between them (nftables: a table a part): if so, it has
-        queued them, and the sync asking is partial; if not, that sync is full."""
+    def begin_resync(self, repair: bool) -> bool:
+        """Whether the mode does the periodic resync (--sync-period), or the repair
+        after drift (`repair`), as housekeeping parts, changes going between them
+        (nftables: a table a part): if so, it has queued them, and the sync asking is
+        partial; if not, that sync is full."""
         ...
 
     def watch_drift(self, notify: Callable[[str], None]) -> None:

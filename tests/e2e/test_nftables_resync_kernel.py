@@ -61,7 +61,7 @@ def test_a_resync_in_parts_repairs_lets_a_change_between_and_ends_as_a_full_sync
         assert listing(mine) != listing(theirs)
         changed = cluster.become(*objects(moved=7), *counted())
         with entered(mine):
-            assert plane.dp.begin_resync()
+            assert plane.dp.begin_resync(False)  # the periodic one
             plane.dp.housekeeping()  # one table of each family
         assert not plane.sync(changed).full  # a change between the parts
         assert '"addr": "198.18.10.8"' in str(listing(mine))

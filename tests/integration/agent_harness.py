@@ -45,6 +45,7 @@ class FakeDataPlane:
     parts_left: int = 0  # housekeeping calls that leave work for the next (nftables' marks)
     resync_parts: int = 0  # the parts a periodic resync takes (0: a full sync instead)
     resyncs: int = 0  # resyncs begun in parts
+    repairs: int = 0  # of them, repairs after drift
     housekeeping_fails: int = 0  # housekeeping calls to refuse (a resync's part refused)
     closed: bool = False
     cleaned: bool = False
@@ -107,10 +108,11 @@ class FakeDataPlane:
     def housekeeping_pending(self) -> bool:
         return self.parts_left > 0
 
-    def begin_resync(self) -> bool:
+    def begin_resync(self, repair: bool) -> bool:
         """`resync_parts` more housekeeping parts, if set; else a full sync resyncs."""
         self.parts_left += self.resync_parts
         self.resyncs += bool(self.resync_parts)
+        self.repairs += repair and bool(self.resync_parts)
         return self.resync_parts > 0
 
     def render_ahead(self, ports: Sequence[ResolvedServicePort],

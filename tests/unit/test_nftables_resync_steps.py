@@ -25,10 +25,10 @@ from tests.unit.test_nftables_restart import cluster, marks, port_key, without_m
 SHARDS = 2
 
 
-def resync_parts(plane: FakePlane) -> list[int]:
-    """Begin a resync and run it to its end, a housekeeping call at a time: the
-    transactions each call committed."""
-    assert plane.dp.begin_resync()
+def resync_parts(plane: FakePlane, repair: bool = False) -> list[int]:
+    """Begin a resync (`repair`: after drift) and run it to its end, a housekeeping
+    call at a time: the transactions each call committed."""
+    assert plane.dp.begin_resync(repair)
     sent = []
     while plane.dp.housekeeping_pending():
         before = len(plane.nft.scripts)
@@ -49,31 +49,70 @@ def fresh_plane(objects: list[dict[str, Any]], shards: int = SHARDS) -> FakePlan
     return fresh.settle()
 
 
-def test_a_resync_writes_a_table_a_part_and_repairs_what_was_changed_behind_its_back(
-        ) -> None:
-    objects = cluster(range(8), counted=True)  # a chain per port and per endpoint
+def drifted(objects: list[dict[str, Any]]) -> FakePlane:
+    """`objects` synced, then behind the agent's back: a port's chain emptied in its
+    shard, the cluster IP of another gone from the main table and one added there, a
+    chain and a map of someone else's added to a shard."""
     plane = FakePlane("nftables", shards=SHARDS)
     plane.become(*objects, full=True)
     plane.settle()
-    # Behind the agent's back: a port's chain emptied in its shard, the cluster IP of
-    # another gone from the main table and one added there, a chain and a map of
-    # someone else's added to a shard.
     first, second = port_key(1), port_key(2)
     shard = plane.nft.tables["ip", shard_of(first, SHARDS)]
     shard.chains[port_chain("svc", first, "tcp")].rules.clear()
     main = plane.nft.tables["ip", TABLE]
     ips = main.sets[render.CLUSTER_IPS].elements
     del ips["198.18.128.12",]
-    ips["198.18.128.99",] = ""
+    ips["198.18.128.99",] = ""  # (heard by the drift watch: a repair follows)
     other = plane.nft.tables["ip", shard_of(second, SHARDS)]
     other.chains["theirs"] = Chain(["counter"])
     other.sets["theirs"] = NftSet(True, "type ipv4_addr : verdict")
+    return plane
+
+
+def test_a_repair_writes_a_table_a_part_and_repairs_what_was_changed_behind_its_back(
+        ) -> None:
+    objects = cluster(range(8), counted=True)  # a chain per port and per endpoint
+    plane = drifted(objects)
     # One table a part, in each family (shards first, the main table last).
-    assert resync_parts(plane) == [2] * (SHARDS + 1)
+    assert resync_parts(plane, repair=True) == [2] * (SHARDS + 1)
     assert comparable(plane.written()) == comparable(fresh_plane(objects).written())
     # Nothing was made anew: a change after it is a partial sync of that port alone.
     report = plane.become(*cluster(range(8), changed=3, counted=True))
     assert not report.full and report.written == (port_key(3),)
+
+
+def test_the_periodic_resync_adds_to_the_main_table_s_sets_without_flushing_them() -> None:
+    """Flushed, each of their elements (a million at 100,000 services x 10) is
+    announced twice to anyone listening to nf_tables: the periodic resync only adds
+    what they lack; an element someone added stays (the drift watch hears that, and
+    its repair flushes them)."""
+    objects = cluster(range(8), counted=True)
+    plane = drifted(objects)
+    sent = len(plane.nft.scripts)
+    resync_parts(plane)
+    main = [line for script in plane.nft.scripts[sent:] for line in script.splitlines()
+            if f" {TABLE} " in line]
+    assert main and not any(line.startswith("flush set") for line in main)
+    fresh = comparable(fresh_plane(objects).written())
+    assert comparable(plane.written()) != fresh
+    ips = plane.nft.tables["ip", TABLE].sets[render.CLUSTER_IPS].elements
+    assert ("198.18.128.12",) in ips  # what it lacked, added
+    del ips["198.18.128.99",]  # the one added by someone else, left
+    assert comparable(plane.written()) == fresh
+
+
+def test_a_resync_asked_again_before_it_ends_goes_on_where_it_was() -> None:
+    """At 100,000 services a resync with someone listening to nf_tables took longer
+    than a short --sync-period: asked again, it does not start over."""
+    plane = FakePlane("nftables", shards=SHARDS)
+    plane.become(*cluster(range(4)), full=True)
+    plane.settle()
+    assert plane.dp.begin_resync(False)
+    plane.dp.housekeeping()
+    left = tables_left(plane)
+    assert left == [SHARDS, SHARDS]
+    assert plane.dp.begin_resync(False)
+    assert tables_left(plane) == left
 
 
 def test_a_part_refused_drops_the_resync_and_makes_the_next_sync_full(
@@ -82,7 +121,7 @@ def test_a_part_refused_drops_the_resync_and_makes_the_next_sync_full(
     plane = FakePlane("nftables", shards=SHARDS)
     plane.become(*objects, full=True)
     plane.settle()
-    assert plane.dp.begin_resync()
+    assert plane.dp.begin_resync(False)
     plane.dp.housekeeping()
 
     def refuse(*args: Any) -> None:
@@ -114,7 +153,7 @@ def test_a_port_not_rendering_to_what_the_state_keeps_makes_the_next_sync_full()
                                         kept.rendered, kept.sets, kept.slots,
                                         kept.element_dict, kept.counters, kept.fingerprint,
                                         kept.input_mark, kept.from_input, kept.picked)
-    assert plane.dp.begin_resync()
+    assert plane.dp.begin_resync(False)
     with pytest.raises(ApplyError, match="differs"):
         while plane.dp.housekeeping_pending():
             plane.dp.housekeeping()
@@ -125,20 +164,20 @@ def test_a_port_not_rendering_to_what_the_state_keeps_makes_the_next_sync_full()
 def test_no_resync_in_parts_before_a_first_sync_or_when_ports_outgrow_the_shards(
         monkeypatch: pytest.MonkeyPatch) -> None:
     plane = FakePlane("nftables", shards=1)
-    assert not plane.dp.begin_resync()
+    assert not plane.dp.begin_resync(False)
     plane.become(*cluster(range(6)), full=True)
     monkeypatch.setattr(render, "SHARD_PORTS", 2)  # 6 ports would want 4 shards
     monkeypatch.setattr("proxy.dataplane.nftables.resync_steps.shards_for", render.shards_for)
-    assert not plane.dp.begin_resync()
+    assert not plane.dp.begin_resync(False)
 
 
 @settings(max_examples=50, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(before=clusters(), picked=st.booleans(),
+@given(before=clusters(), picked=st.booleans(), repair=st.booleans(),
        during=st.lists(clusters(), min_size=1, max_size=4))
 def test_changes_between_the_parts_of_a_resync_end_where_a_full_sync_does(
         monkeypatch: pytest.MonkeyPatch, before: list[dict[str, Any]], picked: bool,
-        during: list[list[dict[str, Any]]]) -> None:
+        repair: bool, during: list[list[dict[str, Any]]]) -> None:
     """A resync begun over one cluster, a part at a time, with the cluster changing
     between the parts (services sharing endpoints and external IPs; ports with slot
     maps, picked ports or a chain per endpoint): every sync answers as a full sync from
@@ -149,7 +188,7 @@ def test_changes_between_the_parts_of_a_resync_end_where_a_full_sync_does(
     plane = FakePlane("nftables", shards=SHARDS)
     plane.become(*before, full=True)
     plane.settle()
-    assert plane.dp.begin_resync()
+    assert plane.dp.begin_resync(repair)
     for cluster_now in during:
         left = tables_left(plane)
         plane.dp.housekeeping()  # one table of each family, if any is left

@@ -285,7 +285,7 @@ def test_a_resync_the_data_plane_takes_in_parts_is_a_partial_sync_then_its_parts
         b.dp.resync_parts = 3
         b.clock.now += 30
         await settle(b, lambda: len(b.dp.syncs) == 2, "the periodic sync")
-        assert b.dp.resyncs == 1 and not b.dp.syncs[-1][0]
+        assert b.dp.resyncs == 1 and b.dp.repairs == 0 and not b.dp.syncs[-1][0]
         assert b.runner.history[-1].trigger == "periodic" and not b.runner.history[-1].full
         # Its three parts, the clock standing still, long before the interval.
         await settle(b, lambda: b.dp.housekept == 4, "the resync's parts")
@@ -317,7 +317,7 @@ def test_a_repair_of_drift_goes_in_parts_where_the_data_plane_resyncs_so() -> No
         b.clock.now += 1  # the drift check waits for the rest of the change
         await settle(b, lambda: len(b.dp.syncs) == 2, "the repair")
         assert b.runner.history[-1].trigger == "drift" and not b.dp.syncs[-1][0]
-        assert b.dp.resyncs == 1
+        assert b.dp.resyncs == b.dp.repairs == 1
         await settle(b, lambda: b.dp.housekept == 3, "its parts, at once")
         b.clock.now += 1
         b.event(web_slice("198.18.1.11"))  # the repair is over: a change is partial

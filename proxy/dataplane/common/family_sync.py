@@ -247,7 +247,7 @@ class FamilySyncPlane(ABC, Generic[S]):
     def housekeeping_pending(self) -> bool:
         return False
 
-    def begin_resync(self) -> bool:
+    def begin_resync(self, repair: bool) -> bool:
         return False  # the mode's full sync is its resync (base.DataPlane)
 
     def housekeeping(self) -> dict[str, int]:

@@ -256,7 +256,8 @@ class IpvsDataPlane:
     def housekeeping_pending(self) -> bool:
         return False
 
-    begin_resync = housekeeping_pending  # never in parts: a full sync is the resync
+    def begin_resync(self, repair: bool) -> bool:
+        return False  # a full sync is the resync
 
     def housekeeping(self) -> None:
         """Delete draining real servers that have no connections left or drained long

@@ -348,10 +348,10 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, ResyncSteps):
         return any(fam.pending or fam.resync is not None or fam.marks_todo
                    for fam in self._families.values())
 
-    def begin_resync(self) -> bool:
-        """The periodic resync a table at a time, changes going between
-        (resync_steps.py), where every family allows it."""
-        return self._begin_resync()
+    def begin_resync(self, repair: bool) -> bool:
+        """The resync a table at a time, changes going between (resync_steps.py),
+        where every family allows it."""
+        return self._begin_resync(repair)
 
     def applied_rules(self, key: ServicePortKey) -> Sequence[str]:
         fam = self._families.get(key.family)

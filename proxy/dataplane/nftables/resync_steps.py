@@ -12,14 +12,18 @@ due change going first) writes one of them whole again, in a transaction of its 
 - a shard table: its ports rendered again from what was applied, each endpoint kept in
   its slot, their chains flushed and their rules written; the table's sets and its
   ports' slot maps flushed and refilled with what the state says they hold;
-- the main table last: its chains, sets and maps the same way, then what any of our
-  tables holds that nobody wants (read back then, as a one-step resync reads it), but
-  named counters, which count nothing of ours unless a rule of ours names them (their
-  dump is the slowest read of our tables; a repair after drift deletes them).
+- the main table last: its chains the same way, its sets (every cluster IP, every
+  endpoint's hairpin pair) refilled, flushed first only in a repair after drift (an
+  element someone added is heard by the drift watch, whose repair removes it), then
+  what any of our tables holds that nobody wants (read back then, as a one-step resync
+  reads it), but named counters, which count nothing of ours unless a rule of ours
+  names them (their dump is the slowest read of our tables).
 
 Each part's commit is made with our drift listener deaf, as a full sync's is: while
-anyone listens, the kernel announces every object a transaction touches, which made
-the main table's part at 100,000 services take 45 s instead of a second.
+anyone listens, the kernel announces every object a transaction touches (an element
+added that it holds already is no object touched). At 100,000 services our own listener
+made the main table's part take 45 s; another's (a bench's, `nft monitor`) still made
+its flush and refill of 1.1 million elements take 41 s.
 
 Nothing of ours jumps or refers from one table to another, so each part is whole when
 it commits. The state is not made anew: a port's chains must render to the digests the
@@ -38,6 +42,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from proxy.dataplane.base import ApplyError
 from proxy.dataplane.common.drift_watch import LegacyCanary, NftablesListener, deaf_while
+from proxy.dataplane.nftables.objects import Set
 from proxy.dataplane.nftables.render import (
     TABLE,
     PortObjects,
@@ -66,14 +71,15 @@ class Resync:
     the main table last), and for the log what it wrote and how long it took."""
 
     tables: list[str]
+    repair: bool  # after drift: the main table's sets flushed too (`_resync_table`)
     started: float = field(default_factory=time.monotonic)
     ports: int = 0
     work: float = 0.0  # seconds of the parts themselves
     longest: float = 0.0  # the longest part: what a change waited for at most
 
     @classmethod
-    def of(cls, shards: int) -> Resync:
-        return cls([*(shard_table(i) for i in range(shards)), TABLE])
+    def of(cls, shards: int, repair: bool) -> Resync:
+        return cls([*(shard_table(i) for i in range(shards)), TABLE], repair)
 
 
 class _Plane(Protocol):
@@ -94,16 +100,21 @@ class _Plane(Protocol):
 class ResyncSteps:
     """The resync's steps, as methods of the data plane (`_Plane`)."""
 
-    def _begin_resync(self: _Plane) -> bool:
-        """Queue every family's tables for a resync a table at a time; False (nothing
-        queued) when a family cannot be resynced so (module docstring)."""
+    def _begin_resync(self: _Plane, repair: bool) -> bool:
+        """Queue every family's tables for a resync a table at a time (`repair`: after
+        drift); False (nothing queued) when a family cannot be resynced so (module
+        docstring)."""
         families = list(self._families.values())
-        if not all(_can_resync(fam) for fam in families):
+        if not all(fam.resync is not None or _can_resync(fam) for fam in families):
             return False
         for fam in families:
-            fam.resync = Resync.of(fam.shards)
+            if fam.resync is not None:  # one under way (longer than --sync-period) goes on
+                fam.resync.repair |= repair
+                continue
+            fam.resync = Resync.of(fam.shards, repair)
             log.info("resync: rewriting our tables one at a time", extra={
-                "family": fam.family.label, "tables": len(fam.resync.tables)})
+                "family": fam.family.label, "tables": len(fam.resync.tables),
+                "repair": repair})
         return True
 
     def _resync_parts(self: _Plane) -> bool:
@@ -147,7 +158,13 @@ def _resync_table(plane: _Plane, fam: NftFamily) -> None:
             tables, chains, sets = plane._kernel_objects(fam)
             counters = state.counter_names()
             stale = stale_statements(state, chains, sets, counters, tables)
-            script, ports = table_lines(state, [], table, counters, stale), 0
+            # Its sets (every cluster IP, every endpoint's hairpin pair: 1.1 million
+            # elements at 100,000 x 10) only added to, but after drift: flushed, each
+            # element would be announced twice to anyone listening (41 s of the part).
+            unflushed = () if todo.repair else {s.name for s in state.bases[0].sets
+                                                 if isinstance(s, Set)}
+            script = table_lines(state, [], table, counters, stale, unflushed)
+            ports = 0
         else:
             ordered = _rendered(plane, fam, table)
             script, ports = table_lines(state, ordered, table), len(ordered)

@@ -697,33 +697,35 @@ def resync_lines(bases: Sequence[BaseObjects],
 
 
 def table_lines(state: TableState, ordered: Sequence[tuple[ServicePortKey, PortObjects]],
-                table: str, held: Collection[Named] = (), stale: Sequence[Command] = ()
-                ) -> Script:
+                table: str, held: Collection[Named] = (), stale: Sequence[Command] = (),
+                unflushed: Collection[str] = ()) -> Script:
     """`table` written whole again from `state`, in one transaction, as a full script
-    writes it (the periodic resync a table at a time, resync_steps.py): its chains
-    flushed and their rules written (`ordered`: its ports, rendered as `state` keeps
-    them), its sets and its ports' slot maps flushed and refilled from `state`'s owners,
-    then `stale` (what nobody wants, in any table). `state` is not changed."""
+    writes it (the resync a table at a time, resync_steps.py): its chains flushed and
+    their rules written (`ordered`: its ports, rendered as `state` keeps them), its sets
+    (but those named in `unflushed`, only added to) and its ports' slot maps flushed and
+    refilled from `state`'s owners, then `stale` (what nobody wants, in any table).
+    `state` is not changed."""
 
     def make() -> Iterator[Statement]:
-        yield from _rewrite(state, ordered, held, (), table)
+        yield from _rewrite(state, ordered, held, (), table, unflushed)
         yield from stale
 
     return Script(make, table_family(state.family))
 
 
 def _rewrite(state: TableState, ordered: Sequence[tuple[ServicePortKey, PortObjects]],
-             held: Collection[Named], stale: Sequence[Command], table: str | None
-             ) -> Iterator[Statement]:
+             held: Collection[Named], stale: Sequence[Command], table: str | None,
+             unflushed: Collection[str] = ()) -> Iterator[Statement]:
     """`full_lines`' statements for `table` (None: every table): everything declared,
-    every chain flushed and its rules written, every set flushed and filled, then what
-    nobody wants deleted."""
+    every chain flushed and its rules written, every set flushed (but the bases' sets
+    named in `unflushed`) and filled, then what nobody wants deleted."""
     bases = [b for b in state.bases if table in (None, b.table)]
     ports = [p for _key, p in ordered if table in (None, p.table)]
     yield from objects_written(bases, ports, held)
     for b in bases:
         for s in b.sets:
-            yield Command("flush", b.table, s)
+            if s.name not in unflushed:
+                yield Command("flush", b.table, s)
     for p in ports:  # slot maps too (affinity sets keep who goes where)
         yield from flush_maps(p)
     for set_table, set_name, pairs in state.owners.sets():
