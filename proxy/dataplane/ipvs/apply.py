@@ -112,14 +112,9 @@ def _open_handles(options: DataplaneOptions, backend: Backend | None, dummy_name
 class IpvsDataPlane:
     """`proxy.dataplane.base.DataPlane` in IPVS mode."""
 
-    def __init__(
-        self,
-        options: DataplaneOptions,
-        *,
-        iptables_backend: Backend | None = None,
-        dummy_interface: str = DUMMY_INTERFACE,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, options: DataplaneOptions, *, iptables_backend: Backend | None = None,
+                 dummy_interface: str = DUMMY_INTERFACE,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.options = options
         self._backend = iptables_backend
         self._h: KernelHandles | None = None
