@@ -36,7 +36,7 @@ from proxy.agent.nodeport_warnings import PrimaryAddressWarnings
 from proxy.agent.sync_loop import SyncLoop
 from proxy.agent.worker import Worker
 from proxy.config.options import Config, format_cpu_budget, format_duration
-from proxy.dataplane.base import DataPlane, DataplaneOptions
+from proxy.dataplane.base import DataPlane, DataplaneOptions, PortTraffic
 from proxy.dataplane.common.heap import release_free_memory
 from proxy.dataplane.factory import make_dataplane
 from proxy.kube.backoff import Backoff
@@ -459,8 +459,14 @@ class Agent:
     async def refresh_traffic(self) -> None:
         """The kernel's traffic counters read on the data plane's thread (server/traffic.py)."""
         dp = self.dataplane
-        if dp is not None:
-            await self.traffic.refresh(lambda: self.worker.call(dp.traffic), DUMP_RULES_TIMEOUT)
+        if dp is None:
+            return
+
+        def read() -> tuple[Mapping[ServicePortKey, PortTraffic], float]:
+            began = time.perf_counter()
+            return dp.traffic(), time.perf_counter() - began
+
+        await self.traffic.refresh(lambda: self.worker.call(read), DUMP_RULES_TIMEOUT)
 
     async def debug_dump(self, service: str | None) -> dict[str, Any]:
         await self.refresh_traffic()

@@ -60,18 +60,40 @@ def test_a_reading_that_fails_or_waits_too_long_keeps_the_last_one() -> None:
     reading = TrafficReading()
     reading.update({WEB: PER_ENDPOINT})
 
-    async def slow() -> dict[ServicePortKey, PortTraffic]:
+    async def slow() -> tuple[dict[ServicePortKey, PortTraffic], float]:
         await asyncio.sleep(5)
-        return {}
+        return {}, 5.0
 
-    async def broken() -> dict[ServicePortKey, PortTraffic]:
+    async def broken() -> tuple[dict[ServicePortKey, PortTraffic], float]:
         raise OSError("netlink dump failed")
 
-    async def fresh() -> dict[ServicePortKey, PortTraffic]:
-        return {DNS: PortTraffic(Counted(1))}
+    async def fresh() -> tuple[dict[ServicePortKey, PortTraffic], float]:
+        return {DNS: PortTraffic(Counted(1))}, 0.0
 
     asyncio.run(reading.refresh(slow, timeout=0.05))
     asyncio.run(reading.refresh(broken, timeout=1))
     assert reading.ports == {WEB: PER_ENDPOINT}
     asyncio.run(reading.refresh(fresh, timeout=1))
     assert reading.ports == {DNS: PortTraffic(Counted(1))}
+
+
+def test_a_reading_that_held_the_data_plane_long_is_not_taken_again_soon() -> None:
+    """~4 s at 100,000 services (the kernel's counter dump), during which a change
+    waits: not again before 30 times that, the scrapes between given the last one."""
+    now = [100.0]
+    reading = TrafficReading(clock=lambda: now[0])
+    reads: list[float] = []
+
+    async def read() -> tuple[dict[ServicePortKey, PortTraffic], float]:
+        reads.append(now[0])
+        return {DNS: PortTraffic(Counted(len(reads)))}, 2.0
+
+    asyncio.run(reading.refresh(read, timeout=1))
+    for at in (101.0, 130.0, 159.9):
+        now[0] = at
+        asyncio.run(reading.refresh(read, timeout=1))
+    assert reads == [100.0] and reading.ports == {DNS: PortTraffic(Counted(1))}
+    now[0] = 160.0
+    asyncio.run(reading.refresh(read, timeout=1))
+    assert reads == [100.0, 160.0] and reading.ports == {DNS: PortTraffic(Counted(2))}
+
