@@ -96,4 +96,14 @@ def test_a_reading_that_held_the_data_plane_long_is_not_taken_again_soon() -> No
     now[0] = 160.0
     asyncio.run(reading.refresh(read, timeout=1))
     assert reads == [100.0, 160.0] and reading.ports == {DNS: PortTraffic(Counted(2))}
+    cheap = TrafficReading(clock=lambda: now[0])  # a small node's: at every scrape
+
+    async def quick() -> tuple[dict[ServicePortKey, PortTraffic], float]:
+        reads.append(now[0])
+        return {}, 0.05
+
+    del reads[:]
+    for _ in range(3):
+        asyncio.run(cheap.refresh(quick, timeout=1))
+    assert reads == [160.0] * 3
 
