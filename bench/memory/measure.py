@@ -446,10 +446,10 @@ class Run:
         self.until(done, "the periodic resync")
         out = self.figures(began, since)
         ended = [r for r in self.log.read()[since:] if r.get("msg") == RESYNC_DONE]
-        if ended:  # each family's; the longest
-            last = max(ended, key=lambda r: float(r.get("seconds", 0)))
-            out["in_parts"] = {k: last.get(k) for k in ("ports", "seconds", "work_seconds",
-                                                        "longest_part")}
+        if ended:  # over the families: every port, the longest of each time
+            out["in_parts"] = {"ports": sum(int(r.get("ports", 0)) for r in ended)} | {
+                k: max(float(r.get(k, 0)) for r in ended)
+                for k in ("seconds", "work_seconds", "longest_part")}
         return out
 
     def restart(self) -> Obj:

@@ -150,7 +150,7 @@ def test_churn_small_ipv6(tmp_path: Path) -> None:
     before = _ours()
     settings = Settings(services=5, endpoints=3, pacing=("new",),
                         phases=("isolated", "burst"), isolated=3, spacing=0.2, burst=4,
-                        gap=0.5, ipv6=True, restart=True)
+                        gap=0.5, ipv6=True, restart=True, resync=1.0)
     try:
         result = run(settings, tmp_path)
     finally:
@@ -177,3 +177,6 @@ def test_churn_small_ipv6(tmp_path: Path) -> None:
     # kept every port by its input mark and made their state afterwards.
     assert r["restart_s"] > 0 and "ports=5" in r["kept_state_made"]
     assert "restarted over its tables" in text
+    # With --sync-period 1s (`resync`), resyncs went a table a part meanwhile.
+    assert any("family=IPv6 ports=5" in line for line in r["resyncs"]), r["resyncs"]
+    assert "Periodic resyncs during the phases" in text

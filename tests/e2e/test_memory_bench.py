@@ -45,7 +45,9 @@ def check_cold_start_and_resync(memory: dict[str, Any]) -> None:
     resync = memory["situations"]["resync"]
     assert resync["syncs"]["by_trigger"] == {"periodic/partial": 1}
     parts = resync["in_parts"]
-    assert parts["ports"] == memory["services"]
+    settings = memory["settings"]  # every service's port, the burst's new ones too
+    new = settings["burst_new"] if "burst_new" in settings["situations"] else 0
+    assert parts["ports"] == memory["services"] + new
     assert 0 < parts["longest_part"] <= parts["work_seconds"] <= parts["seconds"]
 
 
