@@ -101,7 +101,7 @@ def test_the_periodic_resync_adds_to_the_main_table_s_sets_without_flushing_them
     assert comparable(plane.written()) == fresh
 
 
-def test_a_resync_asked_again_before_it_ends_goes_on_where_it_was() -> None:
+def test_a_resync_asked_again_before_it_ends_goes_on_but_a_repair_starts_over() -> None:
     """At 100,000 services a resync with someone listening to nf_tables took longer
     than a short --sync-period: asked again, it does not start over."""
     plane = FakePlane("nftables", shards=SHARDS)
@@ -113,6 +113,11 @@ def test_a_resync_asked_again_before_it_ends_goes_on_where_it_was() -> None:
     assert left == [SHARDS, SHARDS]
     assert plane.dp.begin_resync(False)
     assert tables_left(plane) == left
+    # A repair asked meanwhile starts over, flushing the main table's sets too.
+    assert plane.dp.begin_resync(True)
+    assert tables_left(plane) == [SHARDS + 1] * 2
+    assert all(fam.resync is not None and fam.resync.repair
+               for fam in plane.dp._families.values())
 
 
 def test_a_part_refused_drops_the_resync_and_makes_the_next_sync_full(

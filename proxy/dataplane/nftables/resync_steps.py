@@ -108,8 +108,9 @@ class ResyncSteps:
         if not all(fam.resync is not None or _can_resync(fam) for fam in families):
             return False
         for fam in families:
-            if fam.resync is not None:  # one under way (longer than --sync-period) goes on
-                fam.resync.repair |= repair
+            # One under way (longer than --sync-period) goes on; but for a repair, which
+            # starts over: the drift may be in a table it wrote already.
+            if fam.resync is not None and not repair:
                 continue
             fam.resync = Resync.of(fam.shards, repair)
             log.info("resync: rewriting our tables one at a time", extra={
