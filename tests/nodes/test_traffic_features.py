@@ -268,10 +268,23 @@ def test_each_endpoints_count_is_what_its_pod_served_across_an_agent_restart(
 
 
 def choices(lab: Lab) -> dict[str, list[str]]:
-    """Node -> the answer to each of the TUPLES 5-tuples, asked from every node at once."""
+    """Node -> the answer to each of the TUPLES 5-tuples, asked from every node at once.
+    A 5-tuple that timed out is asked once more: a timeout says nothing of which pod
+    Maglev picks (one of 900 did in two CI runs, the second beside the kernel tier's
+    emulated guests on the same two cores), while a pod answering it is compared."""
     def from_node(node: str) -> list[str]:
-        return [probe.ask_from(lab.clients[node], lab.ips["mag"], 80, str(SHARED_CLIENT),
-                               FIRST_SPORT + i) for i in range(TUPLES)]
+        def ask(i: int) -> str:
+            return probe.ask_from(lab.clients[node], lab.ips["mag"], 80,
+                                  str(SHARED_CLIENT), FIRST_SPORT + i)
+
+        answers = [ask(i) for i in range(TUPLES)]
+        again = [i for i, a in enumerate(answers) if a == probe.TIMEOUT]
+        for i in again:
+            answers[i] = ask(i)
+        if again:
+            report.append(f"maglev: {len(again)} 5-tuples from {node} timed out and were "
+                          "asked again")
+        return answers
 
     with ThreadPoolExecutor(len(lab.clients)) as pool:
         return dict(zip(lab.clients, pool.map(from_node, lab.clients), strict=True))
