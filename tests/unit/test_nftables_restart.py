@@ -563,17 +563,26 @@ def test_a_service_back_under_a_gone_ones_name_before_the_sweep_replaces_its_rul
     assert comparable(restarted.written()) == comparable(fresh.settle().written())
 
 
-def test_the_rules_of_one_port_asked_while_a_restart_completes_make_that_port_alone(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The debug dump of one service during a restart's completion: its kept state is
-    made (its rules rendered as applied), the other kept ports' wait for their parts."""
+def restarted_with_six_pending(monkeypatch: pytest.MonkeyPatch
+                               ) -> tuple[FakePlane, FakePlane]:
+    """Six ports synced, then an agent restarted over them that keeps all six by their
+    marks, none of their state made yet (a port a part): (the first, the restarted)."""
     monkeypatch.setattr(restart_steps, "COMPLETE_PER_PART", 1)
     plane = FakePlane("nftables")
     plane.become(*cluster(range(6)), full=True)
     restarted = plane.settle().restarted()
     restarted.become(*cluster(range(6)))
+    assert len(restarted.dp._families[Family.V4].pending) == 6
+    return plane, restarted
+
+
+def test_the_rules_of_one_port_asked_while_a_restart_completes_make_that_port_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The debug dump of one service during a restart's completion: its kept state is
+    made (its rules rendered as applied), the other kept ports' wait for their parts."""
+    plane, restarted = restarted_with_six_pending(monkeypatch)
     fam = restarted.dp._families[Family.V4]
-    assert port_key(3) in fam.pending and len(fam.pending) == 6
+    assert port_key(3) in fam.pending
     lines = restarted.dp.applied_rules(port_key(3))
     assert lines == plane.dp.applied_rules(port_key(3)) and lines
     assert port_key(3) not in fam.pending and len(fam.pending) == 5
@@ -583,14 +592,9 @@ def test_a_traffic_reading_during_a_restart_s_completion_makes_a_part_and_leaves
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A scrape right after a restart: it made every kept port's state at once (12 s at
     100,000); it now makes a part, and the ports not made yet are not in its reading."""
-    monkeypatch.setattr(restart_steps, "COMPLETE_PER_PART", 1)
     monkeypatch.setattr(nft_apply, "READ_COMPLETES", 2)
-    plane = FakePlane("nftables")
-    plane.become(*cluster(range(6)), full=True)
-    restarted = plane.settle().restarted()
-    restarted.become(*cluster(range(6)))
+    plane, restarted = restarted_with_six_pending(monkeypatch)
     fam = restarted.dp._families[Family.V4]
-    assert len(fam.pending) == 6
     assert len(restarted.dp.traffic()) == 2 and len(fam.pending) == 4
     restarted.settle()
     assert restarted.dp.traffic().keys() == plane.dp.traffic().keys()

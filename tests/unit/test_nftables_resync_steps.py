@@ -172,7 +172,6 @@ def test_no_resync_in_parts_before_a_first_sync_or_when_ports_outgrow_the_shards
     assert not plane.dp.begin_resync(False)
     plane.become(*cluster(range(6)), full=True)
     monkeypatch.setattr(render, "SHARD_PORTS", 2)  # 6 ports would want 4 shards
-    monkeypatch.setattr("proxy.dataplane.nftables.resync_steps.shards_for", render.shards_for)
     assert not plane.dp.begin_resync(False)
 
 

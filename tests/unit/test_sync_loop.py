@@ -78,6 +78,14 @@ async def settle(bench: Bench, cond: Callable[[], bool], what: str) -> None:
     raise AssertionError(f"runner never got to: {what}")
 
 
+async def started(b: Bench, housekeeping_interval: float) -> None:
+    """WEB synced by the first sync, and the housekeeping right after it done."""
+    b.runner.housekeeping_interval = housekeeping_interval
+    b.event(WEB)
+    b.runner.start()
+    await settle(b, lambda: len(b.dp.syncs) == 1 and b.dp.housekept == 1, "first sync")
+
+
 def run(test: Callable[[Bench], Awaitable[None]], **kw: Any) -> None:
     async def main() -> None:
         bench = Bench(**kw)
@@ -278,10 +286,7 @@ def test_a_resync_the_data_plane_takes_in_parts_is_a_partial_sync_then_its_parts
     partial, the parts follow at once as housekeeping, and the next resync comes a
     period after this one began."""
     async def go(b: Bench) -> None:
-        b.runner.housekeeping_interval = 100.0
-        b.event(WEB)
-        b.runner.start()
-        await settle(b, lambda: len(b.dp.syncs) == 1 and b.dp.housekept == 1, "first sync")
+        await started(b, housekeeping_interval=100.0)
         b.dp.resync_parts = 3
         b.clock.now += 30
         await settle(b, lambda: len(b.dp.syncs) == 2, "the periodic sync")
@@ -306,10 +311,7 @@ def test_a_resync_the_data_plane_takes_in_parts_is_a_partial_sync_then_its_parts
 
 def test_a_repair_of_drift_goes_in_parts_where_the_data_plane_resyncs_so() -> None:
     async def go(b: Bench) -> None:
-        b.runner.housekeeping_interval = 100.0
-        b.event(WEB)
-        b.runner.start()
-        await settle(b, lambda: len(b.dp.syncs) == 1 and b.dp.housekept == 1, "first sync")
+        await started(b, housekeeping_interval=100.0)
         b.dp.resync_parts = 2
         b.dp.drift = ["IPv4: chain svc-web-http is missing"]
         b.runner.suspect_drift("someone")
@@ -329,10 +331,7 @@ def test_a_repair_of_drift_goes_in_parts_where_the_data_plane_resyncs_so() -> No
 
 def test_a_part_of_housekeeping_refused_makes_the_next_sync_full_and_soon() -> None:
     async def go(b: Bench) -> None:
-        b.runner.housekeeping_interval = 5.0
-        b.event(WEB)
-        b.runner.start()
-        await settle(b, lambda: len(b.dp.syncs) == 1 and b.dp.housekept == 1, "first sync")
+        await started(b, housekeeping_interval=5.0)
         b.dp.housekeeping_fails = 1
         b.clock.now += 6
         await settle(b, lambda: b.dp.housekept == 2, "the housekeeping refused")

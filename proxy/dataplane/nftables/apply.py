@@ -9,8 +9,9 @@ network namespace. Per family it keeps the `TableState` it last applied:
   rules and elements as statements the encoder frames one by one, never a text held
   whole; ports rendered ahead while the cluster listed, `render_ahead`, taken as they
   are if still current), or over tables this process wrote, the same shard count, a
-  transaction per table (transaction.resync_lines: a repair after drift). The periodic
-  resync is not a full sync here: a table per housekeeping part, changes going between
+  transaction per table (transaction.resync_lines: a full sync the loop asks for over
+  tables it knows). The periodic resync and the repair after drift are not full syncs
+  here, where they can help it: a table per housekeeping part, changes going between
   (resync_steps.py);
 - a partial sync renders only the service ports whose snapshot entry is not the very
   object applied last time (found in O(changes): `DesiredState.changed_since`), and

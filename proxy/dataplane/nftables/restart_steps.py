@@ -122,7 +122,7 @@ class NftFamily(FamilyState):
         # at a time (empty: list them again from the kept state).
         self.marks_todo: list[ServicePortKey] = []
         self.marks_added = 0  # in this pass over marks_todo, for the log
-        # A periodic resync under way, a table at a time (resync_steps.py).
+        # A resync under way (periodic, or a repair), a table at a time (resync_steps.py).
         self.resync: Resync | None = None
 
     def drop_restart(self) -> None:

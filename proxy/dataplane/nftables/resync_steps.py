@@ -30,8 +30,9 @@ Nothing of ours jumps or refers from one table to another, so each part is whole
 it commits. The state is not made anew: a port's chains must render to the digests the
 state keeps (the partial syncs' invariant, their property tests'); a port that does not
 is logged, the family's state dropped, and the next sync is full. So is any refusal.
-A family whose state is unknown, whose render context changed, or whose ports outgrow
-its shards, is resynced in one step, as a full sync (`begin_resync` says no).
+A family whose state is unknown or whose ports outgrow its shards is resynced in one
+step, as a full sync (`begin_resync` says no); so is one whose render context changed
+(its sync is full whatever was asked, and drops the resync).
 """
 
 from __future__ import annotations
