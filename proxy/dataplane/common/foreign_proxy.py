@@ -50,9 +50,7 @@ from proxy.dataplane.common.netlink import (
     NFGEN,
     NetlinkError,
     NetlinkSocket,
-    Reply,
     find_attr,
-    frame,
     nfgen,
     nla,
     nla_string,
@@ -77,9 +75,6 @@ from proxy.dataplane.common.netlink_constants import (
     NFTA_RULE_TABLE,
     NFTA_TABLE_HANDLE,
     NFTA_TABLE_NAME,
-    NLM_F_ACK,
-    NLM_F_REQUEST,
-    NLMSG_ERROR,
     RTM_GETADDR,
     SOL_NETLINK,
 )
@@ -99,20 +94,6 @@ Reading = dict[Place, Marks]
 
 
 class _Socket(NetlinkSocket):
-    def get(self, kind: int, body: bytes) -> Reply | None:
-        """One object by key (not a dump): its message, or None when it does not exist."""
-        seq = self._next()
-        self._sock.send(frame(kind, NLM_F_REQUEST | NLM_F_ACK, seq, body))
-        found = None
-        for reply in self._receive_until(seq):
-            if reply.kind != NLMSG_ERROR:
-                found = reply
-            elif reply.error == errno.ENOENT:
-                return None
-            elif reply.error:
-                raise NetlinkError(reply.error, f"get of message type {kind}")
-        return found
-
     def strict(self) -> None:
         """Let the kernel filter dumps by the request's keys (rtnetlink: an interface)."""
         self._sock.setsockopt(SOL_NETLINK, NETLINK_GET_STRICT_CHK, 1)

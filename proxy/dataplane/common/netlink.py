@@ -29,6 +29,7 @@ from proxy.dataplane.common.netlink_constants import (
     NLA_TYPE_MASK,
     NLM_F_ACK,
     NLM_F_DUMP,
+    NLM_F_DUMP_INTR,
     NLM_F_REQUEST,
     NLMSG_DONE,
     NLMSG_ERROR,
@@ -250,6 +251,9 @@ class NetlinkSocket:
         self._buffer = bytearray(RCVBUF)
         self._view = memoryview(self._buffer)
         self._seq = 0
+        # Whether the last dump's objects changed while it was read (NLM_F_DUMP_INTR):
+        # a commit between its messages may have made it skip or repeat some.
+        self.interrupted = False
         try:
             # Netlink does not lose acknowledgements; the timeout only turns a kernel that
             # never answers into an error instead of a hung data plane.
@@ -389,11 +393,14 @@ class NetlinkSocket:
         per service port: 10,000 of them); NetlinkError if refused."""
         seq = self._next()
         self._sock.send(frame(kind, NLM_F_REQUEST | NLM_F_DUMP, seq, body))
+        self.interrupted = False
         while True:
             data = self._recv()
-            for found, _flags, got, _port, start, end in messages(data):
+            for found, flags, got, _port, start, end in messages(data):
                 if got != seq:
                     continue
+                if flags & NLM_F_DUMP_INTR:
+                    self.interrupted = True
                 if found == NLMSG_DONE:
                     return
                 if found == NLMSG_ERROR:
@@ -402,6 +409,21 @@ class NetlinkSocket:
                         raise NetlinkError(error, f"dump of message type {kind}")
                     return
                 yield data, start, end
+
+    def get(self, kind: int, body: bytes) -> Reply | None:
+        """One object by key (not a dump): its message, or None when it does not exist
+        (ENOENT); NetlinkError for another refusal."""
+        seq = self._next()
+        self._sock.send(frame(kind, NLM_F_REQUEST | NLM_F_ACK, seq, body))
+        found = None
+        for reply in self._receive_until(seq):
+            if reply.kind != NLMSG_ERROR:
+                found = reply
+            elif reply.error == errno.ENOENT:
+                return None
+            elif reply.error:
+                raise NetlinkError(reply.error, f"get of message type {kind}")
+        return found
 
     def dump_datagrams(self, kind: int, body: bytes) -> list[bytes]:
         """A dump's answer as the datagrams holding its messages, for a caller that reads

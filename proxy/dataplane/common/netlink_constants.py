@@ -12,6 +12,7 @@ from proxy.model.types import Family
 
 NETLINK_ROUTE, NETLINK_NETFILTER, NETLINK_GENERIC = 0, 12, 16  # socket protocols
 NLM_F_REQUEST, NLM_F_MULTI, NLM_F_ACK = 0x1, 0x2, 0x4
+NLM_F_DUMP_INTR = 0x10  # a dump whose objects changed between its messages
 NLM_F_DUMP, NLM_F_EXCL, NLM_F_CREATE, NLM_F_APPEND = 0x300, 0x200, 0x400, 0x800
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 NLA_F_NESTED = 0x8000
