@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -36,7 +37,7 @@ from proxy.agent.nodeport_warnings import PrimaryAddressWarnings
 from proxy.agent.sync_loop import SyncLoop
 from proxy.agent.worker import Worker
 from proxy.config.options import Config, format_cpu_budget, format_duration
-from proxy.dataplane.base import DataPlane, DataplaneOptions, PortTraffic
+from proxy.dataplane.base import DataPlane, DataplaneOptions, PortTraffic, TrafficRead
 from proxy.dataplane.common.heap import release_free_memory
 from proxy.dataplane.factory import make_dataplane
 from proxy.kube.backoff import Backoff
@@ -457,16 +458,10 @@ class Agent:
     # --- /debug/dump -----------------------------------------------------------------
 
     async def refresh_traffic(self) -> None:
-        """The kernel's traffic counters read on the data plane's thread (server/traffic.py)."""
-        dp = self.dataplane
-        if dp is None:
-            return
-
-        def read() -> tuple[Mapping[ServicePortKey, PortTraffic], float]:
-            began = time.perf_counter()
-            return dp.traffic(), time.perf_counter() - began
-
-        await self.traffic.refresh(lambda: self.worker.call(read), DUMP_RULES_TIMEOUT)
+        """The kernel's traffic counters (server/traffic.py)."""
+        if self.dataplane is not None:
+            await self.traffic.refresh(functools.partial(_read_traffic, self.worker,
+                                                         self.dataplane), DUMP_RULES_TIMEOUT)
 
     async def debug_dump(self, service: str | None) -> dict[str, Any]:
         await self.refresh_traffic()
@@ -501,6 +496,20 @@ class Agent:
             health=health, watch=watch, service=service,
             pacing=self.runner.pacing() if self.runner is not None else None,
             nodeports=(self.config.nodeport_addresses, self.config.nodeport_primary))
+
+
+async def _read_traffic(worker: Worker, dp: DataPlane
+                        ) -> tuple[Mapping[ServicePortKey, PortTraffic], float]:
+    """A traffic reading: what to read taken on the data plane's thread, read on a thread
+    of the reading's own; and the seconds it took, both together."""
+    def begin() -> tuple[TrafficRead, float]:
+        began = time.perf_counter()
+        return dp.traffic_reader(), time.perf_counter() - began
+
+    reader, held = await worker.call(begin)
+    began = time.perf_counter()
+    ports = await asyncio.to_thread(reader)
+    return ports, held + time.perf_counter() - began
 
 
 async def _applied_rules(worker: Worker, dp: DataPlane | None, keys: Sequence[ServicePortKey]

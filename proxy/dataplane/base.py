@@ -108,6 +108,16 @@ class PortTraffic:
     endpoints: Mapping[tuple[IPAddress, int], Counted] | None = None
 
 
+TrafficRead = Callable[[], Mapping[ServicePortKey, PortTraffic]]
+
+
+def read_now(plane: DataPlane) -> TrafficRead:
+    """`traffic_reader` for a mode whose reading needs the data plane's thread: read
+    now, the function returns that reading."""
+    ports = plane.traffic()
+    return lambda: ports
+
+
 class ApplyError(Exception):
     """An apply failed; the kernel still holds the previously applied rules.
 
@@ -151,6 +161,13 @@ class DataPlane(Protocol):
         """What the kernel has counted for each service port applied, read now: totals
         since the port was first programmed, kept across rule rewrites and agent restarts
         where the kernel keeps them (common/traffic.py). Blocking, as `sync`."""
+        ...
+
+    def traffic_reader(self) -> TrafficRead:
+        """`traffic` in two steps: this call, on the data plane's thread, takes what the
+        reading needs (cheap); the function it returns reads the kernel, on any thread,
+        while this one goes on (nftables mode: the counters' dump grows faster than the
+        tables). Where a mode's reading needs its thread, it reads here (`read_now`)."""
         ...
 
     def applied_rules(self, key: ServicePortKey) -> Sequence[str]:

@@ -5,16 +5,18 @@ shown: the dump's `traffic` field (and so explain's and the terminal view's) and
 Cardinality is the operator's: one series per service port always, one per endpoint
 only for ports counted per endpoint (--traffic-per-endpoint, or the service's
 sliceproxy.io/traffic-per-endpoint annotation). `TrafficReading.refresh` takes a new
-reading from the data plane (on its thread); the rest is pure.
+reading from the data plane; the rest is pure.
 
-A reading holds the data plane's thread, so a change arriving meanwhile waits for it,
-and it costs what the kernel's dump of our counters costs, which grows faster than the
-tables (nf_tables walks every counter for each message it fills): in nftables mode
-0.11-0.13 s at 10,000 services, 3.9-4.2 s at 100,000 (in process). So after a reading
-of READ_FREE or longer, the next is taken no sooner than READ_SPACING times its length
-(~3% of the thread: at 10,000 services every ~3.5 s, at 100,000 every two minutes), the
-scrapes between answering with the last reading; shorter ones (a small node's) are
-taken at every scrape.
+A reading costs what the kernel's dump of our counters costs, which grows faster than
+the tables (nf_tables walks every counter for each message it fills): in nftables mode
+0.11-0.13 s at 10,000 services, 2-4 s at 100,000 (in process), most of it the kernel's.
+In that mode the dump runs on a thread of its own (DataPlane.traffic_reader): the data
+plane's thread only hands it the ports to read, and a change does not wait for the
+dump. It still costs CPU, so after a reading of READ_FREE or longer, the next is taken
+no sooner than READ_SPACING times its length (~3% of a core: at 10,000 services every
+~3.5 s, at 100,000 every one to two minutes), the scrapes between answering with the
+last reading; shorter ones (a small node's) are taken at every scrape. One reading at
+a time: a scrape during one waits for it.
 """
 
 from __future__ import annotations
@@ -44,28 +46,30 @@ class TrafficReading:
     ports: Mapping[ServicePortKey, PortTraffic] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
     not_before: float = 0.0  # no new reading before then (READ_SPACING)
+    _reading: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     def update(self, ports: Mapping[ServicePortKey, PortTraffic]) -> None:
         self.ports = ports
 
     async def refresh(self, read: Read, timeout: float) -> None:
-        """A new reading by `read` (the data plane's, on its thread: the reading and the
-        seconds it held that thread), unless the last one was too recent for its cost
-        (module docstring); one that does not come within `timeout` (a long sync holds
-        the thread) or fails (logged) leaves the last reading in place."""
-        now = self.clock()
-        if now < self.not_before:
-            return
-        try:
-            async with asyncio.timeout(timeout):
-                ports, seconds = await read()
-            self.update(ports)
-            self.not_before = now + READ_SPACING * seconds if seconds >= READ_FREE else now
-        except TimeoutError:
-            log.debug("traffic counters not read: the data plane is busy",
-                      extra={"waited_seconds": timeout})
-        except Exception as exc:
-            log.warning("reading the traffic counters failed", extra={"error": str(exc)})
+        """A new reading by `read` (the reading and the seconds it took), unless the
+        last one was too recent for its cost (module docstring); one that does not come
+        within `timeout` (a long sync holds the data plane's thread) or fails (logged)
+        leaves the last reading in place."""
+        async with self._reading:
+            now = self.clock()
+            if now < self.not_before:
+                return
+            try:
+                async with asyncio.timeout(timeout):
+                    ports, seconds = await read()
+                self.update(ports)
+                self.not_before = now + READ_SPACING * seconds if seconds >= READ_FREE else now
+            except TimeoutError:
+                log.debug("traffic counters not read: the data plane is busy",
+                          extra={"waited_seconds": timeout})
+            except Exception as exc:
+                log.warning("reading the traffic counters failed", extra={"error": str(exc)})
 
 
 def _counted(c: Counted) -> dict[str, int]:

@@ -115,6 +115,21 @@ def _elements(text: str) -> list[tuple[tuple[str, ...], str]]:
 Tables = dict[tuple[str, str], NftTable]  # (family "ip"/"ip6", table name) -> table
 
 
+class _Reader:
+    """FakeNft's counter reader (counters.CounterReader): its tables, from any thread."""
+
+    def __init__(self, nft: FakeNft) -> None:
+        self._nft = nft
+
+    def read(self, family: Family, tables: Collection[str],
+             wanted: Callable[[], Iterable[tuple[str, str]]] | None = None
+             ) -> dict[tuple[str, str], int]:
+        return self._nft.counters(family, tables)
+
+    def close(self) -> None:
+        pass
+
+
 class FakeNft:
     """nf_tables in memory, behind the interface of the nftables mode's runner."""
 
@@ -165,6 +180,9 @@ class FakeNft:
         self.counter_dumps += 1
         return {(t, n): v for (f, t), table in self.tables.items() if f == ip and t in tables
                 for n, v in table.counters.items()}
+
+    def counter_reader(self) -> _Reader:
+        return _Reader(self)
 
     def counters_named(self, family: Family, chains: Iterable[tuple[str, str]]
                        ) -> set[tuple[str, str]]:

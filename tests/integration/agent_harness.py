@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from proxy.agent.app import Agent
 from proxy.config.options import Config, parse_args
-from proxy.dataplane.base import ApplyError, Counted, PortTraffic, SyncReport
+from proxy.dataplane.base import ApplyError, Counted, PortTraffic, SyncReport, TrafficRead
 from proxy.kube.reflector import ReflectorOptions
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
 from proxy.model.types import Family, IPAddress, ServicePortKey, format_endpoint
@@ -54,6 +54,10 @@ class FakeDataPlane:
     drift: list[str] = field(default_factory=list)
     notify: Callable[[str], None] | None = None
     drift_checks: int = 0
+    # Traffic readings: the threads their reading part ran on; while `reading_gate` is
+    # set and not open, that part waits for it (a slow kernel dump).
+    reading_threads: set[int] = field(default_factory=set)
+    reading_gate: threading.Event | None = None
     _applied: DesiredState | None = None
 
     def __post_init__(self) -> None:
@@ -96,6 +100,18 @@ class FakeDataPlane:
         """One connection counted per applied port (a fake kernel counts nothing)."""
         ports = self._applied.ports if self._applied is not None else {}
         return {k: PortTraffic(Counted(1)) for k in ports}
+
+    def traffic_reader(self) -> TrafficRead:
+        self.threads.add(threading.get_ident())
+        ports = self.traffic()
+        gate = self.reading_gate
+
+        def read() -> Mapping[ServicePortKey, PortTraffic]:
+            self.reading_threads.add(threading.get_ident())
+            if gate is not None and not gate.wait(timeout=60):
+                raise OSError("reading gate never opened")
+            return ports
+        return read
 
     def housekeeping(self) -> None:
         self.threads.add(threading.get_ident())

@@ -33,7 +33,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.dataplane.base import NOTHING, ApplyError, Counted, DataplaneOptions, PortTraffic
+from proxy.dataplane.base import (
+    NOTHING,
+    ApplyError,
+    Counted,
+    DataplaneOptions,
+    PortTraffic,
+    TrafficRead,
+    read_now,
+)
 from proxy.dataplane.common import nfacct
 from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.drift_watch import (
@@ -290,6 +298,9 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
             log.info("nfacct objects still in use; kept", extra={
                 "family": fam.family.label, "objects": len(busy), "first": busy[0]})
         return len(payload.stale) - len(busy)
+
+    def traffic_reader(self) -> TrafficRead:
+        return read_now(self)  # one nfacct dump, fast at the sizes this mode runs
 
     def traffic(self) -> dict[ServicePortKey, PortTraffic]:
         """Each applied service port's new connections, from one dump of our nfacct

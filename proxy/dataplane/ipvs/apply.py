@@ -27,7 +27,14 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from proxy.dataplane.base import ApplyError, DataplaneOptions, PortTraffic, SyncReport
+from proxy.dataplane.base import (
+    ApplyError,
+    DataplaneOptions,
+    PortTraffic,
+    SyncReport,
+    TrafficRead,
+    read_now,
+)
 from proxy.dataplane.common import conntrack, fail_fast
 from proxy.dataplane.common.drift_watch import (
     LegacyCanary,
@@ -239,6 +246,9 @@ class IpvsDataPlane:
             lines.extend(describe_vs(vs, weights))
         lines.extend(describe_entries(rules))
         return lines
+
+    def traffic_reader(self) -> TrafficRead:
+        return read_now(self)  # its handles are this thread's
 
     def traffic(self) -> Mapping[ServicePortKey, PortTraffic]:
         """Each applied port's counts from IPVS's statistics of its virtual servers (and

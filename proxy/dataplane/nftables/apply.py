@@ -43,7 +43,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
-from proxy.dataplane.base import ApplyError, Counted, DataplaneOptions, PortTraffic
+from proxy.dataplane.base import ApplyError, DataplaneOptions, PortTraffic, TrafficRead
 from proxy.dataplane.common import heap
 from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.drift_watch import LOST, NftablesListener
@@ -51,7 +51,7 @@ from proxy.dataplane.common.family_sync import FamilySyncPlane, Written
 from proxy.dataplane.common.netlink_constants import NFPROTO
 from proxy.dataplane.common.nfnetlink import nat_unsupported
 from proxy.dataplane.common.rtnetlink import node_addresses
-from proxy.dataplane.common.traffic import port_traffic
+from proxy.dataplane.nftables.counters import read_traffic
 from proxy.dataplane.nftables.expressions import Unencodable
 from proxy.dataplane.nftables.objects import Key
 from proxy.dataplane.nftables.port_edit import render_edit
@@ -77,7 +77,6 @@ from proxy.dataplane.nftables.restart_steps import NftFamily, RestartSteps
 from proxy.dataplane.nftables.resync_steps import ResyncSteps
 from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
 from proxy.dataplane.nftables.transaction import (
-    KeptPort,
     PortEdit,
     Script,
     TableState,
@@ -371,26 +370,24 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, ResyncSteps):
         return objects.lines(key.family)
 
     def traffic(self) -> Mapping[ServicePortKey, PortTraffic]:
-        """Each applied port's named counters (render.py), read in one dump per family:
-        the port's own, and its endpoints' where they are counted one by one. During a
-        restart's completion, READ_COMPLETES more of its kept ports are made first; the
-        ports not made yet are left out (all at once was 12 s at 100,000 for a scrape)."""
-        out: dict[ServicePortKey, PortTraffic] = {}
+        return self.traffic_reader()()
+
+    def traffic_reader(self) -> TrafficRead:
+        """On this plane's thread: each family's applied ports as kept now, and a socket
+        of the reading's own; the reading itself (counters.py: one dump per family, the
+        expensive part, 2-3 s at 100,000 ports) then runs on any thread, beside this
+        one's commits. During a restart's completion, READ_COMPLETES more of its kept
+        ports are made first; the ports not made yet are left out (all at once was 12 s
+        at 100,000 for a scrape)."""
+        plan = []
         for fam in self._families.values():
             if fam.pending:
                 self._complete(fam, READ_COMPLETES)
-            state = fam.state
-            if state is None:
-                continue
-            try:
-                counted = self.runner.counters(fam.family, OUR_TABLES)
-            except NftError as exc:
-                log.warning("cannot read our nftables counters", extra={
-                    "family": fam.family.label, "error": str(exc)})
-                continue
-            for key, kept in state.ports.items():
-                out[key] = _port_traffic(kept, counted)
-        return out
+            if fam.state is not None:
+                plan.append((fam.family, fam.state.ports.copy()))
+        if not plan:
+            return dict
+        return functools.partial(read_traffic, self.runner.counter_reader(), plan)
 
     def watch_drift(self, notify: Callable[[str], None]) -> None:
         """Listen to nf_tables' announcements; a transaction on one of our tables that we
@@ -464,15 +461,3 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, ResyncSteps):
     def close(self) -> None:
         super().close()
         self.runner.close()
-
-
-def _port_traffic(kept: KeptPort, counted: Mapping[tuple[str, str], int]) -> PortTraffic:
-    total: Counted | None = None
-    endpoints: list[tuple[tuple[IPAddress, int], Counted]] = []
-    for name, endpoint in kept.counters:
-        n = Counted(counted.get((kept.table, name), 0))
-        if endpoint is None:
-            total = n
-        else:
-            endpoints.append((endpoint, n))
-    return port_traffic(total, endpoints if endpoints else None)

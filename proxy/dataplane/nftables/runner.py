@@ -58,13 +58,13 @@ from proxy.dataplane.common.netlink_constants import (
     NETLINK_NETFILTER,
     NFNL_SUBSYS_NFTABLES,
     NFT_MSG_GETCHAIN,
-    NFT_MSG_GETOBJ,
     NFT_MSG_GETRULE,
     NFT_MSG_GETSET,
     NFT_MSG_GETSETELEM,
     NFT_MSG_GETTABLE,
 )
 from proxy.dataplane.nftables import readback, wire
+from proxy.dataplane.nftables.counters import Counts, SocketReader, read_counters
 from proxy.dataplane.nftables.transaction import Script
 from proxy.model.types import Family
 
@@ -403,23 +403,23 @@ class NftRunner:
             except OSError as exc:
                 raise NftError(f"nf_tables netlink dump of {table} {set_name}: {exc}") from exc
 
-    def counters(self, family: Family, tables: Collection[str]) -> dict[tuple[str, str], int]:
-        """The named counters of `tables` in `family`: (table, name) -> packets counted
-        (render.py counts a connection's first packet: new connections). One netlink
-        dump of every named object of the family."""
+    def counters(self, family: Family, tables: Collection[str]) -> Counts:
+        """The named counters of `tables` in `family` (counters.py): (table, name) ->
+        packets counted (render.py counts a connection's first packet: new
+        connections). One netlink dump of every named object of the family."""
         self._check_home()
-        found: dict[tuple[str, str], int] = {}
-        decode = wire.decode_counter
         with self._lock:
             try:
-                for data, start, end in self._netlink().dump_messages(
-                        NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETOBJ, wire.dump_request(family)):
-                    counter = decode(data, start, end)
-                    if counter is not None and counter[0] in tables:
-                        found[counter[0], counter[1]] = counter[2]
+                return read_counters(self._netlink(), family, tables)
             except OSError as exc:
                 raise NftError(f"nf_tables netlink dump of counters: {exc}") from exc
-        return found
+
+    def counter_reader(self) -> SocketReader:
+        """A reader of counters on a socket of its own in this runner's network
+        namespace: for a reading on another thread beside this runner's commits
+        (apply.py's `traffic_reader`); the caller closes it."""
+        self._check_home()
+        return SocketReader(NetlinkSocket(NETLINK_NETFILTER))
 
     def counters_named(self, family: Family, chains: Iterable[tuple[str, str]]
                        ) -> set[tuple[str, str]]:

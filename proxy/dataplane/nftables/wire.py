@@ -983,6 +983,13 @@ def dump_request(family: Family) -> bytes:
     return nfgen(NFPROTO[family])
 
 
+def counter_request(family: Family, table: str, name: str) -> bytes:
+    """The body of a request for one named counter (NFT_MSG_GETOBJ, no dump): the kernel
+    finds it by name, whatever the number of objects."""
+    return (nfgen(NFPROTO[family]) + string(NFTA_OBJ_TABLE, table) + string(NFTA_OBJ_NAME, name)
+            + nla(NFTA_OBJ_TYPE, u32(NFT_OBJECT_COUNTER)))
+
+
 def decode_names(kind: int, payload: bytes) -> tuple[str, str, str]:
     """(table, name, "set" | "map" | "") of one dumped table, chain or set (for a table:
     its name twice). Anonymous sets (nft's `{ ... }` in a rule) have kind ""."""

@@ -1,0 +1,83 @@
+"""Reading our named counters (proxy/dataplane/nftables/counters.py) against the real
+kernel, in a namespace of the test's own: a commit between a dump's messages makes the
+kernel skip counters that still exist (deleting objects before the dump's place moves
+the rest back), and the reading asks for each wanted one it missed by name."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from proxy.dataplane.common.netlink import NetlinkSocket
+from proxy.dataplane.common.netlink_constants import NETLINK_NETFILTER
+from proxy.dataplane.nftables.counters import read_counter, read_counters
+from proxy.model.types import Family
+from proxy.netns_lab import Lab
+from proxy.netns_lab.netns import entered
+
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
+
+TABLE = "sliceproxy-7"
+COUNTERS = 3_000  # many datagrams of a dump
+DELETED = 100  # the first ones, deleted once the dump's first datagram is read
+
+
+def _nft(lines: list[str]) -> None:
+    subprocess.run(["nft", "-f", "-"], input="\n".join(lines), text=True, check=True,
+                   capture_output=True)
+
+
+def _packets(i: int) -> int:
+    return i % 7 + 1
+
+
+class _CommitDuringDump(NetlinkSocket):
+    """A socket whose dumps see one commit (the first DELETED counters deleted) after the
+    first datagram was read: what a sync on the data plane's thread does to a reading."""
+
+    def dump_messages(self, kind: int, body: bytes) -> Iterator[tuple[bytes, int, int]]:
+        first: bytes | None = None
+        committed = False
+        for message in super().dump_messages(kind, body):
+            if first is None:
+                first = message[0]
+            elif message[0] is not first and not committed:
+                _nft([f"delete counter ip {TABLE} c{i}" for i in range(DELETED)])
+                committed = True
+            yield message
+        assert committed, "the dump took more than one datagram"
+
+
+@pytest.fixture
+def sock() -> Iterator[NetlinkSocket]:
+    with Lab([], ipv6=False) as lab, entered(lab.node_ns):
+        _nft([f"add table ip {TABLE}"]
+             + [f"add counter ip {TABLE} c{i} {{ packets {_packets(i)} bytes 1 }}"
+                for i in range(COUNTERS)])
+        s = _CommitDuringDump(NETLINK_NETFILTER)
+        try:
+            yield s
+        finally:
+            s.close()
+
+
+SURVIVING = {(TABLE, f"c{i}"): _packets(i) for i in range(DELETED, COUNTERS)}
+
+
+def test_a_commit_during_the_dump_makes_the_kernel_skip_counters(sock: NetlinkSocket) -> None:
+    found = read_counters(sock, Family.V4, (TABLE,))
+    assert sock.interrupted
+    skipped = SURVIVING.keys() - found.keys()
+    assert skipped, "the kernel skipped none: the reading below would test nothing"
+
+
+def test_the_ones_the_dump_missed_are_read_by_name(sock: NetlinkSocket) -> None:
+    found = read_counters(sock, Family.V4, (TABLE,),
+                          wanted=lambda: [*SURVIVING, (TABLE, "c0"), (TABLE, "never")])
+    assert sock.interrupted
+    assert {k: found.get(k) for k in SURVIVING} == SURVIVING
+    assert (TABLE, "never") not in found
+    assert read_counter(sock, Family.V4, TABLE, "c0") is None  # deleted
+    assert read_counter(sock, Family.V4, TABLE, f"c{DELETED}") == _packets(DELETED)
