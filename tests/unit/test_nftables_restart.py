@@ -20,6 +20,7 @@ from proxy.dataplane.nftables.render import FINGERPRINTS, TABLE, port_chain
 from proxy.dataplane.nftables.runner import NftError
 from proxy.dataplane.nftables.transaction import KeptPort
 from proxy.model.types import Family, ServicePortKey
+from tests.fakekernel.nftables import Chain
 from tests.fakekernel.planes import FakePlane
 from tests.unit.builders import ep, eps_slice, service
 from tests.unit.test_iptables_sync import clusters
@@ -599,3 +600,34 @@ def test_a_traffic_reading_during_a_restart_s_completion_makes_a_part_and_leaves
     restarted.settle()
     assert restarted.dp.traffic().keys() == plane.dp.traffic().keys()
 
+
+
+class _Listener:
+    """Stands for the nf_tables listener: these tests report foreign changes by hand."""
+
+    def __init__(self, *_: Any) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+
+def test_a_drift_check_during_a_restart_s_completion_waits_for_its_end(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A foreign change right after a restart: the check made every kept port's state
+    at once (12 s at 100,000); it now waits for the completion's parts, whose end asks
+    for the check again, which then finds what was changed."""
+    monkeypatch.setattr(nft_apply, "NftablesListener", _Listener)
+    _plane, restarted = restarted_with_six_pending(monkeypatch)
+    asked: list[str] = []
+    restarted.dp.watch_drift(asked.append)
+    fam = restarted.dp._families[Family.V4]
+    restarted.nft.tables["ip", TABLE].chains["theirs"] = Chain(["counter"])
+
+    assert restarted.dp.check_drift() == []
+    assert len(fam.pending) == 6 and restarted.dp.housekeeping_pending()
+    assert asked == []
+    restarted.settle()
+    assert asked == ["a drift check held back by the restart's completion"]
+    found = restarted.dp.check_drift()
+    assert any("theirs" in f for f in found), found

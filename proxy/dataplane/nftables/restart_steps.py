@@ -451,10 +451,6 @@ class RestartSteps:
             return None
         return kernel
 
-    def _complete_all(self: _Plane) -> None:
-        for fam in self._families.values():
-            self._complete(fam)
-
     def _complete_parts(self: _Plane) -> bool:
         """A part (COMPLETE_PER_PART ports) of each family's restart left to complete;
         whether any is left after it."""
