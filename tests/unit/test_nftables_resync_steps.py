@@ -101,6 +101,30 @@ def test_the_periodic_resync_adds_to_the_main_table_s_sets_without_flushing_them
     assert comparable(plane.written()) == fresh
 
 
+def test_the_main_table_s_sets_are_refilled_by_the_shards_parts() -> None:
+    """Every element of the main table's sets gone behind the agent's back, every one
+    back after a periodic resync: each shard's part adds its ports' (their cluster IPs,
+    their endpoints' hairpin pairs), so the main table's part, which added all of them
+    (1.1 million at 100,000 x 10: 2 s), adds the bases' alone."""
+    objects = cluster(range(8), counted=True)
+    plane = fresh_plane(objects)
+    main = plane.nft.tables["ip", TABLE]
+    emptied = {name: dict(s.elements) for name, s in main.sets.items()
+               if not s.is_map and s.elements}
+    assert {render.CLUSTER_IPS, render.HAIRPIN} <= emptied.keys()
+    for name in emptied:
+        main.sets[name].elements.clear()
+    resync_parts(plane)
+    main = plane.nft.tables["ip", TABLE]  # (the fake kernel commits a copy)
+    assert {name: main.sets[name].elements for name in emptied} == emptied
+    for part in plane.nft.scripts[-2:]:  # each family's main table, written last
+        added = [line for line in part.splitlines() if line.startswith("add element")]
+        assert f"table ip{'6' if part is plane.nft.scripts[-1] else ''} {TABLE}" in part
+        assert not any(f" {render.HAIRPIN} " in line or f" {render.CLUSTER_IPS} " in line
+                       for line in added)
+    assert comparable(plane.written()) == comparable(fresh_plane(objects).written())
+
+
 def test_a_resync_asked_again_before_it_ends_goes_on_but_a_repair_starts_over() -> None:
     """At 100,000 services a resync with someone listening to nf_tables took longer
     than a short --sync-period: asked again, it does not start over."""

@@ -59,6 +59,7 @@ from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
     HAIRPIN,
     PICKS,
+    TABLE,
     BaseObjects,
     PortObjects,
     element_table,
@@ -698,27 +699,52 @@ def resync_lines(bases: Sequence[BaseObjects],
 
 def table_lines(state: TableState, ordered: Sequence[tuple[ServicePortKey, PortObjects]],
                 table: str, held: Collection[Named] = (), stale: Sequence[Command] = (),
-                unflushed: Collection[str] = ()) -> Script:
+                unflushed: Collection[str] = (), mains: Collection[str] = ()) -> Script:
     """`table` written whole again from `state`, in one transaction, as a full script
     writes it (the resync a table at a time, resync_steps.py): its chains flushed and
     their rules written (`ordered`: its ports, rendered as `state` keeps them), its sets
-    (but those named in `unflushed`, only added to) and its ports' slot maps flushed and
-    refilled from `state`'s owners, then `stale` (what nobody wants, in any table).
-    `state` is not changed."""
+    and its ports' slot maps flushed and refilled from `state`'s owners, then `stale`
+    (what nobody wants, in any table). The main table's sets named in `unflushed` are
+    neither flushed nor refilled but for the bases' own elements: a shard's part adds
+    its ports' elements of them (`mains`), with the values `state` holds. `state` is not
+    changed."""
 
     def make() -> Iterator[Statement]:
         yield from _rewrite(state, ordered, held, (), table, unflushed)
+        yield from _added(state, _mains(state, ordered, unflushed, mains))
         yield from stale
 
     return Script(make, table_family(state.family))
+
+
+def _mains(state: TableState, ordered: Sequence[tuple[ServicePortKey, PortObjects]],
+           unflushed: Collection[str], mains: Collection[str]) -> Iterator[Element]:
+    """The elements of the main table's sets that a resync's part adds to (table_lines):
+    the bases' own of `unflushed`, and `ordered`'s ports' of `mains`."""
+    for b in state.bases:
+        yield from (e for e in b.elements if e.table == TABLE and e.set in unflushed)
+    for _key, p in ordered:
+        yield from (e for e in p.elements if e.table == TABLE and e.set in mains)
+
+
+def _added(state: TableState, elements: Iterable[Element]) -> Iterator[Elements]:
+    """`add element` statements for `elements`, set by set, each with the value `state`
+    holds for it (one it no longer holds is left out)."""
+    by_set: dict[tuple[str, str], list[tuple[Key, Value]]] = {}
+    for e in elements:
+        value = state.owners.held((e.table, e.set, e.key))
+        if value is not None:
+            by_set.setdefault((e.table, e.set), []).append((e.key, value))
+    for (table, set_name), pairs in by_set.items():
+        yield from element_statements("add", table, set_name, pairs)
 
 
 def _rewrite(state: TableState, ordered: Sequence[tuple[ServicePortKey, PortObjects]],
              held: Collection[Named], stale: Sequence[Command], table: str | None,
              unflushed: Collection[str] = ()) -> Iterator[Statement]:
     """`full_lines`' statements for `table` (None: every table): everything declared,
-    every chain flushed and its rules written, every set flushed (but the bases' sets
-    named in `unflushed`) and filled, then what nobody wants deleted."""
+    every chain flushed and its rules written, every set flushed and filled (but the
+    main table's sets named in `unflushed`: neither), then what nobody wants deleted."""
     bases = [b for b in state.bases if table in (None, b.table)]
     ports = [p for _key, p in ordered if table in (None, p.table)]
     yield from objects_written(bases, ports, held)
@@ -729,7 +755,7 @@ def _rewrite(state: TableState, ordered: Sequence[tuple[ServicePortKey, PortObje
     for p in ports:  # slot maps too (affinity sets keep who goes where)
         yield from flush_maps(p)
     for set_table, set_name, pairs in state.owners.sets():
-        if table in (None, set_table):
+        if table in (None, set_table) and not (set_table == TABLE and set_name in unflushed):
             yield from element_statements("add", set_table, set_name, pairs)
     yield from (c for c in stale if table in (None, c.table))
 
