@@ -23,7 +23,7 @@ from proxy.dataplane.nftables.render import OUR_TABLES
 from proxy.dataplane.nftables.transaction import KeptPort
 from proxy.model.types import Family, IPAddress, ServicePortKey
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("proxy.dataplane.nftables.apply")  # the mode's one logger
 
 Counts = dict[tuple[str, str], int]  # (table, counter) -> packets counted
 _GETOBJ = NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETOBJ
