@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 from proxy.dataplane import modes
 from proxy.kube.reflector import Reflector, ReflectorStats
 from proxy.model.tracker import ClusterModel
-from proxy.server.traffic import TrafficReading, series_text
+from proxy.server.traffic import TrafficReading
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -194,7 +194,7 @@ class AgentMetrics:
 
     def render(self) -> bytes:
         text = generate_latest(self.registry)
-        return text + series_text(self._traffic) if self._traffic is not None else text
+        return text + self._traffic.series() if self._traffic is not None else text
 
 
 class ModelCollector(Collector):

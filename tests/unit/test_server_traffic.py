@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.dataplane.base import Counted, PortTraffic
 from proxy.model.types import Family, ServicePortKey
 from proxy.server.metrics import AgentMetrics
-from proxy.server.traffic import TrafficReading, traffic_view
+from proxy.server.traffic import READ_SPACING, TrafficReading, series_text, traffic_view
 
 WEB = ServicePortKey("demo", "web", "http", Family.V4)
 DNS = ServicePortKey("kube-system", "dns", "", Family.V6)
@@ -133,3 +133,46 @@ def test_a_scrape_during_a_reading_waits_for_it_instead_of_taking_another() -> N
 
     asyncio.run(scrapes())
     assert began == [0] and reading.ports == {DNS: PortTraffic(Counted(7))}
+
+
+def test_a_reading_longer_than_a_scrape_waits_goes_on_and_is_kept() -> None:
+    """At 100,000 ports a reading (3-4 s) outlasts a scrape's wait (2 s): it was given
+    up, so none was ever kept, and each scrape began one more."""
+    now = [100.0]
+    reading = TrafficReading(clock=lambda: now[0])
+    reading.update({WEB: PER_ENDPOINT})
+    began: list[float] = []
+
+    async def scrapes() -> None:
+        done = asyncio.Event()
+
+        async def read() -> tuple[dict[ServicePortKey, PortTraffic], float]:
+            began.append(now[0])
+            await done.wait()
+            return {DNS: PortTraffic(Counted(3))}, 3.0
+
+        await reading.refresh(read, timeout=0.01)  # the scrape's wait ends first
+        assert reading.ports == {WEB: PER_ENDPOINT}
+        now[0] = 105.0
+        await reading.refresh(read, timeout=0.01)  # the next scrape: no second reading
+        done.set()
+        await reading.refresh(read, timeout=1)
+
+    asyncio.run(scrapes())
+    assert began == [100.0] and reading.ports == {DNS: PortTraffic(Counted(3))}
+    assert reading.not_before == 100.0 + READ_SPACING * 3.0
+
+
+def test_the_series_text_is_made_once_per_reading() -> None:
+    """0.25 s at 100,000 ports: made at every scrape, on the event loop, it held each
+    change meanwhile; now once per reading, and a new reading's off the loop."""
+    reading = TrafficReading()
+    reading.update({WEB: PER_ENDPOINT})
+    first = reading.series()
+    assert reading.series() is first and first == series_text({WEB: PER_ENDPOINT})
+
+    async def read() -> tuple[dict[ServicePortKey, PortTraffic], float]:
+        return {DNS: PortTraffic(Counted(4))}, 0.0
+
+    asyncio.run(reading.refresh(read, timeout=1))
+    assert reading.series() == series_text({DNS: PortTraffic(Counted(4))}) != first
