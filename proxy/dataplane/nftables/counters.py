@@ -34,7 +34,8 @@ _GETOBJ = NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETOBJ
 # ports or none, 2.7-3.3 ms at 100; bench/nftables/reading_beside.py).
 YIELD_EVERY = 100
 # What a traffic reading reads: each family's applied ports as the data plane kept them
-# when the reading began (KeptPort is never changed in place: a new one replaces it).
+# when the reading began (a copy of the dict; of a KeptPort it reads only its table and
+# counters, which are never changed in place: a new KeptPort replaces the old).
 Plan = Sequence[tuple[Family, Mapping[ServicePortKey, KeptPort]]]
 
 
