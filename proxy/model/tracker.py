@@ -17,7 +17,7 @@ service to another when a slice's service-name label changes.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 from proxy.model import skips as why
@@ -108,6 +108,10 @@ def ignored_reason(service: Service, proxy_name: str | None) -> Skip | None:
     return Skip("Service", service.namespace, service.name, reason, detail)
 
 
+def _claims(service: Service | None) -> dict[Claim, tuple[str, ServicePort]]:
+    return {} if service is None else claims_of(service)
+
+
 def claims_of(service: Service) -> dict[Claim, tuple[str, ServicePort]]:
     """Every destination `service` claims -> (its role, the port). Within one service
     the decoder already keeps an address in one role and a port number once."""
@@ -171,7 +175,6 @@ class ClusterModel:
         # claim the same one (a hostile or broken server; see claims_of). The holders
         # are a tuple: nearly every destination has one (a set each was 0.2 KB a service).
         self._claims: dict[Claim, tuple[ServiceRef, ...]] = {}
-        self._claims_of: dict[ServiceRef, Mapping[Claim, tuple[str, ServicePort]]] = {}
         self._lost: dict[ServiceRef, frozenset[Claim]] = {}
         self._conflicts: dict[ServiceRef, SkipGroup] = {}
         self._skip_seq = 0
@@ -203,7 +206,7 @@ class ClusterModel:
         if old is not None:
             self._dirty.update(service_keys(old))
         self._dirty.update(service_keys(service))
-        self._set_claims(ref, claims_of(service))
+        self._set_claims(ref, old, service)
 
     def delete_service(self, namespace: str, name: str, keep_ignored: bool = False) -> None:
         ref = (namespace, name)
@@ -212,17 +215,16 @@ class ClusterModel:
         old = self._services.pop(ref, None)
         if old is not None:
             self._dirty.update(service_keys(old))
-            self._set_claims(ref, {})
+            self._set_claims(ref, old, None)
 
-    def _set_claims(self, ref: ServiceRef,
-                    new: Mapping[Claim, tuple[str, ServicePort]]) -> None:
-        """Replace what `ref` claims, and arbitrate again wherever that changed who
-        claims what: the service whose (namespace, name) sorts first keeps a destination,
-        as the IPVS index decides, so the outcome never depends on arrival order. `new`
-        is kept as it is: the caller's own (claims_of makes a fresh one)."""
-        old = self._claims_of.pop(ref, {})
-        if new:
-            self._claims_of[ref] = new
+    def _set_claims(self, ref: ServiceRef, was: Service | None, now: Service | None) -> None:
+        """`ref`'s claims from those of `was` to those of `now`, and arbitrate again
+        wherever that changed who claims what: the service whose (namespace, name) sorts
+        first keeps a destination, as the IPVS index decides, so the outcome never depends
+        on arrival order. A service's claims are not kept but made again from it (a
+        dict each: 27 MiB at 100,000 services)."""
+        old = _claims(was)
+        new = _claims(now)
         touched = old.keys() ^ new.keys()
         for claim in old.keys() - new.keys():
             holders = tuple(r for r in self._claims[claim] if r != ref)
@@ -239,7 +241,7 @@ class ClusterModel:
             self._arbitrate(other)
 
     def _arbitrate(self, ref: ServiceRef) -> None:
-        claims = self._claims_of.get(ref, {})
+        claims = _claims(self._services.get(ref))
         lost: dict[Claim, ServiceRef] = {}
         for claim in claims:
             holders = self._claims[claim]
