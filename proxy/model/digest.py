@@ -47,14 +47,15 @@ _FIELDS: dict[type, Callable[[Any], tuple[Any, ...]]] = {
     cls: operator.attrgetter(*_compared(cls))
     for cls in (Service, ServicePort, Topology, Conflict)
 }
-# A merged endpoint's: its copy's fields, read from the copy (C getters, where its
-# properties are Python), then its own; the address as the integer it holds (a C getter,
-# where the address's own methods are Python): the port's family says which family.
+# A selected endpoint's merged endpoint's: its copy's fields, read from the copy (C
+# getters, where its properties are Python), then its own (a selected endpoint holds
+# them); the address as the integer it holds (a C getter, where the address's own methods
+# are Python): the port's family says which family.
 _ENDPOINT = operator.attrgetter(
     *(f"copy.{name}._ip" if name == "address" else f"copy.{name}"
       for name in _compared(Endpoint)),
     *(name for name in _compared(MergedEndpoint) if name != "copy"))
-_SELECTED = operator.attrgetter(*_compared(SelectedEndpoint))  # endpoint, selected_for, reason
+_SELECTED = operator.attrgetter("selected_for", "reason")
 # A port's fields but its endpoints and service (flattened on their own).
 _PORT_FIELDS = [name for name in _compared(ResolvedServicePort)
                 if name not in ("endpoints", "service")]
@@ -87,9 +88,11 @@ def flat(value: Any) -> Any:
     raise TypeError(f"no stable digest for {kind.__name__}")
 
 
-def _sets(selected_for: frozenset[EndpointSet]) -> tuple[bool, bool]:
-    # In a fixed order: a frozenset of enum members iterates in an order of their ids.
-    return EndpointSet.CLUSTER in selected_for, EndpointSet.LOCAL in selected_for
+def _selection(s: SelectedEndpoint) -> tuple[tuple[bool, bool], str]:
+    # The sets in a fixed order: a frozenset of enum members iterates in an order of
+    # their ids.
+    selected_for, reason = _SELECTED(s)
+    return (EndpointSet.CLUSTER in selected_for, EndpointSet.LOCAL in selected_for), reason
 
 
 class ResolutionDigests:
@@ -106,8 +109,7 @@ class ResolutionDigests:
         service = rsp.service
         if service is not self._service:
             self._service, self._service_bytes = service, marshal.dumps(flat(service))
-        endpoints = [(_ENDPOINT(ep), _sets(sets), reason)
-                     for ep, sets, reason in map(_SELECTED, rsp.endpoints)]
+        endpoints = [(_ENDPOINT(s), *_selection(s)) for s in rsp.endpoints]
         h = hashlib.blake2b(salt, digest_size=16)
         h.update(self._service_bytes)
         h.update(marshal.dumps((flat(_PORT(rsp)), endpoints)))

@@ -306,8 +306,8 @@ def endpoint_changes(old: Sequence[SelectedEndpoint], new: Sequence[SelectedEndp
         aligned = _changed_in_place(old, new)
         if aligned is not None:
             return aligned
-    before = {(s.endpoint.address, s.endpoint.port): s for s in old}
-    after = {(s.endpoint.address, s.endpoint.port): s for s in new}
+    before = {(s.address, s.port): s for s in old}
+    after = {(s.address, s.port): s for s in new}
     removed = tuple(s for k, s in before.items() if after.get(k) != s)
     added = tuple(s for k, s in after.items() if before.get(k) != s)
     return removed, added

@@ -212,7 +212,7 @@ def select_all(endpoints: Iterable[MergedEndpoint],
         if like is None:
             out.append(seen.setdefault(what, select(ep, verdicts)))
         else:
-            out.append(SelectedEndpoint(ep, like.selected_for, like.reason))
+            out.append(SelectedEndpoint.of(ep, like.selected_for, like.reason))
     return tuple(out)
 
 
@@ -247,7 +247,7 @@ def select(ep: MergedEndpoint, verdicts: Verdicts) -> SelectedEndpoint:
         if in_local:
             sets.add(EndpointSet.LOCAL)
         parts.append(f"local: {why}")
-    return SelectedEndpoint(ep, _frozen(sets), _shared("; ".join(parts)))
+    return SelectedEndpoint.of(ep, _frozen(sets), _shared("; ".join(parts)))
 
 
 def _frozen(sets: set[EndpointSet]) -> frozenset[EndpointSet]:

@@ -26,19 +26,11 @@ from proxy.model.types import (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class MergedEndpoint:
-    """One endpoint of a service port after merging all slices and de-duplicating: the
-    chosen copy (`copy`, the slice's own `Endpoint`), at `port`, listed by `sources`.
+class _CopyFields:
+    """An endpoint's fields as its chosen copy (`copy`, an `Endpoint`) holds them."""
 
-    The copy is held, not its fields copied: 64 bytes an endpoint, a million of them at
-    100,000 services x 10, and 4 fields for the merge to make. Its fields read as the
-    copy's."""
-
+    __slots__ = ()
     copy: Endpoint
-    port: int
-    sources: tuple[str, ...]  # names of the slices that listed it, sorted
-    conflict: bool = False  # its copies disagreed on conditions, node or zone
 
     @property
     def address(self) -> IPAddress:
@@ -72,6 +64,21 @@ class MergedEndpoint:
     def node_hints(self) -> tuple[str, ...]:
         return self.copy.node_hints
 
+
+@dataclass(frozen=True, slots=True)
+class MergedEndpoint(_CopyFields):
+    """One endpoint of a service port after merging all slices and de-duplicating: the
+    chosen copy (`copy`, the slice's own `Endpoint`), at `port`, listed by `sources`.
+
+    The copy is held, not its fields copied: 64 bytes an endpoint, a million of them at
+    100,000 services x 10, and 4 fields for the merge to make. Its fields read as the
+    copy's."""
+
+    copy: Endpoint
+    port: int
+    sources: tuple[str, ...]  # names of the slices that listed it, sorted
+    conflict: bool = False  # its copies disagreed on conditions, node or zone
+
     def __str__(self) -> str:
         return format_endpoint(self.address, self.port)
 
@@ -96,10 +103,29 @@ class EndpointSet(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class SelectedEndpoint:
-    endpoint: MergedEndpoint
+class SelectedEndpoint(_CopyFields):
+    """A merged endpoint (`endpoint`) and the sets this node may send it traffic in,
+    and why. The merged endpoint's fields are held here, not the merged endpoint: one
+    object an endpoint, not two (48 bytes less each: 46 MiB at 100,000 x 10)."""
+
+    copy: Endpoint
+    port: int
+    sources: tuple[str, ...]
+    conflict: bool
     selected_for: frozenset[EndpointSet]
     reason: str
+
+    @staticmethod
+    def of(ep: MergedEndpoint, selected_for: frozenset[EndpointSet],
+           reason: str) -> SelectedEndpoint:
+        # Positional, in field order (a hot path: every endpoint of a cold start).
+        return SelectedEndpoint(ep.copy, ep.port, ep.sources, ep.conflict, selected_for,
+                                reason)
+
+    @property
+    def endpoint(self) -> MergedEndpoint:
+        """Made at each call: read `address`, `port` and the rest from this one."""
+        return MergedEndpoint(self.copy, self.port, self.sources, self.conflict)
 
     @property
     def in_cluster(self) -> bool:
@@ -108,6 +134,9 @@ class SelectedEndpoint:
     @property
     def in_local(self) -> bool:
         return EndpointSet.LOCAL in self.selected_for
+
+    def __str__(self) -> str:
+        return format_endpoint(self.address, self.port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,12 +202,12 @@ class ResolvedServicePort:
         return self.delta if same_but_endpoints(earlier, self) else None
 
     @property
-    def cluster_endpoints(self) -> tuple[MergedEndpoint, ...]:
-        return tuple(s.endpoint for s in self.endpoints if s.in_cluster)
+    def cluster_endpoints(self) -> tuple[SelectedEndpoint, ...]:
+        return tuple(s for s in self.endpoints if s.in_cluster)
 
     @property
-    def local_endpoints(self) -> tuple[MergedEndpoint, ...]:
-        return tuple(s.endpoint for s in self.endpoints if s.in_local)
+    def local_endpoints(self) -> tuple[SelectedEndpoint, ...]:
+        return tuple(s for s in self.endpoints if s.in_local)
 
     @property
     def has_any_endpoints(self) -> bool:

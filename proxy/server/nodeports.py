@@ -190,7 +190,7 @@ class LocalEndpointTracker:
             touched.add(ref)
             assert rsp is not None
             local = frozenset(str(s.endpoint) for s in rsp.endpoints
-                              if s.endpoint.ready and s.endpoint.node_name == self.node_name)
+                              if s.ready and s.node_name == self.node_name)
             self._port[key] = (hc, local)
             self._by_ref.setdefault(ref, set()).add(key)
         changed = False

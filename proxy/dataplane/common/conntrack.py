@@ -62,7 +62,7 @@ def used_endpoints(rsp: ResolvedServicePort | None) -> set[tuple[IPAddress, int]
     """Endpoints that receive some traffic of this service port."""
     if rsp is None:
         return set()
-    return {(s.endpoint.address, s.endpoint.port) for s in rsp.endpoints if _used(s, rsp)}
+    return {(s.address, s.port) for s in rsp.endpoints if _used(s, rsp)}
 
 
 def _used(s: SelectedEndpoint, rsp: ResolvedServicePort) -> bool:
@@ -80,9 +80,9 @@ def gone_endpoints(old: ResolvedServicePort, new: ResolvedServicePort | None
     same_protocol = new is not None and new.port.protocol is old.port.protocol
     delta = new.endpoint_delta(old) if new is not None else None
     if delta is not None and same_protocol and new is not None:
-        return ({(s.endpoint.address, s.endpoint.port) for s in delta.removed
+        return ({(s.address, s.port) for s in delta.removed
                  if _used(s, old)}
-                - {(s.endpoint.address, s.endpoint.port) for s in delta.added
+                - {(s.address, s.port) for s in delta.added
                    if _used(s, new)})
     return used_endpoints(old) - (used_endpoints(new) if same_protocol else set())
 

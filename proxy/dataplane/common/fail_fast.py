@@ -129,7 +129,7 @@ def vanished(old: ResolvedServicePort | None, new: ResolvedServicePort | None,
     if not gone:
         return []
     still = {} if new is None or new.port.protocol is not Protocol.TCP else {
-        (s.endpoint.address, s.endpoint.port): s.endpoint for s in new.endpoints}
+        (s.address, s.port): s.endpoint for s in new.endpoints}
     out = []
     for address, port in sorted(gone, key=lambda e: (e[0].packed, e[1])):
         now = still.get((address, port))

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from ipaddress import IPv4Network, IPv6Network
 
-from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
+from proxy.model.snapshot import ResolvedServicePort, SelectedEndpoint
 from proxy.model.types import Family, IPAddress, IPNetwork, TrafficPolicy
 
 
@@ -27,8 +27,8 @@ class PortPlan:
     lb_ips: tuple[IPAddress, ...]
     ranges: tuple[IPNetwork, ...]
     # Endpoints of each path (empty: the path has no chain).
-    cluster_eps: tuple[MergedEndpoint, ...]
-    local_eps: tuple[MergedEndpoint, ...]
+    cluster_eps: tuple[SelectedEndpoint, ...]
+    local_eps: tuple[SelectedEndpoint, ...]
     has_endpoints: bool  # usable endpoints exist somewhere in the cluster
     external_local: bool  # externalTrafficPolicy: Local
     # Chain names (None: no such chain), from the renderer's own naming.

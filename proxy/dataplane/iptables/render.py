@@ -54,7 +54,7 @@ from proxy.dataplane.common.paths import PortPlan, plan, sorted_nets
 from proxy.dataplane.common.traffic import per_endpoint
 from proxy.dataplane.modes import IPTABLES
 from proxy.dataplane.xtables.saved import PREFIX, Table
-from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
+from proxy.model.snapshot import ResolvedServicePort, SelectedEndpoint
 from proxy.model.types import (
     DEFAULT_AFFINITY_TIMEOUT,
     Family,
@@ -313,10 +313,10 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext,
     affinity = rsp.service.affinity_timeout
     # Each endpoint's text and chain name, computed once (hashing is most of the cost),
     # by the endpoint object's id: the cluster and local sets hold the same objects, and
-    # hashing a MergedEndpoint (every field, the address in Python) for each endpoint
+    # hashing a SelectedEndpoint (every field, the address in Python) for each endpoint
     # cost a tenth of rendering a large service.
     seps: dict[int, tuple[str, str]] = {}
-    by_text: dict[str, MergedEndpoint] = {}
+    by_text: dict[str, SelectedEndpoint] = {}
     for ep in (*p.cluster_eps, *p.local_eps):
         if id(ep) not in seps:
             text = endpoint_text(ep)
@@ -352,7 +352,7 @@ def _counters(rsp: ResolvedServicePort, proto: str, each_endpoint: bool
     port = port_counter(rsp.key, proto)
     if not each_endpoint:
         return PortCounters(port), {}
-    by_text = {endpoint_text(s.endpoint): s.endpoint for s in rsp.endpoints}
+    by_text = {endpoint_text(s): s for s in rsp.endpoints}
     names = {text: endpoint_counter(rsp.key, proto, text) for text in by_text}
     eps = tuple((names[text], ep.address, ep.port) for text, ep in by_text.items())
     return PortCounters(port, eps), names
@@ -459,7 +459,7 @@ def _firewall_rules(name: str, ctx: RenderContext, ranges: Sequence[IPNetwork],
     return _dedupe(rules)
 
 
-def _balance(name: str, eps: Sequence[MergedEndpoint],
+def _balance(name: str, eps: Sequence[SelectedEndpoint],
              seps: Mapping[int, tuple[str, str]], affinity: int | None,
              ctx: RenderContext) -> tuple[str, ...]:
     """Affinity checks first, then one `statistic` jump per endpoint: endpoint i (of n)
@@ -504,7 +504,7 @@ def _arrow_comment(name: str) -> Callable[[str], str]:
 _PLAIN_ENDPOINT = re.compile(r"[0-9A-Za-z.:\[\]]+")
 
 
-def endpoint_text(ep: MergedEndpoint) -> str:
+def endpoint_text(ep: SelectedEndpoint) -> str:
     if ep.address.version == 6:
         return f"[{_text(ep.address)}]:{ep.port}"
     return f"{_text(ep.address)}:{ep.port}"
@@ -515,7 +515,7 @@ def _recent_mask(ctx: RenderContext) -> str:
     return f"--mask {mask} --rsource"
 
 
-def _endpoint_rules(label: str, proto: str, ep: MergedEndpoint, text: str, chain: str,
+def _endpoint_rules(label: str, proto: str, ep: SelectedEndpoint, text: str, chain: str,
                     affinity: bool, ctx: RenderContext) -> tuple[str, ...]:
     """`label`: the service port's comment (`comment(port_name)`), made once per port."""
     recent = f" -m recent --set --name {chain} {_recent_mask(ctx)}" if affinity else ""

@@ -44,7 +44,6 @@ from proxy.dataplane.modes import IPVS
 from proxy.model.snapshot import (
     DesiredState,
     EndpointDelta,
-    MergedEndpoint,
     ResolvedServicePort,
     SelectedEndpoint,
 )
@@ -263,11 +262,11 @@ def ip_port(address: IPAddress, protocol: Protocol, port: int) -> str:
     return f"{address},{_proto(protocol)}:{port}"
 
 
-def _endpoints(rsp: ResolvedServicePort, local: bool) -> tuple[MergedEndpoint, ...]:
+def _endpoints(rsp: ResolvedServicePort, local: bool) -> tuple[SelectedEndpoint, ...]:
     return rsp.local_endpoints if local else rsp.cluster_endpoints
 
 
-def _real_servers(endpoints: Iterable[MergedEndpoint]) -> tuple[RsKey, ...]:
+def _real_servers(endpoints: Iterable[SelectedEndpoint]) -> tuple[RsKey, ...]:
     return tuple(sorted({RsKey(e.address, e.port) for e in endpoints}, key=RsKey.order))
 
 
@@ -306,10 +305,9 @@ def render_port(rsp: ResolvedServicePort, ctx: IpvsContext) -> PortRules:
     # Hairpin: a local endpoint reaching itself through a service must be masqueraded,
     # or it would answer itself directly (upstream's KUBE-LOOP-BACK).
     for s in rsp.endpoints:
-        e = s.endpoint
-        if (s.in_cluster or s.in_local) and e.node_name == ctx.node_name:
+        if (s.in_cluster or s.in_local) and s.node_name == ctx.node_name:
             entries.add(SetEntry(SetRole.LOOPBACK, family,
-                                 f"{e.address},{_proto(protocol)}:{e.port},{e.address}"))
+                                 f"{s.address},{_proto(protocol)}:{s.port},{s.address}"))
     for ip in addresses:
         entries.add(SetEntry(SetRole.VIPS, family, str(ip)))
     return PortRules(
@@ -473,7 +471,7 @@ def _net_change(delta: EndpointDelta, local: bool) -> RealServerChange:
     and gains; an endpoint in both halves of the delta and in the set both times is
     neither."""
     def members(side: tuple[SelectedEndpoint, ...]) -> set[RsKey]:
-        return {RsKey(s.endpoint.address, s.endpoint.port) for s in side
+        return {RsKey(s.address, s.port) for s in side
                 if (s.in_local if local else s.in_cluster)}
 
     removed, added = members(delta.removed), members(delta.added)
@@ -507,9 +505,9 @@ def _loopback_change(rsp: ResolvedServicePort, delta: EndpointDelta, ctx: IpvsCo
 
     def entries(side: tuple[SelectedEndpoint, ...]) -> set[SetEntry]:
         return {SetEntry(SetRole.LOOPBACK, family,
-                         f"{s.endpoint.address},{proto}:{s.endpoint.port},{s.endpoint.address}")
+                         f"{s.address},{proto}:{s.port},{s.address}")
                 for s in side
-                if (s.in_cluster or s.in_local) and s.endpoint.node_name == ctx.node_name}
+                if (s.in_cluster or s.in_local) and s.node_name == ctx.node_name}
 
     before, after = entries(delta.removed), entries(delta.added)
     return frozenset(before - after), frozenset(after - before)

@@ -53,7 +53,6 @@ from proxy.dataplane.nftables.transaction import ElementKey, KeptPort, PortEdit,
 from proxy.model.balancing import maglev_slots, ordered, table_size
 from proxy.model.snapshot import (
     EndpointDelta,
-    MergedEndpoint,
     ResolvedServicePort,
     SelectedEndpoint,
 )
@@ -118,15 +117,15 @@ def _in_path(s: SelectedEndpoint, local: bool) -> bool:
     return s.in_local if local else s.in_cluster
 
 
-def _value(ep: MergedEndpoint) -> Key:
+def _value(ep: SelectedEndpoint) -> Key:
     return slot_value(address_text(ep.address), ep.port)
 
 
 def _net_change(delta: EndpointDelta, local: bool) -> tuple[set[Key], dict[Key, Order]]:
     """The slot values one path loses and gains (with their order); an endpoint in both
     `removed` and `added` that stays in the path is neither."""
-    gone = {_value(s.endpoint) for s in delta.removed if _in_path(s, local)}
-    come = {_value(s.endpoint): (int(s.endpoint.address), s.endpoint.port)
+    gone = {_value(s) for s in delta.removed if _in_path(s, local)}
+    come = {_value(s): (int(s.address), s.port)
             for s in delta.added if _in_path(s, local)}
     stayed = gone & come.keys()
     for value in stayed:
@@ -256,7 +255,7 @@ def _hairpin_changes(new: ResolvedServicePort, delta: EndpointDelta,
     wants one while some endpoint at that address is in a path it uses."""
     removed: list[ElementKey] = []
     added: list[ElementKey] = []
-    addresses = {s.endpoint.address for s in (*delta.removed, *delta.added)}
+    addresses = {s.address for s in (*delta.removed, *delta.added)}
     for address in sorted(addresses, key=int):
         element = (TABLE, HAIRPIN, hairpin_element(address_text(address)))
         had, wants = element in kept, _address_used(new, address)
@@ -272,8 +271,8 @@ def _address_used(rsp: ResolvedServicePort, address: IPAddress) -> bool:
     endpoints, sorted by address then port (the model's merge)."""
     eps = rsp.endpoints
     target = int(address)
-    i = bisect_left(eps, target, key=lambda s: int(s.endpoint.address))
-    while i < len(eps) and int(eps[i].endpoint.address) == target:
+    i = bisect_left(eps, target, key=lambda s: int(s.address))
+    while i < len(eps) and int(eps[i].address) == target:
         s = eps[i]
         if (s.in_cluster and rsp.uses_cluster) or (s.in_local and rsp.uses_local):
             return True

@@ -138,7 +138,7 @@ from proxy.dataplane.nftables.objects import (
 )
 from proxy.dataplane.nftables.slot_tail import TAIL_PREFIX, main_size, tail_rule
 from proxy.model.balancing import Backend, maglev_table
-from proxy.model.snapshot import MergedEndpoint, ResolvedServicePort
+from proxy.model.snapshot import ResolvedServicePort, SelectedEndpoint
 from proxy.model.types import (
     DEFAULT_AFFINITY_TIMEOUT,
     Balancing,
@@ -566,7 +566,7 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,
 
 
 def _picked(rsp: ResolvedServicePort, ctx: RenderContext, p: PortPlan
-            ) -> tuple[MergedEndpoint, ...]:
+            ) -> tuple[SelectedEndpoint, ...]:
     """The endpoints of a port its shard's pick chain balances (no chain of its own:
     module docstring), or () if it needs one: reached by its cluster IP alone, random
     balancing without affinity or per-endpoint counters, 1 to PICK_MAX endpoints."""
@@ -580,7 +580,7 @@ def _picked(rsp: ResolvedServicePort, ctx: RenderContext, p: PortPlan
     return eps
 
 
-def _pick(build: _PortBuild, rsp: ResolvedServicePort, eps: Sequence[MergedEndpoint],
+def _pick(build: _PortBuild, rsp: ResolvedServicePort, eps: Sequence[SelectedEndpoint],
           slots: Mapping[str, Sequence[Key]] | None) -> bool:
     """A picked port: each cluster IP's dispatch to the shard's pick chain of its count,
     its counter map element, and its endpoints in the pick map, each keeping its slot
@@ -624,7 +624,7 @@ def policy_first(rsp: ResolvedServicePort, ctx: RenderContext, internal: bool
     return (count, *cluster_masquerade(rsp, ctx, ip, proto)) if internal else (count,)
 
 
-def _endpoint_counters(build: _PortBuild, eps: Sequence[MergedEndpoint],
+def _endpoint_counters(build: _PortBuild, eps: Sequence[SelectedEndpoint],
                        texts: Mapping[int, str]) -> dict[str, str]:
     """Per endpoint (by its DNAT target's text): the statement counting into its own
     named counter, which the port owns (common/traffic.py)."""
@@ -687,11 +687,11 @@ def cluster_masquerade(rsp: ResolvedServicePort, ctx: RenderContext, ip: str,
                  for a in rsp.cluster_ips)
 
 
-def _endpoint_texts(build: _PortBuild, eps: Sequence[MergedEndpoint],
+def _endpoint_texts(build: _PortBuild, eps: Sequence[SelectedEndpoint],
                     family: Family) -> tuple[dict[int, str], dict[int, str]]:
     """Each endpoint's DNAT target (address:port) and address, by the endpoint object's
     id, and its hairpin element. By id: the cluster and local sets hold the same objects,
-    and hashing a MergedEndpoint (all its fields, the address's hash in Python) for every
+    and hashing a SelectedEndpoint (all its fields, the address's hash in Python) for every
     endpoint was a third of rendering a large service."""
     texts: dict[int, str] = {}
     addrs: dict[int, str] = {}
@@ -728,7 +728,7 @@ def _endpoint_chains(build: _PortBuild, affinity: int | None, texts: Mapping[int
     return {i: chain_of[text] for i, text in texts.items()}
 
 
-def _policy_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
+def _policy_chain(build: _PortBuild, chain: str, eps: Sequence[SelectedEndpoint],
                   first: tuple[str, ...],
                   spelled: tuple[Mapping[int, str], Mapping[int, str], Mapping[int, str]],
                   label: str, slots: Mapping[str, Sequence[Key]] | None,
@@ -762,7 +762,7 @@ def _policy_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
     build.chains += slot_chains(ip, proto, chain, first, n, main, label)
 
 
-def _hashed_chain(build: _PortBuild, chain: str, eps: Sequence[MergedEndpoint],
+def _hashed_chain(build: _PortBuild, chain: str, eps: Sequence[SelectedEndpoint],
                   first: tuple[str, ...],
                   spelled: tuple[Mapping[int, str], Mapping[int, str]], label: str,
                   balancing: Balancing, affinity: bool) -> None:
@@ -889,7 +889,7 @@ def _firewall_rules(ip: str, ctx: RenderContext, ranges: Sequence[IPNetwork],
     return tuple(dict.fromkeys(rules))
 
 
-def _balance(ip: str, proto: str, eps: Sequence[MergedEndpoint],
+def _balance(ip: str, proto: str, eps: Sequence[SelectedEndpoint],
              texts: Mapping[int, str], ep_chains: Mapping[int, str],
              label: str, counts: Mapping[str, str]) -> tuple[str, ...]:
     """Affinity checks first, then endpoint i (of n) with probability 1/(n-i) among what
@@ -909,7 +909,7 @@ def _balance(ip: str, proto: str, eps: Sequence[MergedEndpoint],
     return tuple(rules)
 
 
-def _affinity_checks(ip: str, eps: Sequence[MergedEndpoint], ep_chains: Mapping[int, str]
+def _affinity_checks(ip: str, eps: Sequence[SelectedEndpoint], ep_chains: Mapping[int, str]
                      ) -> Iterator[str]:
     """A client with a live affinity entry goes back to its endpoint's chain."""
     for ep in eps:
