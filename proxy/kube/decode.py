@@ -868,7 +868,8 @@ def _plain_slice_endpoint(raw: Any, beta: bool, v4: bool) -> Endpoint:
     else:
         node_name = _plain_name(raw.get("nodeName"), dns_subdomain)
         zone = _plain_name(raw.get("zone"), label_value)
-    # Positional (faster): types.Endpoint's field order, pinned by the test above.
+    # Positional (faster): in types.Endpoint's __init__ order, pinned by a test
+    # (tests/unit/test_decode_fast.py).
     return Endpoint(address, ready, serving, terminating, node_name, zone)
 
 

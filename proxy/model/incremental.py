@@ -106,10 +106,10 @@ class PortIndex:
         since, self.base = self.base, None  # set again once this one has been made
         merged = self._merge(slices)
         if node != self._census.node:
-            self._census = Census.of((s.endpoint for s in self._selected), node)
+            self._census = Census.of(self._selected, node)
         for old, new in merged.values():
             if old is not None:
-                self._census.count(old.endpoint, -1)
+                self._census.count(old, -1)
             if new is not None:
                 self._census.count(new)
         topology, verdicts = decide(service, port, node, self.tag[2], self._census)

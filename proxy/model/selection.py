@@ -84,33 +84,36 @@ class Census:
     ready_hinted_zone: int = 0  # ready, a zone hint naming this node's zone
 
     @staticmethod
-    def of(endpoints: Iterable[MergedEndpoint], node: NodeView) -> Census:
+    def of(endpoints: Iterable[MergedEndpoint | SelectedEndpoint], node: NodeView) -> Census:
         census = Census(node)
         for ep in endpoints:
             census.count(ep)
         return census
 
-    def count(self, ep: MergedEndpoint, n: int = 1) -> None:
+    def count(self, ep: MergedEndpoint | SelectedEndpoint, n: int = 1) -> None:
         """Count `ep` in (n=1) or take it out again (n=-1)."""
-        if not ep.ready:
-            if ep.serving and ep.terminating:
+        # Its copy's fields read at once (each by name is two property calls).
+        ready, serving, terminating, node_name, zone = ep.copy.state
+        if not ready:
+            if serving and terminating:
                 self.fallback += n
             return
         self.ready += n
         node = self.node
-        if ep.node_name == node.name:
+        if node_name == node.name:
             self.ready_here += n
-        if ep.zone == node.zone and ep.zone is not None:
+        if zone == node.zone and zone is not None:
             self.ready_in_zone += n
-        if ep.node_hints:
+        zone_hints, node_hints = ep.copy.hints
+        if node_hints:
             self.ready_node_hinted += n
-            if node.name in ep.node_hints:
+            if node.name in node_hints:
                 self.ready_hinted_here += n
-        if ep.zone_hints:
+        if zone_hints:
             self.ready_zone_hinted += n
-            if node.zone in ep.zone_hints:
+            if node.zone in zone_hints:
                 self.ready_hinted_zone += n
-        if ep.node_hints or ep.zone_hints:
+        if node_hints or zone_hints:
             self.ready_hinted += n
 
 
@@ -205,9 +208,9 @@ def select_all(endpoints: Iterable[MergedEndpoint],
     # name them).
     plain = verdicts.mode == "cluster"
     for ep in endpoints:
-        what = ((ep.ready, ep.serving, ep.terminating, ep.node_name == here) if plain else
-                (ep.ready, ep.serving, ep.terminating, ep.node_name, ep.zone, ep.zone_hints,
-                 ep.node_hints))
+        copy = ep.copy
+        state = copy.state  # (ready, serving, terminating, node name, zone)
+        what = ((*state[:3], state[3] == here) if plain else (state, copy.hints))
         like = seen.get(what)
         if like is None:
             out.append(seen.setdefault(what, select(ep, verdicts)))

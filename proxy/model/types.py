@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
 
 IPAddress = IPv4Address | IPv6Address
 IPNetwork = IPv4Network | IPv6Network
@@ -140,18 +140,89 @@ class Service:
         return tuple(seen)
 
 
-@dataclass(frozen=True, slots=True)
+# An endpoint's conditions, node and zone: (ready, serving, terminating, node name, zone).
+State = tuple[bool, bool, bool, str | None, str | None]
+# An endpoint's hints: (hints.forZones, hints.forNodes), each sorted.
+Hints = tuple[tuple[str, ...], tuple[str, ...]]
+_NO_HINTS: Hints = ((), ())
+# States and hints shared by the endpoints that have them: a cluster has a few of each
+# per node. Emptied when full (nodes come and go for months); what was shared stays so.
+_SHARED: dict[tuple[object, ...], tuple[object, ...]] = {}
+_SHARED_MAX = 1 << 16
+
+
+_T = TypeVar("_T", bound=tuple[object, ...])
+
+
+def _shared(value: _T) -> _T:
+    got = _SHARED.get(value)
+    if got is None:
+        if len(_SHARED) >= _SHARED_MAX:
+            _SHARED.clear()
+        got = _SHARED[value] = value
+    return cast(_T, got)
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class Endpoint:
-    """One endpoint of one EndpointSlice (its first address only)."""
+    """One endpoint of one EndpointSlice (its first address only).
+
+    Three fields where there were eight: a million endpoints at 100,000 services x 10,
+    and an object of 8 fields took 96 bytes where 3 take 64. Its conditions, node and
+    zone are one tuple (`state`), its hints another (`hints`), each shared by every
+    endpoint with the same; read them by name (`ready` ... `node_hints`)."""
 
     address: IPAddress
-    ready: bool = True
-    serving: bool = True
-    terminating: bool = False
-    node_name: str | None = None
-    zone: str | None = None
-    zone_hints: tuple[str, ...] = ()  # hints.forZones, sorted
-    node_hints: tuple[str, ...] = ()  # hints.forNodes, sorted
+    state: State
+    hints: Hints
+
+    def __init__(self, address: IPAddress, ready: bool = True, serving: bool = True,
+                 terminating: bool = False, node_name: str | None = None,
+                 zone: str | None = None, zone_hints: tuple[str, ...] = (),
+                 node_hints: tuple[str, ...] = ()) -> None:
+        put = object.__setattr__  # frozen
+        put(self, "address", address)
+        put(self, "state", _shared((ready, serving, terminating, node_name, zone)))
+        put(self, "hints", _shared((zone_hints, node_hints))
+            if zone_hints or node_hints else _NO_HINTS)
+
+    def changed(self, **fields: Any) -> Endpoint:
+        """This endpoint with `fields` (any of `__init__`'s) changed: what
+        `dataclasses.replace` does for a dataclass whose fields `__init__` takes."""
+        ready, serving, terminating, node_name, zone = self.state
+        zone_hints, node_hints = self.hints
+        return Endpoint(**{"address": self.address, "ready": ready, "serving": serving,
+                           "terminating": terminating, "node_name": node_name,
+                           "zone": zone, "zone_hints": zone_hints,
+                           "node_hints": node_hints, **fields})
+
+    @property
+    def ready(self) -> bool:
+        return self.state[0]
+
+    @property
+    def serving(self) -> bool:
+        return self.state[1]
+
+    @property
+    def terminating(self) -> bool:
+        return self.state[2]
+
+    @property
+    def node_name(self) -> str | None:
+        return self.state[3]
+
+    @property
+    def zone(self) -> str | None:
+        return self.state[4]
+
+    @property
+    def zone_hints(self) -> tuple[str, ...]:
+        return self.hints[0]
+
+    @property
+    def node_hints(self) -> tuple[str, ...]:
+        return self.hints[1]
 
 
 @dataclass(frozen=True, slots=True)

@@ -142,13 +142,13 @@ class World:
         r = self.rnd
         if how == "flip":
             ready = r.random() < 0.5
-            e = replace(e, ready=ready, serving=ready or r.random() < 0.5,
-                        terminating=not ready and r.random() < 0.7)
+            e = e.changed(ready=ready, serving=ready or r.random() < 0.5,
+                          terminating=not ready and r.random() < 0.7)
         elif how == "move":
-            e = replace(e, node_name=r.choice(NODES), zone=r.choice(ZONES))
+            e = e.changed(node_name=r.choice(NODES), zone=r.choice(ZONES))
         else:
-            e = replace(e, zone_hints=self.hints(("zone-a", "zone-b")),
-                        node_hints=self.hints(NODES))
+            e = e.changed(zone_hints=self.hints(("zone-a", "zone-b")),
+                          node_hints=self.hints(NODES))
         self.slices[name] = replace(sl, endpoints=(*sl.endpoints[:i], e, *sl.endpoints[i + 1:]))
 
     def do_flip(self) -> None:
@@ -168,7 +168,7 @@ class World:
         name, i = got
         source = self.slices[name]
         target = self.rnd.choice(SLICE_NAMES)
-        copy = replace(source.endpoints[i], ready=not source.endpoints[i].ready)
+        copy = source.endpoints[i].changed(ready=not source.endpoints[i].ready)
         if target not in self.slices:
             self.slices[target] = replace(source, name=target, endpoints=(copy,))
         else:
@@ -190,7 +190,7 @@ class World:
         nodes = self.rnd.choice([(), ("node-a",), ("node-b",)])
         for name, sl in self.slices.items():
             self.slices[name] = replace(sl, endpoints=tuple(
-                replace(e, zone_hints=zones, node_hints=nodes) for e in sl.endpoints))
+                e.changed(zone_hints=zones, node_hints=nodes) for e in sl.endpoints))
 
     def do_service(self) -> None:
         r = self.rnd
