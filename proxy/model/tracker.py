@@ -169,7 +169,9 @@ class ClusterModel:
         self._services: dict[ServiceRef, Service] = {}  # ours only
         self._ignored: dict[ServiceRef, SkipGroup] = {}
         self._sources: dict[SourceRef, tuple[str, tuple[EndpointSlice, ...]]] = {}
-        self._by_service: dict[ServiceRef, dict[str, tuple[EndpointSlice, ...]]] = {}
+        # Each service's sources, sorted: a tuple, not a dict (a dict of one took 224
+        # bytes a service); their slices are in _sources.
+        self._by_service: dict[ServiceRef, tuple[str, ...]] = {}
         self._decode_skips: dict[ObjectRef, SkipGroup] = {}
         # Destinations claimed by our services, for arbitration between services that
         # claim the same one (a hostile or broken server; see claims_of). The holders
@@ -292,7 +294,8 @@ class ClusterModel:
         if old is not None:
             self._unlink(namespace, source, *old)
         self._sources[ref] = new
-        self._by_service.setdefault((namespace, service_name), {})[source] = slices
+        group = (namespace, service_name)
+        self._by_service[group] = tuple(sorted((*self._by_service.get(group, ()), source)))
         self._mark_slices(namespace, service_name, slices)
 
     def delete_source(self, namespace: str, source: str) -> None:
@@ -303,11 +306,12 @@ class ClusterModel:
     def _unlink(
         self, namespace: str, source: str, service_name: str, slices: tuple[EndpointSlice, ...]
     ) -> None:
-        group = self._by_service.get((namespace, service_name))
-        if group is not None:
-            group.pop(source, None)
-            if not group:
-                del self._by_service[(namespace, service_name)]
+        group = (namespace, service_name)
+        rest = tuple(s for s in self._by_service.get(group, ()) if s != source)
+        if rest:
+            self._by_service[group] = rest
+        else:
+            self._by_service.pop(group, None)
         self._mark_slices(namespace, service_name, slices)
 
     def _mark_slices(
@@ -478,8 +482,9 @@ class ClusterModel:
         port = next((p for p in service.ports if p.name == key.port), None)
         if port is None or key.family not in service.families():
             return None
-        group = self._by_service.get((key.namespace, key.name), {})
-        slices = [sl for sls in group.values() for sl in sls]
+        sources = self._sources
+        slices = [sl for source in self._by_service.get((key.namespace, key.name), ())
+                  for sl in sources[key.namespace, source][1]]
         cluster_ips = tuple(ip for ip in service.cluster_ips if Family.of(ip) is key.family)
         lost = self._lost.get((key.namespace, key.name))
         if lost:
