@@ -358,7 +358,11 @@ def _choose_topology(service: Service, census: Census, node: NodeView) -> Topolo
         requested = f"topology-mode={service.topology_mode}"
         return Topology("cluster", requested, "no endpoint carries hints yet; "
                         "using the whole cluster")
-    return Topology("cluster", requested, "no topology requested")
+    return _NO_TOPOLOGY
+
+
+# Most ports': one object for all of them (64 bytes a port).
+_NO_TOPOLOGY = Topology("cluster", "none", "no topology requested")
 
 
 def _by_preference(keys: tuple[str, ...], census: Census, node: NodeView) -> Topology:
