@@ -107,6 +107,7 @@ other ports of a cluster IP are rejected, as upstream's nftables mode does.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Hashable, Iterator, Mapping, Sequence
@@ -407,9 +408,17 @@ def render_shard(ctx: RenderContext, table: str) -> BaseObjects:
 PICK_PROTOCOLS = tuple(p.value.lower() for p in Protocol)
 
 
+@functools.cache  # a few names, each kept by every picked port of its count
 def pick_map(protocol: str, n: int) -> str:
     """The pick map of a shard's picked ports of `protocol` and n endpoints."""
     return f"{PICKS}{protocol}-{n}"
+
+
+@functools.cache
+def _goto_pick(n: int) -> Verdict:
+    """The dispatch of a picked port of n endpoints: one object for all (each port's
+    element keeps it)."""
+    return Verdict("goto", f"{PICK}{n}")
 
 
 def _pick_rules(ctx: RenderContext, ip: str, n: int) -> tuple[str, ...]:
@@ -594,11 +603,13 @@ def _pick(build: _PortBuild, rsp: ResolvedServicePort, eps: Sequence[SelectedEnd
     build.slot_values.append((picks, assigned))
     counter = port_counter(build.key, proto)
     build.count(counter, None)
+    goto = _goto_pick(len(values))
     for a in rsp.cluster_ips:
         at = _text(a)
         build.element(CLUSTER_IPS, (at,))
-        build.element(SERVICE_IPS, (at, proto, port), Verdict("goto", f"{PICK}{len(values)}"))
-        build.element(PORT_COUNTERS, (at, proto, port), CounterRef(counter))
+        destination = (at, proto, port)  # one key for both maps' elements
+        build.element(SERVICE_IPS, destination, goto)
+        build.element(PORT_COUNTERS, destination, CounterRef(counter))
         build.slot_elements += [Element(build.table, picks, (at, port, i), v)
                                 for i, v in enumerate(assigned)]
     return list(assigned) == values
