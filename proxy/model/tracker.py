@@ -485,7 +485,9 @@ class ClusterModel:
         sources = self._sources
         slices = [sl for source in self._by_service.get((key.namespace, key.name), ())
                   for sl in sources[key.namespace, source][1]]
-        cluster_ips = tuple(ip for ip in service.cluster_ips if Family.of(ip) is key.family)
+        cluster_ips = service.cluster_ips  # the service's own tuple where it is one family
+        if any(Family.of(ip) is not key.family for ip in cluster_ips):
+            cluster_ips = tuple(ip for ip in cluster_ips if Family.of(ip) is key.family)
         lost = self._lost.get((key.namespace, key.name))
         if lost:
             service, port, cluster_ips = _without(lost, service, port, cluster_ips)
