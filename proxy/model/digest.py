@@ -47,15 +47,17 @@ _FIELDS: dict[type, Callable[[Any], tuple[Any, ...]]] = {
     cls: operator.attrgetter(*_compared(cls))
     for cls in (Service, ServicePort, Topology, Conflict)
 }
-# A selected endpoint's merged endpoint's: its copy's fields, read from the copy (C
-# getters, where its properties are Python), then its own (a selected endpoint holds
-# them); the address as the integer it holds (a C getter, where the address's own methods
-# are Python): the port's family says which family.
+# A selected endpoint's merged-endpoint fields: its copy's, read from the copy (C
+# getters, where its properties are Python), then its own; the address as the integer it
+# holds (a C getter, where the address's own methods are Python): the port's family says
+# which family.
 _ENDPOINT = operator.attrgetter(
     *(f"copy.{name}._ip" if name == "address" else f"copy.{name}"
       for name in _compared(Endpoint)),
     *(name for name in _compared(MergedEndpoint) if name != "copy"))
-_SELECTED = operator.attrgetter("selected_for", "reason")
+# Then what the selection adds (selected_for, reason: `_selection` unpacks exactly these).
+_SELECTED = operator.attrgetter(*(name for name in _compared(SelectedEndpoint)
+                                  if name not in _compared(MergedEndpoint)))
 # A port's fields but its endpoints and service (flattened on their own).
 _PORT_FIELDS = [name for name in _compared(ResolvedServicePort)
                 if name not in ("endpoints", "service")]

@@ -36,6 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from proxy.model.shared import SharedValues
 from proxy.model.snapshot import EndpointSet, MergedEndpoint, SelectedEndpoint, Topology
 from proxy.model.types import (
     LABEL_HOSTNAME,
@@ -52,8 +53,7 @@ _LOCAL = frozenset({EndpointSet.LOCAL})
 _BOTH = _CLUSTER | _LOCAL
 # An endpoint's reason is one of a few texts (node and zone names aside): one object for
 # each, not one per endpoint (6 MiB of 100,000 equal strings at 10,000 services x 10).
-_REASONS: dict[str, str] = {}
-_REASONS_MAX = 4096
+_shared: SharedValues[str] = SharedValues(4096)
 _NONE: frozenset[EndpointSet] = frozenset()
 
 
@@ -299,17 +299,6 @@ def _local_verdict(ep: MergedEndpoint, node_name: str, local_ready: bool) -> tup
             return False, "terminating (ready local endpoints exist)"
         return True, "serving and terminating on this node, used because none is ready here"
     return False, _not_usable(ep)
-
-
-def _shared(reason: str) -> str:
-    """`reason`, or the equal text already made (a bounded table: the names in some
-    reasons are the cluster's)."""
-    got = _REASONS.get(reason)
-    if got is not None:
-        return got
-    if len(_REASONS) < _REASONS_MAX:
-        _REASONS[reason] = reason
-    return reason
 
 
 def _not_usable(ep: MergedEndpoint) -> str:

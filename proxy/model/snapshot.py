@@ -27,10 +27,15 @@ from proxy.model.types import (
 
 
 class _CopyFields:
-    """An endpoint's fields as its chosen copy (`copy`, an `Endpoint`) holds them."""
+    """An endpoint's fields as its chosen copy (`copy`, an `Endpoint`) holds them, and
+    its text (address:port)."""
 
     __slots__ = ()
     copy: Endpoint
+    port: int
+
+    def __str__(self) -> str:
+        return format_endpoint(self.address, self.port)
 
     @property
     def address(self) -> IPAddress:
@@ -78,9 +83,6 @@ class MergedEndpoint(_CopyFields):
     port: int
     sources: tuple[str, ...]  # names of the slices that listed it, sorted
     conflict: bool = False  # its copies disagreed on conditions, node or zone
-
-    def __str__(self) -> str:
-        return format_endpoint(self.address, self.port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,9 +136,6 @@ class SelectedEndpoint(_CopyFields):
     @property
     def in_local(self) -> bool:
         return EndpointSet.LOCAL in self.selected_for
-
-    def __str__(self) -> str:
-        return format_endpoint(self.address, self.port)
 
 
 @dataclass(frozen=True, slots=True)

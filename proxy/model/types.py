@@ -14,7 +14,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, NamedTuple
+
+from proxy.model.shared import SharedValues
 
 IPAddress = IPv4Address | IPv6Address
 IPNetwork = IPv4Network | IPv6Network
@@ -145,32 +147,19 @@ State = tuple[bool, bool, bool, str | None, str | None]
 # An endpoint's hints: (hints.forZones, hints.forNodes), each sorted.
 Hints = tuple[tuple[str, ...], tuple[str, ...]]
 _NO_HINTS: Hints = ((), ())
-# States and hints shared by the endpoints that have them: a cluster has a few of each
-# per node. Emptied when full (nodes come and go for months); what was shared stays so.
-_SHARED: dict[tuple[object, ...], tuple[object, ...]] = {}
-_SHARED_MAX = 1 << 16
-
-
-_T = TypeVar("_T", bound=tuple[object, ...])
-
-
-def _shared(value: _T) -> _T:
-    got = _SHARED.get(value)
-    if got is None:
-        if len(_SHARED) >= _SHARED_MAX:
-            _SHARED.clear()
-        got = _SHARED[value] = value
-    return cast(_T, got)
+# States and hints, each one object for every endpoint with the same.
+_STATES: SharedValues[State] = SharedValues(1 << 16)
+_HINTS: SharedValues[Hints] = SharedValues(1 << 16)
 
 
 @dataclass(frozen=True, slots=True, init=False)
 class Endpoint:
     """One endpoint of one EndpointSlice (its first address only).
 
-    Three fields where there were eight: a million endpoints at 100,000 services x 10,
-    and an object of 8 fields took 96 bytes where 3 take 64. Its conditions, node and
-    zone are one tuple (`state`), its hints another (`hints`), each shared by every
-    endpoint with the same; read them by name (`ready` ... `node_hints`)."""
+    Three fields: a million endpoints at 100,000 services x 10, and an object of eight
+    fields takes 96 bytes where three take 64. Its conditions, node and zone are one
+    tuple (`state`), its hints another (`hints`), each shared by every endpoint with the
+    same (shared.py); read them by name (`ready` ... `node_hints`)."""
 
     address: IPAddress
     state: State
@@ -182,8 +171,8 @@ class Endpoint:
                  node_hints: tuple[str, ...] = ()) -> None:
         put = object.__setattr__  # frozen
         put(self, "address", address)
-        put(self, "state", _shared((ready, serving, terminating, node_name, zone)))
-        put(self, "hints", _shared((zone_hints, node_hints))
+        put(self, "state", _STATES((ready, serving, terminating, node_name, zone)))
+        put(self, "hints", _HINTS((zone_hints, node_hints))
             if zone_hints or node_hints else _NO_HINTS)
 
     def changed(self, **fields: Any) -> Endpoint:

@@ -8,7 +8,7 @@ import itertools
 import sys
 from ipaddress import ip_address
 
-from proxy.model import types
+from proxy.model.shared import SharedValues
 from proxy.model.snapshot import EndpointSet, MergedEndpoint, SelectedEndpoint
 from proxy.model.types import Endpoint
 from tests.unit.builders import ep, eps_slice, model_of, service
@@ -37,13 +37,14 @@ def test_endpoints_alike_share_their_state_and_hints() -> None:
     assert sys.getsizeof(a) <= 56  # three fields: 64 bytes in pymalloc's classes
 
 
-def test_the_shared_states_are_bounded_and_what_was_shared_stays_right() -> None:
-    first = Endpoint(A, node_name="node-first")
-    many = [Endpoint(B, node_name=f"node-{i}") for i in range(types._SHARED_MAX + 10)]
-    assert len(types._SHARED) <= types._SHARED_MAX
-    assert first.node_name == "node-first"
-    assert [e.node_name for e in many[-3:]] == [f"node-{i}" for i in
-                                               range(types._SHARED_MAX + 7, types._SHARED_MAX + 10)]
+def test_a_shared_table_is_bounded_and_what_it_shared_stays_right() -> None:
+    table: SharedValues[tuple[str, int]] = SharedValues(limit=3)
+    first = table(("node-a", 1))
+    assert table(("node-a", 1)) is first
+    made = [table((f"node-{i}", i)) for i in range(10)]
+    assert len(table) <= 3
+    assert first == ("node-a", 1) and made[-1] == ("node-9", 9)
+    assert table(("node-9", 9)) is made[-1]  # the newest are shared again
 
 
 def test_a_selected_endpoint_is_one_object_that_reads_as_its_merged_endpoint() -> None:
@@ -56,7 +57,10 @@ def test_a_selected_endpoint_is_one_object_that_reads_as_its_merged_endpoint() -
     assert sys.getsizeof(sel) <= 80  # six fields, where a merged and a selected took 128
 
 
-def test_a_services_slices_resolve_the_same_in_any_order_they_came() -> None:
+def test_a_services_sources_are_kept_in_one_order_whatever_order_they_came() -> None:
+    """The model's record of a service's slices is the same however they arrived (what
+    a fresh model makes: tests/integration/test_watch_churn.py compares the two), and so
+    is what they resolve to."""
     slices = [eps_slice(f"s{i}", [ep(f"198.19.0.{i + 1}", node="node-a"),
                                   ep("198.19.0.9", node=f"node-{i}")]) for i in range(3)]
     results = set()
