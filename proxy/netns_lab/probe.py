@@ -2,9 +2,14 @@
 
 Every connection (or datagram) of `ask_once` and `ask` uses a fresh socket, so a fresh
 source port and a fresh conntrack entry: each one is a new load-balancing decision, as for
-real clients. `Flow` (TCP) and `UdpFlow` keep one socket instead: a long-lived flow, which
-must keep its backend. Failures are counted by kind instead of raised, so a test can
-assert "all refused" or "never timed out" as plainly as "only web-1 and web-2 answered".
+real clients. A datagram's source port is chosen here, not by the kernel (`_UdpPorts`):
+the kernel picks ephemeral UDP ports at random, and one chance repeat within IPVS's
+300 s UDP timeout joins the earlier datagram's connection, so it is neither a new
+decision nor a new connection in IPVS's statistics, and after a fault it inherits
+whatever the earlier one met. `Flow` (TCP) and `UdpFlow` keep one socket instead: a
+long-lived flow, which must keep its backend. Failures are counted by kind instead of
+raised, so a test can assert "all refused" or "never timed out" as plainly as "only web-1
+and web-2 answered".
 """
 
 from __future__ import annotations
@@ -54,6 +59,36 @@ def _readline(sock: socket.socket, deadline: float) -> str:
     return data.split(b"\n", 1)[0].decode(errors="replace")
 
 
+class _UdpPorts:
+    """Source ports for datagrams, none used twice within ~5 minutes: taken in turn from
+    below the kernel's ephemeral range (32768 up), so no kernel-chosen port meets them,
+    starting where a clock that goes round the range in 319 s points, so a later process
+    in the same namespaces starts past an earlier one's (unless it sent over 40 a
+    second)."""
+
+    FIRST, LAST, PER_SECOND = 20000, 32767, 40
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = int(time.time() * self.PER_SECOND)
+
+    def bind(self, sock: socket.socket, host: str) -> None:
+        size = self.LAST - self.FIRST + 1
+        for _ in range(64):  # a port in use (a listener, a held flow): the next one
+            with self._lock:
+                port, self._next = self.FIRST + self._next % size, self._next + 1
+            try:
+                sock.bind((host, port))
+                return
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+        sock.bind((host, 0))
+
+
+_udp_ports = _UdpPorts()
+
+
 def ask_once(ns: str, ip: str, port: int, proto: str = "tcp", timeout: float = 1.0,
              source: str | None = None) -> str:
     """One fresh connection (or datagram) from namespace `ns`: a backend name or a failure."""
@@ -62,7 +97,9 @@ def ask_once(ns: str, ip: str, port: int, proto: str = "tcp", timeout: float = 1
         sock = socket.socket(_family(ip), kind)
     deadline = time.monotonic() + timeout
     try:
-        if source is not None:
+        if kind == socket.SOCK_DGRAM:
+            _udp_ports.bind(sock, source or ("::" if _family(ip) == socket.AF_INET6 else ""))
+        elif source is not None:
             sock.bind((source, 0))
         sock.settimeout(timeout)
         sock.connect((ip, port))

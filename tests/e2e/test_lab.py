@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 
-from proxy.netns_lab import BackendSpec, Lab, LabError, sweep_stale
-from proxy.netns_lab.topology import ip
+from proxy.netns_lab import BackendSpec, Lab, LabError, probe, sweep_stale
+from proxy.netns_lab.netns import entered
+from proxy.netns_lab.topology import NODE_LAN4, ip
 
 pytestmark = pytest.mark.root
 
@@ -40,6 +43,37 @@ def test_backends_answer_on_both_families_and_protocols() -> None:
             "timeout": 1}
         # The lab never adds anything to the host's own namespace.
         assert _host_links() == host_before
+
+
+def test_datagram_probes_never_repeat_a_source_port() -> None:
+    """Each datagram is a new flow for the balancer (and a new connection in IPVS's
+    statistics) only if its 5-tuple is new: the kernel's random ephemeral ports repeat
+    by chance (one in ~16 over 60 datagrams), so the probe picks ports below that range
+    itself, never the same twice in a run."""
+    count = 300
+    with Lab([]) as lab:
+        with entered(lab.node_ns):
+            server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        server.bind((str(NODE_LAN4), 9053))
+        server.settimeout(5)
+        seen: list[int] = []
+
+        def echo_port() -> None:  # answers each datagram with the port it came from
+            for _ in range(count):
+                _, peer = server.recvfrom(64)
+                seen.append(peer[1])
+                server.sendto(b"%d\n" % peer[1], peer)
+
+        thread = threading.Thread(target=echo_port, daemon=True)
+        thread.start()
+        try:
+            answers = [probe.ask_once(lab.client_ns, str(NODE_LAN4), 9053, "udp", 2.0)
+                       for _ in range(count)]
+        finally:
+            thread.join(10)
+            server.close()
+    assert answers == [str(p) for p in seen], answers[:5]
+    assert len(set(seen)) == count and max(seen) < 32768, sorted(seen)[:5]
 
 
 def test_teardown_removes_namespaces_and_processes_even_after_a_failure() -> None:
