@@ -233,8 +233,8 @@ class DesiredState:
     changes since over it (layered.py), folded into a new base now and then.
     """
 
-    __slots__ = ("_base", "_over", "_parent", "_token", "changed", "generation", "ports",
-                 "primary_ips")
+    __slots__ = ("_base", "_over", "_parent", "_token", "changed", "conflicts", "generation",
+                 "ports", "primary_ips")
 
     def __init__(
         self,
@@ -245,9 +245,10 @@ class DesiredState:
         primary_ips: tuple[IPAddress, ...] = (),
         overlay: dict[ServicePortKey, object] | None = None,
         size: int = 0,
+        conflicts: int | None = None,
     ) -> None:
         """`ports`, with `overlay` and its `size` over it if given (layered.py): never
-        written again."""
+        written again. `conflicts`: their endpoints in conflict, if known."""
         self._base = ports if ports is not None else {}
         self._over = overlay or {}
         # A plain dict's view while nothing is layered over it: lookups at C speed.
@@ -256,6 +257,10 @@ class DesiredState:
             else MappingProxyType(self._base)
         # Keys added, removed or changed relative to the previous snapshot.
         self.changed = changed
+        # Endpoints in conflict over every port (a metric read at each scrape): kept by
+        # `evolve` in O(changes), as summing 100,000 ports took 50-80 ms of the loop.
+        self.conflicts = sum(len(rsp.conflicts) for rsp in self.ports.values()) \
+            if conflicts is None else conflicts
         self.generation = generation
         # Lineage by token, not by reference: a state holding its parent would keep
         # every earlier snapshot alive.
@@ -275,11 +280,15 @@ class DesiredState:
         primary = self.primary_ips if primary_ips is None else primary_ips
         if not updates:
             return DesiredState(self._base, frozenset(), self.generation + 1, self._token,
-                                primary, self._over, len(self.ports))
+                                primary, self._over, len(self.ports), self.conflicts)
         base, over, size, changed = layer(self._base, self._over, len(self.ports), updates,
                                           _differs)
-        return DesiredState(base, frozenset(changed), self.generation + 1, self._token,
-                            primary, over, size)
+        state = DesiredState(base, frozenset(changed), self.generation + 1, self._token,
+                             primary, over, size, self.conflicts)
+        mine, theirs = self.ports, state.ports
+        state.conflicts += sum(_conflicts(theirs.get(k)) - _conflicts(mine.get(k))
+                               for k in changed)
+        return state
 
     def changed_since(self, earlier: DesiredState | None) -> frozenset[ServicePortKey]:
         """Keys whose entry differs from `earlier`'s (None: every key). Unchanged entries
@@ -302,6 +311,10 @@ class DesiredState:
 
     def get(self, key: ServicePortKey) -> ResolvedServicePort | None:
         return self.ports.get(key)
+
+
+def _conflicts(rsp: ResolvedServicePort | None) -> int:
+    return 0 if rsp is None else len(rsp.conflicts)
 
 
 def same_but_endpoints(a: ResolvedServicePort, b: ResolvedServicePort) -> bool:

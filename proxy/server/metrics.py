@@ -220,7 +220,7 @@ class ModelCollector(Collector):
             for (kind, reason), count in sorted(model.skip_counts().items()):
                 skipped.add_metric([kind, reason], count)
             state = model.state
-            conflicts.add_metric([], sum(len(rsp.conflicts) for rsp in state))
+            conflicts.add_metric([], state.conflicts)
             ports.add_metric([], len(state))
         yield from (skipped, conflicts, ports)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.kube.ingest import apply_object
 from proxy.kube.reflector import ReflectorStats
 from proxy.kube.resources import SERVICES
 from proxy.server.metrics import AgentMetrics
@@ -88,6 +89,36 @@ def test_model_collector_counts_skips_by_reason_and_conflicts() -> None:
                                 {"kind": "Service", "reason": "invalid-ip"}) == 1
     assert reg.get_sample_value("sliceproxy_endpoint_conflicts") == 1
     assert reg.get_sample_value("sliceproxy_service_ports") == 1
+
+
+def test_endpoint_conflicts_follow_every_change() -> None:
+    """The gauge is kept as ports change (a scrape no longer sums every port): after each
+    step it is what summing every port's conflicts says, and what the slices imply."""
+    model = model_of(service("web", ips=("198.18.128.10",)),
+                     service("api", ips=("198.18.128.11",)))
+    m = AgentMetrics()
+    m.watch_model(lambda: model)
+
+    def gauge() -> float | None:
+        model.resolve()
+        assert model.state.conflicts == sum(len(p.conflicts) for p in model.state)
+        return m.registry.get_sample_value("sliceproxy_endpoint_conflicts")
+
+    def both(name: str, svc: str, ready: bool, *more: str) -> None:
+        apply_object(model, eps_slice(name, [ep("198.18.1.10", ready=ready),
+                                             *(ep(a) for a in more)], service_name=svc))
+
+    assert gauge() == 0
+    both("w1", "web", True, "198.18.1.11")
+    both("w2", "web", False)  # 198.18.1.10 listed twice, its copies disagree
+    assert gauge() == 1
+    both("a1", "api", True, "198.18.1.12")
+    both("a2", "api", False, "198.18.1.12")  # .10 disagrees; .12 is an identical copy
+    assert gauge() == 2
+    both("w2", "web", True)  # the copies agree again
+    assert gauge() == 1
+    apply_object(model, service("api", ips=(), clusterIP="None"))
+    assert gauge() == 0  # api is headless now: no port, no conflict
 
 
 def test_watch_collector_reads_reflector_stats_at_scrape_time() -> None:
