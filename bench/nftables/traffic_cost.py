@@ -77,7 +77,7 @@ def scrape(ns: str, dp: NftablesDataPlane, times: int) -> dict[str, Any]:
             reading.update(dp.traffic())
         read.append((time.perf_counter() - began) * 1e3)
         began = time.perf_counter()
-        size = len(series_text(reading.ports))
+        size = sum(map(len, series_text(reading.ports)))
         text.append((time.perf_counter() - began) * 1e3)
     series = sum(1 + len(p.endpoints or ()) for p in reading.ports.values())
     return {"read_ms": round(statistics.median(read), 1),

@@ -94,10 +94,17 @@ def metrics_app(metrics: AgentMetrics, source: DumpSource | None, *,
     """`source` None: /debug/dump answers 404 and says why (--debug-dump=false);
     `loopback_only`: it answers 403 to a client that is not on a loopback address;
     `refresh`: what a scrape awaits first (the kernel's traffic counters read)."""
-    async def serve_metrics(_: web.Request) -> web.Response:
+    async def serve_metrics(request: web.Request) -> web.StreamResponse:
         if refresh is not None:
             await refresh()
-        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        parts = metrics.render_parts()
+        response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
+        response.content_length = sum(map(len, parts))
+        await response.prepare(request)
+        for part in parts:  # each write waits while the client is behind (~200 KB)
+            await response.write(part)
+        await response.write_eof()
+        return response
 
     async def dump(request: web.Request) -> web.Response:
         if source is None:

@@ -193,8 +193,13 @@ class AgentMetrics:
         self._traffic = reading
 
     def render(self) -> bytes:
+        return b"".join(self.render_parts())
+
+    def render_parts(self) -> tuple[bytes, ...]:
+        """The scrape's text in parts, written one after the other: not joined into
+        one, which at 100,000 ports copied 10 MB on the event loop at every scrape."""
         text = generate_latest(self.registry)
-        return text + self._traffic.series() if self._traffic is not None else text
+        return (text, *self._traffic.series()) if self._traffic is not None else (text,)
 
 
 class ModelCollector(Collector):

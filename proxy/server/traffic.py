@@ -48,13 +48,13 @@ class TrafficReading:
     clock: Callable[[], float] = time.monotonic
     not_before: float = 0.0  # no new reading before then (READ_SPACING)
     _taking: asyncio.Future[None] | None = field(default=None, repr=False)
-    _series: bytes | None = field(default=None, repr=False)  # series_text of `ports`
+    _series: tuple[bytes, ...] | None = field(default=None, repr=False)  # series_text
 
     def update(self, ports: Mapping[ServicePortKey, PortTraffic],
-               series: bytes | None = None) -> None:
+               series: tuple[bytes, ...] | None = None) -> None:
         self.ports, self._series = ports, series
 
-    def series(self) -> bytes:
+    def series(self) -> tuple[bytes, ...]:
         """`series_text` of the last reading, made once per reading (0.25 s at 100,000
         ports: on the event loop at every scrape, it held each change meanwhile)."""
         if self._series is None:
@@ -119,29 +119,40 @@ _HELP = {
 }
 
 
-def series_text(ports: Mapping[ServicePortKey, PortTraffic]) -> bytes:
+def series_text(ports: Mapping[ServicePortKey, PortTraffic]) -> tuple[bytes, ...]:
     """sliceproxy_service_{connections,packets,bytes}_total by service port and
-    sliceproxy_endpoint_*_total by endpoint, from a reading's `ports`, as Prometheus text.
-    Written here rather than through prometheus_client's collectors: 10,000 ports took
-    70 ms there, a scrape's whole budget."""
+    sliceproxy_endpoint_*_total by endpoint, from a reading's `ports`, as Prometheus text
+    in parts of at most PART_LINES lines (joined, the whole text). Written here rather
+    than through prometheus_client's collectors: 10,000 ports took 70 ms there, a
+    scrape's whole budget. Made off the event loop (0.25 s at 100,000 ports), it offers
+    the interpreter's lock between parts: 10 MB joined and encoded at once held it for
+    20-40 ms, and each change on the loop or the data plane's thread waited for it."""
     out: dict[tuple[str, str], list[str]] = {(scope, what): [] for scope in SCOPES
                                              for what in _HELP}
-    for key, pt in ports.items():
+    for i, (key, pt) in enumerate(ports.items()):
         labels = (f'namespace="{_escape(key.namespace)}",service="{_escape(key.name)}",'
                   f'port="{_escape(key.port)}",family="{key.family.label}"')
         _samples(out, "service", labels, pt.total)
         for (address, port), c in (pt.endpoints or {}).items():
             _samples(out, "endpoint", f'{labels},endpoint="{format_endpoint(address, port)}"',
                      c)
-    text = []
+        if i % OFFER_EVERY == OFFER_EVERY - 1:
+            time.sleep(0)
+    parts = []
     for (scope, what), samples in out.items():
         if not samples and what != "connections":  # packets and bytes: IPVS only
             continue
         name = f"sliceproxy_{scope}_{what}_total"
-        text.append(f"# HELP {name} {_HELP[what].format(SCOPES[scope])}\n"
-                    f"# TYPE {name} counter\n")
-        text.extend(f"{name}{{{s}\n" for s in samples)
-    return "".join(text).encode()
+        head = f"# HELP {name} {_HELP[what].format(SCOPES[scope])}\n# TYPE {name} counter\n"
+        for at in range(0, max(len(samples), 1), PART_LINES):
+            lines = "".join(f"{name}{{{s}\n" for s in samples[at:at + PART_LINES])
+            parts.append(((head if at == 0 else "") + lines).encode())
+            time.sleep(0)  # offers the lock (see above)
+    return tuple(parts)
+
+
+PART_LINES = 2000  # ~200 KB of text, ~0.5 ms to join and encode
+OFFER_EVERY = 200  # ports, ~0.5 ms of Python
 
 
 SCOPES = {"service": "service port", "endpoint": "endpoint"}

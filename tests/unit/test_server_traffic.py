@@ -7,12 +7,20 @@ from __future__ import annotations
 import asyncio
 from ipaddress import ip_address
 
+from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.dataplane.base import Counted, PortTraffic
 from proxy.model.types import Family, ServicePortKey
-from proxy.server.metrics import AgentMetrics
-from proxy.server.traffic import READ_SPACING, TrafficReading, series_text, traffic_view
+from proxy.server.http import metrics_app
+from proxy.server.metrics import CONTENT_TYPE, AgentMetrics
+from proxy.server.traffic import (
+    PART_LINES,
+    READ_SPACING,
+    TrafficReading,
+    series_text,
+    traffic_view,
+)
 
 WEB = ServicePortKey("demo", "web", "http", Family.V4)
 DNS = ServicePortKey("kube-system", "dns", "", Family.V6)
@@ -54,6 +62,37 @@ def test_metrics_have_a_series_per_port_and_per_counted_endpoint_only() -> None:
     parsed = {f.name: (f.type, len(f.samples)) for f in text_string_to_metric_families(text)}
     assert parsed["sliceproxy_service_connections"] == ("counter", 2)
     assert parsed["sliceproxy_endpoint_connections"] == ("counter", 2)
+
+
+def test_a_large_reading_is_served_whole_from_its_parts() -> None:
+    """Made and written in parts (not one 10 MB text at 100,000 ports): a scrape gets
+    every series once, each family under one HELP and TYPE, its length announced."""
+    n = 2 * PART_LINES + 7
+    ports = {ServicePortKey("ns", f"s-{i}", "http", Family.V4):
+             PortTraffic(Counted(i), {(ip_address("198.18.1.10"), 80): Counted(i)}
+                         if i % 2 else None) for i in range(n)}
+    reading = TrafficReading()
+    reading.update(ports)
+    assert len(reading.series()) > 3  # in parts, several per family
+    metrics = AgentMetrics()
+    metrics.watch_traffic(reading)
+
+    async def scrape() -> tuple[bytes, dict[str, str]]:
+        async with TestClient(TestServer(metrics_app(metrics, None))) as client:
+            got = await client.get("/metrics")
+            assert got.status == 200
+            return await got.read(), dict(got.headers)
+
+    body, headers = asyncio.run(scrape())
+    assert headers["Content-Type"] == CONTENT_TYPE
+    assert int(headers["Content-Length"]) == len(body) and body == metrics.render()
+    text = body.decode()
+    parsed = {f.name: f for f in text_string_to_metric_families(text)}
+    service = parsed["sliceproxy_service_connections"].samples
+    assert sorted(int(s.value) for s in service) == list(range(n))
+    assert len(parsed["sliceproxy_endpoint_connections"].samples) == n // 2
+    for name in ("sliceproxy_service_connections_total", "sliceproxy_endpoint_connections_total"):
+        assert text.count(f"# TYPE {name} counter\n") == 1
 
 
 def test_a_reading_that_fails_or_waits_too_long_keeps_the_last_one() -> None:
