@@ -283,12 +283,11 @@ class DesiredState:
                                 primary, self._over, len(self.ports), self.conflicts)
         base, over, size, changed = layer(self._base, self._over, len(self.ports), updates,
                                           _differs)
-        state = DesiredState(base, frozenset(changed), self.generation + 1, self._token,
-                             primary, over, size, self.conflicts)
-        mine, theirs = self.ports, state.ports
-        state.conflicts += sum(_conflicts(theirs.get(k)) - _conflicts(mine.get(k))
-                               for k in changed)
-        return state
+        # A changed key holds its update now (None: removed).
+        conflicts = self.conflicts + sum(_conflicts(updates[k]) - _conflicts(self.ports.get(k))
+                                         for k in changed)
+        return DesiredState(base, frozenset(changed), self.generation + 1, self._token,
+                            primary, over, size, conflicts)
 
     def changed_since(self, earlier: DesiredState | None) -> frozenset[ServicePortKey]:
         """Keys whose entry differs from `earlier`'s (None: every key). Unchanged entries

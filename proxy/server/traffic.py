@@ -119,6 +119,10 @@ _HELP = {
 }
 
 
+PART_LINES = 2000  # ~200 KB of text, ~0.5 ms to join and encode
+OFFER_EVERY = 200  # ports, ~0.5 ms of Python
+
+
 def series_text(ports: Mapping[ServicePortKey, PortTraffic]) -> tuple[bytes, ...]:
     """sliceproxy_service_{connections,packets,bytes}_total by service port and
     sliceproxy_endpoint_*_total by endpoint, from a reading's `ports`, as Prometheus text
@@ -149,10 +153,6 @@ def series_text(ports: Mapping[ServicePortKey, PortTraffic]) -> tuple[bytes, ...
             parts.append(((head if at == 0 else "") + lines).encode())
             time.sleep(0)  # offers the lock (see above)
     return tuple(parts)
-
-
-PART_LINES = 2000  # ~200 KB of text, ~0.5 ms to join and encode
-OFFER_EVERY = 200  # ports, ~0.5 ms of Python
 
 
 SCOPES = {"service": "service port", "endpoint": "endpoint"}
