@@ -50,6 +50,7 @@ from proxy.dataplane.nftables.wire import (
     _address_elements,
     _element,
     _elements,
+    _pick_elements,
     encode,
     statement_lines,
 )
@@ -290,5 +291,34 @@ def test_a_set_of_addresses_is_encoded_whole_as_element_by_element(
             _elements(family, items)
         return
     assert (_address_elements(family, items) is not None) is bulk
+    assert _elements(family, items) == b"".join(_element(family, key, data)
+                                                for key, data in items)
+
+
+@pytest.mark.parametrize(("family", "items", "bulk"), [
+    (Family.V4, [(("198.18.128.1", 80, i), (f"198.19.0.{i + 1}", 8080 + i))
+                 for i in range(10)], True),
+    (Family.V6, [(("fd00:198:18::1", 53, i), (f"fd00:19::{i + 1:x}", 5353))
+                 for i in range(3)] + [(("fd00:198:18::2", 65535, 0xFFFFFFFF), ("::", 0))],
+     True),
+    # Anything else is element by element: a slot map's, a verdict, a set's element.
+    (Family.V4, [(("198.18.128.1", 80, 0), Verdict("goto", "ep-a"))], False),
+    (Family.V4, [((0,), ("198.19.0.1", 80))], False),
+    (Family.V4, [(("198.18.128.1", "tcp", 80), ())], False),
+    # Refused either way: a port or slot out of range, an address of the other family.
+    (Family.V4, [(("198.18.128.1", 80, 0), ("198.19.0.1", 70000))], None),
+    (Family.V4, [(("198.18.128.1", 80, 1 << 32), ("198.19.0.1", 80))], None),
+    (Family.V4, [(("198.18.128.1", 80, 0), ("fd00:19::1", 80))], None),
+])
+def test_pick_map_elements_are_encoded_whole_as_element_by_element(
+        family: Family, items: list[tuple[Key, Value]], bulk: bool | None) -> None:
+    """A pick map's elements (render._pick) are framed in one pass with their shared
+    headers (`_pick_elements`): the same bytes as element by element."""
+    if bulk is None:
+        assert _pick_elements(family, items) is None
+        with pytest.raises(Unencodable):
+            _elements(family, items)
+        return
+    assert (_pick_elements(family, items) is not None) is bulk
     assert _elements(family, items) == b"".join(_element(family, key, data)
                                                 for key, data in items)
