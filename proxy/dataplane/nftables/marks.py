@@ -20,10 +20,9 @@ import functools
 import hashlib
 import marshal
 import socket
-from ipaddress import IPv6Address
 
 from proxy.dataplane.common.context import RenderContext
-from proxy.dataplane.common.naming import address_text
+from proxy.dataplane.common.naming import packed_v6_text
 from proxy.dataplane.common.source_digest import source_digest
 from proxy.dataplane.nftables.objects import Key
 from proxy.model.digest import ResolutionDigests, flat
@@ -35,7 +34,7 @@ def spelled(family: Family, digest: bytes) -> Key:
     """16 bytes as an element of @fingerprints in `family`'s table."""
     if family is Family.V4:
         return tuple(socket.inet_ntoa(digest[i:i + 4]) for i in range(0, 16, 4))
-    return (address_text(IPv6Address(digest)),)
+    return (packed_v6_text(digest),)
 
 
 class InputMarks:
