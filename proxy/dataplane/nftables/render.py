@@ -511,17 +511,19 @@ def fingerprint(family: Family, owner: tuple[object, ...], chains: Sequence[Chai
     same on any process and version that renders the same (never Python's per-process
     `hash`). Hashed as the str of every part, joined by a byte no rule or name holds
     (comments are printable ASCII, `comment`): the repr of the objects, in Python for a
-    NamedTuple, was a fifth of a port's render."""
+    NamedTuple, was a fifth of a port's render. The elements' parts (most of them, most
+    already text) are made text as they are listed: a second pass of `str` over them
+    was a third of the fingerprint."""
     flat: list[object] = [*owner]
     for c in chains:
         flat.append(c.name)
         flat.extend(c.rules)
         flat.append(c.hook)
-    flat += [x for e in elements for x in (e.set, *e.key, ":", *e.value, ";")]
-    flat += [x for s in sets for x in (type(s).__name__, *s)]
-    flat += counters
-    digest = hashlib.blake2b("\x1f".join(map(str, flat)).encode(), digest_size=16).digest()
-    return spelled(family, digest)
+    parts = [x if type(x) is str else str(x)
+             for e in elements for x in (e.set, *e.key, ":", *e.value, ";")]
+    rest = [x for s in sets for x in (type(s).__name__, *s)]
+    text = "\x1f".join([*map(str, flat), *parts, *map(str, rest), *map(str, counters)])
+    return spelled(family, hashlib.blake2b(text.encode(), digest_size=16).digest())
 
 
 # @fingerprints' key: 128 bits in either family.
@@ -584,7 +586,9 @@ def _picked(rsp: ResolvedServicePort, ctx: RenderContext, p: PortPlan
             or per_endpoint(rsp.service, ctx.traffic_per_endpoint):
         return ()
     eps, other = (p.cluster_eps, p.svl) if p.internal == p.svc else (p.local_eps, p.svc)
-    if other is not None or len({(ep.address, ep.port) for ep in eps}) > PICK_MAX:
+    # (Counted only past PICK_MAX: hashing an address is Python's work.)
+    if other is not None or (
+            len(eps) > PICK_MAX and len({(ep.address, ep.port) for ep in eps}) > PICK_MAX):
         return ()
     return eps
 
@@ -596,8 +600,8 @@ def _pick(build: _PortBuild, rsp: ResolvedServicePort, eps: Sequence[SelectedEnd
     (`assign_slots`) while the count stays. Whether the slots are those its input alone
     gives (marks.py)."""
     proto, port = build.proto, rsp.port.port
-    _texts, addrs = _endpoint_texts(build, eps, build.key.family)
-    values = list(dict.fromkeys(slot_value(addrs[id(ep)], ep.port) for ep in eps))
+    addrs = _endpoint_addresses(build, eps)
+    values = list(dict.fromkeys([slot_value(addrs[id(ep)], ep.port) for ep in eps]))
     picks = pick_map(proto, len(values))
     assigned = tuple(assign_slots(values, (slots or {}).get(picks, ())))
     build.slot_values.append((picks, assigned))
@@ -700,19 +704,27 @@ def cluster_masquerade(rsp: ResolvedServicePort, ctx: RenderContext, ip: str,
 
 def _endpoint_texts(build: _PortBuild, eps: Sequence[SelectedEndpoint],
                     family: Family) -> tuple[dict[int, str], dict[int, str]]:
-    """Each endpoint's DNAT target (address:port) and address, by the endpoint object's
-    id, and its hairpin element. By id: the cluster and local sets hold the same objects,
-    and hashing a SelectedEndpoint (all its fields, the address's hash in Python) for every
-    endpoint was a third of rendering a large service."""
-    texts: dict[int, str] = {}
+    """Each endpoint's DNAT target (address:port) and address (`_endpoint_addresses`),
+    by the endpoint object's id."""
+    addrs = _endpoint_addresses(build, eps)
+    if family is Family.V6:
+        return {id(ep): f"[{addrs[id(ep)]}]:{ep.port}" for ep in eps}, addrs
+    return {id(ep): f"{addrs[id(ep)]}:{ep.port}" for ep in eps}, addrs
+
+
+def _endpoint_addresses(build: _PortBuild, eps: Sequence[SelectedEndpoint]
+                        ) -> dict[int, str]:
+    """Each endpoint's address, by the endpoint object's id, and its hairpin element. By
+    id: the cluster and local sets hold the same objects, and hashing a SelectedEndpoint
+    (all its fields, the address's hash in Python) for every endpoint was a third of
+    rendering a large service."""
     addrs: dict[int, str] = {}
-    v6 = family is Family.V6
+    hairpin = build.elements.setdefault(HAIRPIN, {})
     for ep in eps:
         if id(ep) not in addrs:
             at = addrs[id(ep)] = _text(ep.address)
-            texts[id(ep)] = f"[{at}]:{ep.port}" if v6 else f"{at}:{ep.port}"
-            build.element(HAIRPIN, hairpin_element(at))
-    return texts, addrs
+            hairpin.setdefault(hairpin_element(at), ())
+    return addrs
 
 
 def _endpoint_chains(build: _PortBuild, affinity: int | None, texts: Mapping[int, str],
@@ -853,6 +865,8 @@ def assign_slots(values: Sequence[V], before: Sequence[V]) -> list[V]:
     that is below n; the others fill the free slots in order. So an endpoint gone moves
     one other (the one in the last slot, into its place), and one added takes the new
     last slot."""
+    if not before:  # a first render: each value in its own order
+        return list(values)
     previous = dict(zip(before, range(len(before)), strict=True))
     n = len(values)
     slots: list[V | None] = [None] * n
