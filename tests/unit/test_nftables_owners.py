@@ -6,10 +6,12 @@ last owner."""
 
 from __future__ import annotations
 
+import copy
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.dataplane.nftables.objects import Value, Verdict
+from proxy.dataplane.nftables.objects import Element, Value, Verdict
 from proxy.dataplane.nftables.render import pick_map
 from proxy.dataplane.nftables.transaction import ElementKey, Owners
 from proxy.model.types import Family, ServicePortKey
@@ -54,6 +56,34 @@ def test_owners_answer_as_a_plain_map_would(
     assert {(t, s, k): v for t, s, pairs in owners.sets() for k, v in pairs} \
         == dict(owners.elements())
     assert len(owners) == len(plain)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.sampled_from(ELEMENTS), max_size=5),
+                          st.sampled_from(PORTS), st.sampled_from(VALUES)), max_size=30))
+def test_elements_added_as_rendered_are_owned_as_added_one_by_one(
+        operations: list[tuple[bool, list[ElementKey], ServicePortKey, Value]]) -> None:
+    """`add_rendered` (a port's elements in runs of a set: its shortcuts for the common
+    cases) keeps what `add` of each would."""
+    rendered, one_by_one = Owners(), Owners()
+    for add, elements, port, value in operations:
+        if add:
+            rendered.add_rendered(port, [Element(t, s, k, value) for t, s, k in elements])
+            for e in elements:
+                one_by_one.add(e, port, value)
+        else:
+            for e in elements:
+                rendered.remove(e, port)
+                one_by_one.remove(e, port)
+        assert dict(rendered.elements()) == dict(one_by_one.elements())
+        for e in ELEMENTS:
+            assert rendered.held(e) == one_by_one.held(e)
+        for e in elements:
+            for p in PORTS:  # each owner left leaves the element to the others
+                probe_r, probe_o = copy.deepcopy(rendered), copy.deepcopy(one_by_one)
+                probe_r.remove(e, p)
+                probe_o.remove(e, p)
+                assert probe_r.held(e) == probe_o.held(e)
 
 
 def test_a_set_element_owned_once_is_the_port_alone_and_a_map_element_a_pair() -> None:

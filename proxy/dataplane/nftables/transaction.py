@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import islice
@@ -116,21 +117,35 @@ class Owners:
         self._add(*element, port, value)
 
     def add_rendered(self, port: ServicePortKey, elements: Iterable[Element]) -> None:
-        """`add` of each of `elements`, as a port (or base) rendered them."""
-        add = self._add
-        for e in elements:
-            add(e.table, e.set, e.key, port, e.value)
+        """`add` of each of `elements`, as a port (or base) rendered them: a set's
+        elements one after the other (render's order), its members looked up once for
+        them (element by element, a sixth of a first start's records)."""
+        for (table, set_name), run in itertools.groupby(elements, _element_set):
+            members = self._members(table, set_name)
+            if isinstance(members, dict):
+                for e in run:
+                    _add_owner(members, e.key, port, e.value)
+            elif isinstance(members, _Pairs):
+                members.add_run(run, port)
+            else:
+                add = members.add
+                for e in run:
+                    add(e.key, port, e.value)
 
     def _add(self, table: str, set_name: str, key: Key, port: ServicePortKey,
              value: Value) -> None:
-        members = self._sets.get((table, set_name))
-        if members is None:
-            members = self._sets[table, set_name] = _Picks() if set_name.startswith(PICKS) \
-                else _Pairs() if set_name == HAIRPIN else {}
+        members = self._members(table, set_name)
         if isinstance(members, dict):
             _add_owner(members, key, port, value)
         else:
             members.add(key, port, value)
+
+    def _members(self, table: str, set_name: str) -> dict[Key, _Owned] | _Picks | _Pairs:
+        members = self._sets.get((table, set_name))
+        if members is None:
+            members = self._sets[table, set_name] = _Picks() if set_name.startswith(PICKS) \
+                else _Pairs() if set_name == HAIRPIN else {}
+        return members
 
     def remove(self, element: ElementKey, port: ServicePortKey) -> None:
         table, set_name, key = element
@@ -162,6 +177,9 @@ class Owners:
         for table, set_name, members in self.sets():
             for key, value in members:
                 yield (table, set_name, key), value
+
+
+_element_set = operator.itemgetter(0, 1)  # an Element's table and set
 
 
 # One owner: the port (a set's element has no value), or (port, value); several: a dict.
@@ -246,6 +264,16 @@ class _Pairs:
 
     def add(self, key: Key, port: ServicePortKey, value: Value) -> None:
         _add_owner(*self._where(key), port, value)
+
+    def add_run(self, run: Iterable[Element], port: ServicePortKey) -> None:
+        """`add` of each of a port's `run` of elements, an address's first owner (nearly
+        every one) kept in line."""
+        by_address = self.by_address
+        for e in run:
+            key = e.key
+            if e.value or len(key) != 2 or key[0] != key[1] \
+                    or by_address.setdefault(key[0], port) is not port:
+                self.add(key, port, e.value)
 
     def remove(self, key: Key, port: ServicePortKey) -> None:
         _remove_owner(*self._where(key), port)
