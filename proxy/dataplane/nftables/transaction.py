@@ -962,17 +962,29 @@ def _ports_part(part: Sequence[PortObjects], sent: set[ElementKey]) -> Iterator[
 
 def _fresh_elements(sent: set[ElementKey], elements: Iterable[Element]) -> Iterator[Elements]:
     """A part's elements, each once; a map's only where no part wrote it (`sent`, which
-    this updates; a set's element again is harmless: no value to differ)."""
-    fresh: dict[Element, None] = {}  # a set's equal elements are one: their value is ()
-    for e in elements:
-        # (A pick map's key holds its port's cluster IP and port: one owner, one part.)
-        if e.value and not e.set.startswith(PICKS):
-            element = (e.table, e.set, e.key)
-            if element in sent:
-                continue
-            sent.add(element)
-        fresh[e] = None
-    return element_groups("add", fresh)
+    this updates; a set's element again is harmless: no value to differ), grouped per
+    set. Kept per set by key (a set's equal elements are one: their value is (); a map's
+    key is written once), the elements coming a set's run at a time (render's order):
+    an Element's hash, and grouping element by element, were a tenth of a first start."""
+    by_set: dict[Named, dict[Key, Value]] = {}
+    for named, run in itertools.groupby(elements, _element_set):
+        members = by_set.get(named)
+        if members is None:
+            members = by_set[named] = {}
+        if named[1].startswith(PICKS):
+            # A pick map's key holds its port's cluster IP and port: one owner, one part.
+            for e in run:
+                members.setdefault(e.key, e.value)
+            continue
+        for e in run:
+            if e.value:
+                element = (e.table, e.set, e.key)
+                if element in sent:
+                    continue
+                sent.add(element)
+            members.setdefault(e.key, e.value)
+    for (table, set_name), members in by_set.items():
+        yield from element_statements("add", table, set_name, members.items())
 
 
 def counter_commands(verb: str, p: PortObjects) -> Iterator[Command]:
