@@ -392,10 +392,11 @@ def _pick_elements(family: Family, items: Sequence[tuple[Key, Value]]) -> bytes 
     out: list[bytes] = []
     try:
         for (address_, port_, slot), data in items:
-            if type(data) is not tuple or type(port_) is not int or type(slot) is not int:
+            if type(data) is not tuple or type(address_) is not str \
+                    or type(port_) is not int or type(slot) is not int:
                 return None
             to, to_port = data
-            if type(to_port) is not int:
+            if type(to) is not str or type(to_port) is not int:
                 return None
             out += (head, pton(address_), _key_port(port_), _slot(slot), between, pton(to),
                     _key_port(to_port))
