@@ -26,6 +26,7 @@ ELEMENTS: list[ElementKey] = [("t", "hairpin", ("198.18.0.1", "198.18.0.1")),
                               ("t", "services", ("198.18.128.1",)),
                               ("t", PICKED, ("198.18.128.1", 80, 0)),
                               ("t", PICKED, ("198.18.128.1", 80, 1)),
+                              ("t", PICKED, ("198.18.128.1", 80, 2)),
                               ("t", PICKED, ("198.18.128.2", 80, 1))]
 VALUES: list[Value] = [(), Verdict("goto", "svc-a"), Verdict("goto", "svc-b"),
                        ("198.18.0.7", 8080), ("198.18.0.8", 8080)]

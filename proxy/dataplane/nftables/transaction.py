@@ -125,12 +125,8 @@ class Owners:
             if isinstance(members, dict):
                 for e in run:
                     _add_owner(members, e.key, port, e.value)
-            elif isinstance(members, _Pairs):
-                members.add_run(run, port)
             else:
-                add = members.add
-                for e in run:
-                    add(e.key, port, e.value)
+                members.add_run(run, port)
 
     def _add(self, table: str, set_name: str, key: Key, port: ServicePortKey,
              value: Value) -> None:
@@ -329,6 +325,24 @@ class _Picks:
         if at >= len(entry):
             entry.extend([None] * (at + 2 - len(entry)))
         entry[at], entry[at + 1] = cast(tuple[object, object], value)
+
+    def add_run(self, run: Iterable[Element], port: ServicePortKey) -> None:
+        """`add` of each of a port's `run` of elements: where an entry of its own has
+        every slot below the next element's (render._pick writes slots 0, 1, ... in
+        order), the value is appended in line."""
+        entry: list[object] | None = None
+        prefix: Key = ()
+        for e in run:
+            key, value = e.key, e.value
+            if entry is not None and key[:-1] == prefix and key[-1] == len(entry) // 2 \
+                    and type(value) is tuple and len(value) == 2 and not self.shared:
+                entry += value
+                continue
+            self.add(key, port, value)
+            prefix = key[:-1]
+            entry = self.by_port.get(prefix)
+            if entry is not None and entry[0] != port:
+                entry = None  # another's: element by element
 
     def remove(self, key: Key, port: ServicePortKey) -> None:
         if key in self.shared:
