@@ -33,11 +33,12 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from ipaddress import IPv4Address, IPv6Network
+from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any
 
 from bench.common import (
+    POD_BASE_V6,
     POD_CIDR_V6,
     ROOT,
     SERVICE_CIDR_V6,
@@ -55,7 +56,6 @@ from proxy.netns_lab.poll import TimedOut, wait
 
 POD_BASE = IPv4Address("198.19.0.1")
 POD_ADDRESSES = 65_000
-POD_BASE_V6 = IPv6Network(POD_CIDR_V6).network_address + 1
 NODE = "node-a"
 NODES = 50  # endpoints spread over this many nodes, one of them the agent's
 FIRST_SYNC = re.compile(r"first sync done.*?since_start[=\"': ]+([0-9.]+)s")

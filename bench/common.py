@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, IPv6Network
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -187,6 +187,8 @@ Objects = list[dict[str, Any]]
 # --cluster-cidr; both in fd00::/8, clear of the lab's fd00:18::/32 addresses.
 SERVICE_CIDR_V6 = "fd00:198:18::/104"
 POD_CIDR_V6 = "fd00:19::/64"
+SERVICE_BASE_V6 = IPv6Network(SERVICE_CIDR_V6).network_address + 1
+POD_BASE_V6 = IPv6Network(POD_CIDR_V6).network_address + 1
 
 
 # How a report names that cluster, and a size in it ("100,000 x 10 IPv6").
@@ -204,27 +206,32 @@ def single_stack_v6(service: dict[str, Any]) -> dict[str, Any]:
     return service
 
 
-def make_objects(services: int, endpoints: int) -> tuple[Objects, Objects]:
+def make_objects(services: int, endpoints: int, ipv6: bool = False
+                 ) -> tuple[Objects, Objects]:
+    """The cluster's Services and EndpointSlices; `ipv6`: single-stack IPv6 (every
+    address distinct, SERVICE_CIDR_V6 and POD_CIDR_V6)."""
     svcs, slices = [], []
     for i in range(services):
         name = f"svc-{i}"
-        svcs.append({
+        svc: dict[str, Any] = {
             "apiVersion": "v1", "kind": "Service",
             "metadata": {"name": name, "namespace": "bench", "resourceVersion": str(i)},
             "spec": {
-                "clusterIP": str(SERVICE_BASE + i % 32768),
+                "clusterIP": str(SERVICE_BASE_V6 + i if ipv6 else SERVICE_BASE + i % 32768),
                 "ports": [{"name": "http", "port": 80, "protocol": "TCP"}],
             },
-        })
+        }
+        svcs.append(single_stack_v6(svc) if ipv6 else svc)
         base = i * endpoints
         slices.append({
             "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
             "metadata": {"name": f"{name}-x", "namespace": "bench",
                          "labels": {"kubernetes.io/service-name": name}},
-            "addressType": "IPv4",
+            "addressType": "IPv6" if ipv6 else "IPv4",
             "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
             "endpoints": [
-                {"addresses": [str(POD_BASE + (base + j) % 65536)],
+                {"addresses": [str(POD_BASE_V6 + base + j if ipv6
+                                   else POD_BASE + (base + j) % 65536)],
                  "conditions": {"ready": True, "serving": True, "terminating": False},
                  "nodeName": f"node-{(base + j) % 50}",
                  "zone": f"zone-{(base + j) % 3}"}
@@ -244,10 +251,11 @@ def _split(slice_obj: dict[str, Any]) -> list[dict[str, Any]]:
             for k, i in enumerate(range(0, len(eps), ENDPOINTS_PER_SLICE))]
 
 
-def cluster_model(services: int, endpoints: int) -> tuple[ClusterModel, list[dict[str, Any]]]:
+def cluster_model(services: int, endpoints: int, ipv6: bool = False
+                  ) -> tuple[ClusterModel, list[dict[str, Any]]]:
     """The model of `services` with `endpoints` each, in slices of at most 100 as the
-    controller writes them, and those slices' objects."""
-    svc_objs, whole = make_objects(services, endpoints)
+    controller writes them, and those slices' objects (`ipv6`: make_objects')."""
+    svc_objs, whole = make_objects(services, endpoints, ipv6)
     slice_objs = [part for obj in whole for part in _split(obj)]
     model = ClusterModel(NODE)
     for obj in svc_objs:
@@ -265,7 +273,9 @@ def cluster_model(services: int, endpoints: int) -> tuple[ClusterModel, list[dic
 def change_one(model: ClusterModel, slice_obj: dict[str, Any], round_: int) -> DesiredState:
     """Replace the first endpoint of one service with a fresh address."""
     changed = json.loads(json.dumps(slice_obj))
-    changed["endpoints"][0]["addresses"] = [f"198.18.127.{round_ % 250 + 1}"]
+    fresh = f"fd00:18:7f::{round_ % 250 + 1:x}" if slice_obj["addressType"] == "IPv6" \
+        else f"198.18.127.{round_ % 250 + 1}"
+    changed["endpoints"][0]["addresses"] = [fresh]
     sl, _ = decode_endpoint_slice(changed)
     assert sl is not None
     model.apply_slice(sl)

@@ -3,9 +3,12 @@ render and encode to netlink, as `NftablesDataPlane.sync` does, the batches buil
 dropped instead of sent (no root, no namespace).
 
     .venv/bin/python -m bench.nftables.encode_bench --services 10000 --endpoints 10
+    .venv/bin/python -m bench.nftables.encode_bench --services 20000 --ipv6 --changes 5
 
-Measured in one process (the cluster as bench.common.cluster_model makes it):
-- cold: the first sync onto no tables (transaction.first_lines, in parts);
+Measured in one process (the cluster as bench.common.cluster_model makes it; `--ipv6`:
+single-stack IPv6, as bench.agent_start's, every address distinct):
+- cold: the first sync onto no tables (transaction.first_lines, in parts), the
+  collector paused as the agent pauses it for its start (agent/startup_gc.py);
 - resync: a full sync over our tables (transaction.full_lines);
 - change: one service's endpoint replaced, then a partial sync (`--changes` times,
   median).
@@ -70,13 +73,21 @@ def timed(fn: Callable[[], T]) -> tuple[float, float, T]:
     return time.perf_counter() - wall, time.process_time() - cpu, out
 
 
-def run(services: int, endpoints: int, changes: int) -> dict[str, Any]:
-    model, slices = cluster_model(services, endpoints)
-    options = DataplaneOptions(NODE, families=(Family.V4,))
+def run(services: int, endpoints: int, changes: int, ipv6: bool = False) -> dict[str, Any]:
+    model, slices = cluster_model(services, endpoints, ipv6)
+    family = Family.V6 if ipv6 else Family.V4
+    options = DataplaneOptions(NODE, families=(family,))
     runner = EncodeOnly()
-    dp = NftablesDataPlane(options, runner=runner, addresses=lambda: [ip_address("10.0.0.1")],
+    node_ip = ip_address("fd00:18::1" if ipv6 else "198.18.0.1")
+    dp = NftablesDataPlane(options, runner=runner, addresses=lambda: [node_ip],
                            clear_conntrack=False, probe=False)
-    cold, cold_cpu, report = timed(lambda: dp.sync(model.state, full=True))
+    gc.collect()
+    gc.freeze()  # the cluster, as the agent freezes it after its lists
+    gc.disable()
+    try:
+        cold, cold_cpu, report = timed(lambda: dp.sync(model.state, full=True))
+    finally:
+        gc.enable()
     messages = runner.messages
     resync, resync_cpu, _ = timed(lambda: dp.sync(model.state, full=True))
     walls, cpus = [], []
@@ -86,7 +97,7 @@ def run(services: int, endpoints: int, changes: int) -> dict[str, Any]:
         assert not r.full
         walls.append(wall)
         cpus.append(cpu)
-    return {"services": services, "endpoints": endpoints,
+    return {"services": services, "endpoints": endpoints, "ipv6": ipv6,
             "cold_s": round(cold, 4), "cold_cpu_s": round(cold_cpu, 4),
             "cold_messages": messages, "cold_lines": report.operations,
             "resync_s": round(resync, 4), "resync_cpu_s": round(resync_cpu, 4),
@@ -99,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--services", type=int, default=10_000)
     p.add_argument("--endpoints", type=int, default=10)
     p.add_argument("--changes", type=int, default=9)
+    p.add_argument("--ipv6", action="store_true", help="a single-stack IPv6 cluster")
     args = p.parse_args(argv)
-    print(json.dumps(run(args.services, args.endpoints, args.changes)))
+    print(json.dumps(run(args.services, args.endpoints, args.changes, args.ipv6)))
     return 0
 
 
