@@ -981,11 +981,11 @@ def _fresh_elements(sent: set[ElementKey], elements: Iterable[Element]) -> Itera
     key is written once), the elements coming a set's run at a time (render's order):
     an Element's hash, and grouping element by element, were a tenth of a first start."""
     by_set: dict[Named, dict[Key, Value]] = {}
-    for named, run in itertools.groupby(elements, _element_set):
-        members = by_set.get(named)
+    for table_set, run in itertools.groupby(elements, _element_set):
+        members = by_set.get(table_set)
         if members is None:
-            members = by_set[named] = {}
-        if named[1].startswith(PICKS):
+            members = by_set[table_set] = {}
+        if table_set[1].startswith(PICKS):
             # A pick map's key holds its port's cluster IP and port: one owner, one part.
             for e in run:
                 members.setdefault(e.key, e.value)
