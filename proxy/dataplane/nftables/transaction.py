@@ -441,11 +441,9 @@ class KeptPort:
         if p.slots[0][0].startswith(PICKS):
             # Its pick maps' elements, and its hairpin elements (their values' addresses,
             # render._pick), are `picked`.
-            return cls(p.table, chains,
-                       flat_elements([e for e in p.elements if not e.set.startswith(PICKS)
-                                      and e.set != HAIRPIN]),
-                       p.sets, (), None, counters, p.fingerprint, p.input_mark, p.from_input,
-                       picked_groups(p.elements))
+            rest, picked = picked_groups(p.elements)
+            return cls(p.table, chains, flat_elements(rest), p.sets, (), None, counters,
+                       p.fingerprint, p.input_mark, p.from_input, picked)
         return cls(p.table, chains, (), p.sets,
                    tuple((name, SlotValues(values)) for name, values in p.slots),
                    element_map(p) if elements is None else elements, counters,
@@ -491,18 +489,26 @@ def flat_elements(elements: Sequence[Element]) -> tuple[object, ...]:
     return tuple(itertools.chain.from_iterable(elements))
 
 
-def picked_groups(elements: Iterable[Element]) -> tuple[tuple[str, Key, tuple[object, ...]], ...]:
-    """A picked port's elements of its pick maps (their keys end in the slot, from 0,
-    render.py; their values (address, port)) as KeptPort.picked keeps them."""
+def picked_groups(elements: Iterable[Element]
+                  ) -> tuple[list[Element], tuple[tuple[str, Key, tuple[object, ...]], ...]]:
+    """A picked port's elements but its pick maps' and @hairpin's, and its elements of its
+    pick maps (their keys end in the slot, from 0, render.py; their values (address,
+    port)) as KeptPort.picked keeps them: in one pass, a set's run at a time."""
+    rest: list[Element] = []
     groups: dict[tuple[str, Key], list[object]] = {}
-    for e in elements:
-        if e.set.startswith(PICKS):
-            flat = groups.setdefault((e.set, e.key[:-1]), [])
+    for (_table, set_name), run in itertools.groupby(elements, _element_set):
+        if set_name == HAIRPIN:
+            continue
+        if not set_name.startswith(PICKS):
+            rest += run
+            continue
+        for e in run:
+            flat = groups.setdefault((set_name, e.key[:-1]), [])
             assert e.key[-1] == len(flat) // 2, "a pick map's elements come in slot order"
             assert type(e.value) is tuple and len(e.value) == 2, \
                 "a pick map's value is an endpoint (address, port)"
-            flat.extend(e.value)
-    return tuple((name, prefix, tuple(flat)) for (name, prefix), flat in groups.items())
+            flat += e.value
+    return rest, tuple((name, prefix, tuple(flat)) for (name, prefix), flat in groups.items())
 
 
 def kept_slots(kept: KeptPort | None) -> dict[str, Sequence[Key]]:
