@@ -63,15 +63,16 @@ def merge_port(
     family: Family,
 ) -> tuple[tuple[MergedEndpoint, ...], tuple[Conflict, ...]]:
     """All endpoints of one service port in one family, de-duplicated and sorted."""
+    listing = [(sl, sp.port) for sl in slices if sl.family is family
+               for sp in sl.ports if sp.name == port_name and sp.protocol is protocol]
+    if len(listing) == 1:
+        alone = _one_listing(*listing[0])
+        if alone is not None:
+            return alone, ()
     copies: dict[tuple[IPAddress, int], list[tuple[str, Endpoint]]] = {}
-    for sl in slices:
-        if sl.family is not family:
-            continue
-        for sp in sl.ports:
-            if sp.name != port_name or sp.protocol is not protocol:
-                continue
-            for ep in sl.endpoints:
-                copies.setdefault((ep.address, sp.port), []).append((sl.name, ep))
+    for sl, port in listing:
+        for ep in sl.endpoints:
+            copies.setdefault((ep.address, port), []).append((sl.name, ep))
 
     merged: list[MergedEndpoint] = []
     conflicts: list[Conflict] = []
@@ -84,6 +85,20 @@ def merge_port(
         else:
             merged.append(merge_copies(address, port, found, conflicts))
     return tuple(merged), tuple(conflicts)
+
+
+def _one_listing(sl: EndpointSlice, port: int) -> tuple[MergedEndpoint, ...] | None:
+    """`merge_port` where one slice lists the port (nearly every port) and no address
+    twice: its endpoints sorted, each its own copy. Sorted by the addresses' integers,
+    read once each: hashing an address (keying the copies by it) is Python's work in
+    `ipaddress`, and was a third of merging. None where an address repeats."""
+    eps = sl.endpoints
+    numbers = [int(ep.address) for ep in eps]
+    if len(set(numbers)) != len(numbers):
+        return None
+    source = (sl.name,)
+    return tuple([MergedEndpoint(eps[i], port, source)
+                  for i in sorted(range(len(eps)), key=numbers.__getitem__)])
 
 
 def merge_copies(address: IPAddress, port: int, found: list[tuple[str, Endpoint]],

@@ -171,3 +171,16 @@ def test_merge_keeps_one_copy_of_each_endpoint_and_prefers_ready(
         copies = [e for s in slices for e in s.endpoints
                   if (e.address, s.ports[0].port) == (m.address, m.port)]
         assert m.ready == any(e.ready for e in copies)
+
+
+@settings(max_examples=300, deadline=None)
+@given(slice_sets())
+def test_one_slice_merges_as_the_general_path_does(slices: list[EndpointSlice]) -> None:
+    """A port one slice lists takes a shortcut (`_one_listing`, unless an address
+    repeats); a second, empty slice listing the port sends the same endpoints through
+    the general path: the same endpoints, copies, sources and conflicts."""
+    one = slices[0]
+    empty = EndpointSlice(one.namespace, "zz-empty", one.service_name, one.family, one.ports,
+                          ())
+    assert merge_port([one], "http", Protocol.TCP, Family.V4) \
+        == merge_port([one, empty], "http", Protocol.TCP, Family.V4)
