@@ -7,6 +7,7 @@ tests/e2e/test_nftables_wire_kernel.py."""
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable, Sequence
 from ipaddress import ip_address, ip_network
 from typing import Any
 
@@ -284,15 +285,7 @@ def test_a_set_of_addresses_is_encoded_whole_as_element_by_element(
         family: Family, items: list[tuple[Key, Value]], bulk: bool | None) -> None:
     """The encoder reads a set's addresses in one pass (`_address_elements`); anything
     else element by element. Both ways are the same bytes; None: both refuse."""
-    if bulk is None:
-        with pytest.raises(Unencodable):
-            b"".join(_element(family, key, data) for key, data in items)
-        with pytest.raises(Unencodable):
-            _elements(family, items)
-        return
-    assert (_address_elements(family, items) is not None) is bulk
-    assert _elements(family, items) == b"".join(_element(family, key, data)
-                                                for key, data in items)
+    _same_as_element_by_element(_address_elements, family, items, bulk)
 
 
 @pytest.mark.parametrize(("family", "items", "bulk"), [
@@ -314,11 +307,21 @@ def test_pick_map_elements_are_encoded_whole_as_element_by_element(
         family: Family, items: list[tuple[Key, Value]], bulk: bool | None) -> None:
     """A pick map's elements (render._pick) are framed in one pass with their shared
     headers (`_pick_elements`): the same bytes as element by element."""
+    _same_as_element_by_element(_pick_elements, family, items, bulk)
+
+
+def _same_as_element_by_element(
+        one_pass: Callable[[Family, Sequence[tuple[Key, Value]]], bytes | None], family: Family,
+        items: list[tuple[Key, Value]], bulk: bool | None) -> None:
+    """`one_pass` takes `items` (`bulk`) or leaves them to the next way; `_elements`
+    gives what element by element gives. None: `one_pass` leaves them, both refuse."""
     if bulk is None:
-        assert _pick_elements(family, items) is None
+        assert one_pass(family, items) is None
+        with pytest.raises(Unencodable):
+            b"".join(_element(family, key, data) for key, data in items)
         with pytest.raises(Unencodable):
             _elements(family, items)
         return
-    assert (_pick_elements(family, items) is not None) is bulk
+    assert (one_pass(family, items) is not None) is bulk
     assert _elements(family, items) == b"".join(_element(family, key, data)
                                                 for key, data in items)
