@@ -111,17 +111,19 @@ SCENARIOS = (
                                                        "10", "--runs", "3")),)}),
     Scenario("agent-start", "bench.agent_start", "The agent's cold start on the simulator", {
         "small": (Run("200 services x 5", ("--services", "200", "--endpoints", "5",
-                                          "--runs", "2", "--idle", "1")),),
+                                          "--runs", "2", "--idle", "1", "--delete", "20")),),
         "full": (Run("1,000 services x 10", ("--services", "1000", "--endpoints", "10",
                                             "--idle", "10")),
                  Run("10,000 services x 10", ("--services", "10000", "--endpoints", "10",
                                              "--idle", "10")),
                  # 198.18.0.0/15 holds no 100,000 ClusterIPs beside the pods: IPv6. Idle
                  # long enough after its first sync to add its input marks, which the
-                 # restart run looks for (nftables/marks.py).
+                 # restart run looks for (nftables/marks.py); 1,000 services are deleted
+                 # before the restart, which its sweep removes.
                  Run("100,000 services x 10, IPv6", ("--services", "100000", "--endpoints",
                                                     "10", "--ipv6", "--runs", "2",
-                                                    "--idle", "20", "--timeout", "1200")))}),
+                                                    "--idle", "60", "--timeout", "1200",
+                                                    "--delete", "1000")))}),
     Scenario("restart", "bench.rule_sync", "nftables restarts over the agent's own tables, "
              "beside a full resync (what every restart wrote before)", {
                  "small": (Run("200 services x 5", ("--sizes", "200", "--endpoints", "5",

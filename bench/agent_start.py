@@ -3,6 +3,8 @@
     python -m bench.agent_start --services 1000 --endpoints 10 --mode nftables --runs 3
     python -m bench.agent_start --services 10000 --profile /tmp/cold.svg   (py-spy)
 
+    python -m bench.agent_start --services 100000 --ipv6 --runs 2 --delete 1000
+
 The simulator (`python -m proxy.sim`, its own process) and the agent both run in a
 network namespace made for the run (removed afterwards, its rules with it). The agent's
 own figure is what it logs with "first sync done" (`since_start`: from the process's
@@ -10,6 +12,13 @@ start, imports included, to the first sync's commit), and its peak RSS (VmHWM) a
 moment. The simulator is not the real API server: its lists cost it more CPU (Python),
 which the agent does not pay for; `bench/realcp_latency/` measures the same start on
 kube-apiserver v1.20.2. Needs root.
+
+Runs after the first start over the rules the one before left (a restart). `--delete N`
+(nftables mode) deletes N services and their slices through the simulator's API before
+each of them, while no agent runs: the restart then keeps what it can and deletes what
+nobody claims (the sweep, nftables/restart.py). Its figures: when the sweep's log line
+came (`sweep_done_s`, from the process's start) and its own `sweep_s`; and the kernel is
+asked for each deleted service's ClusterIP (none may be left) and a kept one's.
 
 Pod addresses come from 198.19.0.0/16; past 65,000 endpoints they repeat across
 services, which costs the agent the same as distinct ones (each service's endpoints are
@@ -30,12 +39,16 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from ipaddress import IPv4Address
+from datetime import datetime
+from ipaddress import IPv4Address, ip_address
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from bench.common import (
     POD_BASE_V6,
@@ -52,6 +65,16 @@ from bench.common import (
     stop,
     system_seconds,
 )
+from proxy.dataplane.common.netlink import NetlinkSocket
+from proxy.dataplane.common.netlink_constants import (
+    NETLINK_NETFILTER,
+    NFNL_SUBSYS_NFTABLES,
+    NFT_MSG_GETSETELEM,
+)
+from proxy.dataplane.nftables.readback import element_dump_request, read_held
+from proxy.dataplane.nftables.render import CLUSTER_IPS, TABLE
+from proxy.model.types import Family
+from proxy.netns_lab.netns import entered
 from proxy.netns_lab.poll import TimedOut, wait
 
 POD_BASE = IPv4Address("198.19.0.1")
@@ -62,6 +85,10 @@ FIRST_SYNC = re.compile(r"first sync done.*?since_start[=\"': ]+([0-9.]+)s")
 # The split: process start -> every resource listed (imports, lists, decoding).
 RESTART = re.compile(r"restart over our tables.*?ports_kept[=\"': ]+(\d+).*?"
                      r"ports_written[=\"': ]+(\d+)")
+# The sweep after a restart (nftables/restart_steps.py), and a log line's time.
+SWEPT = re.compile(r"time=(\S+) .*?what nobody claims deleted.*?seconds[=\"': ]+([0-9.]+)")
+SWEEP_DUE = re.compile(r"restart over our tables: writing what differs.*?sweep=True")
+FIRST_SYNC_AT = re.compile(r"time=(\S+) .*?first sync done")
 LISTED = re.compile(r"every watched resource has listed.*?since_start[=\"': ]+([0-9.]+)s")
 Obj = dict[str, Any]
 
@@ -172,10 +199,80 @@ def plant_backend_hint(ns: str, backend: str) -> None:
                                      "KUBE-IPTABLES-HINT"]), check=True, capture_output=True)
 
 
+def delete_services(ns: str, kubeconfig: Path, names: Sequence[str], legacy: bool,
+                    keep: str) -> tuple[list[str], str]:
+    """Delete the services `names`, their EndpointSlices (and Endpoints, `legacy`)
+    through the simulator's API, while no agent runs: their ClusterIPs as they were, and
+    the ClusterIP of service `keep`."""
+    server = yaml.safe_load(kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+    core = f"{server}/api/v1/namespaces/default"
+    slices = f"{server}/apis/discovery.k8s.io/v1/namespaces/default/endpointslices"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def call(method: str, url: str) -> Obj:
+        with opener.open(urllib.request.Request(url, method=method), timeout=30) as r:
+            out: Obj = json.loads(r.read())
+            return out
+
+    def cluster_ip(name: str) -> str:
+        return str(call("GET", f"{core}/services/{name}")["spec"]["clusterIP"])
+
+    ips = []
+    with entered(ns):  # the simulator listens on the namespace's loopback
+        for name in names:
+            ips.append(cluster_ip(name))
+            call("DELETE", f"{core}/services/{name}")
+            call("DELETE", f"{slices}/{name}-x1")
+            if legacy:
+                call("DELETE", f"{core}/endpoints/{name}")
+        return ips, cluster_ip(keep)
+
+
+def deletion_plan(services: int, delete: int, runs: int) -> list[list[str]]:
+    """The services deleted before each run after the first: `delete` each, spread over
+    the cluster, none twice; service s-0 is never deleted."""
+    stride = services // delete
+    return [[f"s-{i}" for i in range(run, services, stride)][:delete]
+            for run in range(1, runs)]
+
+
+def held_cluster_ips(ns: str, ips: Sequence[str], ipv6: bool) -> int:
+    """How many of `ips` the main table's set of ClusterIPs holds: one netlink dump of
+    that set (`nft get element` reads the whole ruleset first: minutes at 100,000)."""
+    family = Family.V6 if ipv6 else Family.V4
+    addr = "ipv6_addr" if ipv6 else "ipv4_addr"
+    with entered(ns):
+        sock = NetlinkSocket(NETLINK_NETFILTER)
+        try:
+            held = read_held(sock.dump_messages(
+                NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETSETELEM,
+                element_dump_request(family, TABLE, CLUSTER_IPS)), family, (addr,), False)
+        finally:
+            sock.close()
+    return sum(ip_address(ip).packed in held.raw or (ip,) in held.decoded for ip in ips)
+
+
+def sweep_figures(log_text: str, since_start: float) -> dict[str, float | None]:
+    """When a restart's sweep ended (seconds from the process's start, by the log's
+    clock against the first sync's line) and what it took itself. A restart that
+    rendered every port deleted what nobody claims in its first sync: no sweep after."""
+    swept, first = SWEPT.search(log_text), FIRST_SYNC_AT.search(log_text)
+    if swept is None or first is None:
+        return {"sweep_done_s": since_start, "sweep_s": None}
+    gap = _log_time(swept.group(1)) - _log_time(first.group(1))
+    return {"sweep_done_s": round(since_start + gap, 3), "sweep_s": float(swept.group(2))}
+
+
+def _log_time(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
 def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
                profile: Path | None, timeout: float, idle: float = 0.0,
-               endpoints_source: str = "endpointslices", ipv6: bool = False
-               ) -> dict[str, Any]:
+               endpoints_source: str = "endpointslices", ipv6: bool = False,
+               deleted: Sequence[str] = (), kept: str = "") -> dict[str, Any]:
+    """One start of the agent; `deleted`: ClusterIPs of services deleted before it, whose
+    rules its sweep must remove (`kept`: one that must stay)."""
     argv = [sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
             "--hostname-override", NODE, "--proxy-mode", mode,
             "--cluster-cidr", POD_CIDR_V6 if ipv6 else "198.19.0.0/16",
@@ -213,7 +310,8 @@ def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
         agent = agent_pid(proc.pid)
         text = log_path.read_text(errors="replace")
         listed = LISTED.search(text)
-        out = {"cold_start_s": float(match.group(1)),
+        since_start = float(match.group(1))
+        out: dict[str, Any] = {"cold_start_s": since_start,
                "listed_s": float(listed.group(1)) if listed else None,
                # A start over the tables the previous run left (runs after the first,
                # nftables mode): what it kept and wrote (restart.py).
@@ -225,6 +323,9 @@ def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
                "sys_s": system_seconds(agent) if agent else None,
                "peak_rss_mib": size_mib(agent, "VmHWM") if agent else None,
                "rss_timeline": timeline}
+        if deleted:
+            out["sweep"] = _swept(ns, log_path, proc, since_start, deleted, kept, timeout,
+                                  ipv6)
         if idle > 0 and agent:
             # Nothing changes in the cluster now: what the agent spends doing nothing
             # (timers, watch bookmarks), per second, after the first sync has settled.
@@ -243,17 +344,48 @@ def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
         stop(proc)
 
 
+def _swept(ns: str, log_path: Path, proc: subprocess.Popen[bytes], since_start: float,
+           deleted: Sequence[str], kept: str, timeout: float, ipv6: bool) -> dict[str, Any]:
+    """After a restart's first sync: its sweep awaited (if one is due), timed, and
+    checked in the kernel (a sample of the deleted services' ClusterIPs)."""
+    def done() -> bool:
+        text = log_path.read_text(errors="replace")
+        if proc.poll() is not None:
+            raise RuntimeError(f"the agent exited before its sweep: {log_path}")
+        return SWEEP_DUE.search(text) is None or SWEPT.search(text) is not None
+
+    wait(done, timeout, "the restart's sweep", interval=0.1)
+    sample = deleted[:: max(1, len(deleted) // 50)]
+    return {**sweep_figures(log_path.read_text(errors="replace"), since_start),
+            "deleted": len(deleted), "checked": len(sample),
+            "deleted_held": held_cluster_ips(ns, sample, ipv6),
+            "kept_held": held_cluster_ips(ns, [kept], ipv6) == 1}
+
+
+def _sweep_text(sweep: dict[str, Any] | None) -> str:
+    if sweep is None:
+        return ""
+    return (f"; {sweep['deleted']} services deleted before it: swept at "
+            f"{sweep['sweep_done_s']:.3f} s (its own {sweep['sweep_s'] or 0:.3f} s), "
+            f"{sweep['deleted_held']} of {sweep['checked']} deleted ClusterIPs left, "
+            f"a kept one {'held' if sweep['kept_held'] else 'MISSING'}")
+
+
 def markdown(summary: dict[str, Any]) -> str:
     runs = summary["runs"]
     starts = ", ".join(f"{r['cold_start_s']:.2f}" for r in runs)
     peaks = ", ".join(f"{r['peak_rss_mib'] or 0:.0f}" for r in runs)
     idle = ", ".join(f"{r['idle_cpu_percent']}" for r in runs if "idle_cpu_percent" in r)
+    sweeps = ", ".join(f"{s['deleted']} deleted: done at {s['sweep_done_s']:.2f} s, "
+                       f"{s['deleted_held']} of {s['checked']} left"
+                       for r in runs if (s := r.get("sweep")))
     return "\n".join([
         "| services x endpoints | mode | cold start, median (runs) | peak RSS MiB (runs) | "
-        "idle CPU % (runs) |",
-        "|---|---|---|---|---|",
+        "idle CPU % (runs) | restarts' sweeps |",
+        "|---|---|---|---|---|---|",
         f"| {summary['services']:,} x {summary['endpoints']} | {summary['mode']} | "
-        f"{summary['cold_start_median_s']:.2f} s ({starts}) | {peaks} | {idle or '-'} |"])
+        f"{summary['cold_start_median_s']:.2f} s ({starts}) | {peaks} | {idle or '-'} | "
+        f"{sweeps or '-'} |"])
 
 
 # ClusterIPs the simulator's default IPv4 service range (198.18.128.0/17) holds.
@@ -287,12 +419,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "targetRefs, owners, annotations), 2.5x the bytes to list and parse")
     ap.add_argument("--ipv6", action="store_true",
                     help="a single-stack IPv6 cluster: room for more than 65,000 services")
+    ap.add_argument("--delete", type=int, default=0, metavar="N",
+                    help="nftables mode: before each run after the first, delete N services "
+                    "(the restart's sweep is timed and checked)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep-logs", type=Path, metavar="DIR",
                     help="keep the agent's and the simulator's logs here")
     args = ap.parse_args(argv)
     if args.services < 1 or args.endpoints < 1 or args.runs < 1:
         ap.error("--services, --endpoints and --runs must be positive")
+    if args.delete and (args.mode != "nftables" or args.delete < 0
+                        or args.services // args.delete < args.runs):
+        ap.error("--delete needs --mode nftables, and N at most services / runs")
     if not args.ipv6 and args.services > V4_SERVICES:
         ap.error(f"the simulator's IPv4 service range holds {V4_SERVICES:,} ClusterIPs: "
                  "use --ipv6 for more services")
@@ -309,15 +447,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           ) as kubeconfig:
             if args.iptables_backend != "auto":
                 plant_backend_hint(ns, args.iptables_backend)
+            plan = deletion_plan(args.services, args.delete, args.runs) if args.delete else []
             for run in range(args.runs):
                 profile = args.profile if run == 0 else None
+                deleted, kept = delete_services(
+                    ns, kubeconfig, plan[run - 1], args.endpoints_source == "endpoints",
+                    "s-0") if run and plan else ([], "")
                 result = start_once(ns, kubeconfig, args.mode, work, run, profile, args.timeout,
-                                    args.idle, args.endpoints_source, args.ipv6)
+                                    args.idle, args.endpoints_source, args.ipv6, deleted, kept)
                 print(f"run {run + 1}: {'restart' if run else 'cold start'} "
                       f"{result['cold_start_s']:.3f} s (listed at "
                       f"{result['listed_s'] or 0:.3f} s), agent CPU {result['cpu_s'] or 0:.2f} s "
                       f"({result['sys_s'] or 0:.2f} s system), "
-                      f"peak RSS {result['peak_rss_mib'] or 0:.0f} MiB", flush=True)
+                      f"peak RSS {result['peak_rss_mib'] or 0:.0f} MiB"
+                      + _sweep_text(result.get("sweep")), flush=True)
                 results.append(result)
     starts = sorted(r["cold_start_s"] for r in results)
     summary = {"services": args.services, "endpoints": args.endpoints, "mode": args.mode,

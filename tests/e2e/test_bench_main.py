@@ -40,6 +40,11 @@ def test_small_run_writes_tables_and_plots(tmp_path: Path) -> None:
     runs = saved["results"]["agent-start"][0]["result"]["runs"]
     assert len(runs) == 2 and all(r["cold_start_s"] > 0 and r["rss_timeline"] for r in runs)
     assert all(r["idle_cpu_percent"] >= 0 and r["rss_after_mib"] > 0 for r in runs)
+    # 20 services deleted before the restart: its sweep left none of their ClusterIPs.
+    sweep = runs[1]["sweep"]
+    assert sweep["deleted"] == 20 and sweep["checked"] == 20
+    assert sweep["deleted_held"] == 0 and sweep["kept_held"]
+    assert sweep["sweep_done_s"] >= runs[1]["cold_start_s"]
     check_cold_start_and_resync(saved["results"]["memory"][0]["result"][0])
     # A second run replaces its section, and only it.
     assert bench_main.main(["--size", "small", "--only", "agent-start",
