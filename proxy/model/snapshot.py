@@ -211,10 +211,7 @@ class ResolvedServicePort:
     @property
     def has_any_endpoints(self) -> bool:
         """Usable endpoints exist somewhere in the cluster (upstream `hasAnyEndpoints`)."""
-        return any(
-            s.endpoint.ready or (s.endpoint.serving and s.endpoint.terminating)
-            for s in self.endpoints
-        )
+        return any(s.ready or (s.serving and s.terminating) for s in self.endpoints)
 
 
 def _differs(old: ResolvedServicePort | None, new: ResolvedServicePort) -> bool:
