@@ -137,6 +137,7 @@ class FakeNft:
         self.tables: Tables = {}
         self.scripts: list[str] = []  # every script applied, in order
         self.dumped: list[tuple[str, str]] = []  # every set read back (elements), in order
+        self.probed: list[tuple[str, str, int]] = []  # (table, set, keys asked) by `probe`
         self.rules_read: list[tuple[str, str]] = []  # every chain whose rules were read
         self.counter_dumps = 0  # dumps of every counter
 
@@ -217,6 +218,12 @@ class FakeNft:
             else:
                 out[parts] = ElementVerdict(verb, chain) if value else ()
         return Held(decoded=out)
+
+    def probe(self, family: Family, table: str, set_name: str, keys: Sequence[Key]) -> Held:
+        """The runner's probe: which of `keys` the set holds, asked one by one."""
+        found = self.tables["ip" if family is Family.V4 else "ip6", table].sets[set_name]
+        self.probed.append((table, set_name, len(keys)))
+        return Held(decoded={k: () for k in keys if k in found.elements}, partial=True)
 
     def count(self, family: Family, table: str, name: str, packets: int = 1) -> None:
         """Packets counted into a named counter, as traffic through its rule would."""

@@ -18,7 +18,7 @@ from ipaddress import IPv6Address
 
 from proxy.dataplane.common.naming import address_text
 from proxy.dataplane.common.netlink import ATTR as _ATTR
-from proxy.dataplane.common.netlink import NFGEN, attributes, nfgen, nla_string
+from proxy.dataplane.common.netlink import NFGEN, attributes, nfgen, nla, nla_string
 from proxy.dataplane.common.netlink_constants import (
     NFPROTO,
     NFTA_DATA_VALUE,
@@ -32,6 +32,7 @@ from proxy.dataplane.common.netlink_constants import (
     NFTA_SET_ELEM_OBJREF,
     NFTA_VERDICT_CHAIN,
     NFTA_VERDICT_CODE,
+    NLA_F_NESTED,
     NLA_TYPE_MASK,
 )
 from proxy.dataplane.nftables.expressions import PROTOCOLS, VERDICTS, Unencodable
@@ -54,10 +55,12 @@ class Held:
     """One set or map of ours as the kernel holds it: a map's elements decoded, and a
     set's keys as the kernel lays them out (`raw`, decoded by the caller only where they
     differ from what it wants: `key_parts`). A set dumped otherwise than by stride is
-    decoded whole into `decoded`."""
+    decoded whole into `decoded`. `partial`: only some keys were asked for, one by one
+    (NftRunner.probe): those held are here, and nothing is known of the others."""
 
     decoded: dict[Key, Value] = field(default_factory=dict)
     raw: set[bytes] = field(default_factory=set)
+    partial: bool = False
 
     def __len__(self) -> int:
         return len(self.decoded) + len(self.raw)
@@ -93,6 +96,16 @@ def element_dump_request(family: Family, table: str, set_name: str) -> bytes:
     """The body of a dump of the elements of set `set_name` of `table`."""
     return (nfgen(NFPROTO[family]) + nla_string(NFTA_SET_ELEM_LIST_TABLE, table)
             + nla_string(NFTA_SET_ELEM_LIST_SET, set_name))
+
+
+def element_get_request(family: Family, table: str, set_name: str, key: bytes) -> bytes:
+    """The body of a request for the one element of set `set_name` of `table` whose
+    key is `key` (its bytes, wire.element_keys): the kernel answers with it, or ENOENT.
+    O(1) in the kernel, where a dump walks the set from its start for every message."""
+    element = nla(NFTA_LIST_ELEM | NLA_F_NESTED,
+                  nla(NFTA_SET_ELEM_KEY | NLA_F_NESTED, nla(NFTA_DATA_VALUE, key)))
+    return (element_dump_request(family, table, set_name)
+            + nla(NFTA_SET_ELEM_LIST_ELEMENTS | NLA_F_NESTED, element))
 
 
 def decode_elements(data: bytes, start: int, end: int

@@ -246,6 +246,8 @@ def _element_diff(state: TableState, bases: Sequence[BaseObjects], kernel: Kerne
             present = {raws[r] for r in held.raw if r in raws}
             deletes += [(table, set_name, key_parts(state.family, key_types, r), ())
                         for r in held.raw if r not in raws and sweep]
+        if held.partial:  # what it lacks may be held: nothing to add from it
+            continue
         adds += [(table, set_name, k, v) for k, v in wanted.items()
                  if k not in present and held.decoded.get(k) != v]
     return deletes, adds

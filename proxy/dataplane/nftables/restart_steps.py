@@ -39,15 +39,19 @@ from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.family_sync import FamilyState
 from proxy.dataplane.nftables.expressions import Unencodable
 from proxy.dataplane.nftables.marks import marks_for
-from proxy.dataplane.nftables.objects import CounterRef, Key, Value
+from proxy.dataplane.nftables.objects import CounterRef, Key, Value, Verdict
 from proxy.dataplane.nftables.readback import Held, Unreadable
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
+    HAIRPIN,
     OUR_TABLES,
+    PICK,
+    PICKS,
     PORT_COUNTERS,
     TABLE,
     BaseObjects,
     PortObjects,
+    hairpin_element,
     render_port,
     table_family,
 )
@@ -269,6 +273,13 @@ class RestartSteps:
         bases = state.bases
         elements = after_writing(fam.restart_read, state.owners, base_sets(bases),
                                  fam.family, state.unfinished.kernel)
+        left = gone_hairpins(fam.restart_read, state.owners) \
+            if (TABLE, HAIRPIN) in sets and (TABLE, HAIRPIN) not in elements else None
+        if left is not None:
+            keys = sorted(left)
+            elements[TABLE, HAIRPIN] = self._read_back(
+                fam, f"{TABLE} {HAIRPIN}",
+                lambda family, _ours: self.runner.probe(family, TABLE, HAIRPIN, keys))
         kernel = KernelTables(tables, chains, sets,
                               self._sweep_counters(fam, state, chains) - gone, elements)
         if not self._read_sets(fam, kernel, [s for s in base_sets(bases)
@@ -291,6 +302,7 @@ class RestartSteps:
         log.info("restart: what nobody claims deleted", extra={
             "family": fam.family.label, "ports_written": counts.written,
             "elements_deleted": counts.deleted, "elements_added": counts.added,
+            "hairpins_probed": None if left is None else len(left),
             "seconds": round(time.perf_counter() - started, 3)})
 
     def _restart_by_marks(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
@@ -497,6 +509,27 @@ def after_writing(read: Mapping[Named, Held], owners: Owners,
         elif key not in held.decoded:  # a set read whole is in `decoded`
             held.raw.add(raw)
     return out
+
+
+def gone_hairpins(read: Mapping[Named, Held], owners: Owners) -> set[Key] | None:
+    """The @hairpin elements the ports gone or changed while no agent ran may have left
+    (the sweep asks for these one by one rather than dump @hairpin, which walks the set
+    from its start for every message: 70 s at 100,000 x 10, the data plane held
+    meanwhile): those of the endpoints in the pick maps a restart read (`read`) that
+    `owners` want no more. None when a port that was not picked is gone or changed (a
+    dispatch element read, to another chain than a pick chain, that `owners` do not
+    want as it was): its endpoints are in no map, so @hairpin is read whole."""
+    addresses: set[str] = set()
+    for (table, name), held in read.items():
+        if name.startswith(PICKS):  # values: (address, port)
+            addresses.update(v[0] for v in held.decoded.values()
+                             if type(v) is tuple and isinstance(v[0], str))
+            continue
+        for key, value in held.decoded.items():
+            if isinstance(value, Verdict) and not value.chain.startswith(PICK) \
+                    and owners.held((table, name, key)) != value:
+                return None
+    return {hairpin_element(a) for a in owners.unowned_pairs(TABLE, HAIRPIN, addresses)}
 
 
 def _read_elements(runner: NftRunner, table: str, set_name: str, types: Sequence[str],

@@ -65,6 +65,7 @@ from proxy.dataplane.common.netlink_constants import (
 )
 from proxy.dataplane.nftables import readback, wire
 from proxy.dataplane.nftables.counters import Counts, SocketReader, read_counters
+from proxy.dataplane.nftables.objects import Key
 from proxy.dataplane.nftables.transaction import Script
 from proxy.model.types import Family
 
@@ -402,6 +403,28 @@ class NftRunner:
                     family, types, is_map)
             except OSError as exc:
                 raise NftError(f"nf_tables netlink dump of {table} {set_name}: {exc}") from exc
+
+    def probe(self, family: Family, table: str, set_name: str, keys: Sequence[Key]
+              ) -> readback.Held:
+        """Which of `keys` set `set_name` of `table` holds, asked one by one (a request
+        per key, many to a datagram) rather than dumped: a `partial` Held of their bytes.
+        NftError if the kernel refuses other than by ENOENT (or the set is missing)."""
+        self._check_home()
+        raws = wire.element_keys(family, keys)
+        kind = NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETSETELEM
+        with self._lock:
+            try:
+                codes = self._netlink().execute_raw(
+                    [(kind, 0, readback.element_get_request(family, table, set_name, raw))
+                     for raw in raws])
+            except OSError as exc:
+                raise NftError(f"nf_tables netlink get of {table} {set_name}: {exc}") from exc
+        refused = [c for c in codes if c not in (0, -errno.ENOENT)]
+        if refused:
+            raise NftError(f"nf_tables netlink get of {table} {set_name}: "
+                           f"{os.strerror(-refused[0])}")
+        return readback.Held(raw={r for r, c in zip(raws, codes, strict=True) if c == 0},
+                             partial=True)
 
     def counters(self, family: Family, tables: Collection[str]) -> Counts:
         """The named counters of `tables` in `family` (counters.py): (table, name) ->

@@ -161,6 +161,15 @@ class Owners:
         cur = members.get(key)
         return None if cur is None else _value(cur)
 
+    def unowned_pairs(self, table: str, set_name: str, addresses: set[str]) -> set[str]:
+        """Of `addresses`, those whose pair (address, address) in set `set_name` of
+        `table` (@hairpin) nobody owns: one set difference, not a lookup each."""
+        members = self._sets.get((table, set_name))
+        if isinstance(members, _Pairs):
+            return addresses - members.by_address.keys()
+        owned = members if isinstance(members, dict) else {}
+        return {a for a in addresses if (a, a) not in owned}
+
     def sets(self) -> Iterator[tuple[str, str, Iterator[tuple[Key, Value]]]]:
         """(table, set, its elements as (key, held value)), set by set."""
         for (table, set_name), members in self._sets.items():
