@@ -14,9 +14,8 @@ import socket
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from ipaddress import IPv6Address
 
-from proxy.dataplane.common.naming import address_text
+from proxy.dataplane.common.naming import packed_v6_text
 from proxy.dataplane.common.netlink import ATTR as _ATTR
 from proxy.dataplane.common.netlink import NFGEN, attributes, nfgen, nla, nla_string
 from proxy.dataplane.common.netlink_constants import (
@@ -198,7 +197,7 @@ def key_parts(family: Family, types: Sequence[str], raw: bytes) -> Key:
         if t == "ipv4_addr":
             parts.append(socket.inet_ntoa(raw[at:at + 4]))
         elif t == "ipv6_addr":
-            parts.append(address_text(IPv6Address(raw[at:at + 16])))
+            parts.append(packed_v6_text(raw[at:at + 16]))
         elif t == "inet_proto":
             name = _PROTOCOL_NAMES.get(raw[at])
             if name is None:
