@@ -57,3 +57,30 @@ def test_what_is_not_laid_out_as_declared_is_not_guessed() -> None:
         readback.read_held([(body, 0, len(body))], Family.V4, ("ipv4_addr",), False)
     with pytest.raises(readback.Unreadable):
         readback.key_length(("ether_addr",))
+
+
+PICKS = {Family.V4: [(("198.18.128.1", 80, i), (f"198.18.1.{i}", 8080)) for i in range(3)],
+         Family.V6: [(("fd00::1", 80, i), (f"fd00:1::{i + 1}", 8080)) for i in range(3)]}
+
+
+@pytest.mark.parametrize("family", [Family.V4, Family.V6])
+def test_a_pick_maps_elements_read_by_stride_are_those_read_one_by_one(
+        family: Family) -> None:
+    addr = "ipv4_addr" if family is Family.V4 else "ipv6_addr"
+    body = message(family, PICKS[family])
+    items = readback.map_items(body, 0, len(body))
+    assert items is not None and len(items) == 3
+    assert items == [(k, v) for k, v in readback.decode_elements(body, 0, len(body))]
+    held = readback.read_held([(body, 0, len(body))], family,
+                              (addr, "inet_service", "integer"), True)
+    assert held.decoded == dict(PICKS[family]) and not held.raw
+
+
+def test_a_map_not_laid_out_alike_is_read_one_by_one() -> None:
+    # An element with a verdict among data values: not the first one's layout.
+    mixed = message(Family.V4, [*PICKS[Family.V4][:2], (("198.18.128.2", 80, 0),
+                                                         Verdict("goto", "c"))])
+    assert readback.map_items(mixed, 0, len(mixed)) is None
+    # Verdicts (a dispatch map's) and sets' elements: never by this stride.
+    for body in (message(Family.V6, DISPATCH), message(Family.V4, HAIRPIN)):
+        assert readback.map_items(body, 0, len(body)) is None

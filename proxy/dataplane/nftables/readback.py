@@ -77,6 +77,11 @@ def read_held(messages: Iterable[tuple[bytes, int, int]], family: Family,
         if keys is not None:
             held.raw.update(keys)
             continue
+        items = map_items(data, start, end) if values else None
+        if items is not None:
+            held.decoded.update((key_parts(family, types, k), key_parts(family, values, v))
+                                for k, v in items)
+            continue
         for raw, value in decode_elements(data, start, end):
             held.decoded[key_parts(family, types, raw)] = \
                 key_parts(family, values, value) if isinstance(value, bytes) else value
@@ -156,6 +161,53 @@ def set_keys(data: bytes, start: int, end: int, length: int) -> list[bytes] | No
             return None
         return [data[i + 12:i + size] for i in stops]
     return []
+
+
+def map_items(data: bytes, start: int, end: int) -> list[tuple[bytes, bytes]] | None:
+    """The (key, value) bytes of each element in one dumped message of a map whose
+    values are data (a pick map's), read by stride: every element laid out as the first
+    (the same bytes around its key and its value), as the kernel dumps our maps. None
+    when the message is laid out otherwise (then `decode_elements`, 4.7 us an element:
+    a million of them in the pick maps at 100,000 x 10)."""
+    for attr, a, b in attributes(data, start + NFGEN.size, end):
+        if attr != NFTA_SET_ELEM_LIST_ELEMENTS:
+            continue
+        if b == a:
+            return []
+        spans = _item_spans(data, a, b)
+        if spans is None:
+            return None
+        size, (k0, k1), (v0, v1) = spans
+        if (b - a) % size:
+            return None
+        around = ((0, k0), (k1, v0), (v1, size))
+        first = [data[a + p:a + q] for p, q in around]
+        stops = range(a, b, size)
+        if any(data[i + p:i + q] != f for i in stops for (p, q), f in zip(around, first,
+                                                                            strict=True)):
+            return None
+        return [(data[i + k0:i + k1], data[i + v0:i + v1]) for i in stops]
+    return []
+
+
+def _item_spans(data: bytes, a: int, b: int
+                ) -> tuple[int, tuple[int, int], tuple[int, int]] | None:
+    """The first element's size and where in it its key's and its value's bytes are;
+    None unless it holds exactly a key and a data value (no verdict, flags, object)."""
+    found = next(attributes(data, a, b), None)
+    if found is None or found[0] != NFTA_LIST_ELEM:
+        return None
+    _, x, y = found
+    spans: dict[int, tuple[int, int]] = {}
+    for part, i, j in attributes(data, x, y):
+        inner = list(attributes(data, i, j))
+        if part not in (NFTA_SET_ELEM_KEY, NFTA_SET_ELEM_DATA) or len(inner) != 1 \
+                or inner[0][0] != NFTA_DATA_VALUE:
+            return None
+        spans[part] = (inner[0][1] - a, inner[0][2] - a)
+    if len(spans) != 2:
+        return None
+    return (y - a + 3) & ~3, spans[NFTA_SET_ELEM_KEY], spans[NFTA_SET_ELEM_DATA]
 
 
 def _heads(raw: bytes) -> tuple[int, ...]:
