@@ -25,7 +25,9 @@ from proxy.dataplane.common.netlink_constants import (
     SOL_NETLINK,
 )
 from proxy.dataplane.common.nft_events import Transaction, TransactionReader
+from proxy.dataplane.nftables import wire
 from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
+from proxy.model.types import Family
 from proxy.netns_lab.netns import entered
 
 T = TypeVar("T")
@@ -207,6 +209,24 @@ class TestKernel:
             with pytest.raises(NftError, match=f"^list table ip {TABLE}: No such file or"):
                 worker.call(lambda: runner.list_json(f"list table ip {TABLE}"))
             assert "nftables" in worker.call(lambda: runner.list_json("list tables ip"))
+        finally:
+            worker.call(runner.close)
+
+    def test_probe_says_which_keys_a_set_holds(self, ns: str, worker: InNamespace) -> None:
+        """Asked one by one, a key the set lacks is no error; nor is a set that is not
+        there (the kernel answers ENOENT for both): it holds none."""
+        _nft("add", "table", "ip", TABLE, ns=ns)
+        _nft("add", "set", "ip", TABLE, "pairs", "{ type ipv4_addr . ipv4_addr; }",
+             ns=ns)
+        _nft("add", "element", "ip", TABLE, "pairs",
+             "{ 198.18.1.1 . 198.18.1.1, 198.18.1.3 . 198.18.1.3 }", ns=ns)
+        runner = NftRunner()
+        keys = [(f"198.18.1.{i}", f"198.18.1.{i}") for i in (1, 2, 3, 4)]
+        try:
+            held = worker.call(lambda: runner.probe(Family.V4, TABLE, "pairs", keys))
+            assert held.partial and not held.decoded
+            assert held.raw == set(wire.element_keys(Family.V4, [keys[0], keys[2]]))
+            assert not worker.call(lambda: runner.probe(Family.V4, TABLE, "missing", keys)).raw
         finally:
             worker.call(runner.close)
 

@@ -408,7 +408,8 @@ class NftRunner:
               ) -> readback.Held:
         """Which of `keys` set `set_name` of `table` holds, asked one by one (a request
         per key, many to a datagram) rather than dumped: a `partial` Held of their bytes.
-        NftError if the kernel refuses other than by ENOENT (or the set is missing)."""
+        The kernel answers ENOENT for a key the set lacks and for a set that is not there
+        alike (it holds none); NftError if it refuses otherwise."""
         self._check_home()
         raws = wire.element_keys(family, keys)
         kind = NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETSETELEM
@@ -419,10 +420,10 @@ class NftRunner:
                      for raw in raws])
             except OSError as exc:
                 raise NftError(f"nf_tables netlink get of {table} {set_name}: {exc}") from exc
-        refused = [c for c in codes if c not in (0, -errno.ENOENT)]
+        refused = [c for c in codes if c not in (0, errno.ENOENT)]  # errnos, positive
         if refused:
             raise NftError(f"nf_tables netlink get of {table} {set_name}: "
-                           f"{os.strerror(-refused[0])}")
+                           f"{os.strerror(refused[0])}")
         return readback.Held(raw={r for r, c in zip(raws, codes, strict=True) if c == 0},
                              partial=True)
 
