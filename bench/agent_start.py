@@ -44,7 +44,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
-from ipaddress import IPv4Address, ip_address
+from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any
 
@@ -65,14 +65,8 @@ from bench.common import (
     stop,
     system_seconds,
 )
-from proxy.dataplane.common.netlink import NetlinkSocket
-from proxy.dataplane.common.netlink_constants import (
-    NETLINK_NETFILTER,
-    NFNL_SUBSYS_NFTABLES,
-    NFT_MSG_GETSETELEM,
-)
-from proxy.dataplane.nftables.readback import element_dump_request, read_held
 from proxy.dataplane.nftables.render import CLUSTER_IPS, TABLE
+from proxy.dataplane.nftables.runner import NftRunner
 from proxy.model.types import Family
 from proxy.netns_lab.netns import entered
 from proxy.netns_lab.poll import TimedOut, wait
@@ -237,19 +231,17 @@ def deletion_plan(services: int, delete: int, runs: int) -> list[list[str]]:
 
 
 def held_cluster_ips(ns: str, ips: Sequence[str], ipv6: bool) -> int:
-    """How many of `ips` the main table's set of ClusterIPs holds: one netlink dump of
-    that set (`nft get element` reads the whole ruleset first: minutes at 100,000)."""
-    family = Family.V6 if ipv6 else Family.V4
-    addr = "ipv6_addr" if ipv6 else "ipv4_addr"
+    """How many of `ips` the main table's set of ClusterIPs holds, asked one by one
+    (`NftRunner.probe`; `nft get element` reads the whole ruleset first: minutes at
+    100,000)."""
     with entered(ns):
-        sock = NetlinkSocket(NETLINK_NETFILTER)
+        runner = NftRunner()
         try:
-            held = read_held(sock.dump_messages(
-                NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETSETELEM,
-                element_dump_request(family, TABLE, CLUSTER_IPS)), family, (addr,), False)
+            held = runner.probe(Family.V6 if ipv6 else Family.V4, TABLE, CLUSTER_IPS,
+                                [(ip,) for ip in ips])
         finally:
-            sock.close()
-    return sum(ip_address(ip).packed in held.raw or (ip,) in held.decoded for ip in ips)
+            runner.close()
+    return len(held.raw)
 
 
 def sweep_figures(log_text: str, since_start: float) -> dict[str, float | None]:
