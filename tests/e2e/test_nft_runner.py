@@ -230,6 +230,26 @@ class TestKernel:
         finally:
             worker.call(runner.close)
 
+    def test_probe_reads_a_pick_maps_values(self, ns: str, worker: InNamespace) -> None:
+        """A map's keys asked one by one come back with their values, as a dump reads
+        them; a key the map lacks is not there."""
+        _nft("add", "table", "ip", TABLE, ns=ns)
+        _nft("add", "map", "ip", TABLE, "eps", "{ typeof ip daddr . tcp dport . numgen "
+             "random mod 1 : ip daddr . tcp dport; }", ns=ns)
+        _nft("add", "element", "ip", TABLE, "eps", "{ 198.18.2.1 . 80 . 0 : 198.18.1.7 . "
+             "8080, 198.18.2.1 . 80 . 1 : 198.18.1.8 . 8081 }", ns=ns)
+        runner = NftRunner()
+        types = ("ipv4_addr", "inet_service", "integer")
+        keys = [("198.18.2.1", 80, 1), ("198.18.2.1", 80, 2), ("198.18.2.2", 80, 0)]
+        try:
+            held = worker.call(lambda: runner.probe(Family.V4, TABLE, "eps", keys, types, True))
+            dumped = worker.call(lambda: runner.elements(Family.V4, TABLE, "eps", types, True))
+        finally:
+            worker.call(runner.close)
+        assert held.partial and not held.raw
+        assert held.decoded == {("198.18.2.1", 80, 1): ("198.18.1.8", 8081)}
+        assert held.decoded.items() <= dumped.decoded.items()
+
     def test_refuses_another_thread_and_namespace(self, namespaces: Callable[[], str],
                                                   ns: str, worker: InNamespace) -> None:
         runner = NftRunner()

@@ -209,21 +209,18 @@ class FakeNft:
                 raise Unreadable(f"{key} as {types}")
             parts = tuple(int(p) if t in ("inet_service", "integer") else p
                           for p, t in zip(key, types, strict=True))
-            verb, _, chain = value.partition(" ")
-            if value.startswith('"'):  # a counter map's
-                out[parts] = CounterRef(value.strip('"'))
-            elif " . " in value:  # a pick map's address . port
-                address, port = value.split(" . ")
-                out[parts] = (address, int(port))
-            else:
-                out[parts] = ElementVerdict(verb, chain) if value else ()
+            out[parts] = _held_value(value)
         return Held(decoded=out)
 
-    def probe(self, family: Family, table: str, set_name: str, keys: Sequence[Key]) -> Held:
-        """The runner's probe: which of `keys` the set holds, asked one by one."""
+    def probe(self, family: Family, table: str, set_name: str, keys: Sequence[Key],
+              types: Sequence[str] = (), is_map: bool = False) -> Held:
+        """The runner's probe: which of `keys` the set holds, asked one by one, with
+        their values in a map."""
         found = self.tables["ip" if family is Family.V4 else "ip6", table].sets[set_name]
         self.probed.append((table, set_name, len(keys)))
-        return Held(decoded={k: () for k in keys if k in found.elements}, partial=True)
+        held = {k: found.elements.get(tuple(str(p) for p in k)) for k in keys}
+        return Held(decoded={k: _held_value(v) for k, v in held.items() if v is not None},
+                    partial=True)
 
     def count(self, family: Family, table: str, name: str, packets: int = 1) -> None:
         """Packets counted into a named counter, as traffic through its rule would."""
@@ -242,6 +239,18 @@ class FakeNft:
         ip = "ip" if packet.destination.version == 4 else "ip6"
         tables = {t: v for (f, t), v in self.tables.items() if f == ip}
         return NftTracer(tables, node).trace(packet, remembered)
+
+
+def _held_value(value: str) -> Value:
+    """An element's value as the runner reads it back: a counter map's name, a pick map's
+    address . port, a verdict, or () in a set."""
+    verb, _, chain = value.partition(" ")
+    if value.startswith('"'):  # a counter map's
+        return CounterRef(value.strip('"'))
+    if " . " in value:  # a pick map's address . port
+        address, port = value.split(" . ")
+        return (address, int(port))
+    return ElementVerdict(verb, chain) if value else ()
 
 
 def _apply(tables: Tables, line: str) -> None:

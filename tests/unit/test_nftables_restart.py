@@ -160,9 +160,9 @@ def test_a_port_edited_since_its_fingerprint_is_read_back_and_written_whole(
         caplog: pytest.LogCaptureFixture) -> None:
     """A port whose marks an endpoint delta dropped is written whole, the others kept by
     theirs; what it held and no longer has (an endpoint, here, in its pick map and
-    @hairpin) is deleted right after, by the sweep, which asks for that hairpin pair by
-    key rather than read @hairpin whole (a dump walks the set from its start for every
-    message: 70 s at 100,000 x 10)."""
+    @hairpin) is deleted right after, by the sweep. Its pick elements and that hairpin
+    pair are asked for by key, not dumped (a dump walks the set from its start for
+    every message: 70 s for @hairpin at 100,000 x 10)."""
     plane = FakePlane("nftables")
     plane.become(*cluster(range(3)), full=True)
     plane.settle()
@@ -187,7 +187,11 @@ def test_a_port_edited_since_its_fingerprint_is_read_back_and_written_whole(
         restarted.settle()  # the sync loop's, right after the first sync: the sweep
     assert ("198.18.1.19", "198.18.1.19") not in hairpins(plane)
     assert ("sliceproxy", render.HAIRPIN) not in plane.nft.dumped
-    assert plane.nft.probed == [("sliceproxy", render.HAIRPIN, 1)]
+    # Before the first sync, of the pick maps only that port's two slots, by key: its
+    # dispatch element says where (a million elements dumped at 100,000 x 10).
+    assert plane.nft.probed == [(state.ports[port_key(1)].table, render.pick_map("tcp", 2), 2),
+                                ("sliceproxy", render.HAIRPIN, 1)]
+    assert not [name for _table, name in plane.nft.dumped if name.startswith(render.PICKS)]
     # What it did not ask for it does not take for missing: nothing added.
     swept = [r for r in caplog.records if r.getMessage().startswith("restart: what nobody")]
     assert [(r.__dict__["elements_deleted"], r.__dict__["elements_added"],

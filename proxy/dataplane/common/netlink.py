@@ -314,7 +314,14 @@ class NetlinkSocket:
         """Send (type, flags, body) requests in order, BATCH to a datagram, each with an
         acknowledgement; one errno per request (0: done). The kernel handles them in
         order, so a real server added after its virtual server in one batch finds it."""
-        results: list[int] = []
+        return [code for code, _answer in self.exchange_raw(requests)]
+
+    def exchange_raw(self, requests: Sequence[tuple[int, int, bytes]]
+                     ) -> list[tuple[int, bytes]]:
+        """`execute_raw`, with each request's answer: (errno, the payload of the message
+        the kernel sent it before its acknowledgement, b"" if none), as a get of one
+        object answers."""
+        results: list[tuple[int, bytes]] = []
         for start in range(0, len(requests), BATCH):
             batch = requests[start:start + BATCH]
             seqs = {}
@@ -325,15 +332,19 @@ class NetlinkSocket:
                 chunks.append(frame(kind, flags | NLM_F_REQUEST | NLM_F_ACK, seq, body))
             self._sock.send(b"".join(chunks))
             codes: list[int | None] = [None] * len(batch)
+            answers = [b""] * len(batch)
             pending = len(batch)
             while pending:
                 for reply in replies(self._recv()):
                     index = seqs.get(reply.seq)
-                    if reply.kind != NLMSG_ERROR or index is None or codes[index] is not None:
+                    if index is None or codes[index] is not None:
+                        continue
+                    if reply.kind != NLMSG_ERROR:
+                        answers[index] = answers[index] or reply.payload
                         continue
                     codes[index] = reply.error
                     pending -= 1
-            results.extend(c or 0 for c in codes)
+            results.extend(zip((c or 0 for c in codes), answers, strict=True))
         return results
 
     def first_refusal(self, data: Sequence[bytes | bytearray], acked: Collection[int],

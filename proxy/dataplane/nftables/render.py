@@ -608,15 +608,21 @@ def _pick(build: _PortBuild, rsp: ResolvedServicePort, eps: Sequence[SelectedEnd
     counter = port_counter(build.key, proto)
     build.count(counter, None)
     goto = _goto_pick(len(values))
-    for a in rsp.cluster_ips:
-        at = _text(a)
+    for destination in destinations(rsp):  # one key for both maps' elements
+        at = destination[0]
         build.element(CLUSTER_IPS, (at,))
-        destination = (at, proto, port)  # one key for both maps' elements
         build.element(SERVICE_IPS, destination, goto)
         build.element(PORT_COUNTERS, destination, CounterRef(counter))
         build.slot_elements += [Element(build.table, picks, (at, port, i), v)
                                 for i, v in enumerate(assigned)]
     return list(assigned) == values
+
+
+def destinations(rsp: ResolvedServicePort) -> list[tuple[str, str, int]]:
+    """The port's cluster IPs as its keys in the dispatch maps: (address, protocol,
+    port)."""
+    proto, port = rsp.port.protocol.value.lower(), rsp.port.port
+    return [(_text(a), proto, port) for a in rsp.cluster_ips]
 
 
 def count_statement(name: str) -> str:

@@ -40,16 +40,20 @@ then in: restart_steps.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from proxy.dataplane.nftables.objects import Element, Key, Value
+from proxy.dataplane.nftables.objects import Element, Key, Value, Verdict
 from proxy.dataplane.nftables.readback import Held, key_parts
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
+    PICK,
+    PICKS,
+    SERVICE_IPS,
     BaseObjects,
     PortObjects,
     mark_element,
+    pick_map,
     table_family,
 )
 from proxy.dataplane.nftables.transaction import (
@@ -113,6 +117,32 @@ def sets_needed(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Por
     return any(p.fingerprint not in held and any((p.table, c.name) in kernel.chains
                                                  for c in p.chains)
                for p in ports.values())
+
+
+def picks_to_probe(kernel: KernelTables, kept: Collection[tuple[str, str, int]]
+                   ) -> dict[Named, list[Key]]:
+    """The elements of the pick maps a restart asks for one by one, rather than dump
+    them (a million at 100,000 x 10: most of the restart's 16 s of reading back and a
+    peak of 1.1 GiB): those of every picked port the dispatch maps read back (`kernel`)
+    lead to, the slots 0..n-1 of its pick map, but not a destination in `kept` (cluster
+    IP, protocol, port of the ports kept by their marks: they hold what they wrote).
+    These are all a port written or gone can have left there: a picked port's elements
+    and its dispatch element are written in one transaction. Every pick map the kernel
+    has is in the answer, with no keys where none."""
+    out: dict[Named, list[Key]] = {n: [] for n in kernel.sets if n[1].startswith(PICKS)}
+    for (table, name), held in kernel.elements.items():
+        if name != SERVICE_IPS:
+            continue
+        for key, value in held.decoded.items():
+            if not isinstance(value, Verdict) or not value.chain.startswith(PICK) \
+                    or key in kept:
+                continue
+            ip, proto, port = key
+            n = int(value.chain[len(PICK):])
+            keys = out.get((table, pick_map(str(proto), n)))
+            if keys is not None:
+                keys += [(ip, port, slot) for slot in range(n)]
+    return out
 
 
 def restart_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
@@ -222,8 +252,9 @@ def _element_diff(state: TableState, bases: Sequence[BaseObjects], kernel: Kerne
     (`sets_needed`), the elements of what is written (`fresh_elements`). Without
     `sweep`, only what the owners want another value of is deleted."""
     types = {(t, name): key for t, name, key, _is_map in base_sets(bases)}
+    partial = {n for n, held in kernel.elements.items() if held.partial}
     wanted_by_set = {(t, s): dict(pairs) for t, s, pairs in state.owners.sets()
-                     if (t, s) in types}
+                     if (t, s) in types and (t, s) not in partial}
     fresh: dict[Named, list[tuple[Key, Value]]] = {}
     for objects in fresh_elements:
         for e in objects:
@@ -231,12 +262,19 @@ def _element_diff(state: TableState, bases: Sequence[BaseObjects], kernel: Kerne
     deletes: list[tuple[str, str, Key, Value]] = []
     adds: list[tuple[str, str, Key, Value]] = []
     for (table, set_name), key_types in sorted(types.items()):
-        wanted = wanted_by_set.get((table, set_name), {})
         held = kernel.elements.get((table, set_name))
         if held is None and (table, set_name) in kernel.sets:  # not read: `sets_needed`
             adds += [(table, set_name, k, v) for k, v in fresh.get((table, set_name), ())]
             continue
-        held = held or Held()
+        if held is None:
+            held = Held()
+        if held.partial:
+            d, a = _partial_diff(state, key_types, (table, set_name), held,
+                                 fresh.get((table, set_name), ()), sweep)
+            deletes += d
+            adds += a
+            continue
+        wanted = wanted_by_set.get((table, set_name), {})
         # A map's element whose value changes is deleted (by its key) and added again.
         deletes += [(table, set_name, k, ()) for k, v in held.decoded.items()
                     if (k not in wanted and sweep) or wanted.get(k, v) != v]
@@ -246,11 +284,33 @@ def _element_diff(state: TableState, bases: Sequence[BaseObjects], kernel: Kerne
             present = {raws[r] for r in held.raw if r in raws}
             deletes += [(table, set_name, key_parts(state.family, key_types, r), ())
                         for r in held.raw if r not in raws and sweep]
-        if held.partial:  # what it lacks may be held: nothing to add from it
-            continue
         adds += [(table, set_name, k, v) for k, v in wanted.items()
                  if k not in present and held.decoded.get(k) != v]
     return deletes, adds
+
+
+def _partial_diff(state: TableState, key_types: tuple[str, ...], name: Named, held: Held,
+                  fresh: Iterable[tuple[Key, Value]], sweep: bool
+                  ) -> tuple[list[tuple[str, str, Key, Value]], list[tuple[str, str, Key, Value]]]:
+    """`_element_diff` of a set or map of which only some keys were asked for (`held`
+    partial: nothing is known of the others, which are what their owners wrote): those
+    held, each looked up in the owners (a pick map holds a million at 100,000 x 10),
+    deleted where nobody wants them (`sweep`) or wants another value, which is added
+    again; and `fresh` elements added unless held as they are."""
+    table, set_name = name
+    got = dict(held.decoded)
+    got.update((key_parts(state.family, key_types, r), ()) for r in held.raw)
+    deletes: list[tuple[str, str, Key, Value]] = []
+    adds: dict[Key, Value] = {}
+    for k, v in got.items():
+        wanted = state.owners.held((table, set_name, k))
+        if (wanted is None and not sweep) or wanted == v:
+            continue
+        deletes.append((table, set_name, k, ()))
+        if wanted is not None:
+            adds[k] = wanted
+    adds.update((k, v) for k, v in fresh if got.get(k) != v)
+    return deletes, [(table, set_name, k, v) for k, v in adds.items()]
 
 
 def _held_marks(bases: Sequence[BaseObjects], ports: Iterable[PortObjects],

@@ -51,6 +51,7 @@ from proxy.dataplane.nftables.render import (
     TABLE,
     BaseObjects,
     PortObjects,
+    destinations,
     hairpin_element,
     render_port,
     table_family,
@@ -60,6 +61,7 @@ from proxy.dataplane.nftables.restart import (
     RestartCounts,
     base_sets,
     kept_by_marks,
+    picks_to_probe,
     restart_lines,
     sets_needed,
     sweep_lines,
@@ -195,6 +197,9 @@ class _Plane(Protocol):
 
     def _read_sets(self, fam: NftFamily, kernel: KernelTables,
                    sets: Sequence[tuple[str, str, tuple[str, ...], bool]]) -> bool: ...
+
+    def _read_maps(self, fam: NftFamily, bases: Sequence[BaseObjects],
+                   kernel: KernelTables, kept: set[tuple[str, str, int]]) -> int | None: ...
 
 
 class RestartSteps:
@@ -333,8 +338,9 @@ class RestartSteps:
                    for k in marks if k not in kept}
         # The maps: what the ports written replace, and what a port gone while no agent
         # ran left, which a change before the sweep may replace (transaction.Unfinished).
-        if (written or sweep) and not self._read_sets(fam, kernel, [
-                s for s in base_sets(bases) if s[3]]):
+        probed = self._read_maps(fam, bases, kernel, {
+            d for k in kept for d in destinations(ports[k])}) if written or sweep else 0
+        if probed is None:
             return marks, None
         if sweep:  # what the sweep needs of the kernel before this sync writes
             fam.restart_read = dict(kernel.elements)
@@ -358,7 +364,8 @@ class RestartSteps:
         log.info("restart over our tables: writing what differs", extra={
             "family": fam.family.label, "ports_kept": counts.kept,
             "ports_written": counts.written, "elements_deleted": counts.deleted,
-            "elements_added": counts.added, "rendered": len(written), "sweep": sweep})
+            "elements_added": counts.added, "rendered": len(written), "sweep": sweep,
+            "pick_elements_probed": probed})
         return marks, (script, state)
 
     def _sweep_counters(self: _Plane, fam: NftFamily, state: TableState,
@@ -399,11 +406,37 @@ class RestartSteps:
             try:
                 elements[table, name] = self._read_back(fam, f"{table} {name}", read)
             except Unreadable as exc:
-                log.info("our tables hold a set this version reads otherwise; full "
-                         "rewrite", extra={"family": fam.family.label, "table": table,
-                                           "set": name, "reason": str(exc)})
+                _unreadable(fam, table, name, exc)
                 return False
         return True
+
+    def _read_maps(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
+                   kernel: KernelTables, kept: set[tuple[str, str, int]]) -> int | None:
+        """The bases' maps into `kernel.elements`: read whole, but the pick maps, of
+        which the elements a port written or gone may have left are asked for one by
+        one (restart.picks_to_probe: `kept`, the destinations of the ports kept by their
+        marks, are not); how many were asked for. None when one cannot be read as this
+        version declares it (`_read_sets`)."""
+        maps = [s for s in base_sets(bases) if s[3]]
+        if not self._read_sets(fam, kernel, [s for s in maps if not s[1].startswith(PICKS)]):
+            return None
+        types = {(t, name): key for t, name, key, _is_map in maps}
+        elements = dict(kernel.elements)
+        asked = 0
+        for (table, name), keys in picks_to_probe(kernel, kept).items():
+            asked += len(keys)
+            if not keys:
+                elements[table, name] = Held(partial=True)
+                continue
+            probe = functools.partial(_probe_map, self.runner, table, name, keys,
+                                      types.get((table, name), ()))
+            try:
+                elements[table, name] = self._read_back(fam, f"{table} {name}", probe)
+            except Unreadable as exc:
+                _unreadable(fam, table, name, exc)
+                return None
+        kernel.elements = elements
+        return asked
 
     def _write_marks(self: _Plane, fam: NftFamily) -> None:
         """Input marks the kernel lacks (marks.py), for ports whose rules are what their
@@ -471,6 +504,12 @@ class RestartSteps:
         return any(fam.pending for fam in self._families.values())
 
 
+def _unreadable(fam: NftFamily, table: str, name: str, exc: Unreadable) -> None:
+    log.info("our tables hold a set this version reads otherwise; full rewrite",
+             extra={"family": fam.family.label, "table": table, "set": name,
+                    "reason": str(exc)})
+
+
 def _unmarked(kept: KeptPort | None) -> bool:
     """A kept port whose input mark the kernel lacks, which it may have."""
     return kept is not None and kept.from_input and not kept.input_mark
@@ -486,10 +525,16 @@ def after_writing(read: Mapping[Named, Held], owners: Owners,
     say they are there), and, for the elements the syncs since touched, what they left
     (`touched`: transaction.Unfinished.kernel)."""
     maps = {(t, name) for t, name, _types, is_map in sets if is_map}
-    out = {k: Held(dict(h.decoded), set(h.raw)) for k, h in read.items()}
+    out = {k: Held(dict(h.decoded), set(h.raw), h.partial) for k, h in read.items()}
+    for (table, name), asked in out.items():
+        if asked.partial:  # only the keys asked for: each now as its owner has it, if any
+            for key in asked.decoded:
+                value = owners.held((table, name, key))
+                if value is not None:
+                    asked.decoded[key] = value
     for table, name, pairs in owners.sets():
         held = out.get((table, name))
-        if held is None:
+        if held is None or held.partial:
             continue
         if (table, name) in maps:
             held.decoded.update(pairs)
@@ -536,3 +581,9 @@ def _read_elements(runner: NftRunner, table: str, set_name: str, types: Sequence
                    is_map: bool, family: Family, _ours: frozenset[str]) -> Held:
     """`runner.elements` in the shape `_read_back` calls."""
     return runner.elements(family, table, set_name, types, is_map)
+
+
+def _probe_map(runner: NftRunner, table: str, name: str, keys: Sequence[Key],
+               types: Sequence[str], family: Family, _ours: frozenset[str]) -> Held:
+    """`runner.probe` of a map in the shape `_read_back` calls."""
+    return runner.probe(family, table, name, keys, types, True)

@@ -404,28 +404,34 @@ class NftRunner:
             except OSError as exc:
                 raise NftError(f"nf_tables netlink dump of {table} {set_name}: {exc}") from exc
 
-    def probe(self, family: Family, table: str, set_name: str, keys: Sequence[Key]
-              ) -> readback.Held:
+    def probe(self, family: Family, table: str, set_name: str, keys: Sequence[Key],
+              types: Sequence[str] = (), is_map: bool = False) -> readback.Held:
         """Which of `keys` set `set_name` of `table` holds, asked one by one (a request
-        per key, many to a datagram) rather than dumped: a `partial` Held of their bytes.
-        The kernel answers ENOENT for a key the set lacks and for a set that is not there
-        alike (it holds none); NftError if it refuses otherwise."""
+        per key, many to a datagram) rather than dumped: a `partial` Held, of their bytes
+        for a set, decoded as `elements` does for a map (`types`, `is_map`). The kernel
+        answers ENOENT for a key the set lacks and for a set that is not there alike (it
+        holds none); NftError if it refuses otherwise."""
         self._check_home()
         raws = wire.element_keys(family, keys)
         kind = NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETSETELEM
         with self._lock:
             try:
-                codes = self._netlink().execute_raw(
+                answers = self._netlink().exchange_raw(
                     [(kind, 0, readback.element_get_request(family, table, set_name, raw))
                      for raw in raws])
             except OSError as exc:
                 raise NftError(f"nf_tables netlink get of {table} {set_name}: {exc}") from exc
-        refused = [c for c in codes if c not in (0, errno.ENOENT)]  # errnos, positive
+        refused = [c for c, _a in answers if c not in (0, errno.ENOENT)]  # errnos, positive
         if refused:
             raise NftError(f"nf_tables netlink get of {table} {set_name}: "
                            f"{os.strerror(refused[0])}")
-        return readback.Held(raw={r for r, c in zip(raws, codes, strict=True) if c == 0},
-                             partial=True)
+        if is_map:
+            held = readback.read_held(((a, 0, len(a)) for c, a in answers if c == 0),
+                                      family, types, True)
+            held.partial = True
+            return held
+        return readback.Held(raw={r for r, (c, _a) in zip(raws, answers, strict=True)
+                                  if c == 0}, partial=True)
 
     def counters(self, family: Family, tables: Collection[str]) -> Counts:
         """The named counters of `tables` in `family` (counters.py): (table, name) ->
