@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from proxy.netns_lab import poll, probe
+from tests.e2e.agent_support import log_stamp
 
 
 class Laps:
@@ -102,9 +103,16 @@ class Report:
         return max((t.longest_run for t in self.targets), default=0)
 
     def failures(self) -> str:
-        """The targets that failed and how, for an assertion message."""
+        """The targets that failed and how, for an assertion message: when each failed
+        attempt started, in seconds from `since` and as the agent's log stamps its lines
+        (the time of day, UTC), to read the log beside it."""
+        epoch = time.time() - time.monotonic()  # attempts are stamped by time.monotonic()
+
+        def at(s: float) -> str:
+            return f"{s:.2f} s ({log_stamp(epoch + self.since + s)[11:]})"
+
         return "; ".join(f"{t.target}: {t.failed}/{t.attempts} failed, answers {t.answers}, "
-                         f"at {', '.join(f'{s:.2f}' for s in t.failed_at[:10])} s"
+                         f"at {', '.join(at(s) for s in t.failed_at[:10])}"
                          for t in self.targets if t.failed) or "none"
 
 

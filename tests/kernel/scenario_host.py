@@ -47,6 +47,9 @@ REGISTERED: dict[str, Needs] = {}
 # Seconds each scenario took inside its kernel, for the tier's summary (conftest.py).
 SCENARIO_SECONDS: dict[str, float] = {}
 _BOOTED: dict[tuple[str, ...], KernelResult | BaseException] = {}
+# Each module's run folder (console.log, out/: result.json, the agents' whole logs), for
+# a failure to name: pytest keeps the last few base temporary folders only.
+FOLDERS: dict[str, Path] = {}
 
 
 def selected(session: pytest.Session) -> list[str]:
@@ -68,6 +71,7 @@ def boot(group: list[str], tmp_path_factory: pytest.TempPathFactory) -> KernelRe
         modules += [m for m in need.modules if m not in modules]
         env.update(need.env() if need.env is not None else {})
     workdir = tmp_path_factory.mktemp("scenarios")
+    FOLDERS.update(dict.fromkeys(group, workdir))
     run = run_in_kernel(RUNNER, group, workdir=workdir,
                         timeout=sum(n.timeout for n in needs), modules=modules,
                         deny_modules=needs[0].deny_modules, env=env)
@@ -111,7 +115,9 @@ def outcome(run: KernelResult, module: str, name: str) -> None:
     failed = {k: v for k, v in cases.items() if v["outcome"] not in ("passed", "skipped")}
     if failed:
         pytest.fail("\n".join(f"{k} {v['outcome']} inside the kernel:\n{v['longrepr']}"
-                              for k, v in failed.items()), pytrace=False)
+                              for k, v in failed.items())
+                    + f"\nthe run's folder (out/agents/: the agents' whole logs): "
+                    f"{FOLDERS.get(module)}", pytrace=False)
     if all(v["outcome"] == "skipped" for v in cases.values()):
         pytest.skip("; ".join(v["longrepr"] for v in cases.values()))
 

@@ -112,3 +112,25 @@ def test_static_binaries_are_told_apart(binary: str) -> None:
     assert _is_static(Path(binary)) is static
     if binary == "/bin/ls":
         assert not static
+
+
+def test_a_failed_scenario_shows_the_agent_lines_since_it_began(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """scenarios/run.py: the lines stamped since the scenario began (a traceback after
+    one included), from every agent log that has any; an agent silent since, left out."""
+    from tests.e2e.agent_support import log_stamp
+    from tests.kernel.scenarios.run import agent_logs
+
+    began = 1_800_000_000.25
+    logs = tmp_path / "agents" / "faults"
+    logs.mkdir(parents=True)
+    (logs / "agent-1.log").write_text(
+        f"time={log_stamp(began - 5)} msg=before\ntime={log_stamp(began)} msg=during\n"
+        "Traceback (most recent call last):\n")
+    (logs / "agent-2.log").write_text(f"time={log_stamp(began - 1)} msg=stopped\n")
+    monkeypatch.setenv("KERNEL_RESULT", str(tmp_path / "result.json"))
+    shown = agent_logs(began)
+    assert log_stamp(began) == "2027-01-15T08:00:00.250Z"
+    assert "msg=during\nTraceback" in shown and "msg=before" not in shown
+    assert "agents/faults/agent-1.log" in shown and "agent-2.log" not in shown
+    assert agent_logs(began + 60) == "(no agent logged anything since)"
