@@ -33,7 +33,9 @@ Rendering every port is most of a restart's time. Where the kernel holds the bas
 written and most ports' input marks (marks.py: a digest of a port's input and of the
 code, `kept_by_marks`), the restart renders only the other ports and writes them
 (`restart_lines` without a sweep: nothing they do not claim is deleted, as it may be a
-kept port's); the data plane renders the kept ones after, a part at a time, and, if
+kept port's), against the bases' maps read back but the pick maps, of which it asks
+only for what the other ports can have left (`picks_to_probe`: a `partial` Held, diffed
+key by key); the data plane renders the kept ones after, a part at a time, and, if
 something may be nobody's any more, sweeps (`sweep_lines` over the state every port is
 then in: restart_steps.py).
 """
