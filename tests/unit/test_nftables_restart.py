@@ -224,6 +224,45 @@ def test_a_port_not_picked_gone_while_no_agent_ran_has_hairpin_read_whole() -> N
     assert comparable(restarted.written()) == comparable(fresh.settle().written())
 
 
+def test_a_port_not_picked_that_lost_an_endpoint_while_no_agent_ran_has_hairpin_read_whole(
+        ) -> None:
+    """A port with chains of its own (counted one by one) that lost an endpoint while no
+    agent ran keeps its dispatch element, but its earlier endpoints are in no pick map:
+    when a picked port went too (a sweep is due), @hairpin is read whole, and that
+    endpoint's pair goes with the gone port's."""
+    plane = FakePlane("nftables")
+    plane.become(*cluster([0, 1], changed=0, counted=True), *cluster([2, 3]), full=True)
+    plane.settle()
+    assert {("198.18.1.2", "198.18.1.2"), ("198.18.1.30", "198.18.1.30")} <= hairpins(plane)
+    restarted = plane.restarted()
+    after = [*cluster([0, 1], counted=True), *cluster([2])]
+    restarted.become(*after)
+    restarted.settle()
+    assert not {("198.18.1.2", "198.18.1.2"), ("198.18.1.30", "198.18.1.30")} & hairpins(plane)
+    assert ("sliceproxy", render.HAIRPIN) in plane.nft.dumped
+    fresh = FakePlane("nftables")
+    fresh.become(*after, full=True)
+    assert comparable(restarted.written()) == comparable(fresh.settle().written())
+
+
+def test_a_restart_that_renders_every_port_asks_only_for_the_changed_ports_picks() -> None:
+    """Without input marks (another build, or none written yet) a restart renders every
+    port; of the pick maps it asks only for the elements of the ports whose
+    fingerprint the kernel lacks or that went (a million dumped at 100,000 x 10), and
+    ends as a fresh full sync does."""
+    plane = FakePlane("nftables")
+    plane.become(*cluster(range(4)), full=True)
+    restarted = plane.restarted()
+    restarted.become(*cluster([0, 2, 3], changed=2))
+    restarted.settle()
+    fresh = FakePlane("nftables")
+    fresh.become(*cluster([0, 2, 3], changed=2), full=True)
+    assert comparable(restarted.written()) == comparable(fresh.settle().written())
+    assert not [name for _table, name in plane.nft.dumped if name.startswith(render.PICKS)]
+    # Port 1 went, port 2 now has three endpoints: their two slots each, before.
+    assert [(name, n) for _table, name, n in plane.nft.probed] == [(render.pick_map("tcp", 2), 4)]
+
+
 def test_what_the_restart_writes_is_the_change_alone() -> None:
     """Services changed, removed and added while the agent was down: those ports are
     written, the others kept; one edited by an endpoint delta since its last whole

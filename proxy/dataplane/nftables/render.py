@@ -618,7 +618,10 @@ def _pick(build: _PortBuild, rsp: ResolvedServicePort, eps: Sequence[SelectedEnd
     return list(assigned) == values
 
 
-def destinations(rsp: ResolvedServicePort) -> list[tuple[str, str, int]]:
+Destination = tuple[str, str, int]  # a cluster IP's key in the dispatch maps
+
+
+def destinations(rsp: ResolvedServicePort) -> list[Destination]:
     """The port's cluster IPs as its keys in the dispatch maps: (address, protocol,
     port)."""
     proto, port = rsp.port.protocol.value.lower(), rsp.port.port

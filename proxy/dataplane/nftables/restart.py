@@ -121,7 +121,7 @@ def sets_needed(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Por
                for p in ports.values())
 
 
-def picks_to_probe(kernel: KernelTables, kept: Collection[tuple[str, str, int]]
+def picks_to_probe(kernel: KernelTables, kept: Collection[Key]
                    ) -> dict[Named, list[Key]]:
     """The elements of the pick maps a restart asks for one by one, rather than dump
     them (a million at 100,000 x 10: most of the restart's 16 s of reading back and a
@@ -145,6 +145,15 @@ def picks_to_probe(kernel: KernelTables, kept: Collection[tuple[str, str, int]]
             if keys is not None:
                 keys += [(ip, port, slot) for slot in range(n)]
     return out
+
+
+def intact_destinations(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
+                        kernel: KernelTables) -> set[Key]:
+    """The dispatch keys of the ports whose fingerprint `kernel` (its @fingerprints read
+    back) holds: what they wrote in the pick maps is there (`picks_to_probe`)."""
+    held = _held_marks(bases, ports.values(), kernel) or set()
+    return {e.key for p in ports.values() if p.fingerprint in held
+            for e in p.elements if e.set == SERVICE_IPS}
 
 
 def restart_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],

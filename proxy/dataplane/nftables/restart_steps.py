@@ -31,7 +31,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Protocol, TypeVar
 
 from proxy.dataplane.base import ApplyError
@@ -50,6 +50,7 @@ from proxy.dataplane.nftables.render import (
     PORT_COUNTERS,
     TABLE,
     BaseObjects,
+    Destination,
     PortObjects,
     destinations,
     hairpin_element,
@@ -60,6 +61,7 @@ from proxy.dataplane.nftables.restart import (
     KernelTables,
     RestartCounts,
     base_sets,
+    intact_destinations,
     kept_by_marks,
     picks_to_probe,
     restart_lines,
@@ -150,6 +152,9 @@ class NftFamily(FamilyState):
         # then dumps every counter).
         self.restart_read: dict[Named, Held] = {}
         self.restart_counters: set[Named] | None = None
+        # The cluster-IP destinations of the ports that restart wrote (their elements
+        # before it are what it read of them, `gone_hairpins`).
+        self.restart_written: set[Destination] = set()
 
     @property
     def state(self) -> TableState | None:
@@ -199,7 +204,7 @@ class _Plane(Protocol):
                    sets: Sequence[tuple[str, str, tuple[str, ...], bool]]) -> bool: ...
 
     def _read_maps(self, fam: NftFamily, bases: Sequence[BaseObjects],
-                   kernel: KernelTables, kept: set[tuple[str, str, int]]) -> int | None: ...
+                   kernel: KernelTables, kept: Set[Key]) -> int | None: ...
 
 
 class RestartSteps:
@@ -278,7 +283,7 @@ class RestartSteps:
         bases = state.bases
         elements = after_writing(fam.restart_read, state.owners, base_sets(bases),
                                  fam.family, state.unfinished.kernel)
-        left = gone_hairpins(fam.restart_read, state.owners) \
+        left = gone_hairpins(fam.restart_read, state.owners, fam.restart_written) \
             if (TABLE, HAIRPIN) in sets and (TABLE, HAIRPIN) not in elements else None
         if left is not None:
             keys = sorted(left)
@@ -344,6 +349,7 @@ class RestartSteps:
             return marks, None
         if sweep:  # what the sweep needs of the kernel before this sync writes
             fam.restart_read = dict(kernel.elements)
+            fam.restart_written = {d for k in written for d in destinations(ports[k])}
             fam.restart_counters = self._counters_named(fam, [
                 (p.table, c.name) for p in written.values() for c in p.chains
                 if (p.table, c.name) in chains], len(chains))
@@ -411,7 +417,7 @@ class RestartSteps:
         return True
 
     def _read_maps(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
-                   kernel: KernelTables, kept: set[tuple[str, str, int]]) -> int | None:
+                   kernel: KernelTables, kept: Set[Key]) -> int | None:
         """The bases' maps into `kernel.elements`: read whole, but the pick maps, of
         which the elements a port written or gone may have left are asked for one by
         one (restart.picks_to_probe: `kept`, the destinations of the ports kept by their
@@ -484,12 +490,14 @@ class RestartSteps:
     def _restart_base(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
                       ports: Mapping[ServicePortKey, PortObjects], kernel: KernelTables
                       ) -> KernelTables | None:
-        """`kernel` with the elements of the bases' maps and @fingerprints read back,
-        and of their other sets where restart.sets_needed says so; None when one cannot
-        be read as this version declares it (a full sync then)."""
+        """`kernel` with the elements of the bases' maps (the pick maps' of the ports the
+        kernel does not hold as rendered, `_read_maps`) and @fingerprints read back, and
+        of their other sets where restart.sets_needed says so; None when one cannot be
+        read as this version declares it (a full sync then)."""
         kernel.elements = {}
         first = [s for s in base_sets(bases) if s[3] or s[1] == FINGERPRINTS]
-        if not self._read_sets(fam, kernel, first):
+        if not self._read_sets(fam, kernel, [s for s in first if not s[3]]) or self._read_maps(
+                fam, bases, kernel, intact_destinations(bases, ports, kernel)) is None:
             return None
         if sets_needed(bases, ports, kernel) and not self._read_sets(
                 fam, kernel, [s for s in base_sets(bases) if s not in first]):
@@ -556,14 +564,16 @@ def after_writing(read: Mapping[Named, Held], owners: Owners,
     return out
 
 
-def gone_hairpins(read: Mapping[Named, Held], owners: Owners) -> set[Key] | None:
+def gone_hairpins(read: Mapping[Named, Held], owners: Owners, written: Set[Destination]
+                  ) -> set[Key] | None:
     """The @hairpin elements the ports gone or changed while no agent ran may have left
     (the sweep asks for these one by one rather than dump @hairpin, which walks the set
     from its start for every message: 70 s at 100,000 x 10, the data plane held
-    meanwhile): those of the endpoints in the pick maps a restart read (`read`) that
-    `owners` want no more. None when a port that was not picked is gone or changed (a
-    dispatch element read, to another chain than a pick chain, that `owners` do not
-    want as it was): its endpoints are in no map, so @hairpin is read whole."""
+    meanwhile): those of the endpoints in the pick elements a restart read (`read`)
+    that `owners` want no more. None when a port that was not picked is gone or was
+    written (a dispatch element read, to another chain than a pick chain, that `owners`
+    do not want as it was, or of a destination in `written`: the ports the restart
+    wrote): its endpoints before are in no map, so @hairpin is read whole."""
     addresses: set[str] = set()
     for (table, name), held in read.items():
         if name.startswith(PICKS):  # values: (address, port)
@@ -572,7 +582,7 @@ def gone_hairpins(read: Mapping[Named, Held], owners: Owners) -> set[Key] | None
             continue
         for key, value in held.decoded.items():
             if isinstance(value, Verdict) and not value.chain.startswith(PICK) \
-                    and owners.held((table, name, key)) != value:
+                    and (key in written or owners.held((table, name, key)) != value):
                 return None
     return {hairpin_element(a) for a in owners.unowned_pairs(TABLE, HAIRPIN, addresses)}
 
