@@ -318,6 +318,9 @@ def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
         if deleted:
             out["sweep"] = _swept(ns, log_path, proc, since_start, deleted, kept, timeout,
                                   ipv6)
+            # The restart's peak until its sweep is done (the kept ports' state is
+            # made, and the sweep's diff, after the first sync).
+            out["sweep"]["peak_rss_mib"] = size_mib(agent, "VmHWM") if agent else None
         if idle > 0 and agent:
             # Nothing changes in the cluster now: what the agent spends doing nothing
             # (timers, watch bookmarks), per second, after the first sync has settled.
@@ -360,7 +363,8 @@ def _sweep_text(sweep: dict[str, Any] | None) -> str:
     return (f"; {sweep['deleted']} services deleted before it: swept at "
             f"{sweep['sweep_done_s']:.3f} s (its own {sweep['sweep_s'] or 0:.3f} s), "
             f"{sweep['deleted_held']} of {sweep['checked']} deleted ClusterIPs left, "
-            f"a kept one {'held' if sweep['kept_held'] else 'MISSING'}")
+            f"a kept one {'held' if sweep['kept_held'] else 'MISSING'}, "
+            f"peak RSS by then {sweep.get('peak_rss_mib') or 0:.0f} MiB")
 
 
 def markdown(summary: dict[str, Any]) -> str:

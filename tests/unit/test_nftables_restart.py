@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.dataplane.nftables import apply as nft_apply
+from proxy.dataplane.nftables import marks as marks_module
 from proxy.dataplane.nftables import render, restart_steps
 from proxy.dataplane.nftables.marks import marks_for
 from proxy.dataplane.nftables.render import FINGERPRINTS, TABLE, port_chain
@@ -333,6 +334,34 @@ def test_an_upgrade_from_every_fingerprint_in_the_main_table_keeps_every_port() 
     fresh = FakePlane("nftables", shards=2)
     fresh.become(*cluster(range(6)), full=True)
     assert comparable(restarted.settle().written()) == comparable(fresh.settle().written())
+
+
+@pytest.mark.parametrize("gone", [False, True], ids=["same-cluster", "one-went"])
+def test_an_upgrade_reads_the_shared_sets_only_if_a_port_went(
+        monkeypatch: pytest.MonkeyPatch, gone: bool) -> None:
+    """Another build (other input marks; the kernel keeps the old build's) over the same
+    rules renders every port and keeps each by its fingerprint. The old marks alone do
+    not make it read @hairpin and @cluster-ips (a million pairs dumped at 100,000 x 10:
+    70 s): only a port that went does, and its elements go."""
+    marks_for.cache_clear()
+    plane = FakePlane("nftables")
+    plane.become(*cluster(range(4)), full=True)
+    plane.settle()  # every port's input mark written
+    monkeypatch.setattr(marks_module, "source_digest", lambda: b"another build")
+    marks_for.cache_clear()
+    after = cluster(range(3) if gone else range(4))
+    restarted = plane.restarted()
+    report = restarted.become(*after)
+    restarted.settle()
+    fresh = FakePlane("nftables")
+    fresh.become(*after, full=True)
+    fresh.settle()  # input marks of that build
+    monkeypatch.undo()
+    marks_for.cache_clear()  # none of another build's left for the tests after
+    assert restart_details(report)["ports_written"] == 0
+    shared = {(TABLE, render.HAIRPIN), (TABLE, render.CLUSTER_IPS)}
+    assert (shared <= set(plane.nft.dumped)) is gone
+    assert comparable(restarted.written()) == comparable(fresh.written())
 
 
 def test_the_sweep_reads_the_rules_of_what_may_be_nobodys_not_every_counter() -> None:

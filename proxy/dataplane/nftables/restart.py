@@ -42,6 +42,7 @@ then in: restart_steps.py).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -111,14 +112,37 @@ def sets_needed(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Por
     there (edited by an endpoint delta). Otherwise every element they hold is wanted,
     and a restart adds those of the ports it writes (an `add` of one held changes
     nothing). 100,000 hairpin pairs cost the kernel 0.09 s to dump, the most of an
-    unchanged restart's system time."""
+    unchanged restart's system time (a million, 70 s). After an upgrade, @fingerprints
+    holds the input marks of another build too: then none is needed if every port is
+    intact and nothing else is in the maps (`_all_intact`)."""
     held = _held_marks(bases, ports.values(), kernel)
     marks = held_fingerprints(kernel)
-    if held is None or marks is None or len(marks) > len(held):
+    if held is None or marks is None:
         return True
+    if len(marks) > len(held):
+        return not _all_intact(bases, ports, kernel, held)
     return any(p.fingerprint not in held and any((p.table, c.name) in kernel.chains
                                                  for c in p.chains)
                for p in ports.values())
+
+
+def _all_intact(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
+                kernel: KernelTables, held_marks: set[Key]) -> bool:
+    """Whether the kernel holds every port as rendered (`_intact`) and, in the maps read
+    whole, only elements a base or port writes, with their values: then no port went
+    or changed while no agent ran (a port gone leaves its dispatch element), and what
+    @fingerprints holds beyond is input marks of another build."""
+    if not all(_intact(p, kernel, held_marks) for p in ports.values()):
+        return False
+    whole = {n for n, h in kernel.elements.items()
+             if kernel.sets.get(n) == "map" and not h.partial}
+    wanted: dict[tuple[str, str, Key], Value] = {
+        (e.table, e.set, e.key): e.value
+        for e in itertools.chain(*(b.elements for b in bases),
+                                 *(p.elements for p in ports.values()))
+        if (e.table, e.set) in whole}
+    return all(wanted.get((table, name, k)) == v for table, name in whole
+               for k, v in kernel.elements[table, name].decoded.items())
 
 
 def picks_to_probe(kernel: KernelTables, kept: Collection[Key]
