@@ -83,6 +83,7 @@ from proxy.dataplane.nftables.transaction import (
     first_lines,
     full_lines,
     kept_slots,
+    kept_state,
     partial_lines,
     replace_lines,
     resync_lines,
@@ -234,10 +235,11 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, ResyncSteps):
         counters = self._kernel_counters(fam)
         if fam.state is None:  # not written by this process since: maybe another version
             fam.replacement = functools.partial(replace_lines, bases, rendered, tables)
+        made = kept_state(bases, rendered) if restart else None
         kernel = self._restart_base(fam, bases, rendered, KernelTables(
-            tables, set(chains), sets, set(counters))) if restart else None
+            tables, set(chains), sets, set(counters)), made[0].owners) if made else None
         if kernel is not None:  # the first sync over our own tables: the diff alone
-            script, kept, counts = restart_lines(bases, rendered, kernel)
+            script, kept, counts = restart_lines(bases, rendered, kernel, made=made)
             fam.restart_counts = counts
             log.info("restart over our tables: writing what differs", extra={
                 "family": fam.family.label, "ports_kept": counts.kept,

@@ -171,25 +171,31 @@ def picks_to_probe(kernel: KernelTables, kept: Collection[Key]
     return out
 
 
+def dispatch_keys(ports: Iterable[PortObjects]) -> set[Key]:
+    """The keys of `ports`' elements in the dispatch maps (service-ips)."""
+    return {e.key for p in ports for e in p.elements if e.set == SERVICE_IPS}
+
+
 def intact_destinations(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
                         kernel: KernelTables) -> set[Key]:
     """The dispatch keys of the ports whose fingerprint `kernel` (its @fingerprints read
     back) holds: what they wrote in the pick maps is there (`picks_to_probe`)."""
     held = _held_marks(bases, ports.values(), kernel) or set()
-    return {e.key for p in ports.values() if p.fingerprint in held
-            for e in p.elements if e.set == SERVICE_IPS}
+    return dispatch_keys(p for p in ports.values() if p.fingerprint in held)
 
 
 def restart_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
-                  kernel: KernelTables, sweep: bool = True
+                  kernel: KernelTables, sweep: bool = True,
+                  made: tuple[TableState, list[tuple[ServicePortKey, PortObjects]]] | None = None
                   ) -> tuple[Script | str, TableState, RestartCounts]:
     """The transaction from what `kernel` holds to `bases` and `ports` (module
     docstring); the state the kernel holds once it is applied, as full_lines'. "" when
     it holds all of it already. Without `sweep`, `ports` are some of the ports only (the
     others kept by their input marks, `kept_by_marks`): what nobody here claims is not
     deleted (it may be theirs), and a map's element is deleted only to take another
-    value here; the sweep comes once every port is rendered."""
-    state, ordered = kept_state(bases, ports)
+    value here; the sweep comes once every port is rendered. `made`: kept_state's
+    answer, where the caller made it already."""
+    state, ordered = made or kept_state(bases, ports)
     held_marks = _held_marks(bases, ports.values(), kernel) or set()
     # A base whose fingerprint, chains and sets the kernel holds keeps them as they are
     # (at 64 shards, 6,000 sets declared again).

@@ -50,7 +50,6 @@ from proxy.dataplane.nftables.render import (
     PORT_COUNTERS,
     TABLE,
     BaseObjects,
-    Destination,
     PortObjects,
     destinations,
     hairpin_element,
@@ -61,6 +60,7 @@ from proxy.dataplane.nftables.restart import (
     KernelTables,
     RestartCounts,
     base_sets,
+    dispatch_keys,
     intact_destinations,
     kept_by_marks,
     picks_to_probe,
@@ -154,7 +154,7 @@ class NftFamily(FamilyState):
         self.restart_counters: set[Named] | None = None
         # The cluster-IP destinations of the ports that restart wrote (their elements
         # before it are what it read of them, `gone_hairpins`).
-        self.restart_written: set[Destination] = set()
+        self.restart_written: set[Key] = set()
 
     @property
     def state(self) -> TableState | None:
@@ -488,21 +488,34 @@ class RestartSteps:
             fam.marks_added = 0
 
     def _restart_base(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
-                      ports: Mapping[ServicePortKey, PortObjects], kernel: KernelTables
-                      ) -> KernelTables | None:
+                      ports: Mapping[ServicePortKey, PortObjects], kernel: KernelTables,
+                      owners: Owners) -> KernelTables | None:
         """`kernel` with the elements of the bases' maps (the pick maps' of the ports the
         kernel does not hold as rendered, `_read_maps`) and @fingerprints read back, and
-        of their other sets where restart.sets_needed says so; None when one cannot be
-        read as this version declares it (a full sync then)."""
+        of their other sets where restart.sets_needed says so (@hairpin's pairs asked
+        for one by one where `gone_hairpins`, with `owners` every port's, says which);
+        None when one cannot be read as this version declares it (a full sync then)."""
         kernel.elements = {}
         first = [s for s in base_sets(bases) if s[3] or s[1] == FINGERPRINTS]
-        if not self._read_sets(fam, kernel, [s for s in first if not s[3]]) or self._read_maps(
-                fam, bases, kernel, intact_destinations(bases, ports, kernel)) is None:
+        if not self._read_sets(fam, kernel, [s for s in first if not s[3]]):
             return None
-        if sets_needed(bases, ports, kernel) and not self._read_sets(
-                fam, kernel, [s for s in base_sets(bases) if s not in first]):
+        intact = intact_destinations(bases, ports, kernel)
+        if self._read_maps(fam, bases, kernel, intact) is None:
             return None
-        return kernel
+        if not sets_needed(bases, ports, kernel):
+            return kernel
+        rest = [s for s in base_sets(bases) if s not in first]
+        # (Shard tables that go, the shard count having shrunk, are read no map of.)
+        left = gone_hairpins(kernel.elements, owners, dispatch_keys(ports.values()) - intact) \
+            if (TABLE, HAIRPIN) in kernel.sets \
+            and kernel.tables <= {b.table for b in bases} else None
+        if left is not None:
+            keys = sorted(left)
+            kernel.elements[TABLE, HAIRPIN] = self._read_back(
+                fam, f"{TABLE} {HAIRPIN}",
+                lambda family, _ours: self.runner.probe(family, TABLE, HAIRPIN, keys))
+            rest = [s for s in rest if (s[0], s[1]) != (TABLE, HAIRPIN)]
+        return kernel if self._read_sets(fam, kernel, rest) else None
 
     def _complete_parts(self: _Plane) -> bool:
         """A part (COMPLETE_PER_PART ports) of each family's restart left to complete;
@@ -564,7 +577,7 @@ def after_writing(read: Mapping[Named, Held], owners: Owners,
     return out
 
 
-def gone_hairpins(read: Mapping[Named, Held], owners: Owners, written: Set[Destination]
+def gone_hairpins(read: Mapping[Named, Held], owners: Owners, written: Set[Key]
                   ) -> set[Key] | None:
     """The @hairpin elements the ports gone or changed while no agent ran may have left
     (the sweep asks for these one by one rather than dump @hairpin, which walks the set
