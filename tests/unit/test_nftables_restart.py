@@ -18,7 +18,10 @@ from proxy.dataplane.nftables import apply as nft_apply
 from proxy.dataplane.nftables import marks as marks_module
 from proxy.dataplane.nftables import render, restart_steps
 from proxy.dataplane.nftables.marks import marks_for
+from proxy.dataplane.nftables.objects import Verdict
+from proxy.dataplane.nftables.readback import Held
 from proxy.dataplane.nftables.render import FINGERPRINTS, TABLE, port_chain
+from proxy.dataplane.nftables.restart import KernelTables, picks_to_probe
 from proxy.dataplane.nftables.runner import NftError
 from proxy.dataplane.nftables.transaction import KeptPort
 from proxy.model.types import Family, ServicePortKey
@@ -244,6 +247,27 @@ def test_a_port_not_picked_that_lost_an_endpoint_while_no_agent_ran_has_hairpin_
     fresh = FakePlane("nftables")
     fresh.become(*after, full=True)
     assert comparable(restarted.written()) == comparable(fresh.settle().written())
+
+
+def test_the_pick_elements_a_restart_asks_for_are_the_slots_a_dispatch_names() -> None:
+    """Of the pick maps, the slots 0..n-1 of each picked destination's map (its dispatch
+    element's `goto pick-<n>`, its protocol), in the dispatch's table; not a kept
+    port's, a chain of its own, a `pick-` chain we never name, nor a map not there."""
+    shard = "sliceproxy-0"
+    dispatch = {("198.18.128.1", "tcp", 80): Verdict("goto", "pick-2"),
+                ("198.18.128.2", "udp", 53): Verdict("goto", "pick-1"),
+                ("198.18.128.3", "tcp", 80): Verdict("goto", "pick-3"),  # kept
+                ("198.18.128.4", "tcp", 80): Verdict("goto", "svc-ABC"),
+                ("198.18.128.5", "tcp", 80): Verdict("goto", "pick-x"),
+                ("198.18.128.6", "sctp", 9): Verdict("goto", "pick-1")}  # no such map
+    maps = {(shard, render.pick_map(p, n)): "map" for p, n in (("tcp", 2), ("udp", 1),
+                                                              ("tcp", 3), ("tcp", 4))}
+    kernel = KernelTables({shard}, set(), {**maps, (shard, render.SERVICE_IPS): "map"},
+                          set(), {(shard, render.SERVICE_IPS): Held(decoded=dict(dispatch))})
+    assert picks_to_probe(kernel, {("198.18.128.3", "tcp", 80)}) == {
+        (shard, "eps-tcp-2"): [("198.18.128.1", 80, 0), ("198.18.128.1", 80, 1)],
+        (shard, "eps-udp-1"): [("198.18.128.2", 53, 0)],
+        (shard, "eps-tcp-3"): [], (shard, "eps-tcp-4"): []}
 
 
 def test_a_restart_that_renders_every_port_asks_only_for_the_changed_ports_picks() -> None:

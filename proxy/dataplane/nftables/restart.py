@@ -161,8 +161,8 @@ def picks_to_probe(kernel: KernelTables, kept: Collection[Key]
             continue
         for key, value in held.decoded.items():
             if not isinstance(value, Verdict) or not value.chain.startswith(PICK) \
-                    or key in kept:
-                continue
+                    or not value.chain[len(PICK):].isdigit() or key in kept:
+                continue  # (a `pick-` chain we never name: a foreign one)
             ip, proto, port = key
             n = int(value.chain[len(PICK):])
             keys = out.get((table, pick_map(str(proto), n)))
