@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -68,9 +69,14 @@ class Bench:
         return 0.0 if value is None else value
 
 
+SETTLE_DEADLINE = 30.0  # seconds of real time: the runner's worker thread may be starved
+
+
 async def settle(bench: Bench, cond: Callable[[], bool], what: str) -> None:
-    """Let the runner work (real loop, fake clock) until `cond` holds."""
-    for _ in range(2000):
+    """Let the runner work (real loop, fake clock) until `cond` holds, polling until a
+    deadline of real time (a count of polls was too few on a loaded machine)."""
+    deadline = time.monotonic() + SETTLE_DEADLINE
+    while time.monotonic() < deadline:
         if cond():
             return
         bench.runner._wake.set()
