@@ -88,7 +88,8 @@ def kill_cgroup(name: str, timeout: float = 15.0) -> None:
     except TimedOut:
         raise NodeError(f"cgroup {name} still has processes "
                         f"{sorted(cgroup_pids(name))}") from None
-    for controller in CONTROLLERS:
+    # (runc and the kubelet make the cgroup in the unified hierarchy too, where hybrid)
+    for controller in (*CONTROLLERS, "unified"):
         top = CGROUP_ROOT / controller / name
         if not top.is_dir():
             continue
