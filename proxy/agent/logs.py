@@ -48,11 +48,17 @@ def _level_name(levelno: int) -> str:
     return logging.getLevelName(levelno).lower()
 
 
+def log_stamp(epoch: float) -> str:
+    """`epoch` (seconds) as a line's time= (UTC, in milliseconds): also how a test finds
+    its own moments in an agent's log."""
+    return (time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(epoch))
+            + f".{int(epoch % 1 * 1000):03d}Z")
+
+
 class LogfmtFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
         parts = [
-            f"time={stamp}.{int(record.msecs):03d}Z",
+            f"time={log_stamp(record.created)}",
             f"level={_level_name(record.levelno)}",
             f"logger={record.name}",
             f"msg={_quote(record.getMessage())}",

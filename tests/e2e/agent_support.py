@@ -33,13 +33,6 @@ HEALTHZ_PORT, METRICS_PORT = 10256, 10249
 POD_CIDR = "198.18.1.0/24,fd00:18:1::/64"
 
 
-def log_stamp(epoch: float) -> str:
-    """`epoch` (seconds) as the agent's text log stamps its lines (time=, UTC, in
-    milliseconds: proxy/agent/logs.py), so a test's moments can be found in the log."""
-    return (time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(epoch))
-            + f".{int(epoch % 1 * 1000):03d}Z")
-
-
 def quiet_icmp_limits(lab: Lab) -> None:
     """Let the node answer every REJECT with its ICMP error. The kernel limits ICMP
     errors per destination host (1/s); this kernel starts a new peer with no tokens, so

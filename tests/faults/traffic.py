@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from proxy.agent.logs import log_stamp
 from proxy.netns_lab import poll, probe
-from tests.e2e.agent_support import log_stamp
 
 
 class Laps:

@@ -118,7 +118,7 @@ def test_a_failed_scenario_shows_the_agent_lines_since_it_began(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """scenarios/run.py: the lines stamped since the scenario began (a traceback after
     one included), from every agent log that has any; an agent silent since, left out."""
-    from tests.e2e.agent_support import log_stamp
+    from proxy.agent.logs import log_stamp
     from tests.kernel.scenarios.run import agent_logs
 
     began = 1_800_000_000.25

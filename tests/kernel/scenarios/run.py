@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from labs.kernel.guest import write_result
-from tests.e2e.agent_support import log_stamp
+from proxy.agent.logs import log_stamp
 
 HERE = Path(__file__).resolve().parent
 AGENT_LOG_LINES = 200
