@@ -270,27 +270,6 @@ def test_the_pick_elements_a_restart_asks_for_are_the_slots_a_dispatch_names() -
         (shard, "eps-tcp-3"): [], (shard, "eps-tcp-4"): []}
 
 
-def test_a_restart_that_renders_every_port_asks_only_for_the_changed_ports_picks() -> None:
-    """Without input marks (another build, or none written yet) a restart renders every
-    port; of the pick maps it asks only for the elements of the ports whose
-    fingerprint the kernel lacks or that went (a million dumped at 100,000 x 10), and
-    ends as a fresh full sync does."""
-    plane = FakePlane("nftables")
-    plane.become(*cluster(range(4)), full=True)
-    restarted = plane.restarted()
-    restarted.become(*cluster([0, 2, 3], changed=2))
-    restarted.settle()
-    fresh = FakePlane("nftables")
-    fresh.become(*cluster([0, 2, 3], changed=2), full=True)
-    assert comparable(restarted.written()) == comparable(fresh.settle().written())
-    assert not [name for _table, name in plane.nft.dumped if name.startswith(render.PICKS)]
-    # Port 1 went, port 2 now has three endpoints: their two slots each, before; and
-    # the hairpin pairs of the two endpoints of those nobody wants now.
-    assert [(name, n) for _table, name, n in plane.nft.probed] == [
-        (render.pick_map("tcp", 2), 4), (render.HAIRPIN, 2)]
-    assert (TABLE, render.HAIRPIN) not in plane.nft.dumped
-
-
 def test_what_the_restart_writes_is_the_change_alone() -> None:
     """Services changed, removed and added while the agent was down: those ports are
     written, the others kept; one edited by an endpoint delta since its last whole
@@ -538,13 +517,20 @@ def test_a_refused_part_of_marks_leaves_the_rest_for_the_next_interval(
     assert len(marks(plane.nft.tables)) == base + 5
 
 
-def test_a_picked_port_gone_or_changed_while_no_agent_ran_is_swept_or_written() -> None:
+@pytest.mark.parametrize("marked", [True, False], ids=["kept-by-marks", "every-port-rendered"])
+def test_a_picked_port_gone_or_changed_while_no_agent_ran_is_swept_or_written(
+        marked: bool) -> None:
     """Picked ports (no chain of their own: their elements and counter) across a
     restart: one removed leaves no element, counter or mark; one whose endpoint count
-    changed moves to the other pick map; the kernel ends as a fresh full sync leaves it."""
+    changed moves to the other pick map; the kernel ends as a fresh full sync leaves it.
+    Whether the restart keeps the others by their input marks or (none written yet, or
+    another build's) renders every port, it asks only for the pick elements of those
+    two and the hairpin pairs of the endpoints nobody wants now, and dumps neither (a
+    million pick elements at 100,000 x 10)."""
     plane = FakePlane("nftables")
     plane.become(*cluster(range(4)), full=True)
-    plane.settle()
+    if marked:
+        plane.settle()  # input marks written
     assert not any(c.startswith("svc-") for t in plane.nft.tables.values() for c in t.chains)
     restarted = plane.restarted()
     restarted.become(*cluster([0, 2, 3], changed=2))
@@ -554,6 +540,12 @@ def test_a_picked_port_gone_or_changed_while_no_agent_ran_is_swept_or_written() 
     assert comparable(restarted.written()) == comparable(fresh.settle().written())
     gone = port_chain("cnt", port_key(1), "tcp")
     assert not any(gone in t.counters for t in plane.nft.tables.values())
+    assert not [name for _table, name in plane.nft.dumped
+                if name.startswith(render.PICKS) or name == render.HAIRPIN]
+    # Ports 1 (gone) and 2 (now three endpoints): their two slots each, before; and
+    # the hairpin pairs of port 1's two endpoints.
+    assert [(name, n) for _table, name, n in plane.nft.probed] == [
+        (render.pick_map("tcp", 2), 4), (render.HAIRPIN, 2)]
 
 
 def test_an_upgrade_from_a_chain_per_port_picks_every_port_in_one_transaction(

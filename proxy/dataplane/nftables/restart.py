@@ -105,11 +105,11 @@ def base_sets(bases: Sequence[BaseObjects]) -> list[tuple[str, str, tuple[str, .
 
 def sets_needed(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
                 kernel: KernelTables) -> bool:
-    """Whether the bases' sets (not maps: those are always read) must be read back too,
-    `kernel` holding the maps and @fingerprints: only if an element of theirs may be
-    nobody's any more, that is if the kernel holds a fingerprint nobody writes now (a
-    port gone or changed while no agent ran) or a port without one whose objects are
-    there (edited by an endpoint delta). Otherwise every element they hold is wanted,
+    """Whether the bases' sets (not maps: those are read, the pick maps by key) must be
+    read back too, `kernel` holding the maps and @fingerprints: only if an element of
+    theirs may be nobody's any more, that is if the kernel holds a fingerprint nobody
+    writes now (a port gone or changed while no agent ran) or a port without one whose
+    objects are there (edited by an endpoint delta). Otherwise every element they hold is wanted,
     and a restart adds those of the ports it writes (an `add` of one held changes
     nothing). 100,000 hairpin pairs cost the kernel 0.09 s to dump, the most of an
     unchanged restart's system time (a million, 70 s). After an upgrade, @fingerprints

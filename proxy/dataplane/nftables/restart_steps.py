@@ -408,12 +408,11 @@ class RestartSteps:
         for table, name, types, is_map in sets:
             if (table, name) not in kernel.sets:
                 continue
-            read = functools.partial(_read_elements, self.runner, table, name, types, is_map)
-            try:
-                elements[table, name] = self._read_back(fam, f"{table} {name}", read)
-            except Unreadable as exc:
-                _unreadable(fam, table, name, exc)
+            held = _readable(self, fam, table, name, functools.partial(
+                _read_elements, self.runner, table, name, types, is_map))
+            if held is None:
                 return False
+            elements[table, name] = held
         return True
 
     def _read_maps(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
@@ -431,16 +430,12 @@ class RestartSteps:
         asked = 0
         for (table, name), keys in picks_to_probe(kernel, kept).items():
             asked += len(keys)
-            if not keys:
-                elements[table, name] = Held(partial=True)
-                continue
-            probe = functools.partial(_probe_map, self.runner, table, name, keys,
-                                      types.get((table, name), ()))
-            try:
-                elements[table, name] = self._read_back(fam, f"{table} {name}", probe)
-            except Unreadable as exc:
-                _unreadable(fam, table, name, exc)
+            held = _readable(self, fam, table, name, functools.partial(
+                _probe_map, self.runner, table, name, keys, types.get((table, name), ()))
+            ) if keys else Held(partial=True)
+            if held is None:
                 return None
+            elements[table, name] = held
         kernel.elements = elements
         return asked
 
@@ -525,10 +520,17 @@ class RestartSteps:
         return any(fam.pending for fam in self._families.values())
 
 
-def _unreadable(fam: NftFamily, table: str, name: str, exc: Unreadable) -> None:
-    log.info("our tables hold a set this version reads otherwise; full rewrite",
-             extra={"family": fam.family.label, "table": table, "set": name,
-                    "reason": str(exc)})
+def _readable(plane: _Plane, fam: NftFamily, table: str, name: str,
+              read: Callable[[Family, frozenset[str]], Held]) -> Held | None:
+    """`read` of set `name` of `table` (`_read_back`); None, logged, when the kernel
+    holds it in a layout this version reads otherwise (its caller rewrites then)."""
+    try:
+        return plane._read_back(fam, f"{table} {name}", read)
+    except Unreadable as exc:
+        log.info("our tables hold a set this version reads otherwise; full rewrite",
+                 extra={"family": fam.family.label, "table": table, "set": name,
+                        "reason": str(exc)})
+        return None
 
 
 def _unmarked(kept: KeptPort | None) -> bool:
