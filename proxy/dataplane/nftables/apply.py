@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import TypeVar
 
 from proxy.dataplane.base import ApplyError, DataplaneOptions, PortTraffic, TrafficRead
@@ -70,7 +70,6 @@ from proxy.dataplane.nftables.render import (
 )
 from proxy.dataplane.nftables.restart import (
     KernelTables,
-    restart_lines,
     with_input_mark,
 )
 from proxy.dataplane.nftables.restart_steps import NftFamily, RestartSteps
@@ -83,7 +82,6 @@ from proxy.dataplane.nftables.transaction import (
     first_lines,
     full_lines,
     kept_slots,
-    kept_state,
     partial_lines,
     replace_lines,
     resync_lines,
@@ -230,22 +228,29 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, ResyncSteps):
                                 chains, sets, counters)
         # A restart's ports carry the input marks it computed: the kernel holds those of
         # the ports it keeps, and those it writes are what their input renders.
-        rendered = {k: with_input_mark(objects(k, v), marks[k]) if k in marks
-                    else objects(k, v) for k, v in ports.items()}
+        def render(key: ServicePortKey) -> PortObjects:
+            p = objects(key, ports[key])
+            return with_input_mark(p, marks[key]) if key in marks else p
+
         counters = self._kernel_counters(fam)
+        if restart:
+            # Each port rendered as it is asked, and let go unless written (restart.py).
+            each = _Rendering(ports.keys(), render)
+            # Not written by this process since: maybe another version.
+            fam.replacement = functools.partial(replace_lines, bases, each, tables)
+            done = self._restart_all(fam, bases, each, KernelTables(
+                tables, set(chains), sets, set(counters)))
+            if done is not None:  # the first sync over our own tables: the diff alone
+                script, kept, counts = done
+                fam.restart_counts = counts
+                log.info("restart over our tables: writing what differs", extra={
+                    "family": fam.family.label, "ports_kept": counts.kept,
+                    "ports_written": counts.written, "elements_deleted": counts.deleted,
+                    "elements_added": counts.added})
+                return script, kept
+        rendered = {k: render(k) for k in ports}
         if fam.state is None:  # not written by this process since: maybe another version
             fam.replacement = functools.partial(replace_lines, bases, rendered, tables)
-        made = kept_state(bases, rendered) if restart else None
-        kernel = self._restart_base(fam, bases, rendered, KernelTables(
-            tables, set(chains), sets, set(counters)), made[0].owners) if made else None
-        if kernel is not None:  # the first sync over our own tables: the diff alone
-            script, kept, counts = restart_lines(bases, rendered, kernel, made=made)
-            fam.restart_counts = counts
-            log.info("restart over our tables: writing what differs", extra={
-                "family": fam.family.label, "ports_kept": counts.kept,
-                "ports_written": counts.written, "elements_deleted": counts.deleted,
-                "elements_added": counts.added})
-            return script, kept
         return full_lines(bases, rendered, chains, sets, tables, counters)
 
     def _render_ahead(self, fam: NftFamily, ports: Sequence[ResolvedServicePort],
@@ -482,3 +487,24 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, ResyncSteps):
     def close(self) -> None:
         super().close()
         self.runner.close()
+
+
+class _Rendering(Mapping[ServicePortKey, PortObjects]):
+    """Ports rendered each time one is asked for, none kept: a restart that renders
+    every port lets go of those the kernel holds as rendered (restart.render_all), and
+    the rare replacement of another version's tables renders them again."""
+
+    def __init__(self, keys: Collection[ServicePortKey],
+                 render: Callable[[ServicePortKey], PortObjects]) -> None:
+        self._keys, self._render = keys, render
+
+    def __getitem__(self, key: ServicePortKey) -> PortObjects:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._render(key)
+
+    def __iter__(self) -> Iterator[ServicePortKey]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)

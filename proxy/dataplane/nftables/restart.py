@@ -42,7 +42,6 @@ then in: restart_steps.py).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -103,8 +102,48 @@ def base_sets(bases: Sequence[BaseObjects]) -> list[tuple[str, str, tuple[str, .
             for b in bases for s in b.sets]
 
 
-def sets_needed(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
-                kernel: KernelTables) -> bool:
+@dataclass
+class RenderedAll:
+    """A restart that renders every port (`render_all`), as far as the kernel's
+    @fingerprints and names tell: the state every port is in once the script is applied,
+    the ports the kernel does not hold as rendered (written; the others are let go as
+    they are kept: at 100,000 services they were 700 MiB held at once), which of the
+    bases' and ports' fingerprints and input marks it holds, and the dispatch keys of
+    the ports it holds as rendered."""
+
+    state: TableState
+    written: list[tuple[ServicePortKey, PortObjects]]
+    held_marks: set[Key]
+    intact: set[Key]
+    kept: int = 0
+
+
+def render_all(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
+               kernel: KernelTables) -> RenderedAll:
+    """Every port of `ports` (which renders each as it is asked) kept in a state, in key
+    order, against `kernel` with its names and @fingerprints read back: whether the
+    kernel holds each as rendered (`_intact`) is known as it is rendered."""
+    held = held_fingerprints(kernel)
+    family = bases[0].family
+    marks = _found(family, [b.fingerprint for b in bases], held) if held is not None else set()
+    out = RenderedAll(TableState(family, tuple(bases)), [], marks, set())
+
+    def written(p: PortObjects) -> bool:
+        if held is not None:
+            marks.update(_found(family, [m for m in (p.fingerprint, p.input_mark) if m],
+                                held))
+        if not _intact(p, kernel, marks):
+            return True
+        out.kept += 1
+        out.intact.update(e.key for e in p.elements if e.set == SERVICE_IPS)
+        return False
+
+    out.state, out.written = kept_state(bases, ports, written)
+    return out
+
+
+def sets_needed(bases: Sequence[BaseObjects], rendered: RenderedAll, kernel: KernelTables
+                ) -> bool:
     """Whether the bases' sets (not maps: those are read, the pick maps by key) must be
     read back too, `kernel` holding the maps and @fingerprints: only if an element of
     theirs may be nobody's any more, that is if the kernel holds a fingerprint nobody
@@ -115,34 +154,29 @@ def sets_needed(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Por
     unchanged restart's system time (a million, 70 s). After an upgrade, @fingerprints
     holds the input marks of another build too: then none is needed if every port is
     intact and nothing else is in the maps (`_all_intact`)."""
-    held = _held_marks(bases, ports.values(), kernel)
     marks = held_fingerprints(kernel)
-    if held is None or marks is None:
+    if marks is None:
         return True
+    held = rendered.held_marks
     if len(marks) > len(held):
-        return not _all_intact(bases, ports, kernel, held)
+        return not _all_intact(rendered, kernel)
     return any(p.fingerprint not in held and any((p.table, c.name) in kernel.chains
                                                  for c in p.chains)
-               for p in ports.values())
+               for _key, p in rendered.written)
 
 
-def _all_intact(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
-                kernel: KernelTables, held_marks: set[Key]) -> bool:
+def _all_intact(rendered: RenderedAll, kernel: KernelTables) -> bool:
     """Whether the kernel holds every port as rendered (`_intact`) and, in the maps read
     whole, only elements a base or port writes, with their values: then no port went
     or changed while no agent ran (a port gone leaves its dispatch element), and what
     @fingerprints holds beyond is input marks of another build."""
-    if not all(_intact(p, kernel, held_marks) for p in ports.values()):
+    if rendered.written:
         return False
-    whole = {n for n, h in kernel.elements.items()
-             if kernel.sets.get(n) == "map" and not h.partial}
-    wanted: dict[tuple[str, str, Key], Value] = {
-        (e.table, e.set, e.key): e.value
-        for e in itertools.chain(*(b.elements for b in bases),
-                                 *(p.elements for p in ports.values()))
-        if (e.table, e.set) in whole}
-    return all(wanted.get((table, name, k)) == v for table, name in whole
-               for k, v in kernel.elements[table, name].decoded.items())
+    owners = rendered.state.owners
+    return all(owners.held((table, name, k)) == v
+               for (table, name), h in kernel.elements.items()
+               if kernel.sets.get((table, name)) == "map" and not h.partial
+               for k, v in h.decoded.items())
 
 
 def picks_to_probe(kernel: KernelTables, kept: Collection[Key]
@@ -174,14 +208,6 @@ def picks_to_probe(kernel: KernelTables, kept: Collection[Key]
 def dispatch_keys(ports: Iterable[PortObjects]) -> set[Key]:
     """The keys of `ports`' elements in the dispatch maps (service-ips)."""
     return {e.key for p in ports for e in p.elements if e.set == SERVICE_IPS}
-
-
-def intact_destinations(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
-                        kernel: KernelTables) -> set[Key]:
-    """The dispatch keys of the ports whose fingerprint `kernel` (its @fingerprints read
-    back) holds: what they wrote in the pick maps is there (`picks_to_probe`)."""
-    held = _held_marks(bases, ports.values(), kernel) or set()
-    return dispatch_keys(p for p in ports.values() if p.fingerprint in held)
 
 
 def restart_lines(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],

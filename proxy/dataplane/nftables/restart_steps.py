@@ -61,9 +61,9 @@ from proxy.dataplane.nftables.restart import (
     RestartCounts,
     base_sets,
     dispatch_keys,
-    intact_destinations,
     kept_by_marks,
     picks_to_probe,
+    render_all,
     restart_lines,
     sets_needed,
     sweep_lines,
@@ -482,35 +482,43 @@ class RestartSteps:
                 "family": fam.family.label, "ports": fam.marks_added})
             fam.marks_added = 0
 
-    def _restart_base(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
-                      ports: Mapping[ServicePortKey, PortObjects], kernel: KernelTables,
-                      owners: Owners) -> KernelTables | None:
-        """`kernel` with the elements of the bases' maps (the pick maps' of the ports the
-        kernel does not hold as rendered, `_read_maps`) and @fingerprints read back, and
-        of their other sets where restart.sets_needed says so (@hairpin's pairs asked
-        for one by one where `gone_hairpins`, with `owners` every port's, says which);
-        None when one cannot be read as this version declares it (a full sync then)."""
+    def _restart_all(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
+                     ports: Mapping[ServicePortKey, PortObjects], kernel: KernelTables
+                     ) -> tuple[Script | str, TableState, RestartCounts] | None:
+        """A restart that renders every port (`ports` renders each as it is asked: only
+        those the kernel does not hold as rendered are kept, restart.render_all), as the
+        diff from what `kernel` holds: @fingerprints read first, then the bases' maps
+        (the pick maps' elements of the ports written, `_read_maps`), and their other
+        sets where restart.sets_needed says so (@hairpin's pairs asked for one by one
+        where `gone_hairpins` says which). None when one cannot be read as this version
+        declares it (a full sync then)."""
         kernel.elements = {}
         first = [s for s in base_sets(bases) if s[3] or s[1] == FINGERPRINTS]
         if not self._read_sets(fam, kernel, [s for s in first if not s[3]]):
             return None
-        intact = intact_destinations(bases, ports, kernel)
-        if self._read_maps(fam, bases, kernel, intact) is None:
+        rendered = render_all(bases, ports, kernel)
+        if self._read_maps(fam, bases, kernel, rendered.intact) is None:
             return None
-        if not sets_needed(bases, ports, kernel):
-            return kernel
-        rest = [s for s in base_sets(bases) if s not in first]
-        # (Shard tables that go, the shard count having shrunk, are read no map of.)
-        left = gone_hairpins(kernel.elements, owners, dispatch_keys(ports.values()) - intact) \
-            if (TABLE, HAIRPIN) in kernel.sets \
-            and kernel.tables <= {b.table for b in bases} else None
-        if left is not None:
-            keys = sorted(left)
-            kernel.elements[TABLE, HAIRPIN] = self._read_back(
-                fam, f"{TABLE} {HAIRPIN}",
-                lambda family, _ours: self.runner.probe(family, TABLE, HAIRPIN, keys))
-            rest = [s for s in rest if (s[0], s[1]) != (TABLE, HAIRPIN)]
-        return kernel if self._read_sets(fam, kernel, rest) else None
+        if sets_needed(bases, rendered, kernel):
+            rest = [s for s in base_sets(bases) if s not in first]
+            # (Shard tables that go, the shard count having shrunk, are read no map of.)
+            left = gone_hairpins(kernel.elements, rendered.state.owners,
+                                 dispatch_keys(p for _key, p in rendered.written)
+                                 - rendered.intact) \
+                if (TABLE, HAIRPIN) in kernel.sets \
+                and kernel.tables <= {b.table for b in bases} else None
+            if left is not None:
+                keys = sorted(left)
+                kernel.elements[TABLE, HAIRPIN] = self._read_back(
+                    fam, f"{TABLE} {HAIRPIN}",
+                    lambda family, _ours: self.runner.probe(family, TABLE, HAIRPIN, keys))
+                rest = [s for s in rest if (s[0], s[1]) != (TABLE, HAIRPIN)]
+            if not self._read_sets(fam, kernel, rest):
+                return None
+        script, state, counts = restart_lines(bases, dict(rendered.written), kernel,
+                                              made=(rendered.state, rendered.written))
+        counts.kept += rendered.kept
+        return script, state, counts
 
     def _complete_parts(self: _Plane) -> bool:
         """A part (COMPLETE_PER_PART ports) of each family's restart left to complete;

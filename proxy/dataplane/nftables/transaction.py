@@ -817,15 +817,21 @@ def _rewrite(state: TableState, ordered: Sequence[tuple[ServicePortKey, PortObje
     yield from (c for c in stale if table in (None, c.table))
 
 
-def kept_state(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects]
+def kept_state(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
+               keep: Callable[[PortObjects], bool] | None = None
                ) -> tuple[TableState, list[tuple[ServicePortKey, PortObjects]]]:
     """What the kernel holds once `bases` and `ports` are all there (a full or restart
-    script's state, made before its lines), and the ports in key order."""
+    script's state, made before its lines), and the ports in key order: those `keep`
+    says, if given, each port being read (a mapping that renders it when asked) and
+    asked once, in key order, so that the others are let go as soon as they are kept."""
     state = TableState(bases[0].family, tuple(bases))
-    ordered = [(key, ports[key]) for key in sorted(ports)]
-    for key, p in ordered:
+    ordered = []
+    for key in sorted(ports):
+        p = ports[key]
         state.ports[key] = KeptPort.of(p)
         state.owners.add_rendered(key, p.elements)
+        if keep is None or keep(p):
+            ordered.append((key, p))
     _own_bases(state)
     return state, ordered
 
