@@ -178,6 +178,13 @@ class Owners:
             else:
                 yield table, set_name, members.items()
 
+    def items(self, table: str, set_name: str) -> Iterator[tuple[Key, Value]]:
+        """One set's elements as (key, held value), as `sets` gives them."""
+        members = self._sets.get((table, set_name))
+        if members is None:
+            return iter(())
+        return _held_values(members) if isinstance(members, dict) else members.items()
+
     def elements(self) -> Iterator[tuple[ElementKey, Value]]:
         for table, set_name, members in self.sets():
             for key, value in members:
