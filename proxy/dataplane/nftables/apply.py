@@ -171,7 +171,7 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, ResyncSteps):
         try:
             applier = self._run(fam, text, full) if text else "none"
         finally:
-            fam.replacement = None  # it holds every port's objects
+            fam.replacement = None  # it may hold every port's objects
         lines = text.count("\n") if isinstance(text, str) else text.count or 0
         details: dict[str, object] = {"applier": applier}
         counts, fam.restart_counts = fam.restart_counts, None
