@@ -340,9 +340,9 @@ def _element_diff(state: TableState, bases: Sequence[BaseObjects], kernel: Kerne
             adds += a
             continue
         # Each held element looked up in the owners, and theirs read in place: a copy of
-        # what they want of every set was 190 MiB at 100,000 x 10 (@hairpin's million
-        # pairs, never read back, among them). A map's element whose value changes is
-        # deleted (by its key) and added again.
+        # what they want of every set (@hairpin's million pairs, never read back, among
+        # them) was 110 MiB of an upgrade's peak at 100,000 x 10. A map's element whose
+        # value changes is deleted (by its key) and added again.
         deletes += [(table, set_name, k, ()) for k, v in held.decoded.items()
                     if _unwanted(owners.held((table, set_name, k)), v, sweep)]
         present: set[Key] = set()
