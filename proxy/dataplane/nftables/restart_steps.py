@@ -252,6 +252,7 @@ class RestartSteps:
         log.info("restart: kept ports' state made", extra={
             "family": fam.family.label, "ports": fam.completed,
             "ports_missing_chains": len(fam.missing), "seconds": round(fam.completing, 3)})
+        heap.release_free_memory()  # the rendered ports the kept state was made from
         try:
             if sweep:
                 self._sweep(fam, state, names)
