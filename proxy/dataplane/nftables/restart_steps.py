@@ -503,6 +503,7 @@ class RestartSteps:
         if not self._read_sets(fam, kernel, [s for s in first if not s[3]]):
             return None
         rendered = render_all(bases, ports, kernel)
+        heap.release_free_memory()  # the rendered ports it kept and let go
         if self._read_maps(fam, bases, kernel, rendered.intact) is None:
             return None
         if sets_needed(bases, rendered, kernel):
