@@ -506,7 +506,7 @@ class RestartSteps:
         heap.release_free_memory()  # the rendered ports it kept and let go
         if self._read_maps(fam, bases, kernel, rendered.intact) is None:
             return None
-        if sets_needed(bases, rendered, kernel):
+        if sets_needed(rendered, kernel):
             rest = [s for s in base_sets(bases) if s not in first]
             # (Shard tables that go, the shard count having shrunk, are read no map of.)
             left = gone_hairpins(kernel.elements, rendered.state.owners,
@@ -562,18 +562,17 @@ def after_writing(read: dict[Named, Held], owners: Owners,
     `owners` (the state) wants, with its value (the restart wrote them, or their marks
     say they are there), and, for the elements the syncs since touched, what they left
     (`touched`: transaction.Unfinished.kernel). `read` itself, brought up to date: a
-    copy was 85 MiB more at the sweep at 100,000 x 10 (the dispatch and counter maps,
-    @fingerprints), and what the restart read is not needed after."""
+    copy of it (the dispatch and counter maps, @fingerprints) put the sweep's peak 40
+    MiB higher at 100,000 x 10, and what the restart read is not needed after."""
     maps = {(t, name) for t, name, _types, is_map in sets if is_map}
-    out = read
-    for (table, name), asked in out.items():
+    for (table, name), asked in read.items():
         if asked.partial:  # only the keys asked for: each now as its owner has it, if any
             for key in asked.decoded:
                 value = owners.held((table, name, key))
                 if value is not None:
                     asked.decoded[key] = value
     for table, name, pairs in owners.sets():
-        held = out.get((table, name))
+        held = read.get((table, name))
         if held is None or held.partial:
             continue
         if (table, name) in maps:
@@ -581,7 +580,7 @@ def after_writing(read: dict[Named, Held], owners: Owners,
         else:
             held.raw.update(element_keys(family, [k for k, _v in pairs]))
     for (table, name, key), value in touched.items():
-        held = out.get((table, name))
+        held = read.get((table, name))
         if held is None:
             continue
         raw = element_keys(family, [key])[0] if (table, name) not in maps else None
@@ -593,7 +592,7 @@ def after_writing(read: dict[Named, Held], owners: Owners,
             held.decoded[key] = value
         elif key not in held.decoded:  # a set read whole is in `decoded`
             held.raw.add(raw)
-    return out
+    return read
 
 
 def gone_hairpins(read: Mapping[Named, Held], owners: Owners, written: Set[Key]
