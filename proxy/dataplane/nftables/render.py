@@ -468,12 +468,17 @@ class _PortBuild:
     table: str
     ip: str  # "ip" or "ip6"
     proto: str  # "tcp", "udp", "sctp"
+    hashed: str  # what port_chain names its chains by, made once
     elements: dict[str, dict[Key, Value]] = field(default_factory=dict)  # by set
     chains: list[Chain] = field(default_factory=list)
     sets: list[Set | SlotMap] = field(default_factory=list)
     slot_elements: list[Element] = field(default_factory=list)
     slot_values: list[tuple[str, tuple[Key, ...]]] = field(default_factory=list)
     counters: dict[str, tuple[IPAddress, int] | None] = field(default_factory=dict)
+
+    def chain(self, kind: str) -> str:
+        """`port_chain(kind, key, proto)`: its chain, or its counter, of that kind."""
+        return f"{kind}-{self.hashed}"
 
     def count(self, name: str, endpoint: tuple[IPAddress, int] | None) -> str:
         """The statement counting into the named counter `name`, which this port owns."""
@@ -538,8 +543,9 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,
     (`assign_slots`); then it is not `from_input` (marks.py)."""
     key = rsp.key
     proto = rsp.port.protocol.value.lower()
-    build = _PortBuild(key, shard_of(key, shards), table_family(key.family), proto)
-    p = plan(rsp, lambda kind: port_chain(kind, key, proto))
+    build = _PortBuild(key, shard_of(key, shards), table_family(key.family), proto,
+                       name_hash(port_name(key), proto))
+    p = plan(rsp, build.chain)
     picked = _picked(rsp, ctx, p)
     if picked:
         return build.objects(_pick(build, rsp, picked, slots))
@@ -565,7 +571,7 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,
                                  hashed and bool(counts))
     for policy_chain, eps in ((p.svc, p.cluster_eps), (p.svl, p.local_eps)):
         if policy_chain:
-            build.count(port_counter(key, proto), None)
+            build.count(build.chain("cnt"), None)
             first = policy_first(rsp, ctx, policy_chain == p.internal)
             if hashed and eps:
                 _hashed_chain(build, policy_chain, eps, first, (addrs, ep_chains), label,
@@ -605,7 +611,7 @@ def _pick(build: _PortBuild, rsp: ResolvedServicePort, eps: Sequence[SelectedEnd
     picks = pick_map(proto, len(values))
     assigned = tuple(assign_slots(values, (slots or {}).get(picks, ())))
     build.slot_values.append((picks, assigned))
-    counter = port_counter(build.key, proto)
+    counter = build.chain("cnt")
     build.count(counter, None)
     goto = _goto_pick(len(values))
     for destination in destinations(rsp):  # one key for both maps' elements
