@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from proxy.dataplane.nftables import marks as marks_module
 from proxy.dataplane.nftables import render, slot_tail
+from proxy.dataplane.nftables.marks import marks_for
 from proxy.dataplane.nftables.render import FINGERPRINTS, port_chain
 from proxy.model.types import Family, ServicePortKey
 from proxy.netns_lab import Lab
@@ -163,6 +165,45 @@ def test_after_a_restart_that_rendered_nothing_a_change_is_partial_and_right(
     started.sync(Cluster().become(*changed), full=True)
     restarted.settle()
     started.settle()
+    assert listing(ns) == listing(clean)
+
+
+@pytest.mark.parametrize("by_hand", [False, True], ids=["unchanged", "element-deleted"])
+def test_an_upgrade_checks_the_maps_as_it_reads_them(
+        namespaces: Lab, monkeypatch: pytest.MonkeyPatch, by_hand: bool) -> None:
+    """Another build (the kernel holds the old build's input marks) over an unchanged
+    cluster renders every port and writes none: the kernel's dispatch and counter maps,
+    checked element by element as they are dumped, hold what the ports write. A dispatch
+    element deleted by hand (its port's fingerprint still there) is found missing and
+    written again: the node ends where a clean start does."""
+    ns, clean = namespaces.node_ns, namespaces.client_ns
+    wipe(ns)
+    cluster = Cluster()
+    objects = [o for i in range(6) for o in web(i)]
+    first = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES)
+    first.sync(cluster.become(*objects), full=True)
+    first.settle()
+    if by_hand:
+        nft(ns, "delete", "element", "ip", "sliceproxy-0", render.SERVICE_IPS,
+            "{ 198.18.128.12 . tcp . 80 }")
+    before = handles(ns)
+    monkeypatch.setattr(marks_module, "source_digest", lambda: b"another build")
+    marks_for.cache_clear()
+    try:
+        restarted = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES)
+        report = restarted.sync(cluster.become(*objects))
+        restarted.settle()
+        wipe(clean)  # a clean start by the same build, for its input marks
+        started = NodePlane(clean, mode="nftables", addresses=lambda: ADDRESSES)
+        started.sync(Cluster().become(*objects), full=True)
+        started.settle()
+    finally:
+        monkeypatch.undo()
+        marks_for.cache_clear()
+    # The old build's input marks swapped for this one's; and the element deleted by hand.
+    assert restart_of(report) == {"ports_kept": 6, "ports_written": 0, "elements_deleted": 6,
+                                  "elements_added": 6 + by_hand}
+    assert handles(ns) == before
     assert listing(ns) == listing(clean)
 
 

@@ -30,7 +30,7 @@ from ipaddress import ip_address
 
 from proxy.dataplane.nftables.objects import CounterRef, Key, Value
 from proxy.dataplane.nftables.objects import Verdict as ElementVerdict
-from proxy.dataplane.nftables.readback import Held, Unreadable
+from proxy.dataplane.nftables.readback import Held, Keep, Unreadable
 from proxy.dataplane.nftables.transaction import Script
 from proxy.dataplane.nftables.wire import stages, statement_lines
 from proxy.model.types import Family
@@ -198,9 +198,9 @@ class FakeNft:
         return found
 
     def elements(self, family: Family, table: str, set_name: str, types: Sequence[str],
-                 is_map: bool) -> Held:
+                 is_map: bool, keep: Keep | None = None) -> Held:
         """The runner's read-back of one set: keys typed as `types` (ports as numbers),
-        verdicts as objects.Verdict, () in a set."""
+        verdicts as objects.Verdict, () in a set; of a map, only what `keep` says."""
         found = self.tables["ip" if family is Family.V4 else "ip6", table].sets[set_name]
         self.dumped.append((table, set_name))
         out: dict[Key, Value] = {}
@@ -209,7 +209,9 @@ class FakeNft:
                 raise Unreadable(f"{key} as {types}")
             parts = tuple(int(p) if t in ("inet_service", "integer") else p
                           for p, t in zip(key, types, strict=True))
-            out[parts] = _held_value(value)
+            held = _held_value(value)
+            if keep is None or not is_map or keep(parts, held):
+                out[parts] = held
         return Held(decoded=out)
 
     def probe(self, family: Family, table: str, set_name: str, keys: Sequence[Key],

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from proxy.dataplane.common.naming import packed_v6_text
@@ -65,9 +65,14 @@ class Held:
         return len(self.decoded) + len(self.raw)
 
 
+# Which of a map's elements to keep (key, value) as they are read.
+Keep = Callable[[Key, Value], bool]
+
+
 def read_held(messages: Iterable[tuple[bytes, int, int]], family: Family,
-              types: Sequence[str], is_map: bool) -> Held:
-    """A set's or map's dumped messages (data, body start, end) as `Held`."""
+              types: Sequence[str], is_map: bool, keep: Keep | None = None) -> Held:
+    """A set's or map's dumped messages (data, body start, end) as `Held`; of a map, only
+    the elements `keep` says, if given (the others are decoded, then let go)."""
     held = Held()
     length = key_length(types)
     # A pick map's key ends in its slot (nft's integer); its value is an address . port.
@@ -79,12 +84,14 @@ def read_held(messages: Iterable[tuple[bytes, int, int]], family: Family,
             continue
         items = map_items(data, start, end) if values else None
         if items is not None:
-            held.decoded.update((key_parts(family, types, k), key_parts(family, values, v))
-                                for k, v in items)
-            continue
-        for raw, value in decode_elements(data, start, end):
-            held.decoded[key_parts(family, types, raw)] = \
-                key_parts(family, values, value) if isinstance(value, bytes) else value
+            pairs: Iterable[tuple[Key, Value]] = (
+                (key_parts(family, types, k), key_parts(family, values, v)) for k, v in items)
+        else:
+            pairs = ((key_parts(family, types, raw),
+                      key_parts(family, values, value) if isinstance(value, bytes) else value)
+                     for raw, value in decode_elements(data, start, end))
+        held.decoded.update(pairs if keep is None or not is_map else
+                            ((k, v) for k, v in pairs if keep(k, v)))
     return held
 
 

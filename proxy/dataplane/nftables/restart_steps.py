@@ -41,7 +41,7 @@ from proxy.dataplane.common.family_sync import FamilyState
 from proxy.dataplane.nftables.expressions import Unencodable
 from proxy.dataplane.nftables.marks import marks_for
 from proxy.dataplane.nftables.objects import CounterRef, Key, Value, Verdict
-from proxy.dataplane.nftables.readback import Held, Unreadable
+from proxy.dataplane.nftables.readback import Held, Keep, Unreadable
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
     HAIRPIN,
@@ -206,6 +206,9 @@ class _Plane(Protocol):
 
     def _read_maps(self, fam: NftFamily, bases: Sequence[BaseObjects],
                    kernel: KernelTables, kept: Set[Key]) -> int | None: ...
+
+    def _maps_as_owned(self, fam: NftFamily, bases: Sequence[BaseObjects],
+                       owners: Owners) -> bool: ...
 
 
 class RestartSteps:
@@ -504,7 +507,8 @@ class RestartSteps:
             return None
         rendered = render_all(bases, ports, kernel)
         heap.release_free_memory()  # the rendered ports it kept and let go
-        if self._read_maps(fam, bases, kernel, rendered.intact) is None:
+        if (rendered.written or not self._maps_as_owned(fam, bases, rendered.state.owners)) \
+                and self._read_maps(fam, bases, kernel, rendered.intact) is None:
             return None
         if sets_needed(rendered, kernel):
             rest = [s for s in base_sets(bases) if s not in first]
@@ -526,6 +530,30 @@ class RestartSteps:
                                               made=(rendered.state, rendered.written))
         counts.kept += rendered.kept
         return script, state, counts
+
+    def _maps_as_owned(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
+                       owners: Owners) -> bool:
+        """Whether the bases' maps (but the pick maps) hold what `owners` want and nothing
+        else, checked as they are read, where nothing is to be written: then the diff
+        has nothing to read in them. Only what differs is held (held whole, the 200,000
+        dispatch and counter elements of an unchanged upgrade at 100,000 services put
+        its peak 117 MiB higher). False, to read them whole, if one cannot be read."""
+        for table, name, types, is_map in base_sets(bases):
+            if not is_map or name.startswith(PICKS):
+                continue
+            seen = 0
+
+            def unwanted(key: Key, value: Value, named: Named = (table, name)) -> bool:
+                nonlocal seen
+                seen += 1
+                return owners.held((*named, key)) != value
+
+            held = _readable(self, fam, table, name, functools.partial(
+                _read_elements, self.runner, table, name, types, True, keep=unwanted))
+            if held is None or held.decoded \
+                    or seen != sum(1 for _ in owners.items(table, name)):
+                return False
+        return True
 
     def _complete_parts(self: _Plane) -> bool:
         """A part (COMPLETE_PER_PART ports) of each family's restart left to complete;
@@ -619,9 +647,10 @@ def gone_hairpins(read: Mapping[Named, Held], owners: Owners, written: Set[Key]
 
 
 def _read_elements(runner: NftRunner, table: str, set_name: str, types: Sequence[str],
-                   is_map: bool, family: Family, _ours: frozenset[str]) -> Held:
+                   is_map: bool, family: Family, _ours: frozenset[str],
+                   keep: Keep | None = None) -> Held:
     """`runner.elements` in the shape `_read_back` calls."""
-    return runner.elements(family, table, set_name, types, is_map)
+    return runner.elements(family, table, set_name, types, is_map, keep)
 
 
 def _probe_map(runner: NftRunner, table: str, name: str, keys: Sequence[Key],

@@ -390,17 +390,18 @@ class NftRunner:
         return present, chains, sets
 
     def elements(self, family: Family, table: str, set_name: str, types: Sequence[str],
-                 is_map: bool) -> readback.Held:
+                 is_map: bool, keep: readback.Keep | None = None) -> readback.Held:
         """The elements of set or map `set_name` of `table`, keys read as `types`
-        (readback.py): one netlink dump. Unreadable if a key does not fit them;
-        NftError if the dump fails (or the set is missing)."""
+        (readback.py): one netlink dump; of a map, only those `keep` says, if given.
+        Unreadable if a key does not fit them; NftError if the dump fails (or the set is
+        missing)."""
         self._check_home()
         with self._lock:
             try:
                 return readback.read_held(self._netlink().dump_messages(
                     NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETSETELEM,
                     readback.element_dump_request(family, table, set_name)),
-                    family, types, is_map)
+                    family, types, is_map, keep)
             except OSError as exc:
                 raise NftError(f"nf_tables netlink dump of {table} {set_name}: {exc}") from exc
 
