@@ -208,7 +208,7 @@ class _Plane(Protocol):
                    kernel: KernelTables, kept: Set[Key]) -> int | None: ...
 
     def _maps_as_owned(self, fam: NftFamily, bases: Sequence[BaseObjects],
-                       owners: Owners) -> bool: ...
+                       kernel: KernelTables, owners: Owners) -> bool: ...
 
 
 class RestartSteps:
@@ -507,7 +507,8 @@ class RestartSteps:
             return None
         rendered = render_all(bases, ports, kernel)
         heap.release_free_memory()  # the rendered ports it kept and let go
-        if (rendered.written or not self._maps_as_owned(fam, bases, rendered.state.owners)) \
+        if (rendered.written or not self._maps_as_owned(fam, bases, kernel,
+                                                        rendered.state.owners)) \
                 and self._read_maps(fam, bases, kernel, rendered.intact) is None:
             return None
         if sets_needed(rendered, kernel):
@@ -532,15 +533,18 @@ class RestartSteps:
         return script, state, counts
 
     def _maps_as_owned(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
-                       owners: Owners) -> bool:
+                       kernel: KernelTables, owners: Owners) -> bool:
         """Whether the bases' maps (but the pick maps) hold what `owners` want and nothing
         else, checked as they are read, where nothing is to be written: then the diff
         has nothing to read in them. Only what differs is held (held whole, the 200,000
         dispatch and counter elements of an unchanged upgrade at 100,000 services put
-        its peak 117 MiB higher). False, to read them whole, if one cannot be read."""
+        its peak 117 MiB higher). False, to read them whole, if one cannot be read or
+        is not there (`kernel`'s names)."""
         for table, name, types, is_map in base_sets(bases):
             if not is_map or name.startswith(PICKS):
                 continue
+            if (table, name) not in kernel.sets:
+                return False
             seen = 0
 
             def unwanted(key: Key, value: Value, named: Named = (table, name)) -> bool:
