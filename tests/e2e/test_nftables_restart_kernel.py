@@ -53,6 +53,14 @@ def web(i: int, endpoints: int = 2, counted: bool = False) -> list[dict[str, Any
                       service_name=f"web{i}")]
 
 
+def first_start(ns: str, cluster: Cluster, objects: list[dict[str, Any]]) -> None:
+    """A first start on a wiped node, settled: its input marks added (marks.py)."""
+    wipe(ns)
+    plane = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES)
+    plane.sync(cluster.become(*objects), full=True)
+    plane.settle()
+
+
 def restart_of(report: Any) -> dict[str, int]:
     return report.details["IPv4"]["restart"]  # type: ignore[no-any-return]
 
@@ -147,12 +155,9 @@ def test_after_a_restart_that_rendered_nothing_a_change_is_partial_and_right(
     nothing (and renders no port); the kept state made after it takes the next change
     as any partial sync, ending where a start on a clean node ends."""
     ns, clean = namespaces.node_ns, namespaces.client_ns
-    wipe(ns)
     cluster = Cluster()
     objects = [o for i in range(6) for o in web(i)]
-    first = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES)
-    first.sync(cluster.become(*objects), full=True)
-    first.settle()  # the input marks, added when the agent is idle (marks.py)
+    first_start(ns, cluster, objects)
     before = handles(ns)
     restarted = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES)
     report = restarted.sync(cluster.become(*objects))
@@ -177,12 +182,9 @@ def test_an_upgrade_checks_the_maps_as_it_reads_them(
     element deleted by hand (its port's fingerprint still there) is found missing and
     written again: the node ends where a clean start does."""
     ns, clean = namespaces.node_ns, namespaces.client_ns
-    wipe(ns)
     cluster = Cluster()
     objects = [o for i in range(6) for o in web(i)]
-    first = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES)
-    first.sync(cluster.become(*objects), full=True)
-    first.settle()
+    first_start(ns, cluster, objects)
     if by_hand:
         nft(ns, "delete", "element", "ip", "sliceproxy-0", render.SERVICE_IPS,
             "{ 198.18.128.12 . tcp . 80 }")

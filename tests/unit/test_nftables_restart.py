@@ -424,13 +424,12 @@ def test_an_unchanged_upgrade_holds_none_of_the_maps_it_reads(
     plane = FakePlane("nftables")
     plane.become(*cluster(range(5)), full=True)
     plane.settle()
-    dispatch = plane.nft.tables["ip", plane.dp._families[Family.V4].kept
-                                .ports[port_key(2)].table].sets[render.SERVICE_IPS].elements
+    shard = plane.nft.tables["ip", plane.dp._families[Family.V4].kept.ports[port_key(2)].table]
+    dispatch = shard.sets[render.SERVICE_IPS].elements
     one = sorted(dispatch)[0]
     if by_hand == "map-deleted":
-        del plane.nft.tables["ip", plane.dp._families[Family.V4].kept
-                             .ports[port_key(2)].table].sets[render.PORT_COUNTERS]
-    if by_hand == "deleted":
+        del shard.sets[render.PORT_COUNTERS]
+    elif by_hand == "deleted":
         del dispatch[one]
     elif by_hand == "changed":
         dispatch[one] = "goto pick-tcp-7"

@@ -439,7 +439,16 @@ def _pick_rules(ctx: RenderContext, ip: str, n: int) -> tuple[str, ...]:
 
 def port_chain(kind: str, key: ServicePortKey, protocol: str) -> str:
     """Stable across restarts: a hash of what the chain is for, never of its content."""
-    return f"{kind}-{name_hash(port_name(key), protocol)}"
+    return _port_named(kind, port_hash(key, protocol))
+
+
+def port_hash(key: ServicePortKey, protocol: str) -> str:
+    """What every chain and counter of a port is named by (`port_chain`), its kind aside."""
+    return name_hash(port_name(key), protocol)
+
+
+def _port_named(kind: str, hashed: str) -> str:
+    return f"{kind}-{hashed}"
 
 
 def endpoint_object(kind: str, key: ServicePortKey, protocol: str, endpoint: str) -> str:
@@ -468,7 +477,7 @@ class _PortBuild:
     table: str
     ip: str  # "ip" or "ip6"
     proto: str  # "tcp", "udp", "sctp"
-    hashed: str  # what port_chain names its chains by, made once
+    hashed: str  # port_hash: what its chains are named by, made once
     elements: dict[str, dict[Key, Value]] = field(default_factory=dict)  # by set
     chains: list[Chain] = field(default_factory=list)
     sets: list[Set | SlotMap] = field(default_factory=list)
@@ -478,7 +487,7 @@ class _PortBuild:
 
     def chain(self, kind: str) -> str:
         """`port_chain(kind, key, proto)`: its chain, or its counter, of that kind."""
-        return f"{kind}-{self.hashed}"
+        return _port_named(kind, self.hashed)
 
     def count(self, name: str, endpoint: tuple[IPAddress, int] | None) -> str:
         """The statement counting into the named counter `name`, which this port owns."""
@@ -544,7 +553,7 @@ def render_port(rsp: ResolvedServicePort, ctx: RenderContext, shards: int = 1,
     key = rsp.key
     proto = rsp.port.protocol.value.lower()
     build = _PortBuild(key, shard_of(key, shards), table_family(key.family), proto,
-                       name_hash(port_name(key), proto))
+                       port_hash(key, proto))
     p = plan(rsp, build.chain)
     picked = _picked(rsp, ctx, p)
     if picked:
