@@ -144,6 +144,8 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, ResyncSteps):
                         changed: set[ServicePortKey], ctx: RenderContext
                         ) -> tuple[Script | str, TableState]:
         table: TableState = fam.kept
+        if fam.marks_aside:  # none outlives a write (restart_steps.NftFamily)
+            self._delete_marks_aside(fam, None)
         # A port a restart kept whose state is not made yet: made now, from what was
         # applied, so that the change is a diff from what the kernel holds.
         self._make_kept(fam, [k for k in changed if k in fam.pending])
@@ -226,8 +228,7 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, ResyncSteps):
             return resync_lines(bases, {k: functools.partial(objects, k, v)
                                         for k, v in ports.items()},
                                 chains, sets, counters)
-        # A restart's ports carry the input marks it computed: the kernel holds those of
-        # the ports it keeps, and those it writes are what their input renders.
+        # A restart's ports carry the input marks the kernel holds (`_restart_by_marks`).
         def render(key: ServicePortKey) -> PortObjects:
             p = objects(key, ports[key])
             return with_input_mark(p, marks[key]) if key in marks else p
@@ -246,7 +247,7 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, ResyncSteps):
                 log.info("restart over our tables: writing what differs", extra={
                     "family": fam.family.label, "ports_kept": counts.kept,
                     "ports_written": counts.written, "elements_deleted": counts.deleted,
-                    "elements_added": counts.added})
+                    "elements_added": counts.added, "marks_deleted_after": counts.aside})
                 return script, kept
         rendered = {k: render(k) for k in ports}
         if fam.state is None:  # not written by this process since: maybe another version
@@ -345,12 +346,13 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, ResyncSteps):
     # --- the rest of the contract -------------------------------------------------------------
 
     def housekeeping(self) -> dict[str, int]:
-        """A part of the restart's leftover work (`_complete`), else a table of the
-        periodic resync (`_resync_parts`), else a part of the input marks the kernel
-        lacks (`_write_marks`), first: the sync loop calls this when idle, right after
+        """A part of the restart's leftover work (`_complete`, then another build's input
+        marks it left, `_marks_aside_parts`), else a table of the periodic resync
+        (`_resync_parts`), else a part of the input marks the kernel lacks
+        (`_write_marks`), first: the sync loop calls this when idle, right after
         a sync that left parts too, and again at once while parts are left, so a change
         waits for one part at most."""
-        if self._complete_parts() or self._resync_parts():
+        if self._complete_parts() or self._marks_aside_parts() or self._resync_parts():
             return {}
         if self._drift_later:  # the restart's completion is over: the check now
             self._drift_later = False
@@ -361,7 +363,7 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, ResyncSteps):
         return super().housekeeping()
 
     def housekeeping_pending(self) -> bool:
-        return self._drift_later or any(fam.pending or fam.resync is not None
+        return self._drift_later or any(fam.pending or fam.marks_aside or fam.resync is not None
                                         or fam.marks_todo for fam in self._families.values())
 
     def begin_resync(self, repair: bool) -> bool:

@@ -88,12 +88,14 @@ class KernelTables:
 @dataclass
 class RestartCounts:
     """What a restart script writes: ports kept as the kernel holds them, ports written,
-    elements of the bases' sets deleted and added."""
+    elements of the bases' sets deleted and added; and the marks it left to delete
+    after (`marks_aside`)."""
 
     kept: int = 0
     written: int = 0
     deleted: int = 0
     added: int = 0
+    aside: int = 0
 
 
 def base_sets(bases: Sequence[BaseObjects]) -> list[tuple[str, str, tuple[str, ...], bool]]:
@@ -312,6 +314,37 @@ def kept_by_marks(bases: Sequence[BaseObjects], marks: Mapping[ServicePortKey, K
     found = _found(family, list(marks.values()), held)
     kept = {k for k, mark in marks.items() if mark in found}
     return kept, len(kept) < len(marks) or len(held) != len(bases) + 2 * len(marks)
+
+
+def marks_aside(state: TableState, kernel: KernelTables) -> dict[str, list[bytes]]:
+    """The elements of each @fingerprints read back (`kernel`, as laid out: `raw`) that
+    nobody in `state` claims, taken out of what was read, so that a restart's diff
+    leaves them; table -> their keys. For a restart that writes nothing, over maps that
+    hold what the ports want (restart_steps.py): these are another build's input marks,
+    true of what the kernel holds as long as nothing is written, and deleted after, a
+    part at a time, rather than in its transaction."""
+    aside: dict[str, list[bytes]] = {}
+    for (table, name), held in kernel.elements.items():
+        if name != FINGERPRINTS or held.partial:
+            continue
+        nobodys = [k for k in held.decoded if state.owners.held((table, name, k)) is None]
+        for k in nobodys:
+            del held.decoded[k]
+        raws = element_keys(state.family, nobodys)
+        if held.raw:
+            wanted = set(element_keys(state.family,
+                                      [k for k, _v in state.owners.items(table, name)]))
+            raws += [r for r in held.raw if r not in wanted]
+            held.raw.difference_update(raws)
+        if raws:
+            aside[table] = raws
+    return aside
+
+
+def marks_back(aside: Mapping[str, list[bytes]], kernel: KernelTables) -> None:
+    """`marks_aside`'s elements put back among what was read."""
+    for table, raws in aside.items():
+        kernel.elements[table, FINGERPRINTS].raw.update(raws)
 
 
 def _element_diff(state: TableState, bases: Sequence[BaseObjects], kernel: KernelTables,

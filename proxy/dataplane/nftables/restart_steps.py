@@ -41,7 +41,7 @@ from proxy.dataplane.common.family_sync import FamilyState
 from proxy.dataplane.nftables.expressions import Unencodable
 from proxy.dataplane.nftables.marks import marks_for
 from proxy.dataplane.nftables.objects import CounterRef, Key, Value, Verdict
-from proxy.dataplane.nftables.readback import Held, Keep, Unreadable
+from proxy.dataplane.nftables.readback import Held, Keep, Unreadable, key_parts
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
     HAIRPIN,
@@ -63,6 +63,8 @@ from proxy.dataplane.nftables.restart import (
     base_sets,
     dispatch_keys,
     kept_by_marks,
+    marks_aside,
+    marks_back,
     picks_to_probe,
     render_all,
     restart_lines,
@@ -97,6 +99,9 @@ NAMED_DUMPS_MIN = 256
 # them: 4.4 s), which is what a change arriving meanwhile waits at most: with parts of
 # 1,000, the first changes after a start at 100,000 waited 43 and 47 ms.
 MARKS_PER_PART = 200
+# Another build's input marks deleted per part after a restart (`_delete_marks_aside`):
+# what a change arriving meanwhile waits for at most.
+MARKS_ASIDE_PER_PART = 2_000
 # Kept ports whose state is made per part after a restart (`_complete`), each ~125 us at
 # 100,000 services (all of them: 12.4 s in 1,563 parts of ~8 ms), which is what a change
 # arriving meanwhile waits at most (in one step, the first change waited 12.1 s).
@@ -156,6 +161,14 @@ class NftFamily(FamilyState):
         # The cluster-IP destinations of the ports that restart wrote (their elements
         # before it are what it read of them, `gone_hairpins`).
         self.restart_written: set[Key] = set()
+        # After a restart that rendered every port and wrote nothing: the elements of
+        # @fingerprints nobody claims (another build's input marks, restart.marks_aside)
+        # left to delete, table -> keys as laid out; a part per housekeeping, and all of
+        # them before any sync writes (`_delete_marks_aside`): a write may make one
+        # untrue (a port edited, then back to the input it names, in another layout of
+        # its slots), and a rollback to that build would then keep the port unrendered.
+        # A full sync deletes what nobody claims itself.
+        self.marks_aside: dict[str, list[bytes]] = {}
 
     @property
     def state(self) -> TableState | None:
@@ -194,6 +207,8 @@ class _Plane(Protocol):
                         chains: set[Named]) -> set[Named]: ...
 
     def _complete(self, fam: NftFamily, part: int | None = None) -> None: ...
+
+    def _delete_marks_aside(self, fam: NftFamily, part: int | None) -> None: ...
 
     def _make_kept(self, fam: NftFamily, keys: Sequence[ServicePortKey]) -> None: ...
 
@@ -330,12 +345,16 @@ class RestartSteps:
                           objects: Callable[[ServicePortKey, ResolvedServicePort],
                                             PortObjects]
                           ) -> tuple[dict[ServicePortKey, Key], _Written | None]:
-        """The ports' input marks (marks.py), and, where the kernel holds the bases as
-        written and most ports' marks (restart.kept_by_marks), what this restart writes:
-        the other ports, rendered, against the maps and @fingerprints read back, without
-        deleting what they do not claim (restart_lines without a sweep). The kept ports'
-        state is made after the sync (`_complete`), and the sweep then if one is due.
-        None: every port is to be rendered and diffed now."""
+        """The ports' input marks the kernel holds (marks.py), and, where the kernel
+        holds the bases as written and most ports' marks (restart.kept_by_marks), what
+        this restart writes: the other ports, rendered (with their marks, in the same
+        transaction), against the maps and @fingerprints read back, without deleting
+        what they do not claim (restart_lines without a sweep). The kept ports' state is
+        made after the sync (`_complete`), and the sweep then if one is due. None: every
+        port is to be rendered and diffed now, those marks with them (true of what the
+        kernel then holds: a port kept, or written from its input alone); the other
+        ports' marks come when idle (`_write_marks`): 100,000 of them added in an
+        upgrade's transaction were ~25 MiB of its peak."""
         tables, chains, sets = names
         if not any(name == FINGERPRINTS for _table, name in sets):
             return {}, None
@@ -345,9 +364,12 @@ class RestartSteps:
         found = self._read_sets(fam, kernel, [s for s in base_sets(bases)
                                               if s[1] == FINGERPRINTS])
         kept_sweep = kept_by_marks(bases, marks, kernel) if found else None
-        if kept_sweep is None or len(ports) - len(kept_sweep[0]) > len(ports) // 2:
-            return marks, None  # most ports differ (another build): render them all
+        if kept_sweep is None:
+            return {}, None
         kept, sweep = kept_sweep
+        held = {k: marks[k] for k in kept}
+        if len(ports) - len(kept) > len(ports) // 2:
+            return held, None  # most ports differ (another build): render them all
         written = {k: with_input_mark(objects(k, ports[k]), marks[k])
                    for k in marks if k not in kept}
         # The maps: what the ports written replace, and what a port gone while no agent
@@ -355,7 +377,7 @@ class RestartSteps:
         probed = self._read_maps(fam, bases, kernel, {
             d for k in kept for d in destinations(ports[k])}) if written or sweep else 0
         if probed is None:
-            return marks, None
+            return held, None
         if sweep:  # what the sweep needs of the kernel before this sync writes
             fam.restart_read = dict(kernel.elements)
             fam.restart_written = {d for k in written for d in destinations(ports[k])}
@@ -507,9 +529,9 @@ class RestartSteps:
             return None
         rendered = render_all(bases, ports, kernel)
         heap.release_free_memory()  # the rendered ports it kept and let go
-        if (rendered.written or not self._maps_as_owned(fam, bases, kernel,
-                                                        rendered.state.owners)) \
-                and self._read_maps(fam, bases, kernel, rendered.intact) is None:
+        as_owned = not rendered.written \
+            and self._maps_as_owned(fam, bases, kernel, rendered.state.owners)
+        if not as_owned and self._read_maps(fam, bases, kernel, rendered.intact) is None:
             return None
         if sets_needed(rendered, kernel):
             rest = [s for s in base_sets(bases) if s not in first]
@@ -527,9 +549,22 @@ class RestartSteps:
                 rest = [s for s in rest if (s[0], s[1]) != (TABLE, HAIRPIN)]
             if not self._read_sets(fam, kernel, rest):
                 return None
+        made = (rendered.state, rendered.written)
+        # Nothing written (an upgrade over an unchanged cluster): the other build's marks
+        # stay true, and go after (`_delete_marks_aside`), not in this transaction, which
+        # then has nothing to do (deleting their 100,000 at 100,000 services was ~25 MiB
+        # of its peak). Where anything else is written, they go with it.
+        aside = marks_aside(rendered.state, kernel) if as_owned else {}
         script, state, counts = restart_lines(bases, dict(rendered.written), kernel,
-                                              made=(rendered.state, rendered.written))
+                                              made=made)
+        if aside and script:
+            marks_back(aside, kernel)
+            aside = {}
+            script, state, counts = restart_lines(bases, dict(rendered.written), kernel,
+                                                  made=made)
+        fam.marks_aside = aside
         counts.kept += rendered.kept
+        counts.aside = sum(map(len, aside.values()))
         return script, state, counts
 
     def _maps_as_owned(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
@@ -558,6 +593,42 @@ class RestartSteps:
                     or seen != sum(1 for _ in owners.items(table, name)):
                 return False
         return True
+
+    def _delete_marks_aside(self: _Plane, fam: NftFamily, part: int | None) -> None:
+        """`part` more of the marks a restart left (`fam.marks_aside`; all: None), in one
+        transaction. A refusal (one deleted by hand) is logged, and leaves the next sync
+        full (ApplyError), which deletes what nobody claims."""
+        assert fam.state is not None
+        types = {t: key for t, name, key, _is_map in base_sets(fam.state.bases)
+                 if name == FINGERPRINTS}
+        elements: list[tuple[str, str, Key, Value]] = []
+        while fam.marks_aside and (part is None or len(elements) < part):
+            table, raws = next(iter(fam.marks_aside.items()))
+            take = len(raws) if part is None else min(len(raws), part - len(elements))
+            elements += [(table, FINGERPRINTS, key_parts(fam.family, types[table], r), ())
+                         for r in raws[-take:]]
+            del raws[-take:]
+            if not raws:
+                del fam.marks_aside[table]
+        try:
+            self._run(fam, Script(functools.partial(element_groups, "delete", elements),
+                                  table_family(fam.family)), False)
+        except ApplyError:
+            fam.marks_aside = {}
+            raise
+        if not fam.marks_aside:
+            log.log(logging.INFO - 2, "another build's input marks deleted", extra={  # -v 2
+                "family": fam.family.label})
+
+    def _marks_aside_parts(self: _Plane) -> bool:
+        """A part (MARKS_ASIDE_PER_PART) of each family's marks a restart left to delete;
+        whether any is left after it."""
+        for fam in self._families.values():
+            if fam.marks_aside and fam.state is not None:
+                self._delete_marks_aside(fam, MARKS_ASIDE_PER_PART)
+            elif fam.state is None:
+                fam.marks_aside = {}
+        return any(fam.marks_aside for fam in self._families.values())
 
     def _complete_parts(self: _Plane) -> bool:
         """A part (COMPLETE_PER_PART ports) of each family's restart left to complete;
