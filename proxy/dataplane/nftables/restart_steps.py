@@ -85,6 +85,7 @@ from proxy.dataplane.nftables.transaction import (
     deferred_lines,
     element_groups,
     kept_slots,
+    unclaimed,
 )
 from proxy.dataplane.nftables.wire import element_keys
 from proxy.model.snapshot import ResolvedServicePort
@@ -413,7 +414,8 @@ class RestartSteps:
         of the ports the first sync wrote counted into before. Every counter dumped
         when those are too many chains to read one by one."""
         before, fam.restart_counters = fam.restart_counters, None
-        stale = self._counters_named(fam, sorted(chains - state.chain_names()), len(chains)) \
+        stale = self._counters_named(fam, unclaimed(chains, state.claimed_chains()),
+                                     len(chains)) \
             if before is not None else None
         if before is None or stale is None:
             return set(self._kernel_counters(fam))

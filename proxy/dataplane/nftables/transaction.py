@@ -602,18 +602,47 @@ class TableState:
     def tables(self) -> set[str]:
         return {b.table for b in self.bases}
 
+    def claimed_chains(self) -> Iterator[Named]:
+        """The chains the bases and ports write, one at a time (`unclaimed`)."""
+        for b in self.bases:
+            for c in b.chains:
+                yield b.table, c.name
+        for p in self.ports.values():
+            for name, _ in p.chains:
+                yield p.table, name
+
+    def claimed_counters(self) -> Iterator[Named]:
+        for p in self.ports.values():
+            for name, _ in p.counters:
+                yield p.table, name
+
+    def claimed_sets(self) -> Iterator[Named]:
+        for b in self.bases:
+            for s in b.sets:
+                yield b.table, s.name
+        for p in self.ports.values():
+            for ps in p.sets:
+                yield p.table, ps.name
+
     def chain_names(self) -> set[Named]:
-        names = {(b.table, c.name) for b in self.bases for c in b.chains}
-        names.update((p.table, name) for p in self.ports.values() for name, _ in p.chains)
-        return names
+        return set(self.claimed_chains())
 
     def counter_names(self) -> set[Named]:
-        return {(p.table, name) for p in self.ports.values() for name, _ in p.counters}
+        return set(self.claimed_counters())
 
     def set_names(self) -> set[Named]:
-        names = {(b.table, s.name) for b in self.bases for s in b.sets}
-        names.update((p.table, s.name) for p in self.ports.values() for s in p.sets)
-        return names
+        return set(self.claimed_sets())
+
+
+def unclaimed(held: Iterable[Named], claimed: Iterable[Named],
+              tables: Collection[str] | None = None) -> list[Named]:
+    """The names in `held` (of `tables`, if given) not in `claimed`, sorted: `held`
+    copied and each claimed name struck out as it is made, never a set of every claimed
+    one (the 200,000 chain names of 100,000 services were ~20 MiB at a restart's peak)."""
+    left = {n for n in held if tables is None or n[0] in tables}
+    for name in claimed:
+        left.discard(name)
+    return sorted(left)
 
 
 # The bases' own elements (NodePort addresses) are owned by this pseudo port, which sorts
@@ -895,10 +924,9 @@ def stale_statements(state: TableState, kernel_chains: Iterable[Named],
     any is deleted (one may jump to another), then sets, counters, and whole tables
     (shards no longer used: there were more at the last start)."""
     wanted = state.tables()
-    chains = sorted(c for c in set(kernel_chains) - state.chain_names() if c[0] in wanted)
-    sets = sorted(k for k in set(kernel_sets) - state.set_names() if k[0] in wanted)
-    counters = sorted(c for c in set(kernel_counters) - state.counter_names()
-                      if c[0] in wanted)
+    chains = unclaimed(kernel_chains, state.claimed_chains(), wanted)
+    sets = unclaimed(kernel_sets, state.claimed_sets(), wanted)
+    counters = unclaimed(kernel_counters, state.claimed_counters(), wanted)
     return [*(Command("flush", t, Chain(name)) for t, name in chains),
             *(Command("delete", t, Chain(name)) for t, name in chains),
             *(Command("delete", t, named(kernel_sets[t, name], name)) for t, name in sets),
