@@ -72,7 +72,7 @@ from proxy.dataplane.nftables.restart import (
     KernelTables,
     with_input_mark,
 )
-from proxy.dataplane.nftables.restart_steps import NftFamily, RestartSteps
+from proxy.dataplane.nftables.restart_steps import RENDERS_PER_TRIM, NftFamily, RestartSteps
 from proxy.dataplane.nftables.resync_steps import ResyncSteps
 from proxy.dataplane.nftables.runner import NftError, NftRunner, unavailable
 from proxy.dataplane.nftables.transaction import (
@@ -94,10 +94,6 @@ T = TypeVar("T")
 # Kept ports a traffic reading makes during a restart's completion (~125 us each at
 # 100,000 services): a small cluster's all, a large one's the next 0.1 s of them.
 READ_COMPLETES = 1_000
-# Ports a restart renders between two returns of the freed heap (`_Rendering`): what
-# the ports it let go left in glibc's heap was 29 MiB by the end of 100,000, at its
-# peak; a return costs ~0.2-3 ms.
-TRIM_EVERY = 5_000
 
 
 class NftablesUnavailable(Exception):
@@ -499,7 +495,7 @@ class _Rendering(Mapping[ServicePortKey, PortObjects]):
     """Ports rendered each time one is asked for, none kept: a restart that renders
     every port lets go of those the kernel holds as rendered (restart.render_all), and
     the rare replacement of another version's tables renders them again. The freed
-    heap goes back every TRIM_EVERY ports (heap.py), not only after the last."""
+    heap goes back every RENDERS_PER_TRIM ports (heap.py), not only after the last."""
 
     def __init__(self, keys: Collection[ServicePortKey],
                  render: Callable[[ServicePortKey], PortObjects]) -> None:
@@ -510,7 +506,7 @@ class _Rendering(Mapping[ServicePortKey, PortObjects]):
         if key not in self._keys:
             raise KeyError(key)
         self._rendered += 1
-        if self._rendered % TRIM_EVERY == 0:
+        if self._rendered % RENDERS_PER_TRIM == 0:
             heap.release_free_memory()
         return self._render(key)
 
