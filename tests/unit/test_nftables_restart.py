@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from proxy.dataplane.base import ApplyError
 from proxy.dataplane.nftables import apply as nft_apply
+from proxy.dataplane.nftables import mark_steps, render, restart_steps
 from proxy.dataplane.nftables import marks as marks_module
-from proxy.dataplane.nftables import render, restart_steps
 from proxy.dataplane.nftables.marks import marks_for
 from proxy.dataplane.nftables.objects import Verdict
 from proxy.dataplane.nftables.readback import Held
@@ -494,7 +494,7 @@ def test_an_unchanged_upgrade_writes_nothing_and_deletes_the_old_marks_after(
     plane.settle()
     before = _fingerprints(plane)
     monkeypatch.setattr(marks_module, "source_digest", lambda: b"another build")
-    monkeypatch.setattr(restart_steps, "MARKS_ASIDE_PER_PART", 4)
+    monkeypatch.setattr(mark_steps, "MARKS_ASIDE_PER_PART", 4)
     marks_for.cache_clear()
     after = cluster(range(30), changed=3 if between == "change" else None)
     fresh = FakePlane("nftables")
@@ -624,7 +624,7 @@ def test_input_marks_are_added_a_part_at_a_time_and_a_change_goes_between(
     """A change never waits for every port's mark (4 s at 100,000 services): one
     housekeeping adds MARKS_PER_PART and says more is left; a change between parts is
     applied and its port marked in a later part; a restart then keeps every port."""
-    monkeypatch.setattr(restart_steps, "MARKS_PER_PART", 2)
+    monkeypatch.setattr(mark_steps, "MARKS_PER_PART", 2)
     plane = FakePlane("nftables", shards=2)
     plane.become(*cluster(range(5)), full=True)
     fam = plane.dp._families[Family.V4]
@@ -666,7 +666,7 @@ def test_a_kept_port_with_its_mark_is_the_port_with_that_mark_field() -> None:
 def test_a_refused_part_of_marks_leaves_the_rest_for_the_next_interval(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """One warning per interval while the kernel refuses marks, not one per part."""
-    monkeypatch.setattr(restart_steps, "MARKS_PER_PART", 2)
+    monkeypatch.setattr(mark_steps, "MARKS_PER_PART", 2)
     plane = FakePlane("nftables", shards=2)
     plane.become(*cluster(range(5)), full=True)
     base = len(marks(plane.nft.tables))

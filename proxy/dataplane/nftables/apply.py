@@ -53,6 +53,7 @@ from proxy.dataplane.common.nfnetlink import nat_unsupported
 from proxy.dataplane.common.rtnetlink import node_addresses
 from proxy.dataplane.nftables.counters import read_traffic
 from proxy.dataplane.nftables.expressions import Unencodable
+from proxy.dataplane.nftables.mark_steps import MarkSteps
 from proxy.dataplane.nftables.objects import Key
 from proxy.dataplane.nftables.port_edit import render_edit
 from proxy.dataplane.nftables.render import (
@@ -100,7 +101,7 @@ class NftablesUnavailable(Exception):
     """This host cannot run the nftables mode (tools or kernel support missing)."""
 
 
-class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, ResyncSteps):
+class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, MarkSteps, ResyncSteps):
     """`runner` and `addresses` replace libnftables/nft and the netlink address dump in
     tests; `probe=False` skips the kernel's NAT check (done by the caller); `shards`
     is the least number of shard tables (more as the service ports need them)."""

@@ -10,7 +10,7 @@ spelled as the set's key (four IPv4 addresses, or one IPv6 address).
   (restart.kept_by_marks). Only for a port whose rules are what that input alone
   renders (`PortObjects.from_input`: not after an endpoint delta, nor a render that kept
   earlier slots), and added after the sync that wrote the port, when the agent is idle
-  (restart_steps.py's `_write_marks`, from the data plane's housekeeping): ~28 us a
+  (mark_steps.py's `_write_marks`, from the data plane's housekeeping): ~28 us a
   port, which neither a start nor a change waits for.
 """
 

@@ -1,7 +1,8 @@
 """The nftables data plane's side of a restart over our own tables: what it reads back,
-which ports it keeps unrendered by their input marks and writes the others, the kept
-state (and the sweep of what nobody claims) it makes after, a part at a time, and the
-input marks it adds when idle (the pure parts: restart.py, marks.py).
+which ports it keeps unrendered by their input marks and writes the others, and the
+kept state (and the sweep of what nobody claims) it makes after, a part at a time (the
+pure parts: restart.py, marks.py; the input marks added and deleted when idle:
+mark_steps.py).
 
 A restart in two steps, when the kernel holds the bases and most ports' input marks:
 the first sync renders and writes only the ports whose marks are not there (changed or
@@ -22,7 +23,8 @@ gone keeps its rules, also where a new service takes its address meanwhile with 
 endpoints): never less.
 
 `NftablesDataPlane` (apply.py) has these as a mixin, `RestartSteps`, and keeps per
-family an `NftFamily`: what it knows of the family's tables.
+family an `NftFamily`: what it knows of the family's tables (the input marks' steps'
+too).
 """
 
 from __future__ import annotations
@@ -38,14 +40,12 @@ from proxy.dataplane.base import ApplyError
 from proxy.dataplane.common import heap
 from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.family_sync import FamilyState
-from proxy.dataplane.nftables.expressions import Unencodable
 from proxy.dataplane.nftables.marks import marks_for
 from proxy.dataplane.nftables.objects import CounterRef, Key, Value, Verdict
-from proxy.dataplane.nftables.readback import Held, Keep, Unreadable, key_parts
+from proxy.dataplane.nftables.readback import Held, Keep, Unreadable
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
     HAIRPIN,
-    OUR_TABLES,
     PICK,
     PICKS,
     PORT_COUNTERS,
@@ -73,7 +73,7 @@ from proxy.dataplane.nftables.restart import (
     with_input_mark,
 )
 from proxy.dataplane.nftables.resync_steps import Resync
-from proxy.dataplane.nftables.runner import NftError, NftRunner
+from proxy.dataplane.nftables.runner import NftRunner
 from proxy.dataplane.nftables.transaction import (
     ElementKey,
     KeptPort,
@@ -83,7 +83,6 @@ from proxy.dataplane.nftables.transaction import (
     TableState,
     Unfinished,
     deferred_lines,
-    element_groups,
     kept_slots,
     unclaimed,
 )
@@ -96,13 +95,6 @@ T = TypeVar("T")
 # Chains whose rules the sweep may read one by one (~13 us each: 3 ms for 256) however
 # small the tables, before it dumps every counter instead.
 NAMED_DUMPS_MIN = 256
-# Input marks per part (`_write_marks`), each ~9 ms of work at 100,000 services (all of
-# them: 4.4 s), which is what a change arriving meanwhile waits at most: with parts of
-# 1,000, the first changes after a start at 100,000 waited 43 and 47 ms.
-MARKS_PER_PART = 200
-# Another build's input marks deleted per part after a restart (`_delete_marks_aside`):
-# what a change arriving meanwhile waits for at most.
-MARKS_ASIDE_PER_PART = 2_000
 # Kept ports whose state is made per part after a restart (`_complete`), each ~125 us at
 # 100,000 services (all of them: 12.4 s in 1,563 parts of ~8 ms), which is what a change
 # arriving meanwhile waits at most (in one step, the first change waited 12.1 s).
@@ -212,8 +204,6 @@ class _Plane(Protocol):
                         chains: set[Named]) -> set[Named]: ...
 
     def _complete(self, fam: NftFamily, part: int | None = None) -> None: ...
-
-    def _delete_marks_aside(self, fam: NftFamily, part: int | None) -> None: ...
 
     def _make_kept(self, fam: NftFamily, keys: Sequence[ServicePortKey]) -> None: ...
 
@@ -480,49 +470,6 @@ class RestartSteps:
         kernel.elements = elements
         return asked
 
-    def _write_marks(self: _Plane, fam: NftFamily) -> None:
-        """Input marks the kernel lacks (marks.py), for ports whose rules are what their
-        input alone renders, when the agent is idle: MARKS_PER_PART ports per call and
-        transaction, so that a change waits for one part at most; `fam.marks_todo`
-        holds what is left for the next call. A part refused is logged, and the rest
-        waits for the next interval: a restart renders the ports still without marks."""
-        state, last, ctx = fam.kept, fam.last, fam.context
-        if state is None or last is None or ctx is None:
-            fam.marks_todo = []
-            return
-        if not fam.marks_todo:
-            fam.marks_todo = [k for k, kept in state.ports.items() if _unmarked(kept)]
-        part = fam.marks_todo[-MARKS_PER_PART:]
-        del fam.marks_todo[-MARKS_PER_PART:]
-        # A sync since the list was made may have changed or removed some of them.
-        todo = [k for k in part if _unmarked(state.ports.get(k))]
-        if not todo:
-            return
-        started = time.perf_counter()
-        of = marks_for(ctx, state.shards).of
-        new = {k: of(last.ports[k]) for k in todo}
-        elements = [(state.ports[k].table, FINGERPRINTS, m, ()) for k, m in new.items()]
-        try:
-            self.runner.send(Script(functools.partial(element_groups, "add", elements),
-                                    table_family(fam.family)), fam.family, OUR_TABLES)
-        except (NftError, Unencodable) as exc:
-            log.warning("could not add input marks; a restart will render those ports",
-                        extra={"family": fam.family.label, "ports": len(new),
-                               "error": str(exc)[-500:]})
-            fam.marks_todo = []  # tried again at the next interval: one warning each
-            return
-        for key, mark in new.items():
-            state.ports[key] = state.ports[key].with_mark(mark)
-            state.owners.add((state.ports[key].table, FINGERPRINTS, mark), key, ())
-        log.debug("input marks added", extra={
-            "family": fam.family.label, "ports": len(new), "left": len(fam.marks_todo),
-            "seconds": round(time.perf_counter() - started, 3)})
-        fam.marks_added += len(new)
-        if not fam.marks_todo:  # a restart now keeps every port unrendered
-            log.log(logging.INFO - 2, "input marks added for every port", extra={  # -v 2
-                "family": fam.family.label, "ports": fam.marks_added})
-            fam.marks_added = 0
-
     def _restart_all(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
                      ports: Mapping[ServicePortKey, PortObjects], kernel: KernelTables
                      ) -> tuple[Script | str, TableState, RestartCounts] | None:
@@ -604,42 +551,6 @@ class RestartSteps:
                 return False
         return True
 
-    def _delete_marks_aside(self: _Plane, fam: NftFamily, part: int | None) -> None:
-        """`part` more of the marks a restart left (`fam.marks_aside`; all: None), in one
-        transaction. A refusal (one deleted by hand) is logged, and leaves the next sync
-        full (ApplyError), which deletes what nobody claims."""
-        assert fam.state is not None
-        types = {t: key for t, name, key, _is_map in base_sets(fam.state.bases)
-                 if name == FINGERPRINTS}
-        elements: list[tuple[str, str, Key, Value]] = []
-        while fam.marks_aside and (part is None or len(elements) < part):
-            table, raws = next(iter(fam.marks_aside.items()))
-            take = len(raws) if part is None else min(len(raws), part - len(elements))
-            elements += [(table, FINGERPRINTS, key_parts(fam.family, types[table], r), ())
-                         for r in raws[-take:]]
-            del raws[-take:]
-            if not raws:
-                del fam.marks_aside[table]
-        try:
-            self._run(fam, Script(functools.partial(element_groups, "delete", elements),
-                                  table_family(fam.family)), False)
-        except ApplyError:
-            fam.marks_aside = {}
-            raise
-        if not fam.marks_aside:
-            log.log(logging.INFO - 2, "another build's input marks deleted", extra={  # -v 2
-                "family": fam.family.label})
-
-    def _marks_aside_parts(self: _Plane) -> bool:
-        """A part (MARKS_ASIDE_PER_PART) of each family's marks a restart left to delete;
-        whether any is left after it."""
-        for fam in self._families.values():
-            if fam.marks_aside and fam.state is not None:
-                self._delete_marks_aside(fam, MARKS_ASIDE_PER_PART)
-            elif fam.state is None:
-                fam.marks_aside = {}
-        return any(fam.marks_aside for fam in self._families.values())
-
     def _complete_parts(self: _Plane) -> bool:
         """A part (COMPLETE_PER_PART ports) of each family's restart left to complete;
         whether any is left after it."""
@@ -659,11 +570,6 @@ def _readable(plane: _Plane, fam: NftFamily, table: str, name: str,
                  extra={"family": fam.family.label, "table": table, "set": name,
                         "reason": str(exc)})
         return None
-
-
-def _unmarked(kept: KeptPort | None) -> bool:
-    """A kept port whose input mark the kernel lacks, which it may have."""
-    return kept is not None and kept.from_input and not kept.input_mark
 
 
 def after_writing(read: dict[Named, Held], owners: Owners,
