@@ -332,9 +332,8 @@ def marks_aside(state: TableState, kernel: KernelTables) -> dict[str, list[bytes
             del held.decoded[k]
         raws = element_keys(state.family, nobodys)
         if held.raw:
-            wanted = set(element_keys(state.family,
-                                      [k for k, _v in state.owners.items(table, name)]))
-            raws += [r for r in held.raw if r not in wanted]
+            owned = _owned_raws(state, table, name)
+            raws += [r for r in held.raw if r not in owned]
             held.raw.difference_update(raws)
         if raws:
             aside[table] = raws
@@ -383,14 +382,20 @@ def _element_diff(state: TableState, bases: Sequence[BaseObjects], kernel: Kerne
                     if _unwanted(owners.held((table, set_name, k)), v, sweep)]
         present: set[Key] = set()
         if held.raw:
-            wanted = [k for k, _v in owners.items(table, set_name)]
-            raws = dict(zip(element_keys(state.family, wanted), wanted, strict=True))
+            raws = _owned_raws(state, table, set_name)
             present = {raws[r] for r in held.raw if r in raws}
             deletes += [(table, set_name, key_parts(state.family, key_types, r), ())
                         for r in held.raw if r not in raws and sweep]
         adds += [(table, set_name, k, v) for k, v in owners.items(table, set_name)
                  if k not in present and held.decoded.get(k) != v]
     return deletes, adds
+
+
+def _owned_raws(state: TableState, table: str, name: str) -> dict[bytes, Key]:
+    """The keys the owners in `state` want in set `name` of `table`, by their bytes as
+    the kernel lays them out (Held.raw)."""
+    wanted = [k for k, _v in state.owners.items(table, name)]
+    return dict(zip(element_keys(state.family, wanted), wanted, strict=True))
 
 
 def _unwanted(wanted: Value | None, held: Value, sweep: bool) -> bool:
