@@ -15,6 +15,10 @@ datagrams went unanswered (`pinned_flows` opens them, so many per backend).
 
 `Laps` says when each step of a scenario ended, so that a failure `Report.failed_at`
 places can be put beside the step that caused it.
+
+`StallClock` says when the process running the clients was not run at all (an emulated
+machine on a loaded host): a failure that spans such a stop is counted apart
+(`TargetReport.stalled`), as it says nothing about the rules.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class TargetReport:
     longest_run: int = 0  # the most failures in a row
     answers: dict[str, int] = field(default_factory=dict)
     failed_at: list[float] = field(default_factory=list)  # failures' starts, from `since`
+    stalled: int = 0  # failures that spanned a stall of the clients' machine (not in failed)
 
 
 @dataclass
@@ -93,6 +98,10 @@ class Report:
     @property
     def failed(self) -> int:
         return sum(t.failed for t in self.targets)
+
+    @property
+    def stalled(self) -> int:
+        return sum(t.stalled for t in self.targets)
 
     @property
     def longest_window(self) -> float:
@@ -113,12 +122,16 @@ class Report:
 
         return "; ".join(f"{t.target}: {t.failed}/{t.attempts} failed, answers {t.answers}, "
                          f"at {', '.join(at(s) for s in t.failed_at[:10])}"
+                         + (f" ({t.stalled} more during stalls)" if t.stalled else "")
                          for t in self.targets if t.failed) or "none"
 
 
 def report(attempts: Iterable[tuple[Target, Attempt]], targets: Sequence[Target],
-           since: float = 0.0, until: float = float("inf")) -> Report:
-    """The attempts started in [since, until), target by target."""
+           since: float = 0.0, until: float = float("inf"),
+           stalls: Sequence[tuple[float, float]] = ()) -> Report:
+    """The attempts started in [since, until), target by target. A failed attempt that
+    spans one of `stalls` (monotonic spans when the clients were not run) is counted in
+    `stalled` only: neither a failure nor part of a run or a window."""
     by_target = {t: TargetReport(t) for t in targets}
     runs: dict[Target, float | None] = dict.fromkeys(targets)
     in_a_row: dict[Target, int] = dict.fromkeys(targets, 0)
@@ -127,6 +140,9 @@ def report(attempts: Iterable[tuple[Target, Attempt]], targets: Sequence[Target]
         if not since <= a.started < until:
             continue
         rep = by_target[target]
+        if not a.ok and any(a.started < end and begin < a.ended for begin, end in stalls):
+            rep.stalled += 1
+            continue
         rep.attempts += 1
         rep.answers[a.answer] = rep.answers.get(a.answer, 0) + 1
         last_end[target] = a.ended
@@ -191,8 +207,45 @@ class Traffic:
             return list(self._attempts)
 
     def report(self, since: float = 0.0, until: float = float("inf"),
-               targets: Sequence[Target] | None = None) -> Report:
-        return report(self.attempts(), targets or self.targets, since, until)
+               targets: Sequence[Target] | None = None,
+               stalls: Sequence[tuple[float, float]] = ()) -> Report:
+        return report(self.attempts(), targets or self.targets, since, until, stalls)
+
+
+class StallClock:
+    """When this process went unrun for `gap` seconds or more: a thread asks to wake
+    every `tick` seconds and records each wake that came that late, as the monotonic
+    span it slept. An emulated machine whose host is loaded (the real-node tier beside
+    the kernel tier in CI) can stop for seconds; the clients' threads stop with it."""
+
+    def __init__(self, gap: float, tick: float = 0.02, limit: float = 600.0) -> None:
+        self.gap, self.tick, self.limit = gap, tick, limit
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._stalls: list[tuple[float, float]] = []
+        self._thread = threading.Thread(target=self._run, daemon=True, name="stall clock")
+
+    def __enter__(self) -> StallClock:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(self.tick + 5)
+
+    def _run(self) -> None:
+        end = time.monotonic() + self.limit
+        last = time.monotonic()
+        while not self._stop.wait(self.tick) and last < end:
+            now = time.monotonic()
+            if now - last >= self.gap:
+                with self._lock:
+                    self._stalls.append((last, now))
+            last = now
+
+    def stalls(self) -> list[tuple[float, float]]:
+        with self._lock:
+            return list(self._stalls)
 
 
 # --- long-lived UDP flows ----------------------------------------------------------------

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from tests.faults.traffic import Attempt, Target, report
+import os
+import subprocess
+import time
+
+from proxy.netns_lab import poll
+from tests.faults.traffic import Attempt, StallClock, Target, report
 
 WEB = Target("web", "198.18.128.10", 80, "tcp", frozenset({"web-1"}))
 
@@ -33,3 +38,31 @@ def test_attempts_outside_the_span_are_not_counted() -> None:
     rep = report(attempts((0, 1, False), (5, 6, True), (9, 10, False)), [WEB],
                  since=4, until=8)
     assert (rep.attempts, rep.failed, rep.longest_run) == (1, 0, 0)
+
+
+def test_a_failure_across_a_stall_is_counted_apart_and_breaks_no_run() -> None:
+    rep = report(attempts((0, 1, True), (1, 3, False), (3, 5, False), (5, 6, True)),
+                 [WEB], stalls=[(3.5, 4.6)])
+    assert (rep.attempts, rep.failed, rep.stalled) == (3, 1, 1)
+    assert (rep.longest_run, rep.longest_window) == (1, 4)
+    assert "1 more during stalls" in rep.failures()
+
+
+def test_a_stall_excuses_no_success_and_no_failure_beside_it() -> None:
+    rep = report(attempts((0, 1, False), (1.5, 2, True), (2.5, 3, False)), [WEB],
+                 stalls=[(1.2, 2.2)])
+    assert (rep.attempts, rep.failed, rep.stalled) == (3, 2, 0)
+
+
+def test_the_stall_clock_records_a_stop_of_the_process() -> None:
+    """The process stopped (SIGSTOP) for 0.5 s by a child, as a guest stops on a loaded
+    host: the clock's thread records a span of at least that around the stop."""
+    with StallClock(gap=0.3, tick=0.01) as clock:
+        began = time.monotonic()
+        stopper = subprocess.run(["sh", "-c", f"kill -STOP {os.getpid()}; sleep 0.5; "
+                                  f"kill -CONT {os.getpid()}"], check=True, timeout=10)
+        poll.wait(lambda: clock.stalls() or None, 5, "the stop recorded")
+        ended = time.monotonic()
+    assert stopper.returncode == 0
+    assert [(b, e) for b, e in clock.stalls() if began < e and b < ended and e - b >= 0.45], \
+        (began, ended, clock.stalls())

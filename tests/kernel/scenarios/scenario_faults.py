@@ -58,7 +58,7 @@ from tests.faults.test_api_faults import (
 )
 from tests.faults.test_kernel_faults import slow_restore
 from tests.faults.test_restart_flows import restarts_under_udp_flows
-from tests.faults.traffic import Traffic
+from tests.faults.traffic import StallClock, Traffic
 
 # An emulated machine on a loaded host: an agent takes tens of seconds to start.
 READY_DEADLINE = 120.0
@@ -273,7 +273,7 @@ def test_foreign_changes_are_repaired(node: IpvsFaultNode) -> None:
         before = kernel()
         assert before[0] and WEB + "/32" in before[1], before
         repairs = node.metric("sliceproxy_rules_drift_repairs_total")
-        with node.traffic() as traffic:
+        with StallClock(gap=TIMEOUT / 2) as clock, node.traffic() as traffic:
             settle(0.5)
             began = time.monotonic()
             change(node)
@@ -287,7 +287,9 @@ def test_foreign_changes_are_repaired(node: IpvsFaultNode) -> None:
             repaired = time.monotonic()
             settle(2.0 + TIMEOUT)  # connections started after the repair, answered
         report = traffic.report(since=began)
-        after = traffic.report(since=repaired + TIMEOUT)
+        # A connection that waited out a stop of the guest of half its timeout or more
+        # (seen under TCG beside the real-node tier) is counted apart, not as a failure.
+        after = traffic.report(since=repaired + TIMEOUT, stalls=clock.stalls())
         node.record(f"foreign change: {name}", report, repaired - began,
                     restarts=node.restarts(), notes="converge: repaired (may cut the "
                     "data path until then)")
@@ -295,6 +297,7 @@ def test_foreign_changes_are_repaired(node: IpvsFaultNode) -> None:
         assert node.metric("sliceproxy_rules_drift_repairs_total") == repairs + 1, \
             agent.log_tail()
         assert after.failed == 0, f"{name}: {after.failures()}"
+        assert all(t.attempts for t in after.targets), f"{name}: {after.targets}"
     assert "another process changed our rules" in agent.log_text()
     # Repairs, not the periodic resync: the only full syncs are the first and the repairs.
     assert node.metric('sliceproxy_syncs_total{kind="full",result="ok"}') \
