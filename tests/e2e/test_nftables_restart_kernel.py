@@ -7,6 +7,7 @@ no flow moved: tests/faults/test_restart_flows.py."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -94,13 +95,15 @@ def test_a_restart_ends_where_a_start_on_a_clean_node_does(
 
 
 @pytest.mark.parametrize("counted", [False, True], ids=["port", "endpoint"])
-def test_a_restart_rewrites_only_what_changed_while_no_agent_ran(namespaces: Lab,
-                                                                 counted: bool) -> None:
+def test_a_restart_rewrites_only_what_changed_while_no_agent_ran(
+        namespaces: Lab, counted: bool, caplog: pytest.LogCaptureFixture) -> None:
     """Ten services; while the agent is down one loses an endpoint, one goes, one comes:
     the restart writes the changed and the new port, and right after deletes the gone
     one's objects (and the counters of what went, when endpoints are counted one by
     one); every other port keeps its rules (handles) and its fingerprint, and a restart
-    over an unchanged cluster writes no port at all."""
+    over an unchanged cluster writes no port at all. The @hairpin pairs of the three
+    endpoints gone are asked for by key, from the pick elements read or (counted, a
+    chain per endpoint) the DNAT rules read back, and deleted: @hairpin is not dumped."""
     ns = namespaces.node_ns
     wipe(ns)
     cluster = Cluster()
@@ -131,7 +134,11 @@ def test_a_restart_rewrites_only_what_changed_while_no_agent_ran(namespaces: Lab
     assert restart_of(report)["ports_written"] == 2
     # The gone port's objects go right after (the sweep, once every port is rendered).
     assert svc(7) in handles(ns)
-    restarted.settle()
+    with caplog.at_level(logging.INFO, logger="proxy.dataplane.nftables.apply"):
+        restarted.settle()
+    swept = [r.__dict__["hairpins_probed"] for r in caplog.records
+             if r.getMessage() == "restart: what nobody claims deleted"]
+    assert swept == [3]  # web7's two endpoints, and the one web3 lost
     after = handles(ns)
 
     if counted:

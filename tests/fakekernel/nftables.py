@@ -31,6 +31,7 @@ from ipaddress import ip_address
 from proxy.dataplane.nftables.objects import CounterRef, Key, Value
 from proxy.dataplane.nftables.objects import Verdict as ElementVerdict
 from proxy.dataplane.nftables.readback import Held, Keep, Unreadable
+from proxy.dataplane.nftables.rule_refs import RuleRefs
 from proxy.dataplane.nftables.transaction import Script
 from proxy.dataplane.nftables.wire import stages, statement_lines
 from proxy.model.types import Family
@@ -185,16 +186,23 @@ class FakeNft:
     def counter_reader(self) -> _Reader:
         return _Reader(self)
 
-    def counters_named(self, family: Family, chains: Iterable[tuple[str, str]]
-                       ) -> set[tuple[str, str]]:
-        """The counters the rules of `chains` count into (a missing chain skipped)."""
+    def rule_refs(self, family: Family, chains: Iterable[tuple[str, str]]) -> RuleRefs:
+        """What the rules of `chains` refer to (a missing chain skipped): the counters
+        they count into, the addresses they DNAT to (None past a DNAT to a map's value),
+        read from their text as the kernel's decoder reads their expressions."""
         ip = "ip" if family is Family.V4 else "ip6"
-        found = set()
+        found = RuleRefs()
         for table, chain in chains:
             self.rules_read.append((table, chain))
             held = self.tables.get((ip, table))
-            rules = held.chains[chain].rules if held and chain in held.chains else []
-            found.update((table, n) for rule in rules for n in _COUNTER_REFERENCE.findall(rule))
+            for rule in held.chains[chain].rules if held and chain in held.chains else []:
+                found.counters.update((table, n) for n in _COUNTER_REFERENCE.findall(rule))
+                for target in _DNAT_TARGET.findall(rule):
+                    address = _DNAT_ADDRESS.fullmatch(target)
+                    if address is None or found.addresses is None:
+                        found.addresses = None
+                    else:
+                        found.addresses.add(address[1] or address[2])
         return found
 
     def elements(self, family: Family, table: str, set_name: str, types: Sequence[str],
@@ -361,6 +369,9 @@ def _element_command(table: NftTable, verb: str, name: str, text: str) -> None:
 _REFERENCE = re.compile(r"(?:^| )(?:jump|goto) (\S+)")
 _SET_REFERENCE = re.compile(r"@([\w-]+)")
 _COUNTER_REFERENCE = re.compile(r'counter name "([^"]+)"')
+# `dnat [ip|ip6] to <target>`: an address:port (IPv6 bracketed), or a map's value.
+_DNAT_TARGET = re.compile(r"\bdnat (?:ip6? )?to (\S+)")
+_DNAT_ADDRESS = re.compile(r"\[([0-9a-f:.]+)\]:\d+|([0-9.]+):\d+")
 
 
 def _check_references(tables: Tables) -> None:

@@ -16,7 +16,8 @@ yet may own, and note what they delete and write (transaction.Unfinished). Once 
 port is made: if anything may be nobody's any more (a port gone, a port written anew, a
 kept port's chain missing), the sweep deletes what nobody claims (restart.sweep_lines)
 against what the first sync read, what the syncs since left, the sets it did not read,
-and the counters that may be nobody's (`_sweep_counters`); else the deletions held back
+and the counters and @hairpin pairs that may be nobody's, from the rules of the chains
+it deletes or the first sync replaced (`_sweep_refs`); else the deletions held back
 are done (transaction.deferred_lines). Until then the kernel holds what the cluster
 wants plus, at most, what it held before for ports that are gone or changed (a port
 gone keeps its rules, also where a new service takes its address meanwhile with no
@@ -73,6 +74,7 @@ from proxy.dataplane.nftables.restart import (
     with_input_mark,
 )
 from proxy.dataplane.nftables.resync_steps import Resync
+from proxy.dataplane.nftables.rule_refs import RuleRefs
 from proxy.dataplane.nftables.runner import NftRunner
 from proxy.dataplane.nftables.transaction import (
     ElementKey,
@@ -150,11 +152,12 @@ class NftFamily(FamilyState):
         self.missing: set[ServicePortKey] = set()
         self.completed, self.completing = 0, 0.0
         # For that sweep: what the restart read of the bases' sets (it holds that plus
-        # what the restart wrote, so they are not read again), and the counters the
-        # rules of the ports it wrote counted into before (None: not read; the sweep
-        # then dumps every counter).
+        # what the restart wrote, so they are not read again), and what the rules of
+        # the ports it wrote referred to before: the counters they counted into, the
+        # addresses they DNATed to (None: not read; the sweep then dumps every counter,
+        # and reads @hairpin whole if a port not picked went or was written).
         self.restart_read: dict[Named, Held] = {}
-        self.restart_counters: set[Named] | None = None
+        self.restart_refs: RuleRefs | None = None
         # The cluster-IP destinations of the ports that restart wrote (their elements
         # before it are what it read of them, `gone_hairpins`).
         self.restart_written: set[Key] = set()
@@ -197,11 +200,11 @@ class _Plane(Protocol):
 
     def _kernel_counters(self, fam: NftFamily) -> dict[tuple[str, str], int]: ...
 
-    def _counters_named(self, fam: NftFamily, chains: Sequence[Named],
-                        of: int) -> set[Named] | None: ...
+    def _rule_refs(self, fam: NftFamily, chains: Sequence[Named],
+                   of: int) -> RuleRefs | None: ...
 
-    def _sweep_counters(self, fam: NftFamily, state: TableState,
-                        chains: set[Named]) -> set[Named]: ...
+    def _sweep_refs(self, fam: NftFamily, state: TableState,
+                    chains: set[Named]) -> RuleRefs | None: ...
 
     def _complete(self, fam: NftFamily, part: int | None = None) -> None: ...
 
@@ -289,7 +292,8 @@ class RestartSteps:
         from the names the kernel held at the restart (`names`) less what the syncs
         since deleted, the sets (those the first sync read: what it read, what is
         wanted now and what the syncs since held back, `after_writing`; the others
-        read now) and the counters (`_sweep_counters`). A refusal leaves the next sync
+        read now; @hairpin's pairs that may be nobody's asked for one by one,
+        `gone_hairpins`) and the counters (`_sweep_refs`). A refusal leaves the next sync
         full (apply.py logs it). Nothing the first sync read is dumped again: the dumps
         of chain names, counters and large sets grow faster than the tables
         (nf_tables walks the list from its start for every message it fills), and
@@ -301,18 +305,23 @@ class RestartSteps:
         chains = chains - gone
         sets = {k: kind for k, kind in sets.items() if k not in gone}
         bases = state.bases
+        refs = self._sweep_refs(fam, state, chains)
         # (From what the restart read, before after_writing brings it up to date.)
-        left = gone_hairpins(fam.restart_read, state.owners, fam.restart_written) \
+        left = gone_hairpins(fam.restart_read, state.owners, fam.restart_written,
+                             None if refs is None else refs.addresses) \
             if (TABLE, HAIRPIN) in sets and (TABLE, HAIRPIN) not in fam.restart_read else None
         elements = after_writing(fam.restart_read, state.owners, base_sets(bases),
                                  fam.family, state.unfinished.kernel)
         if left is not None:
+            # (With the pairs the syncs since let go of: their deletions held back.)
+            left |= {k for (t, name, k), held in state.unfinished.kernel.items()
+                     if (t, name) == (TABLE, HAIRPIN) and held is not None}
             keys = sorted(left)
             elements[TABLE, HAIRPIN] = self._read_back(
                 fam, f"{TABLE} {HAIRPIN}",
                 lambda family, _ours: self.runner.probe(family, TABLE, HAIRPIN, keys))
-        kernel = KernelTables(tables, chains, sets,
-                              self._sweep_counters(fam, state, chains) - gone, elements)
+        counters = set(self._kernel_counters(fam)) if refs is None else refs.counters
+        kernel = KernelTables(tables, chains, sets, counters - gone, elements)
         if not self._read_sets(fam, kernel, [s for s in base_sets(bases)
                                              if (s[0], s[1]) not in elements]):
             self._failed(fam)
@@ -379,7 +388,7 @@ class RestartSteps:
         if sweep:  # what the sweep needs of the kernel before this sync writes
             fam.restart_read = dict(kernel.elements)
             fam.restart_written = {d for k in written for d in destinations(ports[k])}
-            fam.restart_counters = self._counters_named(fam, [
+            fam.restart_refs = self._rule_refs(fam, [
                 (p.table, c.name) for p in written.values() for c in p.chains
                 if (p.table, c.name) in chains], len(chains))
         # Held counters not read (a dump that grows faster than the table): declaring
@@ -403,31 +412,33 @@ class RestartSteps:
             "pick_elements_probed": probed})
         return marks, (script, state)
 
-    def _sweep_counters(self: _Plane, fam: NftFamily, state: TableState,
-                        chains: set[Named]) -> set[Named]:
-        """The counters the sweep compares with what `state` (every port in) claims:
-        those that may be nobody's, what the rules of the chains nobody claims count
-        into, and what those of the ports the first sync wrote counted into before (not
-        the claimed ones too: a set of them all was ~8 MiB at the sweep's peak at
-        100,000 services, and an `add` of one held changes nothing). Every counter
-        dumped when those are too many chains to read one by one."""
-        before, fam.restart_counters = fam.restart_counters, None
-        stale = self._counters_named(fam, unclaimed(chains, state.claimed_chains()),
-                                     len(chains)) \
+    def _sweep_refs(self: _Plane, fam: NftFamily, state: TableState,
+                    chains: set[Named]) -> RuleRefs | None:
+        """What the rules the sweep deletes or the first sync replaced referred to: of
+        the chains nobody claims, and of the ports the first sync wrote as they were
+        (fam.restart_refs). Their counters are those that may be nobody's, which the
+        sweep compares with what `state` claims (not the claimed ones too: a set of them
+        all was ~8 MiB at the sweep's peak at 100,000 services, and an `add` of one held
+        changes nothing); their addresses, the @hairpin pairs that may be nobody's
+        (`gone_hairpins`). None when those are too many chains to read one by one (every
+        counter dumped then)."""
+        before, fam.restart_refs = fam.restart_refs, None
+        stale = self._rule_refs(fam, unclaimed(chains, state.claimed_chains()), len(chains)) \
             if before is not None else None
         if before is None or stale is None:
-            return set(self._kernel_counters(fam))
-        return before | stale
+            return None
+        stale.update(before)
+        return stale
 
-    def _counters_named(self: _Plane, fam: NftFamily, chains: Sequence[Named],
-                        of: int) -> set[Named] | None:
-        """The counters the rules of `chains` count into (runner.counters_named); None
-        when they are more than an eighth of the `of` chains the kernel holds, where
-        the dump of every counter costs less."""
+    def _rule_refs(self: _Plane, fam: NftFamily, chains: Sequence[Named],
+                   of: int) -> RuleRefs | None:
+        """What the rules of `chains` refer to (runner.rule_refs); None when they are
+        more than an eighth of the `of` chains the kernel holds, where the dump of every
+        counter costs less."""
         if len(chains) > max(NAMED_DUMPS_MIN, of // 8):
             return None
-        return self._read_back(fam, "rules' counters",
-                               lambda family, _ours: self.runner.counters_named(family, chains))
+        return self._read_back(fam, "rules' references",
+                               lambda family, _ours: self.runner.rule_refs(family, chains))
 
     def _read_sets(self: _Plane, fam: NftFamily, kernel: KernelTables,
                    sets: Sequence[tuple[str, str, tuple[str, ...], bool]]) -> bool:
@@ -495,7 +506,7 @@ class RestartSteps:
             # (Shard tables that go, the shard count having shrunk, are read no map of.)
             left = gone_hairpins(kernel.elements, rendered.state.owners,
                                  dispatch_keys(p for _key, p in rendered.written)
-                                 - rendered.intact) \
+                                 - rendered.intact, None) \
                 if (TABLE, HAIRPIN) in kernel.sets \
                 and kernel.tables <= {b.table for b in bases} else None
             if left is not None:
@@ -614,26 +625,28 @@ def after_writing(read: dict[Named, Held], owners: Owners,
     return read
 
 
-def gone_hairpins(read: Mapping[Named, Held], owners: Owners, written: Set[Key]
-                  ) -> set[Key] | None:
+def gone_hairpins(read: Mapping[Named, Held], owners: Owners, written: Set[Key],
+                  dnat: Set[str] | None) -> set[Key] | None:
     """The @hairpin elements the ports gone or changed while no agent ran may have left
     (the sweep asks for these one by one rather than dump @hairpin, which walks the set
     from its start for every message: 70 s at 100,000 x 10, the data plane held
-    meanwhile): those of the endpoints in the pick elements a restart read (`read`)
-    that `owners` want no more. None when a port that was not picked is gone or was
+    meanwhile): those of the endpoints `owners` want no more among the addresses in the
+    pick elements a restart read (`read`) and those the rules of the ports gone or
+    written DNATed to (`dnat`, rule_refs.py). `dnat` None: those rules were not read, or
+    one DNATs to a map's value; then None if a port that was not picked is gone or was
     written (a dispatch element read, to another chain than a pick chain, that `owners`
     do not want as it was, or of a destination in `written`: the ports the restart
-    wrote): its endpoints before are in no map, so @hairpin is read whole."""
-    addresses: set[str] = set()
+    wrote), as its endpoints before are in no map read: @hairpin is read whole."""
+    addresses: set[str] = set(dnat or ())
     for (table, name), held in read.items():
         if name.startswith(PICKS):  # values: (address, port)
             addresses.update(v[0] for v in held.decoded.values()
                              if type(v) is tuple and isinstance(v[0], str))
-            continue
-        for key, value in held.decoded.items():
-            if isinstance(value, Verdict) and not value.chain.startswith(PICK) \
-                    and (key in written or owners.held((table, name, key)) != value):
-                return None
+        elif dnat is None and any(
+                isinstance(value, Verdict) and not value.chain.startswith(PICK)
+                and (key in written or owners.held((table, name, key)) != value)
+                for key, value in held.decoded.items()):
+            return None
     return {hairpin_element(a) for a in owners.unowned_pairs(TABLE, HAIRPIN, addresses)}
 
 

@@ -66,6 +66,7 @@ from proxy.dataplane.common.netlink_constants import (
 from proxy.dataplane.nftables import readback, wire
 from proxy.dataplane.nftables.counters import Counts, SocketReader, read_counters
 from proxy.dataplane.nftables.objects import Key
+from proxy.dataplane.nftables.rule_refs import RuleRefs
 from proxy.dataplane.nftables.transaction import Script
 from proxy.model.types import Family
 
@@ -452,15 +453,14 @@ class NftRunner:
         self._check_home()
         return SocketReader(NetlinkSocket(NETLINK_NETFILTER))
 
-    def counters_named(self, family: Family, chains: Iterable[tuple[str, str]]
-                       ) -> set[tuple[str, str]]:
-        """The (table, name) of the named counters the rules of `chains` ((table, chain),
-        of `family`; one missing is skipped) count into: a dump per chain, which the
-        kernel filters to that chain (~13 us each, whatever the table's size), where a
-        dump of every counter walks the family's whole list for each message it fills."""
+    def rule_refs(self, family: Family, chains: Iterable[tuple[str, str]]) -> RuleRefs:
+        """What the rules of `chains` ((table, chain), of `family`; one missing is
+        skipped) refer to: the named counters they count into, the addresses they DNAT
+        to (rule_refs.py). A dump per chain, which the kernel filters to that chain
+        (~13 us each, whatever the table's size), where a dump of every counter walks
+        the family's whole list for each message it fills."""
         self._check_home()
-        found: set[tuple[str, str]] = set()
-        decode = wire.decode_rule_objects
+        found = RuleRefs()
         with self._lock:
             sock = self._netlink()
             for table, chain in chains:
@@ -468,7 +468,7 @@ class NftRunner:
                     for data, start, end in sock.dump_messages(
                             NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETRULE,
                             wire.rule_dump_request(family, table, chain)):
-                        found.update((table, name) for name in decode(data, start, end))
+                        found.add_rule(family, table, data, start, end)
                 except NetlinkError as exc:
                     if exc.errno != errno.ENOENT:
                         raise NftError(f"nf_tables netlink dump of {table} {chain}'s "

@@ -108,8 +108,6 @@ from proxy.dataplane.common.netlink_constants import (
     NFTA_CHAIN_TABLE,
     NFTA_CHAIN_TYPE,
     NFTA_COUNTER_PACKETS,
-    NFTA_EXPR_DATA,
-    NFTA_EXPR_NAME,
     NFTA_HOOK_HOOKNUM,
     NFTA_HOOK_PRIORITY,
     NFTA_LIST_ELEM,
@@ -117,9 +115,7 @@ from proxy.dataplane.common.netlink_constants import (
     NFTA_OBJ_NAME,
     NFTA_OBJ_TABLE,
     NFTA_OBJ_TYPE,
-    NFTA_OBJREF_IMM_NAME,
     NFTA_RULE_CHAIN,
-    NFTA_RULE_EXPRESSIONS,
     NFTA_RULE_TABLE,
     NFTA_SET_DATA_LEN,
     NFTA_SET_DATA_TYPE,
@@ -1074,24 +1070,3 @@ def rule_dump_request(family: Family, table: str, chain: str) -> bytes:
     """The body of a dump of one chain's rules (the kernel filters it to that chain)."""
     return nfgen(NFPROTO[family]) + string(NFTA_RULE_TABLE, table) \
         + unique_string(NFTA_RULE_CHAIN, chain)
-
-
-def decode_rule_objects(payload: bytes, start: int = 0, end: int | None = None) -> list[str]:
-    """The names of the objects one dumped rule refers to (its `objref` expressions:
-    our named counters), the message body in payload[start:end]."""
-    names = []
-    for attr, a, b in attributes(payload, start + NFGEN.size, end):
-        if attr != NFTA_RULE_EXPRESSIONS:
-            continue
-        for _elem, x, y in attributes(payload, a, b):
-            kind = data = None
-            for inner, i, j in attributes(payload, x, y):
-                if inner == NFTA_EXPR_NAME:
-                    kind = payload[i:j].rstrip(b"\0")
-                elif inner == NFTA_EXPR_DATA:
-                    data = (i, j)
-            if kind == b"objref" and data is not None:
-                names += [payload[i:j].rstrip(b"\0").decode(errors="replace")
-                          for inner, i, j in attributes(payload, *data)
-                          if inner == NFTA_OBJREF_IMM_NAME]
-    return names
