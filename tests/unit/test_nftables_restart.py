@@ -368,21 +368,23 @@ def test_an_upgrade_from_every_fingerprint_in_the_main_table_keeps_every_port() 
     assert comparable(restarted.settle().written()) == comparable(fresh.settle().written())
 
 
+@pytest.mark.parametrize("counted", [False, True], ids=["picked", "chains"])
 @pytest.mark.parametrize("gone", [False, True], ids=["same-cluster", "one-went"])
 def test_an_upgrade_reads_the_shared_sets_only_if_a_port_went(
-        monkeypatch: pytest.MonkeyPatch, gone: bool) -> None:
+        monkeypatch: pytest.MonkeyPatch, gone: bool, counted: bool) -> None:
     """Another build (other input marks; the kernel keeps the old build's) over the same
     rules renders every port and keeps each by its fingerprint. The old marks alone do
     not make it read @cluster-ips and @hairpin (a million pairs dumped at 100,000 x 10:
     70 s): only a port that went does, and its elements go (of @hairpin, the pairs of
-    its endpoints, asked for by key)."""
+    its endpoints, asked for by key: from its pick elements, or from the DNAT rules of
+    its chains when it had chains of its own, `counted`)."""
     marks_for.cache_clear()
     plane = FakePlane("nftables")
-    plane.become(*cluster(range(4)), full=True)
+    plane.become(*cluster(range(4), counted=counted), full=True)
     plane.settle()  # every port's input mark written
     monkeypatch.setattr(marks_module, "source_digest", lambda: b"another build")
     marks_for.cache_clear()
-    after = cluster(range(3) if gone else range(4))
+    after = cluster(range(3) if gone else range(4), counted=counted)
     restarted = plane.restarted()
     report = restarted.become(*after)
     restarted.settle()
@@ -394,8 +396,9 @@ def test_an_upgrade_reads_the_shared_sets_only_if_a_port_went(
     assert restart_details(report)["ports_written"] == 0
     assert ((TABLE, render.CLUSTER_IPS) in plane.nft.dumped) is gone
     assert (TABLE, render.HAIRPIN) not in plane.nft.dumped
+    picks = [] if counted else [(render.pick_map("tcp", 2), 2)]
     assert [(name, n) for _table, name, n in plane.nft.probed] == (
-        [(render.pick_map("tcp", 2), 2), (render.HAIRPIN, 2)] if gone else [])
+        [*picks, (render.HAIRPIN, 2)] if gone else [])
     assert comparable(restarted.written()) == comparable(fresh.written())
 
 

@@ -60,6 +60,7 @@ from proxy.dataplane.nftables.render import (
 )
 from proxy.dataplane.nftables.restart import (
     KernelTables,
+    RenderedAll,
     RestartCounts,
     base_sets,
     dispatch_keys,
@@ -222,6 +223,9 @@ class _Plane(Protocol):
 
     def _maps_as_owned(self, fam: NftFamily, bases: Sequence[BaseObjects],
                        kernel: KernelTables, owners: Owners) -> bool: ...
+
+    def _old_dnat(self, fam: NftFamily, rendered: RenderedAll,
+                  kernel: KernelTables) -> set[str] | None: ...
 
 
 class RestartSteps:
@@ -506,7 +510,7 @@ class RestartSteps:
             # (Shard tables that go, the shard count having shrunk, are read no map of.)
             left = gone_hairpins(kernel.elements, rendered.state.owners,
                                  dispatch_keys(p for _key, p in rendered.written)
-                                 - rendered.intact, None) \
+                                 - rendered.intact, self._old_dnat(fam, rendered, kernel)) \
                 if (TABLE, HAIRPIN) in kernel.sets \
                 and kernel.tables <= {b.table for b in bases} else None
             if left is not None:
@@ -534,6 +538,18 @@ class RestartSteps:
         counts.kept += rendered.kept
         counts.aside = sum(map(len, aside.values()))
         return script, state, counts
+
+    def _old_dnat(self: _Plane, fam: NftFamily, rendered: RenderedAll,
+                  kernel: KernelTables) -> set[str] | None:
+        """The addresses the kernel's rules DNAT to that the restart replaces or
+        deletes: of the chains of the ports it writes that the kernel holds, and of
+        those nobody claims (`gone_hairpins`); None where they cannot tell (rule_refs.py)
+        or are too many to read one by one."""
+        chains = [(p.table, c.name) for _key, p in rendered.written for c in p.chains
+                  if (p.table, c.name) in kernel.chains]
+        chains += unclaimed(kernel.chains, rendered.state.claimed_chains())
+        refs = self._rule_refs(fam, chains, len(kernel.chains))
+        return None if refs is None else refs.addresses
 
     def _maps_as_owned(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],
                        kernel: KernelTables, owners: Owners) -> bool:
