@@ -47,6 +47,11 @@ from tests.unit import builders
 T = TypeVar("T")
 _libc = ctypes.CDLL(None, use_errno=True)
 NODE = "node-a"
+# How long an established connection's answer may take in the guest: one took over 5 s
+# in CI, the guest emulated (TCG) beside the real-node tier on the same two cores, and
+# a held flow's 2 s answer timed out once after an agent's SIGTERM. A broken flow never
+# answers (or is reset), so 15 s still tells a stall from a flow that broke.
+HELD_FLOW_TIMEOUT = 15.0
 CLUSTER_CIDRS = (IPv4Network("198.18.1.0/24"), IPv6Network("fd00:18:1::/64"))
 
 

@@ -52,7 +52,14 @@ from tests.e2e.agent_support import (
     service,
     wait_for,
 )
-from tests.kernel.scenario_guest import Cluster, KernelView, NodeThread, options, read_kernel
+from tests.kernel.scenario_guest import (
+    HELD_FLOW_TIMEOUT,
+    Cluster,
+    KernelView,
+    NodeThread,
+    options,
+    read_kernel,
+)
 
 BACKENDS = {"web-1": "node-a", "web-2": "node-b", "web-3": "node-b"}
 NAMES = set(BACKENDS)
@@ -253,7 +260,7 @@ def test_services_in_the_simulator_become_traffic(lab: Lab, sim: SimServer, agen
 
     # An endpoint stops being ready: no new connections reach it, while one it already
     # holds carries on (its real server drains at weight 0).
-    with lab.hold(c, v4, 80) as flow:
+    with lab.hold(c, v4, 80, timeout=HELD_FLOW_TIMEOUT) as flow:
         held = flow.ask()
         other = ({"web-1", "web-2"} - {held}).pop()
         members[held] = {"ready": False}
@@ -411,7 +418,7 @@ def test_sigterm_restart_and_cleanup(lab: Lab, sim: SimServer, agents: Agents,
             if stop.wait(0.02):
                 return
 
-    with lab.hold(c, b, 80) as flow:
+    with lab.hold(c, b, 80, timeout=HELD_FLOW_TIMEOUT) as flow:
         held = flow.ask()
         prober = threading.Thread(target=probe, daemon=True)
         prober.start()

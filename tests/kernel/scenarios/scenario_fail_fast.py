@@ -27,7 +27,7 @@ from proxy.netns_lab.probe import Idle
 from proxy.sim import SimServer
 from tests.e2e.agent_support import AgentProcess, endpoint, endpoint_slice, run_cli
 from tests.e2e.agent_support import service as agent_service
-from tests.kernel.scenario_guest import Cluster, NodeThread, options
+from tests.kernel.scenario_guest import HELD_FLOW_TIMEOUT, Cluster, NodeThread, options
 from tests.unit.builders import ep, eps_slice, service
 
 GOAL = 2.0  # seconds from the endpoint's removal to the client's error (issue 39)
@@ -146,7 +146,7 @@ def test_terminating_endpoint_still_serving_keeps_its_connection(
         lab: Lab, node: NodeThread, cluster: Cluster) -> None:
     vips = ("198.18.128.70",)
     node.sync(cluster.apply(*objects(lab, "ffdrain", vips, ON)))
-    with lab.hold(lab.client_ns, vips[0], 80) as flow:
+    with lab.hold(lab.client_ns, vips[0], 80, timeout=HELD_FLOW_TIMEOUT) as flow:
         held = flow.ask()
         draining = {"ready": False, "serving": True, "terminating": True}
         report = node.sync(cluster.apply(*objects(lab, "ffdrain", vips, ON,

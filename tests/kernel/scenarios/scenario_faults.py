@@ -59,6 +59,7 @@ from tests.faults.test_api_faults import (
 from tests.faults.test_kernel_faults import slow_restore
 from tests.faults.test_restart_flows import restarts_under_udp_flows
 from tests.faults.traffic import StallClock, Traffic
+from tests.kernel.scenario_guest import HELD_FLOW_TIMEOUT
 
 # An emulated machine on a loaded host: an agent takes tens of seconds to start.
 READY_DEADLINE = 120.0
@@ -339,10 +340,8 @@ def test_sigkill_in_the_middle_of_a_full_sync(node: IpvsFaultNode) -> None:
     scratch = Path(os.environ.get("KERNEL_SCRATCH", "/tmp")) / "sigkill"
     scratch.mkdir(parents=True, exist_ok=True)
     count = len(node.virtual_servers())
-    # The established flow's answer took over 5 s once in CI (a guest stalled beside the
-    # real-node tier): 15 s still tells a stall from a flow that broke.
     with node.traffic() as traffic, Sampler(node) as sampler, \
-            Flow(node.lab.client_ns, WEB, 80, timeout=15.0) as flow:
+            Flow(node.lab.client_ns, WEB, 80, timeout=HELD_FLOW_TIMEOUT) as flow:
         first = flow.ask()
         began = time.monotonic()
         events: list[str] = []

@@ -49,7 +49,7 @@ from tests.faults.traffic import Laps, Target, Traffic
 from tests.kernel import kube_proxy_guest as kube_proxy
 from tests.kernel import node_settings_guest as settings
 from tests.kernel.kube_proxy_guest import KubeProxy
-from tests.kernel.scenario_guest import Cluster, NodeThread, read_kernel
+from tests.kernel.scenario_guest import HELD_FLOW_TIMEOUT, Cluster, NodeThread, read_kernel
 from tests.kernel.scenarios.scenario_agent import leftovers
 from tests.kernel.scenarios.scenario_traffic import HTTP as HTTP_PORT
 from tests.kernel.scenarios.scenario_traffic import local, reply_destinations, slices
@@ -365,7 +365,7 @@ def test_a_connection_older_than_the_first_sync_keeps_its_addresses(
     try:
         for cmd in imitation:
             assert node.exec(*cmd).returncode == 0, cmd
-        with lab.hold(c, vip, 80) as flow:
+        with lab.hold(c, vip, 80, timeout=HELD_FLOW_TIMEOUT) as flow:
             held, port = flow.ask(), flow.sock.getsockname()[1]
             tracked = node.exec("conntrack", "-L", "-p", "tcp", "--orig-port-dst", "80")
             assert f"sport={port} " not in tracked.stdout, \
@@ -405,7 +405,7 @@ def test_ipvs_from_kube_proxy_and_back_with_traffic(
         # kube-proxy -> sliceproxy. A service deleted while neither proxy runs leaves a
         # virtual server of kube-proxy's that sliceproxy never serves. kube-proxy stops
         # once its virtual servers serve, maybe before it writes its iptables rules.
-        kept = held.enter_context(lab.hold(c, HANDOVER, 80))
+        kept = held.enter_context(lab.hold(c, HANDOVER, 80, timeout=HELD_FLOW_TIMEOUT))
         kept_there = [kept.ask()]
         began = time.monotonic()
         steps = Laps(began)
@@ -433,7 +433,7 @@ def test_ipvs_from_kube_proxy_and_back_with_traffic(
         kept_there.append(answer(kept))
 
         # sliceproxy -> kube-proxy.
-        kept = held.enter_context(lab.hold(c, HANDOVER, 80))
+        kept = held.enter_context(lab.hold(c, HANDOVER, 80, timeout=HELD_FLOW_TIMEOUT))
         kept_back = [kept.ask()]
         began = time.monotonic()
         steps = Laps(began)

@@ -22,7 +22,14 @@ from proxy.dataplane.ipvs.kernel import IpvsTable
 from proxy.netns_lab import Lab
 from proxy.netns_lab.netns import entered
 from proxy.netns_lab.poll import wait
-from tests.kernel.scenario_guest import Cluster, NodeThread, options, read_kernel, rendered_view
+from tests.kernel.scenario_guest import (
+    HELD_FLOW_TIMEOUT,
+    Cluster,
+    NodeThread,
+    options,
+    read_kernel,
+    rendered_view,
+)
 from tests.unit.builders import ep, eps_slice, service
 
 HTTP = {"name": "http", "port": 80, "protocol": "TCP"}
@@ -139,7 +146,7 @@ def test_weight_zero_draining_keeps_an_established_connection(
     members = {"web-1": local(), "web-2": local()}
     node.sync(cluster.apply(service("drain", ips=(vip,), ports=(HTTP,)),
                             *slices(lab, "drain", members)))
-    with lab.hold(c, vip, 80) as flow:
+    with lab.hold(c, vip, 80, timeout=HELD_FLOW_TIMEOUT) as flow:
         held = flow.ask()
         other = ({"web-1", "web-2"} - {held}).pop()
         # The endpoint starts terminating: it leaves the cluster set.
@@ -298,7 +305,7 @@ def test_restart_repairs_a_deleted_virtual_server_without_disturbing_others(
     state = cluster.apply(service("a", ips=(a,), ports=(HTTP,)), *slices(lab, "a", members),
                           service("b", ips=(b,), ports=(HTTP,)), *slices(lab, "b", members))
     node.sync(state)
-    with lab.hold(c, b, 80) as flow:
+    with lab.hold(c, b, 80, timeout=HELD_FLOW_TIMEOUT) as flow:
         held = flow.ask()
         out = node.exec("ipvsadm", "-D", "-t", f"{a}:80")
         assert out.returncode == 0, out.stderr
