@@ -196,13 +196,10 @@ class FakeNft:
             self.rules_read.append((table, chain))
             held = self.tables.get((ip, table))
             for rule in held.chains[chain].rules if held and chain in held.chains else []:
-                found.counters.update((table, n) for n in _COUNTER_REFERENCE.findall(rule))
-                for target in _DNAT_TARGET.findall(rule):
-                    address = _DNAT_ADDRESS.fullmatch(target)
-                    if address is None or found.addresses is None:
-                        found.addresses = None
-                    else:
-                        found.addresses.add(address[1] or address[2])
+                targets = [_DNAT_ADDRESS.fullmatch(t) for t in _DNAT_TARGET.findall(rule)]
+                found.add(table, _COUNTER_REFERENCE.findall(rule),
+                          None if None in targets else
+                          [t[1] or t[2] for t in targets if t is not None])
         return found
 
     def elements(self, family: Family, table: str, set_name: str, types: Sequence[str],

@@ -958,26 +958,26 @@ def test_a_drift_check_during_a_restart_s_completion_waits_for_its_end(
     assert any("theirs" in f for f in found), found
 
 
+@pytest.mark.parametrize("counted", [False, True], ids=["picked", "chains"])
 def test_a_kept_port_deleted_before_the_sweep_has_its_hairpins_deleted_by_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, counted: bool) -> None:
     """A restart with a sweep due (a port gone while no agent ran) keeps the others by
     their marks; one of those is deleted by a change before its state is made (made
     first, then deleted): its @hairpin pairs, whose deletion waits for every port to be
     in, are asked for by the sweep and deleted by it, for picked ports and ports with
     chains of their own alike."""
     monkeypatch.setattr(restart_steps, "COMPLETE_PER_PART", 1)
-    for counted in (False, True):
-        plane = FakePlane("nftables")
-        plane.become(*cluster(range(4), counted=counted), full=True)
-        plane.settle()
-        restarted = plane.restarted()
-        restarted.become(*cluster(range(3), counted=counted))  # s3 gone: a sweep is due
-        assert not restarted.become(*cluster([0, 1], counted=counted)).full  # s2 goes
-        assert ("198.18.1.20", "198.18.1.20") in hairpins(plane)  # held back
-        restarted.settle()
-        assert not {("198.18.1.20", "198.18.1.20"), ("198.18.1.30", "198.18.1.30")} \
-            & hairpins(plane), counted
-        assert ("sliceproxy", render.HAIRPIN) not in plane.nft.dumped
-        fresh = FakePlane("nftables")
-        fresh.become(*cluster([0, 1], counted=counted), full=True)
-        assert comparable(restarted.written()) == comparable(fresh.settle().written())
+    plane = FakePlane("nftables")
+    plane.become(*cluster(range(4), counted=counted), full=True)
+    plane.settle()
+    restarted = plane.restarted()
+    restarted.become(*cluster(range(3), counted=counted))  # s3 gone: a sweep is due
+    assert not restarted.become(*cluster([0, 1], counted=counted)).full  # s2 goes
+    assert ("198.18.1.20", "198.18.1.20") in hairpins(plane)  # held back
+    restarted.settle()
+    assert not {("198.18.1.20", "198.18.1.20"), ("198.18.1.30", "198.18.1.30")} \
+        & hairpins(plane)
+    assert ("sliceproxy", render.HAIRPIN) not in plane.nft.dumped
+    fresh = FakePlane("nftables")
+    fresh.become(*cluster([0, 1], counted=counted), full=True)
+    assert comparable(restarted.written()) == comparable(fresh.settle().written())

@@ -134,15 +134,17 @@ def decode_elements(data: bytes, start: int, end: int
             value: Value | bytes = ()
             for part, i, j in attributes(data, x, y):
                 if part == NFTA_SET_ELEM_KEY:
-                    key = _data_value(data, i, j)
+                    key = data_value(data, i, j)
                 elif part == NFTA_SET_ELEM_DATA:
-                    value = _verdict(data, i, j) or _data_value(data, i, j)
+                    value = _verdict(data, i, j) or data_value(data, i, j)
                 elif part == NFTA_SET_ELEM_OBJREF:
                     value = CounterRef(data[i:j].split(b"\0", 1)[0].decode(errors="replace"))
             yield key, value
 
 
-def _data_value(data: bytes, start: int, end: int) -> bytes:
+def data_value(data: bytes, start: int, end: int) -> bytes:
+    """The bytes of the NFTA_DATA_VALUE inside an nft_data attribute (data[start:end]);
+    b"" where it holds none (a verdict)."""
     return next((data[p:q] for kind, p, q in attributes(data, start, end)
                  if kind == NFTA_DATA_VALUE), b"")
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import socket
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from proxy.dataplane.common.naming import packed_v6_text
 from proxy.dataplane.common.netlink import NFGEN, attributes
 from proxy.dataplane.common.netlink_constants import (
     NFT_NAT_DNAT,
-    NFTA_DATA_VALUE,
     NFTA_EXPR_DATA,
     NFTA_EXPR_NAME,
     NFTA_IMMEDIATE_DATA,
@@ -32,10 +32,11 @@ from proxy.dataplane.common.netlink_constants import (
     NFTA_OBJREF_IMM_NAME,
     NFTA_RULE_EXPRESSIONS,
 )
+from proxy.dataplane.nftables.expressions import ADDRESS_WIDTH
+from proxy.dataplane.nftables.readback import data_value
 from proxy.model.types import Family
 
 _U32 = struct.Struct("!I")
-_WIDTH = {Family.V4: 4, Family.V6: 16}
 
 
 @dataclass
@@ -47,22 +48,27 @@ class RuleRefs:
     counters: set[tuple[str, str]] = field(default_factory=set)
     addresses: set[str] | None = field(default_factory=set)
 
+    def add(self, table: str, counters: Iterable[str],
+            addresses: Iterable[str] | None) -> None:
+        """What rules of `table` refer to: counters by name, and addresses."""
+        self.counters.update((table, name) for name in counters)
+        self._add_addresses(addresses)
+
     def update(self, other: RuleRefs) -> None:
         self.counters |= other.counters
-        if self.addresses is None or other.addresses is None:
-            self.addresses = None
-        else:
-            self.addresses |= other.addresses
+        self._add_addresses(other.addresses)
 
-    def add_rule(self, family: Family, table: str, payload: bytes, start: int,
-                 end: int) -> None:
-        """One dumped rule's message body, payload[start:end]."""
-        counters, addresses = rule_refs(family, payload, start, end)
-        self.counters.update((table, name) for name in counters)
+    def _add_addresses(self, addresses: Iterable[str] | None) -> None:
+        """None (a DNAT to a map's value) leaves every address unknown from then on."""
         if addresses is None or self.addresses is None:
             self.addresses = None
         else:
             self.addresses.update(addresses)
+
+    def add_rule(self, family: Family, table: str, payload: bytes, start: int,
+                 end: int) -> None:
+        """One dumped rule's message body, payload[start:end]."""
+        self.add(table, *rule_refs(family, payload, start, end))
 
 
 def rule_refs(family: Family, payload: bytes, start: int, end: int
@@ -72,7 +78,7 @@ def rule_refs(family: Family, payload: bytes, start: int, end: int
     address otherwise, from a map lookup)."""
     names: list[str] = []
     addresses: list[str] | None = []
-    registers: dict[int, bytes | None] = {}  # what each register was loaded with
+    registers: dict[int, bytes | None] = {}  # loaded with (None: a map's value)
     for attr, a, b in attributes(payload, start + NFGEN.size, end):
         if attr != NFTA_RULE_EXPRESSIONS:
             continue
@@ -89,14 +95,14 @@ def rule_refs(family: Family, payload: bytes, start: int, end: int
                 names.append(payload[i:j].rstrip(b"\0").decode(errors="replace"))
             elif kind == b"immediate" and NFTA_IMMEDIATE_DREG in fields:
                 registers[_u32(payload, fields[NFTA_IMMEDIATE_DREG])] = \
-                    _value(payload, fields.get(NFTA_IMMEDIATE_DATA))
+                    data_value(payload, *fields.get(NFTA_IMMEDIATE_DATA, (0, 0)))
             elif kind == b"lookup" and NFTA_LOOKUP_DREG in fields:
                 registers[_u32(payload, fields[NFTA_LOOKUP_DREG])] = None
             elif kind == b"nat" and addresses is not None and NFTA_NAT_TYPE in fields \
                     and _u32(payload, fields[NFTA_NAT_TYPE]) == NFT_NAT_DNAT \
                     and NFTA_NAT_REG_ADDR_MIN in fields:
                 loaded = registers.get(_u32(payload, fields[NFTA_NAT_REG_ADDR_MIN]))
-                if loaded is None or len(loaded) != _WIDTH[family]:
+                if loaded is None or len(loaded) != ADDRESS_WIDTH[family]:
                     addresses = None
                 elif family is Family.V4:
                     addresses.append(socket.inet_ntop(socket.AF_INET, loaded))
@@ -108,12 +114,3 @@ def rule_refs(family: Family, payload: bytes, start: int, end: int
 def _u32(payload: bytes, span: tuple[int, int]) -> int:
     return int(_U32.unpack_from(payload, span[0])[0])
 
-
-def _value(payload: bytes, span: tuple[int, int] | None) -> bytes | None:
-    """The bytes of an NFTA_DATA_VALUE inside an nft_data attribute; None for a verdict."""
-    if span is None:
-        return None
-    for inner, i, j in attributes(payload, *span):
-        if inner == NFTA_DATA_VALUE:
-            return payload[i:j]
-    return None
