@@ -232,6 +232,45 @@ def test_a_port_not_picked_gone_while_no_agent_ran_has_its_hairpins_asked_for() 
     assert comparable(restarted.written()) == comparable(fresh.settle().written())
 
 
+@pytest.mark.parametrize("upgrade", [False, True], ids=["by-marks", "upgrade"])
+@pytest.mark.parametrize(("pairs_squared_per_chain", "read_whole"), [(1, False), (10**9, True)])
+def test_many_chains_are_read_one_by_one_where_hairpin_read_whole_would_cost_more(
+        monkeypatch: pytest.MonkeyPatch, pairs_squared_per_chain: int, read_whole: bool,
+        upgrade: bool) -> None:
+    """Past an eighth of the kernel's chains, reading their rules one by one costs more
+    than a dump of every counter, but where the whole read of @hairpin that then comes
+    with it costs more still (its pairs squared: 33 s at 1,000,000), they are read, and
+    the gone ports' pairs asked for by key; where it costs less, it is read whole. So
+    in the sweep after a restart that kept ports by their marks, and in an upgrade's
+    restart (another build's marks: every port rendered). Both leave what a fresh start
+    writes."""
+    monkeypatch.setattr(restart_steps, "NAMED_DUMPS_MIN", 0)
+    monkeypatch.setattr(restart_steps, "PAIRS_SQUARED_PER_CHAIN", pairs_squared_per_chain)
+    marks_for.cache_clear()
+    plane = FakePlane("nftables")
+    plane.become(*cluster(range(12), counted=True), full=True)
+    plane.settle()
+    before = hairpins(plane)
+    # Eight ports go, a chain each: more than an eighth of the family's chains.
+    assert sum(len(t.chains) for (f, _n), t in plane.nft.tables.items() if f == "ip") // 8 < 8
+    if upgrade:
+        monkeypatch.setattr(marks_module, "source_digest", lambda: b"another build")
+        marks_for.cache_clear()
+    restarted = plane.restarted()
+    restarted.become(*cluster(range(4), counted=True))
+    restarted.settle()
+    fresh = FakePlane("nftables")
+    fresh.become(*cluster(range(4), counted=True), full=True)
+    fresh.settle()
+    monkeypatch.undo()
+    marks_for.cache_clear()
+    assert (("sliceproxy", render.HAIRPIN) in plane.nft.dumped) is read_whole
+    assert [p for p in plane.nft.probed if p[1] == render.HAIRPIN] == (
+        [] if read_whole else [("sliceproxy", render.HAIRPIN, 16)])
+    assert len(before - hairpins(plane)) == 16
+    assert comparable(restarted.written()) == comparable(fresh.written())
+
+
 def test_a_port_not_picked_that_lost_an_endpoint_while_no_agent_ran_has_its_hairpins_asked_for(
         ) -> None:
     """A port with chains of its own (counted one by one) that lost an endpoint while no

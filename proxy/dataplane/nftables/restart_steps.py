@@ -98,6 +98,12 @@ T = TypeVar("T")
 # Chains whose rules the sweep may read one by one (~13 us each: 3 ms for 256) however
 # small the tables, before it dumps every counter instead.
 NAMED_DUMPS_MIN = 256
+# Where those rules are not read, @hairpin is read whole too (gone_hairpins), which walks
+# the set from its start for every message it fills: ~33 ps x pairs squared (0.31 s at
+# 100,000 IPv6 pairs, 33 s at 1,000,000), where a chain's rules read alone cost ~61 us
+# with their decoding (2026-12-02, bench/RESULTS.md). Chains read one by one cost less
+# than that whole read below pairs squared / PAIRS_SQUARED_PER_CHAIN of them.
+PAIRS_SQUARED_PER_CHAIN = 2_000_000
 # Kept ports whose state is made per part after a restart (`_complete`), each ~125 us at
 # 100,000 services (all of them: 12.4 s in 1,563 parts of ~8 ms), which is what a change
 # arriving meanwhile waits at most (in one step, the first change waited 12.1 s).
@@ -201,8 +207,8 @@ class _Plane(Protocol):
 
     def _kernel_counters(self, fam: NftFamily) -> dict[tuple[str, str], int]: ...
 
-    def _rule_refs(self, fam: NftFamily, chains: Sequence[Named],
-                   of: int) -> RuleRefs | None: ...
+    def _rule_refs(self, fam: NftFamily, chains: Sequence[Named], of: int,
+                   pairs: int) -> RuleRefs | None: ...
 
     def _sweep_refs(self, fam: NftFamily, state: TableState,
                     chains: set[Named]) -> RuleRefs | None: ...
@@ -394,7 +400,8 @@ class RestartSteps:
             fam.restart_written = {d for k in written for d in destinations(ports[k])}
             fam.restart_refs = self._rule_refs(fam, [
                 (p.table, c.name) for p in written.values() for c in p.chains
-                if (p.table, c.name) in chains], len(chains))
+                if (p.table, c.name) in chains], len(chains),
+                sum(len(rsp.endpoints) for rsp in ports.values()))
         # Held counters not read (a dump that grows faster than the table): declaring
         # one that is there changes nothing.
         script, state, counts = restart_lines(bases, written, kernel, sweep=False)
@@ -427,19 +434,21 @@ class RestartSteps:
         (`gone_hairpins`). None when those are too many chains to read one by one (every
         counter dumped then)."""
         before, fam.restart_refs = fam.restart_refs, None
-        stale = self._rule_refs(fam, unclaimed(chains, state.claimed_chains()), len(chains)) \
+        stale = self._rule_refs(fam, unclaimed(chains, state.claimed_chains()), len(chains),
+                                state.owners.count(TABLE, HAIRPIN)) \
             if before is not None else None
         if before is None or stale is None:
             return None
         stale.update(before)
         return stale
 
-    def _rule_refs(self: _Plane, fam: NftFamily, chains: Sequence[Named],
-                   of: int) -> RuleRefs | None:
-        """What the rules of `chains` refer to (runner.rule_refs); None when they are
-        more than an eighth of the `of` chains the kernel holds, where the dump of every
-        counter costs less."""
-        if len(chains) > max(NAMED_DUMPS_MIN, of // 8):
+    def _rule_refs(self: _Plane, fam: NftFamily, chains: Sequence[Named], of: int,
+                   pairs: int) -> RuleRefs | None:
+        """What the rules of `chains` refer to (runner.rule_refs); None when reading them
+        one by one costs more than what is read instead: the dump of every counter (more
+        than an eighth of the `of` chains the kernel holds), and @hairpin's whole read
+        (~`pairs`, the pairs wanted: PAIRS_SQUARED_PER_CHAIN)."""
+        if len(chains) > max(NAMED_DUMPS_MIN, of // 8, pairs * pairs // PAIRS_SQUARED_PER_CHAIN):
             return None
         return self._read_back(fam, "rules' references",
                                lambda family, _ours: self.runner.rule_refs(family, chains))
@@ -548,7 +557,8 @@ class RestartSteps:
         chains = [(p.table, c.name) for _key, p in rendered.written for c in p.chains
                   if (p.table, c.name) in kernel.chains]
         chains += unclaimed(kernel.chains, rendered.state.claimed_chains())
-        refs = self._rule_refs(fam, chains, len(kernel.chains))
+        refs = self._rule_refs(fam, chains, len(kernel.chains),
+                               rendered.state.owners.count(TABLE, HAIRPIN))
         return None if refs is None else refs.addresses
 
     def _maps_as_owned(self: _Plane, fam: NftFamily, bases: Sequence[BaseObjects],

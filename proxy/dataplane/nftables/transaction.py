@@ -161,6 +161,11 @@ class Owners:
         cur = members.get(key)
         return None if cur is None else _value(cur)
 
+    def count(self, table: str, set_name: str) -> int:
+        """How many elements of set `set_name` of `table` someone owns."""
+        members = self._sets.get((table, set_name))
+        return 0 if members is None else len(members)
+
     def unowned_pairs(self, table: str, set_name: str, addresses: set[str]) -> set[str]:
         """Of `addresses`, those whose pair (address, address) in set `set_name` of
         `table` (@hairpin) nobody owns: one set difference, not a lookup each."""
