@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from proxy.dataplane.common.context import RenderContext
-from proxy.dataplane.nftables import wire
+from proxy.dataplane.nftables import transaction, wire
 from proxy.dataplane.nftables.objects import Value
 from proxy.dataplane.nftables.render import (
     FINGERPRINTS,
@@ -169,3 +169,25 @@ def test_ports_without_chains_of_their_own_still_come_in_parts() -> None:
     first, _ = first_lines(bases, {k: functools.partial(render_port, v, ctx)
                                    for k, v in ports.items()}, 200)
     assert len(parts(first)) > 5
+
+
+@FAMILIES
+def test_parts_grow_with_the_chains_the_tables_hold(
+        monkeypatch: pytest.MonkeyPatch, state: DesiredState, family: Family) -> None:
+    """Every commit visits every chain of the family, so a part holds at least a line
+    per CHAINS_PER_STAGE_LINE chains the tables hold after it: where ports have chains
+    of their own, the same statements in fewer parts."""
+    first = parts(scripts(state, family, 20)[0])  # (a script is made as it is read)
+    monkeypatch.setattr(transaction, "CHAINS_PER_STAGE_LINE", 1)
+    grown = parts(scripts(state, family, 20)[0])
+    assert 1 < len(grown) < len(first)
+    ip = "ip" if family is Family.V4 else "ip6"
+
+    def written(cut: list[list[wire.Statement]]) -> tuple[list[str], dict[ElementKey, Value]]:
+        """Its lines but the elements', sorted, and the elements it leaves."""
+        statements = [st for part in cut for st in part]
+        return (sorted(line for st in statements if not isinstance(st, wire.Elements)
+                       for line in wire.statement_lines(st, ip)),
+                elements(iter(statements)))
+
+    assert written(grown) == written(first)

@@ -88,6 +88,12 @@ ELEMENTS_PER_LINE = 500
 # endpoints kept the kernel's share of a 10,000-port start beside the encoding (1.65 s
 # against 1.75 s for parts of 1,000 ports and 2.0 s in one transaction).
 STAGE_LINES = 3_000
+# ... and at least a line per CHAINS_PER_STAGE_LINE chains the tables hold after it: every
+# commit visits every chain of the family (~250 ns each), so with parts of a fixed size
+# a start with a chain per port grows with its square (100,000 services x 10, a fifth of
+# them with ClientIP affinity: 220,000 chains, ~530 parts, ~27 s of kernel time in
+# those visits alone); so they stay a twentieth of a part's own cost (~25 us a line).
+CHAINS_PER_STAGE_LINE = 4
 
 ElementKey = tuple[str, str, Key]  # (table, set or map, key)
 Named = tuple[str, str]  # (table, chain or set)
@@ -966,7 +972,8 @@ def first_lines(bases: Sequence[BaseObjects],
     the kernel takes one part while the next is rendered and encoded. Nothing is live
     before the last part: the first declares the tables, every set, and the bases'
     regular chains; then the service ports, rendered as the script is read (`ports`:
-    key -> its render), a part per `stage_lines` lines or so: their sets, chains, rules
+    key -> its render), a part per `stage_lines` lines or so (more once the tables hold
+    many chains: CHAINS_PER_STAGE_LINE): their sets, chains, rules
     and elements, which only chains and maps of ours reach; the last adds what packets
     enter by, the hooked chains, and the bases' rules, atomically. Read again (nft's
     fallback text, an error's line), the same statements, which nft applies as one
@@ -998,6 +1005,7 @@ def first_lines(bases: Sequence[BaseObjects],
         yield COMMIT
         part: list[PortObjects] = []
         size = 0
+        chains = sum(len(b.chains) for b in state.bases)
         for n, key in enumerate(keys, 1):
             p = ports[key]()
             state.ports[key] = KeptPort.of(p)
@@ -1005,7 +1013,8 @@ def first_lines(bases: Sequence[BaseObjects],
             part.append(p)
             # Its chains and rules, and its elements (a picked port has nothing else).
             size += len(p.elements) + sum(len(c.rules) + 1 for c in p.chains)
-            if size < stage_lines and n < len(keys):
+            chains += len(p.chains)
+            if size < max(stage_lines, chains // CHAINS_PER_STAGE_LINE) and n < len(keys):
                 continue
             yield from _ports_part(part, sent)
             yield COMMIT
