@@ -89,10 +89,10 @@ ELEMENTS_PER_LINE = 500
 # against 1.75 s for parts of 1,000 ports and 2.0 s in one transaction).
 STAGE_LINES = 3_000
 # ... and at least a line per CHAINS_PER_STAGE_LINE chains the tables hold after it: every
-# commit visits every chain of the family (~250 ns each), so with parts of a fixed size
-# a start with a chain per port grows with its square (100,000 services x 10, a fifth of
-# them with ClientIP affinity: 220,000 chains, ~530 parts, ~27 s of kernel time in
-# those visits alone); so they stay a twentieth of a part's own cost (~25 us a line).
+# commit visits every chain of the family (a one-element commit takes 13 ms beside
+# 200,000), so with parts of a fixed size a start with a chain per port grows with its
+# square. At 100,000 services x 10, a fifth of them with ClientIP affinity (220,000
+# chains), the first sync took 84 s so, 58-65 s with this (bench/RESULTS.md).
 CHAINS_PER_STAGE_LINE = 4
 
 ElementKey = tuple[str, str, Key]  # (table, set or map, key)
@@ -972,13 +972,13 @@ def first_lines(bases: Sequence[BaseObjects],
     the kernel takes one part while the next is rendered and encoded. Nothing is live
     before the last part: the first declares the tables, every set, and the bases'
     regular chains; then the service ports, rendered as the script is read (`ports`:
-    key -> its render), a part per `stage_lines` lines or so (more once the tables hold
-    many chains: CHAINS_PER_STAGE_LINE): their sets, chains, rules
-    and elements, which only chains and maps of ours reach; the last adds what packets
-    enter by, the hooked chains, and the bases' rules, atomically. Read again (nft's
-    fallback text, an error's line), the same statements, which nft applies as one
-    transaction over what the kernel took of them: chains flushed before their rules,
-    elements added again (the same values), sets and chains declared with `add`.
+    key -> its render), a part per `stage_lines` lines or so (more once the tables
+    hold many chains: CHAINS_PER_STAGE_LINE): their sets, chains, rules and elements,
+    which only chains and maps of ours reach; the last adds what packets enter by,
+    the hooked chains, and the bases' rules, atomically. Read again (nft's fallback
+    text, an error's line), the same statements, which nft applies as one transaction
+    over what the kernel took of them: chains flushed before their rules, elements
+    added again (the same values), sets and chains declared with `add`.
 
     A map element is written once, with its first claimant's value: the ports come
     in key order after the bases, so that is the smallest owner's, the value the
