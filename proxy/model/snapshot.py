@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from proxy.model.frozen import fast_init
 from proxy.model.layered import Layered, layer
 from proxy.model.types import (
     Balancing,
@@ -70,6 +71,7 @@ class _CopyFields:
         return self.copy.node_hints
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class MergedEndpoint(_CopyFields):
     """One endpoint of a service port after merging all slices and de-duplicating: the
@@ -104,6 +106,7 @@ class EndpointSet(enum.Enum):
     __hash__ = object.__hash__
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class SelectedEndpoint(_CopyFields):
     """A merged endpoint (`endpoint`) and the sets this node may send it traffic in,
@@ -151,6 +154,7 @@ class Topology:
     reason: str
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class EndpointDelta:
     """How a port's endpoints differ from one earlier resolution of the same port, when
@@ -172,6 +176,7 @@ class EndpointDelta:
     added: tuple[SelectedEndpoint, ...]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ResolvedServicePort:
     key: ServicePortKey

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import Any, NamedTuple
 
+from proxy.model.frozen import fast_init
 from proxy.model.shared import SharedValues
 
 IPAddress = IPv4Address | IPv6Address
@@ -85,6 +86,7 @@ class ServiceType(enum.Enum):
     EXTERNAL_NAME = "ExternalName"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ServicePort:
     name: str  # "" when the service has a single unnamed port
@@ -93,6 +95,7 @@ class ServicePort:
     node_port: int = 0  # 0: none allocated
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Service:
     namespace: str
@@ -169,11 +172,11 @@ class Endpoint:
                  terminating: bool = False, node_name: str | None = None,
                  zone: str | None = None, zone_hints: tuple[str, ...] = (),
                  node_hints: tuple[str, ...] = ()) -> None:
-        put = object.__setattr__  # frozen
-        put(self, "address", address)
-        put(self, "state", _STATES((ready, serving, terminating, node_name, zone)))
-        put(self, "hints", _HINTS((zone_hints, node_hints))
-            if zone_hints or node_hints else _NO_HINTS)
+        # The slots set through their descriptors (frozen: frozen.py says why).
+        _set_address(self, address)
+        _set_state(self, _STATES((ready, serving, terminating, node_name, zone)))
+        _set_hints(self, _HINTS((zone_hints, node_hints))
+                   if zone_hints or node_hints else _NO_HINTS)
 
     def changed(self, **fields: Any) -> Endpoint:
         """This endpoint with `fields` (any of `__init__`'s) changed: what
@@ -214,6 +217,12 @@ class Endpoint:
         return self.hints[1]
 
 
+_set_address = Endpoint.__dict__["address"].__set__
+_set_state = Endpoint.__dict__["state"].__set__
+_set_hints = Endpoint.__dict__["hints"].__set__
+
+
+@fast_init
 @dataclass(frozen=True, slots=True)
 class SlicePort:
     name: str
@@ -221,6 +230,7 @@ class SlicePort:
     port: int
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class EndpointSlice:
     """An EndpointSlice, or one family of one subset of a legacy Endpoints object."""

@@ -42,8 +42,8 @@ import errno
 import gc
 import socket
 import struct
-from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address
 
 from proxy.dataplane.common.netlink import (
@@ -109,6 +109,7 @@ from proxy.dataplane.common.netlink_constants import (
     NLMSG_DONE,
     NLMSG_ERROR,
 )
+from proxy.model.frozen import fast_init
 from proxy.model.types import Family, IPAddress
 
 CT_NEW = NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_NEW
@@ -130,6 +131,7 @@ _U16 = struct.Struct("!H")
 _ERRNO = struct.Struct("=i")  # nlmsgerr's error: negative errno, host order
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CtEntry:
     """One conntrack entry as a reconciler needs it: the original direction's tuple and the
@@ -292,38 +294,6 @@ def decode_tuple(data: bytes) -> Tuple | None:
             _U16.unpack(dport[:2])[0] if dport else 0)
 
 
-def _entry_builder() -> Callable[..., CtEntry]:
-    """CtEntry(...) without its frozen __init__, which sets each field through
-    object.__setattr__: 2.7 us an entry against 1.5 here, a sixth of a dump's decoding.
-    Same fields, same order, so equal to one built the usual way."""
-    setters = [getattr(CtEntry, f.name).__set__ for f in fields(CtEntry)]
-    (s_family, s_protocol, s_src, s_sport, s_dst, s_dport, s_rsrc, s_rsport, s_status,
-     s_id, s_zone) = setters
-    new = object.__new__
-
-    def build(family: Family, protocol: int, src: IPAddress, sport: int, dst: IPAddress,
-              dport: int, reply_src: IPAddress, reply_sport: int, status: int, ct_id: int,
-              zone: int) -> CtEntry:
-        e: CtEntry = new(CtEntry)
-        s_family(e, family)
-        s_protocol(e, protocol)
-        s_src(e, src)
-        s_sport(e, sport)
-        s_dst(e, dst)
-        s_dport(e, dport)
-        s_rsrc(e, reply_src)
-        s_rsport(e, reply_sport)
-        s_status(e, status)
-        s_id(e, ct_id)
-        s_zone(e, zone)
-        return e
-
-    return build
-
-
-_build = _entry_builder()
-
-
 def _rest(buf: bytes | bytearray, p: int, end: int) -> tuple[int, int, int]:
     """(status, id, zone) from the attributes after the tuples, in any order."""
     status = ct_id = zone = 0
@@ -401,7 +371,7 @@ class Decoder:
         if not (status_head == w_status and mark_head == w_mark and id_head == w_id):
             status, ct_id, zone = _rest(buf, p + pair_size, end)
         get, miss = self._addresses.get, self._address
-        self.entries.append(_build(
+        self.entries.append(CtEntry(
             self.family, num, get(src) or miss(src), sport, get(dst) or miss(dst), dport,
             get(reply_src) or miss(reply_src), reply_sport, status, ct_id, zone))
 

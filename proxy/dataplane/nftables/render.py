@@ -139,6 +139,7 @@ from proxy.dataplane.nftables.objects import (
 )
 from proxy.dataplane.nftables.slot_tail import TAIL_PREFIX, main_size, tail_rule
 from proxy.model.balancing import Backend, maglev_table
+from proxy.model.frozen import fast_init
 from proxy.model.snapshot import ResolvedServicePort, SelectedEndpoint
 from proxy.model.types import (
     DEFAULT_AFFINITY_TIMEOUT,
@@ -234,6 +235,7 @@ def _addr_type(family: Family) -> str:
     return "ipv4_addr" if family is Family.V4 else "ipv6_addr"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PortObjects:
     """Everything one service port (in one family) owns or adds."""

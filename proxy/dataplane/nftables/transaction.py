@@ -78,6 +78,7 @@ from proxy.dataplane.nftables.wire import (
     statement_lines,
     statement_size,
 )
+from proxy.model.frozen import fast_init
 from proxy.model.types import Family, IPAddress, ServicePortKey
 
 # Elements per `add element` statement: one statement per element makes nft slower to
@@ -423,6 +424,7 @@ class SlotValues:
         self.slot_of = dict(zip(self.values, range(len(self.values)), strict=True))
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class KeptPort:
     """What the kernel holds of one port, as a later script needs it. The rules' text
