@@ -1,7 +1,9 @@
-"""The model benchmark keeps working (run tiny; its timings are reported, never asserted)."""
+"""The in-process benchmarks keep working (run tiny; their timings are reported, never
+asserted)."""
 
 from __future__ import annotations
 
+from bench import start_budget
 from bench.model_bench import markdown, run
 
 
@@ -11,3 +13,11 @@ def test_model_bench_runs_small() -> None:
     assert result["one_endpoint_change_keys_changed"] == 1  # only the touched port changed
     assert result["model_memory_mib"] > 0
     assert "one endpoint change" in markdown(result)
+
+
+def test_start_budget_runs_small() -> None:
+    result = start_budget.run(services=30, endpoints=3, runs=1)
+    us = result["us_per_endpoint"]
+    assert set(us) == set(start_budget.STEPS) and all(v >= 0 for v in us.values())
+    assert result["start_us_per_endpoint"] > 0
+    assert "the start" in start_budget.markdown(result)
