@@ -52,6 +52,10 @@ NODE = "node-a"
 # a held flow's 2 s answer timed out once after an agent's SIGTERM. A broken flow never
 # answers (or is reset), so 15 s still tells a stall from a flow that broke.
 HELD_FLOW_TIMEOUT = 15.0
+# How long a `python -m proxy` run may take in the guest, from its start to ready, or a
+# `--cleanup` to its end: emulated (TCG) beside the real-node tier, an agent took 61 s
+# from its start to its lists once, and a --cleanup outlasted 60 s.
+READY_DEADLINE = 120.0
 CLUSTER_CIDRS = (IPv4Network("198.18.1.0/24"), IPv6Network("fd00:18:1::/64"))
 
 

@@ -54,6 +54,7 @@ from tests.e2e.agent_support import (
 )
 from tests.kernel.scenario_guest import (
     HELD_FLOW_TIMEOUT,
+    READY_DEADLINE,
     Cluster,
     KernelView,
     NodeThread,
@@ -66,8 +67,6 @@ NAMES = set(BACKENDS)
 BOTH: tuple[PortSpec, ...] = (("http", 80, 8080, "TCP"), ("dns", 53, 8081, "UDP"))
 HTTP: tuple[PortSpec, ...] = BOTH[:1]
 IPVS = ("--proxy-mode", "ipvs")
-# An emulated machine on a loaded host: an agent takes seconds to import and start.
-READY_DEADLINE = 90.0
 CHANGE_DEADLINE = 30.0
 
 
@@ -118,7 +117,8 @@ class Agents:
         # Plain --cleanup (the chosen mode, iptables by default, then the other one best
         # effort): the README's promise that it removes both modes' rules is checked
         # here, --proxy-mode ipvs explicitly in test_sigterm_restart_and_cleanup.
-        done = run_cli(self.lab, ["--cleanup", "--hostname-override", "node-a"])
+        done = run_cli(self.lab, ["--cleanup", "--hostname-override", "node-a"],
+                       timeout=READY_DEADLINE)
         self.reader.exec("conntrack", "-F")
         assert done.returncode == 0, f"--cleanup failed:\n{done.stdout}\n{done.stderr}"
         left = leftovers(self.lab, self.reader)
@@ -460,7 +460,8 @@ def test_sigterm_restart_and_cleanup(lab: Lab, sim: SimServer, agents: Agents,
 
     # --cleanup (no API server needed): nothing of ours is left, nothing else is touched.
     assert our_rules(lab), "SPX- chains before the clean-up"
-    done = run_cli(lab, ["--cleanup", *IPVS, "--hostname-override", "node-a"])
+    done = run_cli(lab, ["--cleanup", *IPVS, "--hostname-override", "node-a"],
+                   timeout=READY_DEADLINE)
     assert done.returncode == 0, done.stderr
     assert leftovers(lab, reader) == []
     agents.cleaned = True

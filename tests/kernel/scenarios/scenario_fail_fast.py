@@ -27,7 +27,13 @@ from proxy.netns_lab.probe import Idle
 from proxy.sim import SimServer
 from tests.e2e.agent_support import AgentProcess, endpoint, endpoint_slice, run_cli
 from tests.e2e.agent_support import service as agent_service
-from tests.kernel.scenario_guest import HELD_FLOW_TIMEOUT, Cluster, NodeThread, options
+from tests.kernel.scenario_guest import (
+    HELD_FLOW_TIMEOUT,
+    READY_DEADLINE,
+    Cluster,
+    NodeThread,
+    options,
+)
 from tests.unit.builders import ep, eps_slice, service
 
 GOAL = 2.0  # seconds from the endpoint's removal to the client's error (issue 39)
@@ -38,7 +44,7 @@ GOAL = 2.0  # seconds from the endpoint's removal to the client's error (issue 3
 AFTER_SYNC = 0.5
 # The real agent under emulation: seconds to start, and its watch and sync are slower
 # than a node's (its time to the reset is printed; the goal is the data plane's above).
-READY_DEADLINE, AGENT_DEADLINE = 90.0, 10.0
+AGENT_DEADLINE = 10.0
 ON = {"sliceproxy.io/fail-fast": "true"}
 SLICE_PORTS = ({"name": "http", "port": 8080, "protocol": "TCP"},)
 MEMBERS = ("web-1", "web-2")
@@ -208,7 +214,7 @@ def test_real_agent_resets_a_flow_and_counts_it(lab: Lab, sim: SimServer,
     finally:
         agent.stop()
         done = run_cli(lab, ["--cleanup", "--proxy-mode", "ipvs", "--hostname-override",
-                             "node-a"])
+                             "node-a"], timeout=READY_DEADLINE)
         lab.exec(lab.node_ns, ["conntrack", "-F"])
         assert done.returncode == 0, done.stderr[-2000:]
 

@@ -59,10 +59,8 @@ from tests.faults.test_api_faults import (
 from tests.faults.test_kernel_faults import slow_restore
 from tests.faults.test_restart_flows import restarts_under_udp_flows
 from tests.faults.traffic import StallClock, Traffic
-from tests.kernel.scenario_guest import HELD_FLOW_TIMEOUT
+from tests.kernel.scenario_guest import HELD_FLOW_TIMEOUT, READY_DEADLINE
 
-# An emulated machine on a loaded host: an agent takes tens of seconds to start.
-READY_DEADLINE = 120.0
 CHANGE_DEADLINE = 60.0
 OUTAGE = float(os.environ.get("SLICEPROXY_KERNEL_FAULT_OUTAGE", "10"))
 STORM = float(os.environ.get("SLICEPROXY_KERNEL_FAULT_STORM", "5"))

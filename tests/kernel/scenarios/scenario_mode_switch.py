@@ -49,7 +49,13 @@ from tests.faults.traffic import Laps, Target, Traffic
 from tests.kernel import kube_proxy_guest as kube_proxy
 from tests.kernel import node_settings_guest as settings
 from tests.kernel.kube_proxy_guest import KubeProxy
-from tests.kernel.scenario_guest import HELD_FLOW_TIMEOUT, Cluster, NodeThread, read_kernel
+from tests.kernel.scenario_guest import (
+    HELD_FLOW_TIMEOUT,
+    READY_DEADLINE,
+    Cluster,
+    NodeThread,
+    read_kernel,
+)
 from tests.kernel.scenarios.scenario_agent import leftovers
 from tests.kernel.scenarios.scenario_traffic import HTTP as HTTP_PORT
 from tests.kernel.scenarios.scenario_traffic import local, reply_destinations, slices
@@ -57,7 +63,6 @@ from tests.unit.builders import service as service_object
 
 HTTP: tuple[PortSpec, ...] = (("http", 80, 8080, "TCP"),)
 WEB = {"web-1", "web-2"}
-READY_DEADLINE = 90.0  # an emulated machine: an agent takes seconds to import and start
 CHANGE_DEADLINE = 30.0
 
 
@@ -80,7 +85,8 @@ def agents(lab: Lab, reader: NodeThread) -> Iterator[list[AgentProcess]]:
         for agent in started:
             if agent.alive():
                 agent.stop()
-        done = run_cli(lab, ["--cleanup", "--hostname-override", "node-a"])
+        done = run_cli(lab, ["--cleanup", "--hostname-override", "node-a"],
+                       timeout=READY_DEADLINE)
         reader.exec("conntrack", "-F")
         assert done.returncode == 0, done.stderr
         assert leftovers(lab, reader) == []
@@ -271,7 +277,8 @@ def cleanup_beside_kube_proxy(lab: Lab) -> None:
     """The way back's step 5, `--cleanup`: every virtual server of kube-proxy's kept (the
     one both serve included), nothing of ours left."""
     theirs = virtual_servers(lab)
-    step = run_cli(lab, ["--cleanup", "--proxy-mode", "ipvs", "--hostname-override", "node-a"])
+    step = run_cli(lab, ["--cleanup", "--proxy-mode", "ipvs", "--hostname-override", "node-a"],
+                   timeout=READY_DEADLINE)
     assert step.returncode == 0, step.stderr
     assert virtual_servers(lab) == theirs
     assert our_rules(lab) == [] and interface_addresses(lab, DUMMY_INTERFACE) is None

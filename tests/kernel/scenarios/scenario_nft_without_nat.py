@@ -32,6 +32,7 @@ from tests.e2e.agent_support import (
     run_cli,
     service,
 )
+from tests.kernel.scenario_guest import READY_DEADLINE
 
 VIP = "198.18.128.50"
 
@@ -69,7 +70,7 @@ def test_the_agent_uses_legacy_says_why_and_serves(lab: Lab, sim: SimServer,
     sim.apply(endpoint_slice("web-1", "web", [endpoint(b[n].ipv4) for n in ("web-1", "web-2")]))
     agent = AgentProcess(lab, sim, workdir, "--proxy-mode", "iptables").start()
     try:
-        agent.wait_ready(90.0)
+        agent.wait_ready(READY_DEADLINE)
         lab.wait_for(lab.client_ns, VIP, 80, {"web-1", "web-2"}, deadline=30.0)
         syncs = agent.dump()["syncs"]
         assert syncs and not [s for s in syncs if s["error"]], syncs
@@ -80,6 +81,7 @@ def test_the_agent_uses_legacy_says_why_and_serves(lab: Lab, sim: SimServer,
         assert our_rules(lab, ["legacy"]) and not our_rules(lab, ["nft"])
     finally:
         agent.stop()
-        done = run_cli(lab, ["--cleanup", "--hostname-override", lab.node_name])
+        done = run_cli(lab, ["--cleanup", "--hostname-override", lab.node_name],
+                       timeout=READY_DEADLINE)
         assert done.returncode == 0, done.stderr
     assert our_rules(lab) == []

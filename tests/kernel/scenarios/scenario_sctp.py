@@ -37,7 +37,7 @@ PORTS = ({"name": "sctp", "port": 9, "protocol": "SCTP"},)
 SLICE_PORTS = ({"name": "sctp", "port": SCTP_PORT, "protocol": "SCTP"},)
 WEB = ("web-1", "web-2")
 FRESH = 30  # fresh associations per check: 2 ** -29 that a random spread misses one
-READY_DEADLINE = 20.0
+ANSWER_DEADLINE = 20.0
 # Long enough for one retransmitted INIT (SCTP's initial RTO is 3 s). IPVS drops an INIT
 # whose client port was used by an association it still remembers (conn_reuse_mode 1 with
 # its conntrack entry kept, for 10 s after the close); the client sends it again 3 s
@@ -158,7 +158,7 @@ def wait_for_answer(ns: str, ip: str, port: int, want: set[str]) -> str:
         return last if last in want else None
 
     # No pause between tries: each association waits up to ANSWER_TIMEOUT itself.
-    return wait(answered, READY_DEADLINE, f"an SCTP answer from {sorted(want)} at {ip}:{port}",
+    return wait(answered, ANSWER_DEADLINE, f"an SCTP answer from {sorted(want)} at {ip}:{port}",
                 interval=0.0, detail=lambda: f"last: {last}")
 
 
