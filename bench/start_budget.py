@@ -23,16 +23,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from ipaddress import ip_address
 from typing import Any, TypeVar
 
 import orjson
 
 from bench.common import NODE, make_objects
-from bench.nftables.encode_bench import EncodeOnly
-from proxy.dataplane.base import DataplaneOptions
+from bench.nftables.encode_bench import encode_only_plane
 from proxy.dataplane.common.context import RenderContext
-from proxy.dataplane.nftables.apply import NftablesDataPlane
 from proxy.dataplane.nftables.render import render_port
 from proxy.kube.decode import decode_endpoint_slice, decode_service
 from proxy.model.tracker import ClusterModel
@@ -74,9 +71,7 @@ def one_run(services: int, endpoints: int) -> dict[str, float]:
 
         step("model apply", apply)
         state = step("resolve", model.resolve)
-        dp = NftablesDataPlane(DataplaneOptions(NODE, families=(Family.V6,)),
-                               runner=EncodeOnly(), clear_conntrack=False, probe=False,
-                               addresses=lambda: [ip_address("fd00:18::1")])
+        dp, _ = encode_only_plane(Family.V6)
         step("first sync", lambda: dp.sync(state, full=True))
         ctx, ports = RenderContext(Family.V6), list(state.ports.values())
         step("render alone", lambda: [render_port(p, ctx, 64) for p in ports])

@@ -73,14 +73,19 @@ def timed(fn: Callable[[], T]) -> tuple[float, float, T]:
     return time.perf_counter() - wall, time.process_time() - cpu, out
 
 
+def encode_only_plane(family: Family) -> tuple[NftablesDataPlane, EncodeOnly]:
+    """The nftables data plane of one family over an EncodeOnly runner (no kernel, no
+    conntrack, no probe), the node holding one address of the family."""
+    runner = EncodeOnly()
+    node_ip = ip_address("198.18.0.1" if family is Family.V4 else "fd00:18::1")
+    dp = NftablesDataPlane(DataplaneOptions(NODE, families=(family,)), runner=runner,
+                           addresses=lambda: [node_ip], clear_conntrack=False, probe=False)
+    return dp, runner
+
+
 def run(services: int, endpoints: int, changes: int, ipv6: bool = False) -> dict[str, Any]:
     model, slices = cluster_model(services, endpoints, ipv6)
-    family = Family.V6 if ipv6 else Family.V4
-    options = DataplaneOptions(NODE, families=(family,))
-    runner = EncodeOnly()
-    node_ip = ip_address("fd00:18::1" if ipv6 else "198.18.0.1")
-    dp = NftablesDataPlane(options, runner=runner, addresses=lambda: [node_ip],
-                           clear_conntrack=False, probe=False)
+    dp, runner = encode_only_plane(Family.V6 if ipv6 else Family.V4)
     gc.collect()
     gc.freeze()  # the cluster, as the agent freezes it after its lists
     gc.disable()

@@ -11,10 +11,17 @@ parameters, defaults and result.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import MISSING, fields, is_dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 _C = TypeVar("_C", bound=type)
+
+
+def slot_setter(cls: type, name: str) -> Callable[[Any, Any], None]:
+    """What sets slot `name` of a `cls` object, past a frozen class's `__setattr__`: for
+    an `__init__` of its own (types.Endpoint's), as `fast_init` writes one."""
+    return cast(Callable[[Any, Any], None], cls.__dict__[name].__set__)
 
 
 def fast_init(cls: _C) -> _C:
@@ -32,7 +39,7 @@ def fast_init(cls: _C) -> _C:
     for f in fields(cls):
         if not f.init or f.kw_only:
             raise TypeError(f"{cls.__name__}.{f.name}: fast_init takes positional fields")
-        ns[f"_set_{f.name}"] = cls.__dict__[f.name].__set__
+        ns[f"_set_{f.name}"] = slot_setter(cls, f.name)
         if f.default is not MISSING:
             ns[f"_default_{f.name}"] = f.default
             params.append(f"{f.name}=_default_{f.name}")

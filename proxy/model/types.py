@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import Any, NamedTuple
 
-from proxy.model.frozen import fast_init
+from proxy.model.frozen import fast_init, slot_setter
 from proxy.model.shared import SharedValues
 
 IPAddress = IPv4Address | IPv6Address
@@ -217,9 +217,9 @@ class Endpoint:
         return self.hints[1]
 
 
-_set_address = Endpoint.__dict__["address"].__set__
-_set_state = Endpoint.__dict__["state"].__set__
-_set_hints = Endpoint.__dict__["hints"].__set__
+_set_address = slot_setter(Endpoint, "address")
+_set_state = slot_setter(Endpoint, "state")
+_set_hints = slot_setter(Endpoint, "hints")
 
 
 @fast_init
