@@ -92,6 +92,43 @@ def test_elements_added_as_rendered_are_owned_as_added_one_by_one(
                 assert probe_r.held(e) == probe_o.held(e)
 
 
+ENDPOINTS = [("198.18.0.7", 8080), ("198.18.0.8", 8080), ("198.18.0.9", 53)]
+PREFIXES = [("198.18.128.1", 80), ("198.18.128.2", 80)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["group", "one", "remove"]), st.sampled_from(PORTS),
+                          st.sampled_from(PREFIXES),
+                          st.lists(st.sampled_from(ENDPOINTS), min_size=1, max_size=3)),
+                max_size=30))
+def test_pick_elements_added_a_group_at_a_time_are_owned_as_added_one_by_one(
+        operations: list[tuple[str, ServicePortKey, tuple[str, int], list[Value]]]) -> None:
+    """`add_rendered` given a port's pick elements grouped (PortObjects.picked, as
+    render._pick makes them) keeps what `add` of each would, whoever else holds the
+    (cluster IP, port) or one of its slots."""
+    grouped, one_by_one = Owners(), Owners()
+    for op, port, prefix, values in operations:
+        elements = [Element("t", PICKED, (*prefix, slot), v) for slot, v in enumerate(values)]
+        if op == "group":
+            flat = tuple(x for v in values for x in v)
+            grouped.add_rendered(port, elements, ((PICKED, prefix, flat),))
+        elif op == "one":  # another claimant of a slot alone (a destination moving)
+            elements = elements[-1:]
+            grouped.add(elements[0][:3], port, elements[0].value)
+        for e in elements:
+            if op == "remove":
+                grouped.remove(e[:3], port)
+                one_by_one.remove(e[:3], port)
+            else:
+                one_by_one.add(e[:3], port, e.value)
+        assert dict(grouped.elements()) == dict(one_by_one.elements())
+        assert len(grouped) == len(one_by_one)
+        for prefix_ in PREFIXES:
+            for slot in range(3):
+                key = ("t", PICKED, (*prefix_, slot))
+                assert grouped.held(key) == one_by_one.held(key)
+
+
 def test_a_set_element_owned_once_is_the_port_alone_and_a_map_element_a_pair() -> None:
     owners = Owners()
     owners.add(ELEMENTS[2], PORTS[0], ())

@@ -109,6 +109,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import re
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -235,6 +236,11 @@ def _addr_type(family: Family) -> str:
     return "ipv4_addr" if family is Family.V4 else "ipv6_addr"
 
 
+# A picked port's elements of its pick maps, grouped: (map, key but for the slot, values
+# in slot order, flat: address, port, address, ...) per (cluster IP, port).
+Picked = tuple[tuple[str, Key, tuple[object, ...]], ...]
+
+
 @fast_init
 @dataclass(frozen=True, slots=True)
 class PortObjects:
@@ -259,6 +265,11 @@ class PortObjects:
     input_mark: Key = ()
     # Whether what it writes is what its input alone renders: no earlier slot kept.
     from_input: bool = True
+    # A picked port's elements of its pick maps (also among `elements`), as its kept
+    # state holds them (transaction.KeptPort.picked), made as they are rendered:
+    # grouped again from `elements`, element by element, they were two thirds of
+    # keeping a port, and a third of recording its owners.
+    picked: Picked = ()
 
     def lines(self, family: Family) -> list[str]:
         """Readable, copy-pasteable `nft` lines for the debug dump (the fingerprint is
@@ -485,6 +496,7 @@ class _PortBuild:
     sets: list[Set | SlotMap] = field(default_factory=list)
     slot_elements: list[Element] = field(default_factory=list)
     slot_values: list[tuple[str, tuple[Key, ...]]] = field(default_factory=list)
+    picked: list[tuple[str, Key, tuple[object, ...]]] = field(default_factory=list)  # as Picked
     counters: dict[str, tuple[IPAddress, int] | None] = field(default_factory=dict)
 
     def chain(self, kind: str) -> str:
@@ -516,7 +528,8 @@ class _PortBuild:
                            counters)
         elements.append(mark_element(self.table, mark))
         return PortObjects(self.key, self.table, chains, tuple(elements), sets,
-                           tuple(self.slot_values), counters, mark, from_input=from_input)
+                           tuple(self.slot_values), counters, mark, from_input=from_input,
+                           picked=tuple(self.picked))
 
 
 def fingerprint(family: Family, owner: tuple[object, ...], chains: Sequence[Chain],
@@ -625,6 +638,7 @@ def _pick(build: _PortBuild, rsp: ResolvedServicePort, eps: Sequence[SelectedEnd
     counter = build.chain("cnt")
     build.count(counter, None)
     goto = _goto_pick(len(values))
+    flat = tuple(itertools.chain.from_iterable(assigned))
     for destination in destinations(rsp):  # one key for both maps' elements
         at = destination[0]
         build.element(CLUSTER_IPS, (at,))
@@ -632,6 +646,7 @@ def _pick(build: _PortBuild, rsp: ResolvedServicePort, eps: Sequence[SelectedEnd
         build.element(PORT_COUNTERS, destination, CounterRef(counter))
         build.slot_elements += [Element(build.table, picks, (at, port, i), v)
                                 for i, v in enumerate(assigned)]
+        build.picked.append((picks, (at, port), flat))
     return list(assigned) == values
 
 

@@ -263,7 +263,7 @@ class RestartSteps:
             mark = fam.pending.pop(key)
             p = render_port(last.ports[key], ctx, state.shards)
             state.ports[key] = KeptPort.of(p).with_mark(mark)
-            state.owners.add_rendered(key, p.elements)
+            state.owners.add_rendered(key, p.elements, p.picked)
             state.owners.add((p.table, FINGERPRINTS, mark), key, ())
             if any((p.table, c.name) not in held for c in p.chains):
                 fam.missing.add(key)

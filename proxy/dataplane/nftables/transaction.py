@@ -62,6 +62,7 @@ from proxy.dataplane.nftables.render import (
     PICKS,
     TABLE,
     BaseObjects,
+    Picked,
     PortObjects,
     element_table,
     hairpin_element,
@@ -123,15 +124,22 @@ class Owners:
     def add(self, element: ElementKey, port: ServicePortKey, value: Value) -> None:
         self._add(*element, port, value)
 
-    def add_rendered(self, port: ServicePortKey, elements: Iterable[Element]) -> None:
+    def add_rendered(self, port: ServicePortKey, elements: Iterable[Element],
+                     picked: Picked = ()) -> None:
         """`add` of each of `elements`, as a port (or base) rendered them: a set's
         elements one after the other (render's order), its members looked up once for
-        them (element by element, a sixth of a first start's records)."""
+        them (element by element, a sixth of a first start's records). `picked`: the
+        port's pick maps' elements among them, grouped (PortObjects.picked), then taken
+        a group at a time."""
         for (table, set_name), run in itertools.groupby(elements, _element_set):
             members = self._members(table, set_name)
             if isinstance(members, dict):
                 for e in run:
                     _add_owner(members, e.key, port, e.value)
+            elif picked and isinstance(members, _Picks):
+                for name, prefix, flat in picked:
+                    if name == set_name:
+                        members.add_group(prefix, port, flat)
             else:
                 members.add_run(run, port)
 
@@ -354,6 +362,16 @@ class _Picks:
             entry.extend([None] * (at + 2 - len(entry)))
         entry[at], entry[at + 1] = cast(tuple[object, object], value)
 
+    def add_group(self, prefix: Key, port: ServicePortKey, flat: tuple[object, ...]) -> None:
+        """`add` of a port's elements of one (cluster IP, port) `prefix`, slots 0, 1, ...
+        holding `flat`'s values (address, port, address, ...): one entry where nothing
+        else holds the prefix or is shared."""
+        if not self.shared and prefix not in self.by_port:
+            self.by_port[prefix] = [port, *flat]
+            return
+        for slot, at in enumerate(range(0, len(flat), 2)):
+            self.add((*prefix, slot), port, cast(Value, (flat[at], flat[at + 1])))
+
     def add_run(self, run: Iterable[Element], port: ServicePortKey) -> None:
         """`add` of each of a port's `run` of elements: where an entry of its own has
         every slot below the next element's (render._pick writes slots 0, 1, ... in
@@ -452,11 +470,10 @@ class KeptPort:
     fingerprint: Key = ()
     input_mark: Key = ()
     from_input: bool = True
-    # A picked port's elements of its pick maps, out of `rendered`: (map, key but for
-    # the slot, values in slot order, flat: address, port, address, ...) each
-    # (`picked_groups`), 0.2 KB where an element each was 1 KB at 10 endpoints; its
-    # hairpin elements are its values' addresses.
-    picked: tuple[tuple[str, Key, tuple[object, ...]], ...] = ()
+    # A picked port's elements of its pick maps, out of `rendered` (PortObjects.picked),
+    # 0.2 KB where an element each was 1 KB at 10 endpoints; its hairpin elements are
+    # its values' addresses.
+    picked: Picked = ()
 
     @classmethod
     def of(cls, p: PortObjects, elements: dict[ElementKey, Value] | None = None) -> KeptPort:
@@ -469,10 +486,9 @@ class KeptPort:
                        p.fingerprint, p.input_mark, p.from_input)
         if p.slots[0][0].startswith(PICKS):
             # Its pick maps' elements, and its hairpin elements (their values' addresses,
-            # render._pick), are `picked`.
-            rest, picked = picked_groups(p.elements)
-            return cls(p.table, chains, flat_elements(rest), p.sets, (), None, counters,
-                       p.fingerprint, p.input_mark, p.from_input, picked)
+            # render._pick), are `picked`, as render_port grouped them.
+            return cls(p.table, chains, flat_elements(unpicked(p.elements)), p.sets, (),
+                       None, counters, p.fingerprint, p.input_mark, p.from_input, p.picked)
         return cls(p.table, chains, (), p.sets,
                    tuple((name, SlotValues(values)) for name, values in p.slots),
                    element_map(p) if elements is None else elements, counters,
@@ -518,26 +534,15 @@ def flat_elements(elements: Sequence[Element]) -> tuple[object, ...]:
     return tuple(itertools.chain.from_iterable(elements))
 
 
-def picked_groups(elements: Iterable[Element]
-                  ) -> tuple[list[Element], tuple[tuple[str, Key, tuple[object, ...]], ...]]:
-    """A picked port's elements but its pick maps' and @hairpin's, and its elements of its
-    pick maps (their keys end in the slot, from 0, render.py; their values (address,
-    port)) as KeptPort.picked keeps them: in one pass, a set's run at a time."""
+def unpicked(elements: Iterable[Element]) -> list[Element]:
+    """A picked port's elements but its pick maps' and @hairpin's (what KeptPort.picked
+    stands for), a set's run at a time: a run left unread is skipped without a step of
+    Python an element."""
     rest: list[Element] = []
-    groups: dict[tuple[str, Key], list[object]] = {}
     for (_table, set_name), run in itertools.groupby(elements, _element_set):
-        if set_name == HAIRPIN:
-            continue
-        if not set_name.startswith(PICKS):
+        if set_name != HAIRPIN and not set_name.startswith(PICKS):
             rest += run
-            continue
-        for e in run:
-            flat = groups.setdefault((set_name, e.key[:-1]), [])
-            assert e.key[-1] == len(flat) // 2, "a pick map's elements come in slot order"
-            assert type(e.value) is tuple and len(e.value) == 2, \
-                "a pick map's value is an endpoint (address, port)"
-            flat += e.value
-    return rest, tuple((name, prefix, tuple(flat)) for (name, prefix), flat in groups.items())
+    return rest
 
 
 def kept_slots(kept: KeptPort | None) -> dict[str, Sequence[Key]]:
@@ -792,7 +797,7 @@ def resync_lines(bases: Sequence[BaseObjects],
             for key in by_table.get(base.table, ()):
                 p = ports[key]()
                 state.ports[key] = KeptPort.of(p)
-                state.owners.add_rendered(key, p.elements)
+                state.owners.add_rendered(key, p.elements, p.picked)
                 ordered.append((key, p))
             view = TableState(state.family, (base,))  # this table's names, for its stale
             view.ports.update((key, state.ports[key]) for key, _ in ordered)
@@ -878,7 +883,7 @@ def kept_state(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
     for key in sorted(ports):
         p = ports[key]
         state.ports[key] = KeptPort.of(p)
-        state.owners.add_rendered(key, p.elements)
+        state.owners.add_rendered(key, p.elements, p.picked)
         if keep is None or keep(p):
             ordered.append((key, p))
     _own_bases(state)
@@ -1011,7 +1016,7 @@ def first_lines(bases: Sequence[BaseObjects],
         for n, key in enumerate(keys, 1):
             p = ports[key]()
             state.ports[key] = KeptPort.of(p)
-            state.owners.add_rendered(key, p.elements)
+            state.owners.add_rendered(key, p.elements, p.picked)
             part.append(p)
             # Its chains and rules, and its elements (a picked port has nothing else).
             size += len(p.elements) + sum(len(c.rules) + 1 for c in p.chains)
