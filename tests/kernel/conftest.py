@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from labs.kernel.harness import BOOTS, DEFAULT_TIMEOUT, KernelResult, run_in_kernel
-from tests.kernel.scenario_host import SCENARIO_SECONDS
+from tests.kernel.scenario_host import SCENARIO_SECONDS, stop_boots
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -48,6 +48,10 @@ class KernelRunner:
 @pytest.fixture
 def kernel(tmp_path: Path) -> KernelRunner:
     return KernelRunner(tmp_path)
+
+
+def pytest_sessionfinish() -> None:
+    stop_boots()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

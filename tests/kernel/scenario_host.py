@@ -4,14 +4,21 @@ then report each one as a host test of its own (so a failure names the scenario 
 shows the guest's traceback).
 
 Modules share a boot because a boot costs more than the kernel's own start: pytest and
-the project's imports take tens of seconds in an emulated guest. A module whose kernel
-differs (`deny_modules`) boots on its own; `-k` or a single file boots only what is
-selected."""
+the project's imports take tens of seconds in an emulated guest. They are shared out
+between LANES kernels that run at once, by what each module's scenarios cost: an
+emulated guest keeps about one of the machine's cores busy (its work is mostly one
+process at a time), so one kernel alone left the other core idle for most of the tier.
+A module whose kernel differs (`deny_modules`) boots on its own; `-k` or a single file
+boots only what is selected. A module's `env` is read in its lane's own thread: one that
+waits (scenario_mode_switch.py's kube-proxy, built by the real-control-plane tier beside
+this one on a fresh machine) holds back its lane only."""
 
 from __future__ import annotations
 
 import ast
+import os
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,10 +27,13 @@ import pytest
 
 from labs.kernel.debian_kernel import KernelError
 from labs.kernel.harness import DEFAULT_MODULES, KernelResult, run_in_kernel
+from labs.kernel.qemu import QEMU, kill_group, lab_guest
 
 SCENARIOS = Path(__file__).parent / "scenarios"
 RUNNER = SCENARIOS / "run.py"
 DEFAULT_TIMEOUT = 420.0
+LANES = 2  # kernels at once: one per core of the 2-core machines the suite runs on
+DEFAULT_COST = 60.0
 
 
 def scenario_names(module: str) -> list[str]:
@@ -41,12 +51,13 @@ class Needs:
     modules: tuple[str, ...] = DEFAULT_MODULES
     deny_modules: tuple[str, ...] = ()
     env: Callable[[], dict[str, str]] | None = None
+    cost: float = DEFAULT_COST  # seconds inside an emulated kernel, to balance the lanes
 
 
 REGISTERED: dict[str, Needs] = {}
 # Seconds each scenario took inside its kernel, for the tier's summary (conftest.py).
 SCENARIO_SECONDS: dict[str, float] = {}
-_BOOTED: dict[tuple[str, ...], KernelResult | BaseException] = {}
+_BOOTED: dict[tuple[str, ...], Future[KernelResult | BaseException]] = {}
 # Each module's run folder (console.log, out/: result.json, the agents' whole logs), for
 # a failure to name: pytest keeps the last few base temporary folders only.
 FOLDERS: dict[str, Path] = {}
@@ -62,7 +73,24 @@ def selected(session: pytest.Session) -> list[str]:
     return found
 
 
-def boot(group: list[str], tmp_path_factory: pytest.TempPathFactory) -> KernelResult:
+def lanes(modules: list[str]) -> list[list[str]]:
+    """`modules` shared out for boots that run at once: those whose kernel is the same
+    split into at most LANES groups of about equal cost (the costliest first, each to
+    the cheapest lane so far), each module whose kernel differs a group of its own
+    after them."""
+    groups: list[list[str]] = []
+    kinds = list(dict.fromkeys(REGISTERED[m].deny_modules for m in modules))
+    for deny in kinds:
+        alike = sorted((m for m in modules if REGISTERED[m].deny_modules == deny),
+                       key=lambda m: -REGISTERED[m].cost)
+        shares: list[list[str]] = [[] for _ in range(min(LANES, len(alike)))]
+        for module in alike:
+            min(shares, key=lambda g: sum(REGISTERED[m].cost for m in g)).append(module)
+        groups += sorted(shares, key=lambda g: -sum(REGISTERED[m].cost for m in g))
+    return groups
+
+
+def boot(group: list[str], workdir: Path) -> KernelResult:
     """Run every scenario of the modules in `group` in one fresh kernel."""
     needs = [REGISTERED[m] for m in group]
     modules = list(DEFAULT_MODULES)
@@ -70,30 +98,64 @@ def boot(group: list[str], tmp_path_factory: pytest.TempPathFactory) -> KernelRe
     for need in needs:
         modules += [m for m in need.modules if m not in modules]
         env.update(need.env() if need.env is not None else {})
-    workdir = tmp_path_factory.mktemp("scenarios")
-    FOLDERS.update(dict.fromkeys(group, workdir))
     run = run_in_kernel(RUNNER, group, workdir=workdir,
                         timeout=sum(n.timeout for n in needs), modules=modules,
                         deny_modules=needs[0].deny_modules, env=env)
-    print(f"{' '.join(group)}: {run.timings()}")
     return run.check()
+
+
+def _booted(group: list[str], workdir: Path) -> KernelResult | BaseException:
+    try:
+        return boot(group, workdir)
+    except (KernelError, pytest.fail.Exception) as exc:  # every module of it fails
+        return exc
+
+
+def start_boots(session: pytest.Session, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Boot a kernel for every lane of the selected modules, LANES at a time."""
+    lab_guest()  # its accelerator probe once, before the threads
+    pool = ThreadPoolExecutor(max_workers=LANES, thread_name_prefix="kernel-lane")
+    for group in lanes(selected(session)):
+        workdir = tmp_path_factory.mktemp("scenarios")
+        FOLDERS.update(dict.fromkeys(group, workdir))
+        _BOOTED[tuple(group)] = pool.submit(_booted, group, workdir)
+    pool.shutdown(wait=False)
+
+
+def stop_boots() -> None:
+    """Kill the kernels of lanes still running when the session ends early (an
+    interrupt, -x): their QEMU runs in a process group of its own, named by its folder."""
+    running = {FOLDERS[k[0]] for k, f in _BOOTED.items() if not f.done()}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if QEMU in argv and any(str(folder) in argv for folder in running):
+            try:
+                kill_group(os.getpgid(int(proc.name)))
+            except ProcessLookupError:
+                pass
 
 
 def shared_run(module: str, request: pytest.FixtureRequest,
                tmp_path_factory: pytest.TempPathFactory) -> KernelResult:
-    """The boot `module`'s scenarios ran in: made by the first module of its group to
-    ask (every selected module whose kernel is the same), kept for the others."""
-    deny = REGISTERED[module].deny_modules
-    group = [m for m in selected(request.session) if REGISTERED[m].deny_modules == deny]
-    key = tuple(group) if module in group else (module,)
-    if key not in _BOOTED:
-        try:
-            _BOOTED[key] = boot(list(key), tmp_path_factory)
-        except (KernelError, pytest.fail.Exception) as exc:  # every module of it fails
-            _BOOTED[key] = exc
-    done = _BOOTED[key]
+    """The boot `module`'s scenarios ran in: every lane's boot is started when the first
+    module asks, each module waits for its own."""
+    if not _BOOTED:
+        start_boots(request.session, tmp_path_factory)
+    key = next((k for k in _BOOTED if module in k), None)
+    if key is None:  # not among the selected (asked for all the same): a boot of its own
+        key = (module,)
+        workdir = tmp_path_factory.mktemp("scenarios")
+        FOLDERS[module] = workdir
+        _BOOTED[key] = Future()
+        _BOOTED[key].set_result(_booted([module], workdir))
+    done = _BOOTED[key].result()
     if isinstance(done, BaseException):
         raise done
+    if module == key[0]:
+        print(f"{' '.join(key)}: {done.timings()}")
     return done
 
 
@@ -125,14 +187,15 @@ def outcome(run: KernelResult, module: str, name: str) -> None:
 def scenario_module(module: str, env: Callable[[], dict[str, str]] | None = None,
                     timeout: float = DEFAULT_TIMEOUT,
                     modules: tuple[str, ...] = DEFAULT_MODULES,
-                    deny_modules: tuple[str, ...] = ()
+                    deny_modules: tuple[str, ...] = (), cost: float = DEFAULT_COST
                     ) -> tuple[Callable[..., KernelResult], Callable[..., None]]:
     """The `run` fixture (the boot the module's scenarios ran in: `timeout` is this
     module's share; `modules` loaded and `deny_modules` refused at boot; `env`, when
-    given, is called then for the guest's environment) and the parametrized
-    `test_scenario` of a host test file:
+    given, is called then for the guest's environment; `cost`, about what its
+    scenarios take in an emulated kernel, shares the modules out between lanes) and the
+    parametrized `test_scenario` of a host test file:
     `run, test_scenario = scenario_module("scenario_x.py")`."""
-    REGISTERED[module] = Needs(timeout, modules, deny_modules, env)
+    REGISTERED[module] = Needs(timeout, modules, deny_modules, env, cost)
 
     @pytest.fixture(scope="module")
     def run(request: pytest.FixtureRequest,

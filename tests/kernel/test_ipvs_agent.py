@@ -6,4 +6,4 @@ from __future__ import annotations
 
 from tests.kernel.scenario_host import scenario_module
 
-run, test_scenario = scenario_module("scenario_agent.py")
+run, test_scenario = scenario_module("scenario_agent.py", cost=260.0)

@@ -10,4 +10,5 @@ from labs.kernel.harness import DEFAULT_MODULES
 from tests.kernel.scenario_host import scenario_module
 
 run, test_scenario = scenario_module("scenario_fail_fast.py", timeout=240.0,
-                                     modules=(*DEFAULT_MODULES, "nft_reject_inet", "nft_ct"))
+                                     modules=(*DEFAULT_MODULES, "nft_reject_inet", "nft_ct"),
+                                     cost=120.0)

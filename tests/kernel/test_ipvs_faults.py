@@ -15,7 +15,7 @@ from tests.faults.conftest import FaultRecord
 from tests.kernel.scenario_host import scenario_module
 
 # Two agent restarts under UDP flows (issue 28) take about 2.5 min of the guest alone.
-run, test_scenario = scenario_module("scenario_faults.py", timeout=720.0)
+run, test_scenario = scenario_module("scenario_faults.py", timeout=720.0, cost=370.0)
 
 
 @pytest.mark.kernel

@@ -13,4 +13,5 @@ from tests.kernel.scenario_host import scenario_module
 FLOWS = "SLICEPROXY_MAGLEV_FLOWS"
 
 run, test_scenario = scenario_module(
-    "scenario_maglev.py", env=lambda: {FLOWS: os.environ[FLOWS]} if FLOWS in os.environ else {})
+    "scenario_maglev.py", env=lambda: {FLOWS: os.environ[FLOWS]} if FLOWS in os.environ else {},
+    cost=35.0)

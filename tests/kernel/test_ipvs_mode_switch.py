@@ -21,4 +21,5 @@ def kube_proxy() -> dict[str, str]:
                     pytrace=False)
 
 
-run, test_scenario = scenario_module("scenario_mode_switch.py", env=kube_proxy)
+run, test_scenario = scenario_module("scenario_mode_switch.py", env=kube_proxy,
+                                     cost=240.0)

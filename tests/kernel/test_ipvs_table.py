@@ -14,4 +14,5 @@ from tests.kernel.scenario_host import scenario_module
 SIZE = "SLICEPROXY_SAMPLER_TABLE"
 
 run, test_scenario = scenario_module(
-    "scenario_table.py", env=lambda: {SIZE: os.environ[SIZE]} if SIZE in os.environ else {})
+    "scenario_table.py", env=lambda: {SIZE: os.environ[SIZE]} if SIZE in os.environ else {},
+    cost=90.0)

@@ -5,4 +5,4 @@ from __future__ import annotations
 
 from tests.kernel.scenario_host import scenario_module
 
-run, test_scenario = scenario_module("scenario_traffic.py")
+run, test_scenario = scenario_module("scenario_traffic.py", cost=90.0)

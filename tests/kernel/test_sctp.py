@@ -10,4 +10,4 @@ from labs.kernel.harness import DEFAULT_MODULES
 from tests.kernel.scenario_host import scenario_module
 
 run, test_scenario = scenario_module("scenario_sctp.py",
-                                     modules=(*DEFAULT_MODULES, "sctp", "xt_sctp"))
+                                     modules=(*DEFAULT_MODULES, "sctp", "xt_sctp"), cost=40.0)
