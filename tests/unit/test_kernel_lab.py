@@ -1,6 +1,7 @@
 """The kernel lab's pure parts: which kernel package apt names, which modules are kept and
 in which order the initramfs loads them, and the initramfs archive itself (read back by
-busybox's own cpio, the tool that runs in the guest)."""
+busybox's own cpio, the tool that runs in the guest); how the kernel tier shares its
+scenario modules out between the kernels it boots at once."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from labs.kernel.debian_kernel import depends_on, entry_name, keep_set
 from labs.kernel.qemu import _is_static, newc_archive, ordered_modules
+from tests.kernel.scenario_host import LANES, REGISTERED, Needs, lanes
 
 SHOW = """Package: linux-image-amd64
 Source: linux-signed-amd64 (6.1.192+2)
@@ -134,3 +136,30 @@ def test_a_failed_scenario_shows_the_agent_lines_since_it_began(
     assert "msg=during\nTraceback" in shown and "msg=before" not in shown
     assert "agents/faults/agent-1.log" in shown and "agent-2.log" not in shown
     assert agent_logs(began + 60) == "(no agent logged anything since)"
+
+
+def _registered(monkeypatch: pytest.MonkeyPatch, **costs: float) -> None:
+    for name, cost in costs.items():
+        deny = ("nft_chain_nat",) if name.startswith("bare") else ()
+        monkeypatch.setitem(REGISTERED, name, Needs(cost=cost, deny_modules=deny))
+
+
+def test_scenario_modules_are_shared_out_between_lanes_of_about_equal_cost(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _registered(monkeypatch, faults=370, agent=260, switch=240, fail=120, traffic=90,
+                table=90, sctp=40, maglev=35, bare=45)
+    groups = lanes(["maglev", "bare", "agent", "faults", "switch", "fail", "traffic",
+                    "table", "sctp"])
+    alike, other = groups[:-1], groups[-1]
+    assert other == ["bare"]  # a kernel of its own kind never shares a boot
+    assert len(alike) == LANES
+    assert sorted(m for g in alike for m in g) == sorted(
+        ["agent", "faults", "switch", "fail", "traffic", "table", "sctp", "maglev"])
+    totals = [sum(REGISTERED[m].cost for m in g) for g in alike]
+    assert max(totals) - min(totals) <= 35  # no lane waits long on the other
+
+
+def test_one_selected_module_boots_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    _registered(monkeypatch, agent=260, maglev=35)
+    assert lanes(["maglev"]) == [["maglev"]]
+    assert lanes([]) == []

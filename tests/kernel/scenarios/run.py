@@ -4,9 +4,9 @@ outcome of every test back to the host (as $KERNEL_RESULT JSON, via guest.write_
     python tests/kernel/scenarios/run.py scenario_traffic.py [more.py ...] [-k EXPR]
 
 Scenario files are named scenario_*.py so the host's pytest never collects them (they
-need IPVS); the host side (tests/kernel/scenario_host.py) boots one kernel for every
-selected module that needs the same kernel and turns each scenario's outcome into a host
-test.
+need IPVS); the host side (tests/kernel/scenario_host.py) boots a few kernels at once,
+each for some of the selected modules that need the same kernel, and turns each
+scenario's outcome into a host test.
 """
 
 from __future__ import annotations
