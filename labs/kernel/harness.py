@@ -95,12 +95,20 @@ DEFAULT_MODULES: tuple[str, ...] = (
 )
 
 class _Boots:
-    """What this process booted: for the tier's summary line."""
+    """What this process booted: for the tier's summary line; and the process groups of
+    the kernels running now (several threads may boot at once)."""
 
     def __init__(self) -> None:
         self.count = 0
         self.seconds = 0.0
         self.described: set[str] = set()
+        self.running: set[int] = set()
+
+    def stop(self) -> None:
+        """Kill every kernel still running: a session that ends early (an interrupt,
+        -x) must not wait, at exit, for kernels booted by threads."""
+        for pgid in list(self.running):
+            kill_group(pgid)
 
 
 BOOTS = _Boots()
@@ -325,6 +333,7 @@ def run_in_kernel(
         # own lets us kill QEMU and anything it started.
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=qemu_out,
                                 stderr=subprocess.STDOUT, start_new_session=True, cwd=workdir)
+        BOOTS.running.add(proc.pid)
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -335,6 +344,7 @@ def run_in_kernel(
                 kill_group(proc.pid)
             finally:
                 proc.wait()
+                BOOTS.running.discard(proc.pid)
                 guest.close(workdir)
     wall = time.time() - started
     BOOTS.count += 1

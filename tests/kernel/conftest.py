@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from labs.kernel.harness import BOOTS, DEFAULT_TIMEOUT, KernelResult, run_in_kernel
-from tests.kernel.scenario_host import SCENARIO_SECONDS, stop_boots
+from tests.kernel.scenario_host import SCENARIO_SECONDS
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -51,7 +51,7 @@ def kernel(tmp_path: Path) -> KernelRunner:
 
 
 def pytest_sessionfinish() -> None:
-    stop_boots()
+    BOOTS.stop()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

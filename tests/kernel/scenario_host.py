@@ -16,8 +16,6 @@ this one on a fresh machine) holds back its lane only."""
 from __future__ import annotations
 
 import ast
-import contextlib
-import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,7 +26,7 @@ import pytest
 
 from labs.kernel.debian_kernel import KernelError
 from labs.kernel.harness import DEFAULT_MODULES, KernelResult, run_in_kernel
-from labs.kernel.qemu import QEMU, kill_group, lab_guest
+from labs.kernel.qemu import lab_guest
 
 SCENARIOS = Path(__file__).parent / "scenarios"
 RUNNER = SCENARIOS / "run.py"
@@ -127,33 +125,13 @@ def start_boots(session: pytest.Session, tmp_path_factory: pytest.TempPathFactor
     pool.shutdown(wait=False)
 
 
-def stop_boots() -> None:
-    """Kill the kernels of lanes still running when the session ends early (an
-    interrupt, -x): their QEMU runs in a process group of its own, named by its folder."""
-    running = {FOLDERS[k[0]] for k, f in _BOOTED.items() if not f.done()}
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            argv = (proc / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if QEMU in argv and any(str(folder) in argv for folder in running):
-            with contextlib.suppress(ProcessLookupError):
-                kill_group(os.getpgid(int(proc.name)))
-
-
 def shared_run(module: str, request: pytest.FixtureRequest,
                tmp_path_factory: pytest.TempPathFactory) -> KernelResult:
     """The boot `module`'s scenarios ran in: every lane's boot is started when the first
     module asks, each module waits for its own."""
     if not _BOOTED:
         start_boots(request.session, tmp_path_factory)
-    key = next((k for k in _BOOTED if module in k), None)
-    if key is None:  # not among the selected (asked for all the same): a boot of its own
-        key = (module,)
-        workdir = tmp_path_factory.mktemp("scenarios")
-        FOLDERS[module] = workdir
-        _BOOTED[key] = Future()
-        _BOOTED[key].set_result(_booted([module], workdir))
+    key = next(k for k in _BOOTED if module in k)  # asked by a selected test: planned
     done = _BOOTED[key].result()
     if isinstance(done, BaseException):
         raise done
