@@ -17,6 +17,9 @@ later collections short) and turns it back on. If that does not come within
 collector comes back anyway, after one collection and without a freeze: what the
 failures left (an exception's traceback holds its frames, and with them a failed list's
 buffers: gigabytes within minutes) is garbage to free, not a cluster to keep.
+
+The pause is one hold of the process's collector (dataplane/common/collector.py), which
+the data plane's heavy work holds too: whichever ends last turns it back on.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
+
+from proxy.dataplane.common.collector import hold, release
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +47,7 @@ class StartupPause:
 
     def begin(self) -> None:
         if gc.isenabled():
-            gc.disable()
+            hold()
             self._since = time.monotonic()
 
     def end(self, reason: str, loaded: bool = True) -> None:
@@ -55,7 +60,7 @@ class StartupPause:
             gc.freeze()
         else:
             freed = gc.collect()
-        gc.enable()
+        release()  # on again, unless a sync's hold still keeps it off
         # Not gc.get_freeze_count(): it walks every frozen object, on the event loop
         # (87 ms for 4 million; a change arriving then waited for it).
         log.debug("garbage collector back on", extra={

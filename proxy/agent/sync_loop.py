@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from proxy.agent.schedule import DEFAULT_CPU_BUDGET, HELD_BY_BUDGET, SyncSchedul
 from proxy.agent.worker import Worker
 from proxy.config.options import format_cpu_budget
 from proxy.dataplane.base import ApplyError, DataPlane, SyncReport
+from proxy.dataplane.common.collector import held
 from proxy.model.snapshot import DesiredState
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import ServicePortKey
@@ -259,7 +260,7 @@ class SyncLoop:
 
     async def _housekeeping(self) -> None:
         try:
-            deleted = await self.worker.call(self.dataplane.housekeeping)
+            deleted = await self.worker.call(self._housekeep)
             self.metrics.count_conntrack(deleted or {})
         except ApplyError as exc:  # a part of a resync refused: rewrite it all (logged)
             self._need_full = True
@@ -268,6 +269,10 @@ class SyncLoop:
                         extra={"mode": self.dataplane.mode, "error": str(exc)})
         except Exception:
             log.exception("data plane housekeeping failed", extra={"mode": self.dataplane.mode})
+
+    def _housekeep(self) -> Mapping[str, int] | None:
+        with held():  # a resync's or restart's part builds state, as a sync does
+            return self.dataplane.housekeeping()
 
     def _note_held(self, start: float) -> None:
         """Count a sync the limits held back; log when the CPU budget starts holding
@@ -330,10 +335,11 @@ class SyncLoop:
         def apply() -> SyncReport:
             began = self._thread_cpu()  # the worker's thread, from here
             try:
-                if in_parts and self.dataplane.begin_resync(repair):
-                    parted.append(True)
-                    return self.dataplane.sync(state, False)
-                return self.dataplane.sync(state, full)
+                with held():  # what a sync builds stays: not rescanned as it grows
+                    if in_parts and self.dataplane.begin_resync(repair):
+                        parted.append(True)
+                        return self.dataplane.sync(state, False)
+                    return self.dataplane.sync(state, full)
             finally:
                 cpu.append(self._thread_cpu() - began)
 

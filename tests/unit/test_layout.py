@@ -54,7 +54,8 @@ ALLOWED: dict[str, set[str]] = {
     "dataplane.leftovers": {"dataplane.base", "dataplane.common", "dataplane.xtables",
                             "dataplane.modes", "model", *(f"dataplane.{m}" for m in MODES)},
     # The agent sees the data planes through their contract, the registry, the factory
-    # and the clean-up (and gives freed memory back with common.heap).
+    # and the clean-up (gives freed memory back with common.heap, holds the collector
+    # off with common.collector).
     "agent": {"config", "kube", "model", "server", "dataplane.base", "dataplane.factory",
               "dataplane.leftovers", "dataplane.common", "dataplane.modes"},
     # The demo counts our kernel objects by the names the registry gives them.
@@ -65,6 +66,7 @@ ALLOWED: dict[str, set[str]] = {
 LAZY_ONLY = {("dataplane.leftovers", f"dataplane.{m}") for m in MODES}
 # Edges allowed for these modules only.
 ONLY = {("agent", "dataplane.common"): {"proxy.dataplane.common.heap",
+                                        "proxy.dataplane.common.collector",
                                         "proxy.dataplane.common.node_files",
                                         "proxy.dataplane.common.node_settings",
                                         "proxy.dataplane.common.node_originals",

@@ -39,13 +39,13 @@ net/netfilter/nf_conntrack_netlink.c):
 from __future__ import annotations
 
 import errno
-import gc
 import socket
 import struct
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address
 
+from proxy.dataplane.common import collector
 from proxy.dataplane.common.netlink import (
     ATTR,
     NetlinkError,
@@ -435,12 +435,10 @@ class ConntrackSocket(NetlinkSocket):
         seq = self._next()
         self._sock.send(frame(CT_GET, NLM_F_REQUEST | NLM_F_DUMP, seq, body))
         decoder = Decoder(family, protocols)
-        # The collector off meanwhile: a dump allocates an entry and up to three addresses
-        # per flow, all kept and none in a cycle, and each collection rescans the ones
-        # kept so far: 15% of a 100,000-entry dump (see startup_gc.py for the agent's start).
-        paused = gc.isenabled()
-        gc.disable()
-        try:
+        # The collector held off meanwhile: a dump allocates an entry and up to three
+        # addresses per flow, all kept and none in a cycle, and each collection rescans the
+        # ones kept so far: 15% of a 100,000-entry dump (collector.py).
+        with collector.held():
             while True:
                 try:
                     size = self._sock.recv_into(self._buffer)
@@ -448,9 +446,6 @@ class ConntrackSocket(NetlinkSocket):
                     raise NetlinkError(errno.ETIMEDOUT, "no answer from the kernel") from exc
                 if decoder.feed(self._buffer, size, seq):
                     return decoder.entries
-        finally:
-            if paused:
-                gc.enable()
 
     def delete(self, entries: Sequence[CtEntry]) -> list[int]:
         """Delete each entry by original tuple and id; one errno each (0: deleted,
