@@ -9,7 +9,9 @@ Measured in one process (the cluster as bench.common.cluster_model makes it; `--
 single-stack IPv6, as bench.agent_start's, every address distinct):
 - cold: the first sync onto no tables (transaction.first_lines, in parts), the
   collector paused as the agent pauses it for its start (agent/startup_gc.py);
-- resync: a full sync over our tables (transaction.full_lines);
+- resync: a full sync over our tables (transaction.full_lines), with the collector on;
+  then again as the agent's sync loop makes it (resync_held: the collector held off,
+  what the sync left collected once and frozen, dataplane/common/collector.py);
 - change: one service's endpoint replaced, then a partial sync (`--changes` times,
   median).
 Run it several times and take medians across runs: one process's cold start is one
@@ -29,11 +31,13 @@ from ipaddress import ip_address
 from typing import Any, TypeVar
 
 from bench.common import NODE, change_one, cluster_model
-from proxy.dataplane.base import DataplaneOptions
+from proxy.dataplane.base import DataplaneOptions, SyncReport
+from proxy.dataplane.common import collector
 from proxy.dataplane.nftables import wire
 from proxy.dataplane.nftables.apply import NftablesDataPlane
 from proxy.dataplane.nftables.runner import NftRunner
 from proxy.dataplane.nftables.transaction import Script
+from proxy.model.snapshot import DesiredState
 from proxy.model.types import Family
 
 
@@ -83,6 +87,13 @@ def encode_only_plane(family: Family) -> tuple[NftablesDataPlane, EncodeOnly]:
     return dp, runner
 
 
+def _held_sync(dp: NftablesDataPlane, state: DesiredState) -> SyncReport:
+    """A full sync as the agent's sync loop makes it: the collector held off, what the
+    sync left collected once and frozen (dataplane/common/collector.py)."""
+    with collector.held():
+        return dp.sync(state, full=True)
+
+
 def run(services: int, endpoints: int, changes: int, ipv6: bool = False) -> dict[str, Any]:
     model, slices = cluster_model(services, endpoints, ipv6)
     dp, runner = encode_only_plane(Family.V6 if ipv6 else Family.V4)
@@ -91,10 +102,12 @@ def run(services: int, endpoints: int, changes: int, ipv6: bool = False) -> dict
     gc.disable()
     try:
         cold, cold_cpu, report = timed(lambda: dp.sync(model.state, full=True))
+        gc.freeze()  # what the first sync made, as the agent freezes it (startup_gc.py)
     finally:
         gc.enable()
     messages = runner.messages
     resync, resync_cpu, _ = timed(lambda: dp.sync(model.state, full=True))
+    held, held_cpu, _ = timed(lambda: _held_sync(dp, model.state))
     walls, cpus = [], []
     for i in range(changes):
         state = change_one(model, slices[(i * 7919) % len(slices)], i)
@@ -106,6 +119,7 @@ def run(services: int, endpoints: int, changes: int, ipv6: bool = False) -> dict
             "cold_s": round(cold, 4), "cold_cpu_s": round(cold_cpu, 4),
             "cold_messages": messages, "cold_lines": report.operations,
             "resync_s": round(resync, 4), "resync_cpu_s": round(resync_cpu, 4),
+            "resync_held_s": round(held, 4), "resync_held_cpu_s": round(held_cpu, 4),
             "change_ms": round(statistics.median(walls) * 1000, 3),
             "change_cpu_ms": round(statistics.median(cpus) * 1000, 3), "changes": changes}
 

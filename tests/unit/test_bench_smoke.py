@@ -3,8 +3,11 @@ asserted)."""
 
 from __future__ import annotations
 
+import gc
+
 from bench import start_budget
 from bench.model_bench import markdown, run
+from bench.nftables import encode_bench
 
 
 def test_model_bench_runs_small() -> None:
@@ -21,3 +24,16 @@ def test_start_budget_runs_small() -> None:
     assert set(us) == set(start_budget.STEPS) and all(v >= 0 for v in us.values())
     assert result["start_us_per_endpoint"] > 0
     assert "the start" in start_budget.markdown(result)
+
+
+def test_encode_bench_runs_small() -> None:
+    was = gc.isenabled()
+    try:
+        result = encode_bench.run(services=30, endpoints=3, changes=1)
+        assert result["cold_messages"] > 0 and result["changes"] == 1
+        assert result["resync_held_cpu_s"] > 0 and result["resync_cpu_s"] > 0
+        assert gc.isenabled()  # the held resync gave the collector back
+    finally:
+        gc.unfreeze()
+        if not was:
+            gc.disable()
