@@ -6,7 +6,7 @@ Work that builds a large state which stays (a full sync's rendered ports and kep
 state, a resync's parts, a conntrack dump's entries, the start's lists:
 agent/startup_gc.py) makes it rescan that state again and again as it grows, and find
 nothing to free. In process (bench/nftables/encode_bench.py's full sync over our
-tables): at 10,000 services x 10, 2.2-3.6 s of CPU with the collector on, 2.0-2.1 s
+tables): at 10,000 services x 10, 2.1-3.6 s of CPU with the collector on, 1.6-2.1 s
 held off and settled as below; at 100,000 x 10 (IPv6), 33-37 s on (one run: 37 full
 collections, 17.6 s, the longest 0.95 s), 19-22 s held off and settled. Reference
 counting frees everything else at once either way; only reference cycles wait for the
@@ -40,7 +40,8 @@ class _Holds:
     """The process's holds on its collector (one instance: the collector is one)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: the collection at a hold's end may run a finalizer that holds.
+        self._lock = threading.RLock()
         self._count = 0
         self._restore = False  # whether the collector was on when the first hold began
 
