@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 
+import pytest
+
 from bench import start_budget
 from bench.model_bench import markdown, run
 from bench.nftables import encode_bench
@@ -26,14 +28,9 @@ def test_start_budget_runs_small() -> None:
     assert "the start" in start_budget.markdown(result)
 
 
+@pytest.mark.usefixtures("collector_restored")
 def test_encode_bench_runs_small() -> None:
-    was = gc.isenabled()
-    try:
-        result = encode_bench.run(services=30, endpoints=3, changes=1)
-        assert result["cold_messages"] > 0 and result["changes"] == 1
-        assert result["resync_held_cpu_s"] > 0 and result["resync_cpu_s"] > 0
-        assert gc.isenabled()  # the held resync gave the collector back
-    finally:
-        gc.unfreeze()
-        if not was:
-            gc.disable()
+    result = encode_bench.run(services=30, endpoints=3, changes=1)
+    assert result["cold_messages"] > 0 and result["changes"] == 1
+    assert result["resync_held_cpu_s"] > 0 and result["resync_cpu_s"] > 0
+    assert gc.isenabled()  # the held resync gave the collector back

@@ -7,24 +7,13 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from collections.abc import Iterator
 
 import pytest
 
 from proxy.agent.startup_gc import StartupPause
 from proxy.dataplane.common import collector
 
-
-@pytest.fixture(autouse=True)
-def restore_collector() -> Iterator[None]:
-    was = gc.isenabled()
-    gc.enable()
-    yield
-    gc.unfreeze()
-    if was:
-        gc.enable()
-    else:
-        gc.disable()
+pytestmark = pytest.mark.usefixtures("collector_restored")
 
 
 def test_held_off_for_the_block_and_back_on_after() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,16 +13,7 @@ import pytest
 from proxy.agent import main as agent_main
 from proxy.agent.startup_gc import StartupPause
 
-
-@pytest.fixture(autouse=True)
-def restore_collector() -> Iterator[None]:
-    was = gc.isenabled()
-    yield
-    gc.unfreeze()
-    if was:
-        gc.enable()
-    else:
-        gc.disable()
+pytestmark = pytest.mark.usefixtures("collector_restored")
 
 
 def test_paused_then_frozen_and_back_on() -> None:

@@ -293,6 +293,7 @@ def test_housekeeping_runs_on_the_worker_between_syncs() -> None:
     run(go)
 
 
+@pytest.mark.usefixtures("collector_restored")
 def test_the_collector_is_held_off_while_the_data_plane_syncs_and_housekeeps() -> None:
     # What a sync builds stays: a collection while it is built rescans it (a full
     # sync at 10,000 services took half as long again with the collector on).
@@ -317,13 +318,7 @@ def test_the_collector_is_held_off_while_the_data_plane_syncs_and_housekeeps() -
         assert seen == [("sync", False), ("housekeeping", False), ("sync", False)]
         assert gc.isenabled()  # back on between them
 
-    was = gc.isenabled()
-    gc.enable()
-    try:
-        run(go)
-    finally:
-        if not was:
-            gc.disable()
+    run(go)
 
 
 def test_housekeeping_with_work_left_runs_again_without_waiting_the_interval() -> None:

@@ -7,8 +7,8 @@ state, a resync's parts, a conntrack dump's entries, the start's lists:
 agent/startup_gc.py) makes it rescan that state again and again as it grows, and find
 nothing to free. In process (bench/nftables/encode_bench.py's full sync over our
 tables): at 10,000 services x 10, 2.1-3.6 s of CPU with the collector on, 1.6-2.1 s
-held off and settled as below; at 100,000 x 10 (IPv6), 33-37 s on (one run: 37 full
-collections, 17.6 s, the longest 0.95 s), 19-22 s held off and settled. Reference
+held off and settled as below; at 100,000 x 10 (IPv6), 29-37 s on (one run: 37 full
+collections, 17.6 s, the longest 0.95 s), 16-22 s held off and settled. Reference
 counting frees everything else at once either way; only reference cycles wait for the
 collector.
 
