@@ -4,6 +4,7 @@
     python -m bench.agent_start --services 10000 --profile /tmp/cold.svg   (py-spy)
 
     python -m bench.agent_start --services 100000 --ipv6 --runs 2 --delete 1000
+    python -m bench.agent_start --services 10000 --runs 2 --rewrite ports
 
 The simulator (`python -m proxy.sim`, its own process) and the agent both run in a
 network namespace made for the run (removed afterwards, its rules with it). The agent's
@@ -19,6 +20,10 @@ each of them, while no agent runs: the restart then keeps what it can and delete
 nobody claims (the sweep, nftables/restart.py). Its figures: when the sweep's log line
 came (`sweep_done_s`, from the process's start) and its own `sweep_s`; and the kernel is
 asked for each deleted service's ClusterIP (none may be left) and a kept one's.
+`--rewrite` makes each run after the first another build's restart that writes every
+port again: `ports`, an agent whose ports' fingerprints differ (the same rules; its bases
+alike: the tables rewritten a transaction each, restart.rewrites_most), `all`, every
+@fingerprints flushed before it (the bases too: one transaction).
 
 Pod addresses come from 198.19.0.0/16; past 65,000 endpoints they repeat across
 services, which costs the agent the same as distinct ones (each service's endpoints are
@@ -65,7 +70,7 @@ from bench.common import (
     stop,
     system_seconds,
 )
-from proxy.dataplane.nftables.render import CLUSTER_IPS, TABLE
+from proxy.dataplane.nftables.render import CLUSTER_IPS, FINGERPRINTS, TABLE
 from proxy.dataplane.nftables.runner import NftRunner
 from proxy.model.types import Family
 from proxy.netns_lab.netns import entered
@@ -222,6 +227,35 @@ def delete_services(ns: str, kubeconfig: Path, names: Sequence[str], legacy: boo
         return ips, cluster_ip(keep)
 
 
+# The agent as a build whose every port renders otherwise (`--rewrite ports`): the same
+# rules, each port's fingerprint (render.fingerprint; a base's owner is its table alone)
+# made with the salt it is given as its first argument.
+SALTED = """
+import runpy, sys
+import proxy.dataplane.nftables.render as render
+salt, fingerprint = sys.argv.pop(1), render.fingerprint
+def salted(family, owner, *rest, **named):
+    return fingerprint(family, (*owner, salt) if len(owner) > 1 else owner, *rest, **named)
+render.fingerprint = salted
+sys.argv[0] = "proxy"
+runpy.run_module("proxy", run_name="__main__", alter_sys=True)
+"""
+
+
+def forget_fingerprints(ns: str, ipv6: bool) -> int:
+    """Every @fingerprints of our tables flushed, while no agent runs: what a version
+    that renders every port and base otherwise (another layout) finds at its start. How
+    many tables held one."""
+    family = "ip6" if ipv6 else "ip"
+    listed = subprocess.run(in_namespace(ns, ["nft", "list", "tables", family]),
+                            check=True, capture_output=True, text=True).stdout
+    tables = re.findall(rf"^table {family} ({re.escape(TABLE)}(?:-\d+)?)$", listed, re.M)
+    script = "".join(f"flush set {family} {t} {FINGERPRINTS}\n" for t in tables)
+    subprocess.run(in_namespace(ns, ["nft", "-f", "-"]), input=script, check=True,
+                   capture_output=True, text=True)
+    return len(tables)
+
+
 def deletion_plan(services: int, delete: int, runs: int) -> list[list[str]]:
     """The services deleted before each run after the first: `delete` each, spread over
     the cluster, none twice; service s-0 is never deleted."""
@@ -262,10 +296,12 @@ def _log_time(text: str) -> float:
 def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
                profile: Path | None, timeout: float, idle: float = 0.0,
                endpoints_source: str = "endpointslices", ipv6: bool = False,
-               deleted: Sequence[str] = (), kept: str = "") -> dict[str, Any]:
+               deleted: Sequence[str] = (), kept: str = "", salt: str = "") -> dict[str, Any]:
     """One start of the agent; `deleted`: ClusterIPs of services deleted before it, whose
-    rules its sweep must remove (`kept`: one that must stay)."""
-    argv = [sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
+    rules its sweep must remove (`kept`: one that must stay); `salt`: its ports'
+    fingerprints made with it (`SALTED`)."""
+    run_agent = ["-c", SALTED, salt] if salt else ["-m", "proxy"]
+    argv = [sys.executable, *run_agent, "--kubeconfig", str(kubeconfig),
             "--hostname-override", NODE, "--proxy-mode", mode,
             "--cluster-cidr", POD_CIDR_V6 if ipv6 else "198.19.0.0/16",
             "--endpoints-source", endpoints_source, "-v", "1"]
@@ -418,6 +454,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--delete", type=int, default=0, metavar="N",
                     help="nftables mode: before each run after the first, delete N services "
                     "(the restart's sweep is timed and checked)")
+    ap.add_argument("--rewrite", choices=("ports", "all"),
+                    help="nftables mode: each run after the first as another build's "
+                    "restart that writes every port again: ports, the agent's ports "
+                    "fingerprinted otherwise (another build renders them otherwise, its "
+                    "bases alike); all, every @fingerprints of our tables flushed before "
+                    "it (its bases too)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep-logs", type=Path, metavar="DIR",
                     help="keep the agent's and the simulator's logs here")
@@ -427,6 +469,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.delete and (args.mode != "nftables" or args.delete < 0
                         or args.services // args.delete < args.runs):
         ap.error("--delete needs --mode nftables, and N at most services / runs")
+    if args.rewrite and args.mode != "nftables":
+        ap.error("--rewrite needs --mode nftables")
     if not args.ipv6 and args.services > V4_SERVICES:
         ap.error(f"the simulator's IPv4 service range holds {V4_SERVICES:,} ClusterIPs: "
                  "use --ipv6 for more services")
@@ -449,8 +493,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 deleted, kept = delete_services(
                     ns, kubeconfig, plan[run - 1], args.endpoints_source == "endpoints",
                     "s-0") if run and plan else ([], "")
+                if run and args.rewrite == "all":
+                    forget_fingerprints(ns, args.ipv6)
+                salt = f"build-{run}" if run and args.rewrite == "ports" else ""
                 result = start_once(ns, kubeconfig, args.mode, work, run, profile, args.timeout,
-                                    args.idle, args.endpoints_source, args.ipv6, deleted, kept)
+                                    args.idle, args.endpoints_source, args.ipv6, deleted, kept,
+                                    salt)
                 print(f"run {run + 1}: {'restart' if run else 'cold start'} "
                       f"{result['cold_start_s']:.3f} s (listed at "
                       f"{result['listed_s'] or 0:.3f} s), agent CPU {result['cpu_s'] or 0:.2f} s "

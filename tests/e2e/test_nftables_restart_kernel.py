@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from proxy.dataplane.nftables import marks as marks_module
-from proxy.dataplane.nftables import render, slot_tail
+from proxy.dataplane.nftables import render, restart, slot_tail
 from proxy.dataplane.nftables.marks import marks_for
 from proxy.dataplane.nftables.render import FINGERPRINTS, port_chain
 from proxy.model.types import Family, ServicePortKey
@@ -24,6 +24,7 @@ from tests.e2e.conftest import Cluster, NodePlane
 from tests.e2e.test_nftables_kernel import ADDRESSES, FOREIGN, listing, nft, wipe
 from tests.unit.builders import ep, eps_slice, service
 from tests.unit.test_iptables_sync import clusters
+from tests.unit.test_nftables_restart_rewrite import another_build
 
 pytestmark = [pytest.mark.root, pytest.mark.usefixtures("host_untouched")]
 
@@ -249,4 +250,36 @@ def test_a_restart_over_a_split_the_deltas_moved_ends_where_a_clean_start_does(
     fresh = NodePlane(clean, mode="nftables", addresses=lambda: ADDRESSES)
     fresh.sync(state, full=True)
     fresh.settle()
+    assert listing(ns) == listing(clean)
+
+
+def test_another_build_that_renders_ports_otherwise_rewrites_a_table_a_transaction(
+        namespaces: Lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another build whose every port renders otherwise (here: the same rules, each
+    port's fingerprint made otherwise), over bases it writes alike: every table written
+    again, a transaction each (restart.rewrites_most), nothing read back but names and
+    @fingerprints; the node ends where that build's clean start does."""
+    monkeypatch.setattr(restart, "REWRITE_MIN_PORTS", 8)
+    monkeypatch.setattr(restart, "REWRITE_SAMPLE", 4)
+    ns, clean = namespaces.node_ns, namespaces.client_ns
+    cluster = Cluster()
+    objects = [o for i in range(10) for o in web(i)]
+    wipe(ns)
+    first = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES, shards=2)
+    first.sync(cluster.become(*objects), full=True)
+    first.settle()
+    another_build(monkeypatch)
+    try:
+        restarted = NodePlane(ns, mode="nftables", addresses=lambda: ADDRESSES, shards=2)
+        report = restarted.sync(cluster.become(*objects))
+        restarted.settle()
+        wipe(clean)
+        started = NodePlane(clean, mode="nftables", addresses=lambda: ADDRESSES, shards=2)
+        started.sync(Cluster().become(*objects), full=True)
+        started.settle()
+    finally:
+        monkeypatch.undo()
+        marks_for.cache_clear()
+    assert restart_of(report) == {"ports_kept": 0, "ports_written": 10, "elements_deleted": 0,
+                                  "elements_added": 0, "tables_rewritten": 3}
     assert listing(ns) == listing(clean)

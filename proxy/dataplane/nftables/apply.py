@@ -10,9 +10,10 @@ network namespace. Per family it keeps the `TableState` it last applied:
   whole; ports rendered ahead while the cluster listed, `render_ahead`, taken as they
   are if still current), or over tables this process wrote, the same shard count, a
   transaction per table (transaction.resync_lines: a full sync the loop asks for over
-  tables it knows). The periodic resync and the repair after drift are not full syncs
-  here, where they can help it: a table per housekeeping part, changes going between
-  (resync_steps.py);
+  tables it knows, or a restart over tables whose ports another build rendered
+  otherwise, restart.rewrites_most). The periodic resync and the repair after drift
+  are not full syncs here, where they can help it: a table per housekeeping part,
+  changes going between (resync_steps.py);
 - a partial sync renders only the service ports whose snapshot entry is not the very
   object applied last time (found in O(changes): `DesiredState.changed_since`), and
   sends only their chains and elements; a port whose endpoints alone changed (the
@@ -179,9 +180,11 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, MarkSteps, Res
         details: dict[str, object] = {"applier": applier}
         counts, fam.restart_counts = fam.restart_counts, None
         if counts is not None:
-            details["restart"] = {"ports_kept": counts.kept, "ports_written": counts.written,
-                                  "elements_deleted": counts.deleted,
-                                  "elements_added": counts.added}
+            restart = {"ports_kept": counts.kept, "ports_written": counts.written,
+                       "elements_deleted": counts.deleted, "elements_added": counts.added}
+            if counts.tables:  # another build's ports, every table rewritten
+                restart["tables_rewritten"] = counts.tables
+            details["restart"] = restart
         return Written(lines, details)
 
     def _after_sync(self, full: bool) -> None:
@@ -245,6 +248,12 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, MarkSteps, Res
             if done is not None:  # the first sync over our own tables: the diff alone
                 script, kept, counts = done
                 fam.restart_counts = counts
+                if counts.tables:
+                    log.info("restart over our tables, another build's ports: rewriting "
+                             "them a table a transaction", extra={
+                                 "family": fam.family.label, "ports_kept": 0,
+                                 "ports_written": counts.written, "tables": counts.tables})
+                    return script, kept
                 log.info("restart over our tables: writing what differs", extra={
                     "family": fam.family.label, "ports_kept": counts.kept,
                     "ports_written": counts.written, "elements_deleted": counts.deleted,

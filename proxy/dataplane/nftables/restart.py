@@ -26,7 +26,13 @@ cannot see: a foreign edit inside a chain whose name and fingerprint stayed. The
 watch covers a running agent, and the periodic full sync stays a full rewrite
 (full_lines), which repairs it. A version whose layout differs renders other
 fingerprints (or declares a set otherwise: the kernel refuses the `add`, and apply.py
-replaces the tables whole), so it rewrites everything.
+replaces the tables whole), so it rewrites everything: in one transaction where its
+bases differ too; where they are the kernel's as written (their fingerprints, chains
+and sets) and nearly every port differs (`rewrites_most`: another build that renders
+ports otherwise), a table a transaction instead, as the periodic resync writes them
+(transaction.resync_lines), reading nothing else back. Each table is whole when it
+commits and the bases agree, so every service is served throughout, by the old
+build's rules until its table's part and by the new ones after.
 It assumes no other writer of our tables between the read-back and the commit: one
 agent per node, as the shipped rollout (maxUnavailable: 1) keeps it.
 
@@ -43,6 +49,7 @@ then in: restart_steps.py).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -85,6 +92,12 @@ class KernelTables:
     elements: Mapping[Named, Held] = field(default_factory=dict)
 
 
+# A restart over another build's tables renders this many ports (the first in key
+# order) to tell whether it rewrites them all (`rewrites_most`), over this many or more.
+REWRITE_SAMPLE = 200
+REWRITE_MIN_PORTS = 1_000
+
+
 @dataclass
 class RestartCounts:
     """What a restart script writes: ports kept as the kernel holds them, ports written,
@@ -96,6 +109,7 @@ class RestartCounts:
     deleted: int = 0
     added: int = 0
     aside: int = 0
+    tables: int = 0  # rewritten a table a transaction (`rewrites_most`): how many
 
 
 def base_sets(bases: Sequence[BaseObjects]) -> list[tuple[str, str, tuple[str, ...], bool]]:
@@ -304,16 +318,52 @@ def kept_by_marks(bases: Sequence[BaseObjects], marks: Mapping[ServicePortKey, K
     bases are not all there as `bases` write them, in exactly their tables: then every
     port is rendered."""
     held = held_fingerprints(kernel)
-    if held is None or kernel.tables != {b.table for b in bases}:
+    if held is None or not _bases_as_written(bases, kernel, held):
         return None
-    if any((b.table, c.name) not in kernel.chains for b in bases for c in b.chains):
-        return None
-    family = bases[0].family
-    if len(_found(family, [b.fingerprint for b in bases], held)) != len(bases):
-        return None
-    found = _found(family, list(marks.values()), held)
+    found = _found(bases[0].family, list(marks.values()), held)
     kept = {k for k, mark in marks.items() if mark in found}
     return kept, len(kept) < len(marks) or len(held) != len(bases) + 2 * len(marks)
+
+
+def _bases_as_written(bases: Sequence[BaseObjects], kernel: KernelTables, held: Held) -> bool:
+    """Whether `kernel` holds exactly the tables of `bases`, and each base as it writes
+    it: its fingerprint (among `held`, @fingerprints read back), chains and sets."""
+    if kernel.tables != {b.table for b in bases}:
+        return False
+    if any((b.table, c.name) not in kernel.chains for b in bases for c in b.chains) \
+            or any((b.table, s.name) not in kernel.sets for b in bases for s in b.sets):
+        return False
+    return len(_found(bases[0].family, [b.fingerprint for b in bases], held)) == len(bases)
+
+
+def rewrites_most(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
+                  kernel: KernelTables) -> bool:
+    """Whether a restart over `kernel` (its names and @fingerprints read back) rewrites
+    every table, a table a transaction (transaction.resync_lines), rather than write the
+    diff in one: where it would write nearly every port again (another build that
+    renders ports otherwise), at 100,000 services one transaction of every port, after
+    reading back the bases' maps and @hairpin (a million pairs: 70 s), and holding
+    every port it writes until then.
+
+    Only over exactly the bases' tables, each base as written (`_bases_as_written`):
+    then what the tables agree on between them (a packet's marks, which table
+    dispatches) is this version's, so each table may go live on its own, its ports in
+    the other layout until their table's part, none missing. And only for
+    REWRITE_MIN_PORTS ports or more (fewer take a fraction of a second in one
+    transaction), of which the first REWRITE_SAMPLE in key order (`ports` renders each
+    as it is asked) are three in four or more not held as rendered. A sample wrong the
+    other way (the first ports changed while no agent ran, the rest not) costs a
+    rewrite, which is what a periodic resync does anyway."""
+    if len(ports) < REWRITE_MIN_PORTS:
+        return False
+    held = held_fingerprints(kernel)
+    if held is None or not _bases_as_written(bases, kernel, held):
+        return False
+    first = [ports[k] for k in heapq.nsmallest(REWRITE_SAMPLE, ports)]
+    marks = _found(bases[0].family,
+                   [m for p in first for m in (p.fingerprint, p.input_mark) if m], held)
+    written = sum(1 for p in first if not _intact(p, kernel, marks))
+    return 4 * written >= 3 * len(first)
 
 
 def marks_aside(state: TableState, kernel: KernelTables) -> dict[str, list[bytes]]:

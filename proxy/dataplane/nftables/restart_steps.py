@@ -70,6 +70,7 @@ from proxy.dataplane.nftables.restart import (
     picks_to_probe,
     render_all,
     restart_lines,
+    rewrites_most,
     sets_needed,
     sweep_lines,
     with_input_mark,
@@ -87,6 +88,7 @@ from proxy.dataplane.nftables.transaction import (
     Unfinished,
     deferred_lines,
     kept_slots,
+    resync_lines,
     unclaimed,
 )
 from proxy.dataplane.nftables.wire import element_keys
@@ -508,6 +510,14 @@ class RestartSteps:
         first = [s for s in base_sets(bases) if s[3] or s[1] == FINGERPRINTS]
         if not self._read_sets(fam, kernel, [s for s in first if not s[3]]):
             return None
+        if rewrites_most(bases, ports, kernel):
+            # Another build's ports: every table written again, a transaction each,
+            # each port rendered as its table's part is read (nothing else read back).
+            parts, state = resync_lines(bases, {k: functools.partial(ports.__getitem__, k)
+                                                for k in ports},
+                                        kernel.chains, kernel.sets, kernel.counters)
+            fam.marks_aside = {}
+            return parts, state, RestartCounts(written=len(ports), tables=len(bases))
         rendered = render_all(bases, ports, kernel)
         heap.release_free_memory()  # the rendered ports it kept and let go
         as_owned = not rendered.written \
