@@ -7,13 +7,15 @@ last owner."""
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.dataplane.nftables import transaction
 from proxy.dataplane.nftables.objects import Element, Value, Verdict
 from proxy.dataplane.nftables.render import pick_map
-from proxy.dataplane.nftables.transaction import ElementKey, Owners
+from proxy.dataplane.nftables.transaction import ElementKey, Owners, element_statements
 from proxy.model.types import Family, ServicePortKey
 
 PORTS = [ServicePortKey("ns", f"s{i}", "", Family.V4) for i in range(3)]
@@ -27,7 +29,9 @@ ELEMENTS: list[ElementKey] = [("t", "hairpin", ("198.18.0.1", "198.18.0.1")),
                               ("t", PICKED, ("198.18.128.1", 80, 0)),
                               ("t", PICKED, ("198.18.128.1", 80, 1)),
                               ("t", PICKED, ("198.18.128.1", 80, 2)),
-                              ("t", PICKED, ("198.18.128.2", 80, 1))]
+                              ("t", PICKED, ("198.18.128.2", 80, 1)),
+                              ("t", "hairpin", ("198.18.0.2", "198.18.0.2")),
+                              ("t", "hairpin", ("198.18.0.3", "198.18.0.3"))]
 VALUES: list[Value] = [(), Verdict("goto", "svc-a"), Verdict("goto", "svc-b"),
                        ("198.18.0.7", 8080), ("198.18.0.8", 8080)]
 
@@ -62,6 +66,16 @@ def test_owners_answer_as_a_plain_map_would(
     assert {(t, s, k): v for t, s, pairs in owners.sets() for k, v in pairs} \
         == dict(owners.elements())
     assert len(owners) == len(plain)
+    # As a full script writes them: each element once, in statements of at most
+    # ELEMENTS_PER_LINE, read as pairs or one by one (@hairpin's made when read).
+    with mock.patch.object(transaction, "ELEMENTS_PER_LINE", 2):
+        statements = [s for t, name, pairs in owners.sets()
+                      for s in element_statements("add", t, name, pairs)]
+    written = [((s.table, s.set, k), v) for s in statements for k, v in s.items]
+    assert dict(written) == dict(owners.elements()) and len(written) == len(plain)
+    assert all(0 < len(s.items) <= 2 for s in statements)
+    assert all(list(s.items) == [s.items[i] for i in range(len(s.items))] == list(s.items[:])
+               for s in statements)
 
 
 @settings(max_examples=300, deadline=None)
