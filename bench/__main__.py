@@ -111,7 +111,12 @@ SCENARIOS = (
                                                        "10", "--runs", "3")),)}),
     Scenario("agent-start", "bench.agent_start", "The agent's cold start on the simulator", {
         "small": (Run("200 services x 5", ("--services", "200", "--endpoints", "5",
-                                          "--runs", "2", "--idle", "1", "--delete", "20")),),
+                                          "--runs", "2", "--idle", "1", "--delete", "20")),
+                  # A restart as another build whose ports render otherwise: the tables
+                  # rewritten a transaction each (from 1,000 ports on).
+                  Run("1,000 services x 2, another build", (
+                      "--services", "1000", "--endpoints", "2", "--runs", "2",
+                      "--rewrite", "ports"))),
         "full": (Run("1,000 services x 10", ("--services", "1000", "--endpoints", "10",
                                             "--idle", "10")),
                  Run("10,000 services x 10", ("--services", "10000", "--endpoints", "10",
@@ -123,7 +128,10 @@ SCENARIOS = (
                  Run("100,000 services x 10, IPv6", ("--services", "100000", "--endpoints",
                                                     "10", "--ipv6", "--runs", "2",
                                                     "--idle", "60", "--timeout", "1200",
-                                                    "--delete", "1000")))}),
+                                                    "--delete", "1000")),
+                 Run("100,000 services x 10, IPv6, another build", (
+                     "--services", "100000", "--endpoints", "10", "--ipv6", "--runs", "2",
+                     "--timeout", "1200", "--rewrite", "ports")))}),
     Scenario("restart", "bench.rule_sync", "nftables restarts over the agent's own tables, "
              "beside a full resync (what every restart wrote before)", {
                  "small": (Run("200 services x 5", ("--sizes", "200", "--endpoints", "5",

@@ -83,7 +83,7 @@ NODES = 50  # endpoints spread over this many nodes, one of them the agent's
 FIRST_SYNC = re.compile(r"first sync done.*?since_start[=\"': ]+([0-9.]+)s")
 # The split: process start -> every resource listed (imports, lists, decoding).
 RESTART = re.compile(r"restart over our tables.*?ports_kept[=\"': ]+(\d+).*?"
-                     r"ports_written[=\"': ]+(\d+)")
+                     r"ports_written[=\"': ]+(\d+)(?:.*?tables[=\"': ]+(\d+))?")
 # The sweep after a restart (nftables/restart_steps.py), and a log line's time.
 SWEPT = re.compile(r"time=(\S+) .*?what nobody claims deleted.*?seconds[=\"': ]+([0-9.]+)")
 SWEEP_DUE = re.compile(r"restart over our tables: writing what differs.*?sweep=True")
@@ -227,16 +227,19 @@ def delete_services(ns: str, kubeconfig: Path, names: Sequence[str], legacy: boo
         return ips, cluster_ip(keep)
 
 
-# The agent as a build whose every port renders otherwise (`--rewrite ports`): the same
-# rules, each port's fingerprint (render.fingerprint; a base's owner is its table alone)
-# made with the salt it is given as its first argument.
+# The agent as another build whose every port renders otherwise (`--rewrite ports`): the
+# same rules, each port's fingerprint (render.fingerprint; a base's owner is its table
+# alone) made with the salt it is given as its first argument, and its code's digest
+# (which the input marks hold, marks.py) the salt's.
 SALTED = """
 import runpy, sys
+import proxy.dataplane.nftables.marks as marks
 import proxy.dataplane.nftables.render as render
 salt, fingerprint = sys.argv.pop(1), render.fingerprint
 def salted(family, owner, *rest, **named):
     return fingerprint(family, (*owner, salt) if len(owner) > 1 else owner, *rest, **named)
 render.fingerprint = salted
+marks.source_digest = salt.encode
 sys.argv[0] = "proxy"
 runpy.run_module("proxy", run_name="__main__", alter_sys=True)
 """
@@ -343,8 +346,10 @@ def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
                "listed_s": float(listed.group(1)) if listed else None,
                # A start over the tables the previous run left (runs after the first,
                # nftables mode): what it kept and wrote (restart.py).
-               "restart": [{"ports_kept": int(k), "ports_written": int(w)}
-                           for k, w in RESTART.findall(text)] or None,
+               # (and, another build's ports rewritten a table a transaction, how many)
+               "restart": [{"ports_kept": int(k), "ports_written": int(w),
+                            "tables_rewritten": int(t or 0)}
+                           for k, w, t in RESTART.findall(text)] or None,
                # the agent's CPU to this moment (a loaded machine stretches the wall
                # clock more than this), and the kernel's share of it
                "cpu_s": cpu_seconds(agent) if agent else None,
@@ -408,16 +413,28 @@ def markdown(summary: dict[str, Any]) -> str:
     starts = ", ".join(f"{r['cold_start_s']:.2f}" for r in runs)
     peaks = ", ".join(f"{r['peak_rss_mib'] or 0:.0f}" for r in runs)
     idle = ", ".join(f"{r['idle_cpu_percent']}" for r in runs if "idle_cpu_percent" in r)
-    sweeps = ", ".join(f"{s['deleted']} deleted: done at {s['sweep_done_s']:.2f} s, "
-                       f"{s['deleted_held']} of {s['checked']} left"
-                       for r in runs if (s := r.get("sweep")))
+    restarts = "; ".join(_restart_text(r) for r in runs[1:])
     return "\n".join([
         "| services x endpoints | mode | cold start, median (runs) | peak RSS MiB (runs) | "
-        "idle CPU % (runs) | restarts' sweeps |",
+        "idle CPU % (runs) | restarts |",
         "|---|---|---|---|---|---|",
         f"| {summary['services']:,} x {summary['endpoints']} | {summary['mode']} | "
         f"{summary['cold_start_median_s']:.2f} s ({starts}) | {peaks} | {idle or '-'} | "
-        f"{sweeps or '-'} |"])
+        f"{restarts or '-'} |"])
+
+
+def _restart_text(run: dict[str, Any]) -> str:
+    """A restart's ports kept and written (IPv4 and IPv6 summed), and its sweep."""
+    families = run.get("restart") or []
+    kept = sum(f["ports_kept"] for f in families)
+    written = sum(f["ports_written"] for f in families)
+    tables = sum(f.get("tables_rewritten", 0) for f in families)
+    text = f"{kept:,} kept, {written:,} written" + (f" ({tables} tables rewritten)"
+                                                    if tables else "")
+    if s := run.get("sweep"):
+        text += (f", {s['deleted']} deleted: swept at {s['sweep_done_s']:.2f} s, "
+                 f"{s['deleted_held']} of {s['checked']} left")
+    return text
 
 
 # ClusterIPs the simulator's default IPv4 service range (198.18.128.0/17) holds.

@@ -45,6 +45,12 @@ def test_small_run_writes_tables_and_plots(tmp_path: Path) -> None:
     assert sweep["deleted"] == 20 and sweep["checked"] == 20
     assert sweep["deleted_held"] == 0 and sweep["kept_held"]
     assert sweep["sweep_done_s"] >= runs[1]["cold_start_s"]
+    # Another build's restart over 1,000 ports it renders otherwise: every port written
+    # again, a table a transaction.
+    rewrite = saved["results"]["agent-start"][1]["result"]["runs"][1]["restart"]
+    assert [(f["ports_kept"], f["ports_written"]) for f in rewrite if f["ports_written"]] \
+        == [(0, 1000)] and sum(f["tables_rewritten"] for f in rewrite) >= 2
+    assert "1,000 x 2 | nftables |" in text and "(2 tables rewritten)" in text
     check_cold_start_and_resync(saved["results"]["memory"][0]["result"][0])
     # A second run replaces its section, and only it.
     assert bench_main.main(["--size", "small", "--only", "agent-start",
