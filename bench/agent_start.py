@@ -22,8 +22,8 @@ came (`sweep_done_s`, from the process's start) and its own `sweep_s`; and the k
 asked for each deleted service's ClusterIP (none may be left) and a kept one's.
 `--rewrite` makes each run after the first another build's restart that writes every
 port again: `ports`, an agent whose ports' fingerprints differ (the same rules; its bases
-alike: the tables rewritten a transaction each, restart.rewrites_most), `all`, every
-@fingerprints flushed before it (the bases too: one transaction).
+alike: the tables rewritten a transaction each, restart.rewrite_of), `all`, every
+@fingerprints flushed before it (the bases too: every port written in one transaction).
 
 Pod addresses come from 198.19.0.0/16; past 65,000 endpoints they repeat across
 services, which costs the agent the same as distinct ones (each service's endpoints are

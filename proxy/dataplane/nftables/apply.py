@@ -11,7 +11,7 @@ network namespace. Per family it keeps the `TableState` it last applied:
   are if still current), or over tables this process wrote, the same shard count, a
   transaction per table (transaction.resync_lines: a full sync the loop asks for over
   tables it knows, or a restart over tables whose ports another build rendered
-  otherwise, restart.rewrites_most). The periodic resync and the repair after drift
+  otherwise, restart.rewrite_of). The periodic resync and the repair after drift
   are not full syncs here, where they can help it: a table per housekeeping part,
   changes going between (resync_steps.py);
 - a partial sync renders only the service ports whose snapshot entry is not the very
@@ -72,6 +72,7 @@ from proxy.dataplane.nftables.render import (
 )
 from proxy.dataplane.nftables.restart import (
     KernelTables,
+    Rewrite,
     with_input_mark,
 )
 from proxy.dataplane.nftables.restart_steps import RENDERS_PER_TRIM, NftFamily, RestartSteps
@@ -182,8 +183,10 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, MarkSteps, Res
         if counts is not None:
             restart = {"ports_kept": counts.kept, "ports_written": counts.written,
                        "elements_deleted": counts.deleted, "elements_added": counts.added}
-            if counts.tables:  # another build's ports, every table rewritten
+            if counts.rewrite is not None:  # another build's ports, every table rewritten
                 restart["tables_rewritten"] = counts.tables
+                restart["transactions"] = \
+                    counts.tables if counts.rewrite is Rewrite.TABLES else 1
             details["restart"] = restart
         return Written(lines, details)
 
@@ -248,11 +251,12 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, MarkSteps, Res
             if done is not None:  # the first sync over our own tables: the diff alone
                 script, kept, counts = done
                 fam.restart_counts = counts
-                if counts.tables:
+                if counts.rewrite is not None:
                     log.info("restart over our tables, another build's ports: rewriting "
-                             "them a table a transaction", extra={
+                             "every table", extra={
                                  "family": fam.family.label, "ports_kept": 0,
-                                 "ports_written": counts.written, "tables": counts.tables})
+                                 "ports_written": counts.written, "tables": counts.tables,
+                                 "how": counts.rewrite.value})
                     return script, kept
                 log.info("restart over our tables: writing what differs", extra={
                     "family": fam.family.label, "ports_kept": counts.kept,

@@ -26,13 +26,15 @@ cannot see: a foreign edit inside a chain whose name and fingerprint stayed. The
 watch covers a running agent, and the periodic full sync stays a full rewrite
 (full_lines), which repairs it. A version whose layout differs renders other
 fingerprints (or declares a set otherwise: the kernel refuses the `add`, and apply.py
-replaces the tables whole), so it rewrites everything: in one transaction where its
-bases differ too; where they are the kernel's as written (their fingerprints, chains
-and sets) and nearly every port differs (`rewrites_most`: another build that renders
-ports otherwise), a table a transaction instead, as the periodic resync writes them
-(transaction.resync_lines), reading nothing else back. Each table is whole when it
+replaces the tables whole), so it rewrites everything. Where nearly every port
+differs (`rewrite_of`: another build that renders ports otherwise), it reads nothing
+else back and writes every port again, each rendered as the script is read: over
+bases as written (their fingerprints, chains and sets), a table a transaction, as the
+periodic resync writes them (transaction.resync_lines; each table is whole when it
 commits and the bases agree, so every service is served throughout, by the old
-build's rules until its table's part and by the new ones after.
+build's rules until its table's part and by the new ones after); over other bases, in
+one transaction, as a first start writes them, every set flushed and the stale
+deleted (transaction.rewrite_lines).
 It assumes no other writer of our tables between the read-back and the commit: one
 agent per node, as the shipped rollout (maxUnavailable: 1) keeps it.
 
@@ -49,6 +51,7 @@ then in: restart_steps.py).
 
 from __future__ import annotations
 
+import enum
 import heapq
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -93,7 +96,7 @@ class KernelTables:
 
 
 # A restart over another build's tables renders this many ports (the first in key
-# order) to tell whether it rewrites them all (`rewrites_most`), over this many or more.
+# order) to tell whether it rewrites them all (`rewrite_of`), over this many or more.
 REWRITE_SAMPLE = 200
 REWRITE_MIN_PORTS = 1_000
 
@@ -109,7 +112,9 @@ class RestartCounts:
     deleted: int = 0
     added: int = 0
     aside: int = 0
-    tables: int = 0  # rewritten a table a transaction (`rewrites_most`): how many
+    # Every table rewritten (`rewrite_of`): how many, and how.
+    tables: int = 0
+    rewrite: Rewrite | None = None
 
 
 def base_sets(bases: Sequence[BaseObjects]) -> list[tuple[str, str, tuple[str, ...], bool]]:
@@ -336,34 +341,43 @@ def _bases_as_written(bases: Sequence[BaseObjects], kernel: KernelTables, held: 
     return len(_found(bases[0].family, [b.fingerprint for b in bases], held)) == len(bases)
 
 
-def rewrites_most(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
-                  kernel: KernelTables) -> bool:
-    """Whether a restart over `kernel` (its names and @fingerprints read back) rewrites
-    every table, a table a transaction (transaction.resync_lines), rather than write the
-    diff in one: where it would write nearly every port again (another build that
-    renders ports otherwise), at 100,000 services one transaction of every port, after
-    reading back the bases' maps and @hairpin (a million pairs: 70 s), and holding
-    every port it writes until then.
+class Rewrite(enum.Enum):
+    """How a restart writes every port again (`rewrite_of`)."""
 
-    Only over exactly the bases' tables, each base as written (`_bases_as_written`):
-    then what the tables agree on between them (a packet's marks, which table
-    dispatches) is this version's, so each table may go live on its own, its ports in
-    the other layout until their table's part, none missing. And only for
-    REWRITE_MIN_PORTS ports or more (fewer take a fraction of a second in one
+    TABLES = "a table a transaction"  # transaction.resync_lines
+    WHOLE = "one transaction"  # transaction.rewrite_lines
+
+
+def rewrite_of(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, PortObjects],
+               kernel: KernelTables) -> Rewrite | None:
+    """How a restart over `kernel` (its names and @fingerprints read back) rewrites every
+    port, rather than write the diff (None): where it would write nearly every port
+    again (another build that renders ports otherwise). The diff then read back the
+    bases' maps and @hairpin (a million pairs: 70 s at 100,000 services) and held every
+    port it wrote until its transaction (2.1 GiB there).
+
+    TABLES where the kernel holds exactly the bases' tables, each base as written
+    (`_bases_as_written`): then what the tables agree on between them (a packet's marks,
+    which table dispatches) is this version's, so each table may go live on its own,
+    its ports in the other layout until their table's part, none missing. WHOLE
+    otherwise: one transaction, as a first start writes it with every set flushed and
+    the stale deleted, reading nothing back.
+
+    Only for REWRITE_MIN_PORTS ports or more (fewer take a fraction of a second in one
     transaction), of which the first REWRITE_SAMPLE in key order (`ports` renders each
     as it is asked) are three in four or more not held as rendered. A sample wrong the
     other way (the first ports changed while no agent ran, the rest not) costs a
     rewrite, which is what a periodic resync does anyway."""
-    if len(ports) < REWRITE_MIN_PORTS:
-        return False
     held = held_fingerprints(kernel)
-    if held is None or not _bases_as_written(bases, kernel, held):
-        return False
+    if len(ports) < REWRITE_MIN_PORTS or held is None:
+        return None
     first = [ports[k] for k in heapq.nsmallest(REWRITE_SAMPLE, ports)]
     marks = _found(bases[0].family,
                    [m for p in first for m in (p.fingerprint, p.input_mark) if m], held)
     written = sum(1 for p in first if not _intact(p, kernel, marks))
-    return 4 * written >= 3 * len(first)
+    if 4 * written < 3 * len(first):
+        return None
+    return Rewrite.TABLES if _bases_as_written(bases, kernel, held) else Rewrite.WHOLE
 
 
 def marks_aside(state: TableState, kernel: KernelTables) -> dict[str, list[bytes]]:

@@ -62,6 +62,7 @@ from proxy.dataplane.nftables.restart import (
     KernelTables,
     RenderedAll,
     RestartCounts,
+    Rewrite,
     base_sets,
     dispatch_keys,
     kept_by_marks,
@@ -70,7 +71,7 @@ from proxy.dataplane.nftables.restart import (
     picks_to_probe,
     render_all,
     restart_lines,
-    rewrites_most,
+    rewrite_of,
     sets_needed,
     sweep_lines,
     with_input_mark,
@@ -89,6 +90,7 @@ from proxy.dataplane.nftables.transaction import (
     deferred_lines,
     kept_slots,
     resync_lines,
+    rewrite_lines,
     unclaimed,
 )
 from proxy.dataplane.nftables.wire import element_keys
@@ -510,14 +512,21 @@ class RestartSteps:
         first = [s for s in base_sets(bases) if s[3] or s[1] == FINGERPRINTS]
         if not self._read_sets(fam, kernel, [s for s in first if not s[3]]):
             return None
-        if rewrites_most(bases, ports, kernel):
-            # Another build's ports: every table written again, a transaction each,
-            # each port rendered as its table's part is read (nothing else read back).
-            parts, state = resync_lines(bases, {k: functools.partial(ports.__getitem__, k)
-                                                for k in ports},
-                                        kernel.chains, kernel.sets, kernel.counters)
+        rewrite = rewrite_of(bases, ports, kernel)
+        if rewrite is not None:
+            # Another build's ports: every port written again, each rendered as the
+            # script is read (nothing else read back).
+            each = {k: functools.partial(ports.__getitem__, k) for k in ports}
             fam.marks_aside = {}
-            return parts, state, RestartCounts(written=len(ports), tables=len(bases))
+            if rewrite is Rewrite.TABLES:
+                parts, state = resync_lines(bases, each, kernel.chains, kernel.sets,
+                                            kernel.counters)
+                return parts, state, RestartCounts(written=len(ports), tables=len(bases),
+                                                   rewrite=rewrite)
+            whole, state = rewrite_lines(bases, each, kernel.chains, kernel.sets,
+                                         kernel.counters, kernel.tables)
+            return whole, state, RestartCounts(written=len(ports), tables=len(bases),
+                                               rewrite=rewrite)
         rendered = render_all(bases, ports, kernel)
         heap.release_free_memory()  # the rendered ports it kept and let go
         as_owned = not rendered.written \

@@ -1061,49 +1061,80 @@ def first_lines(bases: Sequence[BaseObjects],
     kernel holds (`Owners`). The state is filled as the script is read: read it
     through first."""
     state = TableState(bases[0].family, tuple(bases))
-    keys = sorted(ports)
-
-    def make() -> Iterator[Statement]:
-        sent: set[ElementKey] = set()  # map elements written
-        for b in state.bases:
-            yield Command("add", b.table, Table(b.table))
-        for b in state.bases:
-            for s in b.sets:
-                yield Command("add", b.table, s)
-        for b in state.bases:
-            for c in b.chains:
-                if c.hook is None:
-                    yield Command("add", b.table, c)
-            state.owners.add_rendered(BASE_OWNER, b.elements)
-        # The bases' fingerprints with their rules, in the last part (restart.py).
-        yield from _fresh_elements(sent, (e for b in state.bases for e in b.elements
-                                          if e.set != FINGERPRINTS))
-        yield COMMIT
-        part: list[PortObjects] = []
-        size = 0
-        chains = sum(len(b.chains) for b in state.bases)
-        for n, key in enumerate(keys, 1):
-            p = ports[key]()
-            state.ports[key] = KeptPort.of(p)
-            state.owners.add_rendered(key, p.elements, p.picked)
-            part.append(p)
-            # Its chains and rules, and its elements (a picked port has nothing else).
-            size += len(p.elements) + sum(len(c.rules) + 1 for c in p.chains)
-            chains += len(p.chains)
-            if size < max(stage_lines, chains // CHAINS_PER_STAGE_LINE) and n < len(keys):
-                continue
-            yield from _ports_part(part, sent)
-            yield COMMIT
-            part, size = [], 0
-        for b in state.bases:
-            for c in b.chains:
-                if c.hook is not None:
-                    yield Command("add", b.table, c)
-        yield Rules([(b.table, b.chains) for b in state.bases])
-        yield from _fresh_elements(sent, (e for b in state.bases for e in b.elements
-                                          if e.set == FINGERPRINTS))
-
+    make = functools.partial(_everything, state, ports, stage_lines, None)
     return Script(make, table_family(state.family), parts=True), state
+
+
+def rewrite_lines(bases: Sequence[BaseObjects],
+                  ports: Mapping[ServicePortKey, Callable[[], PortObjects]],
+                  kernel_chains: Iterable[Named], kernel_sets: Mapping[Named, str],
+                  kernel_counters: Iterable[Named], kernel_tables: Iterable[str]
+                  ) -> tuple[Script, TableState]:
+    """`first_lines`' statements over tables another build wrote (names read back:
+    `kernel_*`), in one transaction: each of the bases' sets flushed as it is declared,
+    and what nobody wants deleted last (stale_statements). A restart over tables whose
+    ports nearly all render otherwise, and whose bases do too (restart.rewrite_of):
+    `full_lines`' transaction, but each port rendered as the script is read and let go
+    once encoded, never all held (the kernel's batch is, until the commit). The state
+    is filled as the script is read: read it through first."""
+    state = TableState(bases[0].family, tuple(bases))
+    over = (list(kernel_chains), dict(kernel_sets), set(kernel_counters), list(kernel_tables))
+    make = functools.partial(_everything, state, ports, STAGE_LINES, over)
+    return Script(make, table_family(state.family)), state
+
+
+def _everything(state: TableState, ports: Mapping[ServicePortKey, Callable[[], PortObjects]],
+                stage_lines: int,
+                over: tuple[list[Named], dict[Named, str], set[Named], list[str]] | None
+                ) -> Iterator[Statement]:
+    """`first_lines`' statements (`over` None), or `rewrite_lines`': over what the
+    kernel holds (its chains, sets, counters and tables), with no COMMIT, every base
+    set flushed, and the stale deleted last."""
+    sent: set[ElementKey] = set()  # map elements written
+    for b in state.bases:
+        yield Command("add", b.table, Table(b.table))
+    for b in state.bases:
+        for s in b.sets:
+            yield Command("add", b.table, s)
+            if over is not None:
+                yield Command("flush", b.table, s)
+    for b in state.bases:
+        for c in b.chains:
+            if c.hook is None:
+                yield Command("add", b.table, c)
+        state.owners.add_rendered(BASE_OWNER, b.elements)
+    # The bases' fingerprints with their rules, in the last part (restart.py).
+    yield from _fresh_elements(sent, (e for b in state.bases for e in b.elements
+                                      if e.set != FINGERPRINTS))
+    if over is None:
+        yield COMMIT
+    keys = sorted(ports)
+    part: list[PortObjects] = []
+    size = 0
+    chains = sum(len(b.chains) for b in state.bases)
+    for n, key in enumerate(keys, 1):
+        p = ports[key]()
+        state.ports[key] = KeptPort.of(p)
+        state.owners.add_rendered(key, p.elements, p.picked)
+        part.append(p)
+        # Its chains and rules, and its elements (a picked port has nothing else).
+        size += len(p.elements) + sum(len(c.rules) + 1 for c in p.chains)
+        chains += len(p.chains)
+        if size < max(stage_lines, chains // CHAINS_PER_STAGE_LINE) and n < len(keys):
+            continue
+        yield from _ports_part(part, sent)
+        if over is None:
+            yield COMMIT
+        part, size = [], 0
+    for b in state.bases:
+        for c in b.chains:
+            if c.hook is not None:
+                yield Command("add", b.table, c)
+    yield Rules([(b.table, b.chains) for b in state.bases])
+    yield from _fresh_elements(sent, (e for b in state.bases for e in b.elements
+                                      if e.set == FINGERPRINTS))
+    if over is not None:
+        yield from stale_statements(state, *over)
 
 
 def _ports_part(part: Sequence[PortObjects], sent: set[ElementKey]) -> Iterator[Statement]:
