@@ -70,7 +70,7 @@ from bench.common import (
     stop,
     system_seconds,
 )
-from proxy.dataplane.nftables.render import CLUSTER_IPS, FINGERPRINTS, TABLE
+from proxy.dataplane.nftables.render import CLUSTER_IPS, FINGERPRINTS, OUR_TABLES, TABLE
 from proxy.dataplane.nftables.runner import NftRunner
 from proxy.model.types import Family
 from proxy.netns_lab.netns import entered
@@ -227,36 +227,47 @@ def delete_services(ns: str, kubeconfig: Path, names: Sequence[str], legacy: boo
         return ips, cluster_ip(keep)
 
 
-# The agent as another build whose every port renders otherwise (`--rewrite ports`): the
-# same rules, each port's fingerprint (render.fingerprint; a base's owner is its table
-# alone) made with the salt it is given as its first argument, and its code's digest
-# (which the input marks hold, marks.py) the salt's.
-SALTED = """
-import runpy, sys
+# The agent as another build whose every port renders otherwise (`--rewrite ports`), run
+# at its start (Python's `sitecustomize`, `another_build`): the same rules, each port's
+# fingerprint (render.fingerprint; a base's owner is its table alone) and its code's
+# digest (which the input marks hold, marks.py) made with SALT.
+ANOTHER_BUILD = """
 import proxy.dataplane.nftables.marks as marks
 import proxy.dataplane.nftables.render as render
-salt, fingerprint = sys.argv.pop(1), render.fingerprint
+
+SALT = {salt!r}
+fingerprint = render.fingerprint
+
+
 def salted(family, owner, *rest, **named):
-    return fingerprint(family, (*owner, salt) if len(owner) > 1 else owner, *rest, **named)
+    return fingerprint(family, (*owner, SALT) if len(owner) > 1 else owner, *rest, **named)
+
+
 render.fingerprint = salted
-marks.source_digest = salt.encode
-sys.argv[0] = "proxy"
-runpy.run_module("proxy", run_name="__main__", alter_sys=True)
+marks.source_digest = SALT.encode
 """
 
 
-def forget_fingerprints(ns: str, ipv6: bool) -> int:
+def another_build(work: Path, salt: str) -> Path:
+    """A folder whose `sitecustomize` makes the agent that has it on its path another
+    build (`ANOTHER_BUILD`), one for each `salt`."""
+    folder = work / f"build-{salt}"
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text(ANOTHER_BUILD.format(salt=salt))
+    return folder
+
+
+def forget_fingerprints(ns: str, ipv6: bool) -> None:
     """Every @fingerprints of our tables flushed, while no agent runs: what a version
-    that renders every port and base otherwise (another layout) finds at its start. How
-    many tables held one."""
+    that renders every port and base otherwise (another layout) finds at its start."""
     family = "ip6" if ipv6 else "ip"
     listed = subprocess.run(in_namespace(ns, ["nft", "list", "tables", family]),
                             check=True, capture_output=True, text=True).stdout
-    tables = re.findall(rf"^table {family} ({re.escape(TABLE)}(?:-\d+)?)$", listed, re.M)
+    tables = [t for t in re.findall(rf"^table {family} (\S+)$", listed, re.M)
+              if t in OUR_TABLES]
     script = "".join(f"flush set {family} {t} {FINGERPRINTS}\n" for t in tables)
     subprocess.run(in_namespace(ns, ["nft", "-f", "-"]), input=script, check=True,
                    capture_output=True, text=True)
-    return len(tables)
 
 
 def deletion_plan(services: int, delete: int, runs: int) -> list[list[str]]:
@@ -301,10 +312,9 @@ def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
                endpoints_source: str = "endpointslices", ipv6: bool = False,
                deleted: Sequence[str] = (), kept: str = "", salt: str = "") -> dict[str, Any]:
     """One start of the agent; `deleted`: ClusterIPs of services deleted before it, whose
-    rules its sweep must remove (`kept`: one that must stay); `salt`: its ports'
-    fingerprints made with it (`SALTED`)."""
-    run_agent = ["-c", SALTED, salt] if salt else ["-m", "proxy"]
-    argv = [sys.executable, *run_agent, "--kubeconfig", str(kubeconfig),
+    rules its sweep must remove (`kept`: one that must stay); `salt`: it is another
+    build, its ports' fingerprints made with it (`ANOTHER_BUILD`)."""
+    argv = [sys.executable, "-m", "proxy", "--kubeconfig", str(kubeconfig),
             "--hostname-override", NODE, "--proxy-mode", mode,
             "--cluster-cidr", POD_CIDR_V6 if ipv6 else "198.19.0.0/16",
             "--endpoints-source", endpoints_source, "-v", "1"]
@@ -313,9 +323,10 @@ def start_once(ns: str, kubeconfig: Path, mode: str, work: Path, run: int,
         argv = [str(Path(sys.executable).with_name("py-spy")), "record", "--rate", "250",
                 "--subprocesses", "--format", fmt, "--output", str(profile), "--", *argv]
     log_path = work / f"agent-{run}.log"
+    path = f"{another_build(work, salt)}:{ROOT}" if salt else str(ROOT)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(in_namespace(ns, argv), stdout=log, stderr=subprocess.STDOUT,
-                                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                cwd=ROOT, env={**os.environ, "PYTHONPATH": path})
     began = time.monotonic()
     timeline: list[tuple[float, float]] = []  # (seconds since start, RSS MiB)
     try:

@@ -100,17 +100,13 @@ def descendants(pid: int) -> list[int]:
 
 
 def agent_pid(root: int) -> int | None:
-    """The python process running `-m proxy` (or a `-c` program that runs it) under `ip
-    netns exec` (and py-spy)."""
+    """The python process running `-m proxy` under `ip netns exec` (and py-spy)."""
     for pid in [root, *descendants(root)]:
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if cmd[0].endswith(b"py-spy"):
-            continue
-        if (b"proxy" in cmd and b"-m" in cmd) \
-                or (cmd[1:2] == [b"-c"] and b'run_module("proxy"' in cmd[2]):
+        if b"proxy" in cmd and b"-m" in cmd and not cmd[0].endswith(b"py-spy"):
             return pid
     return None
 

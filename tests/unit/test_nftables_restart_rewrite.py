@@ -40,7 +40,7 @@ def another_build(monkeypatch: pytest.MonkeyPatch, alike: tuple[str, ...] = ()) 
 
 
 @pytest.fixture(autouse=True)
-def small_rewrites(monkeypatch: pytest.MonkeyPatch) -> None:
+def small_rewrites(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A rewrite from 8 ports on, told from the first 4."""
     monkeypatch.setattr(restart, "REWRITE_MIN_PORTS", 8)
     monkeypatch.setattr(restart, "REWRITE_SAMPLE", 4)
@@ -48,10 +48,11 @@ def small_rewrites(monkeypatch: pytest.MonkeyPatch) -> None:
     marks_for.cache_clear()
 
 
-def started(objects: list[dict[str, Any]]) -> FakePlane:
-    plane = FakePlane("nftables", shards=2)
+def started(objects: list[dict[str, Any]], shards: int = 2) -> FakePlane:
+    """A first start over `objects`, settled: its input marks added, as when idle."""
+    plane = FakePlane("nftables", shards=shards)
     plane.become(*objects, full=True)
-    return plane.settle()  # its input marks, added when idle
+    return plane.settle()
 
 
 @contextmanager
@@ -110,20 +111,13 @@ def test_another_builds_ports_are_rewritten_a_table_a_transaction_none_missing(
     assert {name for _t, name in plane.nft.dumped[dumped:]} == {FINGERPRINTS}
     assert plane.nft.probed == []
     # What a fresh start of that build writes, the old build's input marks gone.
-    fresh = FakePlane("nftables", shards=2)
-    fresh.become(*objects, full=True)
-    assert comparable(restarted.settle().written()) == comparable(fresh.settle().written())
+    fresh = started(objects)
+    assert comparable(restarted.settle().written()) == comparable(fresh.written())
     assert_same_answers(restarted, fresh, objects)
     # And it goes on as after any full sync: a change is partial.
     changed = cluster(range(PORTS), changed=5)
     assert not restarted.become(*changed).full
-    assert_same_answers(restarted, restarted_fresh(changed), changed)
-
-
-def restarted_fresh(objects: list[dict[str, Any]]) -> FakePlane:
-    fresh = FakePlane("nftables", shards=2)
-    fresh.become(*objects, full=True)
-    return fresh
+    assert_same_answers(restarted, started(changed), changed)
 
 
 def tables_of(text: str) -> set[str]:
@@ -132,8 +126,7 @@ def tables_of(text: str) -> set[str]:
             if line.split()[:1] in (["add"], ["flush"], ["delete"]) and len(line.split()) > 3}
 
 
-def test_a_cluster_that_changed_while_no_agent_ran_over_the_same_build_is_a_diff(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cluster_that_changed_while_no_agent_ran_over_the_same_build_is_a_diff() -> None:
     """The same build, a few ports changed while no agent ran: written in one
     transaction, the others kept."""
     plane = started(cluster(range(PORTS)))
@@ -162,9 +155,7 @@ def test_a_rewrite_needs_many_ports_most_of_them_changed(
         report = restarted.become(*objects)
     assert "tables_rewritten" not in restart_details(report)
     assert len(taken) == 1
-    fresh = FakePlane("nftables", shards=2)
-    fresh.become(*objects, full=True)
-    assert comparable(restarted.settle().written()) == comparable(fresh.settle().written())
+    assert comparable(restarted.settle().written()) == comparable(started(objects).written())
 
 
 @pytest.mark.parametrize("why", ["a base otherwise", "fewer shards"])
@@ -202,6 +193,5 @@ def test_over_bases_another_build_writes_otherwise_the_rewrite_is_one_transactio
     else:  # IPv6's restart, no port, deletes its other shard: it reads its maps
         assert render.HAIRPIN not in read and not any(n.startswith(render.PICKS) for n in read)
     assert plane.nft.probed == []
-    fresh = FakePlane("nftables", shards=shards)
-    fresh.become(*objects, full=True)
-    assert comparable(restarted.settle().written()) == comparable(fresh.settle().written())
+    assert comparable(restarted.settle().written()) \
+        == comparable(started(objects, shards).written())

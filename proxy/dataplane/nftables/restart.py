@@ -352,9 +352,9 @@ def rewrite_of(bases: Sequence[BaseObjects], ports: Mapping[ServicePortKey, Port
                kernel: KernelTables) -> Rewrite | None:
     """How a restart over `kernel` (its names and @fingerprints read back) rewrites every
     port, rather than write the diff (None): where it would write nearly every port
-    again (another build that renders ports otherwise). The diff then read back the
-    bases' maps and @hairpin (a million pairs: 70 s at 100,000 services) and held every
-    port it wrote until its transaction (2.1 GiB there).
+    again (another build that renders ports otherwise), for which the diff would read
+    back the bases' maps and @hairpin (a million pairs: 70 s at 100,000 services) and
+    hold every port it writes until its transaction (2.1 GiB there).
 
     TABLES where the kernel holds exactly the bases' tables, each base as written
     (`_bases_as_written`): then what the tables agree on between them (a packet's marks,
