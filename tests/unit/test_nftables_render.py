@@ -445,6 +445,25 @@ def test_a_picked_ports_change_is_elements_alone() -> None:
     assert any(line.startswith(f"add element ip {S0} eps-tcp-4 ") for line in lines)
 
 
+def test_a_picked_ports_fingerprint_is_of_what_its_pick_map_holds() -> None:
+    """A picked port's fingerprint spells its pick maps' elements by `picked`: whatever
+    those hold, the endpoints' port and their slots, is in it (a restart keeps a port
+    whose fingerprint the kernel holds: restart.py)."""
+    def picked(port: int, kept: list[str] | None = None) -> render.PortObjects:
+        slice_ = eps_slice("s1", [ep("198.18.1.10"), ep("198.18.1.11")],
+                           ports=({"name": "http", "port": port},))
+        slots = None if kept is None else \
+            {render.pick_map("tcp", 2): [(a, port) for a in kept]}
+        return render_port(resolve(service(), slice_), CIDR4, 1, slots)
+
+    first = picked(8080)
+    assert first.picked, "not picked"
+    assert picked(8080).fingerprint == first.fingerprint
+    assert picked(9090).fingerprint != first.fingerprint
+    swapped = picked(8080, ["198.18.1.11", "198.18.1.10"])
+    assert swapped.slots != first.slots and swapped.fingerprint != first.fingerprint
+
+
 @pytest.mark.parametrize("shape", ["one", "same address on two ports", "thirty-two", "IPv6"])
 def test_a_picked_ports_kept_state_holds_every_element_it_rendered(shape: str) -> None:
     """KeptPort keeps a picked port's pick-map and hairpin elements in a shape of its own

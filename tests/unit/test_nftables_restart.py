@@ -162,6 +162,24 @@ def _with_endpoint(obj: dict[str, Any]) -> dict[str, Any]:
     return {**obj, "endpoints": [*obj["endpoints"], ep(address)]}
 
 
+def test_a_port_whose_endpoints_port_changed_while_no_agent_ran_is_written() -> None:
+    """The same endpoint addresses, another target port (its @hairpin pairs and dispatch
+    the same, its pick values not): the restart writes that port, and its connections
+    reach the new port."""
+    plane = FakePlane("nftables")
+    plane.become(*cluster(range(3)), full=True)
+    plane.settle()
+    after = [{**o, "ports": [{**o["ports"][0], "port": 9090}]}
+             if o["kind"] == "EndpointSlice" and o["metadata"]["name"] == "s1-a" else o
+             for o in cluster(range(3))]
+    restarted = plane.restarted()
+    report = restarted.become(*after)
+    assert restart_details(report)["ports_written"] == 1
+    fresh = FakePlane("nftables")
+    fresh.become(*after, full=True)
+    assert_same_answers(restarted, fresh, after)
+
+
 def test_a_port_edited_since_its_fingerprint_is_read_back_and_written_whole(
         caplog: pytest.LogCaptureFixture) -> None:
     """A port whose marks an endpoint delta dropped is written whole, the others kept by

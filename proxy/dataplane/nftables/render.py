@@ -522,19 +522,21 @@ class _PortBuild:
             table, members = element_table(s, self.table), self.elements[s]
             elements += [Element(table, s, k, members[k]) for k in sorted(members)]
         chains, sets = tuple(self.chains), tuple(self.sets)
-        counters = tuple(self.counters.items())
+        counters, picked = tuple(self.counters.items()), tuple(self.picked)
+        # A picked port's slot elements are its pick maps' (`picked` spells them whole).
+        mark = fingerprint(self.key.family, (*self.key, self.table), chains,
+                           elements if picked else [*elements, *self.slot_elements], sets,
+                           counters, picked)
         elements += self.slot_elements
-        mark = fingerprint(self.key.family, (*self.key, self.table), chains, elements, sets,
-                           counters)
         elements.append(mark_element(self.table, mark))
         return PortObjects(self.key, self.table, chains, tuple(elements), sets,
                            tuple(self.slot_values), counters, mark, from_input=from_input,
-                           picked=tuple(self.picked))
+                           picked=picked)
 
 
 def fingerprint(family: Family, owner: tuple[object, ...], chains: Sequence[Chain],
                 elements: Sequence[Element], sets: Sequence[AnySet] = (),
-                counters: Sequence[object] = ()) -> Key:
+                counters: Sequence[object] = (), picked: Picked = ()) -> Key:
     """128 bits of BLAKE2b over what a port or base (`owner`: its key and table) writes,
     spelled as an element of @fingerprints: four IPv4 addresses or one IPv6 address. The
     same on any process and version that renders the same (never Python's per-process
@@ -551,6 +553,8 @@ def fingerprint(family: Family, owner: tuple[object, ...], chains: Sequence[Chai
     parts = [x if type(x) is str else str(x)
              for e in elements for x in (e.set, *e.key, ":", *e.value, ";")]
     rest = [x for s in sets for x in (type(s).__name__, *s)]
+    for name, (at, port), values in picked:
+        rest += (PICKS, name, at, port, *values)
     text = "\x1f".join([*map(str, flat), *parts, *map(str, rest), *map(str, counters)])
     return spelled(family, hashlib.blake2b(text.encode(), digest_size=16).digest())
 
