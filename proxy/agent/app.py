@@ -57,6 +57,7 @@ from proxy.server.nodeports import HealthCheckPorts, LocalEndpointTracker
 from proxy.server.traffic import TrafficReading
 
 log = logging.getLogger(__name__)
+_EVENT_LEVEL = V(4)  # each event received
 
 DUMP_RULES_TIMEOUT = 2.0  # a dump never waits longer than this for a busy data plane
 # Service ports resolved ahead at a time while endpoints list (a few ms): the list's
@@ -438,8 +439,9 @@ class Agent:
             else:
                 self.changes.endpoints(ev.namespace, _service_of(ev), ev.name)
                 self.metrics.endpoint_changes.inc()
-            log.log(V(4), "event", extra={"type": ev.type, "kind": kind,
-                                          "object": f"{ev.namespace}/{ev.name}"})
+            if log.isEnabledFor(_EVENT_LEVEL):  # its fields not made for every listed item
+                log.log(_EVENT_LEVEL, "event", extra={"type": ev.type, "kind": kind,
+                                                      "object": f"{ev.namespace}/{ev.name}"})
         if self.runner is not None and (not self.runner.initialized or model.has_dirty):
             self.runner.request()
             if not self.runner.initialized:

@@ -123,6 +123,9 @@ class SyncLoop:
     ) -> None:
         self.model, self.dataplane, self.worker = model, dataplane, worker
         self.metrics, self.health, self.changes = metrics, health, changes
+        # Read when scraped: set at every event they were 2 % of the first lists' work.
+        metrics.service_changes_pending.set_function(lambda: self.changes.pending_services)
+        metrics.endpoint_changes_pending.set_function(lambda: self.changes.pending_endpoints)
         self._clock, self._wall = clock, wall
         self.sync_period = sync_period
         self.schedule = SyncSchedule(min_sync_period, sync_period, burst, now=clock(),
@@ -155,8 +158,6 @@ class SyncLoop:
     def request(self) -> None:
         """A change arrived: sync as soon as the pacing allows. Before the first sync
         changes only accumulate (as upstream, health counts them from then on)."""
-        self.metrics.service_changes_pending.set(self.changes.pending_services)
-        self.metrics.endpoint_changes_pending.set(self.changes.pending_endpoints)
         if self.initialized:
             self.health.queued()
             self.metrics.last_queued.set(self._wall())
@@ -324,8 +325,6 @@ class SyncLoop:
         repair = self._repair and not self._need_full
         in_parts = upkeep or repair
         batch = self.changes.checkout()
-        self.metrics.service_changes_pending.set(0)
-        self.metrics.endpoint_changes_pending.set(0)
         self.health.sync_started()
         children, began = self._children_cpu(), self._thread_cpu()
         state = self.model.resolve()
@@ -425,8 +424,6 @@ class SyncLoop:
         m = self.metrics
         m.syncs.labels(kind, "error").inc()
         self.changes.restore(batch)
-        m.service_changes_pending.set(self.changes.pending_services)
-        m.endpoint_changes_pending.set(self.changes.pending_endpoints)
         self.health.sync_failed()
         self._need_full = True
         self._failures += 1

@@ -17,7 +17,7 @@ service to another when a slice's service-name label changes.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from proxy.model import skips as why
@@ -257,6 +257,9 @@ class ClusterModel:
             service = self._services.get(ref)
             if service is not None:
                 self._dirty.update(service_keys(service))
+        if not lost:  # most services (SkipGroup.of makes a Counter: 2 % of a list)
+            self._conflicts.pop(ref, None)
+            return
         skips = sorted(
             (Skip("Service", ref[0], ref[1], why.CONFLICT,
                   f"{_claim_text(claim, claims[claim][0])} is also claimed by "
@@ -339,14 +342,14 @@ class ClusterModel:
             self._node = view
             self.mark_all_dirty()
 
-    def set_skips(self, kind: str, namespace: str, name: str, skips: Iterable[Skip]) -> bool:
+    def set_skips(self, kind: str, namespace: str, name: str, skips: Sequence[Skip]) -> bool:
         """Remember what the decoder dropped from one object (replacing earlier records).
         True when that changed what is recorded (an identical object re-applied, as at a
         relist, changes nothing and stays where it was in the "recent" order)."""
         ref = (kind, clip(namespace), clip(name))
-        group = SkipGroup.of(skips, self._skip_seq + 1)
-        if not group.counts:
+        if not skips:  # most objects (SkipGroup.of makes a Counter: 2 % of a list)
             return self._decode_skips.pop(ref, None) is not None
+        group = SkipGroup.of(skips, self._skip_seq + 1)
         if group == self._decode_skips.get(ref):
             return False
         self._skip_seq += 1
