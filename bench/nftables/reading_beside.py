@@ -8,7 +8,9 @@ then readings taken as a scrape takes them, and one-service changes synced meanw
 - on a thread of its own (`traffic_reader`): the data plane's thread is held only while
   it hands the reading the ports to read; changes are synced back to back, then paced
   (one every --pace seconds), until the reading ends. The reading's Python competes
-  with them for the interpreter's lock.
+  with them for the interpreter's lock, which a thread waiting for it gets within the
+  interpreter's switch interval: the agent's (agent/main.py SWITCH_INTERVAL) unless
+  --switch-interval says otherwise.
 
     sudo .venv/bin/python -m bench.nftables.reading_beside --services 100000 --endpoints 10
 """
@@ -26,6 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from bench.common import NODE, change_one, cluster_model, node_namespace
+from proxy.agent.main import SWITCH_INTERVAL
 from proxy.dataplane.base import DataplaneOptions, PortTraffic, housekeep_all
 from proxy.dataplane.nftables.apply import NftablesDataPlane
 from proxy.model.types import Family, ServicePortKey
@@ -67,7 +70,17 @@ def _beside(dp: NftablesDataPlane, change: Callable[[], float], pace: float) -> 
             "change_ms": _ms(waits) if waits else None}
 
 
-def run(services: int, endpoints: int, pace: float, rounds: int) -> dict[str, Any]:
+def run(services: int, endpoints: int, pace: float, rounds: int,
+        switch_interval: float = SWITCH_INTERVAL) -> dict[str, Any]:
+    was = sys.getswitchinterval()
+    sys.setswitchinterval(switch_interval)
+    try:
+        return {**_run(services, endpoints, pace, rounds), "switch_interval_s": switch_interval}
+    finally:
+        sys.setswitchinterval(was)
+
+
+def _run(services: int, endpoints: int, pace: float, rounds: int) -> dict[str, Any]:
     model, slices = cluster_model(services, endpoints)
     options = DataplaneOptions(NODE, families=(Family.V4,))
     with node_namespace() as ns, entered(ns):
@@ -102,7 +115,8 @@ def run(services: int, endpoints: int, pace: float, rounds: int) -> dict[str, An
 
 def markdown(result: dict[str, Any]) -> str:
     alone = result["change_alone_ms"]
-    lines = [f"{result['services']:,} services x {result['endpoints']}: a change alone "
+    lines = [f"{result['services']:,} services x {result['endpoints']} (switch interval "
+             f"{result['switch_interval_s'] * 1000:g} ms): a change alone "
              f"{alone['p50']} / {alone['max']} ms (p50 / max); a reading on the data "
              f"plane's thread (a change waits for all of it): "
              f"{', '.join(f'{s} s' for s in result['reading_on_the_plane_s'])}", "",
@@ -125,11 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pace", type=float, default=0.01, metavar="SECONDS",
                         help="between paced changes")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--switch-interval", type=float, default=SWITCH_INTERVAL,
+                        metavar="SECONDS", help="sys.setswitchinterval (default: the agent's)")
     parser.add_argument("--json", action="store_true", help="print JSON only")
     args = parser.parse_args(argv)
     if args.services < 1 or args.endpoints < 1 or args.rounds < 1 or args.pace < 0:
         parser.error("--services, --endpoints and --rounds must be positive, --pace not negative")
-    result = run(args.services, args.endpoints, args.pace, args.rounds)
+    if args.switch_interval <= 0:
+        parser.error("--switch-interval must be positive")
+    result = run(args.services, args.endpoints, args.pace, args.rounds, args.switch_interval)
     print(json.dumps(result) if args.json else markdown(result))
     return 0
 

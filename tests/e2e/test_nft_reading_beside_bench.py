@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 from bench.nftables.reading_beside import markdown, run
+from proxy.agent.main import SWITCH_INTERVAL
 
 pytestmark = pytest.mark.root
 
@@ -18,6 +19,7 @@ def test_nft_reading_beside_bench_runs_small() -> None:
     assert [b["ports"] for b in result["beside"]] == [300, 300]
     assert all(b["changes"] >= 1 for b in result["beside"])
     assert "| back to back |" in markdown(result)
+    assert result["switch_interval_s"] == SWITCH_INTERVAL
     host = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True,
                           check=True).stdout
     assert "sliceproxy" not in host
