@@ -544,7 +544,9 @@ def fingerprint(family: Family, owner: tuple[object, ...], chains: Sequence[Chai
     (comments are printable ASCII, `comment`): the repr of the objects, in Python for a
     NamedTuple, was a fifth of a port's render. The elements' parts (most of them, most
     already text) are made text as they are listed: a second pass of `str` over them
-    was a third of the fingerprint."""
+    was a third of the fingerprint. A picked port's pick-map elements come as `picked`
+    (PortObjects.picked), not among `elements`: a group's values in slot order say
+    what its elements do, from about half the parts."""
     flat: list[object] = [*owner]
     for c in chains:
         flat.append(c.name)
