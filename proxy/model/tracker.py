@@ -267,9 +267,7 @@ class ClusterModel:
                   f"ports[{claims[claim][1].name or claims[claim][1].port}]")
              for claim, winner in lost.items()), key=lambda s: (s.part, s.detail))
         group = SkipGroup.of(skips, self._skip_seq + 1)
-        if not group.counts:
-            self._conflicts.pop(ref, None)
-        elif group != self._conflicts.get(ref):
+        if group != self._conflicts.get(ref):
             self._skip_seq += 1
             self._conflicts[ref] = group
 

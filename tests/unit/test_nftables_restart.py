@@ -162,19 +162,28 @@ def _with_endpoint(obj: dict[str, Any]) -> dict[str, Any]:
     return {**obj, "endpoints": [*obj["endpoints"], ep(address)]}
 
 
-def test_a_port_whose_endpoints_port_changed_while_no_agent_ran_is_written() -> None:
-    """The same endpoint addresses, another target port (its @hairpin pairs and dispatch
-    the same, its pick values not): the restart writes that port, and its connections
-    reach the new port."""
+def test_another_builds_restart_writes_a_port_whose_endpoints_port_changed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another build (no input mark of its own in the kernel) renders every port and
+    keeps those whose fingerprint the kernel holds. One port's target port changed while
+    no agent ran, its endpoints' addresses not (its @hairpin pairs and dispatch the
+    same, its pick values not): its fingerprint differs, so it is written, and its
+    connections reach the new port; the others are kept."""
     plane = FakePlane("nftables")
     plane.become(*cluster(range(3)), full=True)
     plane.settle()
     after = [{**o, "ports": [{**o["ports"][0], "port": 9090}]}
              if o["kind"] == "EndpointSlice" and o["metadata"]["name"] == "s1-a" else o
              for o in cluster(range(3))]
-    restarted = plane.restarted()
-    report = restarted.become(*after)
-    assert restart_details(report)["ports_written"] == 1
+    monkeypatch.setattr(marks_module, "source_digest", lambda: b"another build")
+    marks_for.cache_clear()
+    try:
+        restarted = plane.restarted()
+        report = restarted.become(*after)
+    finally:
+        marks_for.cache_clear()
+    counts = restart_details(report)
+    assert (counts["ports_kept"], counts["ports_written"]) == (2, 1)
     fresh = FakePlane("nftables")
     fresh.become(*after, full=True)
     assert_same_answers(restarted, fresh, after)
