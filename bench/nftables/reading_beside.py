@@ -10,7 +10,9 @@ then readings taken as a scrape takes them, and one-service changes synced meanw
   (one every --pace seconds), until the reading ends. The reading's Python competes
   with them for the interpreter's lock, which a thread waiting for it gets within the
   interpreter's switch interval: the agent's (agent/main.py SWITCH_INTERVAL) unless
-  --switch-interval says otherwise.
+  --switch-interval says otherwise. As in the agent, each change is marked under way
+  and the reading gives way to it at its pauses (common/priority.py), unless
+  --no-give-way: then the reading only offers the lock there.
 
     sudo .venv/bin/python -m bench.nftables.reading_beside --services 100000 --endpoints 10
 """
@@ -18,6 +20,7 @@ then readings taken as a scrape takes them, and one-service changes synced meanw
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -29,7 +32,8 @@ from typing import Any
 
 from bench.common import NODE, change_one, cluster_model, node_namespace
 from proxy.agent.main import SWITCH_INTERVAL
-from proxy.dataplane.base import DataplaneOptions, PortTraffic, housekeep_all
+from proxy.dataplane.base import DataplaneOptions, PortTraffic, housekeep_all, offer_lock
+from proxy.dataplane.common.priority import Priority
 from proxy.dataplane.nftables.apply import NftablesDataPlane
 from proxy.model.types import Family, ServicePortKey
 from proxy.netns_lab.netns import entered
@@ -44,10 +48,12 @@ def _ms(values: list[float]) -> dict[str, float]:
             "max": round(1000 * ordered[-1], 2)}
 
 
-def _beside(dp: NftablesDataPlane, change: Callable[[], float], pace: float) -> dict[str, Any]:
-    """One reading on a thread of its own, changes synced until it ends."""
+def _beside(dp: NftablesDataPlane, change: Callable[[], float], pace: float,
+            priority: Priority | None) -> dict[str, Any]:
+    """One reading on a thread of its own, changes synced until it ends; the reading
+    gives way to them where `priority` is given."""
     began = time.perf_counter()
-    reader = dp.traffic_reader()
+    reader = dp.traffic_reader(offer_lock if priority is None else priority.give_way)
     held = time.perf_counter() - began
     out: dict[str, Mapping[ServicePortKey, PortTraffic]] = {}
     took: list[float] = []
@@ -71,16 +77,18 @@ def _beside(dp: NftablesDataPlane, change: Callable[[], float], pace: float) -> 
 
 
 def run(services: int, endpoints: int, pace: float, rounds: int,
-        switch_interval: float = SWITCH_INTERVAL) -> dict[str, Any]:
+        switch_interval: float = SWITCH_INTERVAL, give_way: bool = True) -> dict[str, Any]:
     was = sys.getswitchinterval()
     sys.setswitchinterval(switch_interval)
     try:
-        return {**_run(services, endpoints, pace, rounds), "switch_interval_s": switch_interval}
+        return {**_run(services, endpoints, pace, rounds, give_way),
+                "switch_interval_s": switch_interval, "give_way": give_way}
     finally:
         sys.setswitchinterval(was)
 
 
-def _run(services: int, endpoints: int, pace: float, rounds: int) -> dict[str, Any]:
+def _run(services: int, endpoints: int, pace: float, rounds: int,
+         give_way: bool) -> dict[str, Any]:
     model, slices = cluster_model(services, endpoints)
     options = DataplaneOptions(NODE, families=(Family.V4,))
     with node_namespace() as ns, entered(ns):
@@ -91,13 +99,15 @@ def _run(services: int, endpoints: int, pace: float, rounds: int) -> dict[str, A
             gc.collect()
             gc.freeze()  # as the agent does after its first sync
             n = [0]
+            priority = Priority() if give_way else None
 
             def change() -> float:
                 n[0] += 1
-                state = change_one(model, slices[n[0] * 7919 % len(slices)], n[0])
-                start = time.perf_counter()
-                dp.sync(state)
-                return time.perf_counter() - start
+                with priority.change() if priority else contextlib.nullcontext():
+                    state = change_one(model, slices[n[0] * 7919 % len(slices)], n[0])
+                    start = time.perf_counter()
+                    dp.sync(state)
+                    return time.perf_counter() - start
 
             alone = [change() for _ in range(50)]
             on_thread = []
@@ -105,7 +115,8 @@ def _run(services: int, endpoints: int, pace: float, rounds: int) -> dict[str, A
                 start = time.perf_counter()
                 dp.traffic()
                 on_thread.append(round(time.perf_counter() - start, 3))
-            beside = [_beside(dp, change, p) for p in (0.0, pace) for _ in range(rounds)]
+            beside = [_beside(dp, change, p, priority) for p in (0.0, pace)
+                      for _ in range(rounds)]
         finally:
             dp.close()
             gc.unfreeze()
@@ -115,8 +126,9 @@ def _run(services: int, endpoints: int, pace: float, rounds: int) -> dict[str, A
 
 def markdown(result: dict[str, Any]) -> str:
     alone = result["change_alone_ms"]
+    gives = "gives way to changes" if result["give_way"] else "only offers the lock"
     lines = [f"{result['services']:,} services x {result['endpoints']} (switch interval "
-             f"{result['switch_interval_s'] * 1000:g} ms): a change alone "
+             f"{result['switch_interval_s'] * 1000:g} ms; the reading {gives}): a change alone "
              f"{alone['p50']} / {alone['max']} ms (p50 / max); a reading on the data "
              f"plane's thread (a change waits for all of it): "
              f"{', '.join(f'{s} s' for s in result['reading_on_the_plane_s'])}", "",
@@ -141,13 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--switch-interval", type=float, default=SWITCH_INTERVAL,
                         metavar="SECONDS", help="sys.setswitchinterval (default: the agent's)")
+    parser.add_argument("--no-give-way", action="store_true",
+                        help="the reading does not wait for a change under way")
     parser.add_argument("--json", action="store_true", help="print JSON only")
     args = parser.parse_args(argv)
     if args.services < 1 or args.endpoints < 1 or args.rounds < 1 or args.pace < 0:
         parser.error("--services, --endpoints and --rounds must be positive, --pace not negative")
     if args.switch_interval <= 0:
         parser.error("--switch-interval must be positive")
-    result = run(args.services, args.endpoints, args.pace, args.rounds, args.switch_interval)
+    result = run(args.services, args.endpoints, args.pace, args.rounds, args.switch_interval,
+                 not args.no_give_way)
     print(json.dumps(result) if args.json else markdown(result))
     return 0
 

@@ -37,7 +37,14 @@ from proxy.agent.nodeport_warnings import PrimaryAddressWarnings
 from proxy.agent.sync_loop import SyncLoop
 from proxy.agent.worker import Worker
 from proxy.config.options import Config, format_cpu_budget, format_duration
-from proxy.dataplane.base import DataPlane, DataplaneOptions, PortTraffic, TrafficRead
+from proxy.dataplane.base import (
+    DataPlane,
+    DataplaneOptions,
+    GiveWay,
+    PortTraffic,
+    TrafficRead,
+    offer_lock,
+)
 from proxy.dataplane.common.heap import release_free_memory
 from proxy.dataplane.factory import make_dataplane
 from proxy.kube.backoff import Backoff
@@ -462,8 +469,10 @@ class Agent:
     async def refresh_traffic(self) -> None:
         """The kernel's traffic counters (server/traffic.py)."""
         if self.dataplane is not None:
-            await self.traffic.refresh(functools.partial(_read_traffic, self.worker,
-                                                         self.dataplane), DUMP_RULES_TIMEOUT)
+            await self.traffic.refresh(
+                functools.partial(_read_traffic, self.worker, self.dataplane,
+                                  self.runner.priority.give_way if self.runner else offer_lock),
+                DUMP_RULES_TIMEOUT)
 
     async def debug_dump(self, service: str | None) -> dict[str, Any]:
         await self.refresh_traffic()
@@ -500,13 +509,13 @@ class Agent:
             nodeports=(self.config.nodeport_addresses, self.config.nodeport_primary))
 
 
-async def _read_traffic(worker: Worker, dp: DataPlane
+async def _read_traffic(worker: Worker, dp: DataPlane, give_way: GiveWay
                         ) -> tuple[Mapping[ServicePortKey, PortTraffic], float]:
     """A traffic reading: what to read taken on the data plane's thread, read on a thread
-    of the reading's own; and the seconds it took, both together."""
+    of the reading's own, giving way to changes; and the seconds it took, both together."""
     def begin() -> tuple[TrafficRead, float]:
         began = time.perf_counter()
-        return dp.traffic_reader(), time.perf_counter() - began
+        return dp.traffic_reader(give_way), time.perf_counter() - began
 
     reader, held = await worker.call(begin)
     began = time.perf_counter()

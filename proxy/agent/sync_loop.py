@@ -33,6 +33,7 @@ from proxy.agent.worker import Worker
 from proxy.config.options import format_cpu_budget
 from proxy.dataplane.base import ApplyError, DataPlane, SyncReport
 from proxy.dataplane.common.collector import held
+from proxy.dataplane.common.priority import Priority
 from proxy.model.snapshot import DesiredState
 from proxy.model.tracker import ClusterModel
 from proxy.model.types import ServicePortKey
@@ -120,8 +121,11 @@ class SyncLoop:
         housekeeping_interval: float = HOUSEKEEPING_INTERVAL,
         thread_cpu: Callable[[], float] = time.thread_time,
         process_children_cpu: Callable[[], float] = children_cpu,
+        priority: Priority | None = None,
     ) -> None:
         self.model, self.dataplane, self.worker = model, dataplane, worker
+        # A change's sync marked under way, for a traffic reading to give way to it.
+        self.priority = Priority() if priority is None else priority
         self.metrics, self.health, self.changes = metrics, health, changes
         # Read when scraped: set at every event they were 2 % of the first lists' work.
         metrics.service_changes_pending.set_function(lambda: self.changes.pending_services)
@@ -311,6 +315,15 @@ class SyncLoop:
         }
 
     async def _sync(self, trigger: Trigger) -> None:
+        """A sync; one for changes marked under way from its start to its end (resolving
+        included), for a traffic reading to give way to it (common/priority.py)."""
+        if trigger is not Trigger.CHANGE:
+            await self._sync_now(trigger)
+            return
+        with self.priority.change():
+            await self._sync_now(trigger)
+
+    async def _sync_now(self, trigger: Trigger) -> None:
         start = self._clock()
         started_wall = self._wall()
         self._note_held(start)

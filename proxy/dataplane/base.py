@@ -13,6 +13,7 @@ because the next sync still compares against what is really in the kernel's rule
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -109,6 +110,15 @@ class PortTraffic:
 
 
 TrafficRead = Callable[[], Mapping[ServicePortKey, PortTraffic]]
+# What a reading on a thread of its own calls where it can pause: to offer the
+# interpreter's lock, or to wait for a change's sync (common/priority.py).
+GiveWay = Callable[[], None]
+
+
+def offer_lock() -> None:
+    """A reading's pause with nothing to wait for: the interpreter's lock offered to any
+    thread waiting for it."""
+    time.sleep(0)
 
 
 def read_now(plane: DataPlane) -> TrafficRead:
@@ -163,11 +173,12 @@ class DataPlane(Protocol):
         where the kernel keeps them (common/traffic.py). Blocking, as `sync`."""
         ...
 
-    def traffic_reader(self) -> TrafficRead:
+    def traffic_reader(self, give_way: GiveWay = offer_lock) -> TrafficRead:
         """`traffic` in two steps: this call, on the data plane's thread, takes what the
         reading needs (cheap); the function it returns reads the kernel, on any thread,
         while this one goes on (nftables mode: the counters' dump grows faster than the
-        tables). Where a mode's reading needs its thread, it reads here (`read_now`)."""
+        tables), calling `give_way` where it can pause (common/priority.py). Where a
+        mode's reading needs its thread, it reads here (`read_now`)."""
         ...
 
     def applied_rules(self, key: ServicePortKey) -> Sequence[str]:

@@ -22,6 +22,7 @@ def test_nft_reading_beside_bench_runs_small() -> None:
     assert all(b["changes"] >= 1 for b in result["beside"])
     assert "| back to back |" in markdown(result)
     assert result["switch_interval_s"] == SWITCH_INTERVAL
+    assert result["give_way"]  # as the agent reads
     assert sys.getswitchinterval() == was  # the caller's interval given back
     host = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True,
                           check=True).stdout

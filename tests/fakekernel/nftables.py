@@ -28,6 +28,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from ipaddress import ip_address
 
+from proxy.dataplane.base import GiveWay, offer_lock
 from proxy.dataplane.nftables.objects import CounterRef, Key, Value
 from proxy.dataplane.nftables.objects import Verdict as ElementVerdict
 from proxy.dataplane.nftables.readback import Held, Keep, Unreadable
@@ -123,8 +124,8 @@ class _Reader:
         self._nft = nft
 
     def read(self, family: Family, tables: Collection[str],
-             wanted: Callable[[], Iterable[tuple[str, str]]] | None = None
-             ) -> dict[tuple[str, str], int]:
+             wanted: Callable[[], Iterable[tuple[str, str]]] | None = None,
+             give_way: GiveWay = offer_lock) -> dict[tuple[str, str], int]:
         return self._nft.counters(family, tables)
 
     def close(self) -> None:

@@ -19,7 +19,15 @@ from typing import Any, TypeVar
 
 from proxy.agent.app import Agent
 from proxy.config.options import Config, parse_args
-from proxy.dataplane.base import ApplyError, Counted, PortTraffic, SyncReport, TrafficRead
+from proxy.dataplane.base import (
+    ApplyError,
+    Counted,
+    GiveWay,
+    PortTraffic,
+    SyncReport,
+    TrafficRead,
+    offer_lock,
+)
 from proxy.kube.reflector import ReflectorOptions
 from proxy.model.snapshot import DesiredState, ResolvedServicePort
 from proxy.model.types import Family, IPAddress, ServicePortKey, format_endpoint
@@ -101,7 +109,7 @@ class FakeDataPlane:
         ports = self._applied.ports if self._applied is not None else {}
         return {k: PortTraffic(Counted(1)) for k in ports}
 
-    def traffic_reader(self) -> TrafficRead:
+    def traffic_reader(self, give_way: GiveWay = offer_lock) -> TrafficRead:
         self.threads.add(threading.get_ident())
         ports = self.traffic()
         gate = self.reading_gate

@@ -55,7 +55,7 @@ ALLOWED: dict[str, set[str]] = {
                             "dataplane.modes", "model", *(f"dataplane.{m}" for m in MODES)},
     # The agent sees the data planes through their contract, the registry, the factory
     # and the clean-up (gives freed memory back with common.heap, holds the collector
-    # off with common.collector).
+    # off with common.collector, marks a change's sync for readings with common.priority).
     "agent": {"config", "kube", "model", "server", "dataplane.base", "dataplane.factory",
               "dataplane.leftovers", "dataplane.common", "dataplane.modes"},
     # The demo counts our kernel objects by the names the registry gives them.
@@ -67,6 +67,7 @@ LAZY_ONLY = {("dataplane.leftovers", f"dataplane.{m}") for m in MODES}
 # Edges allowed for these modules only.
 ONLY = {("agent", "dataplane.common"): {"proxy.dataplane.common.heap",
                                         "proxy.dataplane.common.collector",
+                                        "proxy.dataplane.common.priority",
                                         "proxy.dataplane.common.node_files",
                                         "proxy.dataplane.common.node_settings",
                                         "proxy.dataplane.common.node_originals",

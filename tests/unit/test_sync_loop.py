@@ -294,29 +294,51 @@ def test_housekeeping_runs_on_the_worker_between_syncs() -> None:
 
 
 @pytest.mark.usefixtures("collector_restored")
+def watched(b: Bench, now: Callable[[], bool]) -> list[tuple[str, bool]]:
+    """b's data-plane syncs ("full" or "change") and housekeeping, each recorded as it
+    begins with what `now` says then."""
+    seen: list[tuple[str, bool]] = []
+    sync, housekeeping = b.dp.sync, b.dp.housekeeping
+
+    def watched_sync(state: Any, full: bool = False) -> Any:
+        seen.append(("full" if full else "change", now()))
+        return sync(state, full)
+
+    def watched_housekeeping() -> None:
+        seen.append(("housekeeping", now()))
+        housekeeping()
+
+    b.dp.sync = watched_sync  # type: ignore[method-assign]
+    b.dp.housekeeping = watched_housekeeping  # type: ignore[method-assign]
+    return seen
+
+
 def test_the_collector_is_held_off_while_the_data_plane_syncs_and_housekeeps() -> None:
     # What a sync builds stays: a collection while it is built rescans it (a full
     # sync at 10,000 services took half as long again with the collector on).
     async def go(b: Bench) -> None:
-        seen: list[tuple[str, bool]] = []
-        sync, housekeeping = b.dp.sync, b.dp.housekeeping
-
-        def watched_sync(state: Any, full: bool = False) -> Any:
-            seen.append(("sync", gc.isenabled()))
-            return sync(state, full)
-
-        def watched_housekeeping() -> None:
-            seen.append(("housekeeping", gc.isenabled()))
-            housekeeping()
-
-        b.dp.sync = watched_sync  # type: ignore[method-assign]
-        b.dp.housekeeping = watched_housekeeping  # type: ignore[method-assign]
+        seen = watched(b, gc.isenabled)
         await started(b, 5.0)
         b.event(web_slice("198.19.0.1"))
         b.clock.now += 2
         await settle(b, lambda: len(b.dp.syncs) == 2, "a change's sync")
-        assert seen == [("sync", False), ("housekeeping", False), ("sync", False)]
+        assert seen == [("full", False), ("housekeeping", False), ("change", False)]
         assert gc.isenabled()  # back on between them
+
+    run(go)
+
+
+def test_a_changes_sync_is_marked_under_way_for_a_reading_to_give_way_to() -> None:
+    # A traffic reading on its own thread waits for a change's sync at its pauses
+    # (common/priority.py); the first (full) sync and housekeeping are not waited for.
+    async def go(b: Bench) -> None:
+        seen = watched(b, lambda: b.runner.priority.under_way)
+        await started(b, 5.0)
+        b.event(web_slice("198.19.0.1"))
+        b.clock.now += 2
+        await settle(b, lambda: len(b.dp.syncs) == 2, "a change's sync")
+        assert seen == [("full", False), ("housekeeping", False), ("change", True)]
+        assert not b.runner.priority.under_way  # and no longer once synced
 
     run(go)
 

@@ -38,8 +38,10 @@ from proxy.dataplane.base import (
     ApplyError,
     Counted,
     DataplaneOptions,
+    GiveWay,
     PortTraffic,
     TrafficRead,
+    offer_lock,
     read_now,
 )
 from proxy.dataplane.common import nfacct
@@ -299,7 +301,7 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
                 "family": fam.family.label, "objects": len(busy), "first": busy[0]})
         return len(payload.stale) - len(busy)
 
-    def traffic_reader(self) -> TrafficRead:
+    def traffic_reader(self, give_way: GiveWay = offer_lock) -> TrafficRead:
         return read_now(self)  # one nfacct dump, fast at the sizes this mode runs
 
     def traffic(self) -> dict[ServicePortKey, PortTraffic]:

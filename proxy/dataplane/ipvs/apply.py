@@ -30,9 +30,11 @@ from dataclasses import dataclass
 from proxy.dataplane.base import (
     ApplyError,
     DataplaneOptions,
+    GiveWay,
     PortTraffic,
     SyncReport,
     TrafficRead,
+    offer_lock,
     read_now,
 )
 from proxy.dataplane.common import conntrack, fail_fast
@@ -247,7 +249,7 @@ class IpvsDataPlane:
         lines.extend(describe_entries(rules))
         return lines
 
-    def traffic_reader(self) -> TrafficRead:
+    def traffic_reader(self, give_way: GiveWay = offer_lock) -> TrafficRead:
         return read_now(self)  # its handles are this thread's
 
     def traffic(self) -> Mapping[ServicePortKey, PortTraffic]:

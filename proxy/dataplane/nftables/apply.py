@@ -44,7 +44,14 @@ import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import TypeVar
 
-from proxy.dataplane.base import ApplyError, DataplaneOptions, PortTraffic, TrafficRead
+from proxy.dataplane.base import (
+    ApplyError,
+    DataplaneOptions,
+    GiveWay,
+    PortTraffic,
+    TrafficRead,
+    offer_lock,
+)
 from proxy.dataplane.common import heap
 from proxy.dataplane.common.context import RenderContext
 from proxy.dataplane.common.drift_watch import LOST, NftablesListener
@@ -401,13 +408,13 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, MarkSteps, Res
     def traffic(self) -> Mapping[ServicePortKey, PortTraffic]:
         return self.traffic_reader()()
 
-    def traffic_reader(self) -> TrafficRead:
+    def traffic_reader(self, give_way: GiveWay = offer_lock) -> TrafficRead:
         """On this plane's thread: each family's applied ports as kept now, and a socket
         of the reading's own; the reading itself (counters.py: one dump per family, the
         expensive part, 2-3 s at 100,000 ports) then runs on any thread, beside this
-        one's commits. During a restart's completion, READ_COMPLETES more of its kept
-        ports are made first; the ports not made yet are left out (all at once was 12 s
-        at 100,000 for a scrape)."""
+        one's commits, pausing at `give_way`. During a restart's completion,
+        READ_COMPLETES more of its kept ports are made first; the ports not made yet are
+        left out (all at once was 12 s at 100,000 for a scrape)."""
         plan = []
         for fam in self._families.values():
             if fam.pending:
@@ -416,7 +423,7 @@ class NftablesDataPlane(FamilySyncPlane[NftFamily], RestartSteps, MarkSteps, Res
                 plan.append((fam.family, fam.state.ports.copy()))
         if not plan:
             return dict
-        return functools.partial(read_traffic, self.runner.counter_reader(), plan)
+        return functools.partial(read_traffic, self.runner.counter_reader(), plan, give_way)
 
     def watch_drift(self, notify: Callable[[str], None]) -> None:
         """Listen to nf_tables' announcements; a transaction on one of our tables that we

@@ -10,11 +10,10 @@ counter it skipped would read as a reset."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Protocol
 
-from proxy.dataplane.base import Counted, PortTraffic
+from proxy.dataplane.base import Counted, GiveWay, PortTraffic, offer_lock
 from proxy.dataplane.common.netlink import NetlinkSocket
 from proxy.dataplane.common.netlink_constants import NFNL_SUBSYS_NFTABLES, NFT_MSG_GETOBJ
 from proxy.dataplane.common.traffic import port_traffic
@@ -27,11 +26,12 @@ log = logging.getLogger("proxy.dataplane.nftables.apply")  # the mode's one logg
 
 Counts = dict[tuple[str, str], int]  # (table, counter) -> packets counted
 _GETOBJ = NFNL_SUBSYS_NFTABLES << 8 | NFT_MSG_GETOBJ
-# Ports mapped between two offers of the interpreter's lock (~1 ms of Python): mapping
-# 100,000 ports is ~0.4 s with no system call, during which a sync on the data plane's
-# thread got the lock back only at each switch interval (5 ms), after each of its own
-# system calls (changes beside a reading at 100,000, back to back: p99 5.4-8.3 ms at 500
-# ports or none, 2.7-3.3 ms at 100; bench/nftables/reading_beside.py).
+# Ports mapped (or counters decoded) between two pauses of a reading, where it offers
+# the interpreter's lock or gives way to a change (common/priority.py), ~0.4 ms of
+# Python: mapping 100,000 ports is ~0.4 s with no system call, during which a sync on
+# the data plane's thread got the lock back only at each switch interval, after each of
+# its own system calls (changes beside a reading at 100,000, back to back: p99 5.4-8.3
+# ms at 500 ports or none, 2.7-3.3 ms at 100; bench/nftables/reading_beside.py).
 YIELD_EVERY = 100
 # What a traffic reading reads: each family's applied ports as the data plane kept them
 # when the reading began (a copy of the dict; of a KeptPort it reads only its table and
@@ -43,7 +43,8 @@ class CounterReader(Protocol):
     """What a reading reads counters with: its own, usable from any thread."""
 
     def read(self, family: Family, tables: Collection[str],
-             wanted: Callable[[], Iterable[tuple[str, str]]] | None = None) -> Counts: ...
+             wanted: Callable[[], Iterable[tuple[str, str]]] | None = None,
+             give_way: GiveWay = offer_lock) -> Counts: ...
 
     def close(self) -> None: ...
 
@@ -56,18 +57,20 @@ class SocketReader:
         self._sock = sock
 
     def read(self, family: Family, tables: Collection[str],
-             wanted: Callable[[], Iterable[tuple[str, str]]] | None = None) -> Counts:
-        return read_counters(self._sock, family, tables, wanted)
+             wanted: Callable[[], Iterable[tuple[str, str]]] | None = None,
+             give_way: GiveWay = offer_lock) -> Counts:
+        return read_counters(self._sock, family, tables, wanted, give_way)
 
     def close(self) -> None:
         self._sock.close()
 
 
-def read_traffic(reader: CounterReader, plan: Plan) -> dict[ServicePortKey, PortTraffic]:
+def read_traffic(reader: CounterReader, plan: Plan, give_way: GiveWay = offer_lock
+                 ) -> dict[ServicePortKey, PortTraffic]:
     """Each port of `plan` with what its named counters (render.py) hold: the port's
     own, and its endpoints' where they are counted one by one. Any thread; `reader` is
-    the reading's own, closed here. A family the kernel refuses to dump is logged and
-    left out."""
+    the reading's own, closed here; `give_way` is called every YIELD_EVERY ports or
+    counters. A family the kernel refuses to dump is logged and left out."""
     out: dict[ServicePortKey, PortTraffic] = {}
     try:
         for family, ports in plan:
@@ -77,7 +80,7 @@ def read_traffic(reader: CounterReader, plan: Plan) -> dict[ServicePortKey, Port
                         for name, _ in kept.counters)
 
             try:
-                counted = reader.read(family, OUR_TABLES, wanted)
+                counted = reader.read(family, OUR_TABLES, wanted, give_way)
             except OSError as exc:
                 log.warning("cannot read our nftables counters", extra={
                     "family": family.label, "error": str(exc)})
@@ -85,20 +88,20 @@ def read_traffic(reader: CounterReader, plan: Plan) -> dict[ServicePortKey, Port
             for i, (key, kept) in enumerate(ports.items()):
                 out[key] = _port_traffic(kept, counted)
                 if i % YIELD_EVERY == YIELD_EVERY - 1:
-                    time.sleep(0)  # let a waiting sync have the interpreter's lock
-            _let_go(counted)
+                    give_way()
+            _let_go(counted, give_way)
     finally:
         reader.close()
     return out
 
 
-def _let_go(counted: Counts) -> None:
-    """Empties `counted` a part at a time, offering the interpreter's lock between: its
-    100,000 keys freed at once held it for 20-30 ms (a change waited for that)."""
+def _let_go(counted: Counts, give_way: GiveWay) -> None:
+    """Empties `counted` a part at a time, pausing between: its 100,000 keys freed at
+    once held the interpreter's lock for 20-30 ms (a change waited for that)."""
     while counted:
         for _ in range(min(len(counted), 100 * YIELD_EVERY)):
             counted.popitem()
-        time.sleep(0)
+        give_way()
 
 
 def _port_traffic(kept: KeptPort, counted: Mapping[tuple[str, str], int]) -> PortTraffic:
@@ -114,23 +117,28 @@ def _port_traffic(kept: KeptPort, counted: Mapping[tuple[str, str], int]) -> Por
 
 
 def read_counters(sock: NetlinkSocket, family: Family, tables: Collection[str],
-                  wanted: Callable[[], Iterable[tuple[str, str]]] | None = None) -> Counts:
+                  wanted: Callable[[], Iterable[tuple[str, str]]] | None = None,
+                  give_way: GiveWay = offer_lock) -> Counts:
     """The named counters of `tables` in `family`, from one dump; if a commit interrupted
     it, each of `wanted()` ((table, name)) it did not return is asked for by name (one
-    that no longer exists is left out). OSError (NetlinkError) if the kernel refuses."""
+    that no longer exists is left out). OSError (NetlinkError) if the kernel refuses.
+    `give_way` is called every YIELD_EVERY counters decoded."""
     found: Counts = {}
     decode = wire.decode_counter
-    for data, start, end in sock.dump_messages(_GETOBJ, wire.dump_request(family)):
+    for i, (data, start, end) in enumerate(
+            sock.dump_messages(_GETOBJ, wire.dump_request(family))):
         counter = decode(data, start, end)
         if counter is not None and counter[0] in tables:
             found[counter[0], counter[1]] = counter[2]
+        if i % YIELD_EVERY == YIELD_EVERY - 1:
+            give_way()
     if sock.interrupted and wanted is not None:
         missing = []  # a walk of every port (0.2 s at 100,000): the lock offered on the way
         for i, key in enumerate(wanted()):
             if key not in found:
                 missing.append(key)
             if i % (10 * YIELD_EVERY) == 0:
-                time.sleep(0)
+                give_way()
         for table, name in missing:
             packets = read_counter(sock, family, table, name)
             if packets is not None:
