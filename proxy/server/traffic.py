@@ -12,7 +12,8 @@ the tables (nf_tables walks every counter for each message it fills): in nftable
 0.11-0.13 s at 10,000 services, 2-4 s at 100,000 (in process), most of it the kernel's.
 In that mode the dump runs on a thread of its own (DataPlane.traffic_reader): the data
 plane's thread only hands it the ports to read, and a change does not wait for the
-dump. It still costs CPU, so after a reading of READ_FREE or longer, the next is taken
+dump, which instead waits for a change's sync at its pauses (dataplane/common/
+priority.py). It still costs CPU, so after a reading of READ_FREE or longer, the next is taken
 no sooner than READ_SPACING times its length (~3% of a core: at 10,000 services every
 ~3.5 s, at 100,000 every one to two minutes), the scrapes between answering with the
 last reading; shorter ones (a small node's) are taken at every scrape. One reading at
