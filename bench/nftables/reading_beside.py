@@ -10,9 +10,9 @@ then readings taken as a scrape takes them, and one-service changes synced meanw
   (one every --pace seconds), until the reading ends. The reading's Python competes
   with them for the interpreter's lock, which a thread waiting for it gets within the
   interpreter's switch interval: the agent's (agent/main.py SWITCH_INTERVAL) unless
-  --switch-interval says otherwise. As in the agent, each change is marked under way
-  and the reading gives way to it at its pauses (common/priority.py), unless
-  --no-give-way: then the reading only offers the lock there.
+  --switch-interval says otherwise. As in the agent, each change is marked under way,
+  and the reading gives way to it at its pauses and rests there (common/priority.py),
+  unless --no-give-way: then the reading only offers the lock there.
 
     sudo .venv/bin/python -m bench.nftables.reading_beside --services 100000 --endpoints 10
 """
@@ -53,7 +53,7 @@ def _beside(dp: NftablesDataPlane, change: Callable[[], float], pace: float,
     """One reading on a thread of its own, changes synced until it ends; the reading
     gives way to them where `priority` is given."""
     began = time.perf_counter()
-    reader = dp.traffic_reader(offer_lock if priority is None else priority.give_way)
+    reader = dp.traffic_reader(offer_lock if priority is None else priority.reading_pauses())
     held = time.perf_counter() - began
     out: dict[str, Mapping[ServicePortKey, PortTraffic]] = {}
     took: list[float] = []
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--switch-interval", type=float, default=SWITCH_INTERVAL,
                         metavar="SECONDS", help="sys.setswitchinterval (default: the agent's)")
     parser.add_argument("--no-give-way", action="store_true",
-                        help="the reading does not wait for a change under way")
+                        help="the reading neither waits for a change under way nor rests")
     parser.add_argument("--json", action="store_true", help="print JSON only")
     args = parser.parse_args(argv)
     if args.services < 1 or args.endpoints < 1 or args.rounds < 1 or args.pace < 0:

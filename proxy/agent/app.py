@@ -40,12 +40,12 @@ from proxy.config.options import Config, format_cpu_budget, format_duration
 from proxy.dataplane.base import (
     DataPlane,
     DataplaneOptions,
-    GiveWay,
     PortTraffic,
     TrafficRead,
     offer_lock,
 )
 from proxy.dataplane.common.heap import release_free_memory
+from proxy.dataplane.common.priority import Priority
 from proxy.dataplane.factory import make_dataplane
 from proxy.kube.backoff import Backoff
 from proxy.kube.client import Api, ClientOptions, KubeApi
@@ -469,9 +469,9 @@ class Agent:
     async def refresh_traffic(self) -> None:
         """The kernel's traffic counters (server/traffic.py)."""
         if self.dataplane is not None:
+            priority = self.runner.priority if self.runner is not None else None
             await self.traffic.refresh(
-                functools.partial(_read_traffic, self.worker, self.dataplane,
-                                  self.runner.priority.give_way if self.runner else offer_lock),
+                functools.partial(_read_traffic, self.worker, self.dataplane, priority),
                 DUMP_RULES_TIMEOUT)
 
     async def debug_dump(self, service: str | None) -> dict[str, Any]:
@@ -509,13 +509,15 @@ class Agent:
             nodeports=(self.config.nodeport_addresses, self.config.nodeport_primary))
 
 
-async def _read_traffic(worker: Worker, dp: DataPlane, give_way: GiveWay
+async def _read_traffic(worker: Worker, dp: DataPlane, priority: Priority | None
                         ) -> tuple[Mapping[ServicePortKey, PortTraffic], float]:
     """A traffic reading: what to read taken on the data plane's thread, read on a thread
-    of the reading's own, giving way to changes; and the seconds it took, both together."""
+    of the reading's own, pausing for changes (common/priority.py); and the seconds it
+    took, both together."""
     def begin() -> tuple[TrafficRead, float]:
         began = time.perf_counter()
-        return dp.traffic_reader(give_way), time.perf_counter() - began
+        pauses = offer_lock if priority is None else priority.reading_pauses()
+        return dp.traffic_reader(pauses), time.perf_counter() - began
 
     reader, held = await worker.call(begin)
     began = time.perf_counter()

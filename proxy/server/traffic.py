@@ -9,14 +9,16 @@ reading from the data plane; the rest is pure.
 
 A reading costs what the kernel's dump of our counters costs, which grows faster than
 the tables (nf_tables walks every counter for each message it fills): in nftables mode
-0.11-0.13 s at 10,000 services, 2-4 s at 100,000 (in process), most of it the kernel's.
+0.11-0.13 s at 10,000 services, 2-4 s at 100,000 (in process, its rests not counted),
+most of it the kernel's.
 In that mode the dump runs on a thread of its own (DataPlane.traffic_reader): the data
 plane's thread only hands it the ports to read, and a change does not wait for the
-dump, which instead waits for a change's sync at its pauses (dataplane/common/
-priority.py). It still costs CPU, so after a reading of READ_FREE or longer, the next is taken
-no sooner than READ_SPACING times its length (~3% of a core: at 10,000 services every
-~3.5 s, at 100,000 every one to two minutes), the scrapes between answering with the
-last reading; shorter ones (a small node's) are taken at every scrape. One reading at
+dump, which instead waits for a change's sync at its pauses, and rests there as long
+as it worked (dataplane/common/priority.py: half of a core at most). It still costs
+CPU, so after a reading of READ_FREE or longer, the next is taken no sooner than
+READ_SPACING times its length (~3% of a core: at 10,000 services every ~3.5 s, at
+100,000 every few minutes), the scrapes between answering with the last
+reading; shorter ones (a small node's) are taken at every scrape. One reading at
 a time: a scrape during one waits for it, at most its timeout, and a reading that
 outlasts that goes on and is kept when it ends.
 """
@@ -34,7 +36,7 @@ from proxy.dataplane.base import Counted, PortTraffic
 from proxy.model.types import ServicePortKey, format_endpoint
 
 log = logging.getLogger(__name__)
-READ_SPACING = 30.0
+READ_SPACING = 15.0  # times a reading's length, half of it rests (READING_SHARE)
 READ_FREE = 0.1  # seconds
 
 

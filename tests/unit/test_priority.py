@@ -53,3 +53,35 @@ def test_a_waiting_reading_goes_on_once_the_change_is_synced(
     thread.join(30)
     assert not thread.is_alive()  # well before the 60 s bound
     assert went_on[0] >= ended[0]
+
+
+class Clock:
+    """priority.py's monotonic and sleep: the test moves the clock, and a sleep is
+    recorded and moves it too."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+@pytest.mark.parametrize(("share", "rest"), [(0.5, 0.3), (0.25, 0.9)])
+def test_a_reading_rests_at_a_pause_for_its_share_of_the_time(
+        monkeypatch: pytest.MonkeyPatch, share: float, rest: float) -> None:
+    clock = Clock()
+    monkeypatch.setattr(priority, "monotonic", clock.monotonic)
+    monkeypatch.setattr(priority, "sleep", clock.sleep)
+    monkeypatch.setattr(priority, "READING_SHARE", share)
+    pause = Priority().reading_pauses()
+    clock.now += 0.3  # worked since the reading began
+    pause()
+    assert sum(clock.slept) == pytest.approx(rest)
+    clock.slept.clear()
+    pause()  # at once: nothing worked since the last pause, no rest
+    assert sum(clock.slept) == pytest.approx(0.0)

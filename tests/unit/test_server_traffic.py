@@ -118,7 +118,7 @@ def test_a_reading_that_fails_or_waits_too_long_keeps_the_last_one() -> None:
 
 def test_a_reading_that_held_the_data_plane_long_is_not_taken_again_soon() -> None:
     """2-4 s at 100,000 services (the kernel's counter dump, CPU spent): not again
-    before 30 times that, the scrapes between given the last one."""
+    before READ_SPACING times that, the scrapes between given the last one."""
     now = [100.0]
     reading = TrafficReading(clock=lambda: now[0])
     reads: list[float] = []
@@ -127,14 +127,15 @@ def test_a_reading_that_held_the_data_plane_long_is_not_taken_again_soon() -> No
         reads.append(now[0])
         return {DNS: PortTraffic(Counted(len(reads)))}, 2.0
 
+    due = 100.0 + READ_SPACING * 2.0
     asyncio.run(reading.refresh(read, timeout=1))
-    for at in (101.0, 130.0, 159.9):
+    for at in (101.0, (100.0 + due) / 2, due - 0.1):
         now[0] = at
         asyncio.run(reading.refresh(read, timeout=1))
     assert reads == [100.0] and reading.ports == {DNS: PortTraffic(Counted(1))}
-    now[0] = 160.0
+    now[0] = due
     asyncio.run(reading.refresh(read, timeout=1))
-    assert reads == [100.0, 160.0] and reading.ports == {DNS: PortTraffic(Counted(2))}
+    assert reads == [100.0, due] and reading.ports == {DNS: PortTraffic(Counted(2))}
     cheap = TrafficReading(clock=lambda: now[0])  # a small node's: at every scrape
 
     async def quick() -> tuple[dict[ServicePortKey, PortTraffic], float]:
@@ -144,7 +145,7 @@ def test_a_reading_that_held_the_data_plane_long_is_not_taken_again_soon() -> No
     del reads[:]
     for _ in range(3):
         asyncio.run(cheap.refresh(quick, timeout=1))
-    assert reads == [160.0] * 3
+    assert reads == [due] * 3
 
 
 
