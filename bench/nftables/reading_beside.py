@@ -126,7 +126,7 @@ def _run(services: int, endpoints: int, pace: float, rounds: int,
 
 def markdown(result: dict[str, Any]) -> str:
     alone = result["change_alone_ms"]
-    gives = "gives way to changes" if result["give_way"] else "only offers the lock"
+    gives = "gives way to changes and rests" if result["give_way"] else "only offers the lock"
     lines = [f"{result['services']:,} services x {result['endpoints']} (switch interval "
              f"{result['switch_interval_s'] * 1000:g} ms; the reading {gives}): a change alone "
              f"{alone['p50']} / {alone['max']} ms (p50 / max); a reading on the data "

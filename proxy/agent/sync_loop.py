@@ -121,11 +121,10 @@ class SyncLoop:
         housekeeping_interval: float = HOUSEKEEPING_INTERVAL,
         thread_cpu: Callable[[], float] = time.thread_time,
         process_children_cpu: Callable[[], float] = children_cpu,
-        priority: Priority | None = None,
     ) -> None:
         self.model, self.dataplane, self.worker = model, dataplane, worker
         # A change's sync marked under way, for a traffic reading to give way to it.
-        self.priority = Priority() if priority is None else priority
+        self.priority = Priority()
         self.metrics, self.health, self.changes = metrics, health, changes
         # Read when scraped: set at every event they were 2 % of the first lists' work.
         metrics.service_changes_pending.set_function(lambda: self.changes.pending_services)

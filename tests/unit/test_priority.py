@@ -1,6 +1,6 @@
 """A traffic reading gives way to a change's sync (common/priority.py): at a pause it
 waits while one is under way, for as long as it lasts but never past GIVE_WAY_MAX, and
-goes straight on when none is."""
+goes straight on when none is; and it rests there for its share of the time."""
 
 from __future__ import annotations
 
