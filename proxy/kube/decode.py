@@ -807,19 +807,20 @@ class _NotPlain(Exception):
     """Leave this one to the full decoder."""
 
 
-def _plain_ip(value: Any, v4: bool) -> IPAddress:
-    """A strict address of the family (`v4`: IPv4, else IPv6) that may reach a rule: what
-    `_ip` takes for that family without a record. inet_pton refuses zones, an IPv4
-    address's leading zeros and IPv4 text where IPv6 is read."""
+def _plain_packed(value: Any, v4: bool) -> bytes:
+    """The packed bytes of a strict address of the family (`v4`: IPv4, else IPv6) that
+    may reach a rule: what `_ip` takes for that family without a record. inet_pton
+    refuses zones, an IPv4 address's leading zeros and IPv4 text where IPv6 is read."""
     if type(value) is not str:
         raise _NotPlain
     try:
-        n = int.from_bytes(inet_pton(AF_INET if v4 else AF_INET6, value))
+        packed = inet_pton(AF_INET if v4 else AF_INET6, value)
     except (OSError, ValueError):
         raise _NotPlain from None
+    n = int.from_bytes(packed)
     if _special_kind(n, v4) is not None or (not v4 and n >> 32 == 0xFFFF):
         raise _NotPlain  # special or IPv4-mapped: recorded by the full decoder
-    return IPv4Address(n) if v4 else IPv6Address(n)
+    return packed
 
 
 def _plain_name(value: Any, valid: Callable[[str], bool]) -> str | None:
@@ -854,7 +855,7 @@ def _plain_slice_endpoint(raw: Any, beta: bool, v4: bool) -> Endpoint:
     addresses = raw.get("addresses")
     if type(addresses) is not list or not addresses or raw.get("hints") is not None:
         raise _NotPlain
-    address = _plain_ip(addresses[0], v4)
+    packed = _plain_packed(addresses[0], v4)
     ready, serving, terminating = _plain_conditions(raw.get("conditions"))
     if beta:
         topology = raw.get("topology")
@@ -868,9 +869,7 @@ def _plain_slice_endpoint(raw: Any, beta: bool, v4: bool) -> Endpoint:
     else:
         node_name = _plain_name(raw.get("nodeName"), dns_subdomain)
         zone = _plain_name(raw.get("zone"), label_value)
-    # Positional (faster): in types.Endpoint's __init__ order, pinned by a test
-    # (tests/unit/test_decode_fast.py).
-    return Endpoint(address, ready, serving, terminating, node_name, zone)
+    return Endpoint.of_packed(packed, ready, serving, terminating, node_name, zone)
 
 
 def _plain_address(raw: Any, ready: bool) -> Endpoint:
@@ -879,9 +878,9 @@ def _plain_address(raw: Any, ready: bool) -> Endpoint:
     if type(raw) is not dict:
         raise _NotPlain
     ip = raw.get("ip")
-    address = _plain_ip(ip, not (type(ip) is str and ":" in ip))
-    return Endpoint(address, ready, ready, False, _plain_name(raw.get("nodeName"),
-                                                              dns_subdomain))
+    packed = _plain_packed(ip, not (type(ip) is str and ":" in ip))
+    return Endpoint.of_packed(packed, ready, ready, False,
+                              _plain_name(raw.get("nodeName"), dns_subdomain))
 
 
 def _slice_endpoint(ctx: _Ctx, raw: Any, family: Family, beta: bool, where: str) -> Endpoint | None:
@@ -993,7 +992,7 @@ def _endpoints_body(ctx: _Ctx, obj: dict[str, Any]) -> tuple[EndpointSlice, ...]
         for field, ready, a, raw in listed:
             try:
                 ep = _plain_address(raw, ready)
-                (v4 if ep.address.version == 4 else v6).append(ep)
+                (v4 if len(ep.packed) == 4 else v6).append(ep)
                 continue
             except _NotPlain:
                 pass

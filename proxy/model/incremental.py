@@ -54,7 +54,7 @@ from proxy.model.selection import Census, NodeView, Verdicts, decide, select
 from proxy.model.snapshot import Conflict, MergedEndpoint, SelectedEndpoint, Topology
 from proxy.model.types import EndpointSlice, Family, Protocol, Service, ServicePort
 
-_Key = tuple[int, int]  # (address as int, port): the endpoints' sort order
+_Key = tuple[bytes, int]  # (packed address, port): the endpoints' sort order (one family)
 # More changed endpoints than this in one resolution are put into the sorted lists in
 # one O(service) pass: each insert or delete moves the list's tail (~40 us at 50,000),
 # so a rollout replacing every endpoint at once would otherwise cost O(service^2).
@@ -211,7 +211,7 @@ class PortIndex:
             return None if got is None else got[3]
         first = got[0][3]
         found: list[Conflict] = []
-        merged = merge_copies(first.address, first.port, [(e[1], e[2]) for e in got], found)
+        merged = merge_copies(first.port, [(e[1], e[2]) for e in got], found)
         if found:
             self._conflicts[key] = found[0]
         else:
@@ -306,8 +306,8 @@ def endpoint_changes(old: Sequence[SelectedEndpoint], new: Sequence[SelectedEndp
         aligned = _changed_in_place(old, new)
         if aligned is not None:
             return aligned
-    before = {(s.address, s.port): s for s in old}
-    after = {(s.address, s.port): s for s in new}
+    before = {(s.packed, s.port): s for s in old}
+    after = {(s.packed, s.port): s for s in new}
     removed = tuple(s for k, s in before.items() if after.get(k) != s)
     added = tuple(s for k, s in after.items() if before.get(k) != s)
     return removed, added
@@ -322,8 +322,7 @@ def _changed_in_place(old: Sequence[SelectedEndpoint], new: Sequence[SelectedEnd
     for was, now in zip(old, new, strict=True):
         if was == now:
             continue
-        a, b = was.endpoint, now.endpoint
-        if a.port != b.port or a.address != b.address:
+        if was.port != now.port or was.packed != now.packed:
             return None
         removed.append(was)
         added.append(now)

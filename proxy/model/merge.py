@@ -30,7 +30,6 @@ from proxy.model.types import (
     Endpoint,
     EndpointSlice,
     Family,
-    IPAddress,
     Protocol,
     format_endpoint,
 )
@@ -51,9 +50,9 @@ def _rank(slice_name: str, ep: Endpoint) -> tuple[object, ...]:
         ep.node_hints,
     )
 
-# One endpoint of one slice for one service port: (sort key (address as int, port),
+# One endpoint of one slice for one service port: (sort key (packed address, port),
 # slice name, the endpoint, its MergedEndpoint as if it were the only copy).
-Entry = tuple[tuple[int, int], str, Endpoint, MergedEndpoint]
+Entry = tuple[tuple[bytes, int], str, Endpoint, MergedEndpoint]
 
 
 def merge_port(
@@ -69,31 +68,32 @@ def merge_port(
         alone = _one_listing(*listing[0])
         if alone is not None:
             return alone, ()
-    copies: dict[tuple[IPAddress, int], list[tuple[str, Endpoint]]] = {}
+    copies: dict[tuple[bytes, int], list[tuple[str, Endpoint]]] = {}
     for sl, port in listing:
         for ep in sl.endpoints:
-            copies.setdefault((ep.address, port), []).append((sl.name, ep))
+            copies.setdefault((ep.packed, port), []).append((sl.name, ep))
 
     merged: list[MergedEndpoint] = []
     conflicts: list[Conflict] = []
     sources: dict[str, tuple[str]] = {}  # one (slice name,) per slice, not per endpoint
-    for (address, port), found in sorted(copies.items(), key=lambda kv: (int(kv[0][0]), kv[0][1])):
+    # One family: its packed addresses, of one length, sort as their numbers do.
+    for (_, port), found in sorted(copies.items(), key=lambda kv: kv[0]):
         if len(found) == 1:
             slice_name, best = found[0]
             one = sources.get(slice_name) or sources.setdefault(slice_name, (slice_name,))
             merged.append(MergedEndpoint(best, port, one))
         else:
-            merged.append(merge_copies(address, port, found, conflicts))
+            merged.append(merge_copies(port, found, conflicts))
     return tuple(merged), tuple(conflicts)
 
 
 def _one_listing(sl: EndpointSlice, port: int) -> tuple[MergedEndpoint, ...] | None:
     """`merge_port` where one slice lists the port (nearly every port) and no address
-    twice: its endpoints sorted, each its own copy. Sorted by the addresses' integers,
-    read once each: hashing an address (keying the copies by it) is Python's work in
-    `ipaddress`, and was a third of merging. None where an address repeats."""
+    twice: its endpoints sorted (by their packed addresses, of one length: as their
+    numbers), each its own copy, without keying the copies. None where an address
+    repeats."""
     eps = sl.endpoints
-    numbers = [int(ep.address) for ep in eps]
+    numbers = [ep.packed for ep in eps]
     if len(set(numbers)) != len(numbers):
         return None
     source = (sl.name,)
@@ -101,8 +101,8 @@ def _one_listing(sl: EndpointSlice, port: int) -> tuple[MergedEndpoint, ...] | N
                   for i in sorted(range(len(eps)), key=numbers.__getitem__)])
 
 
-def merge_copies(address: IPAddress, port: int, found: list[tuple[str, Endpoint]],
-                  conflicts: list[Conflict]) -> MergedEndpoint:
+def merge_copies(port: int, found: list[tuple[str, Endpoint]],
+                 conflicts: list[Conflict]) -> MergedEndpoint:
     """The one copy of an endpoint that several (slice name, copy) list; a conflict is
     appended to `conflicts` when the copies disagree."""
     slice_name, best = min(found, key=lambda c: _rank(*c))
@@ -113,7 +113,7 @@ def merge_copies(address: IPAddress, port: int, found: list[tuple[str, Endpoint]
     conflict = bool(differing)
     if conflict:
         conflicts.append(Conflict(
-            endpoint=format_endpoint(address, port),
+            endpoint=format_endpoint(best.address, port),
             slices=sources,
             fields=tuple(f.replace("node_name", "node") for f in differing),
             chosen=slice_name,
@@ -122,7 +122,7 @@ def merge_copies(address: IPAddress, port: int, found: list[tuple[str, Endpoint]
 
 
 def slice_entries(sl: EndpointSlice, port_name: str, protocol: Protocol,
-                  reuse: dict[tuple[int, int], Entry] | None = None) -> tuple[Entry, ...]:
+                  reuse: dict[tuple[bytes, int], Entry] | None = None) -> tuple[Entry, ...]:
     """`sl`'s endpoints for one service port, each as if it were the only copy.
     `reuse`: entries of the slice that `sl` replaces (same name), by key; one whose
     endpoint is unchanged is taken (and popped) instead of making it again."""
@@ -132,7 +132,7 @@ def slice_entries(sl: EndpointSlice, port_name: str, protocol: Protocol,
         if sp.name != port_name or sp.protocol is not protocol:
             continue
         for ep in sl.endpoints:
-            key = (int(ep.address), sp.port)
+            key = (ep.packed, sp.port)
             old = reuse.pop(key, None) if reuse else None
             if old is not None and old[2] == ep:
                 out.append(old)

@@ -43,6 +43,10 @@ class _CopyFields:
         return self.copy.address
 
     @property
+    def packed(self) -> bytes:
+        return self.copy.packed
+
+    @property
     def ready(self) -> bool:
         return self.copy.ready
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from ipaddress import ip_address
+from socket import AF_INET6, inet_pton
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.kube import decode
 from proxy.kube.ingest import EndpointsSource
 from proxy.model.merge import merge_port
-from proxy.model.types import EndpointSlice, Family, Protocol, SlicePort
+from proxy.model.types import Endpoint, EndpointSlice, Family, Protocol, SlicePort
 from tests.unit.builders import addrs, endpoints_from, ep, eps_slice, node, resolve_one, service
 
 
@@ -184,3 +187,37 @@ def test_one_slice_merges_as_the_general_path_does(slices: list[EndpointSlice]) 
                           ())
     assert merge_port([one], "http", Protocol.TCP, Family.V4) \
         == merge_port([one, empty], "http", Protocol.TCP, Family.V4)
+
+
+@pytest.mark.parametrize(("family", "ips", "unordered"), [
+    (Family.V4, ("198.18.0.9", "198.18.0.10", "198.18.0.255", "198.18.1.0"), False),
+    (Family.V4, ("198.18.0.9", "198.18.0.10", "198.18.0.255", "198.18.1.0"), True),
+    (Family.V6, ("fd00::9", "fd00::a", "fd00::ff", "fd00::1:0"), False),
+    (Family.V6, ("fd00::9", "fd00::a", "fd00::ff", "fd00::1:0"), True),
+])
+def test_endpoints_are_ordered_by_address_as_a_number(
+        family: Family, ips: tuple[str, ...], unordered: bool) -> None:
+    # One slice (its own path) or two listing one address twice (the general one); in
+    # the order of the addresses' numbers, not their text ("198.18.0.10" < "...0.9").
+    kind = "IPv4" if family is Family.V4 else "IPv6"
+    shuffled = [ep(ip) for ip in reversed(ips)]
+    slices = [eps_slice("a", shuffled, address_type=kind)]
+    if unordered:
+        slices.append(eps_slice("b", [ep(ips[2])], address_type=kind))
+    cluster_ip = "198.18.128.1" if family is Family.V4 else "fd00:128::1"
+    rsp = resolve_one(node(), service(ips=(cluster_ip,)), *slices, family=family)
+    assert [s.address for s in rsp.endpoints] == [ip_address(ip) for ip in ips]
+    assert [s.endpoint.sources for s in rsp.endpoints][2] == (("a", "b") if unordered else ("a",))
+
+
+def test_an_endpoint_is_the_same_from_its_text_or_its_address_object() -> None:
+    # The fast decoder makes endpoints from packed bytes, everything else from address
+    # objects: the two must be equal, hash alike and read back the same address.
+    raw = {"addresses": ["fd00::1:2"], "conditions": {"ready": True}, "nodeName": "n"}
+    fast = decode._plain_slice_endpoint(raw, False, v4=False)
+    made = Endpoint(ip_address("fd00::1:2"), node_name="n")
+    assert fast == made and hash(fast) == hash(made)
+    assert fast.address == ip_address("fd00::1:2")
+    assert fast.packed == inet_pton(AF_INET6, "fd00::1:2")
+    assert fast != Endpoint(ip_address("fd00::1:3"), node_name="n")
+    assert "fd00::1:2" in repr(fast)

@@ -29,6 +29,7 @@ import logging
 import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from ipaddress import ip_address
 
 from proxy.dataplane.common.ctnetlink import ConntrackSocket, CtEntry
 from proxy.dataplane.common.naming import port_name
@@ -60,9 +61,18 @@ class StaleFlows:
 
 def used_endpoints(rsp: ResolvedServicePort | None) -> set[tuple[IPAddress, int]]:
     """Endpoints that receive some traffic of this service port."""
+    return _addressed(_used_packed(rsp))
+
+
+def _used_packed(rsp: ResolvedServicePort | None) -> set[tuple[bytes, int]]:
+    """`used_endpoints` by packed address: compared without an address object each."""
     if rsp is None:
         return set()
-    return {(s.address, s.port) for s in rsp.endpoints if _used(s, rsp)}
+    return {(s.packed, s.port) for s in rsp.endpoints if _used(s, rsp)}
+
+
+def _addressed(endpoints: set[tuple[bytes, int]]) -> set[tuple[IPAddress, int]]:
+    return {(ip_address(packed), port) for packed, port in endpoints}
 
 
 def _used(s: SelectedEndpoint, rsp: ResolvedServicePort) -> bool:
@@ -80,11 +90,9 @@ def gone_endpoints(old: ResolvedServicePort, new: ResolvedServicePort | None
     same_protocol = new is not None and new.port.protocol is old.port.protocol
     delta = new.endpoint_delta(old) if new is not None else None
     if delta is not None and same_protocol and new is not None:
-        return ({(s.address, s.port) for s in delta.removed
-                 if _used(s, old)}
-                - {(s.address, s.port) for s in delta.added
-                   if _used(s, new)})
-    return used_endpoints(old) - (used_endpoints(new) if same_protocol else set())
+        return _addressed({(s.packed, s.port) for s in delta.removed if _used(s, old)}
+                          - {(s.packed, s.port) for s in delta.added if _used(s, new)})
+    return _addressed(_used_packed(old) - (_used_packed(new) if same_protocol else set()))
 
 
 def frontends(rsp: ResolvedServicePort) -> list[tuple[IPAddress | None, int]]:

@@ -129,10 +129,10 @@ def vanished(old: ResolvedServicePort | None, new: ResolvedServicePort | None,
     if not gone:
         return []
     still = {} if new is None or new.port.protocol is not Protocol.TCP else {
-        (s.address, s.port): s.endpoint for s in new.endpoints}
+        (s.packed, s.port): s.endpoint for s in new.endpoints}
     out = []
     for address, port in sorted(gone, key=lambda e: (e[0].packed, e[1])):
-        now = still.get((address, port))
+        now = still.get((address.packed, port))
         if now is not None and not (now.terminating and not now.serving):
             continue  # still listed: draining, or only not ready
         out.append(Vanished(port_name(old.key), old.key.family, address, port,

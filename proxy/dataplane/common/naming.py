@@ -48,6 +48,14 @@ def address_text(ip: IPAddress) -> str:
     return packed_v6_text(ip.packed)
 
 
+def packed_text(packed: bytes) -> str:
+    """address_text of the address whose packed bytes are `packed` (4: IPv4, else IPv6):
+    an endpoint's (types.Endpoint.packed), without making the address object."""
+    if len(packed) == 4:
+        return socket.inet_ntop(socket.AF_INET, packed)
+    return packed_v6_text(packed)
+
+
 def packed_v6_text(packed: bytes) -> str:
     """address_text of the IPv6 address whose 16 bytes are `packed`, without making the
     address object (a port's fingerprint is one: marks.spelled)."""

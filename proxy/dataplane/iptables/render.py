@@ -48,6 +48,7 @@ from proxy.dataplane.common.naming import (
     address_text,
     chain_lines,
     name_hash,
+    packed_text,
     port_name,
 )
 from proxy.dataplane.common.paths import PortPlan, plan, sorted_nets
@@ -464,7 +465,7 @@ def _balance(name: str, eps: Sequence[SelectedEndpoint],
              ctx: RenderContext) -> tuple[str, ...]:
     """Affinity checks first, then one `statistic` jump per endpoint: endpoint i (of n)
     is taken with probability 1/(n-i) among what is left, the last one always."""
-    ordered = sorted(eps, key=lambda ep: (ep.address.packed, ep.port))
+    ordered = sorted(eps, key=lambda ep: (ep.packed, ep.port))
     targets = [seps[id(ep)] for ep in ordered]
     arrow = _arrow_comment(name)
     labels = [arrow(text) for text, _ in targets]
@@ -505,9 +506,10 @@ _PLAIN_ENDPOINT = re.compile(r"[0-9A-Za-z.:\[\]]+")
 
 
 def endpoint_text(ep: SelectedEndpoint) -> str:
-    if ep.address.version == 6:
-        return f"[{_text(ep.address)}]:{ep.port}"
-    return f"{_text(ep.address)}:{ep.port}"
+    packed = ep.packed
+    if len(packed) == 16:
+        return f"[{packed_text(packed)}]:{ep.port}"
+    return f"{packed_text(packed)}:{ep.port}"
 
 
 def _recent_mask(ctx: RenderContext) -> str:
@@ -522,6 +524,6 @@ def _endpoint_rules(label: str, proto: str, ep: SelectedEndpoint, text: str, cha
     return (
         # A pod reaching itself through the service: masquerade so the reply comes back
         # through the node instead of straight to itself.
-        f"-s {_cidr(ep.address, ctx)} {label} -j {MARK_MASQ}",
+        f"-s {packed_text(ep.packed)}{ctx.host_mask} {label} -j {MARK_MASQ}",
         f"-p {proto} {label}{recent} -m {proto} -j DNAT --to-destination {text}",
     )

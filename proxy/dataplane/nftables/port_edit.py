@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping
 from ipaddress import ip_address
 
 from proxy.dataplane.common.context import RenderContext
-from proxy.dataplane.common.naming import address_text, port_name
+from proxy.dataplane.common.naming import packed_text, port_name
 from proxy.dataplane.nftables.objects import Chain, Key, Value
 from proxy.dataplane.nftables.render import (
     HAIRPIN,
@@ -56,9 +56,9 @@ from proxy.model.snapshot import (
     ResolvedServicePort,
     SelectedEndpoint,
 )
-from proxy.model.types import IPAddress, TrafficPolicy
+from proxy.model.types import TrafficPolicy
 
-Order = tuple[int, int]  # the model's order of endpoints: (address as int, port)
+Order = tuple[bytes, int]  # the model's order of endpoints: (packed address, port)
 
 
 def render_edit(old: ResolvedServicePort, new: ResolvedServicePort, delta: EndpointDelta,
@@ -118,14 +118,14 @@ def _in_path(s: SelectedEndpoint, local: bool) -> bool:
 
 
 def _value(ep: SelectedEndpoint) -> Key:
-    return slot_value(address_text(ep.address), ep.port)
+    return slot_value(packed_text(ep.packed), ep.port)
 
 
 def _net_change(delta: EndpointDelta, local: bool) -> tuple[set[Key], dict[Key, Order]]:
     """The slot values one path loses and gains (with their order); an endpoint in both
     `removed` and `added` that stays in the path is neither."""
     gone = {_value(s) for s in delta.removed if _in_path(s, local)}
-    come = {_value(s): (int(s.address), s.port)
+    come = {_value(s): (s.packed, s.port)
             for s in delta.added if _in_path(s, local)}
     stayed = gone & come.keys()
     for value in stayed:
@@ -234,9 +234,9 @@ def _rehash(kept: SlotValues, gone: set[Key], come: Mapping[Key, Order]
 
 
 def _order_of(value: Key) -> Order:
-    """A kept slot's (address, port) in the model's order: the address as a number."""
+    """A kept slot's (address, port) in the model's order: the address packed."""
     address, port = value
-    return int(ip_address(address)), int(port)
+    return ip_address(address).packed, int(port)
 
 
 def _slot_chains(rsp: ResolvedServicePort, ctx: RenderContext, kind: str, chain: str,
@@ -255,9 +255,9 @@ def _hairpin_changes(new: ResolvedServicePort, delta: EndpointDelta,
     wants one while some endpoint at that address is in a path it uses."""
     removed: list[ElementKey] = []
     added: list[ElementKey] = []
-    addresses = {s.address for s in (*delta.removed, *delta.added)}
-    for address in sorted(addresses, key=int):
-        element = (TABLE, HAIRPIN, hairpin_element(address_text(address)))
+    addresses = {s.packed for s in (*delta.removed, *delta.added)}
+    for address in sorted(addresses):
+        element = (TABLE, HAIRPIN, hairpin_element(packed_text(address)))
         had, wants = element in kept, _address_used(new, address)
         if had and not wants:
             removed.append(element)
@@ -266,13 +266,12 @@ def _hairpin_changes(new: ResolvedServicePort, delta: EndpointDelta,
     return removed, added
 
 
-def _address_used(rsp: ResolvedServicePort, address: IPAddress) -> bool:
-    """Some endpoint at `address` is in a path the port uses: a binary search of its
-    endpoints, sorted by address then port (the model's merge)."""
+def _address_used(rsp: ResolvedServicePort, packed: bytes) -> bool:
+    """Some endpoint at `packed` (an address) is in a path the port uses: a binary search
+    of its endpoints, sorted by address then port (the model's merge)."""
     eps = rsp.endpoints
-    target = int(address)
-    i = bisect_left(eps, target, key=lambda s: int(s.address))
-    while i < len(eps) and int(eps[i].address) == target:
+    i = bisect_left(eps, packed, key=lambda s: s.packed)
+    while i < len(eps) and eps[i].packed == packed:
         s = eps[i]
         if (s.in_cluster and rsp.uses_cluster) or (s.in_local and rsp.uses_local):
             return True

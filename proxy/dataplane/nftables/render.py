@@ -117,7 +117,7 @@ from typing import TypeVar
 
 from proxy.dataplane.common import naming
 from proxy.dataplane.common.context import RenderContext, cluster_ip_masquerade
-from proxy.dataplane.common.naming import address_text, name_hash, port_name
+from proxy.dataplane.common.naming import address_text, name_hash, packed_text, port_name
 from proxy.dataplane.common.paths import PortPlan, plan, sorted_nets
 from proxy.dataplane.common.traffic import per_endpoint
 from proxy.dataplane.modes import NFTABLES
@@ -622,9 +622,8 @@ def _picked(rsp: ResolvedServicePort, ctx: RenderContext, p: PortPlan
             or per_endpoint(rsp.service, ctx.traffic_per_endpoint):
         return ()
     eps, other = (p.cluster_eps, p.svl) if p.internal == p.svc else (p.local_eps, p.svc)
-    # (Counted only past PICK_MAX: hashing an address is Python's work.)
     if other is not None or (
-            len(eps) > PICK_MAX and len({(ep.address, ep.port) for ep in eps}) > PICK_MAX):
+            len(eps) > PICK_MAX and len({(ep.packed, ep.port) for ep in eps}) > PICK_MAX):
         return ()
     return eps
 
@@ -769,7 +768,7 @@ def _endpoint_addresses(build: _PortBuild, eps: Sequence[SelectedEndpoint]
     hairpin = build.elements.setdefault(HAIRPIN, {})
     for ep in eps:
         if id(ep) not in addrs:
-            at = addrs[id(ep)] = _text(ep.address)
+            at = addrs[id(ep)] = packed_text(ep.packed)
             hairpin.setdefault(hairpin_element(at), ())
     return addrs
 
