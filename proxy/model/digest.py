@@ -28,7 +28,6 @@ from typing import Any
 from proxy.model.snapshot import (
     Conflict,
     EndpointSet,
-    MergedEndpoint,
     ResolvedServicePort,
     SelectedEndpoint,
     Topology,
@@ -47,17 +46,9 @@ _FIELDS: dict[type, Callable[[Any], tuple[Any, ...]]] = {
     cls: operator.attrgetter(*_compared(cls))
     for cls in (Service, ServicePort, Topology, Conflict)
 }
-# A selected endpoint's merged-endpoint fields: its copy's, read from the copy (C
-# getters, where its properties are Python), then its own; the address as the integer it
-# holds (a C getter, where the address's own methods are Python): the port's family says
-# which family.
-_ENDPOINT = operator.attrgetter(
-    *(f"copy.{name}._ip" if name == "address" else f"copy.{name}"
-      for name in _compared(Endpoint)),
-    *(name for name in _compared(MergedEndpoint) if name != "copy"))
-# Then what the selection adds (selected_for, reason: `_selection` unpacks exactly these).
-_SELECTED = operator.attrgetter(*(name for name in _compared(SelectedEndpoint)
-                                  if name not in _compared(MergedEndpoint)))
+# A selected endpoint's copy's fields (its address packed), read in one C call; then its
+# selection (`_selection`).
+_ENDPOINT = operator.attrgetter(*(f"copy.{name}" for name in _compared(Endpoint)))
 # A port's fields but its endpoints and service (flattened on their own).
 _PORT_FIELDS = [name for name in _compared(ResolvedServicePort)
                 if name not in ("endpoints", "service")]
@@ -90,11 +81,12 @@ def flat(value: Any) -> Any:
     raise TypeError(f"no stable digest for {kind.__name__}")
 
 
-def _selection(s: SelectedEndpoint) -> tuple[tuple[bool, bool], str]:
+def _selection(s: SelectedEndpoint) -> tuple[object, ...]:
     # The sets in a fixed order: a frozenset of enum members iterates in an order of
     # their ids.
-    selected_for, reason = _SELECTED(s)
-    return (EndpointSet.CLUSTER in selected_for, EndpointSet.LOCAL in selected_for), reason
+    port, sources, conflict, selected_for, reason = s.selection
+    return (port, sources, conflict,
+            (EndpointSet.CLUSTER in selected_for, EndpointSet.LOCAL in selected_for), reason)
 
 
 class ResolutionDigests:

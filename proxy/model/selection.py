@@ -215,7 +215,7 @@ def select_all(endpoints: Iterable[MergedEndpoint],
         if like is None:
             out.append(seen.setdefault(what, select(ep, verdicts)))
         else:
-            out.append(SelectedEndpoint.of(ep, like.selected_for, like.reason))
+            out.append(like.like(ep))
     return tuple(out)
 
 

@@ -99,3 +99,23 @@ def test_the_code_digest_follows_every_source(tmp_path: Path,
         path.unlink()
     assert digest() != digest()
     source.source_digest.cache_clear()
+
+
+def test_a_digest_changes_with_an_endpoints_target_port_or_its_slices_alone() -> None:
+    # What the property above may not draw: one endpoint whose target port, or the
+    # slices listing it, are all that differ.
+    svc = service(ips=("198.18.128.1",))
+    base = [svc, eps_slice("s1", [ep("198.18.1.10")])]
+    variants = {
+        "target port": [svc, eps_slice("s1", [ep("198.18.1.10")],
+                                       ports=({"name": "http", "port": 9090},))],
+        "listed twice": [svc, eps_slice("s1", [ep("198.18.1.10")]),
+                         eps_slice("s2", [ep("198.18.1.10")])],
+        "another slice": [svc, eps_slice("s2", [ep("198.18.1.10")])],
+    }
+    a = Cluster().become(base)
+    [key] = a.ports
+    for what, objects in variants.items():
+        b = Cluster().become(objects)
+        assert a.ports[key] != b.ports[key], what
+        assert digests(a)[key] != digests(b)[key], what
