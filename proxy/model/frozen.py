@@ -1,11 +1,12 @@
 """Frozen dataclasses made at the cost of plain ones (pure).
 
 A frozen dataclass's own `__init__` sets each field through `object.__setattr__` (its
-class forbids assignment): 1.2 us for a SelectedEndpoint of six fields, where setting
-the slots through their descriptors takes 0.7. The model makes three such objects for
-every endpoint of a cold start (its copy, merged, selected: a million each at 100,000
-services x 10). `fast_init` gives a class the second `__init__`, with the same
-parameters, defaults and result.
+class forbids assignment): 1.2 us for an object of six fields, where setting the slots
+through their descriptors takes 0.7. The model makes such objects for every endpoint
+of a cold start (a million at 100,000 services x 10), and sets the slots of its
+endpoints and selected endpoints itself (types.Endpoint, snapshot.SelectedEndpoint).
+`fast_init` gives a class the second `__init__`, with the same parameters, defaults
+and result.
 """
 
 from __future__ import annotations

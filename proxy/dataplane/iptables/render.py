@@ -221,8 +221,10 @@ def probability(n: int) -> str:
 _text = address_text
 
 
-def _cidr(ip: IPAddress, ctx: RenderContext) -> str:
-    return f"{_text(ip)}{ctx.host_mask}"
+def _cidr(ip: IPAddress | bytes, ctx: RenderContext) -> str:
+    """`ip` (an address, or an endpoint's packed one) as a host CIDR."""
+    text = packed_text(ip) if isinstance(ip, bytes) else _text(ip)
+    return f"{text}{ctx.host_mask}"
 
 
 def _dedupe(items: Iterable[str]) -> tuple[str, ...]:
@@ -524,6 +526,6 @@ def _endpoint_rules(label: str, proto: str, ep: SelectedEndpoint, text: str, cha
     return (
         # A pod reaching itself through the service: masquerade so the reply comes back
         # through the node instead of straight to itself.
-        f"-s {packed_text(ep.packed)}{ctx.host_mask} {label} -j {MARK_MASQ}",
+        f"-s {_cidr(ep.packed, ctx)} {label} -j {MARK_MASQ}",
         f"-p {proto} {label}{recent} -m {proto} -j DNAT --to-destination {text}",
     )
