@@ -1,18 +1,20 @@
 """Reading our named counters (proxy/dataplane/nftables/counters.py) against the real
 kernel, in a namespace of the test's own: a commit between a dump's messages makes the
 kernel skip counters that still exist (deleting objects before the dump's place moves
-the rest back), and the reading asks for each wanted one it missed by name."""
+the rest back), which is why a traffic reading asks for each counter by name; those
+gets, many to a datagram, answer each one asked for in its place."""
 
 from __future__ import annotations
 
+import errno
 import subprocess
 from collections.abc import Iterator
 
 import pytest
 
-from proxy.dataplane.common.netlink import NetlinkSocket
+from proxy.dataplane.common.netlink import GET_BATCH, NetlinkError, NetlinkSocket
 from proxy.dataplane.common.netlink_constants import NETLINK_NETFILTER
-from proxy.dataplane.nftables.counters import read_counter, read_counters
+from proxy.dataplane.nftables.counters import read_counters, read_named
 from proxy.model.types import Family
 from proxy.netns_lab import Lab
 from proxy.netns_lab.netns import entered
@@ -73,11 +75,16 @@ def test_a_commit_during_the_dump_makes_the_kernel_skip_counters(sock: NetlinkSo
     assert skipped, "the kernel skipped none: the reading below would test nothing"
 
 
-def test_the_ones_the_dump_missed_are_read_by_name(sock: NetlinkSocket) -> None:
-    found = read_counters(sock, Family.V4, (TABLE,),
-                          wanted=lambda: [*SURVIVING, (TABLE, "c0"), (TABLE, "never")])
-    assert sock.interrupted
-    assert {k: found.get(k) for k in SURVIVING} == SURVIVING
-    assert (TABLE, "never") not in found
-    assert read_counter(sock, Family.V4, TABLE, "c0") is None  # deleted
-    assert read_counter(sock, Family.V4, TABLE, f"c{DELETED}") == _packets(DELETED)
+def test_a_reading_by_name_answers_each_counter_in_its_place(sock: NetlinkSocket) -> None:
+    _nft([f"delete counter ip {TABLE} c{i}" for i in range(DELETED)])
+    keys = [(TABLE, "never"), *reversed(SURVIVING), (TABLE, "c0"), ("no-such-table", "c200")]
+    assert len(keys) > 10 * GET_BATCH  # many datagrams of gets
+    found = read_named(sock, Family.V4, keys)
+    assert found == [None, *reversed(SURVIVING.values()), None, None]
+
+
+def test_a_refused_get_is_an_error_and_the_socket_reads_on(sock: NetlinkSocket) -> None:
+    with pytest.raises(NetlinkError) as refused:  # a table's name past the kernel's limit
+        read_named(sock, Family.V4, [(TABLE, "c1"), ("t" * 300, "c1"), (TABLE, "c2")])
+    assert refused.value.code != errno.ENOENT
+    assert read_named(sock, Family.V4, [(TABLE, "c3")]) == [_packets(3)]

@@ -123,10 +123,9 @@ class _Reader:
     def __init__(self, nft: FakeNft) -> None:
         self._nft = nft
 
-    def read(self, family: Family, tables: Collection[str],
-             wanted: Callable[[], Iterable[tuple[str, str]]] | None = None,
-             give_way: GiveWay = offer_lock) -> dict[tuple[str, str], int]:
-        return self._nft.counters(family, tables)
+    def read(self, family: Family, keys: Iterable[tuple[str, str]],
+             give_way: GiveWay = offer_lock) -> list[int | None]:
+        return [self._nft.counter(family, table, name) for table, name in keys]
 
     def close(self) -> None:
         pass
@@ -183,6 +182,11 @@ class FakeNft:
         self.counter_dumps += 1
         return {(t, n): v for (f, t), table in self.tables.items() if f == ip and t in tables
                 for n, v in table.counters.items()}
+
+    def counter(self, family: Family, table: str, name: str) -> int | None:
+        """One named counter's packets, asked for by name (no dump); None if none."""
+        held = self.tables.get(("ip" if family is Family.V4 else "ip6", table))
+        return None if held is None else held.counters.get(name)
 
     def counter_reader(self) -> _Reader:
         return _Reader(self)

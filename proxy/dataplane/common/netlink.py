@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import socket
 import struct
 import sys
 import threading
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from proxy.dataplane.common.netlink_constants import (
@@ -39,6 +40,9 @@ from proxy.dataplane.common.netlink_constants import (
 log = logging.getLogger(__name__)
 
 BATCH = 128  # requests per datagram: the acknowledgements must fit the receive buffer
+# Gets of one object each per datagram (`get_each`): their answers, each an object's
+# message (a few hundred bytes of buffer), must fit the receive buffer at once.
+GET_BATCH = 64
 RCVBUF = 1 << 20
 TIMEOUT = 30.0
 
@@ -435,6 +439,36 @@ class NetlinkSocket:
             elif reply.error:
                 raise NetlinkError(reply.error, f"get of message type {kind}")
         return found
+
+    def get_each(self, kind: int, bodies: Iterable[bytes]) -> Iterator[bytes | None]:
+        """One object by key for each request body (not a dump), GET_BATCH requests to a
+        datagram: for each in order, the message body the kernel answered, or None when
+        there is no such object (ENOENT); NetlinkError for another refusal. The kernel
+        finds each by key and answers each in a message of its own: linear in the objects
+        asked for, where each message of a dump walks the family's objects from the
+        first."""
+        it = iter(bodies)
+        while batch := list(itertools.islice(it, GET_BATCH)):
+            first = self.reserve(len(batch))
+            self._sock.send(b"".join(frame(kind, NLM_F_REQUEST, first + i, body)
+                                     for i, body in enumerate(batch)))
+            answers: list[bytes | None] = [None] * len(batch)
+            pending = len(batch)
+            while pending:
+                data = self._recv()
+                for found, _flags, seq, _port, start, end in messages(data):
+                    i = seq - first
+                    if not 0 <= i < len(batch) or answers[i] is not None:
+                        continue  # a late answer to an earlier request
+                    pending -= 1
+                    answers[i] = data[start:end]
+                    if found != NLMSG_ERROR:
+                        continue
+                    error = -int.from_bytes(data[start:start + 4], sys.byteorder, signed=True)
+                    if error not in (0, errno.ENOENT):  # what follows it: late answers
+                        raise NetlinkError(error, f"get of message type {kind}")
+                    answers[i] = b""  # none: told apart from an answer not yet read
+            yield from (answer or None for answer in answers)
 
     def dump_datagrams(self, kind: int, body: bytes) -> list[bytes]:
         """A dump's answer as the datagrams holding its messages, for a caller that reads

@@ -1,16 +1,23 @@
-"""Reading our named counters (the traffic readings, common/traffic.py): one dump of
-the family's objects, and, where a commit landed between the dump's messages
-(NLM_F_DUMP_INTR), a request by name for each counter wanted that the dump did not
-return. The kernel resumes each message of a dump at an index into its list of
-objects, so a deletion before that index makes the walk skip one; new objects go at
-the end and skip nothing. A reading beside the data plane's commits (on a thread of
-its own, apply.py's `traffic_reader`) is interrupted whenever one lands during it: a
-counter it skipped would read as a reset."""
+"""Reading our named counters: a traffic reading (common/traffic.py) asks for each
+counter of its plan by name, GET_BATCH requests to a datagram (common/netlink.py's
+`get_each`); the data plane's own look at every counter of a family (what it may
+delete) is one dump.
+
+A reading does not dump, for two reasons. The kernel fills each 32 KiB message of a
+dump by walking the family's objects from the first to where the last message ended
+(`nf_tables_dump_obj`; its table filter comes after that skip): O(n^2 / counters a
+message), 0.96 s of kernel time at 100,000 counters, 9.6 us each, against 0.5 at
+12,500. And a commit between a dump's messages (NLM_F_DUMP_INTR) makes the walk skip
+counters still there when it deleted ones before the dump's place: a reading runs on a
+thread of its own beside the data plane's commits (apply.py's `traffic_reader`), and a
+skipped counter would read as a reset. A get by name is found in the kernel's hash of
+names: ~3 us of kernel time each at any count, whatever commits land between.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 from proxy.dataplane.base import Counted, GiveWay, PortTraffic, offer_lock
@@ -18,7 +25,6 @@ from proxy.dataplane.common.netlink import NetlinkSocket
 from proxy.dataplane.common.netlink_constants import NFNL_SUBSYS_NFTABLES, NFT_MSG_GETOBJ
 from proxy.dataplane.common.traffic import port_traffic
 from proxy.dataplane.nftables import wire
-from proxy.dataplane.nftables.render import OUR_TABLES
 from proxy.dataplane.nftables.transaction import KeptPort
 from proxy.model.types import Family, IPAddress, ServicePortKey
 
@@ -42,24 +48,22 @@ Plan = Sequence[tuple[Family, Mapping[ServicePortKey, KeptPort]]]
 class CounterReader(Protocol):
     """What a reading reads counters with: its own, usable from any thread."""
 
-    def read(self, family: Family, tables: Collection[str],
-             wanted: Callable[[], Iterable[tuple[str, str]]] | None = None,
-             give_way: GiveWay = offer_lock) -> Counts: ...
+    def read(self, family: Family, keys: Iterable[tuple[str, str]],
+             give_way: GiveWay = offer_lock) -> list[int | None]: ...
 
     def close(self) -> None: ...
 
 
 class SocketReader:
-    """`read_counters` on a netlink socket of the reader's own (made in the network
+    """`read_named` on a netlink socket of the reader's own (made in the network
     namespace of our tables: a socket stays in the one it was made in)."""
 
     def __init__(self, sock: NetlinkSocket) -> None:
         self._sock = sock
 
-    def read(self, family: Family, tables: Collection[str],
-             wanted: Callable[[], Iterable[tuple[str, str]]] | None = None,
-             give_way: GiveWay = offer_lock) -> Counts:
-        return read_counters(self._sock, family, tables, wanted, give_way)
+    def read(self, family: Family, keys: Iterable[tuple[str, str]],
+             give_way: GiveWay = offer_lock) -> list[int | None]:
+        return read_named(self._sock, family, keys, give_way)
 
     def close(self) -> None:
         self._sock.close()
@@ -68,47 +72,35 @@ class SocketReader:
 def read_traffic(reader: CounterReader, plan: Plan, give_way: GiveWay = offer_lock
                  ) -> dict[ServicePortKey, PortTraffic]:
     """Each port of `plan` with what its named counters (render.py) hold: the port's
-    own, and its endpoints' where they are counted one by one. Any thread; `reader` is
-    the reading's own, closed here; `give_way` is called every YIELD_EVERY ports or
-    counters. A family the kernel refuses to dump is logged and left out."""
+    own, and its endpoints' where they are counted one by one (a counter gone since the
+    plan was taken reads 0). Any thread; `reader` is the reading's own, closed here;
+    `give_way` is called every YIELD_EVERY ports or counters. A family the kernel
+    refuses to read is logged and left out."""
     out: dict[ServicePortKey, PortTraffic] = {}
     try:
         for family, ports in plan:
-            def wanted(ports: Mapping[ServicePortKey, KeptPort] = ports
-                       ) -> Iterable[tuple[str, str]]:
-                return ((kept.table, name) for kept in ports.values()
-                        for name, _ in kept.counters)
-
+            keys = ((kept.table, name) for kept in ports.values() for name, _ in kept.counters)
             try:
-                counted = reader.read(family, OUR_TABLES, wanted, give_way)
+                counted = reader.read(family, keys, give_way)
             except OSError as exc:
                 log.warning("cannot read our nftables counters", extra={
                     "family": family.label, "error": str(exc)})
                 continue
+            packets = iter(counted)  # in the order of `keys`: the same walk of `ports`
             for i, (key, kept) in enumerate(ports.items()):
-                out[key] = _port_traffic(kept, counted)
+                out[key] = _port_traffic(kept, packets)
                 if i % YIELD_EVERY == YIELD_EVERY - 1:
                     give_way()
-            _let_go(counted, give_way)
     finally:
         reader.close()
     return out
 
 
-def _let_go(counted: Counts, give_way: GiveWay) -> None:
-    """Empties `counted` a part at a time, pausing between: its 100,000 keys freed at
-    once held the interpreter's lock for 20-30 ms (a change waited for that)."""
-    while counted:
-        for _ in range(min(len(counted), 100 * YIELD_EVERY)):
-            counted.popitem()
-        give_way()
-
-
-def _port_traffic(kept: KeptPort, counted: Mapping[tuple[str, str], int]) -> PortTraffic:
+def _port_traffic(kept: KeptPort, packets: Iterator[int | None]) -> PortTraffic:
     total: Counted | None = None
     endpoints: list[tuple[tuple[IPAddress, int], Counted]] = []
-    for name, endpoint in kept.counters:
-        n = Counted(counted.get((kept.table, name), 0))
+    for _name, endpoint in kept.counters:
+        n = Counted(next(packets) or 0)
         if endpoint is None:
             total = n
         else:
@@ -116,40 +108,27 @@ def _port_traffic(kept: KeptPort, counted: Mapping[tuple[str, str], int]) -> Por
     return port_traffic(total, endpoints if endpoints else None)
 
 
-def read_counters(sock: NetlinkSocket, family: Family, tables: Collection[str],
-                  wanted: Callable[[], Iterable[tuple[str, str]]] | None = None,
-                  give_way: GiveWay = offer_lock) -> Counts:
-    """The named counters of `tables` in `family`, from one dump; if a commit interrupted
-    it, each of `wanted()` ((table, name)) it did not return is asked for by name (one
-    that no longer exists is left out). OSError (NetlinkError) if the kernel refuses.
-    `give_way` is called every YIELD_EVERY counters decoded."""
+def read_named(sock: NetlinkSocket, family: Family, keys: Iterable[tuple[str, str]],
+               give_way: GiveWay = offer_lock) -> list[int | None]:
+    """The packets each named counter of `keys` ((table, name), of `family`) has
+    counted, in their order; None for one that does not exist. OSError (NetlinkError)
+    if the kernel refuses. `give_way` is called every YIELD_EVERY counters."""
+    out: list[int | None] = []
+    packets = wire.counter_packets
+    for i, body in enumerate(sock.get_each(_GETOBJ, wire.counter_requests(family, keys))):
+        out.append(None if body is None else packets(body))
+        if i % YIELD_EVERY == YIELD_EVERY - 1:
+            give_way()
+    return out
+
+def read_counters(sock: NetlinkSocket, family: Family, tables: Collection[str]) -> Counts:
+    """The named counters of `tables` in `family`, from one dump (a commit between its
+    messages can make it skip some: see above). OSError (NetlinkError) if the kernel
+    refuses."""
     found: Counts = {}
     decode = wire.decode_counter
-    for i, (data, start, end) in enumerate(
-            sock.dump_messages(_GETOBJ, wire.dump_request(family))):
+    for data, start, end in sock.dump_messages(_GETOBJ, wire.dump_request(family)):
         counter = decode(data, start, end)
         if counter is not None and counter[0] in tables:
             found[counter[0], counter[1]] = counter[2]
-        if i % YIELD_EVERY == YIELD_EVERY - 1:
-            give_way()
-    if sock.interrupted and wanted is not None:
-        missing = []  # a walk of every port (0.2 s at 100,000): the lock offered on the way
-        for i, key in enumerate(wanted()):
-            if key not in found:
-                missing.append(key)
-            if i % (10 * YIELD_EVERY) == 0:
-                give_way()
-        for table, name in missing:
-            packets = read_counter(sock, family, table, name)
-            if packets is not None:
-                found[table, name] = packets
-        log.debug("a commit came during the counters' dump; the ones it missed read by name",
-                  extra={"family": family.label, "read_by_name": len(missing)})
     return found
-
-
-def read_counter(sock: NetlinkSocket, family: Family, table: str, name: str) -> int | None:
-    """The packets named counter `name` of `table` has counted; None if there is none."""
-    reply = sock.get(_GETOBJ, wire.counter_request(family, table, name))
-    counter = None if reply is None else wire.decode_counter(reply.payload)
-    return None if counter is None else counter[2]

@@ -60,6 +60,7 @@ from proxy.dataplane.common.netlink import (
     MAX_PIECES,
     NFGEN,
     attributes,
+    find_attr,
     frame,
     nested,
     nfgen,
@@ -1019,11 +1020,16 @@ def dump_request(family: Family) -> bytes:
     return nfgen(NFPROTO[family])
 
 
-def counter_request(family: Family, table: str, name: str) -> bytes:
-    """The body of a request for one named counter (NFT_MSG_GETOBJ, no dump): the kernel
-    finds it by name, whatever the number of objects."""
-    return (nfgen(NFPROTO[family]) + string(NFTA_OBJ_TABLE, table) + string(NFTA_OBJ_NAME, name)
-            + nla(NFTA_OBJ_TYPE, u32(NFT_OBJECT_COUNTER)))
+def counter_requests(family: Family, keys: Iterable[tuple[str, str]]) -> Iterator[bytes]:
+    """The body of a request for each named counter of `keys` ((table, name); NFT_MSG_GETOBJ,
+    no dump): the kernel finds each by name, whatever the number of objects."""
+    head, kind = nfgen(NFPROTO[family]), nla(NFTA_OBJ_TYPE, u32(NFT_OBJECT_COUNTER))
+    tables: dict[str, bytes] = {}
+    for table, name in keys:
+        prefix = tables.get(table)
+        if prefix is None:
+            prefix = tables[table] = head + string(NFTA_OBJ_TABLE, table)
+        yield prefix + string(NFTA_OBJ_NAME, name) + kind
 
 
 def decode_names(kind: int, payload: bytes) -> tuple[str, str, str]:
@@ -1064,6 +1070,14 @@ def decode_counter(payload: bytes, start: int = 0, end: int | None = None
     if kind != NFT_OBJECT_COUNTER:
         return None
     return table.decode(errors="replace"), name.decode(errors="replace"), packets
+
+
+def counter_packets(body: bytes) -> int:
+    """The packets of one named counter the kernel answered a get with (the message
+    body): its data's packets attribute alone, what a reading of 100,000 wants."""
+    data = find_attr(body, NFGEN.size, NFTA_OBJ_DATA)
+    packets = None if data is None else find_attr(data, 0, NFTA_COUNTER_PACKETS)
+    return 0 if packets is None else int.from_bytes(packets, "big")
 
 
 def rule_dump_request(family: Family, table: str, chain: str) -> bytes:
