@@ -8,8 +8,8 @@ per endpoint too (--traffic-per-endpoint). Only a connection's first packet pass
 nat chains where the counters are: an established flow's packets pay nothing.
 Configurations alternate round by round; medians are reported.
 
-Per scrape: with the same rules, the data plane's `traffic()` (one netlink dump of the
-named counters, mapped to ports and endpoints) and the Prometheus text of its series,
+Per scrape: with the same rules, the data plane's `traffic()` (the named counters read
+from the kernel, mapped to ports and endpoints) and the Prometheus text of its series,
 per port and per endpoint.
 
     python -m bench.nftables.traffic_cost --services 10000 --endpoints 10

@@ -176,8 +176,8 @@ class DataPlane(Protocol):
     def traffic_reader(self, give_way: GiveWay = offer_lock) -> TrafficRead:
         """`traffic` in two steps: this call, on the data plane's thread, takes what the
         reading needs (cheap); the function it returns reads the kernel, on any thread,
-        while this one goes on (nftables mode: the counters' dump grows faster than the
-        tables), calling `give_way` where it can pause (common/priority.py). Where a
+        while this one goes on (nftables mode: ~0.7 s of reading counters at 100,000
+        ports), calling `give_way` where it can pause (common/priority.py). Where a
         mode's reading needs its thread, it reads here (`read_now`)."""
         ...
 

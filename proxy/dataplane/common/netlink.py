@@ -115,10 +115,16 @@ def parse_attrs(data: bytes) -> dict[int, bytes]:
 
 def find_attr(data: bytes, start: int, kind: int) -> bytes | None:
     """The payload of the first attribute of type `kind` in data[start:], walking only
-    the headers up to it."""
-    for found, a, b in attributes(data, start):
-        if found == kind:
-            return data[a:b]
+    the headers up to it (a loop of its own, not `attributes`: a traffic reading finds
+    two in each of 100,000 answers, and the generator was half its Python)."""
+    stop, unpack = len(data), ATTR.unpack_from
+    while start + 4 <= stop:
+        size, found = unpack(data, start)
+        if size < 4:
+            return None
+        if found & NLA_TYPE_MASK == kind:
+            return data[start + 4:start + size]
+        start += (size + 3) & ~3  # NLA_ALIGN
     return None
 
 

@@ -11,14 +11,13 @@ changes slows a reading down, it never stops it). In process at 100,000 ports, c
 one every 10 ms beside a reading: p99 3.8-3.9 ms, against 6.2-7.9 with the lock only
 offered, and 4.8-5.2 with the rests below (`bench.nftables.reading_beside`).
 
-Both also need the machine's cores: the kernel walks every counter of the family for
-each message of the dump it fills, in the reading's system calls, so at 100,000 ports
-a reading kept 1.7 of 2 cores busy for seconds (the agent's own CPU), and a change's
-other parts (the API server's, the client's) waited for a core. So a reading also
-rests at each pause as long as it worked since the last (READING_SHARE): the kernel
-fills the next message only when asked, so the walk rests too. With `/metrics` scraped
-at 100,000 x 10 the agent's busiest second fell to 121-125 % of a core, and the p99 of
-200 changes to 23-25 ms from 40-41 (`bench.churn`, the same hour).
+Both also need the machine's cores: at 100,000 ports a reading whose kernel side was a
+dump of every counter kept 1.7 of 2 cores busy for seconds (the agent's own CPU), and a
+change's other parts (the API server's, the client's) waited for a core. So a reading
+also rests at each pause as long as it worked since the last (READING_SHARE): the
+kernel answers the next counters only when asked, so its work rests too. With
+`/metrics` scraped at 100,000 x 10 the agent's busiest second fell to 121-125 % of a
+core, and the p99 of 200 changes to 23-25 ms from 40-41 (`bench.churn`, the same hour).
 """
 
 from __future__ import annotations
