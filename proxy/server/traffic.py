@@ -7,17 +7,17 @@ only for ports counted per endpoint (--traffic-per-endpoint, or the service's
 sliceproxy.io/traffic-per-endpoint annotation). `TrafficReading.refresh` takes a new
 reading from the data plane; the rest is pure.
 
-A reading costs what the kernel's dump of our counters costs, which grows faster than
-the tables (nf_tables walks every counter for each message it fills): in nftables mode
-0.11-0.13 s at 10,000 services, 2-4 s at 100,000 (in process, its rests not counted),
-most of it the kernel's.
-In that mode the dump runs on a thread of its own (DataPlane.traffic_reader): the data
-plane's thread only hands it the ports to read, and a change does not wait for the
-dump, which instead waits for a change's sync at its pauses, and rests there as long
-as it worked (dataplane/common/priority.py: half of a core at most). It still costs
+A reading costs what asking the kernel for each of our counters costs, in nftables mode
+(dataplane/nftables/counters.py: by name, linear) 1.2-1.4 s at 100,000 services in
+process, its rests not counted, a third of it the kernel's (a dump of them all, which
+the kernel walks again for each message it fills, took 2.6-4.3 s).
+In that mode the reading runs on a thread of its own (DataPlane.traffic_reader): the
+data plane's thread only hands it the ports to read, and a change does not wait for
+the reading, which instead waits for a change's sync at its pauses, and rests there as
+long as it worked (dataplane/common/priority.py: half of a core at most). It still costs
 CPU, so after a reading of READ_FREE or longer, the next is taken no sooner than
 READ_SPACING times its length (~3% of a core: at 10,000 services every ~3.5 s, at
-100,000 every few minutes), the scrapes between answering with the last
+100,000 about once a minute), the scrapes between answering with the last
 reading; shorter ones (a small node's) are taken at every scrape. One reading at
 a time: a scrape during one waits for it, at most its timeout, and a reading that
 outlasts that goes on and is kept when it ends.
