@@ -33,7 +33,7 @@ from typing import Any
 from bench.common import NODE, change_one, cluster_model, node_namespace
 from proxy.agent.main import SWITCH_INTERVAL
 from proxy.dataplane.base import DataplaneOptions, PortTraffic, housekeep_all, offer_lock
-from proxy.dataplane.common.collector import held
+from proxy.dataplane.common import collector
 from proxy.dataplane.common.priority import Priority
 from proxy.dataplane.nftables.apply import NftablesDataPlane
 from proxy.model.types import Family, ServicePortKey
@@ -107,7 +107,7 @@ def _run(services: int, endpoints: int, pace: float, rounds: int,
                 with priority.change() if priority else contextlib.nullcontext():
                     state = change_one(model, slices[n[0] * 7919 % len(slices)], n[0])
                     start = time.perf_counter()
-                    with held():  # as the sync loop syncs (a full collection held off)
+                    with collector.held():  # as the sync loop syncs (a full collection held off)
                         dp.sync(state)
                     return time.perf_counter() - start
 
