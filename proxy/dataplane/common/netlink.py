@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 
 BATCH = 128  # requests per datagram: the acknowledgements must fit the receive buffer
 # Gets of one object each per datagram (`get_each`): their answers, each an object's
-# message (a few hundred bytes of buffer), must fit the receive buffer at once.
+# message, must fit the receive buffer at once (a named counter's: 832 bytes of it,
+# 53 KB for 64, where the least a RCVBUF request gets is 416 KB: rmem_max's default x 2).
 GET_BATCH = 64
 RCVBUF = 1 << 20
 TIMEOUT = 30.0
