@@ -10,7 +10,7 @@ reading from the data plane; the rest is pure.
 A reading costs what asking the kernel for each of our counters costs, in nftables mode
 (dataplane/nftables/counters.py: by name, linear) 1.2-1.4 s at 100,000 services in
 process, its rests not counted, a third of it the kernel's (a dump of them all, which
-the kernel walks again for each message it fills, took 2.6-4.3 s).
+the kernel walks again for each message it fills, took 2.9-4.3 s).
 In that mode the reading runs on a thread of its own (DataPlane.traffic_reader): the
 data plane's thread only hands it the ports to read, and a change does not wait for
 the reading, which instead waits for a change's sync at its pauses, and rests there as

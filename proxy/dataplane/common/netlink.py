@@ -30,7 +30,6 @@ from proxy.dataplane.common.netlink_constants import (
     NLA_TYPE_MASK,
     NLM_F_ACK,
     NLM_F_DUMP,
-    NLM_F_DUMP_INTR,
     NLM_F_REQUEST,
     NLMSG_DONE,
     NLMSG_ERROR,
@@ -139,11 +138,17 @@ class Reply:
     @property
     def error(self) -> int:
         """For NLMSG_ERROR: 0 for an acknowledgement, else the (positive) errno."""
-        return -int.from_bytes(self.payload[:4], sys.byteorder, signed=True)
+        return error_at(self.payload, 0)
 
     def attrs(self, family_header: int) -> dict[int, bytes]:
         """The attributes after the protocol family's fixed header of that many bytes."""
         return parse_attrs(self.payload[family_header:])
+
+
+def error_at(data: bytes | bytearray, start: int) -> int:
+    """The (positive) errno of the NLMSG_ERROR whose body starts at data[start]; 0 for
+    an acknowledgement."""
+    return -int.from_bytes(data[start:start + 4], sys.byteorder, signed=True)
 
 
 def messages(data: bytes | bytearray,
@@ -262,9 +267,6 @@ class NetlinkSocket:
         self._buffer = bytearray(RCVBUF)
         self._view = memoryview(self._buffer)
         self._seq = 0
-        # Whether the last dump's objects changed while it was read (NLM_F_DUMP_INTR):
-        # a commit between its messages may have made it skip or repeat some.
-        self.interrupted = False
         try:
             # Netlink does not lose acknowledgements; the timeout only turns a kernel that
             # never answers into an error instead of a hung data plane.
@@ -411,22 +413,20 @@ class NetlinkSocket:
 
     def dump_messages(self, kind: int, body: bytes) -> Iterator[tuple[bytes, int, int]]:
         """A dump's messages where they lie in the datagrams the kernel sent: (datagram,
-        body start, message end), no Reply and no copy per message (a scrape reads one
-        per service port: 10,000 of them); NetlinkError if refused."""
+        body start, message end), no Reply and no copy per message (a dump of our named
+        counters or nfacct objects is one per service port: 100,000 of them);
+        NetlinkError if refused."""
         seq = self._next()
         self._sock.send(frame(kind, NLM_F_REQUEST | NLM_F_DUMP, seq, body))
-        self.interrupted = False
         while True:
             data = self._recv()
-            for found, flags, got, _port, start, end in messages(data):
+            for found, _flags, got, _port, start, end in messages(data):
                 if got != seq:
                     continue
-                if flags & NLM_F_DUMP_INTR:
-                    self.interrupted = True
                 if found == NLMSG_DONE:
                     return
                 if found == NLMSG_ERROR:
-                    error = -int.from_bytes(data[start:start + 4], sys.byteorder, signed=True)
+                    error = error_at(data, start)
                     if error:
                         raise NetlinkError(error, f"dump of message type {kind}")
                     return
@@ -471,7 +471,7 @@ class NetlinkSocket:
                     answers[i] = data[start:end]
                     if found != NLMSG_ERROR:
                         continue
-                    error = -int.from_bytes(data[start:start + 4], sys.byteorder, signed=True)
+                    error = error_at(data, start)
                     if error not in (0, errno.ENOENT):  # what follows it: late answers
                         raise NetlinkError(error, f"get of message type {kind}")
                     answers[i] = b""  # none: told apart from an answer not yet read
