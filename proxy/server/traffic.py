@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.dataplane.base import Counted, PortTraffic
+from proxy.dataplane.base import Counted, Packed, PortTraffic, packed_ports, unpacked
 from proxy.model.types import ServicePortKey, format_endpoint
 
 log = logging.getLogger(__name__)
@@ -136,11 +136,15 @@ def series_text(ports: Mapping[ServicePortKey, PortTraffic]) -> tuple[bytes, ...
     20-40 ms, and each change on the loop or the data plane's thread waited for it."""
     out: dict[tuple[str, str], list[str]] = {(scope, what): [] for scope in SCOPES
                                              for what in _HELP}
-    for i, (key, pt) in enumerate(ports.items()):
+    connections = out["service", "connections"]
+    for i, (key, total, endpoints) in enumerate(packed_ports(ports)):
         labels = (f'namespace="{_escape(key.namespace)}",service="{_escape(key.name)}",'
                   f'port="{_escape(key.port)}",family="{key.family.label}"')
-        _samples(out, "service", labels, pt.total)
-        for (address, port), c in (pt.endpoints or {}).items():
+        if isinstance(total, int):  # connections only: most ports, most modes
+            connections.append(f"{labels}}} {total}")
+        else:
+            _samples(out, "service", labels, total)
+        for (address, port), c in (endpoints or {}).items():
             _samples(out, "endpoint", f'{labels},endpoint="{format_endpoint(address, port)}"',
                      c)
         if i % OFFER_EVERY == OFFER_EVERY - 1:
@@ -162,12 +166,13 @@ SCOPES = {"service": "service port", "endpoint": "endpoint"}
 
 
 def _samples(out: dict[tuple[str, str], list[str]], scope: str, labels: str,
-             c: Counted) -> None:
-    out[scope, "connections"].append(f"{labels}}} {c.connections}")
-    if c.packets is not None:
-        out[scope, "packets"].append(f"{labels}}} {c.packets}")
-    if c.bytes is not None:
-        out[scope, "bytes"].append(f"{labels}}} {c.bytes}")
+             p: Packed) -> None:
+    connections, packets, bytes_ = unpacked(p)
+    out[scope, "connections"].append(f"{labels}}} {connections}")
+    if packets is not None:
+        out[scope, "packets"].append(f"{labels}}} {packets}")
+    if bytes_ is not None:
+        out[scope, "bytes"].append(f"{labels}}} {bytes_}")
 
 
 def _escape(value: str) -> str:

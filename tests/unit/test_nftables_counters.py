@@ -1,10 +1,11 @@
 """A traffic reading in nftables mode (proxy/dataplane/nftables/counters.py): the
 counters read by name, in the order asked, are given back to their ports and
-endpoints, a counter gone since the plan was taken reads 0, and a family the kernel
-refuses is left out."""
+endpoints, a counter gone since the plan was taken reads 0, a family the kernel
+refuses is left out, and the reading kept costs the cyclic collector nothing per port."""
 
 from __future__ import annotations
 
+import gc
 import ipaddress
 from collections.abc import Iterable
 
@@ -70,3 +71,25 @@ def test_a_family_the_kernel_refuses_is_left_out() -> None:
     reader = _Reader({("t1", "web-cnt"): 2, ("t6", "c6"): 1}, refused=[Family.V6])
     assert read_traffic(reader, plan, lambda: None) == {WEB: PortTraffic(Counted(2))}
     assert reader.closed
+
+
+def test_a_kept_reading_adds_no_object_the_collector_tracks_per_port() -> None:
+    """Each tracked object a kept reading holds joins the collector's oldest generation
+    and brings its next full collection nearer (93-191 ms each at 100,000 services in
+    the agent, two per reading when each port was kept as objects)."""
+    n = 5000
+    ports = {ServicePortKey("ns", f"s{i}", "http", Family.V4): _kept("t1", ((f"c{i}", None),))
+             for i in range(n)}
+    reader = _Reader({("t1", f"c{i}"): i for i in range(n)})
+    was_on = gc.isenabled()
+    gc.disable()  # no collection between the two counts
+    try:
+        before = len(gc.get_objects())
+        read = read_traffic(reader, [(Family.V4, ports)], lambda: None)
+        reader.asked.clear()  # the names it was asked for: this test's, not the reading's
+        added = len(gc.get_objects()) - before
+    finally:
+        if was_on:
+            gc.enable()
+    assert read[ServicePortKey("ns", "s4321", "http", Family.V4)] == PortTraffic(Counted(4321))
+    assert added < 50

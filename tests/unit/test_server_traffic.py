@@ -10,7 +10,7 @@ from ipaddress import ip_address
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.dataplane.base import Counted, PortTraffic
+from proxy.dataplane.base import Counted, PortTraffic, TrafficByPort
 from proxy.model.types import Family, ServicePortKey
 from proxy.server.http import metrics_app
 from proxy.server.metrics import CONTENT_TYPE, AgentMetrics
@@ -38,6 +38,26 @@ def test_the_dump_shows_totals_and_endpoints_as_the_dump_spells_them() -> None:
     # Counted per port only: no endpoints, said as null; never read: null.
     assert traffic_view(PortTraffic(Counted(5))) == {"connections": 5, "endpoints": None}
     assert traffic_view(None) is None
+
+
+def test_a_reading_kept_as_numbers_shows_as_the_counts_it_was_read_as() -> None:
+    """TrafficByPort (a reading as the modes keep it) gives the dump and the metrics
+    the same counts as the objects it was read as: totals, packets and bytes where
+    counted, endpoints where counted, and a port read again replaces its last."""
+    ipvs = PortTraffic(Counted(2, 20, 3000), {(ip_address("fd00::5"), 53): Counted(2, 20, 3000)})
+    objects = {WEB: PER_ENDPOINT, DNS: ipvs,
+               ServicePortKey("demo", "api", "", Family.V4): PortTraffic(Counted(9))}
+    kept = TrafficByPort()
+    for key, pt in objects.items():
+        kept.add(key, pt)
+    kept.add(WEB, PortTraffic(Counted(1)))
+    assert kept[WEB] == PortTraffic(Counted(1))  # its endpoints gone with the rest
+    kept.add(WEB, PER_ENDPOINT)
+    kept.add_connections(ServicePortKey("demo", "api", "", Family.V4), 9)
+    assert kept == objects and list(kept) == list(objects)
+    assert kept.get(ServicePortKey("demo", "gone", "", Family.V4)) is None
+    assert series_text(kept) == series_text(objects)
+    assert traffic_view(kept[DNS]) == traffic_view(ipvs)
 
 
 def test_metrics_have_a_series_per_port_and_per_counted_endpoint_only() -> None:

@@ -20,6 +20,9 @@ and each mode keeps them where a rule rewrite or a restart would otherwise reset
 
 Totals therefore start when the port (or endpoint) is first programmed and end when it
 is removed; a Prometheus counter reset is a port or an endpoint that went and came back.
+
+A reading is kept until the next one as numbers the cyclic collector does not track
+(base.py's `TrafficByPort`).
 """
 
 from __future__ import annotations
@@ -31,8 +34,6 @@ from proxy.dataplane.base import NOTHING, Counted, PortTraffic
 from proxy.model.types import IPAddress, Service
 
 K = TypeVar("K")
-
-
 def per_endpoint(service: Service, default: bool) -> bool:
     """The service's annotation, else the node's --traffic-per-endpoint."""
     return default if service.traffic_per_endpoint is None else service.traffic_per_endpoint

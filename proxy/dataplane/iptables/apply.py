@@ -39,7 +39,7 @@ from proxy.dataplane.base import (
     Counted,
     DataplaneOptions,
     GiveWay,
-    PortTraffic,
+    TrafficByPort,
     TrafficRead,
     offer_lock,
     read_now,
@@ -304,25 +304,28 @@ class IptablesDataPlane(FamilySyncPlane[_FamilyState]):
     def traffic_reader(self, give_way: GiveWay = offer_lock) -> TrafficRead:
         return read_now(self)  # one nfacct dump, fast at the sizes this mode runs
 
-    def traffic(self) -> dict[ServicePortKey, PortTraffic]:
+    def traffic(self) -> TrafficByPort:
         """Each applied service port's new connections, from one dump of our nfacct
         objects (common/traffic.py): an object's packets are the connections its rules
         saw, as nat chains see only a connection's first packet."""
+        out = TrafficByPort()
         if not self._counting:
-            return {k: PortTraffic(NOTHING) for fam in self._families.values()
-                    if fam.last is not None for k in fam.last.ports if k.family is fam.family}
+            for fam in self._families.values():
+                for k in fam.last.ports if fam.last is not None else ():
+                    if k.family is fam.family:
+                        out.add_connections(k, 0)
+            return out
         readings = self._accounting.dump()
-        out: dict[ServicePortKey, PortTraffic] = {}
         for fam in self._families.values():
             for key, counters in fam.counters.items():
                 found = readings.get(counters.port)
-                total = Counted(found.packets) if found is not None else NOTHING
                 if counters.endpoints is None:
-                    out[key] = PortTraffic(total)
+                    out.add_connections(key, found.packets if found is not None else 0)
                     continue
-                out[key] = port_traffic(total, [
+                total = Counted(found.packets) if found is not None else NOTHING
+                out.add(key, port_traffic(total, [
                     ((ip, port), Counted(readings[name].packets))
-                    for name, ip, port in counters.endpoints if name in readings])
+                    for name, ip, port in counters.endpoints if name in readings]))
         return out
 
     def _saved(self, fam: _FamilyState) -> Saved:

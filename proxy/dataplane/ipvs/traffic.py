@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Protocol
 
-from proxy.dataplane.base import Counted, PortTraffic
+from proxy.dataplane.base import Counted, PortTraffic, TrafficByPort
 from proxy.dataplane.common.traffic import port_traffic, summed
 from proxy.dataplane.ipvs.index import RenderIndex
 from proxy.dataplane.ipvs.netlink import RawVsKey, raw_key
@@ -56,12 +56,12 @@ class TrafficReader:
 
     def read(self, ports: Mapping[ServicePortKey, PortRules], index: RenderIndex,
              table: StatsTable, per_endpoint_default: bool
-             ) -> dict[ServicePortKey, PortTraffic]:
+             ) -> TrafficByPort:
         """`ports` as applied, with the counts of the virtual servers each one owns: a
         virtual server two ports claim is counted for the one programming it (index.py)."""
         servers = table.service_stats()
         contested = index.contested()
-        out: dict[ServicePortKey, PortTraffic] = {}
+        out = TrafficByPort()
         for key, rules in ports.items():
             raw = self._raw_keys(rules)
             if contested and any(vs.key in contested for vs in rules.virtual_servers):
@@ -73,10 +73,10 @@ class TrafficReader:
             total = summed(servers, raw) or ZERO
             wanted = rules.traffic_per_endpoint
             if not (per_endpoint_default if wanted is None else wanted):
-                out[key] = PortTraffic(total)
+                out.add(key, PortTraffic(total))
                 continue
-            out[key] = port_traffic(total, _endpoints(zip(mine, raw, strict=True), servers,
-                                                      table))
+            out.add(key, port_traffic(total, _endpoints(zip(mine, raw, strict=True), servers,
+                                                        table)))
         if len(self._raw) > 2 * len(ports) + 64:  # forget rules replaced since
             live = {id(rules) for rules in ports.values()}
             self._raw = {k: v for k, v in self._raw.items() if k in live}

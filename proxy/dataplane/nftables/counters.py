@@ -20,7 +20,7 @@ import logging
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
-from proxy.dataplane.base import Counted, GiveWay, PortTraffic, offer_lock
+from proxy.dataplane.base import Counted, GiveWay, PortTraffic, TrafficByPort, offer_lock
 from proxy.dataplane.common.netlink import NetlinkSocket
 from proxy.dataplane.common.netlink_constants import NFNL_SUBSYS_NFTABLES, NFT_MSG_GETOBJ
 from proxy.dataplane.common.traffic import port_traffic
@@ -70,13 +70,13 @@ class SocketReader:
 
 
 def read_traffic(reader: CounterReader, plan: Plan, give_way: GiveWay = offer_lock
-                 ) -> dict[ServicePortKey, PortTraffic]:
+                 ) -> TrafficByPort:
     """Each port of `plan` with what its named counters (render.py) hold: the port's
     own, and its endpoints' where they are counted one by one (a counter gone since the
     plan was taken reads 0). Any thread; `reader` is the reading's own, closed here;
     `give_way` is called every YIELD_EVERY ports or counters. A family the kernel
     refuses to read is logged and left out."""
-    out: dict[ServicePortKey, PortTraffic] = {}
+    out = TrafficByPort()
     try:
         for family, ports in plan:
             keys = ((kept.table, name) for kept in ports.values() for name, _ in kept.counters)
@@ -88,7 +88,11 @@ def read_traffic(reader: CounterReader, plan: Plan, give_way: GiveWay = offer_lo
                 continue
             packets = iter(counted)  # in the order of `keys`: the same walk of `ports`
             for i, (key, kept) in enumerate(ports.items()):
-                out[key] = _port_traffic(kept, packets)
+                counters = kept.counters
+                if len(counters) == 1 and counters[0][1] is None:  # the port's own only
+                    out.add_connections(key, next(packets) or 0)
+                else:
+                    out.add(key, _port_traffic(counters, packets))
                 if i % YIELD_EVERY == YIELD_EVERY - 1:
                     give_way()
     finally:
@@ -96,10 +100,11 @@ def read_traffic(reader: CounterReader, plan: Plan, give_way: GiveWay = offer_lo
     return out
 
 
-def _port_traffic(kept: KeptPort, packets: Iterator[int | None]) -> PortTraffic:
+def _port_traffic(counters: Sequence[tuple[str, tuple[IPAddress, int] | None]],
+                  packets: Iterator[int | None]) -> PortTraffic:
     total: Counted | None = None
     endpoints: list[tuple[tuple[IPAddress, int], Counted]] = []
-    for _name, endpoint in kept.counters:
+    for _name, endpoint in counters:
         n = Counted(next(packets) or 0)
         if endpoint is None:
             total = n
