@@ -100,10 +100,16 @@ def metrics_app(metrics: AgentMetrics, source: DumpSource | None, *,
         parts = metrics.render_parts()
         response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
         response.content_length = sum(map(len, parts))
-        await response.prepare(request)
-        for part in parts:  # each write waits while the client is behind (~200 KB)
-            await response.write(part)
-        await response.write_eof()
+        try:
+            await response.prepare(request)
+            for part in parts:  # each write waits while the client is behind (~200 KB)
+                await response.write(part)
+            await response.write_eof()
+        except ConnectionResetError:
+            # A scraper that gave up (its scrape_timeout passed while a reading was
+            # awaited): not the agent's error, and aiohttp logged each with a traceback.
+            log.debug("the scraper went away before its answer was written",
+                      extra={"client": peer_address(request)})
         return response
 
     async def dump(request: web.Request) -> web.Response:

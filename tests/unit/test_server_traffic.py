@@ -5,14 +5,17 @@ endpoint (server/traffic.py)."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from ipaddress import ip_address
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.dataplane.base import Counted, PortTraffic, TrafficByPort
 from proxy.model.types import Family, ServicePortKey
-from proxy.server.http import metrics_app
+from proxy.server.http import metrics_app, serve
 from proxy.server.metrics import CONTENT_TYPE, AgentMetrics
 from proxy.server.traffic import (
     PART_LINES,
@@ -113,6 +116,61 @@ def test_a_large_reading_is_served_whole_from_its_parts() -> None:
     assert len(parsed["sliceproxy_endpoint_connections"].samples) == n // 2
     for name in ("sliceproxy_service_connections_total", "sliceproxy_endpoint_connections_total"):
         assert text.count(f"# TYPE {name} counter\n") == 1
+
+
+def test_a_scraper_that_gives_up_during_a_reading_is_not_an_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A scraper whose timeout passes while the reading is awaited closes its
+    connection; the answer then has nowhere to go. That is logged for debugging, not
+    as an error with a traceback at every such scrape, and the next scrape is served."""
+    metrics = AgentMetrics()
+    reading = TrafficReading()
+    metrics.watch_traffic(reading)
+    reading.update({WEB: PortTraffic(Counted(3))})
+    caplog.set_level(logging.DEBUG)
+
+    def outcome() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.levelno >= logging.ERROR
+                or "went away" in r.getMessage()]
+
+    async def go() -> list[bytes]:
+        entered, gate = asyncio.Event(), asyncio.Event()
+
+        async def refresh() -> None:
+            entered.set()
+            await gate.wait()
+
+        # The agent's own server (agent/app.py serves it so), not aiohttp's test server,
+        # which cancels a handler whose client went away.
+        runner, listening = await serve(metrics_app(metrics, None, refresh=refresh),
+                                        "127.0.0.1", 0)
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", listening.port)
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: node\r\n\r\n")
+            await writer.drain()
+            await entered.wait()
+            writer.close()  # the scraper gives up while the reading is awaited
+            await writer.wait_closed()
+            server = runner.server
+            assert server is not None
+            deadline = time.monotonic() + 10
+            while (any(h.transport is not None for h in server.connections)
+                   and time.monotonic() < deadline):
+                await asyncio.sleep(0.01)  # until the agent has seen the close
+            gate.set()
+            while not outcome() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            reader, writer = await asyncio.open_connection("127.0.0.1", listening.port)
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: node\r\nConnection: close\r\n\r\n")
+            answer = (await reader.read()).split(b"\r\n")
+            writer.close()
+            return answer
+        finally:
+            await runner.cleanup()
+
+    answer = asyncio.run(go())
+    assert answer[0] == b"HTTP/1.1 200 OK" and b"} 3" in answer[-1]  # the next is served
+    assert [r.levelname for r in outcome()] == ["DEBUG"]
 
 
 def test_a_reading_that_fails_or_waits_too_long_keeps_the_last_one() -> None:
