@@ -73,14 +73,30 @@ class Layered(Mapping[K, V], Generic[K, V]):
         would iterate, but for a key removed and added again, which keeps its place)."""
         over, base = self._over, self._base
         for key, value in base.items():
-            new = over.get(key, _MISS)
-            if new is _MISS:
+            if key in over:  # a few: `in` is a third of `get`'s cost for the rest
+                new = over[key]
+                if new is not _GONE:
+                    yield key, cast(V, new)
+            else:
                 yield key, value
-            elif new is not _GONE:
-                yield key, cast(V, new)
         for key, new in over.items():
             if new is not _GONE and key not in base:
                 yield key, cast(V, new)
+
+    def _values(self) -> Iterator[V]:
+        """`_items`' values, in its order, with no pair made for each (a walk of every
+        port: the conntrack reconcile's, 0.1 s at 100,000 through `_items`)."""
+        over, base = self._over, self._base
+        for key, value in base.items():
+            if key in over:
+                new = over[key]
+                if new is not _GONE:
+                    yield cast(V, new)
+            else:
+                yield value
+        for key, new in over.items():
+            if new is not _GONE and key not in base:
+                yield cast(V, new)
 
 
 class _Items(ItemsView[K, V]):
@@ -94,7 +110,7 @@ class _Values(ValuesView[V]):
     _mapping: Layered[object, V]
 
     def __iter__(self) -> Iterator[V]:
-        return (value for _key, value in self._mapping._items())
+        return self._mapping._values()
 
 
 def layer(base: dict[K, V], overlay: dict[K, object], size: int,

@@ -46,6 +46,7 @@ def test_each_layered_mapping_reads_as_the_plain_dict_and_earlier_ones_stay(
             assert len(m) == len(wanted)
             assert dict(m.items()) == wanted and sorted(m) == sorted(wanted)
             assert sorted(m.values()) == sorted(wanted.values())
+            assert list(m.values()) == [value for _key, value in m.items()]  # one order
             for key in range(-1, KEYS + 2):
                 assert (key in m) == (key in wanted)
                 assert m.get(key) == wanted.get(key)
