@@ -20,6 +20,7 @@ from proxy.model.types import (
     Balancing,
     Endpoint,
     IPAddress,
+    Protocol,
     Service,
     ServicePort,
     ServicePortKey,
@@ -283,8 +284,8 @@ class DesiredState:
     changes since over it (layered.py), folded into a new base now and then.
     """
 
-    __slots__ = ("_base", "_over", "_parent", "_token", "changed", "conflicts", "generation",
-                 "ports", "primary_ips")
+    __slots__ = ("_base", "_datagram", "_over", "_parent", "_token", "changed", "conflicts",
+                 "datagram_ports", "generation", "ports", "primary_ips")
 
     def __init__(
         self,
@@ -296,9 +297,11 @@ class DesiredState:
         overlay: dict[ServicePortKey, object] | None = None,
         size: int = 0,
         conflicts: int | None = None,
+        datagram: _Layers | None = None,
     ) -> None:
         """`ports`, with `overlay` and its `size` over it if given (layered.py): never
-        written again. `conflicts`: their endpoints in conflict, if known."""
+        written again. `conflicts`: their endpoints in conflict, if known; `datagram`:
+        the layers of `datagram_ports`, if known."""
         self._base = ports if ports is not None else {}
         self._over = overlay or {}
         # A plain dict's view while nothing is layered over it: lookups at C speed.
@@ -311,6 +314,15 @@ class DesiredState:
         # `evolve` in O(changes), as summing 100,000 ports took 50-80 ms of the loop.
         self.conflicts = sum(len(rsp.conflicts) for rsp in self.ports.values()) \
             if conflicts is None else conflicts
+        # The UDP and SCTP ports alone (conntrack is reconciled for them: a walk of every
+        # port was 80-100 ms of the data plane's thread at 100,000 in the agent, each
+        # object a cache miss), layered as `ports` and kept by `evolve` in O(changes).
+        if datagram is None:
+            dg = {k: rsp for k, rsp in self.ports.items() if rsp.port.protocol in DATAGRAM}
+            datagram = (dg, {}, len(dg))
+        self._datagram = datagram
+        self.datagram_ports: Mapping[ServicePortKey, ResolvedServicePort] = \
+            Layered(*datagram) if datagram[1] else MappingProxyType(datagram[0])
         self.generation = generation
         # Lineage by token, not by reference: a state holding its parent would keep
         # every earlier snapshot alive.
@@ -330,14 +342,17 @@ class DesiredState:
         primary = self.primary_ips if primary_ips is None else primary_ips
         if not updates:
             return DesiredState(self._base, frozenset(), self.generation + 1, self._token,
-                                primary, self._over, len(self.ports), self.conflicts)
+                                primary, self._over, len(self.ports), self.conflicts,
+                                self._datagram)
         base, over, size, changed = layer(self._base, self._over, len(self.ports), updates,
                                           _differs)
         # A changed key holds its update now (None: removed).
         conflicts = self.conflicts + sum(_conflicts(updates[k]) - _conflicts(self.ports.get(k))
                                          for k in changed)
+        datagram = layer(*self._datagram, {k: _datagram(updates[k]) for k in changed},
+                         _not_same)[:3]
         return DesiredState(base, frozenset(changed), self.generation + 1, self._token,
-                            primary, over, size, conflicts)
+                            primary, over, size, conflicts, datagram)
 
     def changed_since(self, earlier: DesiredState | None) -> frozenset[ServicePortKey]:
         """Keys whose entry differs from `earlier`'s (None: every key). Unchanged entries
@@ -364,6 +379,20 @@ class DesiredState:
 
 def _conflicts(rsp: ResolvedServicePort | None) -> int:
     return 0 if rsp is None else len(rsp.conflicts)
+
+
+DATAGRAM = frozenset({Protocol.UDP, Protocol.SCTP})  # a flow is a conntrack entry
+# A layered mapping's base, overlay and size (layered.py).
+_Layers = tuple[dict[ServicePortKey, "ResolvedServicePort"], dict[ServicePortKey, object], int]
+
+
+def _datagram(rsp: ResolvedServicePort | None) -> ResolvedServicePort | None:
+    """`rsp` if it is a UDP or SCTP port, else None (not among datagram_ports)."""
+    return rsp if rsp is not None and rsp.port.protocol in DATAGRAM else None
+
+
+def _not_same(old: ResolvedServicePort | None, new: ResolvedServicePort) -> bool:
+    return old is not new
 
 
 def same_but_endpoints(a: ResolvedServicePort, b: ResolvedServicePort) -> bool:

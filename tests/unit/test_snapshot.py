@@ -101,3 +101,27 @@ def test_evolve_takes_a_delta_from_the_entry_it_replaces_as_a_change() -> None:
     assert state.evolve({key: stale}).get(key) is old
     from_old = replace(entry(key, 0), delta=EndpointDelta(old.token, (), ()))
     assert state.evolve({key: from_old}).changed == {key}
+
+
+PROTOCOLS = (Protocol.TCP, Protocol.UDP, Protocol.SCTP)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(updates_strategy, min_size=1, max_size=12))
+def test_the_datagram_ports_are_the_udp_and_sctp_ports_after_every_change(
+        steps: list[dict[ServicePortKey, int | None]]) -> None:
+    """What the conntrack reconcile walks (family_sync.py): every UDP and SCTP port as
+    the state holds it, whichever way a port changed protocol or went, and no other."""
+    def of(key: ServicePortKey, version: int) -> ResolvedServicePort:
+        rsp = entry(key, version)
+        port = replace(rsp.port, protocol=PROTOCOLS[version])
+        return replace(rsp, port=port, service=replace(rsp.service, ports=(port,)))
+
+    state = DesiredState()
+    for step in steps:
+        state = state.evolve({k: (of(k, v) if v is not None else None) for k, v in step.items()})
+        wanted = {k: rsp for k, rsp in state.ports.items()
+                  if rsp.port.protocol is not Protocol.TCP}
+        assert dict(state.datagram_ports) == wanted
+        assert all(state.datagram_ports[k] is rsp for k, rsp in wanted.items())
+        assert state.evolve({}).datagram_ports == wanted

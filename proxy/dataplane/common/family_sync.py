@@ -236,8 +236,8 @@ class FamilySyncPlane(ABC, Generic[S]):
         started = time.monotonic()
         applied = {f: self._families[f].last for f in families if f in self._families}
         deleted = conntrack_reconcile.reconcile(
-            {f: state.ports.values() for f, state in applied.items() if state is not None},
-            node_ips)
+            {f: state.datagram_ports.values() for f, state in applied.items()
+             if state is not None}, node_ips)
         # At most ~3% of the agent's thread however large the table (one reconcile at
         # 100,000 entries: about 2 s).
         took = time.monotonic() - started
