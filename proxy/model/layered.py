@@ -73,7 +73,7 @@ class Layered(Mapping[K, V], Generic[K, V]):
         would iterate, but for a key removed and added again, which keeps its place)."""
         over, base = self._over, self._base
         for key, value in base.items():
-            if key in over:  # a few: `in` is a third of `get`'s cost for the rest
+            if key in over:  # a few: for the rest `in` costs ~0.7 of a `get`
                 new = over[key]
                 if new is not _GONE:
                     yield key, cast(V, new)
