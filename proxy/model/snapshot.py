@@ -349,10 +349,25 @@ class DesiredState:
         # A changed key holds its update now (None: removed).
         conflicts = self.conflicts + sum(_conflicts(updates[k]) - _conflicts(self.ports.get(k))
                                          for k in changed)
-        datagram = layer(*self._datagram, {k: _datagram(updates[k]) for k in changed},
+        datagram = layer(*self._datagram, self._datagram_updates(updates, changed),
                          _not_same)[:3]
         return DesiredState(base, frozenset(changed), self.generation + 1, self._token,
                             primary, over, size, conflicts, datagram)
+
+    def _datagram_updates(self, updates: dict[ServicePortKey, ResolvedServicePort | None],
+                          changed: set[ServicePortKey]
+                          ) -> dict[ServicePortKey, ResolvedServicePort | None]:
+        """`updates` for `datagram_ports`: what is or was UDP or SCTP alone (a start's
+        100,000 TCP ports add nothing there)."""
+        held = self.datagram_ports
+        out: dict[ServicePortKey, ResolvedServicePort | None] = {}
+        for key in changed:
+            rsp = updates[key]
+            if rsp is not None and rsp.port.protocol in DATAGRAM:
+                out[key] = rsp
+            elif key in held:
+                out[key] = None  # gone, or no longer UDP or SCTP
+        return out
 
     def changed_since(self, earlier: DesiredState | None) -> frozenset[ServicePortKey]:
         """Keys whose entry differs from `earlier`'s (None: every key). Unchanged entries
@@ -384,11 +399,6 @@ def _conflicts(rsp: ResolvedServicePort | None) -> int:
 DATAGRAM = frozenset({Protocol.UDP, Protocol.SCTP})  # a flow is a conntrack entry
 # A layered mapping's base, overlay and size (layered.py).
 _Layers = tuple[dict[ServicePortKey, "ResolvedServicePort"], dict[ServicePortKey, object], int]
-
-
-def _datagram(rsp: ResolvedServicePort | None) -> ResolvedServicePort | None:
-    """`rsp` if it is a UDP or SCTP port, else None (not among datagram_ports)."""
-    return rsp if rsp is not None and rsp.port.protocol in DATAGRAM else None
 
 
 def _not_same(old: ResolvedServicePort | None, new: ResolvedServicePort) -> bool:
