@@ -83,21 +83,6 @@ class Layered(Mapping[K, V], Generic[K, V]):
             if new is not _GONE and key not in base:
                 yield key, cast(V, new)
 
-    def _values(self) -> Iterator[V]:
-        """`_items`' values, in its order, with no pair made for each (a walk of every
-        port: the conntrack reconcile's, 0.1 s at 100,000 through `_items`)."""
-        over, base = self._over, self._base
-        for key, value in base.items():
-            if key in over:
-                new = over[key]
-                if new is not _GONE:
-                    yield cast(V, new)
-            else:
-                yield value
-        for key, new in over.items():
-            if new is not _GONE and key not in base:
-                yield cast(V, new)
-
 
 class _Items(ItemsView[K, V]):
     _mapping: Layered[K, V]
@@ -110,7 +95,7 @@ class _Values(ValuesView[V]):
     _mapping: Layered[object, V]
 
     def __iter__(self) -> Iterator[V]:
-        return self._mapping._values()
+        return (value for _key, value in self._mapping._items())
 
 
 def layer(base: dict[K, V], overlay: dict[K, object], size: int,

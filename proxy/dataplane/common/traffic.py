@@ -34,6 +34,8 @@ from proxy.dataplane.base import NOTHING, Counted, PortTraffic
 from proxy.model.types import IPAddress, Service
 
 K = TypeVar("K")
+
+
 def per_endpoint(service: Service, default: bool) -> bool:
     """The service's annotation, else the node's --traffic-per-endpoint."""
     return default if service.traffic_per_endpoint is None else service.traffic_per_endpoint
